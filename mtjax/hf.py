@@ -1,0 +1,216 @@
+"""Hugging Face checkpoints in and out: the tensor-name table, loading and saving.
+
+`layout(cfg)` lists every tensor of a checkpoint with where it lives in mtjax's params
+pytree and whether it is transposed (PyTorch Linear weights are [out, in], mtjax kernels
+[in, out]). The loader reads one tensor at a time from memory-mapped safetensors files,
+so the store importer reuses it with a peak memory of one tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Iterator
+
+import jax
+import ml_dtypes
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from mtjax import model
+from mtjax.model_config import ModelConfig, load_hf_config, to_hf_dict
+
+NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model; the message lists what is wrong."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    hf_name: str
+    path: tuple  # key path into mtjax params, e.g. ("blocks", 3, "mlp", "up_proj", "kernel")
+    shape: tuple[int, ...]  # shape in the Hugging Face file
+    transpose: bool
+
+
+def _leaves(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, jax.ShapeDtypeStruct]]:
+    for key, value in sorted(tree.items()):
+        if isinstance(value, dict):
+            yield from _leaves(value, prefix + (key,))
+        else:
+            yield prefix + (key,), value
+
+
+def _spec(hf_prefix: str, path: tuple, leaf) -> TensorSpec:
+    local = [p for p in path if not isinstance(p, int) and p not in ("blocks", "embed", "head")]
+    *module, name = local
+    transpose = name == "kernel"
+    hf_name = ".".join([hf_prefix, *module, "weight" if transpose else name]).strip(".")
+    shape = tuple(reversed(leaf.shape)) if transpose else tuple(leaf.shape)
+    return TensorSpec(hf_name, path, shape, transpose)
+
+
+def layout(cfg: ModelConfig) -> list[TensorSpec]:
+    """Every tensor of a Hugging Face checkpoint of this architecture, in file order."""
+    abstract = model.abstract_params(cfg)
+    specs = [TensorSpec("model.embed_tokens.weight", ("embed", "embedding"),
+                        (cfg.vocab_size, cfg.hidden_size), False)]
+    for i, block in enumerate(abstract["blocks"]):
+        specs += [_spec(f"model.layers.{i}", ("blocks", i) + p, leaf) for p, leaf in _leaves(block)]
+    specs.append(TensorSpec("model.norm.weight", ("head", "norm", "weight"), (cfg.hidden_size,), False))
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.weight", ("head", "lm_head", "kernel"),
+                                (cfg.vocab_size, cfg.hidden_size), True))
+    return specs
+
+
+def to_mtjax(spec: TensorSpec, tensor: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(tensor.T) if spec.transpose else tensor
+
+
+def to_hf(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(array).T) if spec.transpose else np.asarray(array)
+
+
+class SafetensorsReader:
+    """Memory-mapped access to the tensors of a (possibly sharded) checkpoint directory."""
+
+    def __init__(self, ckpt_dir: str | Path):
+        self.dir = Path(ckpt_dir)
+        index = self.dir / INDEX_FILE
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (self.dir / SINGLE_FILE).exists():
+            files = [SINGLE_FILE]
+        else:
+            raise CheckpointError(f"{self.dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+        self._handles, self._where = {}, {}
+        for name in files:
+            try:
+                handle = safe_open(str(self.dir / name), framework="np")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{self.dir / name} is unreadable or truncated ({e}); re-download it") from None
+            self._handles[name] = handle
+            for key in handle.keys():
+                self._where[key] = name
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        return self._handles[self._where[name]].get_slice(name).get_dtype()
+
+    def read(self, name: str) -> np.ndarray:
+        try:
+            return self._handles[self._where[name]].get_tensor(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"tensor {name} in {self.dir} is unreadable ({e}); the file may be truncated") from None
+
+
+def check(cfg: ModelConfig, reader: SafetensorsReader) -> list[TensorSpec]:
+    """Match the checkpoint's tensors against the layout; raise listing every mismatch."""
+    specs = layout(cfg)
+    expected = {s.hf_name: s for s in specs}
+    present = set(reader.names())
+    # Tied checkpoints sometimes carry a redundant lm_head.weight: accept and ignore it.
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(present - set(expected) - ignorable)
+    misshaped = sorted(
+        f"{n} {reader.shape(n)} (expected {expected[n].shape})"
+        for n in set(expected) & present if reader.shape(n) != expected[n].shape
+    )
+    problems = []
+    for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+        if items:
+            shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+            problems.append(f"{title}: {shown}")
+    if problems:
+        raise CheckpointError(f"checkpoint {reader.dir} does not match its config: " + "; ".join(problems))
+    return specs
+
+
+def set_path(tree, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def get_path(tree, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def load_params(ckpt_dir: str | Path, cfg: ModelConfig | None = None, dtype=np.float32):
+    """(cfg, params) from a checkpoint directory, params as numpy arrays in `dtype`."""
+    cfg = cfg or load_hf_config(ckpt_dir)
+    reader = SafetensorsReader(ckpt_dir)
+    specs = check(cfg, reader)
+    params = jax.tree.map(lambda _: None, model.abstract_params(cfg))
+    for spec in specs:
+        set_path(params, spec.path, to_mtjax(spec, reader.read(spec.hf_name)).astype(dtype))
+    return cfg, params
+
+
+def hf_tensors(cfg: ModelConfig, params) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) pairs in Hugging Face names, layout and the checkpoint dtype."""
+    dtype = NP_DTYPES[cfg.param_dtype]
+    for spec in layout(cfg):
+        yield spec.hf_name, to_hf(spec, np.asarray(get_path(params, spec.path))).astype(dtype)
+
+
+def save_checkpoint(cfg: ModelConfig, tensors, out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> None:
+    """Write config.json and safetensors shards (with an index when more than one).
+
+    `tensors` is an iterable of (hf_name, array) such as `hf_tensors(cfg, params)`;
+    at most one shard is held in memory at a time.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards, current, size = [], {}, 0
+    tmp_names = []
+
+    def flush():
+        nonlocal current, size
+        if current:
+            name = f"shard-{len(tmp_names):05d}.tmp"
+            save_file(current, str(out / name), metadata={"format": "pt"})
+            tmp_names.append(name)
+            shards.append(list(current))
+        current, size = {}, 0
+
+    for name, array in tensors:
+        if current and size + array.nbytes > max_shard_bytes:
+            flush()
+        current[name] = np.ascontiguousarray(array)
+        size += array.nbytes
+    flush()
+    if len(tmp_names) == 1:
+        (out / tmp_names[0]).rename(out / SINGLE_FILE)
+    else:
+        weight_map, total = {}, 0
+        for i, (tmp, names) in enumerate(zip(tmp_names, shards)):
+            final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            (out / tmp).rename(out / final)
+            weight_map.update({n: final for n in names})
+        for i, final in enumerate(sorted(set(weight_map.values()))):
+            total += (out / final).stat().st_size
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(to_hf_dict(cfg), indent=2))
+
+
+def save_params(cfg: ModelConfig, params, out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> None:
+    """Save an mtjax params pytree as a Hugging Face checkpoint."""
+    save_checkpoint(cfg, hf_tensors(cfg, params), out_dir, max_shard_bytes)

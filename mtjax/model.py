@@ -1,0 +1,230 @@
+"""The decoder-only transformer: embed -> N blocks -> final norm -> LM head.
+
+Modules are Flax NNX, but everything outside this file sees plain pytrees:
+
+    params = {"embed": {...}, "blocks": [block_0, ..., block_{N-1}], "head": {...}}
+
+One block is a pure function of (block params, hidden states): `block_forward`. That
+list of per-block pytrees is the streaming unit of mtjax. `abstract_block` describes one
+block's parameters as ShapeDtypeStructs, from which stores, byte budgets and staging
+buffers are derived without allocating anything.
+
+Parameter names mirror Hugging Face's (`self_attn.q_proj`, `mlp.down_proj`, ...), so the
+name mapping in `mtjax.hf` stays a table. Kernels are stored [in, out] (y = x @ kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtjax import rope
+from mtjax.model_config import FULL, SLIDING, ModelConfig
+
+Params = dict  # {"embed": ..., "blocks": [...], "head": ...}
+
+
+def _dot(x, w, spec: str):
+    """einsum that accumulates in fp32 (bf16 matmuls are only fast that way on CPU)."""
+    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+class Dense(nnx.Module):
+    def __init__(self, d_in: int, d_out: int, bias: bool, cfg: ModelConfig, rngs: nnx.Rngs):
+        init = jax.nn.initializers.normal(cfg.initializer_range)
+        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32)) if bias else None
+
+    def __call__(self, x):
+        y = _dot(x, self.kernel[...], "...d,df->...f")
+        return y + self.bias[...].astype(y.dtype) if self.bias is not None else y
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with fp32 statistics, scaled after casting back (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float):
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+def rms_norm(x, weight, eps: float):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, window: int | None, rngs: nnx.Rngs):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.cfg, self.window = cfg, window
+        self.q_proj = Dense(d, cfg.num_attention_heads * hd, cfg.attention_bias, cfg, rngs)
+        self.k_proj = Dense(d, cfg.num_key_value_heads * hd, cfg.attention_bias, cfg, rngs)
+        self.v_proj = Dense(d, cfg.num_key_value_heads * hd, cfg.attention_bias, cfg, rngs)
+        self.o_proj = Dense(cfg.num_attention_heads * hd, d, cfg.o_proj_bias, cfg, rngs)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def __call__(self, x, cos, sin):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)  # btnh
+        k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
+        v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        # A window of W keys includes the query itself: W - 1 to its left.
+        local = (self.window - 1, 0) if self.window else None
+        out = jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=local, scale=cfg.head_dim**-0.5
+        )  # btnh
+        return self.o_proj(out.reshape(b, t, -1))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Dense(d, f, cfg.mlp_bias, cfg, rngs)
+        self.up_proj = Dense(d, f, cfg.mlp_bias, cfg, rngs)
+        self.down_proj = Dense(f, d, cfg.mlp_bias, cfg, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, rngs: nnx.Rngs):
+        window = cfg.sliding_window if kind == SLIDING else None
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, window, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, cos, sin):
+        with jax.named_scope("attention"):
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        with jax.named_scope("mlp"):
+            return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Embed(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        init = jax.nn.initializers.normal(cfg.initializer_range)
+        self.embedding = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32))
+
+
+class Head(nnx.Module):
+    """Final norm and (when untied) the LM head kernel [hidden, vocab]."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, False, cfg, rngs)
+
+
+# --- pure functions over plain pytrees -------------------------------------------------
+
+
+def _module_factory(cfg: ModelConfig, part: str):
+    kind = part.removeprefix("block:")
+    if part.startswith("block:"):
+        return lambda rngs: Block(cfg, kind, rngs)
+    return {"embed": lambda rngs: Embed(cfg, rngs), "head": lambda rngs: Head(cfg, rngs)}[part]
+
+
+@functools.lru_cache(maxsize=None)
+def _skeleton(cfg: ModelConfig, part: str):
+    """(graphdef, abstract state) of one part; built once, without allocating."""
+    module = nnx.eval_shape(lambda: _module_factory(cfg, part)(nnx.Rngs(0)))
+    return nnx.split(module)
+
+
+def _merge(cfg: ModelConfig, part: str, params: dict):
+    graphdef, state = _skeleton(cfg, part)
+    state = jax.tree.map(lambda x: x, state)  # a fresh copy to fill in
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def _abstract(cfg: ModelConfig, part: str) -> dict:
+    return _skeleton(cfg, part)[1].to_pure_dict()
+
+
+def abstract_block(cfg: ModelConfig, kind: str = FULL) -> dict:
+    """One block's parameters as a pytree of float32 ShapeDtypeStructs."""
+    return _abstract(cfg, "block:" + kind)
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+    """The whole model's parameters as ShapeDtypeStructs (no allocation)."""
+    return {
+        "embed": _abstract(cfg, "embed"),
+        "blocks": [abstract_block(cfg, kind) for kind in cfg.layer_types],
+        "head": _abstract(cfg, "head"),
+    }
+
+
+def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
+    """Freshly initialised float32 parameters (normal(initializer_range), unit norms)."""
+    rngs = nnx.Rngs(seed)
+    parts = {"embed": _module_factory(cfg, "embed")(rngs)}
+    blocks = [_module_factory(cfg, "block:" + kind)(rngs) for kind in cfg.layer_types]
+    parts["head"] = _module_factory(cfg, "head")(rngs)
+    out = {k: nnx.state(m).to_pure_dict() for k, m in parts.items()}
+    out["blocks"] = [nnx.state(b).to_pure_dict() for b in blocks]
+    return {"embed": out["embed"], "blocks": out["blocks"], "head": out["head"]}
+
+
+def cast(tree, dtype):
+    """Cast every floating leaf of a pytree (the compute copy of master weights)."""
+    return jax.tree.map(lambda x: x.astype(dtype), tree)
+
+
+def positions_for(tokens: jnp.ndarray) -> jnp.ndarray:
+    return jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
+
+
+def embed_forward(cfg: ModelConfig, embed: dict, tokens: jnp.ndarray) -> jnp.ndarray:
+    """Token ids [b, t] -> hidden states [b, t, d] in the compute dtype."""
+    table = embed["embedding"]
+    return jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype)
+
+
+def block_forward(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray) -> jnp.ndarray:
+    """One block as a pure function: (block params, hidden [b, t, d]) -> hidden [b, t, d]."""
+    block = cast(block, x.dtype)
+    cos, sin = rope.cos_sin(cfg, positions_for(x[..., 0]), x.dtype)
+    return _merge(cfg, "block:" + kind, block)(x, cos, sin)
+
+
+def head_kernel(cfg: ModelConfig, head: dict, embed: dict | None):
+    """The LM head kernel [d, vocab]: the embedding's transpose when tied."""
+    if cfg.tie_word_embeddings:
+        return embed["embedding"].T
+    return head["lm_head"]["kernel"]
+
+
+def head_forward(cfg: ModelConfig, head: dict, embed: dict | None, x: jnp.ndarray) -> jnp.ndarray:
+    """Final norm and LM head: hidden [b, t, d] -> fp32 logits [b, t, vocab]."""
+    h = rms_norm(x, head["norm"]["weight"], cfg.rms_norm_eps)
+    kernel = head_kernel(cfg, head, embed).astype(x.dtype)
+    return jnp.einsum("btd,dv->btv", h, kernel, preferred_element_type=jnp.float32)
+
+
+def forward(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool = False) -> jnp.ndarray:
+    """Whole-model logits, fp32 [b, t, vocab]. `remat` checkpoints each block."""
+    x = embed_forward(cfg, params["embed"], tokens)
+    for kind, block in zip(cfg.layer_types, params["blocks"]):
+        fn = functools.partial(block_forward, cfg, kind)
+        x = (jax.checkpoint(fn) if remat else fn)(block, x)
+    return head_forward(cfg, params["head"], params["embed"], x)

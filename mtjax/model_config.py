@@ -1,0 +1,264 @@
+"""The architecture of a decoder-only model, read from a Hugging Face ``config.json``.
+
+One frozen dataclass describes every supported family (Llama 2/3, Qwen2/2.5, Qwen3,
+Mistral). Family differences are flags (q/k/v bias, q/k norm, sliding windows, rope
+scaling), so the model code has no per-family branches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+class ConfigError(ValueError):
+    """A model configuration mtjax cannot use; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-frequency rescaling (`linear` or `llama3`)."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture and numerics of one model. Hashable: used as a jit static argument."""
+
+    model_type: str = "llama"
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 176
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False  # biases on q, k and v (Qwen2; Llama's attention_bias)
+    o_proj_bias: bool = False  # bias on the attention output (Llama's attention_bias)
+    mlp_bias: bool = False  # biases on gate, up and down (Llama's mlp_bias)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # W keys visible, the query's own included
+    layer_types: tuple[str, ...] = ()  # per layer FULL or SLIDING; () means all FULL
+    initializer_range: float = 0.02
+    param_dtype: str = "float32"  # dtype of the checkpoint's tensors (export writes it)
+    compute_dtype: str = "float32"  # dtype of activations and streamed weights
+    extra_hf: tuple[tuple[str, Any], ...] = ()  # other config.json keys, kept for export
+
+    def __post_init__(self):
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL,) * self.num_hidden_layers)
+        self.validate()
+
+    def validate(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type {self.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+        bad = sorted(set(self.layer_types) - {FULL, SLIDING})
+        if bad:
+            raise ConfigError(f"unknown layer type(s) {bad}; use {FULL!r} or {SLIDING!r}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ConfigError("sliding_attention layers need a positive sliding_window")
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                raise ConfigError(f"model.{name} must be float32, bfloat16 or float16")
+
+    @property
+    def block_kinds(self) -> tuple[str, ...]:
+        """Distinct block kinds, in first-use order: one compiled function each."""
+        return tuple(dict.fromkeys(self.layer_types))
+
+    def num_params(self) -> int:
+        from mtjax.model import abstract_params  # the model owns the parameter layout
+
+        import jax
+
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(self)))
+
+
+def _rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:
+    """Accept both `rope_theta` + `rope_scaling` and the newer `rope_parameters`."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    merged = {**scaling, **params}
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type not in ("linear", "llama3"):
+        raise ConfigError(f"rope_scaling type {rope_type!r} is not supported; use linear or llama3")
+    fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type"}
+    kwargs = {k: merged[k] for k in fields if merged.get(k) is not None}
+    return float(theta), RopeScaling(rope_type=rope_type, **kwargs)
+
+
+_HF_KNOWN = {
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "rope_parameters", "max_position_embeddings", "attention_bias",
+    "mlp_bias", "tie_word_embeddings", "sliding_window", "use_sliding_window",
+    "max_window_layers", "layer_types", "initializer_range", "torch_dtype", "dtype",
+}
+
+
+def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
+    """Build a ModelConfig from the contents of a Hugging Face ``config.json``."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"model_type {model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    try:
+        heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        layers = int(hf["num_hidden_layers"])
+        theta, scaling = _rope_from_hf(hf)
+        window = hf.get("sliding_window")
+        if model_type == "mistral":
+            layer_types = (SLIDING if window else FULL,) * layers
+        elif hf.get("layer_types"):
+            layer_types = tuple(hf["layer_types"])
+        elif model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window") and window:
+            first = int(hf.get("max_window_layers", layers))
+            layer_types = tuple(SLIDING if i >= first else FULL for i in range(layers))
+        else:
+            layer_types = (FULL,) * layers
+        if SLIDING not in layer_types:
+            window = None
+        attention_bias = bool(hf.get("attention_bias", False))
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        kwargs = dict(
+            model_type=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            # Qwen2 always has q/k/v biases and no attention_bias key.
+            attention_bias=True if model_type == "qwen2" else attention_bias,
+            o_proj_bias=attention_bias and model_type in ("llama", "qwen3"),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            sliding_window=int(window) if window else None,
+            layer_types=layer_types,
+            initializer_range=float(hf.get("initializer_range", 0.02)),
+            param_dtype=str(dtype).removeprefix("torch."),
+            extra_hf=tuple(sorted((k, _freeze(v)) for k, v in hf.items() if k not in _HF_KNOWN)),
+        )
+    except KeyError as e:
+        raise ConfigError(f"config.json lacks the required key {e.args[0]!r}") from None
+    kwargs.update(overrides)
+    return ModelConfig(**kwargs)
+
+
+def _freeze(v):
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, list):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+def _thaw(v):
+    if isinstance(v, tuple) and v and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) for x in v):
+        return {k: _thaw(x) for k, x in v}
+    if isinstance(v, tuple):
+        return [_thaw(x) for x in v]
+    return v
+
+
+def load_hf_config(path: str | Path, **overrides) -> ModelConfig:
+    """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.exists():
+        raise ConfigError(f"no config.json at {file}: point at a Hugging Face checkpoint directory")
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file} is not valid JSON ({e})") from None
+    return from_hf_dict(hf, **overrides)
+
+
+def to_hf_dict(cfg: ModelConfig) -> dict:
+    """The inverse of `from_hf_dict`: a ``config.json`` transformers can load."""
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[cfg.model_type]
+    hf = {k: _thaw(v) for k, v in cfg.extra_hf}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rope.update(dataclasses.asdict(cfg.rope_scaling))
+    hf.update(
+        architectures=hf.get("architectures", [arch]),
+        model_type=cfg.model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        rope_parameters=rope,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        initializer_range=cfg.initializer_range,
+        dtype=cfg.param_dtype,
+        torch_dtype=cfg.param_dtype,
+    )
+    if cfg.model_type in ("llama", "qwen3"):
+        hf["attention_bias"] = cfg.o_proj_bias
+    if cfg.model_type == "llama":
+        hf["mlp_bias"] = cfg.mlp_bias
+    if cfg.rope_scaling:
+        hf["rope_scaling"] = dict(rope)
+    if cfg.sliding_window:
+        hf["sliding_window"] = cfg.sliding_window
+        if cfg.model_type != "mistral":
+            hf["use_sliding_window"] = True
+            hf["layer_types"] = list(cfg.layer_types)
+    elif cfg.model_type == "mistral":
+        hf["sliding_window"] = None
+    return hf

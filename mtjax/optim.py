@@ -1,0 +1,74 @@
+"""AdamW with a learning-rate schedule, and exact global-norm clipping.
+
+Both engines build the same optax transformation from an `OptimConfig`. Clipping is
+kept outside it on purpose: the streaming engine updates one block at a time, so it
+computes the global norm over all blocks first and hands each block the same scale.
+A user-supplied optax transformation must therefore not clip by global norm itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4  # peak learning rate
+    schedule: str = "cosine"  # constant | cosine | linear (after warmup)
+    warmup_steps: int = 0  # linear warmup from 0 to lr
+    decay_steps: int = 1000  # steps from the end of warmup to the end of decay
+    min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine and linear)
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # decoupled; skips norms and biases (1-D tensors)
+    clip_norm: float | None = 1.0  # global gradient-norm clip; None disables
+
+    def __post_init__(self):
+        if self.schedule not in ("constant", "cosine", "linear"):
+            raise ValueError(f"optim.schedule must be constant, cosine or linear, got {self.schedule!r}")
+        if self.lr <= 0 or self.warmup_steps < 0 or self.decay_steps < 0:
+            raise ValueError("optim.lr must be positive and optim.warmup_steps, optim.decay_steps >= 0")
+
+
+def make_schedule(cfg: OptimConfig) -> optax.Schedule:
+    end = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        after = optax.constant_schedule(cfg.lr)
+    elif cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(cfg.lr, max(cfg.decay_steps, 1), alpha=cfg.min_lr_ratio)
+    else:
+        after = optax.linear_schedule(cfg.lr, end, max(cfg.decay_steps, 1))
+    if cfg.warmup_steps == 0:
+        return after
+    warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
+    return optax.join_schedules([warmup, after], [cfg.warmup_steps])
+
+
+def decay_mask(params):
+    """Weight decay on matrices only: norms and biases (1-D) are skipped."""
+    return jax.tree.map(lambda x: x.ndim > 1, params)
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    return optax.adamw(
+        make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+        weight_decay=cfg.weight_decay, mask=decay_mask,
+    )
+
+
+def sum_of_squares(tree) -> jnp.ndarray:
+    """Sum of squared entries over all leaves, in fp32."""
+    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
+
+
+def clip_scale(sq_norm: jnp.ndarray, clip_norm: float | None) -> jnp.ndarray:
+    """The factor every gradient is multiplied by so the global norm is <= clip_norm."""
+    if clip_norm is None:
+        return jnp.float32(1.0)
+    norm = jnp.sqrt(sq_norm)
+    return jnp.where(norm > clip_norm, clip_norm / norm, 1.0).astype(jnp.float32)

@@ -1,0 +1,86 @@
+"""The in-memory reference trainer: the whole model in device memory, one jitted step.
+
+It is what users run when a model fits, and the baseline the streaming engine must
+equal. One step: value_and_grad over micro-batches (each block under `jax.checkpoint`),
+gradient accumulation, exact global-norm clipping, then one optax update of the fp32
+master parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mtjax import model
+from mtjax.loss import cross_entropy
+from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig, clip_scale, make_optimizer, sum_of_squares
+
+
+def loss_fn(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool = True) -> jnp.ndarray:
+    """Mean next-token loss of fp32 master `params` on tokens [batch, seq]."""
+    return cross_entropy(model.forward(cfg, params, tokens, remat=remat), tokens)
+
+
+def _accumulated_grads(cfg: ModelConfig, params, micro_batches: jnp.ndarray):
+    """Mean loss and gradient over micro-batches [accum, batch, seq], summed in fp32."""
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, cfg))
+
+    def body(carry, tokens):
+        loss_sum, grad_sum = carry
+        loss, grads = grad_fn(params, tokens)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zeros), micro_batches)
+    n = micro_batches.shape[0]
+    return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum)
+
+
+class ReferenceTrainer:
+    """Whole-model AdamW training.
+
+    >>> trainer = ReferenceTrainer(cfg, params, OptimConfig(lr=1e-3))
+    >>> metrics = trainer.step(tokens)  # tokens: int [accum, batch, seq] or [batch, seq]
+    >>> trainer.params                   # fp32 master parameters
+
+    `optimizer` is an `OptimConfig` or any optax transformation (which must not clip by
+    global norm itself: `clip_norm` does that, exactly as the streaming engine does).
+    """
+
+    def __init__(self, cfg: ModelConfig, params, optimizer: OptimConfig | optax.GradientTransformation = OptimConfig(),
+                 clip_norm: float | None = None, opt_state=None):
+        self.cfg = cfg
+        if isinstance(optimizer, OptimConfig):
+            clip_norm = optimizer.clip_norm if clip_norm is None else clip_norm
+            optimizer = make_optimizer(optimizer)
+        self.tx, self.clip_norm = optimizer, clip_norm
+        self.params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+        self.opt_state = self.tx.init(self.params) if opt_state is None else opt_state
+        self._step = jax.jit(self._train_step, donate_argnums=(0, 1))
+
+    def _train_step(self, params, opt_state, micro_batches):
+        loss, grads = _accumulated_grads(self.cfg, params, micro_batches)
+        sq = sum_of_squares(grads)
+        scale = clip_scale(sq, self.clip_norm)
+        grads = jax.tree.map(lambda g: g * scale, grads)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": jnp.sqrt(sq)}
+
+    def step(self, tokens) -> dict[str, float]:
+        tokens = jnp.asarray(np.asarray(tokens), jnp.int32)
+        if tokens.ndim == 2:
+            tokens = tokens[None]
+        self.params, self.opt_state, metrics = self._step(self.params, self.opt_state, tokens)
+        return {k: float(v) for k, v in metrics.items()}  # one host sync per step
+
+
+def train(cfg: ModelConfig, params, batches, optimizer=OptimConfig()):
+    """Run one reference step per batch; returns (params, opt_state, list of losses)."""
+    trainer = ReferenceTrainer(cfg, params, optimizer)
+    losses = [trainer.step(b)["loss"] for b in batches]
+    return trainer.params, trainer.opt_state, losses
