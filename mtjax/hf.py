@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from mtjax import model
+from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig, load_hf_config, to_hf_dict
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -27,7 +28,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(MtjaxError, ValueError):
     """A checkpoint that does not match the model; the message lists what is wrong."""
 
 

@@ -13,11 +13,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+from mtjax.errors import MtjaxError
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
-class ConfigError(ValueError):
+class ConfigError(MtjaxError, ValueError):
     """A model configuration mtjax cannot use; the message says what to change."""
 
 

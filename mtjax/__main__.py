@@ -1,0 +1,5 @@
+import sys
+
+from mtjax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,71 @@
+"""The model as an ordered list of parts: the unit of storage, streaming and update.
+
+Part names are "embed", "block.0" ... "block.{N-1}" and "head". Each part has three
+kinds of state, each a flat {leaf name: array} dict (see mtjax.treepath):
+
+    compute  the weights in the compute dtype, which are streamed to the device
+    master   the fp32 master weights
+    opt      the optimizer state of the part (e.g. AdamW mu and nu)
+
+Every byte count, store schema and staging buffer derives from `schema`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+from mtjax import model, treepath
+from mtjax.model_config import ModelConfig
+
+KINDS = ("compute", "master", "opt")
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    name: str  # "embed", "block.3", "head"
+    fn_kind: str  # which compiled function runs it: "embed", "block:<layer type>", "head"
+    index: int  # position in the model, 0 = embed
+
+
+def parts(cfg: ModelConfig) -> list[Part]:
+    out = [Part("embed", "embed", 0)]
+    out += [Part(f"block.{i}", "block:" + kind, i + 1) for i, kind in enumerate(cfg.layer_types)]
+    out.append(Part("head", "head", cfg.num_hidden_layers + 1))
+    return out
+
+
+def part_params(params, name: str):
+    """The params subtree of one part of a model params pytree."""
+    if name.startswith("block."):
+        return params["blocks"][int(name.split(".")[1])]
+    return params[name]
+
+
+def abstract_part(cfg: ModelConfig, name: str):
+    """The fp32 parameter pytree of one part as ShapeDtypeStructs."""
+    return part_params(model.abstract_params(cfg), name)
+
+
+def schema(cfg: ModelConfig, name: str, kind: str, tx=None) -> dict[str, jax.ShapeDtypeStruct]:
+    """{leaf name: ShapeDtypeStruct} of one kind of state of one part.
+
+    `tx` (an optax transformation) is needed for kind "opt".
+    """
+    tree = abstract_part(cfg, name)
+    if kind == "compute":
+        tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype(cfg.compute_dtype)), tree)
+    elif kind == "opt":
+        if tx is None:
+            raise ValueError("schema of kind 'opt' needs the optax transformation")
+        tree = jax.eval_shape(tx.init, tree)
+    elif kind != "master":
+        raise ValueError(f"unknown state kind {kind!r}; one of {KINDS}")
+    return treepath.flatten(tree)
+
+
+def nbytes(named: dict) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in named.values())

@@ -1,0 +1,63 @@
+"""Tiny random Hugging Face models of every supported family, built offline.
+
+Every 1-D parameter (norm weights, biases) is perturbed away from its initial value so
+that a missing bias or norm in mtjax shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+FAMILIES = {
+    "llama": transformers.LlamaConfig,
+    "mistral": transformers.MistralConfig,
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+}
+
+BASE = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=56,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA ratio 2
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def hf_config(family: str, **overrides):
+    kwargs = {**BASE, **overrides}
+    if family == "qwen3":
+        kwargs.setdefault("head_dim", 8)
+    return FAMILIES[family](**kwargs)
+
+
+def build(family: str, seed: int = 0, **overrides):
+    """A random fp32 transformers causal LM with perturbed 1-D parameters."""
+    torch.manual_seed(seed)
+    cfg = hf_config(family, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def save(model, out_dir: Path, max_shard_size: str | None = None) -> Path:
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    return Path(out_dir)
+
+
+def checkpoint(tmp_path: Path, family: str = "llama", sharded: bool = False, seed: int = 0, **overrides):
+    """(checkpoint dir, torch model) for a tiny random model of `family`."""
+    model = build(family, seed=seed, **overrides)
+    out = save(model, Path(tmp_path) / f"{family}-ckpt", "20KB" if sharded else None)
+    return out, model
