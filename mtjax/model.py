@@ -157,7 +157,7 @@ def _merge(cfg: ModelConfig, part: str, params: dict):
 
 
 def _abstract(cfg: ModelConfig, part: str) -> dict:
-    return _skeleton(cfg, part)[1].to_pure_dict()
+    return nnx.to_pure_dict(_skeleton(cfg, part)[1])
 
 
 def abstract_block(cfg: ModelConfig, kind: str = FULL) -> dict:
@@ -180,8 +180,8 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
     parts = {"embed": _module_factory(cfg, "embed")(rngs)}
     blocks = [_module_factory(cfg, "block:" + kind)(rngs) for kind in cfg.layer_types]
     parts["head"] = _module_factory(cfg, "head")(rngs)
-    out = {k: nnx.state(m).to_pure_dict() for k, m in parts.items()}
-    out["blocks"] = [nnx.state(b).to_pure_dict() for b in blocks]
+    out = {k: nnx.to_pure_dict(nnx.state(m)) for k, m in parts.items()}
+    out["blocks"] = [nnx.to_pure_dict(nnx.state(b)) for b in blocks]
     return {"embed": out["embed"], "blocks": out["blocks"], "head": out["head"]}
 
 

@@ -1,0 +1,160 @@
+"""mtjax's model equals Hugging Face transformers on the same weights.
+
+For each case a tiny random transformers model (every 1-D parameter perturbed, see
+hf_models.py) is saved with `save_pretrained`, loaded with `mtjax.load_params`, and
+compared in fp32 with matmul precision "highest" (conftest.py): logits, the mean
+next-token loss, and the gradient of every tensor of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import hf_models
+import mtjax
+from mtjax import hf
+from mtjax.model_config import SLIDING
+
+SEQ = 12  # longer than every sliding window below
+BATCH = 2
+
+LLAMA3_ROPE = {
+    # With head_dim 8 and theta 5e5 the wavelengths are ~6, ~167, ~4.4e3 and ~1.2e5:
+    # original_max_position_embeddings 256 puts them in all three llama3 regimes
+    # (kept: < 64, interpolated: 64..256, slowed by `factor`: > 256).
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    family: str
+    overrides: dict
+    sharded: bool = False
+
+
+CASES = [
+    Case("llama2", "llama", {}),
+    Case("llama3-rope-tied", "llama", dict(rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True)),
+    Case("llama-linear-rope", "llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    Case("llama-biases-gqa4", "llama", dict(attention_bias=True, mlp_bias=True, num_key_value_heads=1)),
+    Case("llama-sharded", "llama", {}, sharded=True),
+    Case("qwen2-qkv-bias-tied", "qwen2", dict(tie_word_embeddings=True)),
+    Case("qwen2-mixed-sliding", "qwen2", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    Case("qwen3-qk-norm", "qwen3", {}),
+    Case("mistral-window5", "mistral", dict(sliding_window=5)),
+]
+
+
+@dataclasses.dataclass
+class Result:
+    cfg: mtjax.ModelConfig
+    params: dict
+    tokens: np.ndarray
+    hf_logits: np.ndarray
+    hf_loss: float
+    hf_grads: dict  # HF parameter name -> gradient, HF orientation
+    ckpt: Path
+
+
+_RESULTS: dict[str, Result] = {}  # one build per case, shared by every test of the case
+
+
+def _run_case(c: Case, tmp_dir: Path) -> Result:
+    ckpt, torch_model = hf_models.checkpoint(tmp_dir, c.family, sharded=c.sharded, **c.overrides)
+    tokens = np.random.default_rng(0).integers(0, hf_models.BASE["vocab_size"], (BATCH, SEQ))
+    ids = torch.as_tensor(tokens)
+    out = torch_model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.detach().numpy().copy() for n, p in torch_model.named_parameters()}
+    cfg, params = mtjax.load_params(ckpt)
+    return Result(cfg, params, tokens, out.logits.detach().numpy(), out.loss.item(), grads, ckpt)
+
+
+@pytest.fixture(params=CASES, ids=[c.id for c in CASES])
+def case(request, tmp_path_factory) -> tuple[Case, Result]:
+    c: Case = request.param
+    if c.id not in _RESULTS:
+        _RESULTS[c.id] = _run_case(c, tmp_path_factory.mktemp(c.id))
+    return c, _RESULTS[c.id]
+
+
+def test_checkpoint_is_the_case_asked_for(case):
+    """Guards the other tests: the features each case claims are really in the config."""
+    c, r = case
+    cfg = r.cfg
+    assert cfg.model_type == c.family
+    if c.sharded:
+        assert (r.ckpt / hf.INDEX_FILE).exists() and len(list(r.ckpt.glob("*.safetensors"))) > 1
+    if "tie_word_embeddings" in c.overrides:
+        assert cfg.tie_word_embeddings and "lm_head" not in r.params["head"]
+        assert "lm_head.weight" not in hf.SafetensorsReader(r.ckpt).names()
+    if c.family == "mistral" or c.overrides.get("use_sliding_window"):
+        assert SLIDING in cfg.layer_types and cfg.sliding_window < SEQ
+    if c.id == "qwen2-mixed-sliding":
+        assert cfg.layer_types[0] != SLIDING and cfg.layer_types[1:] == (SLIDING, SLIDING)
+    if "rope_scaling" in c.overrides:
+        assert cfg.rope_scaling.rope_type == c.overrides["rope_scaling"]["rope_type"]
+    if c.family == "qwen2":
+        assert cfg.attention_bias
+    if c.family == "qwen3":
+        assert cfg.qk_norm
+    assert cfg.num_attention_heads // cfg.num_key_value_heads > 1
+
+
+def test_logits_match(case):
+    _, r = case
+    logits = np.asarray(mtjax.forward(r.cfg, r.params, jnp.asarray(r.tokens)))
+    scale = np.abs(r.hf_logits).max()
+    err = np.abs(logits - r.hf_logits).max()
+    assert err <= 1e-5 * scale, f"max |logit error| {err:.3g} vs max |logit| {scale:.3g}"
+
+
+def test_loss_matches(case):
+    _, r = case
+    loss = float(mtjax.loss_fn(r.cfg, r.params, jnp.asarray(r.tokens), remat=False))
+    assert abs(loss - r.hf_loss) <= 1e-6 * abs(r.hf_loss), (loss, r.hf_loss)
+
+
+def _without_feature(cfg: mtjax.ModelConfig) -> mtjax.ModelConfig:
+    if SLIDING in cfg.layer_types:
+        return dataclasses.replace(cfg, layer_types=(), sliding_window=None)
+    return dataclasses.replace(cfg, rope_scaling=None)
+
+
+FEATURE_CASES = [c for c in CASES if "rope_scaling" in c.overrides or "sliding_window" in c.overrides]
+
+
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=[c.id for c in FEATURE_CASES], indirect=True)
+def test_the_feature_under_test_changes_the_logits(case):
+    """Sliding windows and rope scaling are not vacuous here: without them the logits
+    miss Hugging Face's by at least 10x the parity tolerance."""
+    _, r = case
+    logits = np.asarray(mtjax.forward(_without_feature(r.cfg), r.params, jnp.asarray(r.tokens)))
+    assert np.abs(logits - r.hf_logits).max() > 1e-4 * np.abs(r.hf_logits).max()
+
+
+def test_every_gradient_matches(case):
+    _, r = case
+    grad_fn = jax.jit(jax.grad(lambda p, t: mtjax.loss_fn(r.cfg, p, t, remat=False)))
+    grads = grad_fn(r.params, jnp.asarray(r.tokens))
+    specs = hf.layout(r.cfg)
+    # Every trainable HF tensor is covered (tied models: lm_head shares the embedding).
+    assert {s.hf_name for s in specs} == set(r.hf_grads)
+    errors = {}
+    for spec in specs:
+        ours = hf.to_hf(spec, np.asarray(hf.get_path(grads, spec.path)))
+        theirs = r.hf_grads[spec.hf_name]
+        assert ours.shape == theirs.shape, spec.hf_name
+        errors[spec.hf_name] = np.linalg.norm(ours - theirs) / np.linalg.norm(theirs)
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= 1e-4}
+    assert not bad, f"relative gradient error above 1e-4: {bad}"
