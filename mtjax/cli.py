@@ -16,6 +16,7 @@ from mtjax.errors import MtjaxError
 # Order is the order of `mtjax --help`.
 COMMAND_MODULES = [
     "mtjax.commands.train",
+    "mtjax.commands.plan",
 ]
 
 

@@ -1,0 +1,115 @@
+"""Does a plan fit the machine, and what should change if not.
+
+`check` is what the trainer's preflight calls; `recommend` picks the placement of each
+kind of state, the prefetch depth and the checkpoint interval for a machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+from mtjax import parts
+from mtjax.plan.cost import Placement, Plan, estimate
+
+RAM_HEADROOM = 0.9  # leave 10% of RAM to the OS and page cache
+DEVICE_HEADROOM = 0.9  # XLA needs scratch space beyond the buffers the plan counts
+MTBF_S = 24 * 3600.0  # assumed mean time between failures of one machine
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _with_placement(plan: Plan, placement: Placement) -> Plan:
+    w = dataclasses.replace(plan.workload, placement=placement)
+    return estimate(plan.cfg, w, plan.hardware, part_bytes_=plan.part_bytes)
+
+
+def _placements() -> list[Placement]:
+    return [Placement(*tiers) for tiers in itertools.product(("ram", "disk"), repeat=len(parts.KINDS))]
+
+
+def check(plan: Plan, available_ram: int, free_disk: int, device_memory: int | None = None) -> str | None:
+    """None when the run fits; otherwise one line: what does not fit, by how much, what to change."""
+    problems = []
+    if plan.host.total > available_ram:
+        short = plan.host.total - available_ram
+        fix = "use a machine with more RAM"
+        fits = [p for p in _placements() if _with_placement(plan, p).host.total <= available_ram]
+        if fits:
+            # The smallest change: the fewest kinds moved from RAM to disk, then the fastest.
+            current = plan.workload.placement
+            moved = lambda p: sum(getattr(p, k) != getattr(current, k) for k in parts.KINDS)  # noqa: E731
+            best = min(fits, key=lambda p: (moved(p), _with_placement(plan, p).times.step))
+            fix = f"set placement {best}" if best != current else fix
+        problems.append(f"needs {_gib(plan.host.total)} of host RAM but {_gib(available_ram)} is available "
+                        f"(short by {_gib(short)}): {fix}")
+    if plan.disk_bytes > free_disk:
+        short = plan.disk_bytes - free_disk
+        on_disk = plan.workload.placement.on("disk")
+        fix = (f"free {_gib(short)} on the store's disk" +
+               (f" or keep {'/'.join(on_disk)} in RAM" if on_disk else ""))
+        problems.append(f"needs {_gib(plan.disk_bytes)} of free disk but {_gib(free_disk)} is free "
+                        f"(short by {_gib(short)}): {fix}")
+    if device_memory is not None and plan.device.peak > device_memory:
+        short = plan.device.peak - device_memory
+        w = plan.workload
+        fix = []
+        if w.prefetch_depth > 1:
+            fix.append("lower prefetch_depth")
+        if w.keep_every < plan.cfg.num_hidden_layers and plan.device.kept_inputs > plan.device.residuals:
+            fix.append("raise keep_every")
+        fix.append("lower batch_size (raise grad_accum to keep the tokens per step)")
+        problems.append(f"needs {_gib(plan.device.peak)} of device memory but {_gib(device_memory)} is available "
+                        f"(short by {_gib(short)}): {' or '.join(fix)}")
+    return "; ".join(problems) or None
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    placement: Placement
+    prefetch_depth: int
+    checkpoint_every: int  # steps between checkpoints of the RAM-resident state
+    checkpoint_seconds: float  # time to write one checkpoint
+    plan: Plan  # the plan under this advice
+    fits: bool
+    why: str
+
+
+def checkpoint_interval(plan: Plan, mtbf_s: float = MTBF_S) -> tuple[int, float]:
+    """Steps between checkpoints by Young's rule sqrt(2 * cost * MTBF), and the cost in seconds."""
+    cost = plan.checkpoint_bytes / plan.hardware.disk_write_bytes_per_s
+    if cost == 0:
+        return 1, 0.0  # all state is in the disk store, which commits every step
+    return max(1, round(math.sqrt(2 * cost * mtbf_s) / plan.times.step)), cost
+
+
+def recommend(plan: Plan, available_ram: int | None = None, free_disk: int | None = None) -> Advice:
+    """The fastest placement that fits RAM and disk, the deepest prefetch (<= 2) that fits
+    the device, and a checkpoint interval."""
+    hw = plan.hardware
+    ram = (available_ram if available_ram is not None else hw.host_ram_bytes) * RAM_HEADROOM
+    disk = free_disk if free_disk is not None else hw.disk_bytes
+    dev = hw.device_memory_bytes * DEVICE_HEADROOM
+    candidates = [_with_placement(plan, p) for p in _placements()]
+    fitting = [c for c in candidates if c.host.total <= ram and c.disk_bytes <= disk]
+    if fitting:
+        best = min(fitting, key=lambda c: (c.times.step, c.host.total))
+        why = f"fastest of {len(fitting)} placements that fit {_gib(ram)} of RAM and {_gib(disk)} of disk"
+    else:
+        best = min(candidates, key=lambda c: c.host.total)
+        why = "no placement fits RAM and disk; this one needs the least RAM"
+    # Depth 2: one part computing, one arriving, one queued to absorb link or disk jitter.
+    chosen = best
+    for depth in (2, 1):
+        chosen = estimate(plan.cfg, dataclasses.replace(best.workload, prefetch_depth=depth), hw,
+                          part_bytes_=plan.part_bytes)
+        if chosen.device.peak <= dev:
+            break
+    every, cost = checkpoint_interval(chosen)
+    fits = bool(fitting) and chosen.device.peak <= dev
+    if chosen.device.peak > dev:
+        why += f"; device memory does not fit even at prefetch depth 1 ({_gib(chosen.device.peak)} > {_gib(dev)})"
+    return Advice(chosen.workload.placement, chosen.workload.prefetch_depth, every, cost, chosen, fits, why)

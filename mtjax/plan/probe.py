@@ -1,0 +1,142 @@
+"""Measure this machine into a `HardwareProfile` (source "measured").
+
+Each figure is measured the way the streaming engine uses the resource:
+
+    disk     sequential write of a file with fsync, then a cold read (page cache dropped
+             with posix_fadvise DONTNEED) into a pre-touched buffer, 8 MiB at a time
+    memory   copies between pre-touched buffers on every core (fresh buffers would
+             measure page faults, not bandwidth); reported as bytes read + written
+    matmul   a jitted square matmul, fp32 and bf16 (fp32 accumulation)
+    link     device_put to and from the first non-CPU device, when there is one
+
+`quick=True` uses small sizes (tests); its figures are rough.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from mtjax.plan.hardware import HardwareProfile
+
+CHUNK = 8 << 20
+
+
+def _best_of(fn, repeats: int) -> float:
+    """Shortest of `repeats` timings: the least disturbed by other processes."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def disk_bandwidth(directory: str | Path, nbytes: int) -> tuple[float, float, bool]:
+    """(read bytes/s, write bytes/s, whether the read was cold) of a file in `directory`."""
+    buf = np.ones(CHUNK, np.uint8)  # pre-touched: time the disk, not page faults
+    fd, name = tempfile.mkstemp(prefix="mtjax-probe-", dir=directory)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(nbytes // CHUNK):
+            os.write(fd, buf)
+        os.fsync(fd)  # a write is done when it is on disk
+        write = (nbytes // CHUNK * CHUNK) / (time.perf_counter() - t0)
+        cold = hasattr(os, "posix_fadvise")
+        if cold:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drop the file from the page cache
+        os.lseek(fd, 0, os.SEEK_SET)
+        view, total = memoryview(buf), 0
+        t0 = time.perf_counter()
+        while (n := os.readv(fd, [view])) > 0:
+            total += n
+        read = total / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        os.unlink(name)
+    return read, write, cold
+
+
+def memory_bandwidth(nbytes: int, repeats: int = 3) -> float:
+    """Bytes moved (read + written) per second by copies on all cores."""
+    workers = os.cpu_count() or 1
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)  # both touched
+    bounds = np.linspace(0, nbytes, workers + 1, dtype=np.int64)
+    pieces = [(dst[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # np.copyto releases the GIL
+        def copy():
+            list(pool.map(lambda p: np.copyto(*p), pieces))
+        copy()
+        return 2 * nbytes / _best_of(copy, repeats)
+
+
+def matmul_flops(n: int, dtype: str, repeats: int = 3) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
+    f(a, a).block_until_ready()  # compile outside the timing
+    return 2 * n**3 / _best_of(lambda: f(a, a).block_until_ready(), repeats)
+
+
+def link_bandwidth(nbytes: int, repeats: int = 3) -> tuple[float | None, float | None, int | None]:
+    """(host->device, device->host bytes/s, device memory bytes); Nones on a CPU-only JAX."""
+    import jax
+
+    devices = [d for d in jax.devices() if d.platform != "cpu"]
+    if not devices:
+        return None, None, None
+    dev = devices[0]
+    host = np.ones(nbytes // 4, np.float32)
+    on_dev = jax.device_put(host, dev)
+    on_dev.block_until_ready()
+    h2d = nbytes / _best_of(lambda: jax.device_put(host, dev).block_until_ready(), repeats)
+    d2h = nbytes / _best_of(lambda: np.asarray(jax.device_get(on_dev)), repeats)
+    try:  # the engine stages through pinned host memory where the backend has it
+        pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+        to_dev = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+        staged = jax.device_put(host, pinned)
+        staged.block_until_ready()
+        h2d = max(h2d, nbytes / _best_of(lambda: jax.device_put(staged, to_dev).block_until_ready(), repeats))
+        d2h = max(d2h, nbytes / _best_of(lambda: jax.device_put(on_dev, pinned).block_until_ready(), repeats))
+    except Exception:  # noqa: BLE001 - no pinned memory kind: the plain figures stand
+        pass
+    stats = dev.memory_stats() or {}
+    return h2d, d2h, stats.get("bytes_limit")
+
+
+def run(directory: str | Path = ".", quick: bool = False, name: str | None = None) -> HardwareProfile:
+    """Measure this machine. Full mode moves ~1 GiB through disk and memory."""
+    size = (64 << 20) if quick else (1 << 30)
+    read, write, cold = disk_bandwidth(directory, size)
+    mem = memory_bandwidth(size // 2)
+    n = 256 if quick else 2048
+    fp32, bf16 = matmul_flops(n, "float32"), matmul_flops(n, "bfloat16")
+    h2d, d2h, dev_mem = link_bandwidth(size // 2)
+    ram = psutil.virtual_memory().total
+    import jax
+
+    on_host = h2d is None
+    device = jax.devices()[0].device_kind if not on_host else f"{platform.processor() or platform.machine()} CPU"
+    notes = f"measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}, {os.cpu_count()} cores"
+    notes += "" if cold else "; disk read may be warm (no posix_fadvise)"
+    notes += "; quick mode: small sizes, rough figures" if quick else ""
+    return HardwareProfile(
+        name=name or f"measured-{platform.node()}", source="measured", device=device,
+        device_memory_bytes=int(dev_mem or ram), matmul_flops_fp32=fp32, matmul_flops_bf16=bf16,
+        # A transformer block's mix of matmuls, attention and elementwise work reaches
+        # about 0.7 of a square matmul here (FACTS.md block timing vs matmul peak).
+        compute_efficiency=0.7, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
+        host_memory_bytes_per_s=mem, host_ram_bytes=ram, disk_read_bytes_per_s=read,
+        disk_write_bytes_per_s=write, disk_bytes=shutil.disk_usage(directory).free,
+        device_is_host=on_host, notes=notes,
+    )
