@@ -1,0 +1,424 @@
+"""Experiment configuration: small frozen dataclasses, one per concern.
+
+An `ExperimentConfig` groups model, store, stream, optim, data and run settings. The
+typed defaults below are the embedded default run (`mtjax train` with no arguments);
+a YAML experiment file overrides some of them, and dotted command-line overrides
+(`--optim.lr=3e-4`) override both. Every value is checked against its field's type and
+an unknown key names the closest valid one. This is the only module that reads YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import inspect
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mtjax.model_config import ConfigError, ModelConfig, RopeScaling, load_hf_config
+from mtjax.optim import OptimConfig
+
+__all__ = [
+    "ConfigError", "DataConfig", "ExperimentConfig", "ModelSection", "PRESETS", "RunConfig",
+    "StoreConfig", "StreamConfig", "load", "model_config", "valid_keys",
+]
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _suggest(name: str, candidates, prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
+    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
+
+
+
+# Named architectures; inline `model.*` fields override them.
+PRESETS: dict[str, dict[str, Any]] = {
+    # The embedded default: a 4-block Llama-style byte-level model that trains on 2 CPU cores.
+    "tiny": dict(model_type="llama", vocab_size=257, hidden_size=192, intermediate_size=512,
+                 num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2, head_dim=32,
+                 max_position_embeddings=1024, tie_word_embeddings=False),
+    # GPT-2-small-sized Llama (~125M parameters with an 8k vocabulary).
+    "llama-125m": dict(model_type="llama", vocab_size=8192, hidden_size=768, intermediate_size=3072,
+                       num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12, head_dim=64,
+                       max_position_embeddings=2048),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Where the architecture and the starting weights come from."""
+
+    preset: str | None = "tiny"  # a PRESETS name; ignored when hf_config or checkpoint is given alone
+    hf_config: str | None = None  # config.json, or a checkpoint dir, to read the architecture from
+    checkpoint: str | None = None  # Hugging Face checkpoint dir whose weights start the run
+    overrides: tuple[tuple[str, Any], ...] = ()  # inline ModelConfig fields, e.g. (("hidden_size", 256),)
+
+    def __post_init__(self):
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ConfigError(f"model.preset {self.preset!r} is unknown{_suggest(self.preset, PRESETS)}; "
+                              f"presets: {', '.join(PRESETS)}")
+        if self.preset is not None and self.hf_config is not None:
+            raise ConfigError("model.preset and model.hf_config both name an architecture; set one to null")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    """Where the model state lives between steps (used by the streaming engine)."""
+
+    path: str | None = None  # store directory; None means <run.dir>/store
+    compute: str = "ram"  # tier of the compute-dtype weights: ram | disk
+    master: str = "ram"  # tier of the fp32 master weights: ram | disk
+    opt: str = "ram"  # tier of the optimizer state: ram | disk
+
+    def __post_init__(self):
+        for kind in ("compute", "master", "opt"):
+            _check_choice(f"store.{kind}", getattr(self, kind), ("ram", "disk"))
+
+    @property
+    def tiers(self) -> dict[str, str]:
+        return {"compute": self.compute, "master": self.master, "opt": self.opt}
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamConfig:
+    """How a step runs: the engine and its streaming knobs."""
+
+    engine: str = "reference"  # reference (whole model in device memory) | stream (one block at a time)
+    prefetch_depth: int = 2  # blocks staged on the host ahead of the one computing
+    keep_every: int = 1  # keep block inputs every k blocks; 0 keeps only the embedding output
+    activations: str = "device"  # where kept block inputs live: device | host
+    device_budget_bytes: int | None = None  # cap on device memory use; None means what the device has
+
+    def __post_init__(self):
+        _check_choice("stream.engine", self.engine, ("reference", "stream"))
+        _check_choice("stream.activations", self.activations, ("device", "host"))
+        if self.prefetch_depth < 1 or self.keep_every < 0:
+            raise ConfigError("stream.prefetch_depth must be >= 1 and stream.keep_every >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Training data: what to read, how to tokenize it, and how to batch it."""
+
+    dataset: str = "builtin:shakespeare"  # prepared dataset dir, raw text/JSONL file, or builtin:NAME
+    tokenizer: str = "bytes"  # bytes | bpe:VOCAB | path to tokenizer.json or a checkpoint dir
+    text_field: str = "text"  # JSONL field holding the text
+    val_fraction: float = 0.01  # share of tokens held out for validation when preparing
+    seq_len: int = 128  # tokens per row; position t predicts t + 1 within the row
+    batch_size: int = 16  # rows per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seed: int = 0  # seed of the shuffle over sequence windows
+
+    def __post_init__(self):
+        if min(self.seq_len, self.batch_size, self.grad_accum) < 1 or self.seq_len < 2:
+            raise ConfigError("data.seq_len must be >= 2 and data.batch_size, data.grad_accum >= 1")
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The training loop: length, logging, evaluation, checkpoints, the closing sample."""
+
+    dir: str = "runs/default"  # run directory (metrics.jsonl, checkpoints), relative to cwd
+    steps: int = 200  # optimizer steps
+    log_every: int = 10  # steps between log lines when not on a terminal
+    eval_every: int = 100  # steps between validation losses; 0 disables
+    eval_batches: int = 4  # micro-batches per validation loss
+    checkpoint_every: int = 0  # steps between checkpoints in <dir>/checkpoint; 0 saves only at the end
+    seed: int = 0  # seed of parameter initialisation and sampling
+    sample_prompt: str = "ROMEO:"  # prompt of the sample printed at the end; "" skips it
+    sample_tokens: int = 200  # tokens generated for that sample
+    tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard package)
+
+    def __post_init__(self):
+        if self.steps < 0 or self.log_every < 1 or self.eval_every < 0 or self.eval_batches < 1:
+            raise ConfigError("run.steps, run.eval_every must be >= 0 and run.log_every, run.eval_batches >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    model: ModelSection = ModelSection()
+    store: StoreConfig = StoreConfig()
+    stream: StreamConfig = StreamConfig()
+    optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=20, decay_steps=180, weight_decay=0.1)
+    data: DataConfig = DataConfig()
+    run: RunConfig = RunConfig()
+
+    def to_dict(self) -> dict:
+        """Plain nested dict (YAML-ready); model overrides appear as model.<field>."""
+        out = {}
+        for f in dataclasses.fields(self):
+            group = dataclasses.asdict(getattr(self, f.name))
+            if f.name == "model":
+                group.update(_plain(dict(group.pop("overrides"))))
+            out[f.name] = group
+        return out
+
+
+# --- model resolution -------------------------------------------------------------------
+
+
+def model_config(exp: ExperimentConfig) -> ModelConfig:
+    """The ModelConfig an experiment describes: preset or hf_config, then inline overrides."""
+    section = exp.model
+    overrides = dict(section.overrides)
+    try:
+        if section.hf_config is not None:
+            return load_hf_config(section.hf_config, **overrides)
+        base = dict(PRESETS[section.preset]) if section.preset else {}
+        return ModelConfig(**{**base, **overrides})
+    except TypeError as e:  # a ModelConfig rejecting a field combination
+        raise ConfigError(f"model: {e}") from None
+
+
+# --- loading and overriding ----------------------------------------------------------------
+
+
+def load(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> ExperimentConfig:
+    """Typed defaults, then the YAML file at `path`, then `key=value` overrides."""
+    tree: dict = {}
+    if path is not None:
+        tree = _read_yaml(Path(path))
+    for item in overrides:
+        key, value = _split_override(item)
+        _set_dotted(tree, key, value)
+    return from_dict(tree)
+
+
+def from_dict(tree: dict) -> ExperimentConfig:
+    """Build an ExperimentConfig from a nested mapping of overrides of the defaults."""
+    if not isinstance(tree, dict):
+        raise ConfigError(f"an experiment config must be a mapping of groups, got {type(tree).__name__}")
+    groups = {}
+    for name, value in tree.items():
+        if name not in _GROUPS:
+            raise ConfigError(f"unknown config group {name!r}{_suggest(name, _GROUPS)}")
+        if not isinstance(value, dict):
+            raise ConfigError(f"config group {name!r} must be a mapping of keys, got {value!r}")
+        groups[name] = _model_section(value) if name == "model" else _build(name, value)
+    return ExperimentConfig(**groups)
+
+
+def valid_keys() -> dict[str, tuple[Any, Any, str]]:
+    """{dotted key: (type, default, help)} for every settable key, in declaration order."""
+    out = {}
+    defaults = ExperimentConfig()
+    for group, cls in _GROUPS.items():
+        if group == "model":
+            for name in ("preset", "hf_config", "checkpoint"):
+                out[f"model.{name}"] = (_hints(ModelSection)[name], getattr(defaults.model, name),
+                                        _comments(ModelSection).get(name, ""))
+            preset = PRESETS[defaults.model.preset]
+            for f in _model_fields():
+                out[f"model.{f.name}"] = (_hints(ModelConfig)[f.name], preset.get(f.name, f.default),
+                                          _comments(ModelConfig).get(f.name, "architecture override"))
+            continue
+        comments = _comments(cls)
+        for f in dataclasses.fields(cls):
+            out[f"{group}.{f.name}"] = (_hints(cls)[f.name], getattr(getattr(defaults, group), f.name),
+                                        comments.get(f.name, ""))
+    return out
+
+
+_GROUPS = {"model": ModelSection, "store": StoreConfig, "stream": StreamConfig, "optim": OptimConfig,
+           "data": DataConfig, "run": RunConfig}
+_SOURCES = ("preset", "hf_config", "checkpoint")
+
+
+def _model_fields():
+    return [f for f in dataclasses.fields(ModelConfig) if f.name != "extra_hf"]
+
+
+def _model_section(values: dict) -> ModelSection:
+    values = dict(values)
+    fields = {f.name: f for f in _model_fields()}
+    overrides = []
+    for key in [k for k in values if k not in _SOURCES]:
+        if key not in fields:
+            raise ConfigError(f"unknown config key 'model.{key}'"
+                              f"{_suggest(key, [*_SOURCES, *fields], prefix='model.')}")
+        overrides.append((key, _coerce(values.pop(key), _hints(ModelConfig)[key], f"model.{key}")))
+    # A checkpoint alone names the architecture too (its config.json); naming a config file
+    # or checkpoint replaces the default preset unless a preset (possibly null) is named.
+    if values.get("checkpoint") and "preset" not in values and "hf_config" not in values:
+        values["hf_config"] = values["checkpoint"]
+    if values.get("hf_config") and "preset" not in values:
+        values["preset"] = None
+    section = {k: _coerce(v, _hints(ModelSection)[k], f"model.{k}") for k, v in values.items()}
+    return _construct("model", ModelSection, dict(section, overrides=tuple(overrides)))
+
+
+def _build(group: str, values: dict):
+    """The experiment's default `group` with `values` replacing some of its fields."""
+    default = getattr(ExperimentConfig(), group)
+    cls = type(default)
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"unknown config key '{group}.{key}'{_suggest(key, names, prefix=group + '.')}")
+        kwargs[key] = _coerce(value, hints[key], f"{group}.{key}")
+    return _construct(group, lambda **kw: dataclasses.replace(default, **kw), kwargs)
+
+
+def _construct(group: str, cls, kwargs: dict):
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # e.g. OptimConfig's own checks
+        message = str(e)
+        raise ConfigError(message if message.startswith(group) else f"{group}: {message}") from None
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"experiment file {path} does not exist; see experiments/ for examples")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where else ""
+        raise ConfigError(f"{path} is not valid YAML{line}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path} must hold a mapping of config groups (model, optim, data, ...)")
+    return tree
+
+
+def _split_override(item: str) -> tuple[str, Any]:
+    text = item.removeprefix("--")
+    if "=" not in text:
+        raise ConfigError(f"override {item!r} needs a value: write --{text}=VALUE")
+    key, value = text.split("=", 1)
+    return key.strip(), value
+
+
+def _set_dotted(tree: dict, key: str, value) -> None:
+    group, _, name = key.partition(".")
+    if not name or "." in name:
+        candidates = list(valid_keys())
+        raise ConfigError(f"unknown config key {key!r}{_suggest(key, candidates)}; keys look like optim.lr")
+    tree.setdefault(group, {})
+    if not isinstance(tree[group], dict):
+        raise ConfigError(f"config group {group!r} must be a mapping")
+    tree[group][name] = value
+
+
+# --- typing ----------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+@functools.lru_cache(maxsize=None)
+def _comments(cls) -> dict[str, str]:
+    """The short comment after each field of a dataclass, as its help text."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, flags=re.M))
+
+
+_NULLS = ("null", "none", "~", "")
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _coerce(value, hint, key: str):
+    """`value` (from YAML or a command line string) as type `hint`, or a ConfigError."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or isinstance(value, str) and value.strip().lower() in _NULLS:
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        errors = []
+        for a in inner:
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if hint is Any:
+        return value
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise _type_error(key, value, "a list")
+        elem = args[0] if args else Any
+        return tuple(_coerce(v, elem, key) for v in value)
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, dict):
+            raise _type_error(key, value, f"a mapping of {hint.__name__} fields")
+        sub = _hints(hint)
+        unknown = [k for k in value if k not in sub]
+        if unknown:
+            raise ConfigError(f"unknown config key '{key}.{unknown[0]}'{_suggest(unknown[0], sub, prefix=key + '.')}")
+        return _construct(key, hint, {k: _coerce(v, sub[k], f"{key}.{k}") for k, v in value.items()})
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise _type_error(key, value, "true or false")
+    if hint is int:
+        if isinstance(value, bool):
+            raise _type_error(key, value, "an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                number = float(value.replace("_", ""))
+            except ValueError:
+                raise _type_error(key, value, "an integer") from None
+            if number.is_integer():
+                return int(number)
+        raise _type_error(key, value, "an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise _type_error(key, value, "a number")
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise _type_error(key, value, "a string")
+    raise ConfigError(f"{key} has a type mtjax cannot parse from text ({hint})")
+
+
+def _type_error(key: str, value, expected: str) -> ConfigError:
+    return ConfigError(f"{key} must be {expected}, got {value!r}")
+
+
+def _plain(value):
+    if isinstance(value, RopeScaling):
+        return dataclasses.asdict(value)
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value

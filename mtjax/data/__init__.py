@@ -1,0 +1,15 @@
+"""Training data: tokenizers, preparing token shards, and the resumable batch loader.
+
+    prepare(inputs, out_dir, tokenizer)  raw text/JSONL (.gz ok) -> token shards + meta.json
+    Dataset(dir)                         a prepared dataset (memory-mapped)
+    Loader(dataset, split, ...)          packed [accum, batch, seq] int32 batches; .cursor
+    resolve(data_cfg, cache_dir)         the dataset a DataConfig names, prepared on demand
+"""
+
+from mtjax.data.dataset import Dataset, Loader, resolve
+from mtjax.data.format import DataError
+from mtjax.data.prepare import prepare
+from mtjax.data.tokenizer import ByteTokenizer, HFTokenizer
+from mtjax.data.tokenizer import load as load_tokenizer
+
+__all__ = ["ByteTokenizer", "DataError", "Dataset", "HFTokenizer", "Loader", "load_tokenizer", "prepare", "resolve"]

@@ -1,0 +1,175 @@
+"""Reading a prepared dataset: memory-mapped shards and a resumable, shuffled loader.
+
+A split is cut into non-overlapping windows of `seq_len` tokens; one row of a batch is
+one window, and the loss predicts each token from those before it within the row. The
+loader visits the windows of each epoch in a seeded random order, so its whole state
+is a cursor `{"epoch": e, "position": p}` that is saved with a checkpoint and restored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from mtjax.data import format as fmt
+from mtjax.data import prepare as prep
+from mtjax.data import tokenizer as toklib
+from mtjax.data.format import DataError
+
+
+class Dataset:
+    """A prepared dataset directory: its metadata and its token stream."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.meta = fmt.read_meta(self.path)
+        dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
+        self._shards = []
+        for shard in self.meta["shards"]:
+            file = self.path / shard["file"]
+            expected = shard["tokens"] * dtype.itemsize
+            if not file.exists() or file.stat().st_size != expected:
+                raise DataError(f"{file} is missing or truncated (expected {expected} bytes); "
+                                "prepare the dataset again")
+            self._shards.append(np.memmap(file, dtype=dtype, mode="r", shape=(shard["tokens"],)))
+        self._starts = np.cumsum([0] + [s.size for s in self._shards])
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta["vocab_size"]
+
+    @property
+    def eos_id(self) -> int:
+        return self.meta["eos_id"]
+
+    def tokenizer(self) -> toklib.Tokenizer:
+        spec = self.meta["tokenizer"]
+        if spec == prep.LOCAL_TOKENIZER:
+            spec = str(self.path / toklib.TOKENIZER_FILE)
+        return toklib.load(spec)
+
+    def split(self, name: str) -> tuple[int, int]:
+        """[start, stop) of a split in the token stream."""
+        if name not in self.meta["splits"]:
+            raise DataError(f"dataset {self.path} has no split {name!r}; it has {', '.join(self.meta['splits'])}")
+        start, stop = self.meta["splits"][name]
+        return start, stop
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the stream as int32, read across shard boundaries."""
+        out = np.empty(stop - start, np.int32)
+        first = int(np.searchsorted(self._starts, start, side="right")) - 1
+        done = 0
+        for i in range(first, len(self._shards)):
+            if done == out.size:
+                break
+            lo = start + done - self._starts[i]
+            take = min(out.size - done, self._shards[i].size - lo)
+            out[done:done + take] = self._shards[i][lo:lo + take]
+            done += take
+        return out
+
+    def check_vocab(self, model_vocab: int) -> None:
+        """Raise unless every stored token id is a row of the model's embedding."""
+        top = max(self.meta["max_token_id"], self.eos_id)
+        if top >= model_vocab:
+            raise DataError(f"dataset {self.path} has token ids up to {top} but the model's vocabulary "
+                            f"is {model_vocab}; set model.vocab_size >= {top + 1} or use a matching tokenizer")
+
+
+class Loader:
+    """Packed [accum, batch, seq] int32 batches over one split, resumable from a cursor.
+
+    >>> loader = Loader(ds, "train", seq_len=128, batch_size=16, grad_accum=2, seed=0)
+    >>> tokens = loader.next()   # int32 [2, 16, 128]
+    >>> saved = loader.cursor     # {"epoch": 0, "position": 32}
+    >>> Loader(ds, "train", 128, 16, 2, seed=0, cursor=saved).next()  # the same as the next call
+    """
+
+    def __init__(self, dataset: Dataset, split: str, seq_len: int, batch_size: int, grad_accum: int = 1,
+                 seed: int = 0, shuffle: bool = True, cursor: dict | None = None):
+        self.ds, self.seq_len, self.seed, self.shuffle = dataset, seq_len, seed, shuffle
+        self.shape = (grad_accum, batch_size, seq_len)
+        self.start, stop = dataset.split(split)
+        self.num_windows = (stop - self.start) // seq_len
+        rows = grad_accum * batch_size
+        if self.num_windows < rows:
+            raise DataError(
+                f"the {split} split of {dataset.path} has {stop - self.start} tokens: {self.num_windows} "
+                f"windows of {seq_len}, fewer than one batch of {rows} rows; add data or lower "
+                "data.seq_len / data.batch_size / data.grad_accum")
+        cursor = cursor or {"epoch": 0, "position": 0}
+        self.epoch, self.position = int(cursor["epoch"]), int(cursor["position"])
+        if not 0 <= self.position <= self.num_windows:
+            raise DataError(f"loader cursor {cursor} does not fit this dataset ({self.num_windows} windows)")
+        self._order_epoch, self._order = None, None
+
+    @property
+    def cursor(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def _order_of(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            if self.shuffle:
+                self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            else:
+                self._order = np.arange(self.num_windows)
+            self._order_epoch = epoch
+        return self._order
+
+    def next_windows(self, count: int) -> np.ndarray:
+        """Indices of the next `count` windows, continuing into the next epoch as needed."""
+        picked = []
+        while count:
+            if self.position == self.num_windows:
+                self.epoch, self.position = self.epoch + 1, 0
+            take = min(count, self.num_windows - self.position)
+            picked.append(self._order_of(self.epoch)[self.position:self.position + take])
+            self.position += take
+            count -= take
+        return np.concatenate(picked)
+
+    def next(self) -> np.ndarray:
+        accum, batch, seq = self.shape
+        windows = self.next_windows(accum * batch)
+        rows = [self.ds.tokens(self.start + w * seq, self.start + (w + 1) * seq) for w in windows]
+        return np.stack(rows).reshape(accum, batch, seq)
+
+    def __iter__(self):
+        while True:
+            yield self.next()
+
+
+def resolve(data_cfg, cache_dir: str | Path) -> Dataset:
+    """The dataset `data_cfg.dataset` names, preparing raw or built-in text into `cache_dir`.
+
+    A prepared dataset directory is used as it is. Raw files are tokenized once; the
+    cache is reused while the inputs, tokenizer and split are unchanged.
+    """
+    source = data_cfg.dataset
+    if not source.startswith(prep.BUILTIN) and (Path(source) / fmt.META_FILE).exists():
+        return Dataset(source)
+    files = prep.expand_inputs([source])
+    key = _fingerprint(files, data_cfg)
+    cache = Path(cache_dir)
+    stamp = cache / "source.json"
+    if stamp.exists() and (cache / fmt.META_FILE).exists():
+        try:
+            if json.loads(stamp.read_text()).get("key") == key:
+                return Dataset(cache)
+        except json.JSONDecodeError:
+            pass  # an unreadable stamp means prepare again
+    prep.prepare(files, cache, data_cfg.tokenizer, data_cfg.text_field, data_cfg.val_fraction, overwrite=True)
+    stamp.write_text(json.dumps({"key": key, "dataset": source}) + "\n")
+    return Dataset(cache)
+
+
+def _fingerprint(files: list[Path], data_cfg) -> str:
+    parts = [data_cfg.tokenizer, data_cfg.text_field, repr(data_cfg.val_fraction)]
+    for f in files:
+        st = f.stat()
+        parts += [str(f.resolve()), str(st.st_size), str(st.st_mtime_ns)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

@@ -1,0 +1,53 @@
+"""The on-disk layout of a prepared dataset, and the error its readers and writers raise.
+
+    DIR/meta.json             tokenizer spec, vocabulary, EOS id, dtype, shards, splits
+    DIR/tokens-00000.bin      raw little-endian token ids (uint16, or uint32 for vocab > 65536)
+    DIR/tokenizer.json        a copy of the tokenizer, when it is not `bytes`
+
+The shards hold one stream of documents, each followed by EOS. The splits are token
+ranges of that stream: validation is its tail, so the two never share a window.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from mtjax.errors import MtjaxError
+
+META_FILE = "meta.json"
+FORMAT_VERSION = 1
+
+
+class DataError(MtjaxError, ValueError):
+    """Input data mtjax cannot use; the message says which file and what to do."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds every id of the vocabulary."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def shard_name(index: int) -> str:
+    return f"tokens-{index:05d}.bin"
+
+
+def read_meta(path: Path) -> dict:
+    file = Path(path) / META_FILE
+    if not file.exists():
+        raise DataError(f"{path} is not a prepared dataset (no {META_FILE}); "
+                        f"run `mtjax data prepare INPUT --out {path}` first")
+    try:
+        meta = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{file} is corrupt ({e}); prepare the dataset again") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise DataError(f"{file} has format version {meta.get('format_version')}, this mtjax reads "
+                        f"{FORMAT_VERSION}; prepare the dataset again")
+    return meta
+
+
+def write_meta(path: Path, meta: dict) -> None:
+    (Path(path) / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")

@@ -1,0 +1,237 @@
+"""Raw text in, token shards out: `prepare(inputs, out_dir, tokenizer)`.
+
+Inputs are plain-text files (one document per file) or JSONL files (one document per
+line, its text under `text_field`), optionally gzipped. Each document is followed by
+EOS. The dataset is written to a temporary directory and renamed into place at the
+end, so a failure never leaves a half-written dataset where a good one was.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import shutil
+from importlib import resources
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from mtjax.data import format as fmt
+from mtjax.data import tokenizer as toklib
+from mtjax.data.format import DataError
+
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+CHUNK_CHARS = 1 << 20  # plain text is tokenized in ~1 MiB pieces cut at line ends
+PROGRESS_BYTES = 16 << 20  # show a progress bar for inputs larger than this
+BUILTIN = "builtin:"
+LOCAL_TOKENIZER = "./" + toklib.TOKENIZER_FILE  # meta.json's name for the copy in the dataset dir
+
+
+def builtin_path(name: str) -> Path:
+    """The corpus shipped inside the package as mtjax/assets/NAME.txt.gz."""
+    file = resources.files("mtjax") / "assets" / f"{name}.txt.gz"
+    if not file.is_file():
+        shipped = sorted(p.name.split(".")[0] for p in (resources.files("mtjax") / "assets").iterdir()
+                         if p.name.endswith(".txt.gz"))
+        raise DataError(f"no built-in corpus {name!r}; built-in: {', '.join(shipped)}")
+    return Path(str(file))
+
+
+def expand_inputs(inputs) -> list[Path]:
+    """Files named directly, files of known suffixes inside named dirs, builtin:NAME."""
+    files = []
+    for item in [inputs] if isinstance(inputs, (str, Path)) else inputs:
+        if str(item).startswith(BUILTIN):
+            files.append(builtin_path(str(item)[len(BUILTIN):]))
+            continue
+        path = Path(item)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p) is not None)
+            if not found:
+                raise DataError(f"{path} holds no .txt, .md or .jsonl files (optionally .gz)")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise DataError(f"input {path} does not exist")
+    if not files:
+        raise DataError("no input files given")
+    return files
+
+
+def _kind(path: Path) -> str | None:
+    name = path.name.lower().removesuffix(".gz")
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(TEXT_SUFFIXES):
+        return "text"
+    return None
+
+
+def _open_text(path: Path, raw) -> io.TextIOBase:
+    """A text stream over `raw` (gunzipped when the file starts with the gzip magic)."""
+    head = raw.peek(2)[:2] if hasattr(raw, "peek") else b""
+    stream = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
+    return io.TextIOWrapper(stream, encoding="utf-8", errors="strict", newline=None)
+
+
+def documents(files: list[Path], text_field: str = "text", on_bytes=None) -> Iterator[tuple[str, bool]]:
+    """(text piece, ends a document) pairs over all files; `on_bytes(n)` reports progress."""
+    for path in files:
+        kind = _kind(path) or "text"
+        with open(path, "rb") as raw:
+            stream = _open_text(path, io.BufferedReader(raw))
+            last = 0
+            try:
+                pieces = _jsonl(path, stream, text_field) if kind == "jsonl" else _text(stream)
+                for piece, end in pieces:
+                    yield piece, end
+                    if on_bytes:
+                        now = raw.tell()
+                        on_bytes(now - last)
+                        last = now
+            except UnicodeDecodeError:
+                raise DataError(f"{path} is not UTF-8 text; convert it or pass a .txt/.jsonl file") from None
+            except (OSError, EOFError) as e:
+                raise DataError(f"{path} could not be read ({e}); is it a truncated .gz?") from None
+
+
+def _text(stream) -> Iterator[tuple[str, bool]]:
+    buffer, size = [], 0
+    for line in stream:
+        buffer.append(line)
+        size += len(line)
+        if size >= CHUNK_CHARS:
+            yield "".join(buffer), False
+            buffer, size = [], 0
+    yield "".join(buffer), True
+
+
+def _jsonl(path: Path, stream, text_field: str) -> Iterator[tuple[str, bool]]:
+    for number, line in enumerate(stream, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise DataError(f"{path}:{number} is not a JSON object; JSONL needs one object per line") from None
+        if not isinstance(record, dict) or text_field not in record:
+            fields = ", ".join(list(record)[:8]) if isinstance(record, dict) else type(record).__name__
+            raise DataError(f"{path}:{number} has no {text_field!r} field (has: {fields}); "
+                            "choose the field with --text-field")
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise DataError(f"{path}:{number}: field {text_field!r} is {type(text).__name__}, not text")
+        yield text, True
+
+
+class _ShardWriter:
+    """Appends token ids to fixed-size shard files."""
+
+    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int):
+        self.out, self.dtype, self.shard_tokens = out, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self._file, self._in_shard, self.total = None, 0, 0
+
+    def write(self, ids) -> None:
+        array = np.asarray(ids, dtype=np.int64)
+        while array.size:
+            if self._file is None or self._in_shard == self.shard_tokens:
+                self._next_shard()
+            take = min(array.size, self.shard_tokens - self._in_shard)
+            self._file.write(array[:take].astype(self.dtype.newbyteorder("<")).tobytes())
+            self._in_shard += take
+            self.total += take
+            self.shards[-1]["tokens"] = self._in_shard
+            array = array[take:]
+
+    def _next_shard(self) -> None:
+        self.close()
+        name = fmt.shard_name(len(self.shards))
+        self._file, self._in_shard = open(self.out / name, "wb"), 0
+        self.shards.append({"file": name, "tokens": 0})
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+
+def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
+            val_fraction: float = 0.01, shard_tokens: int = 1 << 28, overwrite: bool = False) -> dict:
+    """Tokenize `inputs` into a dataset at `out_dir`; returns its metadata."""
+    files = expand_inputs(inputs)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise DataError(f"{out} already exists and is not empty; choose another output or pass --overwrite")
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    total_bytes = sum(f.stat().st_size for f in files)
+    if tokenizer.startswith("bpe:"):
+        tok = toklib.train_bpe(tokenizer, (text for text, _ in documents(files, text_field)))
+    else:
+        tok = toklib.load(tokenizer)
+    dtype = fmt.token_dtype(tok.vocab_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        writer = _ShardWriter(tmp, dtype, shard_tokens)
+        docs, max_id = 0, -1
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
+                   disable=total_bytes < PROGRESS_BYTES, leave=False)
+        with bar:
+            for text, end in documents(files, text_field, on_bytes=bar.update):
+                ids = tok.encode(text) if text else []
+                if end:
+                    ids.append(tok.eos_id)
+                    docs += 1
+                if ids:
+                    max_id = max(max_id, max(ids))
+                writer.write(ids)
+        writer.close()
+        if writer.total <= docs:  # nothing but EOS tokens
+            raise DataError(f"no text found in {', '.join(str(f) for f in files[:3])}; the input is empty")
+        n_val = int(round(writer.total * val_fraction))
+        meta = {
+            "format_version": fmt.FORMAT_VERSION,
+            # A non-byte tokenizer is read back from the copy saved next to the shards.
+            "tokenizer": "bytes" if tok.spec == "bytes" else LOCAL_TOKENIZER,
+            "tokenizer_source": tok.spec,
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "dtype": dtype.name,
+            "num_tokens": writer.total,
+            "num_documents": docs,
+            "max_token_id": int(max_id),
+            "shards": writer.shards,
+            "splits": {"train": [0, writer.total - n_val], "val": [writer.total - n_val, writer.total]},
+            "inputs": [str(f) for f in files],
+            "text_field": text_field,
+        }
+        tok.save(tmp)
+        fmt.write_meta(tmp, meta)
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished dataset into place; the old one is removed only after that."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,144 @@
+"""Tokenizers, named by a spec string that the dataset metadata records.
+
+    bytes                 UTF-8 bytes as ids 0-255, EOS = 256 (vocabulary 257; needs no file)
+    PATH                  a Hugging Face tokenizer.json (gzipped accepted) or a dir holding one
+    bpe:VOCAB             a byte-level BPE trained on the input by `tokenizers` (see `train_bpe`)
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Iterable, Protocol
+
+from mtjax.data.format import DataError
+
+# Names end-of-document tokens go by, most specific first, when no tokenizer_config.json says.
+_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class Tokenizer(Protocol):
+    spec: str  # how to rebuild it (recorded in the dataset metadata)
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def save(self, out_dir: Path) -> None: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes; decoding replaces invalid byte sequences rather than failing."""
+
+    spec, vocab_size, eos_id = "bytes", 257, 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def save(self, out_dir: Path) -> None:
+        pass  # nothing to save: the spec says it all
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` (byte-level BPE, WordPiece, ...) from a tokenizer.json."""
+
+    def __init__(self, tok, spec: str, eos_id: int):
+        self._tok, self.spec, self.eos_id = tok, spec, eos_id
+        self.vocab_size = max(tok.get_vocab_size(with_added_tokens=True), eos_id + 1)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def save(self, out_dir: Path) -> None:
+        self._tok.save(str(Path(out_dir) / TOKENIZER_FILE))
+
+
+def load(spec: str) -> Tokenizer:
+    """The tokenizer a spec names (`bpe:VOCAB` needs training: use `train_bpe`)."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    if spec.startswith("bpe:"):
+        raise DataError(f"tokenizer {spec!r} is trained while preparing a dataset; "
+                        "pass the prepared dataset's tokenizer.json instead")
+    return _load_file(spec)
+
+
+def _load_file(spec: str) -> HFTokenizer:
+    from tokenizers import Tokenizer as HFTok
+
+    path = Path(spec)
+    if path.is_dir():
+        found = [path / n for n in (TOKENIZER_FILE, TOKENIZER_FILE + ".gz") if (path / n).exists()]
+        if not found:
+            raise DataError(f"{path} has no {TOKENIZER_FILE}; use --data.tokenizer=bytes or a tokenizer file")
+        path = found[0]
+    if not path.is_file():
+        raise DataError(f"tokenizer {spec!r} is neither 'bytes', 'bpe:VOCAB' nor an existing tokenizer.json")
+    raw = path.read_bytes()
+    try:
+        text = (gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw).decode("utf-8")
+        tok = HFTok.from_str(text)
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        raise DataError(f"{path} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0]})") from None
+    return HFTokenizer(tok, str(path.resolve()), _eos_id(tok, path.parent))
+
+
+def _eos_id(tok, folder: Path) -> int:
+    """EOS from a neighbouring tokenizer_config.json, else a well-known name, else a new id."""
+    names = list(_EOS_NAMES)
+    config = folder / "tokenizer_config.json"
+    if config.exists():
+        try:
+            eos = json.loads(config.read_text()).get("eos_token")
+        except json.JSONDecodeError:
+            eos = None
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            names.insert(0, eos)
+    for name in names:
+        token_id = tok.token_to_id(name)
+        if token_id is not None:
+            return token_id
+    # No end-of-document token: one past the vocabulary (the model vocab must cover it).
+    return tok.get_vocab_size(with_added_tokens=True)
+
+
+def train_bpe(spec: str, texts: Iterable[str]) -> HFTokenizer:
+    """Train a byte-level BPE of `bpe:VOCAB` size on `texts`, with <|endoftext|> as EOS."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    try:
+        vocab = int(spec.split(":", 1)[1])
+    except ValueError:
+        raise DataError(f"tokenizer {spec!r} must look like bpe:8192") from None
+    if vocab < 257 + 1:
+        raise DataError(f"tokenizer {spec!r}: a byte-level BPE needs a vocabulary of at least 258")
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=[_EOS_NAMES[0]], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return HFTokenizer(tok, spec, tok.token_to_id(_EOS_NAMES[0]))
