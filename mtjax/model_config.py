@@ -133,6 +133,7 @@ _HF_KNOWN = {
     "rope_scaling", "rope_parameters", "max_position_embeddings", "attention_bias",
     "mlp_bias", "tie_word_embeddings", "sliding_window", "use_sliding_window",
     "max_window_layers", "layer_types", "initializer_range", "torch_dtype", "dtype",
+    "architectures",  # rewritten from model_type on export
 }
 
 
@@ -162,6 +163,8 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
         if SLIDING not in layer_types:
             window = None
         attention_bias = bool(hf.get("attention_bias", False))
+        if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported; these families use silu")
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         kwargs = dict(
             model_type=model_type,
@@ -171,7 +174,8 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
+            # transformers' Qwen3 defaults head_dim to 128, not hidden // heads.
+            head_dim=int(hf.get("head_dim") or (128 if model_type == "qwen3" else hidden // heads)),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -232,7 +236,7 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
     if cfg.rope_scaling:
         rope.update(dataclasses.asdict(cfg.rope_scaling))
     hf.update(
-        architectures=hf.get("architectures", [arch]),
+        architectures=[arch],
         model_type=cfg.model_type,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,

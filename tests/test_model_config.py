@@ -1,0 +1,168 @@
+"""ModelConfig from and to Hugging Face ``config.json``: both dialects, errors, round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import transformers
+
+import hf_models
+import mtjax
+from mtjax.model_config import FULL, SLIDING, SUPPORTED_MODEL_TYPES, ConfigError, ModelConfig, RopeScaling
+
+LLAMA3_SCALING = {
+    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192, "rope_type": "llama3",
+}
+
+# What a Llama 3.1 config.json looks like in the wild (transformers 4.x).
+OLD_STYLE = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
+    "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072, "hidden_act": "silu", "tie_word_embeddings": True,
+    "bos_token_id": 1, "eos_token_id": [2, 3],
+    "rope_theta": 500000.0, "rope_scaling": dict(LLAMA3_SCALING), "torch_dtype": "bfloat16",
+}
+
+
+def new_style(old: dict) -> dict:
+    """The same config as transformers 5.x writes it: rope_parameters and dtype."""
+    new = {k: v for k, v in old.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+    new["rope_parameters"] = {"rope_theta": old["rope_theta"], **(old.get("rope_scaling") or {"rope_type": "default"})}
+    new["dtype"] = old["torch_dtype"]
+    return new
+
+
+def test_old_and_new_config_dialects_give_equal_configs():
+    old, new = mtjax.from_hf_dict(OLD_STYLE), mtjax.from_hf_dict(new_style(OLD_STYLE))
+    assert old == new
+    assert old.rope_theta == 500000.0 and old.param_dtype == "bfloat16"
+    assert old.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    assert old.head_dim == 8 and old.tie_word_embeddings and old.num_key_value_heads == 2
+
+
+def test_legacy_type_key_and_torch_prefixed_dtype():
+    hf = dict(OLD_STYLE, rope_scaling={"type": "linear", "factor": 2.0}, torch_dtype="torch.float16")
+    cfg = mtjax.from_hf_dict(hf)
+    assert cfg.rope_scaling.rope_type == "linear" and cfg.rope_scaling.factor == 2.0
+    assert cfg.param_dtype == "float16"
+
+
+def test_default_rope_in_either_dialect_means_no_scaling():
+    old = dict(OLD_STYLE, rope_scaling=None, rope_theta=10000.0)
+    for hf in (old, new_style(old)):
+        cfg = mtjax.from_hf_dict(hf)
+        assert cfg.rope_scaling is None and cfg.rope_theta == 10000.0
+
+
+@pytest.mark.parametrize("family", sorted(hf_models.FAMILIES))
+def test_transformers_written_config_json_loads(family, tmp_path):
+    hf_cfg = hf_models.hf_config(family, rope_parameters={"rope_type": "linear", "factor": 3.0, "rope_theta": 1234.0})
+    hf_cfg.save_pretrained(tmp_path)
+    cfg = mtjax.load_hf_config(tmp_path)
+    assert cfg.model_type == family
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (32, 4, 2)
+    assert cfg.head_dim == 8
+    assert cfg.rope_theta == 1234.0 and cfg.rope_scaling.factor == 3.0
+    assert cfg == mtjax.load_hf_config(tmp_path / "config.json")
+
+
+def test_unsupported_model_type_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(OLD_STYLE, model_type="gpt2")))
+    for build in (lambda: mtjax.load_hf_config(tmp_path), lambda: ModelConfig(model_type="gpt2")):
+        with pytest.raises(ConfigError) as err:
+            build()
+        message = str(err.value)
+        assert "gpt2" in message and "\n" not in message
+        assert all(t in message for t in SUPPORTED_MODEL_TYPES)
+
+
+def test_heads_not_divisible_by_kv_heads_is_a_config_error():
+    with pytest.raises(ConfigError, match="multiple of num_key_value_heads"):
+        mtjax.from_hf_dict(dict(OLD_STYLE, num_attention_heads=8, num_key_value_heads=3))
+    with pytest.raises(ConfigError, match="multiple of num_key_value_heads"):
+        ModelConfig(num_attention_heads=6, num_key_value_heads=4)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
+    (dict(hidden_act="gelu"), "gelu"),
+    (dict(hidden_size=None), "hidden_size"),
+])
+def test_unusable_config_json_is_one_clear_config_error(change, match):
+    hf = {k: v for k, v in {**OLD_STYLE, **change}.items() if v is not None}
+    with pytest.raises(ConfigError, match=match):
+        mtjax.from_hf_dict(hf)
+
+
+def test_missing_or_malformed_config_json(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        mtjax.load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        mtjax.load_hf_config(tmp_path)
+
+
+def test_config_errors_are_mtjax_errors():
+    assert issubclass(ConfigError, mtjax.errors.MtjaxError)
+
+
+def test_sliding_window_layer_types_per_family():
+    base = dict(OLD_STYLE, num_hidden_layers=4, sliding_window=16, tie_word_embeddings=False)
+    assert mtjax.from_hf_dict(dict(base, model_type="mistral")).layer_types == (SLIDING,) * 4
+    assert mtjax.from_hf_dict(dict(base, model_type="mistral", sliding_window=None)).layer_types == (FULL,) * 4
+    # Qwen2 ignores the window unless use_sliding_window; then layers >= max_window_layers slide.
+    off = mtjax.from_hf_dict(dict(base, model_type="qwen2"))
+    assert off.layer_types == (FULL,) * 4 and off.sliding_window is None
+    on = mtjax.from_hf_dict(dict(base, model_type="qwen2", use_sliding_window=True, max_window_layers=1))
+    assert on.layer_types == (FULL, SLIDING, SLIDING, SLIDING) and on.sliding_window == 16
+
+
+# Consistent configs of every family and feature (Qwen2 always has q/k/v biases and
+# Qwen3 always q/k norm, so those flags are part of the family).
+ROUND_TRIP = {
+    "llama-default": ModelConfig(),
+    "llama3-tied-bf16": ModelConfig(
+        rope_theta=500000.0, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
+        tie_word_embeddings=True, param_dtype="bfloat16", num_key_value_heads=1),
+    "llama-linear-biases": ModelConfig(
+        rope_scaling=RopeScaling("linear", 2.0), attention_bias=True, o_proj_bias=True, mlp_bias=True),
+    "mistral-window": ModelConfig(model_type="mistral", sliding_window=7, layer_types=(SLIDING, SLIDING)),
+    "mistral-no-window": ModelConfig(model_type="mistral"),
+    "qwen2": ModelConfig(model_type="qwen2", attention_bias=True, tie_word_embeddings=True),
+    "qwen2-mixed-sliding": ModelConfig(
+        model_type="qwen2", attention_bias=True, num_hidden_layers=3, sliding_window=5,
+        layer_types=(FULL, SLIDING, SLIDING)),
+    "qwen3": ModelConfig(model_type="qwen3", qk_norm=True, head_dim=32),
+    "qwen3-biases": ModelConfig(model_type="qwen3", qk_norm=True, attention_bias=True, o_proj_bias=True),
+}
+
+
+@pytest.mark.parametrize("cfg", list(ROUND_TRIP.values()), ids=list(ROUND_TRIP))
+def test_to_hf_dict_round_trips(cfg):
+    hf = mtjax.to_hf_dict(cfg)
+    assert mtjax.from_hf_dict(json.loads(json.dumps(hf))) == cfg
+
+
+@pytest.mark.parametrize("cfg", list(ROUND_TRIP.values()), ids=list(ROUND_TRIP))
+def test_transformers_reads_to_hf_dict_as_mtjax_does(cfg):
+    """transformers' own parse of our config.json describes the same architecture."""
+    hf_cfg = transformers.AutoConfig.for_model(**mtjax.to_hf_dict(cfg))
+    assert type(hf_cfg).__name__.lower().startswith(cfg.model_type)
+    back = mtjax.from_hf_dict(hf_cfg.to_dict())
+    assert dataclasses.replace(back, extra_hf=()) == dataclasses.replace(cfg, extra_hf=())
+    assert hf_cfg.head_dim == cfg.head_dim
+    assert getattr(hf_cfg, "sliding_window", None) == cfg.sliding_window
+
+
+@pytest.mark.parametrize("family", sorted(hf_models.FAMILIES))
+def test_round_trip_keeps_the_other_keys_of_a_transformers_config(family):
+    hf = json.loads(hf_models.hf_config(family, tie_word_embeddings=True).to_json_string())
+    cfg = mtjax.from_hf_dict(hf)
+    again = mtjax.to_hf_dict(cfg)
+    assert mtjax.from_hf_dict(again) == cfg
+    for key in ("bos_token_id", "eos_token_id", "hidden_act", "transformers_version"):
+        assert again.get(key) == hf.get(key), key
