@@ -1,0 +1,92 @@
+"""The compiled per-kind functions of the step: compiled once, weights as arguments.
+
+Every block of a kind shares one compiled forward, one recompute (forward that keeps
+the vjp residuals) and one backward; the embedding and the LM head have their own.
+The vjp residuals come back from the recompute as a pytree (`jax.vjp`'s function is
+one), so a recompute group can hold k blocks' residuals and walk them in reverse.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from mtjax import model, parts, treepath
+from mtjax.loss import cross_entropy
+from mtjax.model_config import ModelConfig
+
+
+class BlockFns:
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.embed_forward = jax.jit(functools.partial(_embed, cfg))
+        self.forward = {k: jax.jit(functools.partial(_block, cfg, k)) for k in cfg.block_kinds}
+        self.recompute = {k: jax.jit(functools.partial(_recompute, cfg, k)) for k in cfg.block_kinds}
+        self.grad = {k: jax.jit(functools.partial(_grad, cfg, k)) for k in cfg.block_kinds}
+        self.backward = jax.jit(_backward)
+        self.head = jax.jit(functools.partial(_head, cfg))
+        self.embed_backward = jax.jit(functools.partial(_embed_backward, cfg))
+
+
+def _flat_forward(cfg: ModelConfig, kind: str):
+    """block_forward over the flat {leaf name: array} dicts that the stream moves."""
+    template = model.abstract_block(cfg, kind)
+
+    def fn(flat, x):
+        return model.block_forward(cfg, kind, treepath.unflatten(template, flat), x)
+
+    return fn
+
+
+def _embed(cfg: ModelConfig, w: dict, tokens):
+    """Token ids [b, t] -> hidden [b, t, d]."""
+    return model.embed_forward(cfg, treepath.unflatten(parts.abstract_part(cfg, "embed"), w), tokens)
+
+
+def _block(cfg: ModelConfig, kind: str, w: dict, x):
+    """hidden [b, t, d] -> hidden [b, t, d]: the first forward, nothing kept."""
+    with jax.named_scope(f"block_{kind}"):
+        return _flat_forward(cfg, kind)(w, x)
+
+
+def _recompute(cfg: ModelConfig, kind: str, w: dict, x):
+    """The second forward: (output, vjp) where vjp(dy) -> (dw, dx)."""
+    with jax.named_scope(f"recompute_{kind}"):
+        return jax.vjp(_flat_forward(cfg, kind), w, x)
+
+
+def _backward(vjp, dy):
+    return vjp(dy)
+
+
+def _grad(cfg: ModelConfig, kind: str, w: dict, x, dy):
+    """Recompute and backward of one block in one program (a recompute group of 1)."""
+    _, vjp = jax.vjp(_flat_forward(cfg, kind), w, x)
+    return vjp(dy)
+
+
+def _head(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, weight):
+    """Loss of one micro-batch and its gradients: (loss, dhead, dembed | None, dx).
+
+    `weight` (1 / micro-batches) scales the gradients, so their sum over micro-batches
+    is the mean. With tied embeddings the head kernel is the embedding's transpose.
+    """
+    head_t = treepath.unflatten(parts.abstract_part(cfg, "head"), head)
+    embed_t = treepath.unflatten(parts.abstract_part(cfg, "embed"), embed) if embed is not None else None
+
+    def loss_fn(h, e, x):
+        return cross_entropy(model.head_forward(cfg, h, e, x), tokens)
+
+    with jax.named_scope("head"):
+        loss, vjp = jax.vjp(loss_fn, head_t, embed_t, x)
+        dh, de, dx = vjp(jnp.asarray(weight, loss.dtype))
+    flat = lambda t: treepath.flatten(t) if t is not None else None  # noqa: E731
+    return loss, flat(dh), flat(de), dx
+
+
+def _embed_backward(cfg: ModelConfig, tokens, dx):
+    """d(loss)/d(embedding) of the lookup: rows of dx summed per token id, fp32."""
+    table = jnp.zeros((cfg.vocab_size, cfg.hidden_size), jnp.float32)
+    return {"embedding": table.at[tokens].add(dx.astype(jnp.float32))}

@@ -1,0 +1,374 @@
+"""The streaming engine: one training step as a pipeline of per-part stages.
+
+    tier/store -> prefetch (update, read, stage) -> device_put -> block fwd/bwd
+               -> gradients to host -> (next step) optax update on CPU -> tier/store
+
+The step reads as those stages; docs/pipeline.md draws the timeline. Forward streams
+embed, blocks and head; the head computes the loss and its gradient at once; backward
+streams the blocks back in reverse, one recompute group (k blocks) at a time, each
+block's forward recomputed once from the group's kept input. Updates are deferred to
+the next step's prefetch so that global-norm clipping stays exact (DESIGN-NOTES 2).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mtjax import parts as parts_mod
+from mtjax import treepath
+from mtjax.errors import MtjaxError
+from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig, clip_scale, make_optimizer
+from mtjax.stream import budget as budget_mod
+from mtjax.stream.blockfns import BlockFns
+from mtjax.stream.grads import GradSink
+from mtjax.stream.prefetch import Prefetcher
+from mtjax.stream.staging import Placement, StagingPool
+from mtjax.stream.tiers import Tiers, host_device
+from mtjax.stream.trace import Tracer
+from mtjax.stream.update import PartUpdate, full_opt_state
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamOptions:
+    prefetch_depth: int = 2  # parts staged on the device ahead of use
+    keep_every: int = 1  # keep every k-th block input; 0 keeps only the embedding output
+    activations: str = "device"  # where kept block inputs wait for the backward: device | host
+    device_budget_bytes: int | None = None  # None: derived from the plan of the run
+
+    def __post_init__(self):
+        if self.prefetch_depth < 1:
+            raise MtjaxError(f"stream.prefetch_depth must be >= 1, got {self.prefetch_depth}")
+        if self.keep_every < 0:
+            raise MtjaxError(f"stream.keep_every must be >= 0 (0 keeps only the embedding output), got {self.keep_every}")
+        if self.activations not in ("device", "host"):
+            raise MtjaxError(f"stream.activations must be 'device' or 'host', got {self.activations!r}")
+
+
+def _is_store(obj) -> bool:
+    return all(hasattr(obj, a) for a in ("read", "write", "commit"))
+
+
+class StreamEngine:
+    """Streams one part at a time through the device; state stays in host RAM or on disk.
+
+    >>> engine = StreamEngine(cfg, params, OptimConfig(lr=1e-3), keep_every=2)
+    >>> metrics = engine.step(tokens)   # int [accum, batch, seq] or [batch, seq]
+    >>> engine.params()                 # fp32 master params, pending updates applied
+
+    `params_or_store` is a params pytree (mtjax.model layout) or an open layer store;
+    `tiers` places each kind of state ({"compute"|"master"|"opt": "ram"|"disk"}), and
+    "disk" kinds live in `store` (the store itself when one is passed as the state).
+    """
+
+    def __init__(self, cfg: ModelConfig, params_or_store, optimizer: OptimConfig | optax.GradientTransformation = OptimConfig(),
+                 clip_norm: float | None = None, *, prefetch_depth: int = 2, keep_every: int = 1,
+                 activations: str = "device", device_budget_bytes: int | None = None,
+                 tiers: Mapping[str, str] | None = None, store=None, batch_shape: tuple[int, int] | None = None,
+                 device: jax.Device | None = None):
+        self.cfg = cfg
+        self.options = StreamOptions(prefetch_depth, keep_every, activations, device_budget_bytes)
+        if isinstance(optimizer, OptimConfig):
+            clip_norm = optimizer.clip_norm if clip_norm is None else clip_norm
+            optimizer = make_optimizer(optimizer)
+        self.tx, self.clip_norm = optimizer, clip_norm
+        from_store = _is_store(params_or_store)
+        self.store = params_or_store if from_store else store
+        self.tiers = Tiers(tiers or {}, self.store)
+        self.parts = parts_mod.parts(cfg)
+        self.schemas = {p.name: parts_mod.schema(cfg, p.name, "compute") for p in self.parts}
+        self.fns = BlockFns(cfg)
+        self.update = PartUpdate(cfg, self.tx)
+        self.placement = Placement(device)
+        self.tracer = Tracer()
+        self.ledger = budget_mod.DeviceLedger(0)
+        self.pool = StagingPool(self.placement, self.ledger)
+        self.grads = GradSink(self.placement, self.tracer)
+        self._pending: dict[str, dict] = {}  # part -> summed gradients awaiting their update
+        self._scale = None  # the clip scale of the pending updates (CPU scalar)
+        self._writes: list[cf.Future] = []
+        self._plans: dict[tuple[int, int], budget_mod.DevicePlan] = {}
+        self.step_count = 0
+        if from_store:
+            self._load_ram_kinds()
+        else:
+            self._init_state(params_or_store)
+        if batch_shape is not None:
+            self.check_budget(*batch_shape)
+
+    # --- state ---------------------------------------------------------------------
+
+    def _init_state(self, params) -> None:
+        for p in self.parts:
+            master = {n: np.asarray(a, np.float32) for n, a in treepath.flatten(parts_mod.part_params(params, p.name)).items()}
+            master = jax.device_put(master, host_device())
+            self._write(p.name, "opt", self.update.init_state(master))
+            self._write(p.name, "compute", self.update.compute_copy(master))
+            self._write(p.name, "master", master)
+        self._wait_writes()
+
+    def _load_ram_kinds(self) -> None:
+        """Bring the RAM-tier kinds of a store-backed run into memory."""
+        for kind in self.tiers.kinds_in("ram"):
+            for p in self.parts:
+                arrays = self.store.read(p.name, kind).result()
+                self.tiers.write(p.name, kind, jax.device_put(arrays, host_device()))
+
+    def _write(self, part: str, kind: str, arrays: dict) -> None:
+        with self.tracer.span("write", part):
+            self._writes.append(self.tiers.write(part, kind, arrays))
+
+    def _wait_writes(self) -> None:
+        """Host sync: re-raise write errors, and make the state readable from the tiers."""
+        writes, self._writes = self._writes, []
+        for fut in writes:
+            fut.result()
+
+    def _read(self, part: str, kind: str) -> dict:
+        with self.tracer.span("read", part):
+            return self.tiers.read(part, kind).result()
+
+    def _apply_update(self, part: str) -> dict | None:
+        """The deferred optimizer update of `part`, if one is pending; returns the new compute copy."""
+        grads = self._pending.pop(part, None)
+        if grads is None:
+            return None
+        master, opt = self._read(part, "master"), self._read(part, "opt")
+        # The old compute copy is donated to receive the new one (RAM tier only).
+        old = self._read(part, "compute") if self.tiers.placement["compute"] == "ram" else None
+        master, opt, compute = self.update(part, master, opt, old, grads, self._scale)
+        self.tracer.watch("optimizer", part, master)
+        self._write(part, "master", master)
+        self._write(part, "opt", opt)
+        self._write(part, "compute", compute)
+        return compute
+
+    def flush(self) -> None:
+        """Apply every pending update (before reading state, a checkpoint or the end)."""
+        for p in self.parts:
+            self._apply_update(p.name)
+        self._wait_writes()
+
+    def params(self):
+        """The fp32 master parameters, pending updates applied."""
+        self.flush()
+        out = {}
+        for p in self.parts:
+            tree = treepath.unflatten(parts_mod.abstract_part(self.cfg, p.name), self._read(p.name, "master"))
+            out[p.name] = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), tree)
+        n = self.cfg.num_hidden_layers
+        return {"embed": out["embed"], "blocks": [out[f"block.{i}"] for i in range(n)], "head": out["head"]}
+
+    def opt_state(self):
+        """The optimizer state shaped as the reference trainer's `tx.init(params)`."""
+        self.flush()
+        per_part = {p.name: {n: jnp.asarray(np.asarray(a)) for n, a in self._read(p.name, "opt").items()} for p in self.parts}
+        return full_opt_state(self.cfg, self.tx, per_part)
+
+    def commit(self, step: int | None = None, train_state=None) -> None:
+        """Make the current state durable in the store: RAM-tier kinds are written too."""
+        if self.store is None:
+            raise MtjaxError("commit needs a layer store: pass store=mtjax.store.create(...)")
+        self.flush()
+        for kind in self.tiers.kinds_in("ram"):
+            for p in self.parts:
+                self._writes.append(self.store.write(p.name, kind, {n: np.asarray(a) for n, a in self._read(p.name, kind).items()}))
+        self._wait_writes()
+        self.store.commit(self.step_count if step is None else step, train_state)
+
+    # --- the plan ------------------------------------------------------------------
+
+    @property
+    def groups(self) -> list[range]:
+        """Recompute groups: block ranges whose first input is kept."""
+        n, k = self.cfg.num_hidden_layers, self.options.keep_every
+        k = n if k == 0 else min(k, n)
+        return [range(s, min(s + k, n)) for s in range(0, n, k)]
+
+    def plan(self, batch: int, seq: int) -> budget_mod.DevicePlan:
+        """Device bytes this engine needs for micro-batches of [batch, seq]."""
+        if (batch, seq) in self._plans:
+            return self._plans[batch, seq]
+        cfg, dt = self.cfg, np.dtype(self.cfg.compute_dtype)
+        x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), dt)
+        residuals = 0
+        for p in self.parts:
+            if p.fn_kind.startswith("block:"):
+                kind = p.fn_kind.removeprefix("block:")
+                _, vjp = jax.eval_shape(self.fns.recompute[kind], self.schemas[p.name], x)
+                residuals = max(residuals, budget_mod.tree_bytes(vjp))
+        self._residual_bytes = residuals
+        plan = budget_mod.plan_bytes(
+            max_part_bytes=max(parts_mod.nbytes(s) for s in self.schemas.values()),
+            max_grad_bytes=max(parts_mod.nbytes(s) for s in self.schemas.values()),
+            hidden_bytes=math.prod(x.shape) * dt.itemsize,
+            logits_bytes=batch * seq * cfg.vocab_size * 4,
+            residual_bytes=residuals,
+            prefetch_depth=self.options.prefetch_depth,
+            group=max(len(g) for g in self.groups),
+            kept=len(self.groups),
+            activations_on_device=self.options.activations == "device",
+        )
+        self._plans[batch, seq] = plan
+        return plan
+
+    def check_budget(self, batch: int, seq: int) -> None:
+        """Raise DeviceBudgetError (before anything runs) when the run cannot fit."""
+        self.ledger.budget = budget_mod.check_budget(self.plan(batch, seq), self.options.device_budget_bytes)
+
+    # --- the step ------------------------------------------------------------------
+
+    def _schedule(self) -> list[str]:
+        """The parts one micro-batch streams, in order of use."""
+        n = self.cfg.num_hidden_layers
+        fwd = ["embed", *(f"block.{i}" for i in range(n)), "head"]
+        fwd += ["embed"] if self.cfg.tie_word_embeddings else []  # the head's kernel
+        bwd = [f"block.{i}" for g in reversed(self.groups) for i in g]
+        return fwd + bwd
+
+    def _load(self, part: str):
+        """Prefetch worker: pending update, then read into a staging slot, then device_put."""
+        fresh = self._apply_update(part)
+        slot = self.pool.acquire(self.schemas[part])
+        with self.tracer.span("read", part):
+            if fresh is not None:
+                # np.asarray waits for the update (host sync on this worker thread):
+                # the new compute copy is staged without a round trip through the tier.
+                for n, buf in slot.buffers.items():
+                    np.copyto(buf, np.asarray(fresh[n]))
+            else:
+                self.tiers.read(part, "compute", out=slot.buffers).result()
+        with self.tracer.span("h2d", part):
+            return slot, self.pool.put(slot, part)
+
+    def step(self, tokens) -> dict[str, float]:
+        tokens = np.asarray(tokens, np.int32)
+        if tokens.ndim == 2:
+            tokens = tokens[None]
+        if tokens.ndim != 3:
+            raise MtjaxError(f"tokens must be [accum, batch, seq] or [batch, seq], got shape {tokens.shape}")
+        accum, batch, seq = tokens.shape
+        self.check_budget(batch, seq)  # before anything changes
+        self.tracer.step = self.step_count
+        self._wait_writes()
+        feed = Prefetcher(self._schedule() * accum, self._load, self.options.prefetch_depth)
+        try:
+            losses = [self._micro_batch(feed, self.placement.tokens(t), 1.0 / accum) for t in tokens]
+        finally:
+            for slot, _ in feed.close():
+                self.pool.release(slot, [])
+        # Host sync: the clip scale needs every part's gradient norm.
+        self._pending, sq = self.grads.finish()
+        self._scale = jax.device_put(clip_scale(sq, self.clip_norm), host_device())
+        self._wait_writes()
+        self.step_count += 1
+        # One host sync per step for the metrics, after the last block is enqueued.
+        return {"loss": float(np.mean([float(x) for x in losses])), "grad_norm": float(jnp.sqrt(sq))}
+
+    def _take(self, feed: Prefetcher, part: str):
+        item, loaded = feed.get()
+        assert item == part, f"prefetch order broken: expected {part}, got {item}"
+        return loaded
+
+    def _keep(self, x):
+        if self.options.activations == "host":
+            return self.placement.stash(x)
+        self.ledger.hold(x.nbytes, "a kept activation")
+        return x
+
+    def _unkeep(self, x):
+        if self.options.activations == "host":
+            return self.placement.unstash(x)
+        self.ledger.free(x.nbytes)
+        return x
+
+    def _micro_batch(self, feed: Prefetcher, tokens, weight: float):
+        """Forward and backward of one micro-batch; gradients go to the host sums."""
+        fns, pool, trace, cfg = self.fns, self.pool, self.tracer, self.cfg
+        starts = {g.start for g in self.groups}
+
+        slot, w = self._take(feed, "embed")
+        x = fns.embed_forward(w, tokens)
+        trace.watch("compute", "embed", x)
+        pool.release(slot, x)  # weights dropped as soon as the part is done
+        kept = {0: self._keep(x)}
+        for i, kind in enumerate(cfg.layer_types):
+            slot, w = self._take(feed, f"block.{i}")
+            x = fns.forward[kind](w, x)
+            trace.watch("compute", f"block.{i}", x)
+            pool.release(slot, x)
+            if i + 1 in starts:
+                kept[i + 1] = self._keep(x)
+
+        head_slot, head_w = self._take(feed, "head")
+        tied = self._take(feed, "embed") if cfg.tie_word_embeddings else (None, None)
+        loss, dhead, dembed, dx = fns.head(head_w, tied[1], x, tokens, weight)
+        trace.watch("compute", "head", dx)
+        pool.release(head_slot, dx)
+        self.grads.add("head", dhead)
+        if tied[0] is not None:
+            pool.release(tied[0], dx)
+            self.grads.add("embed", dembed)
+        del x, head_w, tied
+
+        for group in reversed(self.groups):
+            x = self._unkeep(kept.pop(group.start))
+            dx = self._backward_group(feed, group, x, dx)
+        de = fns.embed_backward(tokens, dx)
+        trace.watch("compute", "embed", de)
+        self.grads.add("embed", de)
+        return loss
+
+    def _backward_group(self, feed: Prefetcher, group: range, x, dx):
+        """Recompute the group's blocks from their kept input, then walk them back."""
+        fns, kinds = self.fns, self.cfg.layer_types
+        if len(group) == 1:  # recompute and backward fused in one program
+            i = group.start
+            slot, w = self._take(feed, f"block.{i}")
+            dw, dx = fns.grad[kinds[i]](w, x, dx)
+            return self._finish_block(i, slot, dw, dx)
+        held = []
+        for i in group:
+            slot, w = self._take(feed, f"block.{i}")
+            x, vjp = fns.recompute[kinds[i]](w, x)
+            self.ledger.hold(self._residual_bytes, "recompute residuals")
+            held.append((i, slot, vjp))
+        del x, w
+        while held:
+            i, slot, vjp = held.pop()
+            dw, dx = fns.backward(vjp, dx)
+            del vjp
+            self.ledger.free(self._residual_bytes)
+            dx = self._finish_block(i, slot, dw, dx)
+        return dx
+
+    def _finish_block(self, i: int, slot, dw, dx):
+        self.tracer.watch("compute", f"block.{i}", dx)
+        # dx is computed by the program that last reads the slot's weights.
+        self.pool.release(slot, dx)
+        self.grads.add(f"block.{i}", dw)
+        return dx
+
+    # --- reporting -----------------------------------------------------------------
+
+    def stage_seconds(self, step: int | None = None) -> dict[str, float]:
+        """Seconds spent per stage in a step (default: the last one)."""
+        self.tracer.drain()
+        return self.tracer.step_totals(self.step_count - 1 if step is None else step)
+
+    def write_trace(self, path) -> None:
+        """Chrome trace JSON of every step so far (open in Perfetto)."""
+        self.tracer.write(path)
+
+    def close(self) -> None:
+        self.grads.close()
+        self.tracer.close()
+        self.tiers.close()

@@ -1,0 +1,116 @@
+"""Per-part stage timings of every step, and their Chrome trace (Perfetto) JSON.
+
+Host-side stages (store read, optimizer, store write, device->host wait) are timed
+where they run. Device work is dispatched asynchronously, so its span is measured by a
+watcher thread that waits for the outputs: it starts when the work was dispatched or
+when the previous work on that lane ended, whichever is later, and ends when the
+outputs are ready. The main loop itself never waits for a timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import queue
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+
+STAGES = ("read", "h2d", "compute", "d2h", "optimizer", "write")
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    stage: str
+    part: str
+    start: float  # seconds since the tracer started
+    end: float
+    step: int
+
+
+class Tracer:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.step = 0
+        self.events: list[Event] = []
+        self._lock = threading.Lock()
+        self._lane_end: dict[str, float] = defaultdict(float)
+        self._pending: queue.Queue = queue.Queue()
+        self._watcher = threading.Thread(target=self._watch_loop, name="mtjax-trace", daemon=True)
+        self._watcher.start()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _record(self, stage: str, part: str, start: float, end: float, step: int) -> None:
+        with self._lock:
+            self.events.append(Event(stage, part, start, end, step))
+
+    @contextlib.contextmanager
+    def span(self, stage: str, part: str):
+        """Time a host-side stage that runs in the calling thread."""
+        start, step = self.now(), self.step
+        try:
+            yield
+        finally:
+            self._record(stage, part, start, self.now(), step)
+
+    def watch(self, stage: str, part: str, arrays) -> None:
+        """Time asynchronous device work from now until `arrays` are ready."""
+        self._pending.put((stage, part, self.now(), self.step, jax.tree.leaves(arrays)))
+
+    def _watch_loop(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is None:
+                self._pending.task_done()
+                return
+            stage, part, dispatched, step, arrays = item
+            try:
+                jax.block_until_ready(arrays)
+            except Exception:  # noqa: BLE001  a failed computation is reported by the step itself
+                pass
+            end = self.now()
+            start = max(dispatched, self._lane_end[stage])
+            self._lane_end[stage] = end
+            self._record(stage, part, start, end, step)
+            del arrays, item  # let the device buffers go
+            self._pending.task_done()
+
+    def drain(self) -> None:
+        """Wait until every watched computation has been timed."""
+        self._pending.join()
+
+    def step_totals(self, step: int) -> dict[str, float]:
+        """Seconds per stage in one step (summed over parts)."""
+        out = dict.fromkeys(STAGES, 0.0)
+        with self._lock:
+            for e in self.events:
+                if e.step == step:
+                    out[e.stage] = out.get(e.stage, 0.0) + e.end - e.start
+        return out
+
+    def chrome_trace(self) -> dict:
+        """The events as Chrome trace JSON (open in https://ui.perfetto.dev)."""
+        lanes = {s: i for i, s in enumerate(STAGES)}
+        out = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": i, "args": {"name": s}} for s, i in lanes.items()]
+        with self._lock:
+            for e in self.events:
+                out.append({"name": f"{e.stage} {e.part}", "cat": e.stage, "ph": "X", "pid": 1,
+                            "tid": lanes.get(e.stage, len(lanes)), "ts": e.start * 1e6,
+                            "dur": max(e.end - e.start, 0.0) * 1e6, "args": {"step": e.step}})
+        return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+    def write(self, path: str | Path) -> Path:
+        self.drain()
+        path = Path(path)
+        path.write_text(json.dumps(self.chrome_trace()))
+        return path
+
+    def close(self) -> None:
+        self._pending.put(None)
+        self._watcher.join()
