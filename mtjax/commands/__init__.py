@@ -1,0 +1,1 @@
+"""Subcommands of `mtjax`, one module each (see mtjax/cli.py)."""
