@@ -1,0 +1,102 @@
+"""Where everything lives in a store directory, and how the model config is recorded.
+
+    STORE/
+      manifest.json                        the commit point: step, config, slot of each (part, kind)
+      schema.json                          every array's name, shape and dtype (written once)
+      LOCK                                 held (fcntl) by the one writer
+      parts/<part>/<kind>.<slot>/<leaf>/   one zarr3 array per leaf; slot "a" or "b"
+      train_state/<name>/                  orbax checkpoint of the committed step's train state
+
+See docs/store.md for the commit protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from mtjax.model_config import ModelConfig, RopeScaling
+from mtjax.store.errors import StoreError
+
+LAYOUT_VERSION = 1
+FORMAT = "mtjax-store"
+MANIFEST = "manifest.json"
+SCHEMA = "schema.json"
+LOCK = "LOCK"
+PARTS_DIR = "parts"
+TRAIN_STATE_DIR = "train_state"
+SLOTS = ("a", "b")
+CHUNK_BYTES = 16 << 20  # 4-32 MiB chunks read fastest (FACTS.md); one chunk decodes on one thread
+
+
+def other_slot(slot: str | None) -> str:
+    """The slot a write goes to: never the one the committed manifest names."""
+    return "b" if slot == "a" else "a"
+
+
+def slot_dir(root: Path, part: str, kind: str, slot: str) -> Path:
+    return root / PARTS_DIR / part / f"{kind}.{slot}"
+
+
+def chunk_shape(shape: tuple[int, ...], itemsize: int, target: int = CHUNK_BYTES) -> list[int]:
+    """Split along the leading axis into chunks of about `target` bytes (whole rows)."""
+    if not shape:
+        return []
+    row = math.prod(shape[1:]) * itemsize
+    rows = max(1, min(shape[0], target // max(row, 1)))
+    return [rows, *shape[1:]]
+
+
+def config_to_json(cfg: ModelConfig) -> dict:
+    out = dataclasses.asdict(cfg)
+    out["layer_types"] = list(cfg.layer_types)
+    return json.loads(json.dumps(out))  # tuples become lists; the reader turns them back
+
+
+def _tuples(v):
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
+def config_from_json(d: dict) -> ModelConfig:
+    d = dict(d)
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise StoreError(f"the store's model config has fields this mtjax does not know: {unknown}; upgrade mtjax")
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["layer_types"] = tuple(d.get("layer_types", ()))
+    d["extra_hf"] = _tuples(d.get("extra_hf", []))
+    return ModelConfig(**d)
+
+
+def config_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
+    """Field names whose values differ between two configs."""
+    return [f.name for f in dataclasses.fields(ModelConfig) if getattr(a, f.name) != getattr(b, f.name)]
+
+
+def schema_to_json(schemas: dict) -> dict:
+    """{part: {kind: {leaf: ShapeDtypeStruct}}} -> JSON."""
+    return {part: {kind: {leaf: {"shape": list(s.shape), "dtype": np.dtype(s.dtype).name}
+                          for leaf, s in leaves.items()}
+                   for kind, leaves in kinds.items()}
+            for part, kinds in schemas.items()}
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def schema_from_json(d: dict) -> dict:
+    def spec(s):
+        return jax.ShapeDtypeStruct(tuple(s["shape"]), dtype_from_name(s["dtype"]))
+
+    return {part: {kind: {leaf: spec(s) for leaf, s in leaves.items()}
+                   for kind, leaves in kinds.items()}
+            for part, kinds in d.items()}

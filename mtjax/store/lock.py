@@ -1,0 +1,40 @@
+"""One writer per store: an exclusive, non-blocking fcntl lock on STORE/LOCK.
+
+The kernel drops the lock when the holder exits, however it exits, so a crashed writer
+never leaves a stale lock behind. Readers take no lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from mtjax.store import layout
+from mtjax.store.errors import StoreError
+
+
+class WriterLock:
+    def __init__(self, root: Path):
+        self.path = root / layout.LOCK
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            raise StoreError(
+                f"store {root} is already open for writing (by process {holder}); "
+                "close that writer first, or open the store read-only"
+            ) from None
+        try:  # the holder's pid, only for the message above; a full disk must not stop us
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+        except OSError:
+            pass
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,93 @@
+"""The manifest: the single file whose atomic replacement commits a step.
+
+Everything a committed step consists of is named by the manifest (the slot of every
+(part, kind), the train-state directory), so replacing the manifest atomically is the
+commit: write a temporary file, fsync it, rename it over the old one, fsync the
+directory. A crash before the rename leaves the old step; after it, the new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from mtjax.store import layout
+from mtjax.store.errors import StoreError
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    step: int  # the committed training step
+    generation: int  # +1 per commit; names train-state directories uniquely
+    config: dict  # layout.config_to_json(ModelConfig)
+    slots: dict  # {part: {kind: "a" | "b" | None}}; None = never written
+    train_state: str | None = None  # directory under train_state/, or None
+    layout_version: int = layout.LAYOUT_VERSION
+
+    def to_json(self) -> dict:
+        return {"format": layout.FORMAT, **dataclasses.asdict(self)}
+
+
+def read(root: Path) -> Manifest:
+    path = root / layout.MANIFEST
+    if not path.exists():
+        raise StoreError(f"{root} is not an mtjax store (no {layout.MANIFEST}); create one with `mtjax init` or `mtjax import`")
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StoreError(f"{path} is corrupt ({e}); restore the store from a backup") from None
+    if not isinstance(d, dict) or d.get("format") != layout.FORMAT:
+        raise StoreError(f"{path} is not an mtjax store manifest")
+    version = d.get("layout_version")
+    if not isinstance(version, int) or version > layout.LAYOUT_VERSION:
+        raise StoreError(
+            f"store {root} has layout version {version}, newer than this mtjax supports "
+            f"({layout.LAYOUT_VERSION}); upgrade mtjax to open it"
+        )
+    try:
+        return Manifest(step=int(d["step"]), generation=int(d["generation"]), config=d["config"],
+                        slots=d["slots"], train_state=d.get("train_state"), layout_version=version)
+    except (KeyError, TypeError, ValueError) as e:
+        raise StoreError(f"{path} lacks a valid {e} entry; restore the store from a backup") from None
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file and directory under `path` (and `path` itself)."""
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that readers see either the old or the new file."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, path)
+        fsync_dir(path.parent)  # the rename itself is durable
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise StoreError(f"could not write {path} ({e.strerror or e}); the previous commit is intact. "
+                         "Free disk space or fix permissions, then commit again") from None
+
+
+def write(root: Path, manifest: Manifest) -> None:
+    write_atomic(root / layout.MANIFEST, json.dumps(manifest.to_json(), indent=1))

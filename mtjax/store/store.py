@@ -1,0 +1,328 @@
+"""The layer store: every part's compute weights, fp32 master and optimizer state on disk.
+
+    store = mtjax.store.create(path, cfg, tx=None)   # empty arrays, manifest at step 0
+    store = mtjax.store.open(path, writable=True)    # .config, .step, .parts
+    fut = store.read(part, kind, out=None)           # Future[{leaf: np.ndarray}]
+    fut = store.write(part, kind, arrays)            # Future[None], to the uncommitted slot
+    store.commit(step, train_state=None)             # atomic: all of the step or none of it
+
+Each (part, kind) has two slots, "a" and "b". Writes go to the slot the committed
+manifest does not name; reads see the latest write; `commit` makes the written slots
+(and the train state) current by atomically replacing the manifest. docs/store.md has
+the whole protocol and why a crash at any moment leaves a consistent store.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from mtjax import parts as model_parts
+from mtjax.model_config import ModelConfig
+from mtjax.store import arrays, layout, manifest
+from mtjax.store import train_state as saved_state
+from mtjax.store.errors import StoreError
+from mtjax.store.lock import WriterLock
+
+
+def _part_name(part) -> str:
+    return part.name if isinstance(part, model_parts.Part) else str(part)
+
+
+def _ts_message(e: BaseException) -> str:
+    return str(e).split(" [tensorstore_spec=")[0]  # drop the multi-KB spec dump
+
+
+class Store:
+    """An open store. Use `create` or `open`, not this constructor."""
+
+    def __init__(self, root: Path, writable: bool, config: ModelConfig | None = None):
+        self.root = Path(root)
+        self.writable = writable
+        self._lock = WriterLock(self.root) if writable else None
+        try:
+            self._manifest = manifest.read(self.root)
+            self.config = layout.config_from_json(self._manifest.config)
+            self._schemas = self._read_schema()
+            if config is not None and (diff := layout.config_diff(config, self.config)):
+                raise StoreError(f"store {self.root} was written for another model config (differs in: "
+                                 f"{', '.join(diff)}); use a matching config or another store")
+            self.parts = [p.name for p in model_parts.parts(self.config)]
+            self._latest = {(p, k): s for p, kinds in self._manifest.slots.items() for k, s in kinds.items()}
+            self._pending: dict[tuple[str, str], concurrent.futures.Future] = {}
+            self._dirty: set[tuple[str, str]] = set()
+            self._arrays = arrays.ArrayCache()
+            self._mutex = threading.Lock()
+            self._broken: str | None = None
+            self._on_phase = lambda phase: None  # test hook: called at each step of `commit`
+            if writable:
+                saved_state.clean(self.root, keep=self._manifest.train_state)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- what is stored ----------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """The last committed step."""
+        return self._manifest.step
+
+    def _read_schema(self) -> dict:
+        path = self.root / layout.SCHEMA
+        try:
+            schemas = layout.schema_from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"{path} is missing or corrupt ({e}); restore the store from a backup") from None
+        for part in model_parts.parts(self.config):
+            for kind in ("compute", "master"):
+                derived = model_parts.schema(self.config, part.name, kind)
+                stored = schemas.get(part.name, {}).get(kind)
+                if stored != derived:
+                    raise StoreError(f"{path} does not match the store's model config at {part.name} {kind}; "
+                                     "the store was assembled from different models")
+        return schemas
+
+    def schema(self, part, kind: str) -> dict:
+        """{leaf: ShapeDtypeStruct} of one kind of state of one part."""
+        part = _part_name(part)
+        try:
+            return dict(self._schemas[part][kind])
+        except KeyError:
+            raise StoreError(f"store {self.root} has no part {part!r} with state kind {kind!r}; "
+                             f"parts are {self.parts[0]} ... {self.parts[-1]}, kinds {model_parts.KINDS}") from None
+
+    def nbytes(self, kind: str | None = None, part=None) -> int:
+        """Bytes of one committed copy of the state: all kinds, or one; all parts, or one."""
+        names = self.parts if part is None else [_part_name(part)]
+        kinds = model_parts.KINDS if kind is None else (kind,)
+        return sum(model_parts.nbytes(self.schema(p, k)) for p in names for k in kinds)
+
+    def disk_usage(self) -> int:
+        """Bytes the store occupies on disk (both slots, train state and metadata)."""
+        return sum(f.stat().st_size for f in self.root.rglob("*") if f.is_file())
+
+    # --- reads and writes ---------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise StoreError(f"{self._broken}; close and reopen store {self.root} to continue from step {self.step}")
+        if self._arrays is None:
+            raise StoreError(f"store {self.root} is closed")
+
+    def _handles(self, part: str, kind: str, slot: str, create: bool) -> dict:
+        handles = {}
+        for leaf, s in self.schema(part, kind).items():
+            path = layout.slot_dir(self.root, part, kind, slot) / leaf
+            try:
+                handles[leaf] = self._arrays.get(path, s.shape, s.dtype, create)
+            except ValueError as e:
+                raise StoreError(f"store {self.root}: {part} {kind} tensor {leaf} cannot be opened "
+                                 f"({_ts_message(e)}); restore the store from a backup") from None
+        return handles
+
+    def _check_arrays(self, part: str, kind: str, given: dict, what: str) -> None:
+        schema = self.schema(part, kind)
+        missing, extra = sorted(set(schema) - set(given)), sorted(set(given) - set(schema))
+        if missing or extra:
+            raise StoreError(f"{what} for {part} {kind} does not match the store: missing {missing}, extra {extra}")
+        for leaf, s in schema.items():
+            a = given[leaf]
+            if not isinstance(a, np.ndarray) or a.shape != tuple(s.shape) or a.dtype != s.dtype:
+                got = f"{getattr(a, 'shape', '?')} {getattr(a, 'dtype', type(a).__name__)}"
+                raise StoreError(f"{what} for {part} {kind} tensor {leaf}: expected a numpy array "
+                                 f"{tuple(s.shape)} {np.dtype(s.dtype).name}, got {got}")
+
+    def read(self, part, kind: str, out: dict | None = None) -> concurrent.futures.Future:
+        """Future of {leaf: array}: the latest written (else committed) state of a part.
+
+        `out` ({leaf: preallocated C-contiguous array}, e.g. from a BufferPool) is filled
+        in place and returned; without it fresh arrays are allocated (slower: page faults).
+        """
+        part = _part_name(part)
+        self._check_usable()
+        self.schema(part, kind)  # an unknown part or kind fails here, with the valid names
+        slot = self._latest.get((part, kind))
+        if slot is None:
+            raise StoreError(f"store {self.root}: {part} {kind} has never been written; "
+                             "fill the store with `mtjax init` or `mtjax import`")
+        if out is None:
+            out = {leaf: np.empty(s.shape, s.dtype) for leaf, s in self.schema(part, kind).items()}
+        else:
+            self._check_arrays(part, kind, out, "read buffers")
+            bad = [leaf for leaf, a in out.items() if not (a.flags.c_contiguous and a.flags.writeable)]
+            if bad:
+                raise StoreError(f"read buffers for {part} {kind} must be writable and C-contiguous: {bad}")
+        handles = self._handles(part, kind, slot, create=False)
+
+        def on_error(leaf, e):
+            return StoreError(f"store {self.root}: {part} {kind} tensor {leaf} (slot {slot}) is corrupt or "
+                              f"unreadable ({_ts_message(e)}); restore the store from a backup")
+
+        def start():
+            futs = {leaf: arrays.read_into(h, out[leaf]) for leaf, h in handles.items()}
+            return arrays.gather(futs, out, on_error)
+
+        return self._chain(part, kind, start)
+
+    def write(self, part, kind: str, values: dict) -> concurrent.futures.Future:
+        """Future that resolves once every leaf is durable in the uncommitted slot.
+
+        `values` must hold every leaf of `schema(part, kind)` with its exact shape and
+        dtype; keep the arrays unchanged until the future resolves.
+        """
+        part = _part_name(part)
+        self._check_usable()
+        if not self.writable:
+            raise StoreError(f"store {self.root} is open read-only; open it with writable=True to write")
+        self._check_arrays(part, kind, values, "write")
+        slot = layout.other_slot(self._manifest.slots[part][kind])
+        handles = self._handles(part, kind, slot, create=True)
+
+        def on_error(leaf, e):
+            msg = f"writing {part} {kind} tensor {leaf} failed ({_ts_message(e)})"
+            self._broken = self._broken or msg  # the slot is half-written: refuse to commit it
+            return StoreError(f"store {self.root}: {msg}; the committed step {self.step} is intact")
+
+        def start():
+            futs = {leaf: arrays.write_from(h, values[leaf]) for leaf, h in handles.items()}
+            return arrays.gather(futs, None, on_error)
+
+        with self._mutex:
+            self._latest[(part, kind)] = slot
+            self._dirty.add((part, kind))
+        return self._chain(part, kind, start)
+
+    def _chain(self, part: str, kind: str, start) -> concurrent.futures.Future:
+        """Start after the previous read or write of the same (part, kind) finished."""
+        with self._mutex:
+            fut = arrays.after(self._pending.get((part, kind)), start)
+            self._pending[(part, kind)] = fut
+        return fut
+
+    def wait(self) -> None:
+        """Block until every pending read and write has finished; raise the first failure."""
+        with self._mutex:
+            pending = list(self._pending.values())
+        errors = [f.exception() for f in concurrent.futures.wait(pending).done if f.exception() is not None]
+        with self._mutex:
+            self._pending = {k: f for k, f in self._pending.items() if not f.done()}
+        if errors:
+            raise errors[0]
+
+    # --- commits ------------------------------------------------------------------------
+
+    def commit(self, step: int, train_state: dict | None = None) -> None:
+        """Make every write since the last commit, and `train_state`, the committed `step`.
+
+        Atomic: after a crash at any moment the store opens at the previous step or at
+        this one, never a mix. On error the previous commit stays current.
+        """
+        if not self.writable:
+            raise StoreError(f"store {self.root} is open read-only; open it with writable=True to commit")
+        if not isinstance(step, int) or step < 0:
+            raise StoreError(f"commit step must be a non-negative int, got {step!r}")
+        self._check_usable()
+        if train_state is not None:
+            train_state = dict(train_state)
+            saved_state.check(train_state)  # before anything touches the disk
+        self.wait()
+        self._check_usable()
+        self._on_phase("written")
+        slots = {p: dict(kinds) for p, kinds in self._manifest.slots.items()}
+        for part, kind in sorted(self._dirty):
+            slots[part][kind] = self._latest[(part, kind)]
+            _fsync_slot(layout.slot_dir(self.root, part, kind, slots[part][kind]))
+        self._on_phase("synced")
+        generation = self._manifest.generation + 1
+        ts_name = None
+        if train_state is not None:
+            ts_name = saved_state.save(self.root, f"g{generation:08d}-step{step:08d}", train_state)
+        self._on_phase("train_state")
+        new = dataclasses.replace(self._manifest, step=step, generation=generation, slots=slots,
+                                  train_state=ts_name)
+        manifest.write(self.root, new)  # the commit point
+        self._on_phase("committed")
+        self._manifest = new
+        self._dirty.clear()
+        saved_state.clean(self.root, keep=ts_name)
+
+    def load_train_state(self) -> dict | None:
+        """The train state committed with the current step, or None if none was given."""
+        if self._manifest.train_state is None:
+            return None
+        return saved_state.load(self.root, self._manifest.train_state)
+
+    def close(self) -> None:
+        """Wait for pending I/O, then release the writer lock. Uncommitted writes are dropped."""
+        try:
+            if getattr(self, "_pending", None):
+                concurrent.futures.wait(list(self._pending.values()))
+        finally:
+            self._arrays = None
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        mode = "writable" if self.writable else "read-only"
+        return f"Store({str(self.root)!r}, step={self.step}, {len(self.parts)} parts, {mode})"
+
+
+def _fsync_slot(path: Path) -> None:
+    """tensorstore fsyncs chunk files; make their directory entries durable too."""
+    for dirpath, _, _ in os.walk(path):
+        manifest.fsync_dir(Path(dirpath))
+
+
+def open(path, writable: bool = False, config: ModelConfig | None = None) -> Store:  # noqa: A001
+    """Open an existing store. `writable` takes the single-writer lock; `config`, when
+    given, must equal the store's model config."""
+    root = Path(path)
+    if not root.is_dir():
+        raise StoreError(f"no store at {root}; create one with `mtjax init` or `mtjax import`")
+    return Store(root, writable, config)
+
+
+def create(path, cfg: ModelConfig, tx=None) -> Store:
+    """Create an empty store for `cfg` (manifest at step 0, nothing written) and open it
+    for writing. `tx` (an optax transformation; default AdamW from OptimConfig()) fixes the
+    optimizer-state leaves."""
+    root = Path(path)
+    if (root / layout.MANIFEST).exists() or (root.exists() and any(root.iterdir())):
+        raise StoreError(f"{root} already exists and is not empty; choose a new directory "
+                         "(an existing store is opened with mtjax.store.open)")
+    if tx is None:
+        from mtjax.optim import OptimConfig, make_optimizer
+
+        tx = make_optimizer(OptimConfig())
+    names = [p.name for p in model_parts.parts(cfg)]
+    schemas = {p: {k: model_parts.schema(cfg, p, k, tx) for k in model_parts.KINDS} for p in names}
+    try:
+        (root / layout.PARTS_DIR).mkdir(parents=True, exist_ok=True)
+        (root / layout.TRAIN_STATE_DIR).mkdir(exist_ok=True)
+        manifest.write_atomic(root / layout.SCHEMA, json.dumps(layout.schema_to_json(schemas)))
+        empty = manifest.Manifest(step=0, generation=0, config=layout.config_to_json(cfg),
+                                  slots={p: {k: None for k in model_parts.KINDS} for p in names})
+        manifest.write(root, empty)
+    except OSError as e:
+        raise StoreError(f"cannot create store at {root} ({e.strerror or e})") from None
+    return Store(root, writable=True)
+
+
+def remove(path) -> None:
+    """Delete a store directory (used to clean up after a failed import or init)."""
+    shutil.rmtree(path, ignore_errors=True)
