@@ -86,8 +86,12 @@ class SafetensorsReader:
         self.dir = Path(ckpt_dir)
         index = self.dir / INDEX_FILE
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+                raise CheckpointError(
+                    f"{index} is not a safetensors index (no valid weight_map); re-download it"
+                ) from None
         elif (self.dir / SINGLE_FILE).exists():
             files = [SINGLE_FILE]
         else:
@@ -180,6 +184,7 @@ def save_checkpoint(cfg: ModelConfig, tensors, out_dir: str | Path, max_shard_by
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards, current, size = [], {}, 0
+    total = 0  # tensor bytes without headers: the index's total_size, as transformers writes it
     tmp_names = []
 
     def flush():
@@ -196,19 +201,21 @@ def save_checkpoint(cfg: ModelConfig, tensors, out_dir: str | Path, max_shard_by
             flush()
         current[name] = np.ascontiguousarray(array)
         size += array.nbytes
+        total += array.nbytes
     flush()
+    # A stale file of the other layout would shadow the new one in some loaders: drop it.
     if len(tmp_names) == 1:
         (out / tmp_names[0]).rename(out / SINGLE_FILE)
+        (out / INDEX_FILE).unlink(missing_ok=True)
     else:
-        weight_map, total = {}, 0
+        weight_map = {}
         for i, (tmp, names) in enumerate(zip(tmp_names, shards)):
             final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             (out / tmp).rename(out / final)
             weight_map.update({n: final for n in names})
-        for i, final in enumerate(sorted(set(weight_map.values()))):
-            total += (out / final).stat().st_size
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        (out / SINGLE_FILE).unlink(missing_ok=True)
     (out / "config.json").write_text(json.dumps(to_hf_dict(cfg), indent=2))
 
 
