@@ -17,6 +17,7 @@ from mtjax.errors import MtjaxError
 COMMAND_MODULES = [
     "mtjax.commands.train",
     "mtjax.commands.plan",
+    "mtjax.commands.store",
 ]
 
 

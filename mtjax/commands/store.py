@@ -1,0 +1,79 @@
+"""`mtjax import`, `mtjax export`, `mtjax init`: fill a layer store or turn it back into a checkpoint."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from mtjax.errors import MtjaxError
+
+DTYPES = ("bfloat16", "float32", "float16")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5e9 bytes, '500MiB' -> 500 * 2**20 (the units Hugging Face accepts)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
+        raise MtjaxError(f"--max-shard-size {text!r} is not a size; write e.g. 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("import", help="convert a Hugging Face checkpoint into a new layer store")
+    p.add_argument("hf_dir", help="checkpoint directory (config.json + safetensors, single or sharded)")
+    p.add_argument("store_dir", help="new store directory (must not exist or be empty)")
+    p.add_argument("--compute-dtype", choices=DTYPES, default="bfloat16", help="dtype of the streamed weights")
+    p.set_defaults(func=run_import)
+
+    e = subparsers.add_parser("export", help="write a store's weights as a Hugging Face checkpoint")
+    e.add_argument("store_dir")
+    e.add_argument("out_dir", help="new output directory (must not exist or be empty)")
+    e.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    e.set_defaults(func=run_export)
+
+    i = subparsers.add_parser("init", help="create a store with freshly initialised weights")
+    i.add_argument("config", help="HF config.json, a checkpoint dir holding one, or an experiment YAML")
+    i.add_argument("store_dir", help="new store directory (must not exist or be empty)")
+    i.add_argument("--compute-dtype", choices=DTYPES,
+                   help="dtype of the streamed weights (default: bfloat16, or the experiment's)")
+    i.add_argument("--seed", type=int, default=0, help="parameter initialisation seed")
+    i.set_defaults(func=run_init)
+
+
+def _progress(total: int):
+    done = [0]
+
+    def step(part: str) -> None:
+        done[0] += 1
+        print(f"\r{done[0]}/{total} parts ({part})", end="", flush=True)
+
+    return step
+
+
+def run_import(args) -> int:
+    from mtjax.model_config import load_hf_config
+    from mtjax.store.hf_import import import_hf
+
+    total = load_hf_config(args.hf_dir).num_hidden_layers + 2
+    out = import_hf(args.hf_dir, args.store_dir, compute_dtype=args.compute_dtype, progress=_progress(total))
+    print(f"\nimported {args.hf_dir} into {out}")
+    return 0
+
+
+def run_export(args) -> int:
+    from mtjax.store.hf_export import export_hf
+
+    out = export_hf(args.store_dir, args.out_dir, parse_size(args.max_shard_size))
+    print(f"exported {args.store_dir} to {out}")
+    return 0
+
+
+def run_init(args) -> int:
+    from mtjax.store.fresh import init_store, load_config
+
+    cfg, tx = load_config(Path(args.config), args.compute_dtype)
+    out = init_store(cfg, args.store_dir, seed=args.seed, tx=tx)
+    print(f"initialised {out}")
+    return 0

@@ -1,0 +1,65 @@
+"""Filling a new store: all three kinds of state of a part from its fp32 master weights.
+
+Used by `hf_import` and `fresh`. A new store is built in a hidden sibling directory and
+renamed into place only when complete, so a failed or interrupted import never leaves
+a half-filled store at the destination.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtjax import parts, treepath
+from mtjax.store import store as store_mod
+from mtjax.store.errors import StoreError
+
+
+def write_part(store, part: str, master: dict[str, np.ndarray], tx) -> None:
+    """Write master, compute (a cast of master) and fresh optimizer state (tx.init).
+
+    One kind at a time, waiting for each, so host memory holds about one part.
+    """
+    cfg = store.config
+    store.write(part, "master", master).result()
+    schema = store.schema(part, "compute")
+    compute = {k: v.astype(schema[k].dtype) for k, v in master.items()}
+    store.write(part, "compute", compute).result()
+    del compute
+    tree = treepath.unflatten(parts.abstract_part(cfg, part), master)
+    opt = treepath.flatten(tx.init(jax.tree.map(jnp.asarray, tree)))
+    store.write(part, "opt", {k: np.asarray(v) for k, v in opt.items()}).result()
+
+
+def check_destination(dest: Path) -> None:
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise StoreError(f"{dest} already exists and is not empty; choose a new store directory")
+
+
+@contextlib.contextmanager
+def staged(dest: str | Path, cfg, tx):
+    """Yield a writable store in a temporary sibling of `dest`; rename it to `dest` on success."""
+    dest = Path(dest).absolute()
+    check_destination(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.partial-{os.getpid()}"
+    store_mod.remove(tmp)
+    store = None
+    try:
+        store = store_mod.create(tmp, cfg, tx)
+        yield store
+        store.close()
+        if dest.exists():
+            dest.rmdir()  # empty (checked above)
+        os.replace(tmp, dest)
+    except OSError as e:
+        raise StoreError(f"cannot write the store at {dest} ({e.strerror or e}); nothing was created there") from None
+    finally:
+        if store is not None:
+            store.close()
+        store_mod.remove(tmp)

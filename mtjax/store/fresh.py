@@ -1,0 +1,46 @@
+"""`mtjax init`: a new store with freshly initialised weights (mtjax.model.init_params)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from mtjax import model, parts, treepath
+from mtjax.errors import MtjaxError
+from mtjax.model_config import ModelConfig, load_hf_config
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.store import fill
+from mtjax.store.errors import StoreError
+
+
+def load_config(path: str | Path, compute_dtype: str | None = None) -> tuple[ModelConfig, object]:
+    """(model config, optax transformation) from an HF config.json, a checkpoint dir or an
+    experiment YAML (whose optim group gives the optimizer; otherwise default AdamW)."""
+    path = Path(path)
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            from mtjax import config as experiment  # the one module that reads YAML
+
+            exp = experiment.load(path)
+            cfg = experiment.model_config(exp)
+            if compute_dtype:
+                cfg = dataclasses.replace(cfg, compute_dtype=compute_dtype)
+            return cfg, make_optimizer(exp.optim)
+        return load_hf_config(path, compute_dtype=compute_dtype or "bfloat16"), make_optimizer(OptimConfig())
+    except MtjaxError as e:
+        raise StoreError(f"cannot init a store from {path}: {e}") from None
+
+
+def init_store(cfg: ModelConfig, store_dir: str | Path, seed: int = 0, tx=None) -> Path:
+    """A new store at `store_dir` (step 0) holding `init_params(cfg, seed)` and tx.init state."""
+    tx = tx or make_optimizer(OptimConfig())
+    fill.check_destination(Path(store_dir))
+    params = model.init_params(cfg, seed)  # the whole model in host memory, fp32
+    with fill.staged(store_dir, cfg, tx) as store:
+        for part in store.parts:
+            named = treepath.flatten(parts.part_params(params, part))
+            fill.write_part(store, part, {k: np.asarray(v, np.float32) for k, v in named.items()}, tx)
+        store.commit(0)
+    return Path(store_dir)

@@ -1,0 +1,46 @@
+"""`mtjax export`: a store's committed master weights as a Hugging Face checkpoint.
+
+Tensors are produced one part at a time in the checkpoint's own dtype and names
+(mtjax.hf's table) and written by mtjax.hf.save_checkpoint, which holds one shard.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from mtjax import hf
+from mtjax.store import store as store_mod
+from mtjax.store.errors import StoreError
+from mtjax.store.hf_import import by_part, locate
+
+
+def hf_tensors(store) -> Iterator[tuple[str, np.ndarray]]:
+    """(hf name, array) in checkpoint order, cast to the config's param dtype."""
+    cfg = store.config
+    dtype = hf.NP_DTYPES[cfg.param_dtype]
+    grouped = by_part(hf.layout(cfg))
+    for part in store.parts:
+        master = store.read(part, "master").result()
+        for spec in grouped[part]:
+            yield spec.hf_name, hf.to_hf(spec, master[locate(spec)[1]]).astype(dtype)
+        del master
+
+
+def export_hf(store_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 10**9) -> Path:
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise StoreError(f"{out} already exists and is not empty; choose a new output directory")
+    created = not out.exists()
+    with store_mod.open(store_dir) as store:
+        try:
+            hf.save_checkpoint(store.config, hf_tensors(store), out, max_shard_bytes)
+        except BaseException as e:
+            if created:
+                store_mod.remove(out)
+            if isinstance(e, OSError):
+                raise StoreError(f"cannot write the checkpoint to {out} ({e.strerror or e})") from None
+            raise
+    return out

@@ -1,0 +1,87 @@
+"""`mtjax import`: a Hugging Face checkpoint into a new store, one tensor at a time.
+
+Tensor names, shapes and transposes come from mtjax.hf (the one name table). Each part
+reopens the memory-mapped safetensors files and drops them when done, so host memory
+holds about one part (its master, compute and optimizer state), not the model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from mtjax import hf
+from mtjax.errors import MtjaxError
+from mtjax.model_config import load_hf_config
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.store import fill
+from mtjax.store.errors import StoreError
+
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def locate(spec: hf.TensorSpec) -> tuple[str, str]:
+    """(part name, leaf name) of a tensor, from its path in the params pytree."""
+    if spec.path[0] == "blocks":
+        return f"block.{spec.path[1]}", ".".join(spec.path[2:])
+    return spec.path[0], ".".join(spec.path[1:])
+
+
+def by_part(specs: list[hf.TensorSpec]) -> dict[str, list[hf.TensorSpec]]:
+    grouped = defaultdict(list)
+    for spec in specs:
+        grouped[locate(spec)[0]].append(spec)
+    return grouped
+
+
+def _check_dtypes(cfg, reader: hf.SafetensorsReader, specs) -> None:
+    wrong = []
+    for spec in specs:
+        stored = reader.dtype(spec.hf_name)
+        if SAFETENSORS_DTYPES.get(stored) != cfg.param_dtype:
+            wrong.append(f"{spec.hf_name} is {stored}")
+    if wrong:
+        shown = ", ".join(wrong[:5]) + (f", ... ({len(wrong)} in all)" if len(wrong) > 5 else "")
+        raise StoreError(f"checkpoint dtypes do not match its config.json dtype {cfg.param_dtype}: {shown}; "
+                         "fix `torch_dtype` in config.json or re-save the checkpoint in one dtype")
+
+
+def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "bfloat16", tx=None,
+              progress=None) -> Path:
+    """Convert the checkpoint in `hf_dir` into a new store at `store_dir` (step 0).
+
+    Master weights are the checkpoint's values in fp32 (exact for fp32/bf16/fp16 files),
+    compute weights are cast to `compute_dtype`, optimizer state is `tx.init` (default
+    AdamW). `progress(part_name)` is called after each part.
+    """
+    hf_dir = Path(hf_dir)
+    try:
+        cfg = load_hf_config(hf_dir, compute_dtype=compute_dtype)
+        specs = hf.check(cfg, hf.SafetensorsReader(hf_dir))
+        _check_dtypes(cfg, hf.SafetensorsReader(hf_dir), specs)
+    except StoreError:
+        raise
+    except MtjaxError as e:
+        raise StoreError(f"cannot import {hf_dir}: {e}") from None
+    tx = tx or make_optimizer(OptimConfig())
+    grouped = by_part(specs)
+    with fill.staged(store_dir, cfg, tx) as store:
+        for part in store.parts:
+            reader = hf.SafetensorsReader(hf_dir)  # fresh mappings: the last part's pages leave RSS
+            master = {}
+            for spec in grouped[part]:
+                try:
+                    tensor = reader.read(spec.hf_name)
+                except MtjaxError as e:
+                    raise StoreError(f"cannot import {hf_dir}: {e}") from None
+                master[locate(spec)[1]] = hf.to_mtjax(spec, tensor).astype(np.float32, copy=False)
+                del tensor
+            del reader
+            fill.write_part(store, part, master, tx)
+            del master
+            if progress:
+                progress(part)
+        store.commit(0)
+    return Path(store_dir)
