@@ -16,6 +16,10 @@ from mtjax.errors import MtjaxError
 # Order is the order of `mtjax --help`.
 COMMAND_MODULES = [
     "mtjax.commands.train",
+    "mtjax.commands.data",
+    "mtjax.commands.generate",
+    "mtjax.commands.eval",
+    "mtjax.commands.plot",
     "mtjax.commands.plan",
     "mtjax.commands.store",
 ]
@@ -39,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["train", *argv]  # bare `mtjax` runs the embedded default training run
     if argv == ["--debug"]:
         argv = ["--debug", "train"]
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not hasattr(args, "extra_args"):  # only commands that set extra_args take free-form options
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.extra_args = extra  # e.g. a mistyped --optim.lrr=1, which train reports with the nearest key
     if args.command is None:
         args = parser.parse_args([*argv, "train"])
     try:

@@ -26,7 +26,7 @@ from mtjax.optim import OptimConfig
 
 __all__ = [
     "ConfigError", "DataConfig", "ExperimentConfig", "ModelSection", "PRESETS", "RunConfig",
-    "StoreConfig", "StreamConfig", "load", "model_config", "valid_keys",
+    "StoreConfig", "StreamConfig", "dump", "load", "to_yaml", "model_config", "valid_keys",
 ]
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -136,7 +136,7 @@ class RunConfig:
     eval_batches: int = 4  # micro-batches per validation loss
     checkpoint_every: int = 0  # steps between checkpoints in <dir>/checkpoint; 0 saves only at the end
     seed: int = 0  # seed of parameter initialisation and sampling
-    sample_prompt: str = "ROMEO:"  # prompt of the sample printed at the end; "" skips it
+    sample_prompt: str = "CLEOPATRA.\n"  # prompt of the sample printed at the end; "" skips it
     sample_tokens: int = 200  # tokens generated for that sample
     tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard package)
 
@@ -193,6 +193,15 @@ def load(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -
         key, value = _split_override(item)
         _set_dotted(tree, key, value)
     return from_dict(tree)
+
+
+def to_yaml(exp: ExperimentConfig) -> str:
+    """`exp` as a YAML experiment file that `load` reads back to an equal config."""
+    return yaml.safe_dump(exp.to_dict(), sort_keys=False)
+
+
+def dump(exp: ExperimentConfig, path: str | Path) -> None:
+    Path(path).write_text(to_yaml(exp))
 
 
 def from_dict(tree: dict) -> ExperimentConfig:

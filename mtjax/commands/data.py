@@ -1,0 +1,46 @@
+"""`mtjax data prepare|info`: tokenize raw text into a dataset, or describe one."""
+
+from __future__ import annotations
+
+import json
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("data", help="prepare a tokenized dataset from text or JSONL, or describe one",
+                              description=__doc__)
+    sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    prep = sub.add_parser("prepare", help="tokenize text/JSONL files (.gz accepted) into token shards",
+                          description="Tokenize plain-text files (one document each) or JSONL files (one "
+                                      "document per line) into memory-mapped token shards plus meta.json.")
+    prep.add_argument("inputs", nargs="+", help="files or directories (.txt, .md, .jsonl, optionally .gz), "
+                                                "or builtin:shakespeare")
+    prep.add_argument("--out", required=True, help="output dataset directory")
+    prep.add_argument("--tokenizer", default="bytes",
+                      help="bytes | bpe:VOCAB (trained on the input) | tokenizer.json or a checkpoint dir "
+                           "(default: bytes)")
+    prep.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
+    prep.add_argument("--val-fraction", type=float, default=0.01,
+                      help="share of tokens held out for validation (default: 0.01)")
+    prep.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --out")
+    prep.set_defaults(func=run_prepare)
+    info = sub.add_parser("info", help="print a prepared dataset's metadata")
+    info.add_argument("dataset", help="prepared dataset directory")
+    info.set_defaults(func=run_info)
+
+
+def run_prepare(args) -> int:
+    from mtjax.data import prepare
+
+    meta = prepare(args.inputs, args.out, args.tokenizer, args.text_field, args.val_fraction,
+                   overwrite=args.overwrite)
+    train, val = (b - a for a, b in meta["splits"].values())
+    print(f"{args.out}: {meta['num_tokens']:,} tokens ({train:,} train, {val:,} validation) from "
+          f"{meta['num_documents']:,} documents; vocabulary {meta['vocab_size']:,} ({meta['dtype']})")
+    return 0
+
+
+def run_info(args) -> int:
+    from mtjax.data import Dataset
+
+    print(json.dumps(Dataset(args.dataset).meta, indent=2))
+    return 0

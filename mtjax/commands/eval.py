@@ -1,0 +1,26 @@
+"""`mtjax eval CHECKPOINT DATASET`: mean next-token loss of a checkpoint on a dataset split."""
+
+from __future__ import annotations
+
+import math
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("eval", help="loss and perplexity of a checkpoint on a dataset", description=__doc__)
+    p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/default/final)")
+    p.add_argument("dataset", help="prepared dataset dir, raw text/JSONL file, or builtin:shakespeare")
+    p.add_argument("--split", default="val", help="train or val (default: val)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per row (default: 128)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per batch (default: 8)")
+    p.add_argument("--batches", type=int, default=8, help="batches to average over (default: 8)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer spec when the checkpoint has none")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from mtjax.run import evaluate_checkpoint
+
+    loss = evaluate_checkpoint(args.checkpoint, args.dataset, args.split, args.seq_len, args.batch_size,
+                               args.batches, args.tokenizer)
+    print(f"{args.split} loss {loss:.4f}  perplexity {math.exp(min(loss, 50)):.2f}")
+    return 0

@@ -1,0 +1,70 @@
+"""Sampling text from a model: greedy, temperature and top-k.
+
+A KV-cache-free loop for small models: every new token recomputes the forward pass
+over a fixed-length buffer, so the whole generation is one compiled `fori_loop` (one
+compile per buffer length, no per-token dispatch). Causal attention makes the padding
+to the right of the current position invisible to it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtjax import model
+from mtjax.model_config import ModelConfig
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _sample_loop(cfg: ModelConfig, params, buffer, prompt_len, temperature_is_zero: bool, top_k: int,
+                 temperature, key):
+    def body(i, carry):
+        buffer, key = carry
+        logits = model.forward(cfg, params, buffer)[0, i - 1]  # fp32 [vocab], predicts position i
+        key, sub = jax.random.split(key)
+        if temperature_is_zero:
+            token = jnp.argmax(logits)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = jax.lax.top_k(logits, top_k)[0][-1]
+                logits = jnp.where(logits < kth, -jnp.inf, logits)
+            token = jax.random.categorical(sub, logits)
+        return buffer.at[0, i].set(token.astype(buffer.dtype)), key
+
+    buffer, _ = jax.lax.fori_loop(prompt_len, buffer.shape[1], body, (buffer, key))
+    return buffer
+
+
+def generate(cfg: ModelConfig, params, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
+             top_k: int | None = 40, seed: int = 0, eos_id: int | None = None) -> list[int]:
+    """`max_new_tokens` ids sampled after `prompt` (cut at the first EOS when given).
+
+    temperature 0 is greedy decoding. The prompt is truncated on the left so prompt and
+    continuation fit in the model's context.
+    """
+    if max_new_tokens <= 0:
+        return []
+    context = cfg.max_position_embeddings
+    max_new_tokens = min(max_new_tokens, context - 1)
+    prompt = list(prompt)[-(context - max_new_tokens):] or [eos_id if eos_id is not None else 0]
+    length = len(prompt) + max_new_tokens
+    buffer = np.zeros((1, length), np.int32)
+    buffer[0, :len(prompt)] = prompt
+    top_k = 0 if not top_k or top_k >= cfg.vocab_size else int(top_k)
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    out = _sample_loop(cfg, params, jnp.asarray(buffer), len(prompt), temperature <= 0, top_k,
+                       jnp.float32(max(temperature, 1e-6)), jax.random.key(seed))
+    new = np.asarray(out[0, len(prompt):]).tolist()  # the one host sync of a generation
+    if eos_id is not None and eos_id in new:
+        new = new[:new.index(eos_id)]
+    return new
+
+
+def complete(cfg: ModelConfig, params, tokenizer, prompt: str, max_new_tokens: int, **kwargs) -> str:
+    """Text continuation of `prompt` using `tokenizer` (see mtjax.data.tokenizer)."""
+    ids = generate(cfg, params, tokenizer.encode(prompt), max_new_tokens, eos_id=tokenizer.eos_id, **kwargs)
+    return tokenizer.decode(ids)

@@ -1,0 +1,225 @@
+"""A training run: config -> model, data and engine -> steps -> checkpoint and a sample.
+
+    summary = mtjax.run.train(mtjax.config.load("experiments/default.yaml"))
+
+`mtjax train` is a thin wrapper around `train`. The engine that runs a step is chosen
+by `stream.engine` in `make_engine`; any object with this protocol plugs in:
+
+    engine.step(tokens)   int32 [accum, batch, seq] -> {"loss", "grad_norm", ...} (floats)
+    engine.params()       fp32 params pytree on the host, every pending update applied
+    engine.eval_loss(t)   optional: mean loss over int32 [n, batch, seq], no update
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtjax import config as config_lib
+from mtjax import data, generate, hf, model
+from mtjax.config import ConfigError, ExperimentConfig
+from mtjax.model_config import ModelConfig
+from mtjax.progress import Progress
+from mtjax.reference import ReferenceTrainer, loss_fn
+
+STATE_FILE = "mtjax-state.json"  # next to a saved checkpoint: step, data cursor, tokenizer
+
+
+class Engine(Protocol):
+    def step(self, tokens: np.ndarray) -> dict[str, float]: ...
+
+    def params(self): ...
+
+
+class ReferenceEngine:
+    """The whole model in device memory (mtjax.reference), behind the engine protocol."""
+
+    def __init__(self, exp: ExperimentConfig, cfg: ModelConfig, params):
+        self.cfg = cfg
+        self.trainer = ReferenceTrainer(cfg, params, exp.optim)
+        self._loss = jax.jit(lambda p, t: loss_fn(cfg, p, t, remat=False))
+
+    def step(self, tokens: np.ndarray) -> dict[str, float]:
+        return self.trainer.step(tokens)
+
+    def params(self):
+        return jax.device_get(self.trainer.params)
+
+    def eval_loss(self, tokens: np.ndarray) -> float:
+        losses = [self._loss(self.trainer.params, jnp.asarray(t)) for t in tokens]
+        return float(jnp.mean(jnp.stack(losses)))  # one host sync for all micro-batches
+
+
+def make_engine(exp: ExperimentConfig, cfg: ModelConfig, params) -> Engine:
+    """The engine `exp.stream.engine` names, starting from fp32 `params`."""
+    if exp.stream.engine == "reference":
+        return ReferenceEngine(exp, cfg, params)
+    # The streaming engine (mtjax.stream) is added here: engine == "stream".
+    raise ConfigError(f"stream.engine={exp.stream.engine!r} is not available in this build; "
+                      "use --stream.engine=reference")
+
+
+def initial_params(exp: ExperimentConfig, cfg: ModelConfig):
+    """Weights of the checkpoint the experiment starts from, else a fresh initialisation."""
+    if exp.model.checkpoint:
+        return hf.load_params(exp.model.checkpoint, cfg)[1]
+    return model.init_params(cfg, exp.run.seed)
+
+
+def evaluate(engine, cfg: ModelConfig, batches: np.ndarray) -> float:
+    """Mean validation loss over int32 [n, batch, seq]."""
+    if hasattr(engine, "eval_loss"):
+        return engine.eval_loss(batches)
+    params = engine.params()  # engines without eval_loss pay one full host copy here
+    fn = jax.jit(lambda p, t: loss_fn(cfg, p, t, remat=False))
+    return float(np.mean([fn(params, jnp.asarray(t)) for t in batches]))
+
+
+def save_checkpoint(cfg: ModelConfig, params, out_dir: Path, tokenizer, state: dict) -> None:
+    """An HF checkpoint plus tokenizer and run state, swapped in whole (never half-written)."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    hf.save_params(cfg, params, tmp)
+    tokenizer.save(tmp)
+    (tmp / STATE_FILE).write_text(json.dumps({**state, "tokenizer": tokenizer.spec if tokenizer.spec == "bytes"
+                                                 else "tokenizer.json", "eos_id": tokenizer.eos_id}, indent=2))
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    if out_dir.exists():
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def checkpoint_tokenizer(ckpt_dir: str | Path, spec: str | None = None):
+    """The tokenizer saved with a checkpoint (or the one `spec` names)."""
+    ckpt_dir = Path(ckpt_dir)
+    if spec:
+        return data.load_tokenizer(spec)
+    if (ckpt_dir / "tokenizer.json").exists():
+        return data.load_tokenizer(str(ckpt_dir / "tokenizer.json"))
+    state = ckpt_dir / STATE_FILE
+    if state.exists() and json.loads(state.read_text()).get("tokenizer") == "bytes":
+        return data.ByteTokenizer()
+    raise data.DataError(f"{ckpt_dir} holds no tokenizer; pass --tokenizer bytes or a tokenizer.json")
+
+
+def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int = 128, batch_size: int = 8,
+                        batches: int = 8, tokenizer: str | None = None) -> float:
+    """Mean loss of a saved checkpoint over the first `batches` batches of a dataset split."""
+    tok = checkpoint_tokenizer(ckpt_dir, tokenizer)
+    cfg, params = hf.load_params(ckpt_dir)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mtjax-eval-") as cache:
+        data_cfg = config_lib.DataConfig(dataset=dataset, tokenizer=_spec_file(tok, ckpt_dir, tokenizer),
+                                         seq_len=seq_len, batch_size=batch_size)
+        ds = data.resolve(data_cfg, cache)
+        ds.check_vocab(cfg.vocab_size)
+        loader = data.Loader(ds, split, seq_len, batch_size, 1, shuffle=False)
+        fn = jax.jit(lambda p, t: loss_fn(cfg, p, t, remat=False))
+        losses = [fn(params, jnp.asarray(loader.next()[0])) for _ in range(batches)]
+        return float(np.mean(losses))  # one host sync for all batches
+
+
+def _spec_file(tok, ckpt_dir: Path, spec: str | None) -> str:
+    """A tokenizer spec `data.resolve` can load again to tokenize raw text like the checkpoint."""
+    if spec or tok.spec == "bytes":
+        return spec or "bytes"
+    return str(Path(ckpt_dir) / "tokenizer.json")
+
+
+def _eval_batches(dataset, exp: ExperimentConfig) -> np.ndarray | None:
+    """The same validation micro-batches at every evaluation (None: split too small)."""
+    start, stop = dataset.split("val")
+    windows = (stop - start) // exp.data.seq_len
+    if windows == 0:
+        return None
+    rows = min(exp.data.batch_size, windows)
+    loader = data.Loader(dataset, "val", exp.data.seq_len, rows, 1, shuffle=False)
+    return np.concatenate([loader.next() for _ in range(exp.run.eval_batches)])
+
+
+def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
+    """Run the experiment; returns a summary (losses, throughput, sample, paths)."""
+    out = stream or sys.stderr
+    run_dir = Path(exp.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_lib.dump(exp, run_dir / "config.yaml")
+    cfg = config_lib.model_config(exp)
+    dataset = data.resolve(exp.data, run_dir / "data")
+    dataset.check_vocab(cfg.vocab_size)
+    tokenizer = dataset.tokenizer()
+    loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,
+                         exp.data.seed)
+    val = _eval_batches(dataset, exp) if exp.run.eval_every else None
+    engine = make_engine(exp, cfg, initial_params(exp, cfg))
+    tokens_per_step = exp.data.grad_accum * exp.data.batch_size * exp.data.seq_len
+    print(f"mtjax: {cfg.num_params() / 1e6:.2f}M-parameter {cfg.model_type} ({cfg.num_hidden_layers} blocks, "
+          f"width {cfg.hidden_size}), {exp.stream.engine} engine on {jax.devices()[0].platform}; "
+          f"{dataset.meta['num_tokens']:,} tokens ({dataset.meta['tokenizer_source']}); "
+          f"{exp.run.steps} steps of {tokens_per_step:,} tokens; run dir {run_dir}", file=out, flush=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
+    losses, val_loss, start = [], None, time.perf_counter()
+    with Progress(run_dir, exp.run.steps, tokens_per_step, exp.run.log_every, stream=out,
+                  tensorboard=exp.run.tensorboard) as progress:
+        for step in range(1, exp.run.steps + 1):
+            metrics = engine.step(loader.next())
+            losses.append(metrics["loss"])
+            progress.update(step, metrics)
+            if val is not None and (step % exp.run.eval_every == 0 or step == exp.run.steps):
+                val_loss = evaluate(engine, cfg, val)
+                progress.record(step, {"val_loss": val_loss})
+            if exp.run.checkpoint_every and step % exp.run.checkpoint_every == 0 and step < exp.run.steps:
+                save_checkpoint(cfg, engine.params(), run_dir / "checkpoint", tokenizer,
+                                {"step": step, "loader": loader.cursor})
+        seconds = time.perf_counter() - start
+        params = engine.params()
+        final = run_dir / "final"
+        save_checkpoint(cfg, params, final, tokenizer, {"step": exp.run.steps, "loader": loader.cursor})
+        sample = ""
+        if exp.run.sample_prompt and exp.run.sample_tokens:
+            sample = generate.complete(cfg, params, tokenizer, exp.run.sample_prompt, exp.run.sample_tokens,
+                                       seed=exp.run.seed)
+    summary = {
+        "steps": exp.run.steps,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": float(np.mean(losses[-10:])) if losses else None,  # mean of the last 10 steps
+        "val_loss": val_loss,
+        "tokens": exp.run.steps * tokens_per_step,
+        "seconds": round(seconds, 2),
+        "run_dir": str(run_dir),
+        "checkpoint": str(final),
+        "sample": sample,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def describe(summary: dict) -> str:
+    """The closing lines `mtjax train` prints."""
+    lines = []
+    if summary["first_loss"] is not None:
+        lines.append(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
+                     f"(mean of the last 10 steps) in {summary['seconds']:.0f} s")
+    if summary["val_loss"] is not None:
+        lines.append(f"validation loss {summary['val_loss']:.3f}")
+    lines.append(f"checkpoint: {summary['checkpoint']}   metrics: {summary['run_dir']}/metrics.jsonl")
+    if summary["sample"]:
+        lines += ["--- sample ---", summary["sample"], "--------------"]
+    return "\n".join(lines)
+
+
+def replace(exp: ExperimentConfig, **groups) -> ExperimentConfig:
+    """`exp` with some fields of some groups replaced: replace(exp, run=dict(steps=5))."""
+    return dataclasses.replace(exp, **{g: dataclasses.replace(getattr(exp, g), **kw) for g, kw in groups.items()})
