@@ -25,6 +25,7 @@ def spec(path: Path, shape: tuple[int, ...], dtype: np.dtype) -> dict:
         "driver": "zarr3",
         "kvstore": {"driver": "file", "path": str(path)},  # fsyncs each chunk (file_io_sync)
         "fill_missing_data_reads": False,
+        "store_data_equal_to_fill_value": True,  # else all-zero chunks (fresh AdamW mu/nu) are never written
         "metadata": {
             "shape": list(shape),
             "data_type": dtype.name,
