@@ -81,14 +81,13 @@ class DeviceLedger:
 
     def hold(self, nbytes: int, what: str) -> None:
         with self._lock:
+            if self.held + nbytes > self.budget:
+                raise DeviceBudgetError(
+                    f"holding {what} would put {self.held + nbytes} bytes on the device, over "
+                    f"the budget of {self.budget}: raise stream.device_budget_bytes"
+                )
             self.held += nbytes
             self.peak = max(self.peak, self.held)
-            if self.held > self.budget:
-                held, self.held = self.held, self.held - nbytes
-                raise DeviceBudgetError(
-                    f"holding {what} would put {held} bytes on the device, over the budget of "
-                    f"{self.budget}: raise stream.device_budget_bytes"
-                )
 
     def free(self, nbytes: int) -> None:
         with self._lock:

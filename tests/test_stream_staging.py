@@ -1,0 +1,118 @@
+"""The stages of the streaming engine in isolation: staging-buffer reuse, prefetch,
+the device budget and the trace."""
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtjax.stream import prefetch, staging
+from mtjax.stream.budget import DeviceBudgetError, DeviceLedger, check_budget, plan_bytes
+from mtjax.stream.trace import Tracer
+
+
+@jax.jit
+def _slow_reader(w):
+    """Reads w for a few hundred ms (async on the CPU backend: many flops)."""
+    x = jax.lax.fori_loop(0, 3000, lambda i, x: jnp.tanh(x @ w) + 1.0, jnp.ones((128, 128)))
+    return jnp.sum(x)
+
+
+def _reuse_result(monkeypatch, wait_for_readers: bool):
+    """Stage w, start a long computation on it, release the slot, then refill it."""
+    monkeypatch.setattr(staging, "WAIT_FOR_READERS", wait_for_readers)
+    pool = staging.StagingPool(staging.Placement(jax.devices("cpu")[0]), DeviceLedger(1 << 30))
+    schema = {"w": jax.ShapeDtypeStruct((128, 128), np.float32)}
+    slot = pool.acquire(schema)
+    slot.buffers["w"][:] = 1 / 128
+    expected = float(_slow_reader(jnp.full((128, 128), 1 / 128, jnp.float32)))
+    w = pool.put(slot, "part")["w"]
+    total = _slow_reader(w)  # dispatched; still reading w for a while
+    pool.release(slot, total)
+    del w
+    again = pool.acquire(schema)
+    assert again is slot  # the same buffer is reused
+    again.buffers["w"][:] = 0.0
+    return float(total), expected
+
+
+def test_staging_buffer_is_not_refilled_while_read(monkeypatch):
+    got, expected = _reuse_result(monkeypatch, wait_for_readers=True)
+    assert got == expected
+
+
+def test_without_the_wait_reuse_corrupts(monkeypatch):
+    """The protection is what keeps the result right: removing it corrupts the sum."""
+    got, expected = _reuse_result(monkeypatch, wait_for_readers=False)
+    assert got != expected
+
+
+def test_aligned_buffers():
+    buf = staging.aligned_empty((3, 5), np.float32)
+    assert buf.ctypes.data % staging.PAGE == 0 and buf.shape == (3, 5) and not buf.any()
+
+
+def test_prefetch_reraises_worker_error_in_caller():
+    def load(i):
+        if i == 2:
+            raise OSError("disk gone")
+        return i * 10
+
+    feed = prefetch.Prefetcher(range(5), load, depth=2)
+    assert feed.get() == (0, 0) and feed.get() == (1, 10)
+    with pytest.raises(OSError, match="disk gone"):
+        feed.get()
+    with pytest.raises(OSError):
+        feed.get()
+    feed.close()
+
+
+def test_prefetch_stays_within_depth_and_close_returns_untaken():
+    loaded = []
+    feed = prefetch.Prefetcher(range(10), lambda i: loaded.append(i) or i, depth=3)
+    deadline = time.monotonic() + 10
+    while len(loaded) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # room for a worker that ignored the bound to run further
+    assert loaded == [0, 1, 2]
+    assert feed.get() == (0, 0)
+    left = feed.close()
+    assert set(left) <= {1, 2, 3} and len(loaded) <= 4
+
+
+def test_prefetch_exhausted_schedule():
+    feed = prefetch.Prefetcher([1], lambda i: i, depth=1)
+    feed.get()
+    with pytest.raises(prefetch.PrefetchError):
+        feed.get()
+    feed.close()
+
+
+def test_budget_check_and_ledger():
+    plan = plan_bytes(max_part_bytes=100, max_grad_bytes=100, hidden_bytes=10, logits_bytes=20,
+                      residual_bytes=50, prefetch_depth=2, group=3, kept=2, activations_on_device=True)
+    assert plan.weights == 500 and plan.activations == 20 and plan.residuals == 150
+    assert check_budget(plan, None) == plan.total
+    with pytest.raises(DeviceBudgetError, match="device_budget_bytes"):
+        check_budget(plan, plan.total - 1)
+    ledger = DeviceLedger(100)
+    ledger.hold(60, "a")
+    with pytest.raises(DeviceBudgetError):
+        ledger.hold(50, "b")
+    ledger.free(60)
+    assert ledger.held == 0 and ledger.peak == 60
+
+
+def test_trace_times_device_work_and_writes_chrome_json(tmp_path):
+    tracer = Tracer()
+    with tracer.span("read", "block.0"):
+        time.sleep(0.01)
+    tracer.watch("compute", "block.0", jnp.ones((64, 64)) @ jnp.ones((64, 64)))
+    data = json.loads(tracer.write(tmp_path / "t.json").read_text())
+    names = {e["name"] for e in data["traceEvents"] if e["ph"] == "X"}
+    assert names == {"read block.0", "compute block.0"}
+    assert tracer.step_totals(0)["read"] >= 0.01
+    tracer.close()
