@@ -234,14 +234,20 @@ def valid_keys() -> dict[str, tuple[Any, Any, str]]:
             continue
         comments = _comments(cls)
         for f in dataclasses.fields(cls):
-            out[f"{group}.{f.name}"] = (_hints(cls)[f.name], getattr(getattr(defaults, group), f.name),
-                                        comments.get(f.name, ""))
+            key = f"{group}.{f.name}"
+            out[key] = (_hints(cls)[f.name], getattr(getattr(defaults, group), f.name),
+                        comments.get(f.name, _HELP.get(key, "")))
     return out
 
 
 _GROUPS = {"model": ModelSection, "store": StoreConfig, "stream": StreamConfig, "optim": OptimConfig,
            "data": DataConfig, "run": RunConfig}
 _SOURCES = ("preset", "hf_config", "checkpoint")
+_HELP = {  # help for fields whose class (OptimConfig) has no comment on them
+    "optim.b1": "AdamW decay of the first moment",
+    "optim.b2": "AdamW decay of the second moment",
+    "optim.eps": "AdamW denominator epsilon",
+}
 
 
 def _model_fields():
