@@ -58,6 +58,7 @@ class Store:
             self._latest = {(p, k): s for p, kinds in self._manifest.slots.items() for k, s in kinds.items()}
             self._pending: dict[tuple[str, str], concurrent.futures.Future] = {}
             self._dirty: set[tuple[str, str]] = set()
+            self._synced: set[tuple[str, str, str]] = set()  # slots whose directories are durable
             self._arrays = arrays.ArrayCache()
             self._mutex = threading.Lock()
             self._broken: str | None = None
@@ -238,8 +239,10 @@ class Store:
         self._on_phase("written")
         slots = {p: dict(kinds) for p, kinds in self._manifest.slots.items()}
         for part, kind in sorted(self._dirty):
-            slots[part][kind] = self._latest[(part, kind)]
-            _fsync_slot(layout.slot_dir(self.root, part, kind, slots[part][kind]))
+            slot = slots[part][kind] = self._latest[(part, kind)]
+            if (part, kind, slot) not in self._synced:
+                _fsync_slot(layout.slot_dir(self.root, part, kind, slot))
+                self._synced.add((part, kind, slot))
         self._on_phase("synced")
         generation = self._manifest.generation + 1
         ts_name = None
@@ -283,7 +286,11 @@ class Store:
 
 
 def _fsync_slot(path: Path) -> None:
-    """tensorstore fsyncs chunk files; make their directory entries durable too."""
+    """Make a slot's directory tree durable (once per slot and session).
+
+    tensorstore fsyncs each chunk file and the directory it is renamed into, but not the
+    directories it creates (`c/`, `c/0/`, ...), nor ones a crashed writer left behind.
+    """
     for dirpath, _, _ in os.walk(path):
         manifest.fsync_dir(Path(dirpath))
 
