@@ -7,6 +7,7 @@ every k in {1, 2, all}, prefetch depth {1, 2, 3}, RAM / disk / mixed tiers, grad
 accumulation {1, 4}, tied and untied embeddings, activations on device and on host.
 """
 
+import copy
 import dataclasses
 import functools
 import json
@@ -57,10 +58,9 @@ class ForwardCounter:
 
     def __init__(self, engine: StreamEngine):
         self.count = 0
-        fns = engine.fns
-        for table in (fns.forward, fns.recompute, fns.grad):
-            for kind, fn in table.items():
-                table[kind] = self._wrap(fn)
+        fns = engine.fns = copy.copy(engine.fns)  # the compiled functions are shared
+        for attr in ("forward", "recompute", "grad"):
+            setattr(fns, attr, {kind: self._wrap(fn) for kind, fn in getattr(fns, attr).items()})
 
     def _wrap(self, fn):
         def counted(*args):

@@ -18,6 +18,12 @@ from mtjax.loss import cross_entropy
 from mtjax.model_config import ModelConfig
 
 
+@functools.lru_cache(maxsize=8)
+def block_fns(cfg: ModelConfig) -> "BlockFns":
+    """The compiled functions of a model config, shared by every engine of that config."""
+    return BlockFns(cfg)
+
+
 class BlockFns:
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg

@@ -26,15 +26,15 @@ from mtjax import parts as parts_mod
 from mtjax import treepath
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig
-from mtjax.optim import OptimConfig, clip_scale, make_optimizer
+from mtjax.optim import OptimConfig, clip_scale
 from mtjax.stream import budget as budget_mod
-from mtjax.stream.blockfns import BlockFns
+from mtjax.stream.blockfns import block_fns
 from mtjax.stream.grads import GradSink
 from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.staging import Placement, StagingPool
 from mtjax.stream.tiers import Tiers, host_device
 from mtjax.stream.trace import Tracer
-from mtjax.stream.update import PartUpdate, full_opt_state
+from mtjax.stream.update import PartUpdate, full_opt_state, update_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +78,16 @@ class StreamEngine:
         self.options = StreamOptions(prefetch_depth, keep_every, activations, device_budget_bytes)
         if isinstance(optimizer, OptimConfig):
             clip_norm = optimizer.clip_norm if clip_norm is None else clip_norm
-            optimizer = make_optimizer(optimizer)
-        self.tx, self.clip_norm = optimizer, clip_norm
+            self.update = update_for(cfg, optimizer)
+        else:
+            self.update = PartUpdate(cfg, optimizer)
+        self.tx, self.clip_norm = self.update.tx, clip_norm
         from_store = _is_store(params_or_store)
         self.store = params_or_store if from_store else store
         self.tiers = Tiers(tiers or {}, self.store)
         self.parts = parts_mod.parts(cfg)
         self.schemas = {p.name: parts_mod.schema(cfg, p.name, "compute") for p in self.parts}
-        self.fns = BlockFns(cfg)
-        self.update = PartUpdate(cfg, self.tx)
+        self.fns = block_fns(cfg)
         self.placement = Placement(device)
         self.tracer = Tracer()
         self.ledger = budget_mod.DeviceLedger(0)

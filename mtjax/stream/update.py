@@ -18,6 +18,7 @@ import optax
 
 from mtjax import model, parts, treepath
 from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.stream.tiers import host_device
 
 
@@ -55,6 +56,12 @@ class PartUpdate:
         opt_tree = treepath.unflatten(self._templates[part], opt)
         master, opt_tree, compute = self._update(master, opt_tree, compute, grads, scale)
         return master, treepath.flatten(opt_tree), compute
+
+
+@functools.lru_cache(maxsize=8)
+def update_for(cfg: ModelConfig, optim: OptimConfig) -> PartUpdate:
+    """The compiled update of an OptimConfig, shared by every engine that uses it."""
+    return PartUpdate(cfg, make_optimizer(optim))
 
 
 def full_opt_state(cfg: ModelConfig, tx: optax.GradientTransformation, per_part: dict[str, dict]):
