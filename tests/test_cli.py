@@ -1,0 +1,149 @@
+"""The command line as a user meets it, and one end-to-end training run through it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from mtjax import cli, config, data, hf, model
+from mtjax import run as run_lib
+from mtjax.reference import ReferenceTrainer
+
+TINY = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_hidden_layers=2",
+        "--model.num_attention_heads=2", "--model.num_key_value_heads=1", "--model.head_dim=16",
+        "--data.seq_len=32", "--data.batch_size=4", "--data.grad_accum=2", "--optim.lr=1e-2",
+        "--optim.warmup_steps=0", "--optim.decay_steps=8", "--run.steps=8", "--run.log_every=2",
+        "--run.eval_every=4", "--run.eval_batches=2", "--run.checkpoint_every=4", "--run.sample_tokens=12"]
+
+
+def mtjax(*args, cwd=None) -> subprocess.CompletedProcess:
+    """The real entry point in a fresh interpreter, as a user runs it."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "mtjax", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=300)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--optim.lrr=3e-4"], "unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
+    (["--optim.lr=fast"], "optim.lr must be a number, got 'fast'"),
+])
+def test_bad_override_is_one_line_and_a_nonzero_exit(args, message):
+    result = mtjax(*args)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"mtjax train: error: {message}"]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_errors_of_other_commands_are_one_line(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    cases = [
+        (["data", "prepare", str(empty), "--out", str(tmp_path / "ds")], "the input is empty"),
+        (["generate", str(tmp_path / "nowhere")], "holds no tokenizer"),
+        (["generate", str(tmp_path), "--tokenizer", "bytes"], "no config.json"),
+        (["plot", str(tmp_path)], "has no metrics.jsonl"),
+        (["train", str(tmp_path / "missing.yaml")], "does not exist"),
+    ]
+    for args, message in cases:
+        assert cli.main(args) == 2, args
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and message in err, (args, err)
+
+
+@pytest.mark.parametrize("command", [["train"], ["data"], ["data", "prepare"], ["data", "info"], ["generate"],
+                                     ["eval"], ["plot"]])
+def test_help_of_each_command(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: mtjax {' '.join(command)}")
+    if command == ["train"]:
+        assert "--optim.lr FLOAT" in out and "peak learning rate" in out and "--stream.engine" in out
+
+
+def test_print_config_shows_the_embedded_default(tmp_path, capsys):
+    assert cli.main(["train", "--print-config"]) == 0
+    file = tmp_path / "printed.yaml"
+    file.write_text(capsys.readouterr().out)
+    assert config.load(file) == config.ExperimentConfig()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One tiny `mtjax train` run through the real command-line entry point."""
+    run_dir = tmp_path_factory.mktemp("run") / "tiny"
+    args = ["train", *TINY, f"--run.dir={run_dir}"]
+    result = subprocess.run([sys.executable, "-m", "mtjax", *args], capture_output=True, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
+    return run_dir, result
+
+
+def test_train_end_to_end(trained):
+    run_dir, result = trained
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert all(np.isfinite(r["loss"]) and "grad_norm" in r for r in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5  # it learns
+    assert [r["step"] for r in records if "val_loss" in r] == [4, 8]
+    assert "step      8/8" in result.stderr and "tok/s" in result.stderr  # plain log lines off a terminal
+    assert "--- sample ---" in result.stdout and "loss " in result.stdout
+    state = json.loads((run_dir / "checkpoint" / run_lib.STATE_FILE).read_text())
+    assert state["step"] == 4 and state["loader"] == {"epoch": 0, "position": 32}
+    assert json.loads((run_dir / "final" / run_lib.STATE_FILE).read_text())["step"] == 8
+    assert config.load(run_dir / "config.yaml") == config.load(None, [*TINY, f"--run.dir={run_dir}"])
+
+
+def test_run_equals_a_hand_written_reference_loop(trained):
+    """The run's losses and final weights are exactly N reference steps on the loader's batches."""
+    run_dir, result = trained
+    assert result.returncode == 0, result.stderr
+    exp = config.load(run_dir / "config.yaml")
+    cfg = config.model_config(exp)
+    dataset = data.Dataset(run_dir / "data")
+    loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum, exp.data.seed)
+    trainer = ReferenceTrainer(cfg, model.init_params(cfg, exp.run.seed), exp.optim)
+    losses = [trainer.step(loader.next())["loss"] for _ in range(exp.run.steps)]
+    logged = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    np.testing.assert_allclose(logged, losses, rtol=1e-5)
+    _, saved = hf.load_params(run_dir / "final")
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(jax.device_get(trainer.params))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_generate_eval_plot_and_data_commands_on_the_run(trained, tmp_path, capsys):
+    run_dir, result = trained
+    assert result.returncode == 0, result.stderr
+    final = str(run_dir / "final")
+    assert cli.main(["generate", final, "--prompt", "To be", "--tokens", "6", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("To be")
+    assert cli.main(["eval", final, str(run_dir / "data"), "--seq-len", "32", "--batch-size", "2",
+                     "--batches", "1"]) == 0
+    loss = float(capsys.readouterr().out.split()[2])
+    assert 0 < loss < 5.6  # below the untrained loss of ln(257)
+    assert cli.main(["plot", str(run_dir), "--out", str(tmp_path / "loss.png")]) == 0
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    text = tmp_path / "t.txt"
+    text.write_text("some text " * 50)
+    assert cli.main(["data", "prepare", str(text), "--out", str(tmp_path / "ds")]) == 0
+    assert "501 tokens" in capsys.readouterr().out
+    assert cli.main(["data", "info", str(tmp_path / "ds")]) == 0
+    assert json.loads(capsys.readouterr().out)["num_tokens"] == 501
+
+
+def test_python_api_matches_the_command_line_arguments(tmp_path):
+    exp = config.load(None, [*TINY, "--run.steps=2", "--run.eval_every=0", "--run.sample_prompt=",
+                             f"--run.dir={tmp_path / 'api'}"])
+    summary = run_lib.train(exp, stream=open(os.devnull, "w"))
+    assert summary["steps"] == 2 and summary["val_loss"] is None and summary["sample"] == ""
+    assert Path(summary["checkpoint"]).is_dir()
