@@ -125,6 +125,9 @@ class Store:
             try:
                 handles[leaf] = self._arrays.get(path, s.shape, s.dtype, create)
             except ValueError as e:
+                if create:  # e.g. a full disk while creating the uncommitted slot's array
+                    raise StoreError(f"store {self.root}: {part} {kind} tensor {leaf} cannot be created "
+                                     f"({_ts_message(e)}); the committed step {self.step} is intact") from None
                 raise StoreError(f"store {self.root}: {part} {kind} tensor {leaf} cannot be opened "
                                  f"({_ts_message(e)}); restore the store from a backup") from None
         return handles
@@ -185,7 +188,11 @@ class Store:
             raise StoreError(f"store {self.root} is open read-only; open it with writable=True to write")
         self._check_arrays(part, kind, values, "write")
         slot = layout.other_slot(self._manifest.slots[part][kind])
-        handles = self._handles(part, kind, slot, create=True)
+        try:
+            handles = self._handles(part, kind, slot, create=True)
+        except StoreError as e:
+            self._broken = self._broken or f"creating {part} {kind} failed ({e})"  # no partial step may commit
+            raise
 
         def on_error(leaf, e):
             msg = f"writing {part} {kind} tensor {leaf} failed ({_ts_message(e)})"

@@ -1,0 +1,112 @@
+"""A full disk during writes and during a commit: one StoreError, the committed step intact.
+
+The store lives on a small tmpfs mounted for the test (this needs root, as on the
+project machines; elsewhere the test is skipped with the reason shown).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import mtjax.store
+from mtjax.store.errors import StoreError
+from test_store import read_all, same, values, write_all
+from test_store_crash import TINY
+
+
+@pytest.fixture
+def disk(tmp_path):
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def fill_disk(mnt: Path, leave: int = 0) -> Path:
+    """Write a ballast file until the disk is full, then free `leave` bytes of it."""
+    ballast = mnt / "ballast"
+    with open(ballast, "ab", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    os.truncate(ballast, max(0, ballast.stat().st_size - leave))
+    return ballast
+
+
+def committed(root: Path, step: int, seed: int) -> None:
+    with mtjax.store.open(root) as reader:  # readers need no lock, so this works beside the writer
+        assert reader.step == step
+        assert same(read_all(reader), values(reader, seed))
+        assert reader.load_train_state() == {"step": step}
+
+
+def test_disk_full_while_writing(disk):
+    root = disk / "s"
+    store = mtjax.store.create(root, TINY)
+    write_all(store, values(store, 1))
+    store.commit(1, {"step": 1})
+    fill_disk(disk, leave=32 << 10)  # some chunks fit, then the disk is full
+    errors = []
+    for (part, kind), arrays in values(store, 2).items():
+        try:  # creating a new array fails at once; writing chunks fails in the future
+            future = store.write(part, kind, arrays)
+        except StoreError as e:
+            errors.append(e)
+        else:
+            errors.append(future.exception())
+    failed = [e for e in errors if e is not None]
+    assert failed and all(isinstance(e, StoreError) and "committed step 1 is intact" in str(e) for e in failed)
+    assert any("No space left" in str(e) for e in failed)
+    with pytest.raises(StoreError, match="reopen store"):
+        store.commit(2, {"step": 2})
+    committed(root, 1, 1)
+    store.close()
+    committed(root, 1, 1)
+
+
+def test_disk_full_during_commit_then_retry(disk):
+    root = disk / "s"
+    store = mtjax.store.create(root, TINY)
+    write_all(store, values(store, 1))
+    store.commit(1, {"step": 1})
+    write_all(store, values(store, 2))  # every array is written; only the commit lacks space
+    ballast = fill_disk(disk)
+    with pytest.raises(StoreError, match="previous commit is intact"):
+        store.commit(2, {"step": 2})  # the train state cannot be saved
+    committed(root, 1, 1)
+    with pytest.raises(StoreError, match="previous commit is intact"):
+        store.commit(2, {"step": 2})  # the train state cannot be saved
+    ballast.unlink()  # space freed: the same writes commit now
+    store.commit(2, {"step": 2})
+    committed(root, 2, 2)
+    store.close()
+    committed(root, 2, 2)
+
+
+def test_disk_full_when_writing_the_manifest(disk):
+    root = disk / "s"
+    store = mtjax.store.create(root, TINY)
+    write_all(store, values(store, 1))
+    store.commit(1, {"step": 1})
+    write_all(store, values(store, 2))
+    ballast = fill_disk(disk)
+    with pytest.raises(StoreError, match="manifest.json.*previous commit is intact"):
+        store.commit(2)  # no train state: the manifest itself is what does not fit
+    assert not (root / "manifest.json.tmp").exists()
+    committed(root, 1, 1)
+    ballast.unlink()
+    store.commit(2, {"step": 2})
+    committed(root, 2, 2)
+    store.close()
