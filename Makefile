@@ -1,0 +1,27 @@
+# make run   the embedded default training run (creates .venv on first use)
+# make test  the whole test suite, as CI runs it (.ci/run)
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: run test
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstall only when the package's dependencies change (the stamp records the last install).
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@ $(VENV)/.installed
+
+run: $(VENV)/.installed
+	$(BIN)/mtjax train
+
+test: $(VENV)/.installed-test
+	$(BIN)/pytest -q $(PYTEST_ARGS)
