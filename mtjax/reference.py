@@ -59,7 +59,8 @@ class ReferenceTrainer:
             clip_norm = optimizer.clip_norm if clip_norm is None else clip_norm
             optimizer = make_optimizer(optimizer)
         self.tx, self.clip_norm = optimizer, clip_norm
-        self.params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+        # A copy: the step donates its inputs, which must not delete the caller's arrays.
+        self.params = jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params)
         self.opt_state = self.tx.init(self.params) if opt_state is None else opt_state
         self._step = jax.jit(self._train_step, donate_argnums=(0, 1))
 
