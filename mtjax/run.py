@@ -64,9 +64,9 @@ def make_engine(exp: ExperimentConfig, cfg: ModelConfig, params) -> Engine:
     """The engine `exp.stream.engine` names, starting from fp32 `params`."""
     if exp.stream.engine == "reference":
         return ReferenceEngine(exp, cfg, params)
-    # The streaming engine (mtjax.stream) is added here: engine == "stream".
-    raise ConfigError(f"stream.engine={exp.stream.engine!r} is not available in this build; "
-                      "use --stream.engine=reference")
+    from mtjax.stream import StreamEngine  # imported on use: reference runs need none of it
+
+    return StreamEngine.from_experiment(exp, cfg, params)
 
 
 def initial_params(exp: ExperimentConfig, cfg: ModelConfig):

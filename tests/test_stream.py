@@ -180,3 +180,27 @@ def test_bad_tokens_and_options_are_user_errors():
     with pytest.raises(MtjaxError, match="tokens must be"):
         engine.step(np.zeros((16,), np.int32))
     engine.close()
+
+
+def test_run_config_builds_the_stream_engine(tmp_path):
+    """`stream.engine=stream` in an experiment config gives this engine, with its knobs,
+    and its evaluation loss equals the reference's."""
+    from mtjax import config, run
+
+    exp = config.load(None, [f"run.dir={tmp_path / 'run'}", "stream.engine=stream", "stream.keep_every=2",
+                             "store.opt=disk", "data.batch_size=2", "data.seq_len=16"])
+    cfg = config.model_config(exp)
+    params = model.init_params(cfg, seed=3)
+    engine = run.make_engine(exp, cfg, params)
+    assert isinstance(engine, StreamEngine) and engine.options.keep_every == 2
+    assert engine.tiers.placement == {"compute": "ram", "master": "ram", "opt": "disk"}
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 2, 16), dtype=np.int32)
+    expected = np.mean([float(model_loss(cfg, params, t)) for t in tokens])
+    np.testing.assert_allclose(engine.eval_loss(tokens), expected, rtol=1e-5)
+    engine.close()
+
+
+def model_loss(cfg, params, tokens):
+    from mtjax.reference import loss_fn
+
+    return loss_fn(cfg, params, jnp.asarray(tokens), remat=False)

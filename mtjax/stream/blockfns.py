@@ -33,6 +33,7 @@ class BlockFns:
         self.grad = {k: jax.jit(functools.partial(_grad, cfg, k)) for k in cfg.block_kinds}
         self.backward = jax.jit(_backward)
         self.head = jax.jit(functools.partial(_head, cfg))
+        self.head_loss = jax.jit(functools.partial(_head_loss, cfg))
         self.embed_backward = jax.jit(functools.partial(_embed_backward, cfg))
 
 
@@ -73,14 +74,25 @@ def _grad(cfg: ModelConfig, kind: str, w: dict, x, dy):
     return vjp(dy)
 
 
+def _head_trees(cfg: ModelConfig, head: dict, embed: dict | None):
+    head_t = treepath.unflatten(parts.abstract_part(cfg, "head"), head)
+    embed_t = treepath.unflatten(parts.abstract_part(cfg, "embed"), embed) if embed is not None else None
+    return head_t, embed_t
+
+
+def _head_loss(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens):
+    """Loss of one micro-batch, for evaluation."""
+    head_t, embed_t = _head_trees(cfg, head, embed)
+    return cross_entropy(model.head_forward(cfg, head_t, embed_t, x), tokens)
+
+
 def _head(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, weight):
     """Loss of one micro-batch and its gradients: (loss, dhead, dembed | None, dx).
 
     `weight` (1 / micro-batches) scales the gradients, so their sum over micro-batches
     is the mean. With tied embeddings the head kernel is the embedding's transpose.
     """
-    head_t = treepath.unflatten(parts.abstract_part(cfg, "head"), head)
-    embed_t = treepath.unflatten(parts.abstract_part(cfg, "embed"), embed) if embed is not None else None
+    head_t, embed_t = _head_trees(cfg, head, embed)
 
     def loss_fn(h, e, x):
         return cross_entropy(model.head_forward(cfg, h, e, x), tokens)

@@ -16,6 +16,7 @@ import concurrent.futures as cf
 import dataclasses
 import math
 from collections.abc import Mapping
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -98,12 +99,33 @@ class StreamEngine:
         self._writes: list[cf.Future] = []
         self._plans: dict[tuple[int, int], budget_mod.DevicePlan] = {}
         self.step_count = 0
+        self._owns_store = False  # close() closes a store the engine created
         if from_store:
             self._load_ram_kinds()
         else:
             self._init_state(params_or_store)
         if batch_shape is not None:
             self.check_budget(*batch_shape)
+
+    @classmethod
+    def from_experiment(cls, exp, cfg: ModelConfig, params) -> StreamEngine:
+        """The engine an experiment config (mtjax.config) asks for, from fp32 `params`.
+
+        Disk tiers get a new store at `store.path` (default <run.dir>/store).
+        """
+        tiers, store = exp.store.tiers, None
+        if "disk" in tiers.values():
+            import mtjax.store
+            from mtjax.optim import make_optimizer
+
+            path = exp.store.path or str(Path(exp.run.dir) / "store")
+            store = mtjax.store.create(path, cfg, make_optimizer(exp.optim))
+        s = exp.stream
+        engine = cls(cfg, params, exp.optim, prefetch_depth=s.prefetch_depth, keep_every=s.keep_every,
+                   activations=s.activations, device_budget_bytes=s.device_budget_bytes, tiers=tiers,
+                   store=store, batch_shape=(exp.data.batch_size, exp.data.seq_len))
+        engine._owns_store = store is not None
+        return engine
 
     # --- state ---------------------------------------------------------------------
 
@@ -227,13 +249,13 @@ class StreamEngine:
 
     # --- the step ------------------------------------------------------------------
 
-    def _schedule(self) -> list[str]:
+    def _schedule(self, backward: bool = True) -> list[str]:
         """The parts one micro-batch streams, in order of use."""
         n = self.cfg.num_hidden_layers
         fwd = ["embed", *(f"block.{i}" for i in range(n)), "head"]
         fwd += ["embed"] if self.cfg.tie_word_embeddings else []  # the head's kernel
         bwd = [f"block.{i}" for g in reversed(self.groups) for i in g]
-        return fwd + bwd
+        return fwd + bwd if backward else fwd
 
     def _load(self, part: str):
         """Prefetch worker: pending update, then read into a staging slot, then device_put."""
@@ -250,14 +272,37 @@ class StreamEngine:
         with self.tracer.span("h2d", part):
             return slot, self.pool.put(slot, part)
 
-    def step(self, tokens) -> dict[str, float]:
+    def _tokens(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, np.int32)
         if tokens.ndim == 2:
             tokens = tokens[None]
         if tokens.ndim != 3:
             raise MtjaxError(f"tokens must be [accum, batch, seq] or [batch, seq], got shape {tokens.shape}")
-        accum, batch, seq = tokens.shape
-        self.check_budget(batch, seq)  # before anything changes
+        self.check_budget(*tokens.shape[1:])  # before anything changes
+        return tokens
+
+    def eval_loss(self, tokens) -> float:
+        """Mean loss over int32 [n, batch, seq] with the current weights; no update."""
+        tokens = self._tokens(tokens)
+        feed = Prefetcher(self._schedule(backward=False) * len(tokens), self._load, self.options.prefetch_depth)
+        losses = []
+        try:
+            for t in tokens:
+                t = self.placement.tokens(t)
+                x, _ = self._forward(feed, t, keep=False)
+                (head_slot, head_w), tied = self._take_head(feed)
+                losses.append(self.fns.head_loss(head_w, tied[1], x, t))
+                for slot in (head_slot, tied[0]):
+                    if slot is not None:
+                        self.pool.release(slot, losses[-1])
+        finally:
+            for slot, _ in feed.close():
+                self.pool.release(slot, [])
+        return float(jnp.mean(jnp.stack(losses)))  # one host sync for all micro-batches
+
+    def step(self, tokens) -> dict[str, float]:
+        tokens = self._tokens(tokens)
+        accum = len(tokens)
         self.tracer.step = self.step_count
         self._wait_writes()
         feed = Prefetcher(self._schedule() * accum, self._load, self.options.prefetch_depth)
@@ -291,26 +336,34 @@ class StreamEngine:
         self.ledger.free(x.nbytes)
         return x
 
-    def _micro_batch(self, feed: Prefetcher, tokens, weight: float):
-        """Forward and backward of one micro-batch; gradients go to the host sums."""
-        fns, pool, trace, cfg = self.fns, self.pool, self.tracer, self.cfg
-        starts = {g.start for g in self.groups}
-
+    def _forward(self, feed: Prefetcher, tokens, keep: bool):
+        """Embedding and blocks: (last hidden state, {block index: kept input})."""
+        fns, pool, trace = self.fns, self.pool, self.tracer
+        starts = {g.start for g in self.groups} if keep else set()
         slot, w = self._take(feed, "embed")
         x = fns.embed_forward(w, tokens)
         trace.watch("compute", "embed", x)
         pool.release(slot, x)  # weights dropped as soon as the part is done
-        kept = {0: self._keep(x)}
-        for i, kind in enumerate(cfg.layer_types):
+        kept = {0: self._keep(x)} if keep else {}
+        for i, kind in enumerate(self.cfg.layer_types):
             slot, w = self._take(feed, f"block.{i}")
             x = fns.forward[kind](w, x)
             trace.watch("compute", f"block.{i}", x)
             pool.release(slot, x)
             if i + 1 in starts:
                 kept[i + 1] = self._keep(x)
+        return x, kept
 
-        head_slot, head_w = self._take(feed, "head")
-        tied = self._take(feed, "embed") if cfg.tie_word_embeddings else (None, None)
+    def _take_head(self, feed: Prefetcher):
+        """The head's (slot, weights), and the embedding's when tied (else (None, None))."""
+        head = self._take(feed, "head")
+        return head, self._take(feed, "embed") if self.cfg.tie_word_embeddings else (None, None)
+
+    def _micro_batch(self, feed: Prefetcher, tokens, weight: float):
+        """Forward and backward of one micro-batch; gradients go to the host sums."""
+        fns, pool, trace = self.fns, self.pool, self.tracer
+        x, kept = self._forward(feed, tokens, keep=True)
+        (head_slot, head_w), tied = self._take_head(feed)
         loss, dhead, dembed, dx = fns.head(head_w, tied[1], x, tokens, weight)
         trace.watch("compute", "head", dx)
         pool.release(head_slot, dx)
@@ -373,3 +426,5 @@ class StreamEngine:
         self.grads.close()
         self.tracer.close()
         self.tiers.close()
+        if self._owns_store:
+            self.store.close()
