@@ -1,0 +1,176 @@
+"""`mtjax import` / `mtjax export` / `mtjax init`: HF checkpoints in and out of a store.
+
+Import then export is bit-exact (fp32 and bf16 checkpoints, single and sharded files);
+transformers loads the export and gives the original's logits; every bad input is one
+StoreError (one line and exit code 2 on the command line) and creates no store.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+import hf_models
+import mtjax.store
+from mtjax import cli, hf, model, parts, treepath
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.store.errors import StoreError
+from mtjax.store.hf_import import import_hf
+from mtjax.store.hf_export import export_hf
+
+
+def tensors(ckpt: Path) -> dict[str, tuple[str, bytes]]:
+    """{name: (dtype, raw bytes)} of every tensor in a checkpoint dir, shards included."""
+    out = {}
+    for file in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                out[name] = (str(t.dtype), t.view(torch.uint8).numpy().tobytes() if t.dtype == torch.bfloat16
+                             else t.numpy().tobytes())
+    return out
+
+
+def logits(torch_model, seed=0) -> np.ndarray:
+    ids = torch.from_numpy(np.random.default_rng(seed).integers(0, 97, (2, 11)))
+    with torch.no_grad():
+        return torch_model(ids).logits.float().numpy()
+
+
+@pytest.mark.parametrize("family,dtype,sharded,tied", [
+    ("llama", torch.float32, False, False),
+    ("qwen2", torch.bfloat16, True, True),
+    ("qwen3", torch.float32, True, False),
+    ("mistral", torch.bfloat16, False, False),
+])
+def test_import_export_is_bit_exact_and_transformers_agrees(tmp_path, family, dtype, sharded, tied):
+    import transformers
+
+    torch_model = hf_models.build(family, tie_word_embeddings=tied).to(dtype)
+    src = hf_models.save(torch_model, tmp_path / "src", "20KB" if sharded else None)
+    import_hf(src, tmp_path / "store")
+    with mtjax.store.open(tmp_path / "store") as store:
+        cfg = store.config
+        assert store.step == 0 and cfg.compute_dtype == "bfloat16"
+        assert cfg.param_dtype == ("bfloat16" if dtype == torch.bfloat16 else "float32")
+        _, params = hf.load_params(src)
+        tx = make_optimizer(OptimConfig())
+        for part in store.parts:
+            master = store.read(part, "master").result()
+            expected = treepath.flatten(parts.part_params(params, part))
+            assert master.keys() == expected.keys()
+            for leaf in master:
+                np.testing.assert_array_equal(master[leaf], expected[leaf])
+            compute = store.read(part, "compute").result()
+            for leaf in compute:
+                assert compute[leaf].tobytes() == master[leaf].astype(compute[leaf].dtype).tobytes()
+            opt = store.read(part, "opt").result()
+            assert opt.keys() == parts.schema(cfg, part, "opt", tx).keys()
+            assert all(not np.any(v) for v in opt.values())  # AdamW's fresh state is all zeros
+    out = export_hf(tmp_path / "store", tmp_path / "out", max_shard_bytes=30_000 if sharded else 5 * 10**9)
+    assert tensors(out) == tensors(src)
+    assert (out / hf.INDEX_FILE).exists() == sharded
+    # both loaded the same way (a model cast with .to(bf16) also rounds its RoPE buffers)
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    original, exported = (load(d, attn_implementation="eager", dtype=dtype) for d in (src, out))
+    np.testing.assert_array_equal(logits(exported), logits(original))
+
+
+def test_cli_import_export_init(tmp_path, capsys):
+    src, torch_model = hf_models.checkpoint(tmp_path, "llama")
+    assert cli.main(["import", str(src), str(tmp_path / "s"), "--compute-dtype", "float32"]) == 0
+    assert mtjax.store.open(tmp_path / "s").config.compute_dtype == "float32"
+    assert cli.main(["export", str(tmp_path / "s"), str(tmp_path / "o"), "--max-shard-size", "40KB"]) == 0
+    assert tensors(tmp_path / "o") == tensors(src)
+    assert len(list((tmp_path / "o").glob("*.safetensors"))) > 1
+    # init: fresh weights exactly as mtjax.model.init_params makes them
+    assert cli.main(["init", str(src / "config.json"), str(tmp_path / "fresh"), "--seed", "3"]) == 0
+    with mtjax.store.open(tmp_path / "fresh") as store:
+        params = model.init_params(store.config, 3)
+        assert store.config.compute_dtype == "bfloat16"
+        for part in store.parts:
+            master = store.read(part, "master").result()
+            for leaf, value in treepath.flatten(parts.part_params(params, part)).items():
+                np.testing.assert_array_equal(master[leaf], np.asarray(value))
+    capsys.readouterr()
+    # errors a user can act on: one line, exit code 2
+    assert cli.main(["export", str(tmp_path / "s"), str(tmp_path / "o2"), "--max-shard-size", "lots"]) == 2
+    assert cli.main(["import", str(src), str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "is not a size" in err[0] and "not empty" in err[1]
+
+
+def _corrupt(tmp_path: Path, how: str) -> Path:
+    """A checkpoint dir broken in one way."""
+    src, _ = hf_models.checkpoint(tmp_path, "llama")
+    file = src / "model.safetensors"
+    with safe_open(str(file), framework="np") as f:
+        arrays = {k: f.get_tensor(k) for k in f.keys()}
+    if how == "missing":
+        del arrays["model.layers.1.mlp.up_proj.weight"]
+    elif how == "extra":
+        arrays["model.layers.1.mlp.extra.weight"] = np.zeros(3, np.float32)
+    elif how == "shape":
+        arrays["model.layers.0.self_attn.q_proj.weight"] = np.zeros((32, 31), np.float32)
+    elif how == "dtype":
+        arrays["model.norm.weight"] = arrays["model.norm.weight"].astype(np.float16)
+    elif how == "arch":
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    if how == "truncated":
+        data = file.read_bytes()
+        file.write_bytes(data[: len(data) - 5000])
+    else:
+        save_file(arrays, str(file), metadata={"format": "pt"})
+    return src
+
+
+@pytest.mark.parametrize("how,message", [
+    ("missing", "missing: model.layers.1.mlp.up_proj.weight"),
+    ("extra", "unexpected: model.layers.1.mlp.extra.weight"),
+    ("shape", r"mis-shaped: model.layers.0.self_attn.q_proj.weight \(32, 31\)"),
+    ("dtype", "model.norm.weight is F16"),
+    ("truncated", "truncated"),
+    ("arch", "model_type 'gpt2' is not supported"),
+])
+def test_bad_checkpoints_create_no_store(tmp_path, how, message):
+    src = _corrupt(tmp_path, how)
+    with pytest.raises(StoreError, match=message):
+        import_hf(src, tmp_path / "store")
+    assert not (tmp_path / "store").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["llama-ckpt"]  # no partial store left anywhere
+
+
+def test_failed_import_mid_way_leaves_nothing(tmp_path, monkeypatch):
+    src, _ = hf_models.checkpoint(tmp_path, "llama")
+    real = hf.SafetensorsReader.read
+    calls = []
+
+    def flaky(self, name):  # a read error after a few tensors, as a disk error would give
+        calls.append(name)
+        if len(calls) == 6:
+            raise hf.CheckpointError(f"tensor {name} is unreadable")
+        return real(self, name)
+
+    monkeypatch.setattr(hf.SafetensorsReader, "read", flaky)
+    with pytest.raises(StoreError, match="is unreadable"):
+        import_hf(src, tmp_path / "store")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama-ckpt"]
+
+
+def test_export_refuses_a_non_empty_destination(tmp_path):
+    src, _ = hf_models.checkpoint(tmp_path, "llama")
+    import_hf(src, tmp_path / "store")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(StoreError, match="not empty"):
+        export_hf(tmp_path / "store", tmp_path / "out")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+    with pytest.raises(StoreError, match="not empty"):
+        import_hf(src, tmp_path / "out")
