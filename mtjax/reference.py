@@ -61,7 +61,7 @@ class ReferenceTrainer:
         self.tx, self.clip_norm = optimizer, clip_norm
         # A copy: the step donates its inputs, which must not delete the caller's arrays.
         self.params = jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params)
-        self.opt_state = self.tx.init(self.params) if opt_state is None else opt_state
+        self.opt_state = self.tx.init(self.params) if opt_state is None else jax.tree.map(jnp.array, opt_state)
         self._step = jax.jit(self._train_step, donate_argnums=(0, 1))
 
     def _train_step(self, params, opt_state, micro_batches):

@@ -3,6 +3,7 @@ checkpoints give one clear CheckpointError, bf16 weights survive a round trip bi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -147,16 +148,12 @@ def test_missing_extra_and_misshaped_tensors_in_one_error(llama, tmp_path):
 
 def test_config_that_does_not_match_the_weights(llama):
     src, cfg, _ = llama
-    import dataclasses
-
     message = _one_line_error(src, cfg=dataclasses.replace(cfg, num_hidden_layers=3, layer_types=()))
     assert "missing" in message and "model.layers.2." in message
 
 
 def test_tied_checkpoint_with_a_redundant_lm_head_loads(llama, tmp_path):
     _, cfg, params = llama
-    import dataclasses
-
     tied = dataclasses.replace(cfg, tie_word_embeddings=True)
     tensors = dict(hf.hf_tensors(cfg, params))  # untied: has lm_head.weight
     hf.save_checkpoint(tied, tensors.items(), tmp_path / "tied")
