@@ -139,6 +139,7 @@ class RunConfig:
     sample_prompt: str = "CLEOPATRA.\n"  # prompt of the sample printed at the end; "" skips it
     sample_tokens: int = 200  # tokens generated for that sample
     tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard package)
+    resume: bool = False  # continue from the latest checkpoint in <dir> (its weights, optimizer, data cursor)
 
     def __post_init__(self):
         if self.steps < 0 or self.log_every < 1 or self.eval_every < 0 or self.eval_batches < 1:

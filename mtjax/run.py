@@ -8,6 +8,9 @@ by `stream.engine` in `make_engine`; any object with this protocol plugs in:
     engine.step(tokens)   int32 [accum, batch, seq] -> {"loss", "grad_norm", ...} (floats)
     engine.params()       fp32 params pytree on the host, every pending update applied
     engine.eval_loss(t)   optional: mean loss over int32 [n, batch, seq], no update
+    engine.opt_state()    optional: optimizer state shaped as optax's init(params); saved
+                          with checkpoints so that `--run.resume=true` continues exactly
+    engine.close()        optional: release threads and files at the end of the run
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtjax import config as config_lib
-from mtjax import data, generate, hf, model
+from mtjax import data, generate, hf, model, treepath
 from mtjax.config import ConfigError, ExperimentConfig
 from mtjax.model_config import ModelConfig
+from mtjax.optim import make_optimizer
 from mtjax.progress import Progress
 from mtjax.reference import ReferenceTrainer, loss_fn
 
 STATE_FILE = "mtjax-state.json"  # next to a saved checkpoint: step, data cursor, tokenizer
+OPT_FILE = "optimizer.npz"  # the optimizer state of a checkpoint, one array per leaf path
 
 
 class Engine(Protocol):
@@ -44,9 +49,9 @@ class Engine(Protocol):
 class ReferenceEngine:
     """The whole model in device memory (mtjax.reference), behind the engine protocol."""
 
-    def __init__(self, exp: ExperimentConfig, cfg: ModelConfig, params):
+    def __init__(self, exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None):
         self.cfg = cfg
-        self.trainer = ReferenceTrainer(cfg, params, exp.optim)
+        self.trainer = ReferenceTrainer(cfg, params, exp.optim, opt_state=opt_state)
         self._loss = jax.jit(lambda p, t: loss_fn(cfg, p, t, remat=False))
 
     def step(self, tokens: np.ndarray) -> dict[str, float]:
@@ -55,15 +60,21 @@ class ReferenceEngine:
     def params(self):
         return jax.device_get(self.trainer.params)
 
+    def opt_state(self):
+        return jax.device_get(self.trainer.opt_state)
+
     def eval_loss(self, tokens: np.ndarray) -> float:
         losses = [self._loss(self.trainer.params, jnp.asarray(t)) for t in tokens]
         return float(jnp.mean(jnp.stack(losses)))  # one host sync for all micro-batches
 
 
-def make_engine(exp: ExperimentConfig, cfg: ModelConfig, params) -> Engine:
-    """The engine `exp.stream.engine` names, starting from fp32 `params`."""
+def make_engine(exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None) -> Engine:
+    """The engine `exp.stream.engine` names, starting from fp32 `params` (and `opt_state`)."""
     if exp.stream.engine == "reference":
-        return ReferenceEngine(exp, cfg, params)
+        return ReferenceEngine(exp, cfg, params, opt_state)
+    if opt_state is not None:
+        raise ConfigError("run.resume from a checkpoint directory needs stream.engine=reference; "
+                          "the streaming engine resumes from its store")
     from mtjax.stream import StreamEngine  # imported on use: reference runs need none of it
 
     return StreamEngine.from_experiment(exp, cfg, params)
@@ -85,12 +96,15 @@ def evaluate(engine, cfg: ModelConfig, batches: np.ndarray) -> float:
     return float(np.mean([fn(params, jnp.asarray(t)) for t in batches]))
 
 
-def save_checkpoint(cfg: ModelConfig, params, out_dir: Path, tokenizer, state: dict) -> None:
-    """An HF checkpoint plus tokenizer and run state, swapped in whole (never half-written)."""
+def save_checkpoint(cfg: ModelConfig, params, out_dir: Path, tokenizer, state: dict, opt_state=None) -> None:
+    """An HF checkpoint (fp32) plus tokenizer, optimizer and run state, swapped in whole."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    hf.save_params(cfg, params, tmp)
+    # fp32 whatever the model's param_dtype: these are the master weights a resume needs.
+    hf.save_params(dataclasses.replace(cfg, param_dtype="float32"), params, tmp)
+    if opt_state is not None:
+        np.savez(tmp / OPT_FILE, **{k: np.asarray(v) for k, v in treepath.flatten(opt_state).items()})
     tokenizer.save(tmp)
     (tmp / STATE_FILE).write_text(json.dumps({**state, "tokenizer": tokenizer.spec if tokenizer.spec == "bytes"
                                                  else "tokenizer.json", "eos_id": tokenizer.eos_id}, indent=2))
@@ -99,6 +113,28 @@ def save_checkpoint(cfg: ModelConfig, params, out_dir: Path, tokenizer, state: d
         out_dir.rename(old)
     tmp.rename(out_dir)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint of `run_dir` with the highest step (periodic or final), if any."""
+    found = [(json.loads((d / STATE_FILE).read_text())["step"], d) for d in (run_dir / "checkpoint", run_dir / "final")
+             if (d / STATE_FILE).exists()]
+    return max(found)[1] if found else None
+
+
+def load_checkpoint(exp: ExperimentConfig, cfg: ModelConfig, ckpt_dir: Path):
+    """(params, opt_state, state) of a checkpoint written by `save_checkpoint`."""
+    state = json.loads((ckpt_dir / STATE_FILE).read_text())
+    _, params = hf.load_params(ckpt_dir, cfg)
+    if not (ckpt_dir / OPT_FILE).exists():
+        raise hf.CheckpointError(f"{ckpt_dir} has no {OPT_FILE}: this engine saved no optimizer state to resume")
+    template = jax.eval_shape(make_optimizer(exp.optim).init, model.abstract_params(cfg))
+    with np.load(ckpt_dir / OPT_FILE) as saved:
+        try:
+            opt_state = treepath.unflatten(template, dict(saved))
+        except KeyError as e:
+            raise hf.CheckpointError(f"{ckpt_dir / OPT_FILE} does not fit optimizer {exp.optim} ({e.args[0]})") from None
+    return params, opt_state, state
 
 
 def checkpoint_tokenizer(ckpt_dir: str | Path, spec: str | None = None):
@@ -160,20 +196,39 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     dataset = data.resolve(exp.data, run_dir / "data")
     dataset.check_vocab(cfg.vocab_size)
     tokenizer = dataset.tokenizer()
-    loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,
-                         exp.data.seed)
     val = _eval_batches(dataset, exp) if exp.run.eval_every else None
-    engine = make_engine(exp, cfg, initial_params(exp, cfg))
+    first, opt_state, cursor = 0, None, None
+    if exp.run.resume:
+        resumed = latest_checkpoint(run_dir)
+        if resumed is None:
+            raise ConfigError(f"run.resume: {run_dir} has no checkpoint to resume from; drop --run.resume")
+        params, opt_state, state = load_checkpoint(exp, cfg, resumed)
+        first, cursor = state["step"], state["loader"]
+    else:
+        params = initial_params(exp, cfg)
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
+    loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,
+                         exp.data.seed, cursor=cursor)
+    engine = make_engine(exp, cfg, params, opt_state)
     tokens_per_step = exp.data.grad_accum * exp.data.batch_size * exp.data.seq_len
     print(f"mtjax: {cfg.num_params() / 1e6:.2f}M-parameter {cfg.model_type} ({cfg.num_hidden_layers} blocks, "
           f"width {cfg.hidden_size}), {exp.stream.engine} engine on {jax.devices()[0].platform}; "
           f"{dataset.meta['num_tokens']:,} tokens ({dataset.meta['tokenizer_source']}); "
-          f"{exp.run.steps} steps of {tokens_per_step:,} tokens; run dir {run_dir}", file=out, flush=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
+          f"steps {first + 1}-{exp.run.steps} of {tokens_per_step:,} tokens; run dir {run_dir}", file=out, flush=True)
+    try:
+        summary = _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
+    return summary
+
+
+def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out) -> dict:
+    run_dir = Path(exp.run.dir)
     losses, val_loss, start = [], None, time.perf_counter()
-    with Progress(run_dir, exp.run.steps, tokens_per_step, exp.run.log_every, stream=out,
+    with Progress(run_dir, exp.run.steps, tokens_per_step, exp.run.log_every, first_step=first, stream=out,
                   tensorboard=exp.run.tensorboard) as progress:
-        for step in range(1, exp.run.steps + 1):
+        for step in range(first + 1, exp.run.steps + 1):
             metrics = engine.step(loader.next())
             losses.append(metrics["loss"])
             progress.update(step, metrics)
@@ -182,21 +237,22 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
                 progress.record(step, {"val_loss": val_loss})
             if exp.run.checkpoint_every and step % exp.run.checkpoint_every == 0 and step < exp.run.steps:
                 save_checkpoint(cfg, engine.params(), run_dir / "checkpoint", tokenizer,
-                                {"step": step, "loader": loader.cursor})
+                                {"step": step, "loader": loader.cursor}, _opt_state(engine))
         seconds = time.perf_counter() - start
         params = engine.params()
         final = run_dir / "final"
-        save_checkpoint(cfg, params, final, tokenizer, {"step": exp.run.steps, "loader": loader.cursor})
+        save_checkpoint(cfg, params, final, tokenizer, {"step": exp.run.steps, "loader": loader.cursor},
+                        _opt_state(engine))
         sample = ""
         if exp.run.sample_prompt and exp.run.sample_tokens:
             sample = generate.complete(cfg, params, tokenizer, exp.run.sample_prompt, exp.run.sample_tokens,
                                        seed=exp.run.seed)
     summary = {
-        "steps": exp.run.steps,
+        "steps": exp.run.steps - first,
         "first_loss": losses[0] if losses else None,
         "final_loss": float(np.mean(losses[-10:])) if losses else None,  # mean of the last 10 steps
         "val_loss": val_loss,
-        "tokens": exp.run.steps * tokens_per_step,
+        "tokens": (exp.run.steps - first) * tokens_per_step,
         "seconds": round(seconds, 2),
         "run_dir": str(run_dir),
         "checkpoint": str(final),
@@ -204,6 +260,10 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _opt_state(engine):
+    return engine.opt_state() if hasattr(engine, "opt_state") else None
 
 
 def describe(summary: dict) -> str:

@@ -147,3 +147,27 @@ def test_python_api_matches_the_command_line_arguments(tmp_path):
     summary = run_lib.train(exp, stream=open(os.devnull, "w"))
     assert summary["steps"] == 2 and summary["val_loss"] is None and summary["sample"] == ""
     assert Path(summary["checkpoint"]).is_dir()
+
+
+def test_resumed_run_continues_exactly(tmp_path):
+    """3 steps, then --run.resume=true to 6, equals 6 uninterrupted steps (losses and weights)."""
+    base = [*TINY, "--run.eval_every=0", "--run.sample_prompt=", "--run.checkpoint_every=3",
+            "--optim.decay_steps=6"]
+    quiet = open(os.devnull, "w")
+    run_lib.train(config.load(None, [*base, "--run.steps=6", f"--run.dir={tmp_path / 'straight'}"]), quiet)
+    run_lib.train(config.load(None, [*base, "--run.steps=3", f"--run.dir={tmp_path / 'split'}"]), quiet)
+    run_lib.train(config.load(None, [*base, "--run.steps=6", "--run.resume=true", f"--run.dir={tmp_path / 'split'}"]),
+                  quiet)
+
+    def losses(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [(r["step"], r["loss"]) for r in map(json.loads, lines)]
+
+    assert [s for s, _ in losses("split")] == list(range(1, 7))
+    np.testing.assert_allclose([l for _, l in losses("split")], [l for _, l in losses("straight")], rtol=1e-6)
+    _, a = hf.load_params(tmp_path / "straight" / "final")
+    _, b = hf.load_params(tmp_path / "split" / "final")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    with pytest.raises(config.ConfigError, match="no checkpoint to resume from"):
+        run_lib.train(config.load(None, [*base, "--run.resume=true", f"--run.dir={tmp_path / 'none'}"]), quiet)
