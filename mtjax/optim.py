@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from mtjax.model_config import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -30,9 +32,16 @@ class OptimConfig:
 
     def __post_init__(self):
         if self.schedule not in ("constant", "cosine", "linear"):
-            raise ValueError(f"optim.schedule must be constant, cosine or linear, got {self.schedule!r}")
+            raise ConfigError(f"optim.schedule must be constant, cosine or linear, got {self.schedule!r}")
         if self.lr <= 0 or self.warmup_steps < 0 or self.decay_steps < 0:
-            raise ValueError("optim.lr must be positive and optim.warmup_steps, optim.decay_steps >= 0")
+            raise ConfigError("optim.lr must be positive and optim.warmup_steps, optim.decay_steps >= 0")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.eps <= 0 or self.weight_decay < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("optim.eps must be positive, optim.weight_decay >= 0 and optim.min_lr_ratio in [0, 1]")
+        if self.clip_norm is not None and self.clip_norm <= 0:
+            raise ConfigError(f"optim.clip_norm must be positive or null (no clipping), got {self.clip_norm}")
 
 
 def make_schedule(cfg: OptimConfig) -> optax.Schedule:

@@ -193,3 +193,12 @@ def test_train_reference_with_a_plain_optax_transformation(params):
     assert min(moved.values()) > 3e-5, moved  # the tolerance below is far under the step
     errors = rel_errors(first, expected)
     assert max(errors.values()) <= 1e-6, errors
+
+
+@pytest.mark.parametrize("field, value", [
+    ("lr", 0.0), ("schedule", "step"), ("warmup_steps", -1), ("b1", 1.0), ("b2", -0.1),
+    ("eps", 0.0), ("weight_decay", -1e-3), ("min_lr_ratio", 1.5), ("clip_norm", 0.0),
+])
+def test_bad_optimizer_settings_are_config_errors_naming_the_field(field, value):
+    with pytest.raises(mtjax.ConfigError, match=f"optim.{field}"):
+        mtjax.OptimConfig(**{field: value})
