@@ -224,3 +224,23 @@ def test_truncated_shard_and_missing_meta_are_reported(tmp_path, dataset):
         Dataset(dataset.path)
     with pytest.raises(DataError, match="not a prepared dataset"):
         Dataset(tmp_path)
+
+
+def test_long_texts_encode_exactly_as_a_whole(tmp_path):
+    """Parallel line-piece encoding must give the whole-text ids, or not be used."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    text = "".join(f"Line {i}:\n  indented {i}\n\nWORD{i} and more words\n" for i in range(1200))
+    assert len(text) > 1 << 15
+    qwen = data.load_tokenizer(str(QWEN2))
+    whole = qwen._tok.encode(text, add_special_tokens=False).ids
+    assert qwen.encode(text) == whole and qwen.encode(text) == whole  # first call checks, second uses pieces
+    assert qwen._pieces_exact is True
+    # A Metaspace tokenizer marks the start of every piece, so pieces would differ: it must encode whole.
+    meta = Tokenizer(models.BPE(unk_token="[UNK]"))
+    meta.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    meta.train_from_iterator([text], trainers.BpeTrainer(vocab_size=400, special_tokens=["[UNK]", "</s>"]))
+    tok = data.HFTokenizer(meta, "metaspace", meta.token_to_id("</s>"))
+    whole = meta.encode(text, add_special_tokens=False).ids
+    assert tok.encode(text) == whole and tok.encode(text) == whole
+    assert tok._pieces_exact is False

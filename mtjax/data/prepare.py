@@ -104,11 +104,11 @@ def documents(files: list[Path], text_field: str = "text", on_bytes=None) -> Ite
 def _text(stream) -> Iterator[tuple[str, bool]]:
     buffer, size = [], 0
     for line in stream:
-        buffer.append(line)
-        size += len(line)
-        if size >= CHUNK_CHARS:
+        if size >= CHUNK_CHARS and line[:1].strip():  # cut where pre-tokenizers split anyway
             yield "".join(buffer), False
             buffer, size = [], 0
+        buffer.append(line)
+        size += len(line)
     yield "".join(buffer), True
 
 

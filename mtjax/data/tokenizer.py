@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -17,6 +18,12 @@ from mtjax.data.format import DataError
 # Names end-of-document tokens go by, most specific first, when no tokenizer_config.json says.
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
 TOKENIZER_FILE = "tokenizer.json"
+# Line starts (after a newline, before a non-space): byte-level BPE pre-tokenizers (GPT-2,
+# Llama 3, Qwen2) never merge across them, so pieces cut there encode to the same ids as
+# the whole text, and `encode_batch` encodes them in parallel. Other tokenizers (e.g. ones
+# that prefix every piece with a space marker) fail the one-time check and encode whole.
+_PIECE_BREAK = re.compile(r"(?<=\n)(?=\S)")
+_LONG_TEXT = 1 << 14
 
 
 class Tokenizer(Protocol):
@@ -57,9 +64,18 @@ class HFTokenizer:
     def __init__(self, tok, spec: str, eos_id: int):
         self._tok, self.spec, self.eos_id = tok, spec, eos_id
         self.vocab_size = max(tok.get_vocab_size(with_added_tokens=True), eos_id + 1)
+        self._pieces_exact: bool | None = None  # does piecewise encoding equal whole-text encoding?
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Ids of `text`; long texts are encoded as line pieces in parallel when that is exact."""
+        if len(text) < _LONG_TEXT or self._pieces_exact is False:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        ids = [i for piece in self.encode_batch(_PIECE_BREAK.split(text)) for i in piece]
+        if self._pieces_exact is None:  # checked once, on the first long text
+            whole = self._tok.encode(text, add_special_tokens=False).ids
+            self._pieces_exact = ids == whole
+            return whole
+        return ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
