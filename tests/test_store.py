@@ -345,3 +345,32 @@ def test_chunks_are_a_few_mib_of_whole_rows():
     assert layout.chunk_shape((64, 32), 4) == [64, 32]
     assert layout.chunk_shape((), 4) == []
     assert layout.chunk_shape((3, 50_000_000), 4) == [1, 50_000_000]
+
+
+def test_multi_chunk_arrays_with_a_padded_last_chunk(tmp_path, monkeypatch):
+    """Arrays of several chunks (the last one partial, stored padded) read back exactly,
+    and a flipped byte in any chunk, padding included, is caught."""
+    monkeypatch.setattr(layout, "CHUNK_BYTES", 1000)  # embed: 64 rows of 64 B bf16 -> 15 rows per chunk
+    store = mtjax.store.create(tmp_path / "s", CFG)
+    vals = values(store, 4)
+    write_all(store, vals)
+    store.commit(1)
+    chunks = sorted((tmp_path / "s" / layout.PARTS_DIR / "embed" / "compute.a" / "embedding" / "c").rglob("*"))
+    chunk_files = [c for c in chunks if c.is_file()]
+    assert len(chunk_files) == 5  # rows 0-14, 15-29, 30-44, 45-59, 60-63 (+11 rows of padding)
+    monkeypatch.setattr(layout, "CHUNK_BYTES", 16 << 20)  # readers use the stored chunking, not today's default
+    with mtjax.store.open(tmp_path / "s") as reader:
+        assert same(read_all(reader), vals)
+    last = chunk_files[-1]
+    data = bytearray(last.read_bytes())
+    assert len(data) == 15 * 64 + 4
+    data[-10] ^= 0x40  # inside the padding
+    last.write_bytes(bytes(data))
+    with mtjax.store.open(tmp_path / "s") as reader:
+        with pytest.raises(StoreError, match="embed compute tensor embedding .*checksum mismatch"):
+            reader.read("embed", "compute").result()
+    last.write_bytes(bytes(data[:-20]))
+    with mtjax.store.open(tmp_path / "s") as reader:
+        with pytest.raises(StoreError, match="embed compute tensor embedding .*expected"):
+            reader.read("embed", "compute").result()
+    store.close()

@@ -1,9 +1,10 @@
-"""tensorstore I/O: one zarr3 array per leaf, read into caller buffers, asynchronously.
+"""tensorstore arrays: one zarr3 array per leaf, created, checked and written asynchronously.
 
 Every chunk carries a crc32c checksum (zarr3 `crc32c` codec), so a flipped byte fails
-the read; missing chunks are errors too (`fill_missing_data_reads: false`), never
-silently zeros. Arrays are opened with their full expected metadata, so a damaged or
-foreign `zarr.json` is caught when the array is opened.
+the read; missing chunks are errors too, never silently zeros. Arrays are opened with
+their full expected metadata, so a damaged or foreign `zarr.json` is caught when the
+array is opened. Reads of chunk data go through `chunks` (straight into the caller's
+buffer); `gather` and `after` combine and order the futures of both.
 """
 
 from __future__ import annotations
@@ -19,22 +20,22 @@ import tensorstore as ts
 from mtjax.store import layout
 
 
-def spec(path: Path, shape: tuple[int, ...], dtype: np.dtype) -> dict:
+CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+
+
+def spec(path: Path, shape: tuple[int, ...], dtype: np.dtype, chunks: list[int] | None = None) -> dict:
+    """The array at `path`: created with `chunks`, or opened (any chunking) when None."""
     dtype = np.dtype(dtype)
+    metadata = {"shape": list(shape), "data_type": dtype.name, "codecs": CODECS}
+    if chunks is not None:
+        metadata.update(chunk_grid={"name": "regular", "configuration": {"chunk_shape": chunks}},
+                        chunk_key_encoding={"name": "default"}, fill_value=0)
     return {
         "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": str(path)},  # fsyncs each chunk (file_io_sync)
+        "kvstore": {"driver": "file", "path": str(path)},  # fsyncs each chunk and its directory
         "fill_missing_data_reads": False,
         "store_data_equal_to_fill_value": True,  # else all-zero chunks (fresh AdamW mu/nu) are never written
-        "metadata": {
-            "shape": list(shape),
-            "data_type": dtype.name,
-            "chunk_grid": {"name": "regular",
-                           "configuration": {"chunk_shape": layout.chunk_shape(shape, dtype.itemsize)}},
-            "chunk_key_encoding": {"name": "default"},
-            "fill_value": 0,
-            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
-        },
+        "metadata": metadata,
     }
 
 
@@ -47,18 +48,21 @@ class ArrayCache:
         self._lock = threading.Lock()
 
     def get(self, path: Path, shape, dtype, create: bool) -> ts.TensorStore:
+        """Open the array (its stored chunking is kept); with `create`, make it if missing."""
         with self._lock:
             handle = self._open.get(path)
         if handle is None:
-            handle = ts.open(spec(path, shape, dtype), open=True, create=create, context=self._context).result()
+            if create and not (path / "zarr.json").exists():
+                chunks = layout.chunk_shape(tuple(shape), np.dtype(dtype).itemsize)
+                handle = ts.open(spec(path, shape, dtype, chunks), create=True, open=True, context=self._context)
+            else:
+                handle = ts.open(spec(path, shape, dtype), open=True, context=self._context)
+            handle = handle.result()
+            if list(handle.chunk_layout.read_chunk.shape or ())[1:] != list(shape)[1:]:
+                raise ValueError(f"{path} is not chunked in whole rows, which mtjax reads in place")
             with self._lock:
                 self._open[path] = handle
         return handle
-
-
-def read_into(src: ts.TensorStore, out: np.ndarray) -> ts.Future:
-    """Fill the preallocated `out` from `src` without allocating a result array."""
-    return ts.array(out, copy=False, write=True).write(src)
 
 
 def write_from(dst: ts.TensorStore, array: np.ndarray) -> ts.Future:
@@ -66,8 +70,8 @@ def write_from(dst: ts.TensorStore, array: np.ndarray) -> ts.Future:
     return dst.write(array).commit
 
 
-def gather(futures: dict[str, ts.Future], result, on_error: Callable[[str, BaseException], BaseException]):
-    """One concurrent Future for many tensorstore futures.
+def gather(futures: list[tuple[str, object]], result, on_error: Callable[[str, BaseException], BaseException]):
+    """One concurrent Future for many (leaf, future) pairs (tensorstore or concurrent futures).
 
     It resolves to `result` once all succeeded, or fails with `on_error(leaf, exc)` for the
     first leaf that failed (after all have finished, so no I/O outlives the future).
@@ -83,7 +87,7 @@ def gather(futures: dict[str, ts.Future], result, on_error: Callable[[str, BaseE
         try:
             fut.result()
             error = None
-        except Exception as e:  # tensorstore reports I/O and checksum failures as ValueError
+        except Exception as e:  # I/O, checksum and disk-full failures of one leaf
             error = on_error(leaf, e)
         with lock:
             if error is not None and state["error"] is None:
@@ -96,7 +100,7 @@ def gather(futures: dict[str, ts.Future], result, on_error: Callable[[str, BaseE
             else:
                 done.set_result(result)
 
-    for leaf, fut in futures.items():
+    for leaf, fut in futures:
         fut.add_done_callback(lambda f, leaf=leaf: finished(leaf, f))
     return done
 

@@ -44,10 +44,14 @@ def slot_dir(root: Path, part: str, kind: str, slot: str) -> Path:
     return root / PARTS_DIR / part / f"{kind}.{slot}"
 
 
-def chunk_shape(shape: tuple[int, ...], itemsize: int, target: int = CHUNK_BYTES) -> list[int]:
-    """Split along the leading axis into chunks of about `target` bytes (whole rows)."""
+def chunk_shape(shape: tuple[int, ...], itemsize: int, target: int | None = None) -> list[int]:
+    """Split along the leading axis into chunks of about `target` bytes (whole rows).
+
+    Used when an array is created; readers take the chunking stored in its zarr.json.
+    """
     if not shape:
         return []
+    target = target or CHUNK_BYTES
     row = math.prod(shape[1:]) * itemsize
     rows = max(1, min(shape[0], target // max(row, 1)))
     return [rows, *shape[1:]]

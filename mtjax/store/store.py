@@ -26,14 +26,23 @@ import numpy as np
 
 from mtjax import parts as model_parts
 from mtjax.model_config import ModelConfig
-from mtjax.store import arrays, layout, manifest
+from mtjax.store import arrays, chunks, layout, manifest
 from mtjax.store import train_state as saved_state
 from mtjax.store.errors import StoreError
 from mtjax.store.lock import WriterLock
 
 
+READ_THREADS = 4
+
+
 def _part_name(part) -> str:
     return part.name if isinstance(part, model_parts.Part) else str(part)
+
+
+def _rows(handle) -> int:
+    """Rows per stored chunk (1 for a scalar)."""
+    shape = handle.chunk_layout.read_chunk.shape
+    return int(shape[0]) if shape else 1
 
 
 def _ts_message(e: BaseException) -> str:
@@ -60,6 +69,8 @@ class Store:
             self._dirty: set[tuple[str, str]] = set()
             self._synced: set[tuple[str, str, str]] = set()  # slots whose directories are durable
             self._arrays = arrays.ArrayCache()
+            # Chunk reads are I/O-bound (preadv, crc32c release the GIL): a few in flight keep the disk busy.
+            self._readers = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mtjax-store-read")
             self._mutex = threading.Lock()
             self._broken: str | None = None
             self._on_phase = lambda phase: None  # test hook: called at each step of `commit`
@@ -164,14 +175,16 @@ class Store:
             bad = [leaf for leaf, a in out.items() if not (a.flags.c_contiguous and a.flags.writeable)]
             if bad:
                 raise StoreError(f"read buffers for {part} {kind} must be writable and C-contiguous: {bad}")
-        handles = self._handles(part, kind, slot, create=False)
+        handles = self._handles(part, kind, slot, create=False)  # checks each zarr.json once per session
 
         def on_error(leaf, e):
             return StoreError(f"store {self.root}: {part} {kind} tensor {leaf} (slot {slot}) is corrupt or "
                               f"unreadable ({_ts_message(e)}); restore the store from a backup")
 
         def start():
-            futs = {leaf: arrays.read_into(h, out[leaf]) for leaf, h in handles.items()}
+            base = layout.slot_dir(self.root, part, kind, slot)
+            futs = [(leaf, f) for leaf, h in handles.items()
+                    for f in chunks.read_into(self._readers, base / leaf, _rows(h), out[leaf])]
             return arrays.gather(futs, out, on_error)
 
         return self._chain(part, kind, start)
@@ -200,7 +213,7 @@ class Store:
             return StoreError(f"store {self.root}: {msg}; the committed step {self.step} is intact")
 
         def start():
-            futs = {leaf: arrays.write_from(h, values[leaf]) for leaf, h in handles.items()}
+            futs = [(leaf, arrays.write_from(h, values[leaf])) for leaf, h in handles.items()]
             return arrays.gather(futs, None, on_error)
 
         with self._mutex:
@@ -277,6 +290,9 @@ class Store:
                 concurrent.futures.wait(list(self._pending.values()))
         finally:
             self._arrays = None
+            if getattr(self, "_readers", None) is not None:
+                self._readers.shutdown(wait=True)
+                self._readers = None
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
