@@ -33,7 +33,7 @@ from mtjax.stream.blockfns import block_fns
 from mtjax.stream.grads import GradSink
 from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.staging import Placement, StagingPool
-from mtjax.stream.tiers import Tiers, host_device
+from mtjax.stream.tiers import ScratchFiles, Tiers, host_device
 from mtjax.stream.trace import Tracer
 from mtjax.stream.update import PartUpdate, full_opt_state, update_for
 
@@ -93,8 +93,9 @@ class StreamEngine:
         self.tracer = Tracer()
         self.ledger = budget_mod.DeviceLedger(0)
         self.pool = StagingPool(self.placement, self.ledger)
-        self.grads = GradSink(self.placement, self.tracer)
-        self._pending: dict[str, dict] = {}  # part -> summed gradients awaiting their update
+        # With the master weights on disk, gradients awaiting their update wait in files.
+        spill = ScratchFiles() if self.tiers.placement["master"] == "disk" else None
+        self.grads = GradSink(self.placement, self.tracer, spill)
         self._scale = None  # the clip scale of the pending updates (CPU scalar)
         self._writes: list[cf.Future] = []
         self._plans: dict[tuple[int, int], budget_mod.DevicePlan] = {}
@@ -147,7 +148,9 @@ class StreamEngine:
 
     def _write(self, part: str, kind: str, arrays: dict) -> None:
         with self.tracer.span("write", part):
-            self._writes.append(self.tiers.write(part, kind, arrays))
+            fut = self.tiers.write(part, kind, arrays)
+        # Keep only unfinished or failed writes: a finished one must not pin its arrays.
+        self._writes = [f for f in self._writes if not f.done() or f.exception()] + [fut]
 
     def _wait_writes(self) -> None:
         """Host sync: re-raise write errors, and make the state readable from the tiers."""
@@ -161,7 +164,7 @@ class StreamEngine:
 
     def _apply_update(self, part: str) -> dict | None:
         """The deferred optimizer update of `part`, if one is pending; returns the new compute copy."""
-        grads = self._pending.pop(part, None)
+        grads = self.grads.take(part)
         if grads is None:
             return None
         master, opt = self._read(part, "master"), self._read(part, "opt")
@@ -307,12 +310,13 @@ class StreamEngine:
         self._wait_writes()
         feed = Prefetcher(self._schedule() * accum, self._load, self.options.prefetch_depth)
         try:
-            losses = [self._micro_batch(feed, self.placement.tokens(t), 1.0 / accum) for t in tokens]
+            losses = [self._micro_batch(feed, self.placement.tokens(t), 1.0 / accum, last=a == accum - 1)
+                      for a, t in enumerate(tokens)]
         finally:
             for slot, _ in feed.close():
                 self.pool.release(slot, [])
         # Host sync: the clip scale needs every part's gradient norm.
-        self._pending, sq = self.grads.finish()
+        sq = self.grads.finish()
         self._scale = jax.device_put(clip_scale(sq, self.clip_norm), host_device())
         self._wait_writes()
         self.step_count += 1
@@ -359,7 +363,7 @@ class StreamEngine:
         head = self._take(feed, "head")
         return head, self._take(feed, "embed") if self.cfg.tie_word_embeddings else (None, None)
 
-    def _micro_batch(self, feed: Prefetcher, tokens, weight: float):
+    def _micro_batch(self, feed: Prefetcher, tokens, weight: float, last: bool):
         """Forward and backward of one micro-batch; gradients go to the host sums."""
         fns, pool, trace = self.fns, self.pool, self.tracer
         x, kept = self._forward(feed, tokens, keep=True)
@@ -367,28 +371,28 @@ class StreamEngine:
         loss, dhead, dembed, dx = fns.head(head_w, tied[1], x, tokens, weight)
         trace.watch("compute", "head", dx)
         pool.release(head_slot, dx)
-        self.grads.add("head", dhead)
+        self.grads.add("head", dhead, last)
         if tied[0] is not None:
             pool.release(tied[0], dx)
-            self.grads.add("embed", dembed)
+            self.grads.add("embed", dembed, last=False)  # the lookup's gradient comes last
         del x, head_w, tied
 
         for group in reversed(self.groups):
             x = self._unkeep(kept.pop(group.start))
-            dx = self._backward_group(feed, group, x, dx)
+            dx = self._backward_group(feed, group, x, dx, last)
         de = fns.embed_backward(tokens, dx)
         trace.watch("compute", "embed", de)
-        self.grads.add("embed", de)
+        self.grads.add("embed", de, last)
         return loss
 
-    def _backward_group(self, feed: Prefetcher, group: range, x, dx):
+    def _backward_group(self, feed: Prefetcher, group: range, x, dx, last: bool):
         """Recompute the group's blocks from their kept input, then walk them back."""
         fns, kinds = self.fns, self.cfg.layer_types
         if len(group) == 1:  # recompute and backward fused in one program
             i = group.start
             slot, w = self._take(feed, f"block.{i}")
             dw, dx = fns.grad[kinds[i]](w, x, dx)
-            return self._finish_block(i, slot, dw, dx)
+            return self._finish_block(i, slot, dw, dx, last)
         held = []
         for i in group:
             slot, w = self._take(feed, f"block.{i}")
@@ -401,14 +405,14 @@ class StreamEngine:
             dw, dx = fns.backward(vjp, dx)
             del vjp
             self.ledger.free(self._residual_bytes)
-            dx = self._finish_block(i, slot, dw, dx)
+            dx = self._finish_block(i, slot, dw, dx, last)
         return dx
 
-    def _finish_block(self, i: int, slot, dw, dx):
+    def _finish_block(self, i: int, slot, dw, dx, last: bool):
         self.tracer.watch("compute", f"block.{i}", dx)
         # dx is computed by the program that last reads the slot's weights.
         self.pool.release(slot, dx)
-        self.grads.add(f"block.{i}", dw)
+        self.grads.add(f"block.{i}", dw, last)
         return dx
 
     # --- reporting -----------------------------------------------------------------

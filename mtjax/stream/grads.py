@@ -1,8 +1,10 @@
 """The device->host stage for gradients: copy each part's gradient to host memory and
 sum it there over micro-batches, on a worker thread so the device loop never waits.
 
-`finish` returns the summed gradients and the squared global norm (a lazy scalar on
-the CPU backend), which fixes the clip scale before any part is updated.
+`finish` returns the squared global norm (a lazy scalar on the CPU backend), which
+fixes the clip scale before any part is updated; `take(part)` hands a part's summed
+gradient to its (deferred) update. With `spill`, sums wait in scratch files instead of
+host memory (used when the master weights live on disk).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 
 from mtjax.optim import sum_of_squares
 from mtjax.stream.staging import Placement
+from mtjax.stream.tiers import ScratchFiles, host_device
 
 
 def _add(acc: dict, g: dict) -> dict:
@@ -25,35 +28,67 @@ def _to_f32(g: dict) -> dict:
 
 
 class GradSink:
-    def __init__(self, placement: Placement, tracer):
-        self.placement, self.tracer = placement, tracer
+    def __init__(self, placement: Placement, tracer, spill: ScratchFiles | None = None):
+        self.placement, self.tracer, self.spill = placement, tracer, spill
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="mtjax-grads")
         self._add = jax.jit(_add, donate_argnums=0)
         self._to_f32 = jax.jit(_to_f32)
-        self._sq = jax.jit(sum_of_squares)
-        self._sums: dict[str, dict] = {}
+        self._sq_fn = jax.jit(sum_of_squares)
+        self._sums: dict[str, dict] = {}  # this step's sums (when not spilled)
+        self._sq: dict[str, jax.Array] = {}  # this step's squared norm per part
+        self._current: set[str] = set()  # parts with a sum in this step
+        self._ready: dict[str, dict | None] = {}  # last step's sums awaiting their update
         self._futures: list[cf.Future] = []
 
-    def add(self, part: str, grads: dict) -> None:
-        """Queue a part's device gradients; returns at once (the copy is asynchronous)."""
+    def add(self, part: str, grads: dict, last: bool) -> None:
+        """Queue a part's device gradients; returns at once (the copy is asynchronous).
+        `last`: this is the step's last contribution to the part."""
         self.placement.start_to_host(grads)
-        self._futures.append(self._pool.submit(self._accumulate, part, grads))
+        self._futures.append(self._pool.submit(self._accumulate, part, grads, last))
 
-    def _accumulate(self, part: str, grads: dict) -> None:
+    def _accumulate(self, part: str, grads: dict, last: bool) -> None:
         with self.tracer.span("d2h", part):
             host = self.placement.host_arrays(grads)
-        # fp32 sums on the CPU backend; the first copy also frees the device's buffers.
-        acc = self._sums.get(part)
-        self._sums[part] = self._to_f32(host) if acc is None else self._add(acc, host)
+        if part in self._current:
+            prev = self.spill.take(part + ".sum") if self.spill else self._sums.pop(part)
+            acc = self._add(jax.device_put(prev, host_device()), host)
+        elif all(x.dtype == jnp.float32 for x in host.values()):
+            acc = dict(host)  # fp32 already: no copy
+        else:
+            acc = self._to_f32(host)
+        self._current.add(part)
+        if last:
+            self._sq[part] = self._sq_fn(acc)
+        if self.spill:
+            # np.asarray inside waits for the sum (host sync on this worker thread).
+            self.spill.put(part + ".sum", acc)
+        else:
+            self._sums[part] = acc
 
-    def finish(self) -> tuple[dict[str, dict], jax.Array]:
-        """(summed gradients per part, squared global norm); re-raises worker errors."""
+    def finish(self) -> jax.Array:
+        """The squared global norm of this step's gradients; re-raises worker errors."""
         for fut in self._futures:
             fut.result()
         self._futures.clear()
-        sums, self._sums = self._sums, {}
-        sq = sum(self._sq(g) for g in sums.values())
-        return sums, sq
+        for part in self._current:
+            self._ready[part] = self._sums.pop(part, None)
+            if self.spill:
+                self.spill.rename(part + ".sum", part + ".ready")
+        self._current.clear()
+        sq, self._sq = sum(self._sq.values()), {}
+        return sq
+
+    def pending(self) -> list[str]:
+        return list(self._ready)
+
+    def take(self, part: str) -> dict | None:
+        """The summed gradient of `part` from the last step, or None if already taken."""
+        if part not in self._ready:
+            return None
+        grads = self._ready.pop(part)
+        return self.spill.take(part + ".ready") if self.spill else grads
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self.spill:
+            self.spill.close()

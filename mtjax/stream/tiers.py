@@ -115,3 +115,51 @@ class Tiers:
     def close(self) -> None:
         for tier in set(self.by_kind.values()):
             tier.close()
+
+
+class ScratchFiles:
+    """Flat {leaf: array} dicts parked in files: gradients waiting for their update when
+    the master weights live on disk, so host memory does not grow with the model.
+
+    Plain file writes and reads: the bytes sit in the page cache, not in the process.
+    """
+
+    def __init__(self, parent: str | None = None):
+        import tempfile
+
+        self._dir = tempfile.TemporaryDirectory(prefix="mtjax-grads-", dir=parent)
+        self._meta: dict[str, dict[str, tuple]] = {}
+
+    def _path(self, key: str, leaf: str):
+        from pathlib import Path
+
+        return Path(self._dir.name) / f"{key}--{leaf}.bin"
+
+    def put(self, key: str, arrays: Mapping) -> None:
+        meta = {}
+        for leaf, a in arrays.items():
+            a = np.ascontiguousarray(np.asarray(a))
+            a.tofile(self._path(key, leaf))
+            meta[leaf] = (a.shape, a.dtype)
+        self._meta[key] = meta
+
+    def take(self, key: str) -> dict:
+        """The arrays stored under `key`, which is then forgotten."""
+        out = {}
+        for leaf, (shape, dtype) in self._meta.pop(key).items():
+            path = self._path(key, leaf)
+            out[leaf] = np.fromfile(path, dtype).reshape(shape)
+            path.unlink()
+        return out
+
+    def rename(self, key: str, new: str) -> None:
+        for leaf in self._meta[key]:
+            self._path(key, leaf).rename(self._path(new, leaf))
+        self._meta[new] = self._meta.pop(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._meta
+
+    def close(self) -> None:
+        self._meta.clear()
+        self._dir.cleanup()

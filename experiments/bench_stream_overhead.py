@@ -1,0 +1,121 @@
+"""Streaming overhead: streamed step time / reference step time, same model, one run.
+
+Both engines run the same fp32 Llama (8 blocks of width 1024 by default) with the same
+per-block recomputation (the reference checkpoints every block; the stream keeps every
+block input, k = 1) and AdamW; the stream keeps all state in the RAM tier. Steps of the
+two engines alternate, so drift in machine load hits both alike. Prints a table and
+writes its section of docs/benchmarks.md.
+
+    .venv/bin/python experiments/bench_stream_overhead.py            # ~3-5 minutes on 2 cores
+    .venv/bin/python experiments/bench_stream_overhead.py --layers 2 --width 256 --no-doc   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mtjax import model  # noqa: E402
+from mtjax.model_config import ModelConfig  # noqa: E402
+from mtjax.optim import OptimConfig  # noqa: E402
+from mtjax.reference import ReferenceTrainer  # noqa: E402
+from mtjax.stream import StreamEngine  # noqa: E402
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+SECTION = "stream-overhead"
+
+
+def write_section(name: str, body: str) -> None:
+    """Replace this benchmark's own section of docs/benchmarks.md (others are left alone)."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nMeasured numbers, each section written by the script it names.\n"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per engine (after one warm-up)")
+    ap.add_argument("--dtype", default="float32", help="compute dtype")
+    ap.add_argument("--trace", type=Path, help="also write the stream's Chrome trace here")
+    ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    args = ap.parse_args()
+
+    heads = max(args.width // 64, 1)
+    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=int(args.width * 2.75),
+                      num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
+                      head_dim=args.width // heads, compute_dtype=args.dtype)
+    params = model.init_params(cfg, seed=0)
+    opt = OptimConfig(lr=1e-4, clip_norm=1.0)
+    rng = np.random.default_rng(0)
+    data = [rng.integers(0, cfg.vocab_size, (1, args.batch, args.seq), dtype=np.int32) for _ in range(args.steps + 1)]
+
+    ref = ReferenceTrainer(cfg, params, opt)
+    stream = StreamEngine(cfg, params, opt, keep_every=1, prefetch_depth=2)
+    del params
+    times = {"reference": [], "stream": []}
+    for i, tokens in enumerate(data):
+        for name, engine in (("reference", ref), ("stream", stream)):
+            t0 = time.perf_counter()
+            engine.step(tokens)  # returns floats: the step has finished
+            if i:  # step 0 compiles
+                times[name].append(time.perf_counter() - t0)
+    ref_s, stream_s = statistics.median(times["reference"]), statistics.median(times["stream"])
+    stages = stream.stage_seconds()
+    if args.trace:
+        stream.write_trace(args.trace)
+    stream.close()
+
+    n_params = cfg.num_params()
+    tokens = args.batch * args.seq
+    rows = [
+        ("reference (whole model, remat per block)", ref_s),
+        ("stream (RAM tier, k=1, depth 2)", stream_s),
+    ]
+    lines = [
+        f"Model: Llama {args.layers} blocks x width {args.width}, vocab {args.vocab}, "
+        f"{n_params / 1e6:.1f}M params, {args.dtype}; batch {args.batch} x seq {args.seq}; AdamW, clip 1.0.",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} on "
+        f"{jax.devices()[0].platform}; median of {args.steps} steps after one warm-up, engines alternating.",
+        "",
+        "| engine | step (s) | tokens/s |",
+        "|---|---|---|",
+        *(f"| {name} | {s:.2f} | {tokens / s:.0f} |" for name, s in rows),
+        "",
+        f"**streamed / reference = {stream_s / ref_s:.3f}** (goal <= 1.10)",
+        "",
+        "Stream stage seconds in the last step (summed over parts; stages overlap): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()),
+    ]
+    body = "## Streaming overhead (experiments/bench_stream_overhead.py)\n\n" + "\n".join(lines) + (
+        f"\n\nCommand: `.venv/bin/python experiments/bench_stream_overhead.py "
+        f"--layers {args.layers} --width {args.width} --seq {args.seq}`"
+    )
+    print(body)
+    if not args.no_doc:
+        write_section(SECTION, body)
+
+
+if __name__ == "__main__":
+    main()
