@@ -265,6 +265,10 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
         if cfg.model_type != "mistral":
             hf["use_sliding_window"] = True
             hf["layer_types"] = list(cfg.layer_types)
+            full = cfg.layer_types.index(SLIDING)
+            if set(cfg.layer_types[full:]) == {SLIDING}:
+                # Readers older than `layer_types` slide layers >= max_window_layers.
+                hf["max_window_layers"] = full
     elif cfg.model_type == "mistral":
         hf["sliding_window"] = None
     return hf

@@ -166,3 +166,11 @@ def test_round_trip_keeps_the_other_keys_of_a_transformers_config(family):
     assert mtjax.from_hf_dict(again) == cfg
     for key in ("bos_token_id", "eos_token_id", "hidden_act", "transformers_version"):
         assert again.get(key) == hf.get(key), key
+
+
+def test_mixed_sliding_config_also_states_max_window_layers():
+    """Readers that predate `layer_types` derive the sliding layers from max_window_layers."""
+    hf = mtjax.to_hf_dict(ROUND_TRIP["qwen2-mixed-sliding"])
+    assert hf["max_window_layers"] == 1 and hf["use_sliding_window"]
+    legacy = {k: v for k, v in hf.items() if k != "layer_types"}
+    assert mtjax.from_hf_dict(legacy) == ROUND_TRIP["qwen2-mixed-sliding"]
