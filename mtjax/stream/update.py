@@ -36,7 +36,10 @@ class PartUpdate:
     def __init__(self, cfg: ModelConfig, tx: optax.GradientTransformation):
         self.cfg, self.tx = cfg, tx
         self.cpu = host_device()
-        self._update = jax.jit(functools.partial(_update, tx, np.dtype(cfg.compute_dtype)), donate_argnums=(0, 1, 2))
+        # keep_unused: jit drops the unread `compute` argument otherwise, and with it the
+        # donation, so every update would page-fault a fresh bf16 output buffer.
+        self._update = jax.jit(functools.partial(_update, tx, np.dtype(cfg.compute_dtype)), donate_argnums=(0, 1, 2),
+                               keep_unused=True)
         self._init = jax.jit(tx.init)
         self._templates = {p.name: jax.eval_shape(tx.init, parts.schema(cfg, p.name, "master")) for p in parts.parts(cfg)}
 
