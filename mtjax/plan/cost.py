@@ -123,7 +123,7 @@ class DeviceMemory:
 @dataclasses.dataclass(frozen=True)
 class HostMemory:
     state: int  # compute/master/opt state placed in RAM
-    grads: int  # fp32 gradient of every part, held until the clip norm is known
+    grads: int  # fp32 gradient sums of every part, held until the clip norm is known (0: spilled to disk)
     staging: int  # page-aligned buffers for the parts in flight
     activations: int  # kept block inputs, when they live on the host
     runtime: int
@@ -187,17 +187,20 @@ def _kept_inputs(cfg: ModelConfig, w: Workload) -> int:
 
 
 def _keys_per_query(cfg: ModelConfig, kind: str, seq: int) -> float:
-    """Average number of keys a query attends to (causal, optionally windowed)."""
+    """Average number of keys a query may see (causal, optionally windowed)."""
     w = cfg.sliding_window if kind == SLIDING else None
     if not w or w >= seq:
         return (seq + 1) / 2
     return (w * (w + 1) / 2 + (seq - w) * w) / seq
 
 
-def _block_forward_flops(cfg: ModelConfig, kind: str, block_params: int, tokens: int, batch: int, seq: int) -> float:
-    matmuls = 2.0 * block_params * tokens
-    # QK^T and AV: 2 FLOPs per multiply-add each, over the keys each query sees.
-    attention = 4.0 * batch * seq * cfg.num_attention_heads * cfg.head_dim * _keys_per_query(cfg, kind, seq)
+def block_forward_flops(cfg: ModelConfig, kind: str, block_params: int, batch: int, seq: int,
+                        executed: bool = True) -> float:
+    """FLOPs of one block's forward. `executed`: what the model's XLA attention runs (every
+    query against every key, masked afterwards); otherwise only the keys a query may see."""
+    matmuls = 2.0 * block_params * batch * seq
+    keys = seq if executed else _keys_per_query(cfg, kind, seq)
+    attention = 4.0 * batch * seq * cfg.num_attention_heads * cfg.head_dim * keys  # QK^T and AV
     return matmuls + attention
 
 
@@ -263,11 +266,14 @@ def estimate(cfg: ModelConfig, workload: Workload, hardware: HardwareProfile,
 
     # --- FLOPs, per micro-batch then per step -----------------------------------------
     tokens = w.batch_size * w.seq_len
-    fwd = sum(_block_forward_flops(cfg, kind, pb[n].compute // c_item, tokens, w.batch_size, w.seq_len)
-              for n, kind in zip(block_names, cfg.layer_types))
+    def forward(executed):
+        return sum(block_forward_flops(cfg, kind, pb[n].compute // c_item, w.batch_size, w.seq_len, executed)
+                   for n, kind in zip(block_names, cfg.layer_types))
+
     head_fwd = 2.0 * cfg.hidden_size * cfg.vocab_size * tokens
-    flops = w.grad_accum * (4 * fwd + 3 * head_fwd)
-    model_flops = w.grad_accum * (3 * fwd + 3 * head_fwd)
+    # Blocks: forward, recompute forward, backward (2x) = 4 forwards; head: forward + backward.
+    flops = w.grad_accum * (4 * forward(True) + 3 * head_fwd)
+    model_flops = w.grad_accum * (3 * forward(False) + 3 * head_fwd)
 
     # --- link traffic: blocks twice (forward, backward); the embedding's backward needs
     # only token ids; the head runs loss and gradient in one pass (tied: embedding again).
@@ -290,9 +296,13 @@ def estimate(cfg: ModelConfig, workload: Workload, hardware: HardwareProfile,
         if getattr(place, kind) == "disk":
             disk_read += state.get(kind)
             disk_write += state.get(kind)
+    grad32 = state.master  # fp32 gradient sums, shaped like the master weights
+    spill = place.master == "disk"  # the engine keeps gradient sums in scratch files then
+    if spill:  # each micro-batch writes the sums; the next one and the update read them back
+        disk_write += w.grad_accum * grad32
+        disk_read += w.grad_accum * grad32
 
     # --- host memory traffic --------------------------------------------------------------
-    grad32 = state.master  # fp32 gradient buffer, shaped like the master weights
     optimizer = (state.master + state.opt + grad32) + (state.master + state.opt + state.compute)
     # Each micro-batch's gradient is read once and summed into the fp32 buffer (the first writes it).
     grad_sums = w.grad_accum * d2h_once + grad32 + (w.grad_accum - 1) * 2 * grad32
@@ -306,12 +316,14 @@ def estimate(cfg: ModelConfig, workload: Workload, hardware: HardwareProfile,
     in_ram = sum(state.get(k) for k in place.on("ram"))
     staging = (w.prefetch_depth + 1) * biggest.compute  # compute weights in flight to the device
     staging += sum(2 * biggest.get(k) for k in ("master", "opt") if getattr(place, k) == "disk")
+    staging += 2 * biggest.master if spill else 0  # a part's gradient sum on its way to and from disk
     activations = _kept_inputs(cfg, w) if w.activations == "host" else 0
-    host = HostMemory(in_ram, grad32, staging, activations, RUNTIME_OVERHEAD_BYTES,
-                      in_ram + grad32 + staging + activations + RUNTIME_OVERHEAD_BYTES)
+    grads_in_ram = 0 if spill else grad32
+    host = HostMemory(in_ram, grads_in_ram, staging, activations, RUNTIME_OVERHEAD_BYTES,
+                      in_ram + grads_in_ram + staging + activations + RUNTIME_OVERHEAD_BYTES)
     checkpoint = sum(state.get(k) for k in ("master", "opt") if getattr(place, k) == "ram")
     # Two copies of everything on disk, so a crash mid-write never loses the committed one.
-    disk_bytes = 2 * (sum(state.get(k) for k in place.on("disk")) + checkpoint)
+    disk_bytes = 2 * (sum(state.get(k) for k in place.on("disk")) + checkpoint) + (grad32 if spill else 0)
 
     times = _times(w, hw, pb, flops, traffic, c_item, cfg)
     return Plan(cfg, w, hw, pb, num_params, flops, model_flops, state, device, host, disk_bytes,

@@ -19,7 +19,9 @@ MTBF_S = 24 * 3600.0  # assumed mean time between failures of one machine
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    from mtjax.plan.report import size
+
+    return size(n)
 
 
 def _with_placement(plan: Plan, placement: Placement) -> Plan:
@@ -86,9 +88,28 @@ def checkpoint_interval(plan: Plan, mtbf_s: float = MTBF_S) -> tuple[int, float]
     return max(1, round(math.sqrt(2 * cost * mtbf_s) / plan.times.step)), cost
 
 
+def _fit_device(plan: Plan, workload, device_bytes: float) -> Plan:
+    """Prefetch depth 2 (one part computing, one arriving, one queued to absorb link and
+    disk jitter) or 1; if neither fits, the recompute group and activation tier that
+    need the least device memory."""
+    def at(**changes) -> Plan:
+        return estimate(plan.cfg, dataclasses.replace(workload, **changes), plan.hardware, part_bytes_=plan.part_bytes)
+
+    for depth in (2, 1):
+        p = at(prefetch_depth=depth)
+        if p.device.peak <= device_bytes:
+            return p
+    L = plan.cfg.num_hidden_layers
+    groups = sorted({1, 2, 4, 8, 16, L, workload.keep_every or L} & set(range(1, L + 1)))
+    options = [at(prefetch_depth=1, keep_every=k, activations=a) for k in groups for a in ("device", "host")]
+    fitting = [p for p in options if p.device.peak <= device_bytes]
+    return min(fitting, key=lambda p: p.times.step) if fitting else min(options, key=lambda p: p.device.peak)
+
+
 def recommend(plan: Plan, available_ram: int | None = None, free_disk: int | None = None) -> Advice:
     """The fastest placement that fits RAM and disk, the deepest prefetch (<= 2) that fits
-    the device, and a checkpoint interval."""
+    the device (changing keep_every or the activation tier only if nothing else fits),
+    and a checkpoint interval."""
     hw = plan.hardware
     ram = (available_ram if available_ram is not None else hw.host_ram_bytes) * RAM_HEADROOM
     disk = free_disk if free_disk is not None else hw.disk_bytes
@@ -101,13 +122,10 @@ def recommend(plan: Plan, available_ram: int | None = None, free_disk: int | Non
     else:
         best = min(candidates, key=lambda c: c.host.total)
         why = "no placement fits RAM and disk; this one needs the least RAM"
-    # Depth 2: one part computing, one arriving, one queued to absorb link or disk jitter.
-    chosen = best
-    for depth in (2, 1):
-        chosen = estimate(plan.cfg, dataclasses.replace(best.workload, prefetch_depth=depth), hw,
-                          part_bytes_=plan.part_bytes)
-        if chosen.device.peak <= dev:
-            break
+    chosen = _fit_device(plan, best.workload, dev)
+    if chosen.workload.keep_every != plan.workload.keep_every or chosen.workload.activations != plan.workload.activations:
+        why += (f"; keep_every {chosen.workload.keep_every} and activations on the {chosen.workload.activations} "
+                "to fit device memory")
     every, cost = checkpoint_interval(chosen)
     fits = bool(fitting) and chosen.device.peak <= dev
     if chosen.device.peak > dev:

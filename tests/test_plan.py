@@ -1,0 +1,190 @@
+"""The planner: byte counts agree with mtjax.parts.schema, FLOPs agree with XLA, big
+models plan without allocating, `check` explains shortfalls, and the CLI runs."""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+import psutil
+import pytest
+
+from mtjax import cli, model, parts, treepath
+from mtjax.model_config import ModelConfig, load_hf_config
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.plan import BUILTIN, HardwareError, Placement, Workload, check, estimate, load, recommend
+from mtjax.plan.cost import block_forward_flops, residual_bytes
+from mtjax.plan.report import size
+
+ROOT = Path(__file__).resolve().parent.parent
+BIG = [ROOT / "experiments/hf_configs/llama-3-70b.json", ROOT / "experiments/hf_configs/llama-175b.json"]
+CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, compute_dtype="bfloat16")
+TX = make_optimizer(OptimConfig())
+HW = BUILTIN["h200"]
+
+
+def schema_total(cfg, kind, names=None):
+    names = names or [p.name for p in parts.parts(cfg)]
+    return sum(parts.nbytes(parts.schema(cfg, n, kind, TX)) for n in names)
+
+
+def test_state_and_link_bytes_are_sums_over_the_schema():
+    w = Workload(batch_size=2, seq_len=16, grad_accum=3)
+    plan = estimate(CFG, w, HW, tx=TX)
+    compute, master, opt = (schema_total(CFG, k) for k in parts.KINDS)
+    assert (plan.state.compute, plan.state.master, plan.state.opt) == (compute, master, opt)
+    assert plan.num_params == CFG.num_params()
+    blocks = schema_total(CFG, "compute", [f"block.{i}" for i in range(3)])
+    embed, head = (schema_total(CFG, "compute", [n]) for n in ("embed", "head"))
+    # Blocks stream twice per micro-batch (forward, backward), embedding and head once.
+    assert plan.traffic.h2d == 3 * (2 * blocks + embed + head)
+    # Gradients in the compute dtype, except the embedding's dense fp32 table.
+    assert plan.traffic.d2h == 3 * (blocks + head + schema_total(CFG, "master", ["embed"]))
+    assert plan.host.state == compute + master + opt
+    assert plan.host.grads == master
+    assert plan.traffic.disk_read == plan.traffic.disk_write == 0
+
+
+def test_disk_tier_moves_its_bytes_from_ram_to_disk():
+    base = estimate(CFG, Workload(grad_accum=2), HW, tx=TX)
+    master, opt = schema_total(CFG, "master"), schema_total(CFG, "opt")
+    opt_disk = estimate(CFG, Workload(grad_accum=2, placement=Placement(opt="disk")), HW, tx=TX)
+    assert base.host.state - opt_disk.host.state == opt
+    assert opt_disk.traffic.disk_read == opt_disk.traffic.disk_write == opt
+    # Two copies on disk (crash-safe commit); RAM-resident master and opt are checkpointed instead.
+    assert opt_disk.disk_bytes == base.disk_bytes == 2 * (master + opt)
+    # Master weights on disk: the engine spills fp32 gradient sums (master-sized) every micro-batch.
+    both = estimate(CFG, Workload(grad_accum=2, placement=Placement(master="disk", opt="disk")), HW, tx=TX)
+    assert base.host.state - both.host.state == master + opt
+    assert base.host.grads == master and both.host.grads == 0
+    assert both.traffic.disk_read == both.traffic.disk_write == master + opt + 2 * master
+    all_disk = estimate(CFG, Workload(placement=Placement("disk", "disk", "disk")), HW, tx=TX)
+    assert all_disk.traffic.disk_read == master + opt + master + all_disk.traffic.h2d
+
+
+def test_block_flops_match_xla_cost_analysis():
+    cfg = dataclasses.replace(CFG, hidden_size=128, intermediate_size=352, head_dim=32, compute_dtype="float32")
+    b, s = 2, 64
+    w = parts.schema(cfg, "block.0", "compute")
+    template = parts.abstract_part(cfg, "block.0")
+    x = jax.ShapeDtypeStruct((b, s, cfg.hidden_size), np.float32)
+    fn = jax.jit(lambda w, x: model.block_forward(cfg, "full_attention", treepath.unflatten(template, w), x))
+    xla = fn.lower(w, x).compile().cost_analysis()["flops"]
+    ours = block_forward_flops(cfg, "full_attention", sum(math.prod(v.shape) for v in w.values()), b, s)
+    assert ours == pytest.approx(xla, rel=0.03)
+
+
+def test_device_peak_grows_with_prefetch_depth_and_kept_inputs_shrink_with_k():
+    w = Workload(batch_size=2, seq_len=32)
+    peaks = [estimate(CFG, dataclasses.replace(w, prefetch_depth=d), HW, tx=TX).device.peak for d in (1, 2, 4)]
+    assert peaks[0] < peaks[1] < peaks[2]
+    plans = [estimate(CFG, dataclasses.replace(w, keep_every=k), HW, tx=TX).device for k in (1, 2, 3)]
+    hidden = 2 * 32 * CFG.hidden_size * 2  # [batch, seq, hidden] bf16
+    assert [p.kept_inputs for p in plans] == [3 * hidden, 2 * hidden, hidden]
+    assert plans[0].residuals < plans[1].residuals < plans[2].residuals  # k blocks of residuals
+    host = estimate(CFG, dataclasses.replace(w, activations="host"), HW, tx=TX)
+    assert host.device.kept_inputs == 0 and host.host.activations == plans[0].kept_inputs
+
+
+def test_residuals_are_what_a_real_vjp_keeps():
+    b, s = 2, 16
+    params = model.init_params(CFG)["blocks"][0]
+    w = treepath.flatten(model.cast(params, CFG.compute_dtype))
+    x = jax.numpy.ones((b, s, CFG.hidden_size), CFG.compute_dtype)
+    template = parts.abstract_part(CFG, "block.0")
+    _, vjp = jax.vjp(lambda w, x: model.block_forward(CFG, "full_attention", treepath.unflatten(template, w), x), w, x)
+    def is_weight(leaf):  # the weights are held anyway (possibly as a new array object)
+        return any(v.shape == leaf.shape and v.dtype == leaf.dtype and bool((v == leaf).all()) for v in w.values())
+
+    kept = sum(leaf.nbytes for leaf in jax.tree.leaves(vjp) if not is_weight(leaf))
+    assert kept > 0
+    assert residual_bytes(CFG, "full_attention", b, s) == kept
+
+
+@pytest.mark.parametrize("path", BIG, ids=lambda p: p.stem)
+def test_big_configs_plan_without_allocating(path):
+    rss = psutil.Process().memory_info().rss
+    cfg = load_hf_config(path, compute_dtype="bfloat16")
+    plan = estimate(cfg, Workload(batch_size=1, seq_len=2048), HW)
+    advice = recommend(plan)
+    assert psutil.Process().memory_info().rss - rss < 512 * 2**20  # the bf16 weights alone are > 100 GiB
+    assert plan.num_params == pytest.approx(70.6e9 if "70b" in path.stem else 175.2e9, rel=0.01)
+    assert plan.state.master == 4 * plan.num_params
+    assert plan.times.step > 0 and plan.times.bound in ("device compute", "host<->device link", "disk", "host memory")
+    assert advice.fits and advice.plan.host.total <= HW.host_ram_bytes
+
+
+def test_check_names_the_ram_shortfall_and_a_placement_that_fits():
+    cfg = dataclasses.replace(CFG, vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
+                              layer_types=(), num_attention_heads=8, head_dim=32)
+    plan = estimate(cfg, Workload(), HW, tx=TX)
+    assert check(plan, available_ram=plan.host.total, free_disk=plan.disk_bytes) is None
+    short = schema_total(cfg, "opt") // 2
+    message = check(plan, available_ram=plan.host.total - short, free_disk=10**12)
+    assert "host RAM" in message and f"short by {size(short)}" in message
+    # The suggested change moves one kind of state to disk, and then the run fits.
+    suggested = dict(kv.split("=") for kv in message.split("set placement ")[1].split(","))
+    assert sorted(suggested.values()) == ["disk", "ram", "ram"]
+    fixed = estimate(cfg, Workload(placement=Placement(**suggested)), HW, tx=TX)
+    assert check(fixed, available_ram=plan.host.total - short, free_disk=10**12) is None
+    assert "free disk" in check(plan, available_ram=plan.host.total, free_disk=plan.disk_bytes - 1)
+    assert "device memory" in check(plan, plan.host.total, plan.disk_bytes, device_memory=plan.device.peak - 1)
+
+
+def test_recommend_puts_state_on_disk_only_when_ram_is_short():
+    plan = estimate(CFG, Workload(), BUILTIN["cpu-2core"], tx=TX)
+    assert recommend(plan).placement == Placement()
+    tight = plan.host.total - schema_total(CFG, "opt") // 2
+    advice = recommend(plan, available_ram=int(tight / 0.9))
+    assert advice.fits and advice.placement != Placement()
+    assert advice.plan.host.total <= tight
+
+
+def test_profiles_round_trip_and_builtins_are_labelled(tmp_path):
+    assert {"a100-80gb-pcie4", "h100-pcie5", "h200", "gh200", "cpu-2core"} <= set(BUILTIN)
+    assert all(BUILTIN[n].source == "vendor" for n in ("a100-80gb-pcie4", "h100-pcie5", "h200", "gh200"))
+    path = BUILTIN["gh200"].save(tmp_path / "gh200.json")
+    assert load(str(path)) == BUILTIN["gh200"]
+    with pytest.raises(HardwareError, match="h200"):
+        load("no-such-profile")
+    path.write_text(json.dumps({"name": "x"}))
+    with pytest.raises(HardwareError, match="missing keys"):
+        load(str(path))
+
+
+def test_cli_plan_and_probe(tmp_path, capsys):
+    assert cli.main(["plan", str(BIG[0]), "--hardware", "h100-pcie5", "--seq-len", "1024",
+                     "--placement", "compute=ram,master=ram,opt=disk", "--compute-dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "device peak" in out and "bound by" in out and "tokens/s" in out and "opt=disk" in out
+    assert cli.main(["plan", str(BIG[1]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["num_blocks"] == 96
+    profile = tmp_path / "hw.json"
+    assert cli.main(["probe", "--quick", "--dir", str(tmp_path), "--out", str(profile)]) == 0
+    measured = load(str(profile))
+    assert measured.source == "measured" and measured.disk_read_bytes_per_s > 0 and measured.matmul_flops_fp32 > 0
+    ckpt = tmp_path / "tiny"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({**json.loads(BIG[0].read_text()), "num_hidden_layers": 2,
+                                                  "hidden_size": 64, "intermediate_size": 128, "vocab_size": 100,
+                                                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}))
+    assert cli.main(["plan", str(ckpt), "--hardware", str(profile)]) == 0
+    assert "hardware     measured" in capsys.readouterr().out
+
+
+def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
+    assert cli.main(["plan", str(tmp_path / "missing.json")]) == 2
+    assert cli.main(["plan", str(BIG[0]), "--hardware", "tpu-v9"]) == 2
+    assert cli.main(["plan", str(BIG[0]), "--placement", "opt=tape"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("mtjax plan: error:") for line in err)
+
+
+@pytest.mark.parametrize("name", ["llama-70b-plan.yaml", "llama-175b-plan.yaml"])
+def test_shipped_plan_experiments_plan(name, capsys):
+    assert cli.main(["plan", str(ROOT / "experiments" / name), "--hardware", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "placement compute=ram,master=disk,opt=disk" in out and "recommended" in out
