@@ -29,6 +29,8 @@ __all__ = [
     "StoreConfig", "StreamConfig", "dump", "load", "to_yaml", "model_config", "valid_keys",
 ]
 
+
+# Used by the dataclasses' own checks, so defined before them.
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
@@ -37,7 +39,6 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 def _suggest(name: str, candidates, prefix: str = "") -> str:
     close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
     return f"; did you mean '{prefix}{close[0]}'?" if close else ""
-
 
 
 # Named architectures; inline `model.*` fields override them.
@@ -130,7 +131,7 @@ class RunConfig:
     """The training loop: length, logging, evaluation, checkpoints, the closing sample."""
 
     dir: str = "runs/default"  # run directory (metrics.jsonl, checkpoints), relative to cwd
-    steps: int = 200  # optimizer steps
+    steps: int = 300  # optimizer steps
     log_every: int = 10  # steps between log lines when not on a terminal
     eval_every: int = 100  # steps between validation losses; 0 disables
     eval_batches: int = 4  # micro-batches per validation loss
@@ -151,7 +152,7 @@ class ExperimentConfig:
     model: ModelSection = ModelSection()
     store: StoreConfig = StoreConfig()
     stream: StreamConfig = StreamConfig()
-    optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=20, decay_steps=180, weight_decay=0.1)
+    optim: OptimConfig = OptimConfig(lr=4e-3, warmup_steps=20, decay_steps=280, weight_decay=0.1)
     data: DataConfig = DataConfig()
     run: RunConfig = RunConfig()
 
