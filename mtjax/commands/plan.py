@@ -37,7 +37,8 @@ def _placement(text: str):
         pairs = dict(item.split("=", 1) for item in text.split(","))
         return Placement(**pairs)
     except (ValueError, TypeError) as e:
-        raise MtjaxError(f"--placement {text!r} is not valid ({e}); write e.g. compute=ram,master=ram,opt=disk") from None
+        raise MtjaxError(
+            f"--placement {text!r} is not valid ({e}); write e.g. compute=ram,master=ram,opt=disk") from None
 
 
 def run_plan(args) -> int:
@@ -46,8 +47,8 @@ def run_plan(args) -> int:
 
     overrides = {"compute_dtype": args.compute_dtype} if args.compute_dtype else {}
     cfg, workload, tx = inputs.load(args.config, **overrides)
-    changes = {name: getattr(args, name) for name in
-               ("batch_size", "seq_len", "grad_accum", "keep_every", "prefetch_depth") if getattr(args, name) is not None}
+    knobs = ("batch_size", "seq_len", "grad_accum", "keep_every", "prefetch_depth")
+    changes = {name: getattr(args, name) for name in knobs if getattr(args, name) is not None}
     if args.placement:
         changes["placement"] = _placement(args.placement)
     try:

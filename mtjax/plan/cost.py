@@ -266,6 +266,7 @@ def estimate(cfg: ModelConfig, workload: Workload, hardware: HardwareProfile,
 
     # --- FLOPs, per micro-batch then per step -----------------------------------------
     tokens = w.batch_size * w.seq_len
+
     def forward(executed):
         return sum(block_forward_flops(cfg, kind, pb[n].compute // c_item, w.batch_size, w.seq_len, executed)
                    for n, kind in zip(block_names, cfg.layer_types))

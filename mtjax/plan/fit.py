@@ -123,7 +123,9 @@ def recommend(plan: Plan, available_ram: int | None = None, free_disk: int | Non
         best = min(candidates, key=lambda c: c.host.total)
         why = "no placement fits RAM and disk; this one needs the least RAM"
     chosen = _fit_device(plan, best.workload, dev)
-    if chosen.workload.keep_every != plan.workload.keep_every or chosen.workload.activations != plan.workload.activations:
+    w0 = plan.workload
+    changed = (chosen.workload.keep_every, chosen.workload.activations) != (w0.keep_every, w0.activations)
+    if changed:
         why += (f"; keep_every {chosen.workload.keep_every} and activations on the {chosen.workload.activations} "
                 "to fit device memory")
     every, cost = checkpoint_interval(chosen)

@@ -41,7 +41,8 @@ def text(plan: Plan, advice: Advice | None = None) -> str:
         f"kept inputs {size(plan.device.kept_inputs)}, residuals {size(plan.device.residuals)}, "
         f"head {size(plan.device.head)}, working {size(plan.device.working)}) of {size(hw.device_memory_bytes)}",
         f"  host RAM       {size(plan.host.total):>10}  (state {size(plan.host.state)}, grads {size(plan.host.grads)}, "
-        f"staging {size(plan.host.staging)}, activations {size(plan.host.activations)}, runtime {size(plan.host.runtime)}) of {size(hw.host_ram_bytes)}",
+        f"staging {size(plan.host.staging)}, activations {size(plan.host.activations)}, "
+        f"runtime {size(plan.host.runtime)}) of {size(hw.host_ram_bytes)}",
         f"  disk           {size(plan.disk_bytes):>10}  (two copies of disk-tier state and checkpoints) "
         f"of {size(hw.disk_bytes)}",
         f"  state          compute {size(plan.state.compute)}, master {size(plan.state.master)}, "
