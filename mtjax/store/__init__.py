@@ -7,14 +7,21 @@
     bufs = mtjax.store.BufferPool(store.schema("block.0", "compute")).acquire()
     store.read("block.0", "compute", out=bufs).result()
 
-Modules: layout (directory and chunking), arrays (tensorstore I/O), buffers (reusable
-host buffers), manifest (the commit point), lock (one writer), train_state (orbax),
-store (the Store class), hf_import / hf_export / fresh (filling and emptying a store).
+    mtjax.store.import_hf("hf_ckpt", "run/store"); mtjax.store.export_hf("run/store", "out")
+
+Modules: layout (directory and chunking), arrays (tensorstore arrays), chunks (reads
+straight into buffers), buffers (reusable host buffers), manifest (the commit point),
+lock (one writer), train_state (orbax), store (the Store class), fill / hf_import /
+hf_export / fresh (filling a new store and exporting one).
 """
 
 from mtjax.store.buffers import BufferPool, empty_like_schema
 from mtjax.store.errors import StoreError
+from mtjax.store.fresh import init_store
+from mtjax.store.hf_export import export_hf
+from mtjax.store.hf_import import import_hf
 from mtjax.store.layout import LAYOUT_VERSION
 from mtjax.store.store import Store, create, open
 
-__all__ = ["LAYOUT_VERSION", "BufferPool", "Store", "StoreError", "create", "empty_like_schema", "open"]
+__all__ = ["LAYOUT_VERSION", "BufferPool", "Store", "StoreError", "create", "empty_like_schema", "export_hf",
+           "import_hf", "init_store", "open"]

@@ -1,10 +1,10 @@
-"""tensorstore arrays: one zarr3 array per leaf, created, checked and written asynchronously.
+"""tensorstore arrays: one zarr3 array per leaf, created and checked; futures combined.
 
-Every chunk carries a crc32c checksum (zarr3 `crc32c` codec), so a flipped byte fails
-the read; missing chunks are errors too, never silently zeros. Arrays are opened with
-their full expected metadata, so a damaged or foreign `zarr.json` is caught when the
-array is opened. Reads of chunk data go through `chunks` (straight into the caller's
-buffer); `gather` and `after` combine and order the futures of both.
+Every chunk carries a crc32c checksum (zarr3 `crc32c` codec). Arrays are opened against
+their expected shape, dtype, codecs and key encoding, so a damaged or foreign
+`zarr.json` is caught when the array is opened. Chunk data moves through `chunks`
+(straight between the caller's arrays and the files); `gather` and `after` combine
+and order the futures of that I/O.
 """
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ from mtjax.store import layout
 
 
 CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+KEYS = {"name": "default", "configuration": {"separator": "."}}  # flat: all chunks in the array's directory
 
 
 def spec(path: Path, shape: tuple[int, ...], dtype: np.dtype, chunks: list[int] | None = None) -> dict:
     """The array at `path`: created with `chunks`, or opened (any chunking) when None."""
     dtype = np.dtype(dtype)
-    metadata = {"shape": list(shape), "data_type": dtype.name, "codecs": CODECS}
+    metadata = {"shape": list(shape), "data_type": dtype.name, "codecs": CODECS, "chunk_key_encoding": KEYS}
     if chunks is not None:
-        metadata.update(chunk_grid={"name": "regular", "configuration": {"chunk_shape": chunks}},
-                        chunk_key_encoding={"name": "default"}, fill_value=0)
+        metadata.update(chunk_grid={"name": "regular", "configuration": {"chunk_shape": chunks}}, fill_value=0)
     return {
         "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": str(path)},  # fsyncs each chunk and its directory
+        "kvstore": {"driver": "file", "path": str(path)},
         "fill_missing_data_reads": False,
         "store_data_equal_to_fill_value": True,  # else all-zero chunks (fresh AdamW mu/nu) are never written
         "metadata": metadata,
@@ -63,11 +63,6 @@ class ArrayCache:
             with self._lock:
                 self._open[path] = handle
         return handle
-
-
-def write_from(dst: ts.TensorStore, array: np.ndarray) -> ts.Future:
-    """Resolves once the bytes are durable (each chunk is fsynced)."""
-    return dst.write(array).commit
 
 
 def gather(futures: list[tuple[str, object]], result, on_error: Callable[[str, BaseException], BaseException]):

@@ -1,12 +1,14 @@
-"""Reads at disk speed: chunk files read straight into the caller's buffer, checksums checked.
+"""Chunk files in and out at disk speed: straight between the caller's arrays and the disk.
 
 tensorstore decodes each chunk into a buffer of its own (fresh memory: page faults) and
-then copies it out, about half the speed of a plain `readinto` (FACTS.md). The stored
-format is simple enough to read directly: our zarr3 arrays are chunked in whole rows,
-so chunk i holds rows [i*r, (i+1)*r) as raw little-endian bytes, followed by their
-crc32c (zarr v3 `bytes` + `crc32c` codecs; the last chunk is padded to full size).
-`preadv` puts those bytes where they belong in the destination array, and the
-checksum is computed over them there. Writes and metadata stay with tensorstore.
+copies it out, and stages a copy of every written array: reads ran at about half the
+speed of a plain `readinto` and an import held several copies of a part. The stored
+format is simple enough to move directly. Our zarr3 arrays are chunked in whole rows
+with flat chunk keys, so chunk i is the file `c.i.0...` holding rows [i*r, (i+1)*r) as
+raw little-endian bytes followed by their crc32c (zarr v3 `bytes` + `crc32c` codecs;
+the last chunk is padded to full size). `preadv`/`pwritev` move those bytes between the
+file and their rows of the array, and the checksum is computed in place. tensorstore
+creates and checks each array's zarr.json, and can read every array we write.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
-assert sys.byteorder == "little", "stored arrays are little-endian; reading them in place needs a little-endian host"
+assert sys.byteorder == "little", "stored arrays are little-endian; moving them in place needs a little-endian host"
+
+TMP_SUFFIX = ".__mtjax_writing"  # a chunk being written; renamed over the chunk when complete
 
 
 class ChunkError(Exception):
@@ -34,17 +38,17 @@ def plan(array_dir: Path, shape: tuple[int, ...], itemsize: int, rows: int) -> l
     if not shape:
         return [(array_dir / "c", 0, itemsize, 0)]
     row_bytes = math.prod(shape[1:]) * itemsize
-    zeros = ["0"] * (len(shape) - 1)
+    zeros = ".0" * (len(shape) - 1)
     out = []
     for i in range(-(-shape[0] // rows)):
         start, stop = i * rows, min(shape[0], (i + 1) * rows)
-        out.append((array_dir.joinpath("c", str(i), *zeros), start * row_bytes, stop * row_bytes,
+        out.append((array_dir / f"c.{i}{zeros}", start * row_bytes, stop * row_bytes,
                     (rows - (stop - start)) * row_bytes))
     return out
 
 
-def _preadv_all(fd: int, buffers: list[memoryview]) -> int:
-    """Fill `buffers` from the start of the file, however the kernel splits the reads."""
+def _vectored(op, fd: int, buffers: list[memoryview]) -> int:
+    """Move all of `buffers` from offset 0 with preadv/pwritev, however the kernel splits it."""
     total, offset = sum(len(b) for b in buffers), 0
     while offset < total:
         skip, pending = offset, []
@@ -54,7 +58,7 @@ def _preadv_all(fd: int, buffers: list[memoryview]) -> int:
                 continue
             pending.append(b[skip:])
             skip = 0
-        n = os.preadv(fd, pending, offset)
+        n = op(fd, pending, offset)
         if n == 0:
             break
         offset += n
@@ -71,21 +75,51 @@ def read_chunk(path: Path, dest: memoryview, padding: int) -> None:
         if size != len(dest) + padding + 4:
             raise ChunkError(f"chunk file {path} has {size} bytes, expected {len(dest) + padding + 4}")
         pad, stored = bytearray(padding), bytearray(4)
-        parts = [dest, memoryview(pad), memoryview(stored)] if padding else [dest, memoryview(stored)]
-        if _preadv_all(fd, parts) != size:
+        if _vectored(os.preadv, fd, [dest, memoryview(pad), memoryview(stored)]) != size:
             raise ChunkError(f"chunk file {path} was truncated while reading")
     finally:
         os.close(fd)
-    crc = crc32c.crc32c(dest)
-    if padding:
-        crc = crc32c.crc32c(pad, crc)
+    crc = crc32c.crc32c(pad, crc32c.crc32c(dest)) if padding else crc32c.crc32c(dest)
     if crc != struct.unpack("<I", stored)[0]:
         raise ChunkError(f"checksum mismatch in chunk file {path}")
+
+
+def write_chunk(path: Path, src: memoryview, padding: int) -> None:
+    """Write a temporary file, fsync it, rename it over the chunk.
+
+    The rename becomes durable when the commit fsyncs the array's directory.
+    """
+    pad = bytes(padding)
+    crc = crc32c.crc32c(pad, crc32c.crc32c(src)) if padding else crc32c.crc32c(src)
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            _vectored(os.pwritev, fd, [src, memoryview(pad), memoryview(struct.pack("<I", crc))])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _flat(array: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
 def read_into(pool: concurrent.futures.Executor, array_dir: Path, rows: int,
               out: np.ndarray) -> list[concurrent.futures.Future]:
     """Start reading every chunk of the array at `array_dir` into `out` (C-contiguous)."""
-    flat = memoryview(out.reshape(-1).view(np.uint8))
+    flat = _flat(out)
     return [pool.submit(read_chunk, path, flat[start:stop], pad)
             for path, start, stop, pad in plan(array_dir, out.shape, out.dtype.itemsize, rows)]
+
+
+def write_from(pool: concurrent.futures.Executor, array_dir: Path, rows: int,
+               array: np.ndarray) -> list[concurrent.futures.Future]:
+    """Start writing every chunk of `array` to the array at `array_dir`, without copying it."""
+    flat = _flat(array)
+    return [pool.submit(write_chunk, path, flat[start:stop], pad)
+            for path, start, stop, pad in plan(array_dir, array.shape, array.dtype.itemsize, rows)]

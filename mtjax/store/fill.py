@@ -11,8 +11,6 @@ import contextlib
 import os
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mtjax import parts, treepath
@@ -31,8 +29,8 @@ def write_part(store, part: str, master: dict[str, np.ndarray], tx) -> None:
     compute = {k: v.astype(schema[k].dtype) for k, v in master.items()}
     store.write(part, "compute", compute).result()
     del compute
-    tree = treepath.unflatten(parts.abstract_part(cfg, part), master)
-    opt = treepath.flatten(tx.init(jax.tree.map(jnp.asarray, tree)))
+    # numpy leaves: optax allocates its state (zeros_like) without a device copy of the weights
+    opt = treepath.flatten(tx.init(treepath.unflatten(parts.abstract_part(cfg, part), master)))
     store.write(part, "opt", {k: np.asarray(v) for k, v in opt.items()}).result()
 
 

@@ -82,11 +82,15 @@ def write_atomic(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)
-        fsync_dir(path.parent)  # the rename itself is durable
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise StoreError(f"could not write {path} ({e.strerror or e}); the previous commit is intact. "
                          "Free disk space or fix permissions, then commit again") from None
+    try:
+        fsync_dir(path.parent)  # the rename itself is durable
+    except OSError as e:
+        raise StoreError(f"wrote {path} but could not fsync its directory ({e.strerror or e}); "
+                         "after a power loss the store may open at the previous commit") from None
 
 
 def write(root: Path, manifest: Manifest) -> None:

@@ -32,7 +32,7 @@ from mtjax.store.errors import StoreError
 from mtjax.store.lock import WriterLock
 
 
-READ_THREADS = 4
+IO_THREADS = 4
 
 
 def _part_name(part) -> str:
@@ -67,10 +67,10 @@ class Store:
             self._latest = {(p, k): s for p, kinds in self._manifest.slots.items() for k, s in kinds.items()}
             self._pending: dict[tuple[str, str], concurrent.futures.Future] = {}
             self._dirty: set[tuple[str, str]] = set()
-            self._synced: set[tuple[str, str, str]] = set()  # slots whose directories are durable
             self._arrays = arrays.ArrayCache()
-            # Chunk reads are I/O-bound (preadv, crc32c release the GIL): a few in flight keep the disk busy.
-            self._readers = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mtjax-store-read")
+            # Chunk I/O is disk-bound (preadv, pwritev, fsync and crc32c release the GIL): a few
+            # chunks in flight keep the disk busy while the caller computes.
+            self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mtjax-store-io")
             self._mutex = threading.Lock()
             self._broken: str | None = None
             self._on_phase = lambda phase: None  # test hook: called at each step of `commit`
@@ -184,7 +184,7 @@ class Store:
         def start():
             base = layout.slot_dir(self.root, part, kind, slot)
             futs = [(leaf, f) for leaf, h in handles.items()
-                    for f in chunks.read_into(self._readers, base / leaf, _rows(h), out[leaf])]
+                    for f in chunks.read_into(self._io, base / leaf, _rows(h), out[leaf])]
             return arrays.gather(futs, out, on_error)
 
         return self._chain(part, kind, start)
@@ -213,7 +213,9 @@ class Store:
             return StoreError(f"store {self.root}: {msg}; the committed step {self.step} is intact")
 
         def start():
-            futs = [(leaf, arrays.write_from(h, values[leaf])) for leaf, h in handles.items()]
+            base = layout.slot_dir(self.root, part, kind, slot)
+            futs = [(leaf, f) for leaf, h in handles.items()
+                    for f in chunks.write_from(self._io, base / leaf, _rows(h), values[leaf])]
             return arrays.gather(futs, None, on_error)
 
         with self._mutex:
@@ -258,11 +260,11 @@ class Store:
         self._check_usable()
         self._on_phase("written")
         slots = {p: dict(kinds) for p, kinds in self._manifest.slots.items()}
+        dirs = set()
         for part, kind in sorted(self._dirty):
             slot = slots[part][kind] = self._latest[(part, kind)]
-            if (part, kind, slot) not in self._synced:
-                _fsync_slot(layout.slot_dir(self.root, part, kind, slot))
-                self._synced.add((part, kind, slot))
+            dirs.update(_slot_dirs(layout.slot_dir(self.root, part, kind, slot), self.schema(part, kind)))
+        self._sync_dirs(sorted(dirs))
         self._on_phase("synced")
         generation = self._manifest.generation + 1
         ts_name = None
@@ -277,6 +279,14 @@ class Store:
         self._dirty.clear()
         saved_state.clean(self.root, keep=ts_name)
 
+    def _sync_dirs(self, dirs: list[Path]) -> None:
+        """fsync directories in parallel: each call waits for the disk, not for the CPU."""
+        try:
+            list(self._io.map(manifest.fsync_dir, dirs))
+        except OSError as e:
+            raise StoreError(f"could not make the writes to store {self.root} durable ({e}); "
+                             f"the committed step {self.step} is intact, commit again") from None
+
     def load_train_state(self) -> dict | None:
         """The train state committed with the current step, or None if none was given."""
         if self._manifest.train_state is None:
@@ -290,9 +300,9 @@ class Store:
                 concurrent.futures.wait(list(self._pending.values()))
         finally:
             self._arrays = None
-            if getattr(self, "_readers", None) is not None:
-                self._readers.shutdown(wait=True)
-                self._readers = None
+            if getattr(self, "_io", None) is not None:
+                self._io.shutdown(wait=True)
+                self._io = None
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
@@ -308,14 +318,10 @@ class Store:
         return f"Store({str(self.root)!r}, step={self.step}, {len(self.parts)} parts, {mode})"
 
 
-def _fsync_slot(path: Path) -> None:
-    """Make a slot's directory tree durable (once per slot and session).
-
-    tensorstore fsyncs each chunk file and the directory it is renamed into, but not the
-    directories it creates (`c/`, `c/0/`, ...), nor ones a crashed writer left behind.
-    """
-    for dirpath, _, _ in os.walk(path):
-        manifest.fsync_dir(Path(dirpath))
+def _slot_dirs(path: Path, leaves) -> list[Path]:
+    """Directories whose entries a write into a slot changed: each array's (chunk keys
+    are flat), the slot's, the part's and parts/ (new the first time a slot is used)."""
+    return [path / leaf for leaf in leaves] + [path, path.parent, path.parent.parent]
 
 
 def open(path, writable: bool = False, config: ModelConfig | None = None) -> Store:  # noqa: A001

@@ -1,0 +1,146 @@
+"""Peak host memory of `mtjax import` on a generated checkpoint of more than 2 GB.
+
+    .venv/bin/python experiments/bench_store_import.py [--layers 8] [--dir /tmp] [--no-doc]
+
+Writes a random fp32 Llama checkpoint (d_model 2048, 8 blocks: 2.2 GB in 5 safetensors
+shards) with numpy and safetensors directly, then runs `python -m mtjax import` on it in
+a subprocess and reports that process's peak RSS (ru_maxrss from wait4) next to the
+checkpoint size and the largest part's state. A second subprocess that only imports the
+same modules gives the interpreter + JAX baseline. The table goes to stdout and to this
+script's section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
+from mtjax import hf, parts  # noqa: E402
+from mtjax.model_config import ModelConfig, to_hf_dict  # noqa: E402
+from mtjax.optim import OptimConfig, make_optimizer  # noqa: E402
+
+DOC = ROOT / "docs" / "benchmarks.md"
+SECTION = "store-import"
+SHARD_BYTES = 500 * 10**6
+
+
+def write_section(name: str, body: str) -> None:
+    """Replace this script's section of docs/benchmarks.md, between its two markers."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nMeasured numbers, each section written by the script it names.\n"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text)
+
+
+def generate(cfg: ModelConfig, out: Path) -> int:
+    """A sharded fp32 checkpoint of random weights, one shard in memory at a time."""
+    out.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    shards, current, size = [], {}, 0
+    for spec in hf.layout(cfg):
+        if current and size + 4 * np.prod(spec.shape) > SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+            _flush(out, shards)
+        current[spec.hf_name] = (rng.random(spec.shape, np.float32) - 0.5) * 0.04
+        size += current[spec.hf_name].nbytes
+    shards.append(current)
+    _flush(out, shards, last=True)
+    (out / "config.json").write_text(json.dumps(to_hf_dict(cfg), indent=1))
+    return sum(f.stat().st_size for f in out.glob("*.safetensors"))
+
+
+_weight_map: dict[str, str] = {}
+
+
+def _flush(out: Path, shards: list, last: bool = False) -> None:
+    """Save the newest full shard (named once the count is known) and drop it from memory."""
+    i = len(shards)
+    tensors = shards[-1]
+    tmp = f"shard-{i:05d}.tmp"
+    save_file(tensors, str(out / tmp), metadata={"format": "pt"})
+    _weight_map.update({name: tmp for name in tensors})
+    shards[-1] = {}
+    if last:
+        names = sorted(set(_weight_map.values()))
+        final = {tmp: f"model-{k + 1:05d}-of-{len(names):05d}.safetensors" for k, tmp in enumerate(names)}
+        for tmp, name in final.items():
+            (out / tmp).rename(out / name)
+        index = {"metadata": {}, "weight_map": {n: final[t] for n, t in _weight_map.items()}}
+        (out / hf.INDEX_FILE).write_text(json.dumps(index, indent=1))
+
+
+def peak_rss(cmd: list[str]) -> tuple[int, float]:
+    """(peak RSS in bytes, wall seconds) of a child process."""
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise SystemExit(f"{cmd} failed with status {status}")
+    return usage.ru_maxrss * 1024, time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8, help="blocks of the d_model 2048 Llama (205 MB each in fp32)")
+    ap.add_argument("--dir", default=None, help="where to put the checkpoint and the store (default: a temp dir)")
+    ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    args = ap.parse_args()
+
+    cfg = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=args.layers,
+                      num_attention_heads=16, num_key_value_heads=16, head_dim=128, rms_norm_eps=1e-5)
+    tx = make_optimizer(OptimConfig())
+    state = {p.name: sum(parts.nbytes(parts.schema(cfg, p.name, k, tx)) for k in ("master", "opt"))
+             + parts.nbytes(parts.schema(cfg, p.name, "master")) // 2 for p in parts.parts(cfg)}  # + bf16 compute
+    largest = max(state, key=state.get)
+    base = Path(tempfile.mkdtemp(prefix="bench-import-", dir=args.dir))
+    try:
+        t = time.perf_counter()
+        ckpt_bytes = generate(cfg, base / "ckpt")
+        print(f"generated {ckpt_bytes / 1e9:.2f} GB checkpoint in {time.perf_counter() - t:.0f} s at {base / 'ckpt'}")
+        python = sys.executable
+        baseline, _ = peak_rss([python, "-c", "import jax.numpy as jnp, mtjax.store.hf_import; jnp.zeros(8).block_until_ready()"])
+        rss, secs = peak_rss([python, "-m", "mtjax", "import", str(base / "ckpt"), str(base / "store")])
+        store_bytes = sum(f.stat().st_size for f in (base / "store").rglob("*") if f.is_file())
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    gb = 1e9
+    table = (
+        "| quantity | GB |\n|---|---|\n"
+        f"| checkpoint (fp32 safetensors, {len(_weight_map) and len(set(_weight_map.values()))} shards) | {ckpt_bytes / gb:.2f} |\n"
+        f"| store written (bf16 compute + fp32 master + AdamW mu, nu) | {store_bytes / gb:.2f} |\n"
+        f"| largest part's state ({largest}: master + compute + opt) | {state[largest] / gb:.2f} |\n"
+        f"| peak RSS of `mtjax import` | {rss / gb:.2f} |\n"
+        f"| peak RSS of the interpreter + JAX + mtjax alone | {baseline / gb:.2f} |\n"
+    )
+    print(table)
+    print(f"import took {secs:.0f} s")
+    if not args.no_doc:
+        write_section(SECTION, (
+            "## Layer store import memory (experiments/bench_store_import.py)\n\n"
+            f"`mtjax import` of a generated random fp32 Llama checkpoint (d_model 2048, {args.layers} blocks, "
+            f"vocab 32000), peak RSS of the import process from wait4; import took {secs:.0f} s on a shared machine.\n\n"
+            f"Command: `.venv/bin/python experiments/bench_store_import.py --layers {args.layers}`\n\n" + table))
+
+
+if __name__ == "__main__":
+    main()
