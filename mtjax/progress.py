@@ -23,8 +23,8 @@ class Progress:
         self.total, self.tokens_per_step, self.log_every = total_steps, tokens_per_step, log_every
         self.step = first_step
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        self._metrics = open(Path(run_dir) / "metrics.jsonl", "a")
         self._tb = _tensorboard_writer(run_dir) if tensorboard else None
+        self._metrics = open(Path(run_dir) / "metrics.jsonl", "a")
         self._live = hasattr(self.stream, "isatty") and self.stream.isatty()
         self._bar = tqdm(total=total_steps, initial=first_step, file=self.stream, unit="step",
                          dynamic_ncols=True) if self._live else None

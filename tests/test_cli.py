@@ -171,3 +171,17 @@ def test_resumed_run_continues_exactly(tmp_path):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
     with pytest.raises(config.ConfigError, match="no checkpoint to resume from"):
         run_lib.train(config.load(None, [*base, "--run.resume=true", f"--run.dir={tmp_path / 'none'}"]), quiet)
+
+
+def test_tensorboard_writes_events_or_names_the_missing_package(tmp_path):
+    from mtjax.progress import Progress
+
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        with pytest.raises(config.ConfigError, match="pip install tensorboard"):
+            Progress(tmp_path, 2, 10, tensorboard=True, stream=open(os.devnull, "w"))
+        return
+    with Progress(tmp_path, 2, 10, tensorboard=True, stream=open(os.devnull, "w")) as progress:
+        progress.update(1, {"loss": 2.0})
+    assert list((tmp_path / "tensorboard").iterdir())
