@@ -51,42 +51,33 @@ def write_section(name: str, body: str) -> None:
     DOC.write_text(text)
 
 
-def generate(cfg: ModelConfig, out: Path) -> int:
-    """A sharded fp32 checkpoint of random weights, one shard in memory at a time."""
+def generate(cfg: ModelConfig, out: Path) -> tuple[int, int]:
+    """A sharded fp32 checkpoint of random weights, one shard in memory at a time.
+
+    Returns (bytes on disk, number of shards)."""
     out.mkdir(parents=True)
     rng = np.random.default_rng(0)
-    shards, current, size = [], {}, 0
+    shard_of: dict[str, int] = {}
+    current: dict[str, np.ndarray] = {}
+
+    def flush():
+        save_file(current, str(out / f"shard-{len(set(shard_of.values())):05d}.tmp"), metadata={"format": "pt"})
+        shard_of.update({name: len(set(shard_of.values())) for name in current})
+        current.clear()
+
     for spec in hf.layout(cfg):
-        if current and size + 4 * np.prod(spec.shape) > SHARD_BYTES:
-            shards.append(current)
-            current, size = {}, 0
-            _flush(out, shards)
+        if current and sum(a.nbytes for a in current.values()) + 4 * np.prod(spec.shape) > SHARD_BYTES:
+            flush()
         current[spec.hf_name] = (rng.random(spec.shape, np.float32) - 0.5) * 0.04
-        size += current[spec.hf_name].nbytes
-    shards.append(current)
-    _flush(out, shards, last=True)
+    flush()
+    n = len(set(shard_of.values()))
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for i, name in enumerate(names):
+        (out / f"shard-{i:05d}.tmp").rename(out / name)
+    index = {"metadata": {}, "weight_map": {t: names[i] for t, i in shard_of.items()}}
+    (out / hf.INDEX_FILE).write_text(json.dumps(index, indent=1))
     (out / "config.json").write_text(json.dumps(to_hf_dict(cfg), indent=1))
-    return sum(f.stat().st_size for f in out.glob("*.safetensors"))
-
-
-_weight_map: dict[str, str] = {}
-
-
-def _flush(out: Path, shards: list, last: bool = False) -> None:
-    """Save the newest full shard (named once the count is known) and drop it from memory."""
-    i = len(shards)
-    tensors = shards[-1]
-    tmp = f"shard-{i:05d}.tmp"
-    save_file(tensors, str(out / tmp), metadata={"format": "pt"})
-    _weight_map.update({name: tmp for name in tensors})
-    shards[-1] = {}
-    if last:
-        names = sorted(set(_weight_map.values()))
-        final = {tmp: f"model-{k + 1:05d}-of-{len(names):05d}.safetensors" for k, tmp in enumerate(names)}
-        for tmp, name in final.items():
-            (out / tmp).rename(out / name)
-        index = {"metadata": {}, "weight_map": {n: final[t] for n, t in _weight_map.items()}}
-        (out / hf.INDEX_FILE).write_text(json.dumps(index, indent=1))
+    return sum(f.stat().st_size for f in out.glob("*.safetensors")), n
 
 
 def peak_rss(cmd: list[str]) -> tuple[int, float]:
@@ -115,7 +106,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="bench-import-", dir=args.dir))
     try:
         t = time.perf_counter()
-        ckpt_bytes = generate(cfg, base / "ckpt")
+        ckpt_bytes, shards = generate(cfg, base / "ckpt")
         print(f"generated {ckpt_bytes / 1e9:.2f} GB checkpoint in {time.perf_counter() - t:.0f} s at {base / 'ckpt'}")
         python = sys.executable
         baseline, _ = peak_rss([python, "-c", "import jax.numpy as jnp, mtjax.store.hf_import; jnp.zeros(8).block_until_ready()"])
@@ -126,7 +117,7 @@ def main() -> None:
     gb = 1e9
     table = (
         "| quantity | GB |\n|---|---|\n"
-        f"| checkpoint (fp32 safetensors, {len(_weight_map) and len(set(_weight_map.values()))} shards) | {ckpt_bytes / gb:.2f} |\n"
+        f"| checkpoint (fp32 safetensors, {shards} shards) | {ckpt_bytes / gb:.2f} |\n"
         f"| store written (bf16 compute + fp32 master + AdamW mu, nu) | {store_bytes / gb:.2f} |\n"
         f"| largest part's state ({largest}: master + compute + opt) | {state[largest] / gb:.2f} |\n"
         f"| peak RSS of `mtjax import` | {rss / gb:.2f} |\n"
