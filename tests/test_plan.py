@@ -188,3 +188,16 @@ def test_shipped_plan_experiments_plan(name, capsys):
     assert cli.main(["plan", str(ROOT / "experiments" / name), "--hardware", "h200"]) == 0
     out = capsys.readouterr().out
     assert "placement compute=ram,master=disk,opt=disk" in out and "recommended" in out
+
+
+def test_preflight_from_an_experiment_config():
+    from mtjax import config as experiment
+    from mtjax.plan import inputs
+
+    exp = experiment.load(None, ["store.opt=disk", "data.batch_size=4", "stream.keep_every=2"])
+    cfg, workload, tx = inputs.from_experiment(exp)
+    assert (workload.batch_size, workload.keep_every, workload.placement.opt) == (4, 2, "disk")
+    plan = estimate(cfg, workload, BUILTIN["cpu-2core"], tx=tx)
+    assert plan.state.opt == schema_total(cfg, "opt") and plan.traffic.disk_read == plan.state.opt
+    assert check(plan, available_ram=plan.host.total, free_disk=plan.disk_bytes) is None
+    assert "short by 1 B" in check(plan, available_ram=plan.host.total, free_disk=plan.disk_bytes - 1)

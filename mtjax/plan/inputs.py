@@ -31,13 +31,20 @@ def load(path: str | Path, **model_overrides) -> tuple[ModelConfig, Workload, ob
 
 def _from_experiment(path: Path, model_overrides: dict):
     from mtjax import config as experiment  # the one module that reads YAML
-    from mtjax.optim import make_optimizer
 
-    exp = experiment.load(path)
-    cfg = experiment.model_config(exp)
+    cfg, workload, tx = from_experiment(experiment.load(path))
     if model_overrides:
         cfg = dataclasses.replace(cfg, **model_overrides)
-    return cfg, workload_from_experiment(exp), make_optimizer(exp.optim)
+    return cfg, workload, tx
+
+
+def from_experiment(exp) -> tuple[ModelConfig, Workload, object]:
+    """(model config, workload, optax transformation) of a loaded `ExperimentConfig`:
+    what the trainer's preflight hands to `estimate` and then `check`."""
+    from mtjax import config as experiment
+    from mtjax.optim import make_optimizer
+
+    return experiment.model_config(exp), workload_from_experiment(exp), make_optimizer(exp.optim)
 
 
 def workload_from_experiment(exp) -> Workload:
