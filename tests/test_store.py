@@ -233,6 +233,11 @@ def test_newer_layout_version_is_refused(filled, tmp_path):
     path.write_text(json.dumps(d))
     with pytest.raises(StoreError, match="newer than this mtjax supports"):
         mtjax.store.open(tmp_path / "s")
+    d["layout_version"] = layout.LAYOUT_VERSION
+    del d["slots"]["block.1"]
+    path.write_text(json.dumps(d))
+    with pytest.raises(StoreError, match="malformed slot table"):
+        mtjax.store.open(tmp_path / "s")
     path.write_text("{not json")
     with pytest.raises(StoreError, match="corrupt"):
         mtjax.store.open(tmp_path / "s")

@@ -64,6 +64,11 @@ class Store:
                 raise StoreError(f"store {self.root} was written for another model config (differs in: "
                                  f"{', '.join(diff)}); use a matching config or another store")
             self.parts = [p.name for p in model_parts.parts(self.config)]
+            slots = self._manifest.slots
+            if (not isinstance(slots, dict) or list(slots) != self.parts
+                    or any(not isinstance(slots[p], dict) or set(slots[p]) != set(model_parts.KINDS)
+                           or set(slots[p].values()) - {*layout.SLOTS, None} for p in self.parts)):
+                raise StoreError(f"{self.root / layout.MANIFEST} has a malformed slot table; restore the store from a backup")
             self._latest = {(p, k): s for p, kinds in self._manifest.slots.items() for k, s in kinds.items()}
             self._pending: dict[tuple[str, str], concurrent.futures.Future] = {}
             self._dirty: set[tuple[str, str]] = set()
@@ -256,8 +261,10 @@ class Store:
         if train_state is not None:
             train_state = dict(train_state)
             saved_state.check(train_state)  # before anything touches the disk
-        self.wait()
-        self._check_usable()
+        with self._mutex:
+            pending = list(self._pending.values())
+        concurrent.futures.wait(pending)  # the step's writes must all be on disk before the manifest names them
+        self._check_usable()  # a failed write marked the store broken: never commit a partial step
         self._on_phase("written")
         slots = {p: dict(kinds) for p, kinds in self._manifest.slots.items()}
         dirs = set()
