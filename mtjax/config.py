@@ -58,7 +58,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 class ModelSection:
     """Where the architecture and the starting weights come from."""
 
-    preset: str | None = "tiny"  # a PRESETS name; ignored when hf_config or checkpoint is given alone
+    preset: str | None = "tiny"  # named architecture (tiny, llama-125m); ignored when hf_config or checkpoint is given alone
     hf_config: str | None = None  # config.json, or a checkpoint dir, to read the architecture from
     checkpoint: str | None = None  # Hugging Face checkpoint dir whose weights start the run
     overrides: tuple[tuple[str, Any], ...] = ()  # inline ModelConfig fields, e.g. (("hidden_size", 256),)

@@ -24,8 +24,8 @@ _GROUP_TITLES = {
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "train", help="train a model (no arguments: the embedded default run)",
-        description=__doc__.split("\n\n")[0].split(": ", 1)[1]
-        + " Settings come from the typed defaults, then EXPERIMENT.yaml, then --group.key=value options.",
+        description="Run a training experiment. Settings come from the typed defaults (the embedded "
+                    "default run), then EXPERIMENT.yaml, then --group.key=value options.",
         usage="mtjax train [-h] [--print-config] [EXPERIMENT.yaml] [--group.key=VALUE ...]", allow_abbrev=False,
     )
     p.add_argument("experiment", nargs="?", help="YAML experiment file (see experiments/)")
