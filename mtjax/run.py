@@ -196,6 +196,9 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     dataset = data.resolve(exp.data, run_dir / "data")
     dataset.check_vocab(cfg.vocab_size)
     tokenizer = dataset.tokenizer()
+    if exp.model.checkpoint and tokenizer.spec == "bytes" and (Path(exp.model.checkpoint) / "tokenizer.json").exists():
+        print(f"mtjax: warning: the data is byte-tokenized but {exp.model.checkpoint} has its own tokenizer.json; "
+              f"--data.tokenizer={exp.model.checkpoint} trains on the ids the model knows", file=out, flush=True)
     val = _eval_batches(dataset, exp) if exp.run.eval_every else None
     first, opt_state, cursor = 0, None, None
     if exp.run.resume:

@@ -185,3 +185,22 @@ def test_tensorboard_writes_events_or_names_the_missing_package(tmp_path):
     with Progress(tmp_path, 2, 10, tensorboard=True, stream=open(os.devnull, "w")) as progress:
         progress.update(1, {"loss": 2.0})
     assert list((tmp_path / "tensorboard").iterdir())
+
+
+def test_fine_tune_starts_from_the_checkpoint_weights(tmp_path):
+    import hf_models
+
+    from mtjax.reference import loss_fn
+
+    ckpt, _ = hf_models.checkpoint(tmp_path, "qwen2", vocab_size=300)
+    args = ["--data.seq_len=32", "--data.batch_size=2", "--run.steps=1", "--run.eval_every=0",
+            "--run.sample_prompt=", f"--model.checkpoint={ckpt}", f"--run.dir={tmp_path / 'ft'}"]
+    exp = config.load(None, args)
+    summary = run_lib.train(exp, open(os.devnull, "w"))
+    cfg, params = hf.load_params(ckpt)
+    assert config.model_config(exp) == cfg  # the checkpoint named the architecture
+    first = data.Loader(data.Dataset(tmp_path / "ft" / "data"), "train", 32, 2).next()[0]
+    np.testing.assert_allclose(summary["first_loss"], float(loss_fn(cfg, params, first)), rtol=1e-5)
+    small, _ = hf_models.checkpoint(tmp_path / "small", "llama")  # vocabulary 97 < 257 byte ids
+    with pytest.raises(data.DataError, match="model's vocabulary is 97"):
+        run_lib.train(config.load(None, [*args, f"--model.checkpoint={small}"]), open(os.devnull, "w"))
