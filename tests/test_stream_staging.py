@@ -24,7 +24,8 @@ def _slow_reader(w):
 def _reuse_result(monkeypatch, wait_for_readers: bool):
     """Stage w, start a long computation on it, release the slot, then refill it."""
     monkeypatch.setattr(staging, "WAIT_FOR_READERS", wait_for_readers)
-    pool = staging.StagingPool(staging.Placement(jax.devices("cpu")[0]), DeviceLedger(1 << 30))
+    # One slot per shape: the second acquire must reuse the buffer the reader still reads.
+    pool = staging.StagingPool(staging.Placement(jax.devices("cpu")[0]), DeviceLedger(1 << 30), max_slots=1)
     schema = {"w": jax.ShapeDtypeStruct((128, 128), np.float32)}
     slot = pool.acquire(schema)
     slot.buffers["w"][:] = 1 / 128
@@ -48,6 +49,19 @@ def test_without_the_wait_reuse_corrupts(monkeypatch):
     """The protection is what keeps the result right: removing it corrupts the sum."""
     got, expected = _reuse_result(monkeypatch, wait_for_readers=False)
     assert got != expected
+
+
+def test_pool_takes_a_new_slot_rather_than_wait_for_a_busy_one():
+    pool = staging.StagingPool(staging.Placement(jax.devices("cpu")[0]), DeviceLedger(1 << 30), max_slots=2)
+    schema = {"w": jax.ShapeDtypeStruct((128, 128), np.float32)}
+    slot = pool.acquire(schema)
+    busy = _slow_reader(pool.put(slot, "part")["w"])
+    pool.release(slot, busy)
+    other = pool.acquire(schema)
+    assert other is not slot and not busy.is_ready()  # no wait for the reader
+    pool.release(other, [])
+    busy.block_until_ready()
+    assert pool.acquire(schema) in (slot, other) and pool.allocated == 2
 
 
 def test_aligned_buffers():

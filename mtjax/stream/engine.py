@@ -33,7 +33,7 @@ from mtjax.stream.blockfns import block_fns
 from mtjax.stream.grads import GradSink
 from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.staging import Placement, StagingPool
-from mtjax.stream.tiers import ScratchFiles, Tiers, host_device
+from mtjax.stream.tiers import ReadBuffers, ScratchFiles, Tiers, fix_mmap_threshold, host_device
 from mtjax.stream.trace import Tracer
 from mtjax.stream.update import PartUpdate, full_opt_state, update_for
 
@@ -86,18 +86,23 @@ class StreamEngine:
         from_store = _is_store(params_or_store)
         self.store = params_or_store if from_store else store
         self.tiers = Tiers(tiers or {}, self.store)
+        if self.tiers.kinds_in("disk"):
+            fix_mmap_threshold()  # state on disk promises host memory flat in depth
         self.parts = parts_mod.parts(cfg)
         self.schemas = {p.name: parts_mod.schema(cfg, p.name, "compute") for p in self.parts}
         self.fns = block_fns(cfg)
         self.placement = Placement(device)
         self.tracer = Tracer()
         self.ledger = budget_mod.DeviceLedger(0)
-        self.pool = StagingPool(self.placement, self.ledger)
+        # Slots per shape: the parts staged ahead, those in use, one whose readers finish.
+        group = max(len(g) for g in self.groups)
+        self.pool = StagingPool(self.placement, self.ledger, prefetch_depth + max(group, 2) + 1)
         # With the master weights on disk, gradients awaiting their update wait in files.
         spill = ScratchFiles() if self.tiers.placement["master"] == "disk" else None
         self.grads = GradSink(self.placement, self.tracer, spill)
         self._scale = None  # the clip scale of the pending updates (CPU scalar)
         self._writes: list[cf.Future] = []
+        self.read_buffers = ReadBuffers()
         self._plans: dict[tuple[int, int], budget_mod.DevicePlan] = {}
         self.step_count = 0
         self._owns_store = False  # close() closes a store the engine created
@@ -157,20 +162,34 @@ class StreamEngine:
         writes, self._writes = self._writes, []
         for fut in writes:
             fut.result()
+        if self.store is not None:
+            self.store.wait()  # also lets the store drop the results of finished reads
 
     def _read(self, part: str, kind: str) -> dict:
         with self.tracer.span("read", part):
             return self.tiers.read(part, kind).result()
+
+    def _read_for_update(self, part: str, kind: str):
+        """(arrays, buffers to hand back or None): disk reads land in reused buffers."""
+        if self.tiers.placement[kind] == "ram":
+            return self._read(part, kind), None
+        schema = self.store.schema(part, kind)
+        buffers = self.read_buffers.acquire(schema)
+        with self.tracer.span("read", part):
+            return self.tiers.read(part, kind, out=buffers).result(), (schema, buffers)
 
     def _apply_update(self, part: str) -> dict | None:
         """The deferred optimizer update of `part`, if one is pending; returns the new compute copy."""
         grads = self.grads.take(part)
         if grads is None:
             return None
-        master, opt = self._read(part, "master"), self._read(part, "opt")
+        (master, m_bufs), (opt, o_bufs) = self._read_for_update(part, "master"), self._read_for_update(part, "opt")
         # The old compute copy is donated to receive the new one (RAM tier only).
         old = self._read(part, "compute") if self.tiers.placement["compute"] == "ram" else None
         master, opt, compute = self.update(part, master, opt, old, grads, self._scale)
+        for bufs in (m_bufs, o_bufs):
+            if bufs is not None:
+                self.read_buffers.release(*bufs, fence=master)
         self.tracer.watch("optimizer", part, master)
         self._write(part, "master", master)
         self._write(part, "opt", opt)

@@ -77,6 +77,12 @@ class Placement:
         self.on_device = SingleDeviceSharding(self.device)
         self.host_kind = "pinned_host" if "pinned_host" in kinds else None
         self.on_host = SingleDeviceSharding(self.device, memory_kind=self.host_kind) if self.host_kind else None
+        self.pinned_error = None
+        if self.pinned:
+            try:  # once, at start: a backend that lists pinned_host but cannot stage through it
+                jax.block_until_ready(jax.device_put(jax.device_put(np.zeros(8, np.float32), self.on_host), self.on_device))
+            except Exception as e:  # noqa: BLE001  fall back to plain transfers, and say why
+                self.pinned, self.pinned_error = False, f"{type(e).__name__}: {e}"
 
     def to_device(self, buffers: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Staged host buffers -> device arrays (asynchronous; may alias the buffers)."""
@@ -114,17 +120,30 @@ class Placement:
 class StagingPool:
     """Reused host staging buffers, one set per in-flight part, keyed by shapes."""
 
-    def __init__(self, placement: Placement, ledger: DeviceLedger):
+    def __init__(self, placement: Placement, ledger: DeviceLedger, max_slots: int = 4):
         self.placement, self.ledger = placement, ledger
+        self.max_slots = max_slots  # per shape: more would only wait for readers anyway
         self._free: dict[tuple, list[Slot]] = {}
+        self._count: dict[tuple, int] = {}
         self._lock = threading.Lock()
         self.allocated = 0  # slots created, for tests and the memory benchmark
 
     def acquire(self, schema: dict) -> Slot:
-        """A slot for weights of this schema, safe to overwrite."""
+        """A slot for weights of this schema, safe to overwrite.
+
+        Prefers a free slot whose readers have finished, then a new slot (up to
+        `max_slots` per shape), then the free slot released longest ago.
+        """
         key = _key(schema)
         with self._lock:
-            slot = self._free.get(key, []).pop() if self._free.get(key) else None
+            free = self._free.setdefault(key, [])
+            ready = [s for s in free if all(a.is_ready() for a in s.fence)]
+            if ready or (free and self._count.get(key, 0) >= self.max_slots):
+                slot = ready[0] if ready else free[0]
+                free.remove(slot)
+            else:
+                slot = None
+                self._count[key] = self._count.get(key, 0) + 1
         if slot is None:
             buffers = {n: aligned_empty(s.shape, s.dtype) for n, s in schema.items()}
             self.allocated += 1

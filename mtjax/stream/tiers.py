@@ -117,6 +117,54 @@ class Tiers:
             tier.close()
 
 
+def fix_mmap_threshold(nbytes: int = 1 << 20) -> bool:
+    """Serve every host allocation >= nbytes with its own mmap, returned on free (glibc).
+
+    glibc raises its mmap threshold after large frees, after which transient
+    multi-MiB buffers (optimizer outputs, gradients) come from heap arenas that do not
+    shrink: host RSS then grows with depth. Fixing the threshold keeps it flat. Returns
+    whether it was applied (False off glibc).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, int(nbytes)))  # -3 = M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+class ReadBuffers:
+    """Reused host buffers that the optimizer's disk-tier reads land in, one set per shape.
+
+    Fresh arrays per read would pay page faults, and the store keeps a reference to the
+    last result of each read until its next commit, so host memory would grow with depth.
+    """
+
+    def __init__(self):
+        self._sets: dict[tuple, tuple[dict, list]] = {}
+
+    @staticmethod
+    def _key(schema: dict) -> tuple:
+        return tuple((n, tuple(s.shape), np.dtype(s.dtype).str) for n, s in schema.items())
+
+    def acquire(self, schema: dict) -> dict[str, np.ndarray]:
+        from mtjax.stream.staging import aligned_empty
+
+        key = self._key(schema)
+        if key not in self._sets:
+            return {n: aligned_empty(s.shape, s.dtype) for n, s in schema.items()}
+        buffers, fence = self._sets.pop(key)
+        # Host sync (prefetch thread): the update that last read these buffers must be done.
+        jax.block_until_ready(fence)
+        return buffers
+
+    def release(self, schema: dict, buffers: dict, fence) -> None:
+        """Hand buffers back; `fence` are outputs of the computation that reads them."""
+        self._sets[self._key(schema)] = (buffers, jax.tree.leaves(fence))
+
+
 class ScratchFiles:
     """Flat {leaf: array} dicts parked in files: gradients waiting for their update when
     the master weights live on disk, so host memory does not grow with the model.
