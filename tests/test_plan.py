@@ -137,10 +137,17 @@ def test_check_names_the_ram_shortfall_and_a_placement_that_fits():
 def test_recommend_puts_state_on_disk_only_when_ram_is_short():
     plan = estimate(CFG, Workload(), BUILTIN["cpu-2core"], tx=TX)
     assert recommend(plan).placement == Placement()
-    tight = plan.host.total - schema_total(CFG, "opt") // 2
+    tight = plan.ram_needed - schema_total(CFG, "opt") // 2
     advice = recommend(plan, available_ram=int(tight / 0.9))
     assert advice.fits and advice.placement != Placement()
-    assert advice.plan.host.total <= tight
+    assert advice.plan.ram_needed <= tight
+
+
+def test_on_a_cpu_device_the_device_peak_counts_as_host_ram():
+    plan = estimate(CFG, Workload(batch_size=2, seq_len=32), BUILTIN["cpu-2core"], tx=TX)
+    assert plan.ram_needed == plan.host.total + plan.device.peak
+    assert check(plan, available_ram=plan.ram_needed, free_disk=plan.disk_bytes) is None
+    assert "host RAM" in check(plan, available_ram=plan.host.total, free_disk=plan.disk_bytes)
 
 
 def test_profiles_round_trip_and_builtins_are_labelled(tmp_path):
@@ -199,5 +206,5 @@ def test_preflight_from_an_experiment_config():
     assert (workload.batch_size, workload.keep_every, workload.placement.opt) == (4, 2, "disk")
     plan = estimate(cfg, workload, BUILTIN["cpu-2core"], tx=tx)
     assert plan.state.opt == schema_total(cfg, "opt") and plan.traffic.disk_read == plan.state.opt
-    assert check(plan, available_ram=plan.host.total, free_disk=plan.disk_bytes) is None
-    assert "short by 1 B" in check(plan, available_ram=plan.host.total, free_disk=plan.disk_bytes - 1)
+    assert check(plan, available_ram=plan.ram_needed, free_disk=plan.disk_bytes) is None
+    assert "short by 1 B" in check(plan, available_ram=plan.ram_needed, free_disk=plan.disk_bytes - 1)

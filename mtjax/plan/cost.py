@@ -172,6 +172,11 @@ class Plan:
     times: Times
 
     @property
+    def ram_needed(self) -> int:
+        """Host RAM the run needs; when the device is the host, its peak is host RAM too."""
+        return self.host.total + (self.device.peak if self.hardware.device_is_host else 0)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.workload.tokens_per_step / self.times.step
 

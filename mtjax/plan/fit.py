@@ -36,17 +36,17 @@ def _placements() -> list[Placement]:
 def check(plan: Plan, available_ram: int, free_disk: int, device_memory: int | None = None) -> str | None:
     """None when the run fits; otherwise one line: what does not fit, by how much, what to change."""
     problems = []
-    if plan.host.total > available_ram:
-        short = plan.host.total - available_ram
+    if plan.ram_needed > available_ram:
+        short = plan.ram_needed - available_ram
         fix = "use a machine with more RAM"
-        fits = [p for p in _placements() if _with_placement(plan, p).host.total <= available_ram]
+        fits = [p for p in _placements() if _with_placement(plan, p).ram_needed <= available_ram]
         if fits:
             # The smallest change: the fewest kinds moved from RAM to disk, then the fastest.
             current = plan.workload.placement
             moved = lambda p: sum(getattr(p, k) != getattr(current, k) for k in parts.KINDS)  # noqa: E731
             best = min(fits, key=lambda p: (moved(p), _with_placement(plan, p).times.step))
             fix = f"set placement {best}" if best != current else fix
-        problems.append(f"needs {_gib(plan.host.total)} of host RAM but {_gib(available_ram)} is available "
+        problems.append(f"needs {_gib(plan.ram_needed)} of host RAM but {_gib(available_ram)} is available "
                         f"(short by {_gib(short)}): {fix}")
     if plan.disk_bytes > free_disk:
         short = plan.disk_bytes - free_disk
@@ -55,7 +55,7 @@ def check(plan: Plan, available_ram: int, free_disk: int, device_memory: int | N
                (f" or keep {'/'.join(on_disk)} in RAM" if on_disk else ""))
         problems.append(f"needs {_gib(plan.disk_bytes)} of free disk but {_gib(free_disk)} is free "
                         f"(short by {_gib(short)}): {fix}")
-    if device_memory is not None and plan.device.peak > device_memory:
+    if device_memory is not None and not plan.hardware.device_is_host and plan.device.peak > device_memory:
         short = plan.device.peak - device_memory
         w = plan.workload
         fix = []
@@ -115,12 +115,12 @@ def recommend(plan: Plan, available_ram: int | None = None, free_disk: int | Non
     disk = free_disk if free_disk is not None else hw.disk_bytes
     dev = hw.device_memory_bytes * DEVICE_HEADROOM
     candidates = [_with_placement(plan, p) for p in _placements()]
-    fitting = [c for c in candidates if c.host.total <= ram and c.disk_bytes <= disk]
+    fitting = [c for c in candidates if c.ram_needed <= ram and c.disk_bytes <= disk]
     if fitting:
-        best = min(fitting, key=lambda c: (c.times.step, c.host.total))
+        best = min(fitting, key=lambda c: (c.times.step, c.ram_needed))
         why = f"fastest of {len(fitting)} placements that fit {_gib(ram)} of RAM and {_gib(disk)} of disk"
     else:
-        best = min(candidates, key=lambda c: c.host.total)
+        best = min(candidates, key=lambda c: c.ram_needed)
         why = "no placement fits RAM and disk; this one needs the least RAM"
     chosen = _fit_device(plan, best.workload, dev)
     w0 = plan.workload

@@ -43,6 +43,8 @@ def text(plan: Plan, advice: Advice | None = None) -> str:
         f"  host RAM       {size(plan.host.total):>10}  (state {size(plan.host.state)}, grads {size(plan.host.grads)}, "
         f"staging {size(plan.host.staging)}, activations {size(plan.host.activations)}, "
         f"runtime {size(plan.host.runtime)}) of {size(hw.host_ram_bytes)}",
+        *([f"  RAM in all     {size(plan.ram_needed):>10}  (the device is the host: its peak is in RAM too)"]
+          if hw.device_is_host else []),
         f"  disk           {size(plan.disk_bytes):>10}  (two copies of disk-tier state and checkpoints) "
         f"of {size(hw.disk_bytes)}",
         f"  state          compute {size(plan.state.compute)}, master {size(plan.state.master)}, "
