@@ -174,3 +174,20 @@ def test_export_refuses_a_non_empty_destination(tmp_path):
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
     with pytest.raises(StoreError, match="not empty"):
         import_hf(src, tmp_path / "out")
+
+
+def test_init_from_an_experiment_yaml(tmp_path):
+    """An experiment YAML gives the model (preset + overrides) and the optimizer of the store."""
+    from mtjax import config as experiment
+
+    yaml = tmp_path / "exp.yaml"
+    yaml.write_text("model:\n  preset: tiny\n  num_hidden_layers: 2\n  compute_dtype: float32\n"
+                    "optim:\n  lr: 0.001\n  b1: 0.8\n")
+    assert cli.main(["init", str(yaml), str(tmp_path / "s")]) == 0
+    exp = experiment.load(yaml)
+    with mtjax.store.open(tmp_path / "s", config=experiment.model_config(exp)) as store:
+        assert store.config.num_hidden_layers == 2 and store.config.compute_dtype == "float32"
+        assert store.schema("head", "opt") == parts.schema(store.config, "head", "opt", make_optimizer(exp.optim))
+        params = model.init_params(store.config, 0)
+        np.testing.assert_array_equal(store.read("embed", "master").result()["embedding"],
+                                      np.asarray(params["embed"]["embedding"]))
