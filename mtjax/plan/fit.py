@@ -45,7 +45,8 @@ def check(plan: Plan, available_ram: int, free_disk: int, device_memory: int | N
             current = plan.workload.placement
             moved = lambda p: sum(getattr(p, k) != getattr(current, k) for k in parts.KINDS)  # noqa: E731
             best = min(fits, key=lambda p: (moved(p), _with_placement(plan, p).times.step))
-            fix = f"set placement {best}" if best != current else fix
+            changes = [f"store.{k}={getattr(best, k)}" for k in parts.KINDS if getattr(best, k) != getattr(current, k)]
+            fix = f"set {' '.join(changes)}" if changes else fix
         problems.append(f"needs {_gib(plan.ram_needed)} of host RAM but {_gib(available_ram)} is available "
                         f"(short by {_gib(short)}): {fix}")
     if plan.disk_bytes > free_disk:
