@@ -354,7 +354,7 @@ def _times(w: Workload, hw: HardwareProfile, pb: dict[str, StateBytes], flops: f
     # The embedding's gradient leaves the device last and its new weights are needed first.
     e = pb["embed"]
     place = w.placement
-    startup = e.compute / d2h_rate + e.compute / h2d_rate
+    startup = e.master / d2h_rate + e.compute / h2d_rate  # its gradient is a dense fp32 table
     startup += (2 * e.master + 2 * e.opt + e.master + e.compute) / hw.host_memory_bytes_per_s
     for kind in ("compute", "master", "opt"):
         if getattr(place, kind) == "disk":

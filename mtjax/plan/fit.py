@@ -124,13 +124,13 @@ def recommend(plan: Plan, available_ram: int | None = None, free_disk: int | Non
         best = min(candidates, key=lambda c: c.ram_needed)
         why = "no placement fits RAM and disk; this one needs the least RAM"
     chosen = _fit_device(plan, best.workload, dev)
-    w0 = plan.workload
-    changed = (chosen.workload.keep_every, chosen.workload.activations) != (w0.keep_every, w0.activations)
-    if changed:
-        why += (f"; keep_every {chosen.workload.keep_every} and activations on the {chosen.workload.activations} "
-                "to fit device memory")
+    w0, w1 = plan.workload, chosen.workload
+    stream = f"keep_every {w1.keep_every}, activations on the {w1.activations}"
+    if chosen.device.peak > dev:
+        why += (f"; the device does not fit even with prefetch_depth 1, {stream} "
+                f"({_gib(chosen.device.peak)} > {_gib(dev)}): lower batch_size or seq_len")
+    elif (w1.keep_every, w1.activations) != (w0.keep_every, w0.activations):
+        why += f"; {stream} to fit the device"
     every, cost = checkpoint_interval(chosen)
     fits = bool(fitting) and chosen.device.peak <= dev
-    if chosen.device.peak > dev:
-        why += f"; device memory does not fit even at prefetch depth 1 ({_gib(chosen.device.peak)} > {_gib(dev)})"
     return Advice(chosen.workload.placement, chosen.workload.prefetch_depth, every, cost, chosen, fits, why)

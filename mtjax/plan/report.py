@@ -76,8 +76,10 @@ def text(plan: Plan, advice: Advice | None = None) -> str:
             "recommended",
             f"  placement        {a.placement}  ({a.why})",
             f"  prefetch_depth   {a.prefetch_depth}",
-            f"  checkpoint_every {a.checkpoint_every} steps (one checkpoint writes "
-            f"{size(a.plan.checkpoint_bytes)} in {seconds(a.checkpoint_seconds)})",
+            f"  keep_every       {a.plan.workload.keep_every}, activations on the {a.plan.workload.activations}",
+            (f"  checkpoint_every {a.checkpoint_every} steps (one checkpoint writes "
+             f"{size(a.plan.checkpoint_bytes)} in {seconds(a.checkpoint_seconds)})" if a.plan.checkpoint_bytes else
+             "  checkpoint_every 1 step: master and opt live in the disk store, which commits every step"),
             f"  predicted        {seconds(a.plan.times.step)} per step, {a.plan.tokens_per_s:,.0f} tokens/s, "
             f"bound by {a.plan.times.bound}" + ("" if a.fits else "  -- DOES NOT FIT"),
         ]
@@ -103,6 +105,7 @@ def as_dict(plan: Plan, advice: Advice | None = None) -> dict:
     if advice is not None:
         out["recommended"] = {
             "placement": dataclasses.asdict(advice.placement), "prefetch_depth": advice.prefetch_depth,
+            "keep_every": advice.plan.workload.keep_every, "activations": advice.plan.workload.activations,
             "checkpoint_every": advice.checkpoint_every, "step_s": advice.plan.times.step,
             "tokens_per_s": advice.plan.tokens_per_s, "fits": advice.fits, "why": advice.why,
         }
