@@ -169,6 +169,8 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
     """Tokenize `inputs` into a dataset at `out_dir`; returns its metadata."""
     files = expand_inputs(inputs)
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out} is a file; choose a directory for the dataset")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise DataError(f"{out} already exists and is not empty; choose another output or pass --overwrite")
     if not 0 <= val_fraction < 1:
