@@ -53,8 +53,8 @@ lost because jit pruned the unread argument (fixed with `keep_unused=True`, savi
 page-faulting bf16 buffer per update); a cache-blocked update (a `fori_loop` over row
 chunks with in-place `dynamic_update_slice`) needs
 `--xla_cpu_copy_insertion_use_region_analysis=true` to avoid whole-array copies and is
-still 3-160x slower than one pass (smaller chunks are worse) under the thunk runtime; unrolled static chunks allocate
-temporaries per chunk (out of memory); `--xla_cpu_use_multi_output_fusion` is not a flag
+still 3-160x slower than one pass (smaller chunks are worse) under the thunk runtime;
+unrolled static chunks allocate temporaries per chunk (out of memory); `--xla_cpu_use_multi_output_fusion` is not a flag
 in this jaxlib. Calling the same program once per 4 MiB chunk array (last row) keeps
 its four passes in cache; it needs a RAM tier that stores state as chunk arrays. A fused
 kernel outside XLA is the other way to reach the 28-byte bound."""

@@ -8,10 +8,11 @@ allocated), so the planner, the trainer's preflight and the stores agree. One st
     backward   reads every block's compute weights again; each block runs forward twice
                (the pass and the recompute that builds its vjp) and backward once:
                4 forward-equivalents = ~8 * params * tokens FLOPs, plus attention
-    gradients  of every part go device -> host, in the compute dtype
+    gradients  of every part go device -> host, in the compute dtype (embedding: fp32)
     optimizer  once per step on the host: reads master + opt + fp32 grad, writes
                master + opt + compute copy (30 bytes/param for fp32 AdamW + bf16 copy)
-    disk tier  state kept on disk is read and written from disk instead of RAM
+    disk tier  state kept on disk is read and written from disk instead of RAM; with
+               master weights on disk, fp32 gradient sums are spilled to disk too
 
 Stages run pipelined, so the step takes as long as its busiest resource plus the part
 that cannot overlap (the embedding: its gradient arrives last and it is needed first).
@@ -21,9 +22,8 @@ See docs/planner.md.
 from __future__ import annotations
 
 import dataclasses
-import math
-
 import functools
+import math
 
 import jax
 import numpy as np
