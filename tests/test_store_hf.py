@@ -8,6 +8,9 @@ StoreError (one line and exit code 2 on the command line) and creates no store.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -191,3 +194,15 @@ def test_init_from_an_experiment_yaml(tmp_path):
         params = model.init_params(store.config, 0)
         np.testing.assert_array_equal(store.read("embed", "master").result()["embedding"],
                                       np.asarray(params["embed"]["embedding"]))
+
+
+def test_leftovers_of_a_crashed_import_are_removed(tmp_path):
+    src, _ = hf_models.checkpoint(tmp_path, "llama")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".store.partial-{dead.stdout.strip()}"  # a pid that has exited
+    live = tmp_path / f".store.partial-{os.getpid()}x"  # not a pid: someone else's, left alone
+    stale.mkdir()
+    live.mkdir()
+    import_hf(src, tmp_path / "store")
+    assert not stale.exists() and live.exists()
+    assert mtjax.store.open(tmp_path / "store").step == 0

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from mtjax import parts, treepath
+from mtjax.store import manifest
 from mtjax.store import store as store_mod
 from mtjax.store.errors import StoreError
 
@@ -24,10 +25,10 @@ def write_part(store, part: str, master: dict[str, np.ndarray], tx) -> None:
     One kind at a time, waiting for each, so host memory holds about one part.
     """
     cfg = store.config
-    store.write(part, "master", master).result()
+    store.write(part, "master", master).result()  # waits: the next kind reuses the memory
     schema = store.schema(part, "compute")
     compute = {k: v.astype(schema[k].dtype) for k, v in master.items()}
-    store.write(part, "compute", compute).result()
+    store.write(part, "compute", compute).result()  # waits: the writer reads `compute` until then
     del compute
     # numpy leaves: optax allocates its state (zeros_like) without a device copy of the weights
     opt = treepath.flatten(tx.init(treepath.unflatten(parts.abstract_part(cfg, part), master)))
@@ -39,12 +40,28 @@ def check_destination(dest: Path) -> None:
         raise StoreError(f"{dest} already exists and is not empty; choose a new store directory")
 
 
+def _dead(pid: str) -> bool:
+    """Whether `pid` names a process that no longer exists."""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
 @contextlib.contextmanager
 def staged(dest: str | Path, cfg, tx):
     """Yield a writable store in a temporary sibling of `dest`; rename it to `dest` on success."""
     dest = Path(dest).absolute()
     check_destination(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    for old in dest.parent.glob(f".{dest.name}.partial-*"):  # left by an import that crashed
+        if _dead(old.name.rsplit("-", 1)[-1]):
+            store_mod.remove(old)
     tmp = dest.parent / f".{dest.name}.partial-{os.getpid()}"
     store_mod.remove(tmp)
     store = None
@@ -55,6 +72,7 @@ def staged(dest: str | Path, cfg, tx):
         if dest.exists():
             dest.rmdir()  # empty (checked above)
         os.replace(tmp, dest)
+        manifest.fsync_dir(dest.parent)  # the store's name is durable, not just its contents
     except OSError as e:
         raise StoreError(f"cannot write the store at {dest} ({e.strerror or e}); nothing was created there") from None
     finally:

@@ -23,7 +23,7 @@ def hf_tensors(store) -> Iterator[tuple[str, np.ndarray]]:
     dtype = hf.NP_DTYPES[cfg.param_dtype]
     grouped = by_part(hf.layout(cfg))
     for part in store.parts:
-        master = store.read(part, "master").result()
+        master = store.read(part, "master").result()  # waits: one part in memory at a time
         for spec in grouped[part]:
             yield spec.hf_name, hf.to_hf(spec, master[locate(spec)[1]]).astype(dtype)
         del master

@@ -17,7 +17,11 @@ from mtjax.store.errors import StoreError
 class WriterLock:
     def __init__(self, root: Path):
         self.path = root / layout.LOCK
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise StoreError(f"cannot open store {root} for writing ({e.strerror or e}); "
+                             "check its permissions, or open it read-only") from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
