@@ -107,8 +107,8 @@ def test_prefetch_exhausted_schedule():
 
 def test_budget_check_and_ledger():
     plan = plan_bytes(max_part_bytes=100, max_grad_bytes=100, hidden_bytes=10, logits_bytes=20,
-                      residual_bytes=50, prefetch_depth=2, group=3, kept=2, activations_on_device=True)
-    assert plan.weights == 500 and plan.activations == 20 and plan.residuals == 150
+                      residual_bytes=50, prefetch_depth=2, group=4, kept=2, activations_on_device=True)
+    assert plan.weights == 600 and plan.activations == 20 and plan.residuals == 200
     assert check_budget(plan, None) == plan.total
     with pytest.raises(DeviceBudgetError, match="device_budget_bytes"):
         check_budget(plan, plan.total - 1)

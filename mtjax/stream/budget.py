@@ -48,8 +48,9 @@ def plan_bytes(*, max_part_bytes: int, max_grad_bytes: int, hidden_bytes: int, l
                activations_on_device: bool) -> DevicePlan:
     """The device bytes of one run; every argument comes from abstract shapes."""
     return DevicePlan(
-        # depth parts staged ahead, plus the parts in use: a recompute group, or head + embedding.
-        weights=(prefetch_depth + max(group, 2)) * max_part_bytes,
+        # depth parts staged ahead, plus the parts in use: a recompute group, or the head,
+        # the tied embedding and the last block (resident from its forward to its backward).
+        weights=(prefetch_depth + max(group, 3)) * max_part_bytes,
         activations=kept * hidden_bytes if activations_on_device else 0,
         residuals=group * residual_bytes,
         head=3 * logits_bytes,

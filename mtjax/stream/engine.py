@@ -94,9 +94,10 @@ class StreamEngine:
         self.placement = Placement(device)
         self.tracer = Tracer()
         self.ledger = budget_mod.DeviceLedger(0)
-        # Slots per shape: the parts staged ahead, those in use, one whose readers finish.
+        # Slots per shape: the parts staged ahead, those in use (a recompute group, or
+        # head + tied embedding + the resident last block), one whose readers finish.
         group = max(len(g) for g in self.groups)
-        self.pool = StagingPool(self.placement, self.ledger, prefetch_depth + max(group, 2) + 1)
+        self.pool = StagingPool(self.placement, self.ledger, prefetch_depth + max(group, 3) + 1)
         # With the master weights on disk, gradients awaiting their update wait in files.
         spill = ScratchFiles() if self.tiers.placement["master"] == "disk" else None
         self.grads = GradSink(self.placement, self.tracer, spill)
@@ -277,6 +278,7 @@ class StreamEngine:
         fwd = ["embed", *(f"block.{i}" for i in range(n)), "head"]
         fwd += ["embed"] if self.cfg.tie_word_embeddings else []  # the head's kernel
         bwd = [f"block.{i}" for g in reversed(self.groups) for i in g]
+        bwd = bwd[1:] if self._last_stays else bwd  # already on the device
         return fwd + bwd if backward else fwd
 
     def _load(self, part: str):
@@ -311,7 +313,7 @@ class StreamEngine:
         try:
             for t in tokens:
                 t = self.placement.tokens(t)
-                x, _ = self._forward(feed, t, keep=False)
+                x, _, _ = self._forward(feed, t, keep=False)
                 (head_slot, head_w), tied = self._take_head(feed)
                 losses.append(self.fns.head_loss(head_w, tied[1], x, t))
                 for slot in (head_slot, tied[0]):
@@ -359,10 +361,18 @@ class StreamEngine:
         self.ledger.free(x.nbytes)
         return x
 
+    @property
+    def _last_stays(self) -> bool:
+        """Whether the last block's weights stay on the device from its forward to its
+        backward (saves one transfer): when it is a recompute group of its own."""
+        return len(self.groups[-1]) == 1
+
     def _forward(self, feed: Prefetcher, tokens, keep: bool):
-        """Embedding and blocks: (last hidden state, {block index: kept input})."""
+        """Embedding and blocks, for training when `keep`:
+        (last hidden state, {block index: kept input}, resident (slot, weights) or None)."""
         fns, pool, trace = self.fns, self.pool, self.tracer
         starts = {g.start for g in self.groups} if keep else set()
+        resident = None
         slot, w = self._take(feed, "embed")
         x = fns.embed_forward(w, tokens)
         trace.watch("compute", "embed", x)
@@ -372,10 +382,13 @@ class StreamEngine:
             slot, w = self._take(feed, f"block.{i}")
             x = fns.forward[kind](w, x)
             trace.watch("compute", f"block.{i}", x)
-            pool.release(slot, x)
+            if keep and self._last_stays and i == self.cfg.num_hidden_layers - 1:
+                resident = slot, w  # the backward starts with this block
+            else:
+                pool.release(slot, x)
             if i + 1 in starts:
                 kept[i + 1] = self._keep(x)
-        return x, kept
+        return x, kept, resident
 
     def _take_head(self, feed: Prefetcher):
         """The head's (slot, weights), and the embedding's when tied (else (None, None))."""
@@ -385,7 +398,7 @@ class StreamEngine:
     def _micro_batch(self, feed: Prefetcher, tokens, weight: float, last: bool):
         """Forward and backward of one micro-batch; gradients go to the host sums."""
         fns, pool, trace = self.fns, self.pool, self.tracer
-        x, kept = self._forward(feed, tokens, keep=True)
+        x, kept, resident = self._forward(feed, tokens, keep=True)
         (head_slot, head_w), tied = self._take_head(feed)
         loss, dhead, dembed, dx = fns.head(head_w, tied[1], x, tokens, weight)
         trace.watch("compute", "head", dx)
@@ -398,18 +411,20 @@ class StreamEngine:
 
         for group in reversed(self.groups):
             x = self._unkeep(kept.pop(group.start))
-            dx = self._backward_group(feed, group, x, dx, last)
+            dx = self._backward_group(feed, group, x, dx, last, resident)
+            resident = None
         de = fns.embed_backward(tokens, dx)
         trace.watch("compute", "embed", de)
         self.grads.add("embed", de, last)
         return loss
 
-    def _backward_group(self, feed: Prefetcher, group: range, x, dx, last: bool):
-        """Recompute the group's blocks from their kept input, then walk them back."""
+    def _backward_group(self, feed: Prefetcher, group: range, x, dx, last: bool, resident=None):
+        """Recompute the group's blocks from their kept input, then walk them back.
+        `resident`: the group's (one) block is still on the device from the forward."""
         fns, kinds = self.fns, self.cfg.layer_types
         if len(group) == 1:  # recompute and backward fused in one program
             i = group.start
-            slot, w = self._take(feed, f"block.{i}")
+            slot, w = resident or self._take(feed, f"block.{i}")
             dw, dx = fns.grad[kinds[i]](w, x, dx)
             return self._finish_block(i, slot, dw, dx, last)
         held = []
