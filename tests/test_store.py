@@ -69,6 +69,9 @@ def test_create_schema_and_sizes(tmp_path):
 
     store = mtjax.store.create(tmp_path / "s", CFG)
     assert store.step == 0 and store.config == CFG
+    recorded = json.loads((tmp_path / "s" / layout.MANIFEST).read_text())
+    assert recorded["dtypes"] == {"compute": "bfloat16", "master": "float32", "checkpoint": "float32"}
+    assert recorded["layout_version"] == layout.LAYOUT_VERSION and recorded["step"] == 0
     assert store.parts == ["embed", "block.0", "block.1", "head"]
     tx = mtjax.make_optimizer(mtjax.OptimConfig())
     for p in store.parts:

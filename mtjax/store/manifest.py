@@ -24,6 +24,7 @@ class Manifest:
     config: dict  # layout.config_to_json(ModelConfig)
     slots: dict  # {part: {kind: "a" | "b" | None}}; None = never written
     train_state: str | None = None  # directory under train_state/, or None
+    dtypes: dict | None = None  # {"compute", "master", "checkpoint"}: for people reading the file
     layout_version: int = layout.LAYOUT_VERSION
 
     def to_json(self) -> dict:
@@ -48,7 +49,8 @@ def read(root: Path) -> Manifest:
         )
     try:
         return Manifest(step=int(d["step"]), generation=int(d["generation"]), config=d["config"],
-                        slots=d["slots"], train_state=d.get("train_state"), layout_version=version)
+                        slots=d["slots"], train_state=d.get("train_state"), dtypes=d.get("dtypes"),
+                        layout_version=version)
     except (KeyError, TypeError, ValueError) as e:
         raise StoreError(f"{path} lacks a valid {e} entry; restore the store from a backup") from None
 

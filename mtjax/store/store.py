@@ -359,7 +359,9 @@ def create(path, cfg: ModelConfig, tx=None) -> Store:
         (root / layout.TRAIN_STATE_DIR).mkdir(exist_ok=True)
         manifest.write_atomic(root / layout.SCHEMA, json.dumps(layout.schema_to_json(schemas)))
         empty = manifest.Manifest(step=0, generation=0, config=layout.config_to_json(cfg),
-                                  slots={p: {k: None for k in model_parts.KINDS} for p in names})
+                                  slots={p: {k: None for k in model_parts.KINDS} for p in names},
+                                  dtypes={"compute": cfg.compute_dtype, "master": "float32",
+                                          "checkpoint": cfg.param_dtype})
         manifest.write(root, empty)
     except OSError as e:
         raise StoreError(f"cannot create store at {root} ({e.strerror or e})") from None
