@@ -54,6 +54,12 @@ class StreamOptions:
             raise MtjaxError(f"stream.activations must be 'device' or 'host', got {self.activations!r}")
 
 
+def _beside(store) -> str | None:
+    """The directory holding the store: scratch files go next to it, on the same disk."""
+    root = getattr(store, "root", None)
+    return str(Path(root).absolute().parent) if root is not None else None
+
+
 def _is_store(obj) -> bool:
     return all(hasattr(obj, a) for a in ("read", "write", "commit"))
 
@@ -68,13 +74,14 @@ class StreamEngine:
     `params_or_store` is a params pytree (mtjax.model layout) or an open layer store;
     `tiers` places each kind of state ({"compute"|"master"|"opt": "ram"|"disk"}), and
     "disk" kinds live in `store` (the store itself when one is passed as the state).
+    `trace_steps` is how many recent steps keep their stage timings (None: all).
     """
 
     def __init__(self, cfg: ModelConfig, params_or_store, optimizer: OptimConfig | optax.GradientTransformation = OptimConfig(),
                  clip_norm: float | None = None, *, prefetch_depth: int = 2, keep_every: int = 1,
                  activations: str = "device", device_budget_bytes: int | None = None,
                  tiers: Mapping[str, str] | None = None, store=None, batch_shape: tuple[int, int] | None = None,
-                 device: jax.Device | None = None):
+                 device: jax.Device | None = None, trace_steps: int | None = 4):
         self.cfg = cfg
         self.options = StreamOptions(prefetch_depth, keep_every, activations, device_budget_bytes)
         if isinstance(optimizer, OptimConfig):
@@ -92,14 +99,14 @@ class StreamEngine:
         self.schemas = {p.name: parts_mod.schema(cfg, p.name, "compute") for p in self.parts}
         self.fns = block_fns(cfg)
         self.placement = Placement(device)
-        self.tracer = Tracer()
+        self.tracer = Tracer(trace_steps)
         self.ledger = budget_mod.DeviceLedger(0)
         # Slots per shape: the parts staged ahead, those in use (a recompute group, or
         # head + tied embedding + the resident last block), one whose readers finish.
         group = max(len(g) for g in self.groups)
         self.pool = StagingPool(self.placement, self.ledger, prefetch_depth + max(group, 3) + 1)
         # With the master weights on disk, gradients awaiting their update wait in files.
-        spill = ScratchFiles() if self.tiers.placement["master"] == "disk" else None
+        spill = ScratchFiles(_beside(self.store)) if self.tiers.placement["master"] == "disk" else None
         self.grads = GradSink(self.placement, self.tracer, spill)
         self._scale = None  # the clip scale of the pending updates (CPU scalar)
         self._writes: list[cf.Future] = []
@@ -327,12 +334,16 @@ class StreamEngine:
     def step(self, tokens) -> dict[str, float]:
         tokens = self._tokens(tokens)
         accum = len(tokens)
-        self.tracer.step = self.step_count
+        self.tracer.begin_step(self.step_count)
+        self.ledger.held = 0  # nothing stays on the device between steps (even after a failed one)
         self._wait_writes()
         feed = Prefetcher(self._schedule() * accum, self._load, self.options.prefetch_depth)
         try:
             losses = [self._micro_batch(feed, self.placement.tokens(t), 1.0 / accum, last=a == accum - 1)
                       for a, t in enumerate(tokens)]
+        except BaseException:
+            self.grads.discard()  # a failed step's partial sums must not reach the next step
+            raise
         finally:
             for slot, _ in feed.close():
                 self.pool.release(slot, [])

@@ -78,6 +78,17 @@ class GradSink:
         sq, self._sq = sum(self._sq.values()), {}
         return sq
 
+    def discard(self) -> None:
+        """Drop this step's sums (the step failed); last step's stay pending."""
+        cf.wait(self._futures)
+        self._futures.clear()
+        for part in self._current:
+            if self.spill and part + ".sum" in self.spill:
+                self.spill.take(part + ".sum")
+        self._current.clear()
+        self._sums.clear()
+        self._sq.clear()
+
     def pending(self) -> list[str]:
         return list(self._ready)
 

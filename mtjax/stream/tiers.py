@@ -175,7 +175,7 @@ class ScratchFiles:
     def __init__(self, parent: str | None = None):
         import tempfile
 
-        self._dir = tempfile.TemporaryDirectory(prefix="mtjax-grads-", dir=parent)
+        self._dir = tempfile.TemporaryDirectory(prefix=".mtjax-grads-", dir=parent)
         self._meta: dict[str, dict[str, tuple]] = {}
 
     def _path(self, key: str, leaf: str):

@@ -33,15 +33,25 @@ class Event:
 
 
 class Tracer:
-    def __init__(self):
+    """`keep_steps`: events of that many most recent steps are kept (None keeps all),
+    so a long run does not accumulate them."""
+
+    def __init__(self, keep_steps: int | None = 4):
         self.t0 = time.perf_counter()
         self.step = 0
+        self.keep_steps = keep_steps
         self.events: list[Event] = []
         self._lock = threading.Lock()
         self._lane_end: dict[str, float] = defaultdict(float)
         self._pending: queue.Queue = queue.Queue()
         self._watcher = threading.Thread(target=self._watch_loop, name="mtjax-trace", daemon=True)
         self._watcher.start()
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        if self.keep_steps is not None:
+            with self._lock:
+                self.events = [e for e in self.events if e.step > step - self.keep_steps]
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
