@@ -394,3 +394,22 @@ def test_tensorstore_reads_what_the_store_writes(filled, tmp_path):
             path = layout.slot_dir(tmp_path / "s", part, kind, "a") / leaf
             got = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}).result().read().result()
             assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes()
+
+
+def test_reader_never_returns_bytes_of_two_steps(filled, tmp_path):
+    """A reader fails once the writer has committed (it may now overwrite the reader's
+    slots); refresh() moves the reader to the new step."""
+    store, old = filled
+    reader = mtjax.store.open(tmp_path / "s")
+    assert same(read_all(reader), old)
+    new = values(store, 2)
+    write_all(store, new)
+    assert same(read_all(reader), old)  # written but not committed: the reader is unaffected
+    store.commit(2)
+    with pytest.raises(StoreError, match="committed by its writer while this read ran"):
+        reader.read("block.0", "master").result()
+    reader.refresh()
+    assert reader.step == 2 and same(read_all(reader), new)
+    with pytest.raises(StoreError, match="read-only"):
+        store.refresh()
+    reader.close()

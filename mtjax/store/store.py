@@ -190,9 +190,42 @@ class Store:
             base = layout.slot_dir(self.root, part, kind, slot)
             futs = [(leaf, f) for leaf, h in handles.items()
                     for f in chunks.read_into(self._io, base / leaf, _rows(h), out[leaf])]
-            return arrays.gather(futs, out, on_error)
+            done = arrays.gather(futs, out, on_error)
+            return done if self.writable else self._unless_committed_meanwhile(done)
 
         return self._chain(part, kind, start)
+
+    def _unless_committed_meanwhile(self, read: concurrent.futures.Future) -> concurrent.futures.Future:
+        """A reader's result, unless a writer committed while it read.
+
+        After a commit the writer reuses the slots this reader reads, so the bytes may mix
+        two steps: fail rather than return them.
+        """
+        checked = concurrent.futures.Future()
+
+        def check(f):
+            if f.exception() is not None:
+                return checked.set_exception(f.exception())
+            try:
+                now = manifest.read(self.root).generation
+            except StoreError as e:
+                return checked.set_exception(e)
+            if now != self._manifest.generation:
+                return checked.set_exception(StoreError(
+                    f"store {self.root} was committed by its writer while this read ran; "
+                    "call refresh() (or reopen the store) and read again"))
+            checked.set_result(f.result())
+
+        read.add_done_callback(check)
+        return checked
+
+    def refresh(self) -> None:
+        """Read-only stores: move to the latest committed step (reads see it from now on)."""
+        if self.writable:
+            raise StoreError("refresh() is for read-only stores; a writer's view is always current")
+        self._manifest = manifest.read(self.root)
+        with self._mutex:
+            self._latest = {(p, k): s for p, kinds in self._manifest.slots.items() for k, s in kinds.items()}
 
     def write(self, part, kind: str, values: dict) -> concurrent.futures.Future:
         """Future that resolves once every leaf is durable in the uncommitted slot.
