@@ -228,7 +228,7 @@ class Store:
             self._latest = {(p, k): s for p, kinds in self._manifest.slots.items() for k, s in kinds.items()}
 
     def write(self, part, kind: str, values: dict) -> concurrent.futures.Future:
-        """Future that resolves once every leaf is durable in the uncommitted slot.
+        """Future that resolves once every chunk is written and fsynced to the uncommitted slot.
 
         `values` must hold every leaf of `schema(part, kind)` with its exact shape and
         dtype; keep the arrays unchanged until the future resolves.
