@@ -206,3 +206,13 @@ def test_leftovers_of_a_crashed_import_are_removed(tmp_path):
     import_hf(src, tmp_path / "store")
     assert not stale.exists() and live.exists()
     assert mtjax.store.open(tmp_path / "store").step == 0
+
+
+def test_config_without_a_dtype_takes_the_tensors_dtype(tmp_path):
+    torch_model = hf_models.build("llama").to(torch.bfloat16)
+    src = hf_models.save(torch_model, tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}))
+    import_hf(src, tmp_path / "store")
+    assert mtjax.store.open(tmp_path / "store").config.param_dtype == "bfloat16"
+    assert tensors(export_hf(tmp_path / "store", tmp_path / "out")) == tensors(src)

@@ -7,6 +7,8 @@ holds about one part (its master, compute and optimizer state), not the model.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -36,6 +38,15 @@ def by_part(specs: list[hf.TensorSpec]) -> dict[str, list[hf.TensorSpec]]:
     return grouped
 
 
+def _dtype_from_tensors(cfg, hf_dir: Path, reader: hf.SafetensorsReader, specs):
+    """A config.json without `dtype`/`torch_dtype` takes the tensors' one dtype."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    if config.get("dtype") or config.get("torch_dtype"):
+        return cfg
+    found = {SAFETENSORS_DTYPES.get(reader.dtype(s.hf_name)) for s in specs}
+    return dataclasses.replace(cfg, param_dtype=found.pop()) if len(found) == 1 and None not in found else cfg
+
+
 def _check_dtypes(cfg, reader: hf.SafetensorsReader, specs) -> None:
     wrong = []
     for spec in specs:
@@ -59,8 +70,11 @@ def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "b
     hf_dir = Path(hf_dir)
     try:
         cfg = load_hf_config(hf_dir, compute_dtype=compute_dtype)
-        specs = hf.check(cfg, hf.SafetensorsReader(hf_dir))
-        _check_dtypes(cfg, hf.SafetensorsReader(hf_dir), specs)
+        reader = hf.SafetensorsReader(hf_dir)
+        specs = hf.check(cfg, reader)
+        cfg = _dtype_from_tensors(cfg, hf_dir, reader, specs)
+        _check_dtypes(cfg, reader, specs)
+        del reader
     except StoreError:
         raise
     except MtjaxError as e:
