@@ -76,6 +76,9 @@ def run_case(tmp_path, *, keep_every, depth, tiers, accum, tied, activations="de
     engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, prefetch_depth=depth, keep_every=keep_every,
                           activations=activations, tiers=tiers, store=store, batch_shape=(2, 16))
     counter = ForwardCounter(engine)  # after the budget check, which traces shapes only
+    if activations == "host":
+        # Take the GPU's staging path (host buffer -> pinned_host -> device) on the CPU too.
+        engine.placement.pinned = True
     for i, b in enumerate(batches(accum)):
         metrics = engine.step(b)
         assert metrics["grad_norm"] > OPT.clip_norm  # clipping is active
@@ -99,7 +102,7 @@ def run_case(tmp_path, *, keep_every, depth, tiers, accum, tied, activations="de
         (0, 2, DISK, 1, True, "device"),
         (2, 1, {"master": "disk", "opt": "disk"}, 4, False, "device"),
     ],
-    ids=["k1-depth1-ram-untied", "k2-depth3-ram-accum4-tied-host", "kall-depth2-disk-tied", "k2-depth1-mixed-accum4"],
+    ids=["k1-depth1-ram-untied", "k2-depth3-ram-accum4-tied-host-pinned", "kall-depth2-disk-tied", "k2-depth1-mixed-accum4"],
 )
 def test_streamed_equals_reference(tmp_path, keep_every, depth, tiers, accum, tied, activations):
     run_case(tmp_path, keep_every=keep_every, depth=depth, tiers=tiers, accum=accum, tied=tied,

@@ -32,7 +32,7 @@ from mtjax.stream import budget as budget_mod
 from mtjax.stream.blockfns import block_fns
 from mtjax.stream.grads import GradSink
 from mtjax.stream.prefetch import Prefetcher
-from mtjax.stream.staging import Placement, StagingPool
+from mtjax.stream.staging import Placement, StagingPool, raise_host_memory_limit
 from mtjax.stream.tiers import ReadBuffers, ScratchFiles, Tiers, fix_mmap_threshold, host_device
 from mtjax.stream.trace import Tracer
 from mtjax.stream.update import PartUpdate, full_opt_state, update_for
@@ -275,7 +275,15 @@ class StreamEngine:
 
     def check_budget(self, batch: int, seq: int) -> None:
         """Raise DeviceBudgetError (before anything runs) when the run cannot fit."""
-        self.ledger.budget = budget_mod.check_budget(self.plan(batch, seq), self.options.device_budget_bytes)
+        plan = self.plan(batch, seq)
+        self.ledger.budget = budget_mod.check_budget(plan, self.options.device_budget_bytes)
+        if self.placement.pinned:
+            # Pinned host memory in flight: staged parts of each shape (embedding, blocks,
+            # head), plus the kept activations when they wait in host memory.
+            part = max(parts_mod.nbytes(s) for s in self.schemas.values())
+            hidden = batch * seq * self.cfg.hidden_size * np.dtype(self.cfg.compute_dtype).itemsize
+            stashed = len(self.groups) * hidden if self.options.activations == "host" else 0
+            raise_host_memory_limit(3 * self.pool.max_slots * part + stashed)
 
     # --- the step ------------------------------------------------------------------
 

@@ -43,7 +43,8 @@ def aligned_empty(shape, dtype) -> np.ndarray:
 def raise_host_memory_limit(nbytes: int) -> None:
     """Let XLA's pinned host pool hold `nbytes` (GPU; default cap 64 GiB).
 
-    Takes effect only before the GPU backend starts, so the run loop calls it first.
+    Takes effect only if the GPU backend has not started yet; otherwise export
+    XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB before starting Python (experiments/gpu/smoke.sh does).
     """
     gib = -(-nbytes // 2**30)
     current = int(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64"))
