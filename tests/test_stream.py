@@ -234,3 +234,16 @@ def test_worker_error_reaches_the_caller_and_the_next_step_runs():
     _, ref_params, _, _ = reference(False, 1)
     assert max(rel_errors(engine.params(), ref_params)) <= 1e-5
     engine.close()
+
+
+def test_returned_state_is_a_snapshot():
+    """params() and opt_state() must not alias buffers that later updates overwrite."""
+    engine = StreamEngine(CFG, model.init_params(CFG, seed=1), OPT)
+    data = batches(1)
+    engine.step(data[0])
+    state = engine.params(), engine.opt_state()
+    copy_ = jax.tree.map(np.array, state)
+    engine.step(data[1])
+    engine.params()
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), b)), state, copy_)))
+    engine.close()

@@ -258,7 +258,6 @@ class StreamEngine:
                 kind = p.fn_kind.removeprefix("block:")
                 _, vjp = jax.eval_shape(self.fns.recompute[kind], self.schemas[p.name], x)
                 residuals = max(residuals, budget_mod.tree_bytes(vjp))
-        self._residual_bytes = residuals
         plan = budget_mod.plan_bytes(
             max_part_bytes=max(parts_mod.nbytes(s) for s in self.schemas.values()),
             max_grad_bytes=max(parts_mod.nbytes(s) for s in self.schemas.values()),
@@ -277,6 +276,7 @@ class StreamEngine:
         """Raise DeviceBudgetError (before anything runs) when the run cannot fit."""
         plan = self.plan(batch, seq)
         self.ledger.budget = budget_mod.check_budget(plan, self.options.device_budget_bytes)
+        self._residual_bytes = plan.residuals // max(len(g) for g in self.groups)  # one block's
         if self.placement.pinned:
             # Pinned host memory in flight: staged parts of each shape (embedding, blocks,
             # head), plus the kept activations when they wait in host memory.

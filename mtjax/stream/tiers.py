@@ -117,7 +117,7 @@ class Tiers:
             tier.close()
 
 
-def fix_mmap_threshold(nbytes: int = 1 << 20) -> bool:
+def fix_mmap_threshold(nbytes: int = 256 << 10) -> bool:
     """Serve every host allocation >= nbytes with its own mmap, returned on free (glibc).
 
     glibc raises its mmap threshold after large frees, after which transient
