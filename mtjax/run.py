@@ -191,8 +191,10 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     out = stream or sys.stderr
     run_dir = Path(exp.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    config_lib.dump(exp, run_dir / "config.yaml")
     cfg = config_lib.model_config(exp)
+    if exp.data.seq_len > cfg.max_position_embeddings:
+        raise ConfigError(f"data.seq_len ({exp.data.seq_len}) exceeds the model's context "
+                          f"(model.max_position_embeddings = {cfg.max_position_embeddings}); lower data.seq_len")
     dataset = data.resolve(exp.data, run_dir / "data")
     dataset.check_vocab(cfg.vocab_size)
     tokenizer = dataset.tokenizer()
@@ -209,10 +211,13 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
         first, cursor = state["step"], state["loader"]
     else:
         params = initial_params(exp, cfg)
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
     loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,
                          exp.data.seed, cursor=cursor)
     engine = make_engine(exp, cfg, params, opt_state)
+    # Only now that everything checked out: a run that fails to start leaves the previous one.
+    config_lib.dump(exp, run_dir / "config.yaml")
+    if not exp.run.resume:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
     tokens_per_step = exp.data.grad_accum * exp.data.batch_size * exp.data.seq_len
     print(f"mtjax: {cfg.num_params() / 1e6:.2f}M-parameter {cfg.model_type} ({cfg.num_hidden_layers} blocks, "
           f"width {cfg.hidden_size}), {exp.stream.engine} engine on {jax.devices()[0].platform}; "

@@ -204,3 +204,15 @@ def test_fine_tune_starts_from_the_checkpoint_weights(tmp_path):
     small, _ = hf_models.checkpoint(tmp_path / "small", "llama")  # vocabulary 97 < 257 byte ids
     with pytest.raises(data.DataError, match="model's vocabulary is 97"):
         run_lib.train(config.load(None, [*args, f"--model.checkpoint={small}"]), open(os.devnull, "w"))
+
+
+def test_a_bad_run_leaves_the_previous_run_intact(trained, capsys):
+    run_dir, result = trained
+    assert result.returncode == 0, result.stderr
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    for bad, message in (("--data.seq_len=4096", "exceeds the model's context"),
+                         ("--data.batch_size=40000", "fewer than one batch"),
+                         ("--model.num_key_value_heads=3", "must be a multiple of")):
+        assert cli.main(["train", *TINY, f"--run.dir={run_dir}", bad]) == 2
+        assert message in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
