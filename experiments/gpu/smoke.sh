@@ -13,6 +13,7 @@ PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python
 # Let XLA's pinned host pool grow past its 64 GiB default (staging uses pinned_host).
 export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-96}"
 export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
+export SMOKE_TRACE="${SMOKE_TRACE:-${OUT:-/tmp}/mtjax_smoke_trace.json}"  # Chrome trace of the stream
 exec "$PY" - "$@" <<'PYEOF'
 import os, statistics, sys, time
 
@@ -87,13 +88,13 @@ for name in ("reference", "stream"):
     times[name] = statistics.median(ts[1:])
     if name == "stream":
         print("  stream stage seconds:", {k: round(v, 3) for k, v in eng.stage_seconds().items()})
-        eng.write_trace("smoke_trace.json")
+        eng.write_trace(os.environ["SMOKE_TRACE"])
         eng.close()
     del eng
 toks = batch * seq
 print(f"model {cfg.num_params() / 1e6:.0f}M params ({layers} x {width}, bf16 compute), batch {batch} x seq {seq}")
 for name, s in times.items():
     print(f"  {name:9s} step {s * 1e3:8.1f} ms  {toks / s:9.0f} tokens/s")
-print(f"  streamed / reference = {times['stream'] / times['reference']:.2f}; trace: smoke_trace.json")
+print(f"  streamed / reference = {times['stream'] / times['reference']:.2f}; trace: {os.environ['SMOKE_TRACE']}")
 sys.exit(0 if ok else 1)
 PYEOF
