@@ -3,7 +3,7 @@
 Each case runs 5 AdamW steps of both engines on a tiny model (4 blocks, width 32,
 seq 16) with clipping active, and compares every parameter and optimizer-state tensor
 (||a - b|| / ||b|| <= 1e-5 in fp32). The cases together cover every value of: keep
-every k in {1, 2, all}, prefetch depth {1, 2, 3}, RAM / disk / mixed tiers, gradient
+every k in {1, 2, 3, all}, prefetch depth {1, 2, 3}, RAM / disk / mixed tiers, gradient
 accumulation {1, 4}, tied and untied embeddings, activations on device and on host.
 """
 
@@ -100,9 +100,10 @@ def run_case(tmp_path, *, keep_every, depth, tiers, accum, tied, activations="de
         (1, 1, {}, 1, False, "device"),
         (2, 3, {}, 4, True, "host"),
         (0, 2, DISK, 1, True, "device"),
-        (2, 1, {"master": "disk", "opt": "disk"}, 4, False, "device"),
+        # k = 3 over 4 blocks: groups of 3 and 1 (the last block stays resident).
+        (3, 1, {"master": "disk", "opt": "disk"}, 4, False, "device"),
     ],
-    ids=["k1-depth1-ram-untied", "k2-depth3-ram-accum4-tied-host-pinned", "kall-depth2-disk-tied", "k2-depth1-mixed-accum4"],
+    ids=["k1-depth1-ram-untied", "k2-depth3-ram-accum4-tied-host-pinned", "kall-depth2-disk-tied", "k3-depth1-mixed-accum4"],
 )
 def test_streamed_equals_reference(tmp_path, keep_every, depth, tiers, accum, tied, activations):
     run_case(tmp_path, keep_every=keep_every, depth=depth, tiers=tiers, accum=accum, tied=tied,
