@@ -1,0 +1,81 @@
+"""The embedded default run (`mtjax train` with no arguments), timed end to end.
+
+    .venv/bin/python experiments/bench_default_run.py [--no-doc] [--group.key=value ...]
+
+Runs the default experiment (plus any overrides) in a temporary run directory and
+reports wall time from the call to the summary (compilation, data preparation, the
+closing checkpoint and sample included), throughput, losses and peak RSS. The table
+goes to stdout and to this benchmark's section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mtjax import config  # noqa: E402
+from mtjax import run as run_lib  # noqa: E402
+
+DOC = ROOT / "docs" / "benchmarks.md"
+SECTION = "default-run"
+
+
+def write_section(name: str, body: str) -> None:
+    """Replace this script's section of docs/benchmarks.md, between its two markers."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nMeasured numbers, each section written by the script it names.\n"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text)
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    no_doc = "--no-doc" in args
+    overrides = [a for a in args if a != "--no-doc"]
+    with tempfile.TemporaryDirectory(prefix="bench-default-") as tmp:
+        exp = config.load(None, [*overrides, f"--run.dir={tmp}/run"])
+        start = time.perf_counter()
+        summary = run_lib.train(exp, stream=open(os.devnull, "w"))
+        wall = time.perf_counter() - start
+        records = [json.loads(line) for line in Path(tmp, "run", "metrics.jsonl").read_text().splitlines()]
+    rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in KiB on Linux
+    load = os.getloadavg()[0]
+    rows = [
+        ("steps x tokens per step", f"{summary['steps']} x {summary['tokens'] // max(summary['steps'], 1):,}"),
+        ("wall time, call to summary (compile, data, checkpoint, sample included)", f"{wall:.0f} s"),
+        ("training throughput after the first step (run average)", f"{rates[-1]:,.0f} tokens/s" if rates else "-"),
+        ("loss: first step -> mean of the last 10", f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"),
+        ("validation loss at the end", f"{summary['val_loss']:.3f}" if summary["val_loss"] is not None else "-"),
+        ("peak RSS", f"{peak_gb:.2f} GB"),
+    ]
+    shown = " ".join(overrides) or "no overrides"
+    lines = [f"## Embedded default run (`experiments/bench_default_run.py`, {shown})", "",
+             f"{platform.machine()}, {os.cpu_count()} cores, load average {load:.1f} at the end "
+             "(the machine is shared: compare ratios within one run, not absolute times across runs).", "",
+             "| quantity | value |", "|---|---|"]
+    lines += [f"| {a} | {b} |" for a, b in rows]
+    lines += ["", "Sample after training:", "", "```", summary["sample"].strip(), "```"]
+    table = "\n".join(lines)
+    print(table)
+    if not no_doc:
+        write_section(SECTION, table)
+
+
+if __name__ == "__main__":
+    main()
