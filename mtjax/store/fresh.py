@@ -6,8 +6,9 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+from flax import nnx
 
-from mtjax import model, parts, treepath
+from mtjax import model, treepath
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig, load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
@@ -37,10 +38,20 @@ def init_store(cfg: ModelConfig, store_dir: str | Path, seed: int = 0, tx=None) 
     """A new store at `store_dir` (step 0) holding `init_params(cfg, seed)` and tx.init state."""
     tx = tx or make_optimizer(OptimConfig())
     fill.check_destination(Path(store_dir))
-    params = model.init_params(cfg, seed)  # the whole model in host memory, fp32
     with fill.staged(store_dir, cfg, tx) as store:
-        for part in store.parts:
-            named = treepath.flatten(parts.part_params(params, part))
+        for part, params in _part_params(cfg, seed, store.parts):
+            named = treepath.flatten(params)
             fill.write_part(store, part, {k: np.asarray(v, np.float32) for k, v in named.items()}, tx)
+            del params, named  # one part in host memory at a time: models larger than RAM
         store.commit(0)
     return Path(store_dir)
+
+
+def _part_params(cfg: ModelConfig, seed: int, names: list[str]):
+    """Yield (part, fresh fp32 params) one part at a time, drawing from one nnx.Rngs in
+    init_params's order (embed, blocks, head), so the values equal init_params(cfg, seed)."""
+    assert names[0] == "embed" and names[-1] == "head", names
+    rngs = nnx.Rngs(seed)
+    for name in names:
+        factory = "block:" + cfg.layer_types[int(name.split(".")[1])] if name.startswith("block.") else name
+        yield name, nnx.to_pure_dict(nnx.state(model._module_factory(cfg, factory)(rngs)))
