@@ -141,8 +141,10 @@ class RunConfig:
     sample_tokens: int = 200  # tokens generated for that sample
     tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard package)
     resume: bool = False  # continue from the latest checkpoint in <dir> (its weights, optimizer, data cursor)
+    on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient: stop (naming the block) | skip (the step, no state change)
 
     def __post_init__(self):
+        _check_choice("run.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         if self.steps < 0 or self.log_every < 1 or self.eval_every < 0 or self.eval_batches < 1:
             raise ConfigError("run.steps, run.eval_every must be >= 0 and run.log_every, run.eval_batches >= 1")
 

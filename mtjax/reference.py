@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from mtjax import model
+from mtjax.errors import NonFiniteStep
 from mtjax.loss import cross_entropy
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, clip_scale, make_optimizer, sum_of_squares
@@ -63,21 +64,36 @@ class ReferenceTrainer:
         self.params = jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params)
         self.opt_state = self.tx.init(self.params) if opt_state is None else jax.tree.map(jnp.array, opt_state)
         self._step = jax.jit(self._train_step, donate_argnums=(0, 1))
+        self.steps = self.skipped = 0  # applied and skipped (non-finite) steps
 
     def _train_step(self, params, opt_state, micro_batches):
         loss, grads = _accumulated_grads(self.cfg, params, micro_batches)
         sq = sum_of_squares(grads)
         scale = clip_scale(sq, self.clip_norm)
-        grads = jax.tree.map(lambda g: g * scale, grads)
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": jnp.sqrt(sq)}
+        scaled = jax.tree.map(lambda g: g * scale, grads)
+        updates, new_opt = self.tx.update(scaled, opt_state, params)
+        # A NaN/Inf loss or gradient leaves params and optimizer state as they were.
+        ok = jnp.isfinite(loss) & jnp.isfinite(sq)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        part_sq = jnp.stack([sum_of_squares(grads["head"]), *(sum_of_squares(b) for b in reversed(grads["blocks"])),
+                             sum_of_squares(grads["embed"])])  # in backward order, for NonFiniteStep
+        return (keep(optax.apply_updates(params, updates), params), keep(new_opt, opt_state),
+                {"loss": loss, "grad_norm": jnp.sqrt(sq), "part_sq": part_sq})
 
     def step(self, tokens) -> dict[str, float]:
         tokens = jnp.asarray(np.asarray(tokens), jnp.int32)
         if tokens.ndim == 2:
             tokens = tokens[None]
         self.params, self.opt_state, metrics = self._step(self.params, self.opt_state, tokens)
-        return {k: float(v) for k, v in metrics.items()}  # one host sync per step
+        part_sq = np.asarray(metrics.pop("part_sq"))  # one host sync per step, with the metrics
+        out = {k: float(v) for k, v in metrics.items()}
+        if not (np.isfinite(out["loss"]) and np.isfinite(out["grad_norm"])):
+            n = self.cfg.num_hidden_layers
+            names = ["head", *(f"block.{i}" for i in reversed(range(n))), "embed"]
+            self.skipped += 1
+            raise NonFiniteStep(self.skipped + self.steps, out["loss"], [m for m, s in zip(names, part_sq) if not np.isfinite(s)])
+        self.steps += 1
+        return out
 
 
 def train(cfg: ModelConfig, params, batches, optimizer=OptimConfig()):

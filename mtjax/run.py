@@ -31,6 +31,7 @@ import numpy as np
 from mtjax import config as config_lib
 from mtjax import data, generate, hf, model, treepath
 from mtjax.config import ConfigError, ExperimentConfig
+from mtjax.errors import NonFiniteStep
 from mtjax.model_config import ModelConfig
 from mtjax.optim import make_optimizer
 from mtjax.progress import Progress
@@ -78,6 +79,65 @@ def make_engine(exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None)
     from mtjax.stream import StreamEngine  # imported on use: reference runs need none of it
 
     return StreamEngine.from_experiment(exp, cfg, params)
+
+
+def store_dir(exp: ExperimentConfig) -> Path | None:
+    """The layer store of a streaming run that keeps some state on disk, else None."""
+    if exp.stream.engine != "stream" or "disk" not in exp.store.tiers.values():
+        return None
+    return Path(exp.store.path or Path(exp.run.dir) / "store")
+
+
+def train_state(exp: ExperimentConfig, step: int, cursor: dict) -> dict:
+    """What a store commit records beside the weights so that a resume continues exactly:
+    the step, the data cursor, the seed, and the settings that must not change (the LR
+    schedule's position is the optimizer state's step count, which the store holds)."""
+    return {"step": step, "loader": dict(cursor), "seed": exp.run.seed, "fixed": _fixed_settings(exp)}
+
+
+def _fixed_settings(exp: ExperimentConfig) -> dict:
+    d = exp.data
+    fixed = {"optim": dataclasses.asdict(exp.optim), "data": dict(dataset=d.dataset, tokenizer=d.tokenizer,
+             seq_len=d.seq_len, batch_size=d.batch_size, grad_accum=d.grad_accum, seed=d.seed)}
+    return json.loads(json.dumps(fixed))  # as the store gives it back (tuples become lists)
+
+
+_PARTIAL_STORE = {"parts", "train_state", "schema.json", "LOCK", "manifest.json.tmp"}
+
+
+def resume_from_store(exp: ExperimentConfig, cfg: ModelConfig, path: Path):
+    """(engine, first step, data cursor) from the last commit of the store at `path`, or
+    (None, 0, None) when there is nothing committed yet (the caller starts afresh)."""
+    import mtjax.store
+    from mtjax.stream import StreamEngine
+
+    if not (path / "manifest.json").exists():
+        if path.is_dir() and set(os.listdir(path)) - _PARTIAL_STORE:
+            raise ConfigError(f"store.path {path} exists but holds no mtjax store; choose another store.path")
+        shutil.rmtree(path, ignore_errors=True)  # the leftovers of a run killed while creating its store
+        return None, 0, None
+    store = mtjax.store.open(path, writable=True, config=cfg)  # the writer lock: one trainer per store
+    try:
+        state = store.load_train_state()
+        if state is None:  # killed between creating the store and its first commit
+            store.close()
+            mtjax.store.store.remove(path)
+            return None, 0, None
+        if state.get("fixed") != _fixed_settings(exp):
+            saved, now = state.get("fixed", {}), _fixed_settings(exp)
+            diff = [f"{g}.{k}" for g in now for k in now[g] if saved.get(g, {}).get(k) != now[g][k]]
+            raise ConfigError(f"store {path} was trained with other settings ({', '.join(diff) or 'unknown'}); "
+                              "resume with the same ones, or use a new run.dir")
+        s = exp.stream
+        engine = StreamEngine(cfg, store, exp.optim, prefetch_depth=s.prefetch_depth, keep_every=s.keep_every,
+                              activations=s.activations, device_budget_bytes=s.device_budget_bytes,
+                              tiers=exp.store.tiers, batch_shape=(exp.data.batch_size, exp.data.seq_len))
+    except BaseException:
+        store.close()
+        raise
+    engine._owns_store = True
+    engine.step_count = int(state["step"])
+    return engine, int(state["step"]), state["loader"]
 
 
 def initial_params(exp: ExperimentConfig, cfg: ModelConfig):
@@ -202,18 +262,23 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
         print(f"mtjax: warning: the data is byte-tokenized but {exp.model.checkpoint} has its own tokenizer.json; "
               f"--data.tokenizer={exp.model.checkpoint} trains on the ids the model knows", file=out, flush=True)
     val = _eval_batches(dataset, exp) if exp.run.eval_every else None
-    first, opt_state, cursor = 0, None, None
-    if exp.run.resume:
+    first, opt_state, cursor, engine = 0, None, None, None
+    store_path = store_dir(exp)
+    if store_path is not None and exp.run.resume:
+        # Streaming with state on disk: the store's last commit is the checkpoint.
+        engine, first, cursor = resume_from_store(exp, cfg, store_path)
+    elif exp.run.resume:
         resumed = latest_checkpoint(run_dir)
         if resumed is None:
             raise ConfigError(f"run.resume: {run_dir} has no checkpoint to resume from; drop --run.resume")
         params, opt_state, state = load_checkpoint(exp, cfg, resumed)
         first, cursor = state["step"], state["loader"]
-    else:
-        params = initial_params(exp, cfg)
     loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,
                          exp.data.seed, cursor=cursor)
-    engine = make_engine(exp, cfg, params, opt_state)
+    if engine is None:
+        engine = make_engine(exp, cfg, initial_params(exp, cfg) if opt_state is None else params, opt_state)
+        if store_path is not None:
+            engine.commit(0, train_state(exp, 0, loader.cursor))  # resumable from the first moment
     # Only now that everything checked out: a run that fails to start leaves the previous one.
     config_lib.dump(exp, run_dir / "config.yaml")
     if not exp.run.resume:
@@ -237,16 +302,24 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
     with Progress(run_dir, exp.run.steps, tokens_per_step, exp.run.log_every, first_step=first, stream=out,
                   tensorboard=exp.run.tensorboard) as progress:
         for step in range(first + 1, exp.run.steps + 1):
-            metrics = engine.step(loader.next())
-            losses.append(metrics["loss"])
-            progress.update(step, metrics)
+            try:
+                metrics = engine.step(loader.next())
+            except NonFiniteStep:
+                if exp.run.on_nonfinite == "stop":
+                    raise
+                metrics = None  # the engine changed no state; the data cursor moves on
+                progress.record(step, {"skipped_nonfinite": 1.0})
+            if metrics is not None:
+                losses.append(metrics["loss"])
+                progress.update(step, metrics)
             if val is not None and (step % exp.run.eval_every == 0 or step == exp.run.steps):
                 val_loss = evaluate(engine, cfg, val)
                 progress.record(step, {"val_loss": val_loss})
             if exp.run.checkpoint_every and step % exp.run.checkpoint_every == 0 and step < exp.run.steps:
-                save_checkpoint(cfg, engine.params(), run_dir / "checkpoint", tokenizer,
-                                {"step": step, "loader": loader.cursor}, _opt_state(engine))
+                _checkpoint(exp, cfg, engine, loader, tokenizer, step)
         seconds = time.perf_counter() - start
+        if store_dir(exp) is not None:
+            engine.commit(exp.run.steps, train_state(exp, exp.run.steps, loader.cursor))
         params = engine.params()
         final = run_dir / "final"
         save_checkpoint(cfg, params, final, tokenizer, {"step": exp.run.steps, "loader": loader.cursor},
@@ -268,6 +341,15 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _checkpoint(exp, cfg, engine, loader, tokenizer, step: int) -> None:
+    """A store commit (streaming with state on disk) or an HF checkpoint (otherwise)."""
+    if store_dir(exp) is not None:
+        engine.commit(step, train_state(exp, step, loader.cursor))
+    else:
+        save_checkpoint(cfg, engine.params(), Path(exp.run.dir) / "checkpoint", tokenizer,
+                        {"step": step, "loader": loader.cursor}, _opt_state(engine))
 
 
 def _opt_state(engine):

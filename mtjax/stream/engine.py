@@ -25,7 +25,7 @@ import optax
 
 from mtjax import parts as parts_mod
 from mtjax import treepath
-from mtjax.errors import MtjaxError
+from mtjax.errors import MtjaxError, NonFiniteStep
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, clip_scale
 from mtjax.stream import budget as budget_mod
@@ -357,11 +357,19 @@ class StreamEngine:
                 self.pool.release(slot, [])
         # Host sync: the clip scale needs every part's gradient norm.
         sq = self.grads.finish()
-        self._scale = jax.device_put(clip_scale(sq, self.clip_norm), host_device())
-        self._wait_writes()
         self.step_count += 1
         # One host sync per step for the metrics, after the last block is enqueued.
-        return {"loss": float(np.mean([float(x) for x in losses])), "grad_norm": float(jnp.sqrt(sq))}
+        loss, norm_sq = float(np.mean([float(x) for x in losses])), float(sq)
+        if not (math.isfinite(loss) and math.isfinite(norm_sq)):
+            # Checked before any of this step's deferred updates can run: drop them all.
+            order = ["head", *(f"block.{i}" for i in reversed(range(self.cfg.num_hidden_layers))), "embed"]
+            bad = [p for p in order if not math.isfinite(float(self.grads.last_sq.get(p, 0.0)))]
+            self.grads.drop_ready()
+            self._wait_writes()
+            raise NonFiniteStep(self.step_count, loss, bad)
+        self._scale = jax.device_put(clip_scale(sq, self.clip_norm), host_device())
+        self._wait_writes()
+        return {"loss": loss, "grad_norm": math.sqrt(norm_sq)}
 
     def _take(self, feed: Prefetcher, part: str):
         item, loaded = feed.get()

@@ -39,6 +39,7 @@ class GradSink:
         self._current: set[str] = set()  # parts with a sum in this step
         self._ready: dict[str, dict | None] = {}  # last step's sums awaiting their update
         self._futures: list[cf.Future] = []
+        self.last_sq: dict[str, jax.Array] = {}  # the last finished step's squared norm per part
 
     def add(self, part: str, grads: dict, last: bool) -> None:
         """Queue a part's device gradients; returns at once (the copy is asynchronous).
@@ -75,8 +76,14 @@ class GradSink:
             if self.spill:
                 self.spill.rename(part + ".sum", part + ".ready")
         self._current.clear()
+        self.last_sq = self._sq  # per part, to name the parts of a non-finite step
         sq, self._sq = sum(self._sq.values()), {}
         return sq
+
+    def drop_ready(self) -> None:
+        """Drop the sums `finish` made ready (a non-finite step): no update will use them."""
+        for part in list(self._ready):
+            self.take(part)
 
     def discard(self) -> None:
         """Drop this step's sums (the step failed); last step's stay pending."""
