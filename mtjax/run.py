@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtjax import config as config_lib
-from mtjax import data, generate, hf, model, treepath
+from mtjax import data, generate, hf, model, preflight, treepath
 from mtjax.config import ConfigError, ExperimentConfig
 from mtjax.errors import NonFiniteStep
 from mtjax.model_config import ModelConfig
@@ -257,6 +257,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
                           f"(model.max_position_embeddings = {cfg.max_position_embeddings}); lower data.seq_len")
     dataset = data.resolve(exp.data, run_dir / "data")
     dataset.check_vocab(cfg.vocab_size)
+    preflight.check(exp, cfg, dataset)  # before any weight is made: RAM, disk, data length
     tokenizer = dataset.tokenizer()
     if exp.model.checkpoint and tokenizer.spec == "bytes" and (Path(exp.model.checkpoint) / "tokenizer.json").exists():
         print(f"mtjax: warning: the data is byte-tokenized but {exp.model.checkpoint} has its own tokenizer.json; "

@@ -33,13 +33,18 @@ def export_hf(store_dir: str | Path, out_dir: str | Path, max_shard_bytes: int =
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise StoreError(f"{out} already exists and is not empty; choose a new output directory")
-    created = not out.exists()
+    # Written in a hidden sibling and renamed into place: an export killed at any moment
+    # leaves no partial checkpoint under `out`, and rerunning it starts afresh.
+    tmp = out.with_name(f".{out.name}.export-tmp")
+    store_mod.remove(tmp)
     with store_mod.open(store_dir) as store:
         try:
-            hf.save_checkpoint(store.config, hf_tensors(store), out, max_shard_bytes)
+            hf.save_checkpoint(store.config, hf_tensors(store), tmp, max_shard_bytes)
+            if out.exists():
+                out.rmdir()  # checked empty above
+            tmp.rename(out)
         except BaseException as e:
-            if created:
-                store_mod.remove(out)
+            store_mod.remove(tmp)
             if isinstance(e, OSError):
                 raise StoreError(f"cannot write the checkpoint to {out} ({e.strerror or e})") from None
             raise

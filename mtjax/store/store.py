@@ -79,8 +79,14 @@ class Store:
             self._mutex = threading.Lock()
             self._broken: str | None = None
             self._on_phase = lambda phase: None  # test hook: called at each step of `commit`
+            named = self._manifest.train_state
+            if named is not None and not (self.root / layout.TRAIN_STATE_DIR / named).is_dir():
+                # Checked before `clean`, which would otherwise delete this store's real train state.
+                raise StoreError(f"{self.root / layout.MANIFEST} names train state {named}, which this store does "
+                                 "not hold: the manifest comes from another store (or was damaged); put back this "
+                                 "store's own manifest.json")
             if writable:
-                saved_state.clean(self.root, keep=self._manifest.train_state)
+                saved_state.clean(self.root, keep=named)
         except BaseException:
             self.close()
             raise
