@@ -185,10 +185,17 @@ class ScratchFiles:
 
     def put(self, key: str, arrays: Mapping) -> None:
         meta = {}
-        for leaf, a in arrays.items():
-            a = np.ascontiguousarray(np.asarray(a))
-            a.tofile(self._path(key, leaf))
-            meta[leaf] = (a.shape, a.dtype)
+        try:
+            for leaf, a in arrays.items():
+                a = np.ascontiguousarray(np.asarray(a))
+                a.tofile(self._path(key, leaf))
+                meta[leaf] = (a.shape, a.dtype)
+        except OSError as e:
+            for leaf in arrays:
+                self._path(key, leaf).unlink(missing_ok=True)
+            # A user-facing error: the step fails, what was committed before it stays intact.
+            raise MtjaxError(f"cannot park gradients in {self._dir.name} ({e}); free disk space there, then "
+                             "rerun to resume from the last committed step") from None
         self._meta[key] = meta
 
     def take(self, key: str) -> dict:

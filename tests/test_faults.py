@@ -1,0 +1,366 @@
+"""The fast fault suite: faults injected into real runs, each outcome checked.
+
+kill -9 of `mtjax train` at random moments (resumed weights bit-identical to an
+uninterrupted run), damaged stores refused before use, a full disk during a step, NaN/Inf
+gradients (skip or stop, both engines), a failing write-back worker, a second trainer
+on the same store and the preflight's refusals. experiments/fault_suite.py runs the
+same trials with many more kills and writes docs/reliability.md. (A failing prefetch
+worker is tested in tests/test_stream.py.)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import errno
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtjax.store
+from mtjax import cli, config, data, model, preflight
+from mtjax import reference as reference_mod
+from mtjax import run as run_lib
+from mtjax.errors import MtjaxError, NonFiniteStep
+from mtjax.reference import ReferenceTrainer
+from mtjax.stream import StreamEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import fault_suite  # noqa: E402
+
+KILLS = 8
+STEPS = 6
+QUIET = open(os.devnull, "w")
+
+
+def exp_of(run_dir: Path, steps: int, *extra: str):
+    return config.load(None, fault_suite.train_args(run_dir, steps)[1:] + list(extra))
+
+
+def final_bytes(run_dir: Path) -> bytes:
+    return (run_dir / "final" / "model.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    # tmpfs when there is one: a kill -9 is a process crash, not a power loss, so the
+    # fsyncs of every commit prove nothing extra on a real disk and would cost minutes.
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path_factory.getbasetemp()
+    root = Path(str(base / f"mtjax-test-faults-{os.getpid()}"))
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def clean(work):
+    """An uninterrupted streamed run of STEPS steps (in-process: the same code path)."""
+    run_lib.train(exp_of(work / "clean", STEPS), QUIET)
+    return work / "clean"
+
+
+# --- kill -9 ----------------------------------------------------------------------------------
+
+
+def test_kill_minus_9_then_rerun_ends_bit_identical(work, clean):
+    """KILLS kills at random moments (store creation, steps, commits, the final export),
+    each followed by the same command; the finished run's weights equal the clean run's."""
+    k = fault_suite.kill_train_trials(work / "kills", KILLS, STEPS, random.Random(1), (2.0, 9.0))
+    assert k["kills"] == KILLS
+    assert k["ok"], k["error"]
+    assert (work / "kills" / "clean" / "final" / "model.safetensors").read_bytes() == final_bytes(clean)
+
+
+# --- damaged stores -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def committed(work, clean):
+    """A run stopped after 2 committed steps, and a copy of another run's manifest."""
+    run_lib.train(exp_of(work / "two", 2), QUIET)
+    return work / "two"
+
+
+def _chunk(run: Path) -> Path:
+    slots = json.loads((run / "store" / "manifest.json").read_text())["slots"]
+    return run / "store" / "parts" / "block.1" / f"master.{slots['block.1']['master']}" / "mlp.down_proj.kernel" / "c.0.0"
+
+
+def _flip(run):
+    c = _chunk(run)
+    b = bytearray(c.read_bytes())
+    b[len(b) // 3] ^= 0x10
+    c.write_bytes(bytes(b))
+
+
+def _truncate(run):
+    c = _chunk(run)
+    os.truncate(c, c.stat().st_size - 7)
+
+
+def _delete(run):
+    _chunk(run).unlink()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_flip, "block.1 master tensor mlp.down_proj.kernel (slot "),
+    (_truncate, "block.1 master tensor mlp.down_proj.kernel (slot "),
+    (_delete, "is missing"),
+    ("foreign", "comes from another store"),
+])
+def test_damaged_store_is_refused_naming_the_damage(work, clean, committed, damage, message, capsys):
+    run = work / f"damaged-{getattr(damage, '__name__', damage)}"
+    shutil.rmtree(run, ignore_errors=True)
+    shutil.copytree(committed, run)
+    if damage == "foreign":  # a manifest from another run of the same model (at step 6)
+        shutil.copy(clean / "store" / "manifest.json", run / "store" / "manifest.json")
+    else:
+        damage(run)
+    before = _committed_files(run / "store")
+    assert cli.main(fault_suite.train_args(run, 4)) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and message in err[0], err
+    assert _committed_files(run / "store") == before  # what was committed is untouched
+
+
+def _committed_files(store: Path) -> dict:
+    """Bytes of every file the committed step consists of (not the scratch slots)."""
+    m = json.loads((store / "manifest.json").read_text())
+    dirs = [store / "train_state"] + [store / "parts" / p / f"{k}.{s}" for p, kinds in m["slots"].items()
+                                      for k, s in kinds.items() if s]
+    files = [store / "manifest.json", store / "schema.json"] + [f for d in dirs for f in d.rglob("*") if f.is_file()]
+    return {f: f.read_bytes() for f in files}
+
+
+# --- a full disk during a step ------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def _fill(mnt: Path) -> Path:
+    ballast = mnt / "ballast"
+    with open(ballast, "ab", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    return ballast
+
+
+def test_full_disk_during_a_step_fails_cleanly_and_resumes(work, clean, small_disk, monkeypatch):
+    run = work / "diskfull"
+    shutil.rmtree(run, ignore_errors=True)
+    store = small_disk / "store"
+    exp = exp_of(run, STEPS, f"--store.path={store}")
+    real_step = StreamEngine.step
+    ballast = []
+
+    def step(self, tokens):
+        if self.step_count == 2 and not ballast:
+            ballast.append(_fill(small_disk))  # the disk fills up during step 3
+        return real_step(self, tokens)
+
+    monkeypatch.setattr(StreamEngine, "step", step)
+    with pytest.raises(MtjaxError, match="No space left|free disk space"):
+        run_lib.train(exp, QUIET)
+    with mtjax.store.open(store) as reader:
+        assert reader.step == 2 and reader.load_train_state()["step"] == 2  # the last commit is intact
+    ballast[0].unlink()
+    monkeypatch.setattr(StreamEngine, "step", real_step)
+    run_lib.train(exp, QUIET)  # the same command resumes from step 2
+    assert final_bytes(run) == final_bytes(clean)
+
+
+# --- NaN / Inf -----------------------------------------------------------------------------------
+
+CFG = config.model_config(exp_of(Path("unused"), 1))
+OPT = exp_of(Path("unused"), 1).optim
+SENTINEL = CFG.vocab_size - 1  # a reference batch starting with this id gets NaN block.1 gradients
+
+
+def _batches():
+    rng = np.random.default_rng(0)
+    out = [rng.integers(0, SENTINEL, (2, 4, 32), dtype=np.int32) for _ in range(3)]
+    out[1][0, 0, 0] = SENTINEL
+    return out
+
+
+def _poison_reference(monkeypatch):
+    real = reference_mod._accumulated_grads
+
+    def poisoned(cfg, params, micro_batches):
+        loss, grads = real(cfg, params, micro_batches)
+        bad = micro_batches[0, 0, 0] == SENTINEL
+        blocks = list(grads["blocks"])
+        blocks[1] = jax.tree.map(lambda g: jnp.where(bad, jnp.inf * g - jnp.inf * g, g), blocks[1])  # NaN
+        return loss, {**grads, "blocks": blocks}
+
+    monkeypatch.setattr(reference_mod, "_accumulated_grads", poisoned)
+
+
+def _poison_stream(monkeypatch, at_steps):
+    """Block 1's gradients become NaN in the given (1-based) steps of any StreamEngine."""
+    real = StreamEngine.step
+
+    def step(self, tokens):
+        if self.step_count + 1 in at_steps:
+            add = self.grads.add
+            self.grads.add = lambda part, g, last: add(part, {n: x * jnp.nan for n, x in g.items()}
+                                                       if part == "block.1" else g, last)
+        try:
+            return real(self, tokens)
+        finally:
+            self.grads.__dict__.pop("add", None)
+
+    monkeypatch.setattr(StreamEngine, "step", step)
+
+
+def _clean_reference(params, batches):
+    trainer = ReferenceTrainer(CFG, params, OPT)
+    for b in batches:
+        trainer.step(b)
+    return jax.device_get(trainer.params), jax.device_get(trainer.opt_state)
+
+
+@pytest.mark.parametrize("engine", ["reference", "stream"])
+def test_nonfinite_step_changes_no_state_and_names_the_block(engine, monkeypatch, tmp_path):
+    """Step 2's block.1 gradients are NaN: the engine raises NonFiniteStep naming block.1
+    and changes nothing, so steps 1 and 3 equal a clean run on batches 1 and 3."""
+    params, b = model.init_params(CFG, 0), _batches()
+    if engine == "reference":
+        _poison_reference(monkeypatch)
+        eng = run_lib.ReferenceEngine(exp_of(tmp_path, 3), CFG, params)
+    else:
+        _poison_stream(monkeypatch, {2})
+        eng = StreamEngine(CFG, params, OPT, tiers={"compute": "disk", "master": "disk", "opt": "disk"},
+                           store=mtjax.store.create(tmp_path / "s", CFG))
+    eng.step(b[0])
+    with pytest.raises(NonFiniteStep, match="first block with non-finite gradients: block.1") as e:
+        eng.step(b[1])
+    assert e.value.parts == ["block.1"] and "run.on_nonfinite=skip" in str(e.value)
+    eng.step(b[2])
+    want_params, want_opt = _clean_reference(params, [b[0], b[2]])
+    got_params, got_opt = eng.params(), eng.opt_state()
+    for x, y in zip(jax.tree.leaves(got_params) + jax.tree.leaves(got_opt),
+                    jax.tree.leaves(want_params) + jax.tree.leaves(want_opt)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=1e-7)
+    if engine == "stream":
+        eng.close()
+        eng.store.close()
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_run_on_nonfinite(mode, work, monkeypatch):
+    """run.on_nonfinite=stop ends the run naming block.1 with step 2 the last commit;
+    skip records the skipped step and finishes."""
+    run = work / f"nonfinite-{mode}"
+    shutil.rmtree(run, ignore_errors=True)
+    _poison_stream(monkeypatch, {3})
+    exp = exp_of(run, 4, f"--run.on_nonfinite={mode}")
+    if mode == "stop":
+        with pytest.raises(NonFiniteStep, match="step 3: .*block.1"):
+            run_lib.train(exp, QUIET)
+        with mtjax.store.open(run / "store") as reader:
+            assert reader.step == 2
+    else:
+        run_lib.train(exp, QUIET)
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert {"step": 3, "skipped_nonfinite": 1.0} in [{k: r[k] for k in ("step", "skipped_nonfinite")}
+                                                         for r in records if "skipped_nonfinite" in r]
+        assert sorted(r["step"] for r in records if "loss" in r) == [1, 2, 4]
+
+
+# --- worker threads and a second trainer ---------------------------------------------------------
+
+
+def test_failing_write_back_surfaces_within_the_step(tmp_path):
+    """A write-back worker's error is raised by the step that issued the write; no hang."""
+    store = mtjax.store.create(tmp_path / "s", CFG)
+    eng = StreamEngine(CFG, model.init_params(CFG, 0), OPT, tiers={"compute": "ram", "master": "disk", "opt": "disk"},
+                       store=store)
+    b = _batches()
+    eng.step(b[0])
+    real_write = eng.tiers.write
+
+    def failing(part, kind, arrays):
+        if part == "block.0" and kind == "master":
+            fut = cf.Future()
+            fut.set_exception(OSError(errno.EIO, "injected write error"))
+            return fut
+        return real_write(part, kind, arrays)
+
+    eng.tiers.write = failing
+    outcome = []
+    worker = threading.Thread(target=lambda: outcome.append(_raised(eng.step, b[2])), daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "the step hung after a write-back error"
+    assert isinstance(outcome[0], OSError) and "injected write error" in str(outcome[0])
+    eng.close()
+    store.close()
+
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except BaseException as e:  # noqa: BLE001 - the test inspects it
+        return e
+    return None
+
+
+def test_second_trainer_on_the_same_store_is_refused(work, committed, capsys):
+    with mtjax.store.open(committed / "store", writable=True):
+        assert cli.main(fault_suite.train_args(committed, 4)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "is already open for writing" in err[-1]
+
+
+# --- preflight -----------------------------------------------------------------------------------
+
+
+def test_preflight_names_what_is_short(tmp_path):
+    exp = exp_of(tmp_path / "run", 4)
+    ds = data.resolve(exp.data, tmp_path / "data")
+    plan = preflight.check(exp, CFG, ds)  # fits this machine
+    with pytest.raises(preflight.PreflightError, match=r"host RAM .*short by"):
+        preflight.check(exp, CFG, ds, available_ram=plan.ram_needed // 2)
+    with pytest.raises(preflight.PreflightError, match=r"free disk .*short by"):
+        preflight.check(exp, CFG, ds, free_disk=plan.disk_bytes // 2)
+    long = run_lib.replace(exp, data=dict(seq_len=1024, batch_size=4096))
+    with pytest.raises(preflight.PreflightError, match="short by"):
+        preflight.check(long, CFG, ds)
+
+
+def test_train_refuses_a_model_beyond_host_ram_before_making_it(tmp_path, capsys):
+    """A 3000-block 125M-wide model: refused in one line before any weight is allocated."""
+    code = cli.main(["train", "--model.preset=llama-125m", "--model.num_hidden_layers=3000", "--stream.engine=stream",
+                     "--store.master=disk", f"--run.dir={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "of host RAM but" in err[-1] and "short by" in err[-1]
+    assert not (tmp_path / "store").exists()
+
+
+def test_error_types_are_user_errors():
+    assert issubclass(NonFiniteStep, MtjaxError) and issubclass(preflight.PreflightError, MtjaxError)
