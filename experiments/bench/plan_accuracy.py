@@ -1,12 +1,17 @@
-"""Planner vs reality: predicted step time against the streaming engine's measured one.
+"""Planner vs reality: predicted step time and peak RSS against the streaming engine's.
 
-The machine's matmul FLOP/s and memory bandwidth are measured first (as `mtjax probe`
-does) and replace those figures of the built-in `cpu-2core` profile; then each model
-runs a few StreamEngine steps (RAM tier, k = 1, prefetch depth 2) and the median step is
-compared with `mtjax.plan.estimate` for the same model and workload. Writes its section
-of docs/benchmarks.md.
+`mtjax.plan.probe.run` measures this machine once (disk, memory, matmul and one Llama
+block's forward + backward, the generic `compute_efficiency`). For each model, a fresh
+subprocess fills a layer store and calibrates compute on one block of that model
+(`probe.calibrate`); another fresh subprocess opens the store and trains a few steps
+with the StreamEngine under the planned placement, reporting the median step and its
+peak RSS (ru_maxrss). Disk-tier models have the store's files dropped from the page
+cache before every step (as a store larger than RAM would be). The prediction is
+`mtjax.plan.estimate(...).times.step` and `.ram_needed`. Writes its section of
+docs/benchmarks.md.
 
-    .venv/bin/python experiments/bench/plan_accuracy.py [--steps 3] [--no-write]
+    .venv/bin/python experiments/bench/plan_accuracy.py              # ~5 minutes
+    .venv/bin/python experiments/bench/plan_accuracy.py --quick --no-write   # smoke
 """
 
 from __future__ import annotations
@@ -14,103 +19,190 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
 import platform
+import resource
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from mtjax import model  # noqa: E402
-from mtjax.model_config import ModelConfig  # noqa: E402
-from mtjax.optim import OptimConfig, make_optimizer  # noqa: E402
-from mtjax.plan import BUILTIN, Workload, estimate  # noqa: E402
-from mtjax.plan.probe import matmul_flops, memory_bandwidth  # noqa: E402
-from mtjax.stream import StreamEngine  # noqa: E402
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 SECTION = "plan-accuracy"
-CASES = [  # (blocks, width, batch, seq)
-    (4, 512, 2, 256),
-    (4, 1024, 1, 512),
+CASES = [  # (blocks, width, batch, seq, compute dtype, tier of every kind)
+    (4, 512, 2, 256, "float32", "ram"),
+    (4, 1024, 1, 512, "float32", "ram"),
+    (8, 1024, 1, 128, "bfloat16", "disk"),
+    (4, 2048, 1, 128, "bfloat16", "disk"),
 ]
+QUICK = [(2, 256, 1, 64, "float32", "ram"), (2, 256, 1, 64, "bfloat16", "disk")]
 
 
-def write_section(body: str) -> None:
-    """Replace this benchmark's own section of docs/benchmarks.md (others are left alone)."""
-    start, end = f"<!-- {SECTION}:start -->", f"<!-- {SECTION}:end -->"
-    text = (DOC.read_text() if DOC.exists()
-            else "# Benchmarks\n\nMeasured numbers, each section written by the script it names.\n")
-    block = f"{start}\n{body.rstrip()}\n{end}"
-    if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
+def model_config(width: int, layers: int, dtype: str):
+    from mtjax.model_config import ModelConfig
+
+    heads = width // 64
+    return ModelConfig(vocab_size=8192, hidden_size=width, intermediate_size=int(width * 2.75),
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                       head_dim=64, compute_dtype=dtype)
 
 
-def measure(cfg: ModelConfig, batch: int, seq: int, steps: int) -> float:
-    opt = OptimConfig(lr=1e-4)
-    engine = StreamEngine(cfg, model.init_params(cfg, seed=0), opt, keep_every=1, prefetch_depth=2)
+def optimizer():
+    from mtjax.optim import OptimConfig
+
+    return OptimConfig(lr=1e-4)
+
+
+def drop_page_cache(root: Path) -> None:
+    """Evict every file of the store from the page cache (what a store larger than RAM sees)."""
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def child_init(a) -> None:
+    """Fill the store, then calibrate compute on one block of this model."""
+    from mtjax.optim import make_optimizer
+    from mtjax.plan import probe
+    from mtjax.store.fresh import init_store
+
+    cfg = model_config(a.width, a.layers, a.dtype)
+    init_store(cfg, a.dir, seed=0, tx=make_optimizer(optimizer()))
+    print(json.dumps({"block_flops": probe.block_flops(cfg, a.batch, a.seq)}))
+
+
+def child_train(a) -> None:
+    import numpy as np
+
+    import mtjax.store
+    from mtjax.stream import StreamEngine
+
+    cfg = model_config(a.width, a.layers, a.dtype)
+    store = mtjax.store.open(a.dir, writable=True)
+    engine = StreamEngine(cfg, store, optimizer(), tiers={k: a.tier for k in ("compute", "master", "opt")},
+                          keep_every=1, prefetch_depth=2)
     rng = np.random.default_rng(0)
     times = []
-    try:
-        for i in range(steps + 1):
-            tokens = rng.integers(0, cfg.vocab_size, (1, batch, seq), dtype=np.int32)
-            t0 = time.perf_counter()
-            engine.step(tokens)  # returns floats: the step has finished
-            if i:  # step 0 compiles
-                times.append(time.perf_counter() - t0)
-    finally:
-        engine.close()
-    return statistics.median(times)
+    for i in range(a.steps + 1):
+        tokens = rng.integers(0, cfg.vocab_size, (1, a.batch, a.seq), dtype=np.int32)
+        if a.tier == "disk":
+            drop_page_cache(Path(a.dir))
+        t0 = time.perf_counter()
+        engine.step(tokens)  # returns floats: the step has finished
+        if i:  # step 0 compiles
+            times.append(time.perf_counter() - t0)
+    engine.close()
+    store.close()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    print(json.dumps({"step_s": statistics.median(times), "peak_rss": peak}))
+
+
+def run_child(mode: str, case, steps: int, store_dir: Path) -> dict:
+    layers, width, batch, seq, dtype, tier = case
+    cmd = [sys.executable, __file__, "--child", mode, "--dir", str(store_dir), "--steps", str(steps),
+           "--case", json.dumps([layers, width, batch, seq, dtype, tier])]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"{mode} of {case} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def predict(case, hw, block_flops: float | None):
+    from mtjax.optim import make_optimizer
+    from mtjax.plan import Workload, estimate
+    from mtjax.plan.cost import Placement
+
+    layers, width, batch, seq, dtype, tier = case
+    cfg = model_config(width, layers, dtype)
+    if block_flops is not None:  # probe.calibrate's figure, measured in the init child
+        hw = dataclasses.replace(hw, compute_efficiency=min(1.0, block_flops / (hw.matmul_flops(dtype) / hw.compute_efficiency)))
+    work = Workload(batch_size=batch, seq_len=seq, placement=Placement(tier, tier, tier))
+    return estimate(cfg, work, hw, tx=make_optimizer(optimizer()))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3, help="timed steps per model (after one warm-up)")
+    ap.add_argument("--quick", action="store_true", help="tiny models (smoke test)")
+    ap.add_argument("--dir", type=Path, default=None, help="scratch directory for the stores and the disk probe")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    ap.add_argument("--child", choices=["init", "train"], help=argparse.SUPPRESS)
+    ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        args.layers, args.width, args.batch, args.seq, args.dtype, args.tier = json.loads(args.case)
+        return child_init(args) if args.child == "init" else child_train(args)
 
-    hw = dataclasses.replace(BUILTIN["cpu-2core"], name="cpu-2core, measured now",
-                             matmul_flops_fp32=matmul_flops(1024, "float32"),
-                             host_memory_bytes_per_s=memory_bandwidth(256 << 20))
+    import jax
+
+    from mtjax.plan import probe
+
+    scratch = Path(tempfile.mkdtemp(prefix="mtjax-plan-acc-", dir=args.dir))
     rows = []
-    for layers, width, batch, seq in CASES:
-        heads = width // 64
-        cfg = ModelConfig(vocab_size=8192, hidden_size=width, intermediate_size=int(width * 2.75),
-                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                          head_dim=64, compute_dtype="float32")
-        plan = estimate(cfg, Workload(batch_size=batch, seq_len=seq), hw, tx=make_optimizer(OptimConfig(lr=1e-4)))
-        measured = measure(cfg, batch, seq, args.steps)
-        rows.append((f"{layers} x {width}, batch {batch} x seq {seq} ({plan.num_params / 1e6:.0f}M)",
-                     plan.times.device, plan.times.host_memory, plan.times.step, measured))
+    try:
+        hw = probe.run(scratch, quick=args.quick)
+        print(f"profile: matmul fp32 {hw.matmul_flops_fp32 / 1e9:.0f} bf16 {hw.matmul_flops_bf16 / 1e9:.0f} GFLOP/s, "
+              f"block efficiency {hw.compute_efficiency:.2f}, memory {hw.host_memory_bytes_per_s / 1e9:.1f} GB/s, "
+              f"disk read {hw.disk_read_bytes_per_s / 1e9:.2f} write {hw.disk_write_bytes_per_s / 1e9:.2f} GB/s", flush=True)
+        for case in QUICK if args.quick else CASES:
+            store_dir = scratch / "store"
+            init = run_child("init", case, args.steps, store_dir)
+            meas = run_child("train", case, args.steps, store_dir)
+            shutil.rmtree(store_dir)
+            generic, calibrated = predict(case, hw, None), predict(case, hw, init["block_flops"])
+            rows.append((case, generic, calibrated, init["block_flops"], meas))
+            print(case, f"generic {generic.times.step:.2f} s, calibrated {calibrated.times.step:.2f} s, measured "
+                  f"{meas['step_s']:.2f} s; RSS predicted {calibrated.ram_needed / 2**20:.0f} MiB, measured "
+                  f"{meas['peak_rss'] / 2**20:.0f} MiB", flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    def name(case, plan):
+        layers, width, batch, seq, dtype, tier = case
+        return f"{layers} x {width}, {batch} x {seq}, {dtype}, {tier} ({plan.num_params / 1e6:.0f}M)"
+
     lines = [
-        "## Planner vs measured step time (experiments/bench/plan_accuracy.py)",
+        "## Planner vs measured step time and peak RSS (experiments/bench/plan_accuracy.py)",
         "",
-        f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, "
-        f"load average {os.getloadavg()[0]:.1f}. Profile: cpu-2core with matmul "
-        f"{hw.matmul_flops_fp32 / 1e9:.0f} GFLOP/s (fp32, 1024^3) and memory {hw.host_memory_bytes_per_s / 1e9:.1f} "
-        f"GB/s moved, both measured in this run. StreamEngine: fp32, RAM tier, k = 1, prefetch depth 2, "
-        f"median of {args.steps} steps after one warm-up.",
+        f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, load average "
+        f"{os.getloadavg()[0]:.1f} at the end. Profile from `mtjax.plan.probe.run` in this run: matmul "
+        f"{hw.matmul_flops_fp32 / 1e9:.0f} GFLOP/s fp32 / {hw.matmul_flops_bf16 / 1e9:.0f} bf16, a width-1024 block's "
+        f"fwd + bwd at {hw.compute_efficiency:.2f} of the fp32 matmul (generic), memory "
+        f"{hw.host_memory_bytes_per_s / 1e9:.1f} GB/s moved, disk {hw.disk_read_bytes_per_s / 1e9:.2f} GB/s cold read, "
+        f"{hw.disk_write_bytes_per_s / 1e9:.2f} GB/s synced write. Calibrated: `compute_efficiency` from one block of "
+        f"the model itself (`probe.calibrate`). StreamEngine: k = 1, prefetch depth 2, every kind of state in the "
+        f"tier shown (disk: page cache dropped before each step), vocab 8192, median of {args.steps} steps after one "
+        f"warm-up; each model in fresh processes, peak RSS = ru_maxrss of the training process.",
         "",
-        "| model | predicted device (s) | predicted host memory (s) | predicted step (s) | measured step (s) "
-        "| measured / predicted |",
-        "|---|---|---|---|---|---|",
-        *(f"| {name} | {dev:.2f} | {mem:.3f} | {pred:.2f} | {meas:.2f} | {meas / pred:.2f} |"
-          for name, dev, mem, pred, meas in rows),
-        "",
-        "Command: `.venv/bin/python experiments/bench/plan_accuracy.py`",
+        "| model (blocks x width, batch x seq) | block GFLOP/s | predicted step, generic (s) | predicted step, "
+        "calibrated (s) | measured step (s) | measured / calibrated | predicted peak RSS (MiB) | measured peak RSS "
+        "(MiB) | measured / predicted |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    for case, generic, cal, bf, m in rows:
+        lines.append(f"| {name(case, cal)} | {bf / 1e9:.0f} | {generic.times.step:.2f} | {cal.times.step:.2f} | "
+                     f"{m['step_s']:.2f} | {m['step_s'] / cal.times.step:.2f} | {cal.ram_needed / 2**20:.0f} | "
+                     f"{m['peak_rss'] / 2**20:.0f} | {m['peak_rss'] / cal.ram_needed:.2f} |")
+    lines += ["", "Goal: step time within 20% (0.80-1.20) and peak RSS within 10% (0.90-1.10).", "",
+              "Command: `.venv/bin/python experiments/bench/plan_accuracy.py`"]
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
-        write_section(body)
+        from bench_stream_overhead import write_section
+
+        write_section(SECTION, body)
 
 
 if __name__ == "__main__":

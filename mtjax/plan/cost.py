@@ -9,8 +9,8 @@ allocated), so the planner, the trainer's preflight and the stores agree. One st
                (the pass and the recompute that builds its vjp) and backward once:
                4 forward-equivalents = ~8 * params * tokens FLOPs, plus attention
     gradients  of every part go device -> host, in the compute dtype (embedding: fp32)
-    optimizer  once per step on the host: reads master + opt + fp32 grad, writes
-               master + opt + compute copy (30 bytes/param for fp32 AdamW + bf16 copy)
+    optimizer  once per step on the host, in XLA's four passes: 46 bytes/param moved
+               for fp32 AdamW + bf16 copy (a single fused loop would move 30)
     disk tier  state kept on disk is read and written from disk instead of RAM; with
                master weights on disk, fp32 gradient sums are spilled to disk too
 
@@ -33,7 +33,7 @@ from mtjax.model_config import SLIDING, ModelConfig
 from mtjax.plan.hardware import GiB, HardwareProfile
 
 TIERS = ("ram", "disk")
-RUNTIME_OVERHEAD_BYTES = 2 * GiB  # Python, JAX runtime and compiled programs in host RAM
+RUNTIME_OVERHEAD_BYTES = 2 * GiB  # Python, JAX runtime and compiled programs in host RAM (profiles' default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,7 +309,11 @@ def estimate(cfg: ModelConfig, workload: Workload, hardware: HardwareProfile,
         disk_read += w.grad_accum * grad32
 
     # --- host memory traffic --------------------------------------------------------------
-    optimizer = (state.master + state.opt + grad32) + (state.master + state.opt + state.compute)
+    # XLA's CPU backend runs the update as four passes (no multi-output fusion): mu and nu
+    # (each reads its moment and the gradient, writes the moment), master (reads master and
+    # both moments, writes master), the compute copy (reads master): 46 bytes/param for
+    # AdamW + bf16, where one fused loop would move 30.
+    optimizer = 3 * state.opt + 2 * grad32 + 3 * state.master + state.compute
     # Each micro-batch's gradient is read once and summed into the fp32 buffer (the first writes it).
     grad_sums = w.grad_accum * d2h_once + grad32 + (w.grad_accum - 1) * 2 * grad32
     dma = 0 if hw.h2d_bytes_per_s is None else h2d + d2h  # the device reads/writes host RAM
@@ -325,8 +329,9 @@ def estimate(cfg: ModelConfig, workload: Workload, hardware: HardwareProfile,
     staging += 2 * biggest.master if spill else 0  # a part's gradient sum on its way to and from disk
     activations = _kept_inputs(cfg, w) if w.activations == "host" else 0
     grads_in_ram = 0 if spill else grad32
-    host = HostMemory(in_ram, grads_in_ram, staging, activations, RUNTIME_OVERHEAD_BYTES,
-                      in_ram + grads_in_ram + staging + activations + RUNTIME_OVERHEAD_BYTES)
+    runtime = hw.runtime_bytes
+    host = HostMemory(in_ram, grads_in_ram, staging, activations, runtime,
+                      in_ram + grads_in_ram + staging + activations + runtime)
     checkpoint = sum(state.get(k) for k in ("master", "opt") if getattr(place, k) == "ram")
     # Two copies of everything on disk, so a crash mid-write never loses the committed one.
     disk_bytes = 2 * (sum(state.get(k) for k in place.on("disk")) + checkpoint) + (grad32 if spill else 0)

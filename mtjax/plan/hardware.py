@@ -40,6 +40,7 @@ class HardwareProfile:
     disk_write_bytes_per_s: float  # sequential write, synced
     disk_bytes: int  # disk size available to the store
     device_is_host: bool = False  # device compute, optimizer and I/O share the same cores
+    runtime_bytes: int = 2 * GiB  # host RAM of Python, the JAX runtime and compiled programs
     notes: str = ""
 
     def __post_init__(self):

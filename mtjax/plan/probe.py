@@ -8,6 +8,9 @@ Each figure is measured the way the streaming engine uses the resource:
              measure page faults, not bandwidth); reported as bytes read + written
     matmul   a jitted square matmul, fp32 and bf16 (fp32 accumulation)
     link     device_put to and from the first non-CPU device, when there is one
+    block    the engine's compiled forward + recompute + backward of a Llama block: its
+             FLOP/s over the fp32 matmul's is `compute_efficiency`; `calibrate` redoes it
+             on a block of the model being planned
 
 `quick=True` uses small sizes (tests); its figures are rough.
 """
@@ -15,6 +18,8 @@ Each figure is measured the way the streaming engine uses the resource:
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import math
 import os
 import platform
 import shutil
@@ -88,6 +93,42 @@ def matmul_flops(n: int, dtype: str, repeats: int = 3) -> float:
     return 2 * n**3 / _best_of(lambda: f(a, a).block_until_ready(), repeats)
 
 
+def block_flops(cfg, batch: int, seq: int, repeats: int = 3) -> float:
+    """Executed FLOP/s of one block of `cfg` in the engine's own compiled programs: the
+    forward, then recompute + backward (4 forward-equivalents, as the cost model counts)."""
+    import jax
+    import jax.numpy as jnp
+
+    from mtjax import parts
+    from mtjax.plan.cost import block_forward_flops
+    from mtjax.stream.blockfns import block_fns
+
+    kind = cfg.layer_types[0]
+    name = f"block.{cfg.layer_types.index(kind)}"
+    rng = np.random.default_rng(0)
+    schema = parts.schema(cfg, name, "compute")
+    w = {k: jnp.asarray(rng.normal(0, 0.02, v.shape).astype(v.dtype)) for k, v in schema.items()}
+    x = jnp.asarray(rng.normal(size=(batch, seq, cfg.hidden_size)).astype(cfg.compute_dtype))
+    fns = block_fns(cfg)
+
+    def fwd_bwd():
+        jax.block_until_ready(fns.grad[kind](w, x, fns.forward[kind](w, x)))
+
+    fwd_bwd()  # compile outside the timing
+    n = sum(math.prod(v.shape) for v in schema.values())
+    return 4 * block_forward_flops(cfg, kind, n, batch, seq) / _best_of(fwd_bwd, repeats)
+
+
+def calibrate(profile: HardwareProfile, cfg, batch: int, seq: int) -> HardwareProfile:
+    """`profile` with compute_efficiency measured on one block of `cfg` at this batch and
+    sequence length (block FLOP/s over square-matmul FLOP/s in the compute dtype)."""
+    achieved = block_flops(cfg, batch, seq)
+    efficiency = min(1.0, achieved / profile.matmul_flops(cfg.compute_dtype) * profile.compute_efficiency)
+    return dataclasses.replace(profile, compute_efficiency=efficiency,
+                               notes=profile.notes + f"; compute calibrated on a block of width {cfg.hidden_size}, "
+                                     f"batch {batch} x seq {seq}: {achieved / 1e9:.0f} GFLOP/s")
+
+
 def link_bandwidth(nbytes: int, repeats: int = 3) -> tuple[float | None, float | None, int | None]:
     """(host->device, device->host bytes/s, device memory bytes); Nones on a CPU-only JAX."""
     import jax
@@ -114,6 +155,14 @@ def link_bandwidth(nbytes: int, repeats: int = 3) -> tuple[float | None, float |
     return h2d, d2h, stats.get("bytes_limit")
 
 
+def _probe_block(width: int):
+    from mtjax.model_config import ModelConfig
+
+    heads = width // 64
+    return ModelConfig(vocab_size=256, hidden_size=width, intermediate_size=int(width * 2.75), num_hidden_layers=1,
+                       num_attention_heads=heads, num_key_value_heads=heads, head_dim=64, compute_dtype="float32")
+
+
 def run(directory: str | Path = ".", quick: bool = False, name: str | None = None) -> HardwareProfile:
     """Measure this machine. Full mode moves ~1 GiB through disk and memory."""
     size = (64 << 20) if quick else (1 << 30)
@@ -122,6 +171,9 @@ def run(directory: str | Path = ".", quick: bool = False, name: str | None = Non
     n = 256 if quick else 2048
     fp32, bf16 = matmul_flops(n, "float32"), matmul_flops(n, "bfloat16")
     h2d, d2h, dev_mem = link_bandwidth(size // 2)
+    # FACTS.md's Llama block (width 1024, seq 512) fwd + recompute + bwd; quick: a small one.
+    block = _probe_block(256 if quick else 1024)
+    efficiency = min(1.0, block_flops(block, 1, 128 if quick else 512) / fp32)
     ram = psutil.virtual_memory().total
     import jax
 
@@ -133,10 +185,12 @@ def run(directory: str | Path = ".", quick: bool = False, name: str | None = Non
     return HardwareProfile(
         name=name or f"measured-{platform.node()}", source="measured", device=device,
         device_memory_bytes=int(dev_mem or ram), matmul_flops_fp32=fp32, matmul_flops_bf16=bf16,
-        # A transformer block's mix of matmuls, attention and elementwise work reaches
-        # about 0.7 of a square matmul here (FACTS.md block timing vs matmul peak).
-        compute_efficiency=0.7, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
+        # A transformer block's mix of matmuls, attention and elementwise work, measured.
+        compute_efficiency=efficiency, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
         host_memory_bytes_per_s=mem, host_ram_bytes=ram, disk_read_bytes_per_s=read,
         disk_write_bytes_per_s=write, disk_bytes=shutil.disk_usage(directory).free,
         device_is_host=on_host, notes=notes,
+        # This process now holds Python, the JAX runtime and a few compiled programs (the
+        # probe's buffers are freed): what a training process needs before any state.
+        runtime_bytes=psutil.Process().memory_info().rss,
     )

@@ -1,0 +1,158 @@
+"""Streaming overhead as a curve: streamed / reference step time against block size.
+
+For each width, a fresh subprocess trains the same fp32 Llama (4 blocks, seq 256 by
+default) with mtjax's in-memory ReferenceTrainer (remat per block) and with the
+StreamEngine (k = 1, prefetch depth 2), first with every kind of state in the RAM tier,
+then in the disk tier (page cache of the store dropped before each step, as for a store
+larger than RAM); steps of the engines alternate so load drift hits all alike. Prints a
+table, plots docs/img/overhead_curve.png and writes its section of docs/benchmarks.md.
+
+    .venv/bin/python experiments/bench/overhead_curve.py                       # ~5-8 minutes
+    .venv/bin/python experiments/bench/overhead_curve.py --widths 128 256 --no-doc   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT / "experiments" / "bench"))
+
+SECTION = "overhead-curve"
+PNG = ROOT / "docs" / "img" / "overhead_curve.png"
+
+
+def child(args) -> None:
+    import numpy as np
+
+    from mtjax import model
+    from mtjax.model_config import ModelConfig
+    from mtjax.optim import OptimConfig, make_optimizer
+    from mtjax.reference import ReferenceTrainer
+    from mtjax.store.fresh import init_store
+    from mtjax.stream import StreamEngine
+    import mtjax.store
+    from plan_accuracy import drop_page_cache
+
+    w = args.width
+    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=w, intermediate_size=int(w * 2.75),
+                      num_hidden_layers=args.layers, num_attention_heads=w // 64, num_key_value_heads=w // 64,
+                      head_dim=64, compute_dtype="float32")
+    opt = OptimConfig(lr=1e-4, clip_norm=1.0)
+    store_dir = Path(args.dir) / "store"
+    init_store(cfg, store_dir, seed=0, tx=make_optimizer(opt))
+    params = model.init_params(cfg, seed=0)
+    store = mtjax.store.open(store_dir, writable=True)
+    engines = {
+        "reference": ReferenceTrainer(cfg, params, opt),
+        "ram": StreamEngine(cfg, params, opt, keep_every=1, prefetch_depth=2),
+        "disk": StreamEngine(cfg, store, opt, tiers={k: "disk" for k in ("compute", "master", "opt")},
+                             keep_every=1, prefetch_depth=2),
+    }
+    del params
+    rng = np.random.default_rng(0)
+    times = {k: [] for k in engines}
+    for i in range(args.steps + 1):
+        tokens = rng.integers(0, cfg.vocab_size, (1, 1, args.seq), dtype=np.int32)
+        for name, e in engines.items():
+            if name == "disk":
+                drop_page_cache(store_dir)
+            t0 = time.perf_counter()
+            e.step(tokens)  # returns floats: the step has finished
+            if i:  # step 0 compiles
+                times[name].append(time.perf_counter() - t0)
+    for name in ("ram", "disk"):
+        engines[name].close()
+    store.close()
+    block_bytes = (4 * w * w + 3 * w * cfg.intermediate_size) * 4
+    print(json.dumps({"width": w, "block_mib": block_bytes / 2**20, "params": cfg.num_params(),
+                      **{k: statistics.median(v) for k, v in times.items()}}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--widths", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=None, help="scratch directory for the stores")
+    ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md or the plot")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--width", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+
+    rows = []
+    for w in args.widths:
+        with tempfile.TemporaryDirectory(prefix="mtjax-curve-", dir=args.dir) as d:
+            cmd = [sys.executable, __file__, "--child", "--width", str(w), "--dir", d, "--layers", str(args.layers),
+                   "--seq", str(args.seq), "--vocab", str(args.vocab), "--steps", str(args.steps)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                sys.exit(f"width {w} failed:\n{out.stderr[-3000:]}")
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(rows[-1], flush=True)
+
+    import jax
+
+    lines = [
+        f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, load average "
+        f"{os.getloadavg()[0]:.1f} at the end. fp32 Llama, {args.layers} blocks, vocab {args.vocab}, batch 1 x seq "
+        f"{args.seq}, AdamW + clip 1.0; reference = in-memory ReferenceTrainer (remat per block); stream = "
+        f"StreamEngine, k = 1, prefetch depth 2, every kind of state in the RAM tier or in the disk tier (page cache "
+        f"dropped before each step). Median of {args.steps} steps after one warm-up, the three engines alternating "
+        f"in one fresh process per width.",
+        "",
+        "| width | block (MiB fp32) | params | reference (s) | stream RAM (s) | stream disk (s) | RAM / reference "
+        "| disk / reference |",
+        "|---|---|---|---|---|---|---|---|",
+        *(f"| {r['width']} | {r['block_mib']:.0f} | {r['params'] / 1e6:.0f}M | {r['reference']:.2f} | {r['ram']:.2f} | "
+          f"{r['disk']:.2f} | {r['ram'] / r['reference']:.2f} | {r['disk'] / r['reference']:.2f} |" for r in rows),
+        "",
+        "![streamed / reference step time vs block size](img/overhead_curve.png)",
+        "",
+        f"Command: `.venv/bin/python experiments/bench/overhead_curve.py --widths {' '.join(map(str, args.widths))}`",
+    ]
+    body = "## Streaming overhead vs block size (experiments/bench/overhead_curve.py)\n\n" + "\n".join(lines)
+    print(body)
+    if args.no_doc:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+    x = [r["block_mib"] for r in rows]
+    ax.plot(x, [r["ram"] / r["reference"] for r in rows], "o-", label="stream, RAM tier")
+    ax.plot(x, [r["disk"] / r["reference"] for r in rows], "s-", label="stream, disk tier (cold)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("block size (MiB, fp32)")
+    ax.set_ylabel("streamed / reference step time")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    PNG.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PNG)
+    from bench_stream_overhead import write_section
+
+    write_section(SECTION, body)
+
+
+if __name__ == "__main__":
+    main()
