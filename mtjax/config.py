@@ -93,7 +93,7 @@ class StoreConfig:
 class StreamConfig:
     """How a step runs: the engine and its streaming knobs."""
 
-    engine: str = "reference"  # reference (whole model in device memory) | stream (one block at a time)
+    engine: str = "stream"  # stream (one block at a time through the device) | reference (whole model in device memory)
     prefetch_depth: int = 2  # blocks staged on the host ahead of the one computing
     keep_every: int = 1  # keep block inputs every k blocks; 0 keeps only the embedding output
     activations: str = "device"  # where kept block inputs live: device | host

@@ -73,12 +73,9 @@ def make_engine(exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None)
     """The engine `exp.stream.engine` names, starting from fp32 `params` (and `opt_state`)."""
     if exp.stream.engine == "reference":
         return ReferenceEngine(exp, cfg, params, opt_state)
-    if opt_state is not None:
-        raise ConfigError("run.resume from a checkpoint directory needs stream.engine=reference; "
-                          "the streaming engine resumes from its store")
     from mtjax.stream import StreamEngine  # imported on use: reference runs need none of it
 
-    return StreamEngine.from_experiment(exp, cfg, params)
+    return StreamEngine.from_experiment(exp, cfg, params, opt_state)
 
 
 def store_dir(exp: ExperimentConfig) -> Path | None:

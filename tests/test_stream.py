@@ -173,6 +173,24 @@ def test_commit_and_resume_from_store(tmp_path):
     store.close()
 
 
+def test_resume_from_whole_model_params_and_opt_state():
+    """A RAM-tier engine restarted from params() and opt_state() (what an HF checkpoint
+    plus optimizer.npz holds) continues exactly like the reference."""
+    data = batches(1)
+    first = StreamEngine(CFG, model.init_params(CFG, seed=1), OPT)
+    for b in data[:2]:
+        first.step(b)
+    params, opt_state = first.params(), first.opt_state()
+    first.close()
+    second = StreamEngine(CFG, params, OPT, opt_state=opt_state)
+    for b in data[2:]:
+        second.step(b)
+    _, ref_params, ref_opt, _ = reference(False, 1)
+    assert max(rel_errors(second.params(), ref_params)) <= 1e-5
+    assert max(rel_errors(second.opt_state(), ref_opt)) <= 1e-5
+    second.close()
+
+
 def test_bad_tokens_and_options_are_user_errors():
     from mtjax.errors import MtjaxError
 

@@ -35,7 +35,7 @@ from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.staging import Placement, StagingPool, raise_host_memory_limit
 from mtjax.stream.tiers import ReadBuffers, ScratchFiles, Tiers, fix_mmap_threshold, host_device
 from mtjax.stream.trace import Tracer
-from mtjax.stream.update import PartUpdate, full_opt_state, update_for
+from mtjax.stream.update import PartUpdate, full_opt_state, split_opt_state, update_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ class StreamEngine:
                  clip_norm: float | None = None, *, prefetch_depth: int = 2, keep_every: int = 1,
                  activations: str = "device", device_budget_bytes: int | None = None,
                  tiers: Mapping[str, str] | None = None, store=None, batch_shape: tuple[int, int] | None = None,
-                 device: jax.Device | None = None, trace_steps: int | None = 4):
+                 device: jax.Device | None = None, trace_steps: int | None = 4, opt_state=None):
         self.cfg = cfg
         self.options = StreamOptions(prefetch_depth, keep_every, activations, device_budget_bytes)
         if isinstance(optimizer, OptimConfig):
@@ -117,12 +117,12 @@ class StreamEngine:
         if from_store:
             self._load_ram_kinds()
         else:
-            self._init_state(params_or_store)
+            self._init_state(params_or_store, opt_state)
         if batch_shape is not None:
             self.check_budget(*batch_shape)
 
     @classmethod
-    def from_experiment(cls, exp, cfg: ModelConfig, params) -> StreamEngine:
+    def from_experiment(cls, exp, cfg: ModelConfig, params, opt_state=None) -> StreamEngine:
         """The engine an experiment config (mtjax.config) asks for, from fp32 `params`.
 
         Disk tiers get a new store at `store.path` (default <run.dir>/store).
@@ -137,17 +137,20 @@ class StreamEngine:
         s = exp.stream
         engine = cls(cfg, params, exp.optim, prefetch_depth=s.prefetch_depth, keep_every=s.keep_every,
                    activations=s.activations, device_budget_bytes=s.device_budget_bytes, tiers=tiers,
-                   store=store, batch_shape=(exp.data.batch_size, exp.data.seq_len))
+                   store=store, batch_shape=(exp.data.batch_size, exp.data.seq_len), opt_state=opt_state)
         engine._owns_store = store is not None
         return engine
 
     # --- state ---------------------------------------------------------------------
 
-    def _init_state(self, params) -> None:
+    def _init_state(self, params, opt_state=None) -> None:
+        """Fill the tiers from fp32 `params` and, when resuming, the whole-model `opt_state`."""
+        opt_parts = None if opt_state is None else split_opt_state(self.cfg, self.tx, opt_state)
         for p in self.parts:
             master = {n: np.asarray(a, np.float32) for n, a in treepath.flatten(parts_mod.part_params(params, p.name)).items()}
             master = jax.device_put(master, host_device())
-            self._write(p.name, "opt", self.update.init_state(master))
+            opt = self.update.init_state(master) if opt_parts is None else jax.device_put(opt_parts[p.name], host_device())
+            self._write(p.name, "opt", opt)
             self._write(p.name, "compute", self.update.compute_copy(master))
             self._write(p.name, "master", master)
         self._wait_writes()

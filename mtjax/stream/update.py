@@ -67,6 +67,22 @@ def update_for(cfg: ModelConfig, optim: OptimConfig) -> PartUpdate:
     return PartUpdate(cfg, make_optimizer(optim))
 
 
+def _part_leaf_names(cfg: ModelConfig, tx, part: parts.Part):
+    """(per-part opt leaf name, whole-model opt leaf name) pairs of one part."""
+    path = "blocks." + part.name.split(".")[1] if part.name.startswith("block.") else part.name
+    leaves = sorted(parts.schema(cfg, part.name, "master"), key=len, reverse=True)
+    for name in parts.schema(cfg, part.name, "opt", tx):
+        leaf = next((x for x in leaves if name == x or name.endswith("." + x)), None)
+        yield name, name if leaf is None else f"{name[: -len(leaf)]}{path}.{leaf}"
+
+
+def split_opt_state(cfg: ModelConfig, tx: optax.GradientTransformation, full) -> dict[str, dict]:
+    """The inverse of `full_opt_state`: {part name: flat per-part optimizer state}."""
+    named = treepath.flatten(full)
+    return {p.name: {mine: np.asarray(named[whole]) for mine, whole in _part_leaf_names(cfg, tx, p)}
+            for p in parts.parts(cfg)}
+
+
 def full_opt_state(cfg: ModelConfig, tx: optax.GradientTransformation, per_part: dict[str, dict]):
     """The optimizer state of the whole model, shaped as `tx.init(params)` would make it.
 
@@ -77,13 +93,6 @@ def full_opt_state(cfg: ModelConfig, tx: optax.GradientTransformation, per_part:
     template = jax.eval_shape(tx.init, model.abstract_params(cfg))
     named = {}
     for p in parts.parts(cfg):
-        path = "blocks." + p.name.split(".")[1] if p.name.startswith("block.") else p.name
-        leaves = sorted(parts.schema(cfg, p.name, "master"), key=len, reverse=True)
-        for name, value in per_part[p.name].items():
-            leaf = next((x for x in leaves if name == x or name.endswith("." + x)), None)
-            if leaf is None:
-                named.setdefault(name, value)
-                continue
-            prefix = name[: -len(leaf)]
-            named[f"{prefix}{path}.{leaf}"] = value
+        for mine, whole in _part_leaf_names(cfg, tx, p):
+            named.setdefault(whole, per_part[p.name][mine])
     return treepath.unflatten(template, named)
