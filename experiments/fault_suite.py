@@ -60,6 +60,24 @@ def run_killed(args: list[str], delay: float) -> bool:
         return True
 
 
+def run_killed_after_commit(args: list[str], run_dir: Path, step: int, delay: float) -> bool:
+    """Start `mtjax args`, SIGKILL it `delay` seconds after its store commits `step` (so the
+    kill lands in the next step, its commit or the final export); False if it finished first."""
+    p = subprocess.Popen([sys.executable, "-m", "mtjax", *args], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, env=_env(), cwd=ROOT)
+    while p.poll() is None:
+        now = store_step(run_dir)
+        if now is not None and now >= step:
+            time.sleep(delay)
+            break
+        time.sleep(0.02)
+    if p.poll() is not None:
+        return False
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    return True
+
+
 def store_step(run_dir: Path) -> int | None:
     import json
 
@@ -74,17 +92,25 @@ def same_files(a: Path, b: Path, names: list[str]) -> bool:
     return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
 
 
-def kill_train_trials(work: Path, kills: int, steps: int, rng: random.Random, window: tuple[float, float]) -> dict:
-    """One scripted run killed `kills` times at random moments, rerun after each kill;
-    its final weights against an uninterrupted run's."""
+def kill_train_trials(work: Path, kills: int, steps: int, rng: random.Random, window=(0.1, 1.0)) -> dict:
+    """One scripted run killed `kills` times, rerun after each kill; its final weights
+    against an uninterrupted run's. Half the kills come at a random moment (`window`, a
+    share of the clean run's duration), half just after a random store commit."""
     clean = work / "clean"
+    t = time.perf_counter()
     r = mtjax(train_args(clean, steps))
     assert r.returncode == 0, r.stderr
+    seconds = time.perf_counter() - t  # kill times scale with how fast this machine runs
     run = work / "killed"
     done, at_steps, reruns = 0, [], 0
     while done < kills:
         before = store_step(run)
-        if run_killed(train_args(run, steps), rng.uniform(*window)):
+        if done % 2:  # right after a commit: inside the next step, its commit or the export
+            killed = run_killed_after_commit(train_args(run, steps), run, rng.randrange(steps + 1),
+                                             rng.uniform(0.0, 0.5))
+        else:  # anywhere, from interpreter start-up to the end
+            killed = run_killed(train_args(run, steps), seconds * rng.uniform(*window))
+        if killed:
             done += 1
             at_steps.append((before, store_step(run)))
         else:  # the run finished before the kill: start over, so every kill lands mid-run
@@ -190,7 +216,7 @@ def main() -> None:
     ap.add_argument("--ie-kills", type=int, default=10, help="kill -9 trials of mtjax import / export")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--work", default="/tmp/mtjax-fault-suite")
+    ap.add_argument("--work", default="/dev/shm/mtjax-fault-suite" if Path("/dev/shm").is_dir() else "/tmp/mtjax-fault-suite")
     ap.add_argument("--out", default=str(ROOT / "docs" / "reliability.md"))
     a = ap.parse_args()
     work = Path(a.work)
@@ -199,7 +225,7 @@ def main() -> None:
     rng = random.Random(a.seed)
     rows = []
     t = time.time()
-    k = kill_train_trials(work, a.kills, a.steps, rng, (3.0, 12.0))
+    k = kill_train_trials(work, a.kills, a.steps, rng)
     rows.append(("kill -9 of `mtjax train` (stream engine, state on disk, commit every step), rerun until done",
                  f"{k['kills']} kills ({k['before_store']} before the first commit, {k['mid_store']} after), "
                  f"{k['launches']} launches",
