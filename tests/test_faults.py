@@ -365,3 +365,46 @@ def test_train_refuses_a_model_beyond_host_ram_before_making_it(tmp_path, capsys
 
 def test_error_types_are_user_errors():
     assert issubclass(NonFiniteStep, MtjaxError) and issubclass(preflight.PreflightError, MtjaxError)
+
+
+# --- bad input through `mtjax train` (each: one line, exit 2, no traceback) ----------------------
+
+
+def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
+    (tmp / "empty.txt").write_text("")
+    (tmp / "binary.bin").write_bytes(bytes(range(256)) * 64)
+    (tmp / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    (tmp / "ckpt").mkdir(exist_ok=True)
+    (tmp / "ckpt" / "config.json").write_text(json.dumps(dict(
+        model_type="llama", vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16)))
+    (tmp / "ckpt" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    (tmp / "exp.yaml").write_text("optim:\n  weight_decay: [1, 2]\n")
+    return [
+        (["--model.num_key_value_heads=3"], "num_key_value_heads"),  # 2 query heads
+        (["--model.vocab_size=100"], "vocabulary"),  # byte ids reach 256
+        ([f"--data.dataset={tmp / 'empty.txt'}"], "empty"),
+        ([f"--data.dataset={tmp / 'binary.bin'}"], "binary.bin"),
+        ([f"--data.dataset={tmp / 'bad.jsonl'}"], "bad.jsonl"),
+        ([f"--model.checkpoint={tmp / 'ckpt'}"], "ckpt"),
+        ([str(tmp / "exp.yaml")], "optim.weight_decay"),
+        (["--run.on_nonfinite=maybe"], "run.on_nonfinite must be one of stop, skip"),
+        (["--data.seq_len=100000"], "data.seq_len"),
+        (["--run.steps"], "expected one argument"),
+    ]
+
+
+def test_bad_input_to_train_is_one_line(tmp_path, capsys):
+    for args, message in _bad_inputs(tmp_path):
+        run_dir = tmp_path / "run"
+        try:
+            code = cli.main(["train", *TINY_RUN, *args, f"--run.dir={run_dir}"])
+        except SystemExit as e:  # argparse's own errors: usage line, error line, exit 2
+            code = e.code
+        err = capsys.readouterr().err.strip().splitlines()
+        errors = [line for line in err if "error" in line]
+        assert code == 2 and len(errors) == 1 and message in errors[0], (args, err)
+        assert not (run_dir / "final").exists()
+
+
+TINY_RUN = [a for a in fault_suite.TINY] + ["--run.steps=1"]
