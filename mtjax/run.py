@@ -102,12 +102,24 @@ def _fixed_settings(exp: ExperimentConfig) -> dict:
 _PARTIAL_STORE = {"parts", "train_state", "schema.json", "LOCK", "manifest.json.tmp"}
 
 
+def _creating_marker(path: Path) -> Path:
+    """Exists beside a store from its creation by a run until that run's first commit."""
+    return path.with_name(path.name + ".creating")
+
+
 def resume_from_store(exp: ExperimentConfig, cfg: ModelConfig, path: Path):
     """(engine, first step, data cursor) from the last commit of the store at `path`, or
-    (None, 0, None) when there is nothing committed yet (the caller starts afresh)."""
+    (None, 0, None) when there is nothing committed yet (the caller starts afresh).
+
+    A store without train state was filled by `mtjax import` or `mtjax init`: the run
+    trains from its weights, from step 0.
+    """
     import mtjax.store
     from mtjax.stream import StreamEngine
 
+    if _creating_marker(path).exists():  # a run was killed before its store's first commit
+        mtjax.store.store.remove(path) if (path / "manifest.json").exists() else shutil.rmtree(path, ignore_errors=True)
+        _creating_marker(path).unlink()
     if not (path / "manifest.json").exists():
         if path.is_dir() and set(os.listdir(path)) - _PARTIAL_STORE:
             raise ConfigError(f"store.path {path} exists but holds no mtjax store; choose another store.path")
@@ -116,11 +128,10 @@ def resume_from_store(exp: ExperimentConfig, cfg: ModelConfig, path: Path):
     store = mtjax.store.open(path, writable=True, config=cfg)  # the writer lock: one trainer per store
     try:
         state = store.load_train_state()
-        if state is None:  # killed between creating the store and its first commit
-            store.close()
-            mtjax.store.store.remove(path)
-            return None, 0, None
-        if state.get("fixed") != _fixed_settings(exp):
+        if state is not None and not exp.run.resume:
+            raise ConfigError(f"store.path {path} holds a run trained to step {state['step']}; pass "
+                              "--run.resume=true to continue it, or choose another store.path")
+        if state is not None and state.get("fixed") != _fixed_settings(exp):
             saved, now = state.get("fixed", {}), _fixed_settings(exp)
             diff = [f"{g}.{k}" for g in now for k in now[g] if saved.get(g, {}).get(k) != now[g][k]]
             raise ConfigError(f"store {path} was trained with other settings ({', '.join(diff) or 'unknown'}); "
@@ -133,6 +144,8 @@ def resume_from_store(exp: ExperimentConfig, cfg: ModelConfig, path: Path):
         store.close()
         raise
     engine._owns_store = True
+    if state is None:
+        return engine, 0, None
     engine.step_count = int(state["step"])
     return engine, int(state["step"]), state["loader"]
 
@@ -262,8 +275,9 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     val = _eval_batches(dataset, exp) if exp.run.eval_every else None
     first, opt_state, cursor, engine = 0, None, None, None
     store_path = store_dir(exp)
-    if store_path is not None and exp.run.resume:
-        # Streaming with state on disk: the store's last commit is the checkpoint.
+    if store_path is not None and (exp.run.resume or (store_path / "manifest.json").exists()):
+        # Streaming with state on disk: the store's last commit is the checkpoint (or an
+        # imported store is the starting point).
         engine, first, cursor = resume_from_store(exp, cfg, store_path)
     elif exp.run.resume:
         resumed = latest_checkpoint(run_dir)
@@ -274,9 +288,13 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,
                          exp.data.seed, cursor=cursor)
     if engine is None:
+        if store_path is not None:
+            store_path.parent.mkdir(parents=True, exist_ok=True)
+            _creating_marker(store_path).touch()  # until the first commit: a kill here leaves no half store
         engine = make_engine(exp, cfg, initial_params(exp, cfg) if opt_state is None else params, opt_state)
         if store_path is not None:
             engine.commit(0, train_state(exp, 0, loader.cursor))  # resumable from the first moment
+            _creating_marker(store_path).unlink()
     # Only now that everything checked out: a run that fails to start leaves the previous one.
     config_lib.dump(exp, run_dir / "config.yaml")
     if not exp.run.resume:
