@@ -163,7 +163,12 @@ def main() -> None:
                      f"{(s['read'] + s['written']) / s['s'] / 1e9:.2f} |")
     falls = all(b["loss"] < a["loss"] for a, b in zip(steps, steps[1:]))
     lines += ["", f"**Loss {'falls' if falls else 'does NOT fall'} every step; peak RSS "
-              f"{train['peak_rss'] / ram:.1%} of RAM** (goal: state >= 1.5x RAM, peak RSS < 50% of RAM)"]
+              f"{train['peak_rss'] / ram:.1%} of RAM** (goal: state >= 1.5x RAM, peak RSS < 50% of RAM)", "",
+              f"Disk sets the size here: the run needs 32 bytes/param on disk (two slots of the 14 bytes of state, "
+              f"and the fp32 gradient sums spilled beside the store), and {free / 1e9:.0f} GB were free, less the 10 GB "
+              f"kept for others; state of 1.5x RAM ({1.5 * ram / 1e9:.0f} GB, {1.5 * ram / 14 / 1e9:.1f}B params) would "
+              f"need {1.5 * ram / 14 * 32 / 1e9:.0f} GB free. Step times include a commit (fsync of every written chunk) "
+              f"and ran beside other jobs on the 2 cores."]
     body = ("## Bigger than RAM (experiments/bench/bigger_than_ram.py)\n\n" + "\n".join(lines)
             + f"\n\nCommand: `.venv/bin/python experiments/bench/bigger_than_ram.py --layers {args.layers} --width "
               f"{args.width} --ffn {args.ffn} --vocab {args.vocab} --dir DIR`")

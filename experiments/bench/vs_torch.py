@@ -52,7 +52,8 @@ class TorchTrainer:
                           max_position_embeddings=args.seq, tie_word_embeddings=False)
         torch.manual_seed(0)
         self.model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
-        self.model.gradient_checkpointing_enable()
+        enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
+        enable()  # per decoder layer
         self.model.config.use_cache = False
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
@@ -64,7 +65,7 @@ class TorchTrainer:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
 
 def main() -> None:
