@@ -129,15 +129,19 @@ def kill_import_export_trials(work: Path, kills: int, rng: random.Random) -> dic
     r = mtjax(train_args(base / "src", 1))
     assert r.returncode == 0, r.stderr
     ckpt = base / "src" / "final"
-    assert mtjax(["import", str(ckpt), str(base / "clean_store"), "--compute-dtype=float32"]).returncode == 0
-    assert mtjax(["export", str(base / "clean_store"), str(base / "clean_out")]).returncode == 0
+    seconds = {}
+    for cmd, args in [("import", ["import", str(ckpt), str(base / "clean_store"), "--compute-dtype=float32"]),
+                      ("export", ["export", str(base / "clean_store"), str(base / "clean_out")])]:
+        t = time.perf_counter()
+        assert mtjax(args).returncode == 0
+        seconds[cmd] = time.perf_counter() - t  # kills land within a clean run's duration
     results = {"import": [0, 0], "export": [0, 0]}  # [kills landed, reruns equal]
     for i in range(kills):
         cmd = "import" if i % 2 == 0 else "export"
         store, out = base / f"store{i}", base / f"out{i}"
         args = (["import", str(ckpt), str(store), "--compute-dtype=float32"] if cmd == "import"
                 else ["export", str(base / "clean_store"), str(out)])
-        if run_killed(args, rng.uniform(0.5, 4.0)):
+        if run_killed(args, seconds[cmd] * rng.uniform(0.3, 1.0)):
             results[cmd][0] += 1
             r = mtjax(args)
             if cmd == "import":
