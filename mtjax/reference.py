@@ -51,6 +51,7 @@ class ReferenceTrainer:
 
     `optimizer` is an `OptimConfig` or any optax transformation (which must not clip by
     global norm itself: `clip_norm` does that, exactly as the streaming engine does).
+    A step whose loss or gradients are NaN/Inf changes no state and raises NonFiniteStep.
     """
 
     def __init__(self, cfg: ModelConfig, params, optimizer: OptimConfig | optax.GradientTransformation = OptimConfig(),
