@@ -1,0 +1,55 @@
+"""The planner's calibrated terms: XLA's 4-pass optimizer, block-measured compute, runtime RSS."""
+
+import dataclasses
+import json
+
+import pytest
+
+from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.plan import BUILTIN, Workload, estimate, hardware, probe
+
+CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, compute_dtype="bfloat16")
+TX = make_optimizer(OptimConfig())
+CPU = BUILTIN["cpu-2core"]
+
+
+def test_optimizer_priced_at_46_bytes_per_param():
+    plan = estimate(CFG, Workload(batch_size=1, seq_len=32), CPU, tx=TX)
+    n = plan.num_params
+    grad_sums = plan.traffic.d2h + 4 * n  # each gradient read once, summed into an fp32 buffer
+    # mu, nu: 12 bytes each; master: 16; bf16 copy: 6 (no DMA and no disk on the CPU in RAM)
+    extra = 3 * (plan.state.opt - 8 * n)  # AdamW's step counters ride along in the opt passes
+    assert plan.traffic.host_memory == 46 * n + extra + grad_sums
+    assert 0 <= extra < 1000  # a few int32 counts per part
+
+
+def test_calibrate_sets_efficiency_from_the_measured_block(monkeypatch):
+    monkeypatch.setattr(probe, "block_flops", lambda cfg, batch, seq: 50e9)
+    cal = probe.calibrate(CPU, CFG, 1, 32)
+    assert cal.matmul_flops("bfloat16") == pytest.approx(50e9)
+    assert cal.matmul_flops_bf16 == CPU.matmul_flops_bf16  # only the efficiency changes
+    slow = estimate(CFG, Workload(batch_size=1, seq_len=32), cal, tx=TX)
+    fast = estimate(CFG, Workload(batch_size=1, seq_len=32), CPU, tx=TX)
+    assert slow.times.device == pytest.approx(slow.flops / 50e9)
+    assert slow.times.device > fast.times.device
+
+
+def test_block_flops_runs_the_engine_block():
+    flops = probe.block_flops(CFG, 1, 16, repeats=1)
+    assert 1e6 < flops < 1e15
+
+
+def test_runtime_bytes_enters_host_memory(tmp_path):
+    w = Workload(batch_size=1, seq_len=32)
+    small = estimate(CFG, w, dataclasses.replace(CPU, runtime_bytes=300 << 20), tx=TX)
+    big = estimate(CFG, w, CPU, tx=TX)
+    assert small.host.runtime == 300 << 20
+    assert big.host.total - small.host.total == (2 << 30) - (300 << 20)
+    # a profile written before the field existed still loads, with the 2 GiB default
+    fields = dataclasses.asdict(CPU)
+    del fields["runtime_bytes"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(fields))
+    assert hardware.load(path).runtime_bytes == 2 << 30
