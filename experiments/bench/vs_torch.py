@@ -3,7 +3,8 @@
 The same Llama shape (8 blocks x width 1024, 16 heads, SwiGLU 2816, vocab 8192, seq 512,
 batch 1, fp32) trained three ways in one process, steps interleaved so drift in machine
 load hits all alike: transformers' LlamaForCausalLM with per-layer gradient checkpointing,
-SDPA attention and torch.optim.AdamW(fused=True); mtjax's in-memory ReferenceTrainer (remat
+SDPA attention and torch.optim.AdamW(fused=True) (in a worker process, so torch's OpenMP
+threads and XLA's never spin against each other); mtjax's in-memory ReferenceTrainer (remat
 per block); mtjax's StreamEngine (RAM tier, k = 1, prefetch depth 2). All clip gradients at
 1.0. Prints tokens/s and the ratios to torch; writes its section of docs/benchmarks.md.
 
@@ -68,6 +69,43 @@ class TorchTrainer:
         return float(loss.detach())
 
 
+class TorchWorker:
+    """TorchTrainer in a child process; `step` sends the batch index, gets the step seconds."""
+
+    def __init__(self, argv):
+        import subprocess
+
+        self.proc = subprocess.Popen([sys.executable, __file__, "--torch-worker", *argv],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+        self.i = 0
+
+    def step(self, tokens) -> float:
+        self.proc.stdin.write(f"{self.i}\n")
+        self.proc.stdin.flush()
+        self.i += 1
+        return float(self.proc.stdout.readline())
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def torch_worker(args) -> None:
+    trainer = TorchTrainer(args)
+    data = batches(args)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        t0 = time.perf_counter()
+        trainer.step(data[int(line)])
+        print(time.perf_counter() - t0, flush=True)
+
+
+def batches(args) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, args.vocab, (1, 1, args.seq), dtype=np.int32) for _ in range(args.steps + 1)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -76,8 +114,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per trainer (after one warm-up)")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
+    if args.torch_worker:
+        return torch_worker(args)
 
     heads = args.width // 64
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=int(args.width * 2.75),
@@ -86,22 +127,23 @@ def main() -> None:
     params = model.init_params(cfg, seed=0)
     opt = OptimConfig(lr=1e-4, clip_norm=1.0, schedule="constant")
     trainers = {
-        "transformers + torch (grad checkpointing, fused AdamW)": TorchTrainer(args),
+        "transformers + torch (grad checkpointing, fused AdamW)": TorchWorker(
+            [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "seq", "vocab", "steps")]),
         "mtjax reference (in memory, remat per block)": ReferenceTrainer(cfg, params, opt),
         "mtjax stream (RAM tier, k=1, depth 2)": StreamEngine(cfg, params, opt, keep_every=1, prefetch_depth=2),
     }
     del params
-    rng = np.random.default_rng(0)
-    data = [rng.integers(0, args.vocab, (1, 1, args.seq), dtype=np.int32) for _ in range(args.steps + 1)]
     times = {name: [] for name in trainers}
-    for i, tokens in enumerate(data):
+    for i, tokens in enumerate(batches(args)):
         for name, t in trainers.items():
             t0 = time.perf_counter()
-            t.step(tokens)  # returns host floats: the step has finished
+            took = t.step(tokens)  # returns host floats: the step has finished
             if i:  # step 0 compiles / warms up
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(took if isinstance(t, TorchWorker) else time.perf_counter() - t0)
         print(i, {k: round(v[-1], 2) for k, v in times.items() if v}, flush=True)
-    trainers["mtjax stream (RAM tier, k=1, depth 2)"].close()
+    for t in trainers.values():
+        if hasattr(t, "close"):
+            t.close()
 
     med = {k: statistics.median(v) for k, v in times.items()}
     torch_s = next(iter(med.values()))
@@ -109,7 +151,8 @@ def main() -> None:
         f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, torch "
         f"{torch.__version__}, load average {os.getloadavg()[0]:.1f} at the end. Llama {args.layers} blocks x width "
         f"{args.width} ({cfg.num_params() / 1e6:.1f}M params), vocab {args.vocab}, batch 1 x seq {args.seq}, fp32, "
-        f"AdamW + clip 1.0; median of {args.steps} steps after one warm-up, the three trainers interleaved in one process.",
+        f"AdamW + clip 1.0; median of {args.steps} steps after one warm-up, the three trainers' steps interleaved "
+        f"(torch in a worker process).",
         "",
         "| trainer | step (s) | tokens/s | vs torch (tokens/s ratio) |",
         "|---|---|---|---|",
