@@ -259,25 +259,40 @@ def main() -> None:
                      + f"`{line.replace(str(work), '…')}`"))
         print(rows[-1], flush=True)
     for name, outcome in test_results():
-        rows.append((name, "1 (tests/test_faults.py)", outcome))
+        rows.append((name, "1 (pytest)", outcome))
     write_table(Path(a.out), rows, "python experiments/fault_suite.py " + " ".join(sys.argv[1:]))
     print(f"wrote {a.out} in {time.time() - t:.0f} s")
 
 
 def test_results() -> list[tuple[str, str]]:
     """Faults checked in-process by tests/test_faults.py; listed with the outcome the tests assert."""
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-k", "not kill and not damage",
-                        str(ROOT / "tests" / "test_faults.py")], capture_output=True, text=True, env=_env(), cwd=ROOT)
-    passed = r.returncode == 0
-    status = "" if passed else " (FAILED in this run)"
-    return [(n, o + status) for n, o in [
-        ("NaN/Inf gradients, run.on_nonfinite=stop (both engines)", "stops with one line naming the first block; no state changed"),
-        ("NaN/Inf gradients, run.on_nonfinite=skip (both engines)", "step skipped; state equals a run without that step's update"),
-        ("prefetch worker raises", "error surfaces from the same step, no hang"),
-        ("write-back raises", "error surfaces from the same step, no hang"),
-        ("second trainer on the same store", "refused: the store is already open for writing"),
-        ("host RAM / disk short (preflight)", "refused before step 1 naming the shortfall"),
-    ]]
+    faults, stream = "tests/test_faults.py::", "tests/test_stream.py::"
+    cases = [
+        ("NaN/Inf gradients of block.1, both engines", faults + "test_nonfinite_step_changes_no_state_and_names_the_block",
+         "NonFiniteStep naming block.1; no state changed (the next step equals a run without the bad batch)"),
+        ("NaN/Inf in a run, run.on_nonfinite=stop and skip", faults + "test_run_on_nonfinite",
+         "stop: one line naming block.1, last commit intact; skip: step recorded as skipped, run finishes"),
+        ("full disk during a step (8 MiB tmpfs)", faults + "test_full_disk_during_a_step_fails_cleanly_and_resumes",
+         "one clear error; last commit intact; after freeing space the same command ends bit-identical"),
+        ("prefetch worker raises", stream + "test_worker_error_reaches_the_caller_and_the_next_step_runs",
+         "raised by the same step, no hang; the next steps equal the reference"),
+        ("write-back worker raises", faults + "test_failing_write_back_surfaces_within_the_step",
+         "raised by the same step, no hang"),
+        ("second trainer on the same store", faults + "test_second_trainer_on_the_same_store_is_refused",
+         "refused: the store is already open for writing"),
+        ("host RAM / disk / data short (preflight)", faults + "test_preflight_names_what_is_short",
+         "refused before step 1, naming the shortfall"),
+        ("model beyond host RAM via `mtjax train`", faults + "test_train_refuses_a_model_beyond_host_ram_before_making_it",
+         "one line before any weight is made"),
+        ("bad input via `mtjax train` (10 kinds)", faults + "test_bad_input_to_train_is_one_line",
+         "one line each, exit 2, no traceback"),
+    ]
+    out = []
+    for name, test, outcome in cases:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", test], capture_output=True, text=True, env=_env(),
+                           cwd=ROOT)
+        out.append((name, f"{outcome} (`{test.split('::')[1]}`)" if r.returncode == 0 else f"FAILED: {test}"))
+    return out
 
 
 if __name__ == "__main__":
