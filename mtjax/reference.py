@@ -92,7 +92,8 @@ class ReferenceTrainer:
             n = self.cfg.num_hidden_layers
             names = ["head", *(f"block.{i}" for i in reversed(range(n))), "embed"]
             self.skipped += 1
-            raise NonFiniteStep(self.skipped + self.steps, out["loss"], [m for m, s in zip(names, part_sq) if not np.isfinite(s)])
+            bad = [m for m, s in zip(names, part_sq) if not np.isfinite(s)]
+            raise NonFiniteStep(self.skipped + self.steps, out["loss"], bad)
         self.steps += 1
         return out
 

@@ -94,7 +94,8 @@ def committed(work, clean):
 
 def _chunk(run: Path) -> Path:
     slots = json.loads((run / "store" / "manifest.json").read_text())["slots"]
-    return run / "store" / "parts" / "block.1" / f"master.{slots['block.1']['master']}" / "mlp.down_proj.kernel" / "c.0.0"
+    slot = run / "store" / "parts" / "block.1" / f"master.{slots['block.1']['master']}"
+    return slot / "mlp.down_proj.kernel" / "c.0.0"
 
 
 def _flip(run):
