@@ -26,21 +26,9 @@ sys.path.insert(0, str(ROOT))
 from mtjax import config  # noqa: E402
 from mtjax import run as run_lib  # noqa: E402
 
-DOC = ROOT / "docs" / "benchmarks.md"
+from benchdoc import write_section  # noqa: E402
+
 SECTION = "default-run"
-
-
-def write_section(name: str, body: str) -> None:
-    """Replace this script's section of docs/benchmarks.md, between its two markers."""
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nMeasured numbers, each section written by the script it names.\n"
-    block = f"{start}\n{body.rstrip()}\n{end}"
-    if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
 
 
 def main() -> None:

@@ -33,22 +33,10 @@ from mtjax import hf, parts  # noqa: E402
 from mtjax.model_config import ModelConfig, to_hf_dict  # noqa: E402
 from mtjax.optim import OptimConfig, make_optimizer  # noqa: E402
 
-DOC = ROOT / "docs" / "benchmarks.md"
+from benchdoc import write_section  # noqa: E402
+
 SECTION = "store-import"
 SHARD_BYTES = 500 * 10**6
-
-
-def write_section(name: str, body: str) -> None:
-    """Replace this script's section of docs/benchmarks.md, between its two markers."""
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nMeasured numbers, each section written by the script it names.\n"
-    block = f"{start}\n{body.rstrip()}\n{end}"
-    if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
 
 
 def generate(cfg: ModelConfig, out: Path) -> tuple[int, int]:

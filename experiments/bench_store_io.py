@@ -34,21 +34,9 @@ import mtjax.store  # noqa: E402
 from mtjax.model_config import ModelConfig  # noqa: E402
 from mtjax.store import layout  # noqa: E402
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+from benchdoc import write_section  # noqa: E402
+
 SECTION = "store-io"
-
-
-def write_section(name: str, body: str) -> None:
-    """Replace this script's section of docs/benchmarks.md, between its two markers."""
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nMeasured numbers, each section written by the script it names.\n"
-    block = f"{start}\n{body.rstrip()}\n{end}"
-    if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
 
 
 def drop_cache(root: Path) -> None:

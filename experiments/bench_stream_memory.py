@@ -133,7 +133,7 @@ def main() -> None:
               f"{' '.join(map(str, args.layers))} --width {args.width}`")
     print(body)
     if not args.no_doc:
-        from bench_stream_overhead import write_section
+        from benchdoc import write_section
 
         write_section("stream-memory", body)
 

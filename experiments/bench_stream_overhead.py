@@ -32,21 +32,9 @@ from mtjax.optim import OptimConfig  # noqa: E402
 from mtjax.reference import ReferenceTrainer  # noqa: E402
 from mtjax.stream import StreamEngine  # noqa: E402
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+from benchdoc import write_section  # noqa: E402
+
 SECTION = "stream-overhead"
-
-
-def write_section(name: str, body: str) -> None:
-    """Replace this benchmark's own section of docs/benchmarks.md (others are left alone)."""
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\nMeasured numbers, each section written by the script it names.\n"
-    block = f"{start}\n{body.rstrip()}\n{end}"
-    if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
 
 
 def main() -> None:

@@ -174,7 +174,7 @@ def main() -> None:
               f"{args.width} --ffn {args.ffn} --vocab {args.vocab} --dir DIR`")
     print(body)
     if not args.no_doc:
-        from bench_stream_overhead import write_section
+        from benchdoc import write_section
 
         write_section("bigger-than-ram", body)
 

@@ -19,6 +19,7 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -34,7 +35,9 @@ from mtjax.optim import OptimConfig, make_optimizer  # noqa: E402
 from mtjax.stream.update import PartUpdate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "benchmarks.md"
+sys.path.insert(0, str(ROOT / "experiments"))
+from benchdoc import DOC, write_section  # noqa: E402
+
 SECTION = "optimizer-update"
 HEADING = "## Optimizer update: mtjax vs torch fused AdamW (experiments/bench/optimizer.py)"
 BOUND_BYTES = 28  # fp32 AdamW: read master, mu, nu, grad; write master, mu, nu
@@ -162,20 +165,6 @@ def table(rows: list[tuple[str, float, float]], bound_ns: float, torch_ns: float
     return "\n".join(lines)
 
 
-def write_section(body: str) -> None:
-    """Replace this benchmark's own section of docs/benchmarks.md (others are left alone)."""
-    start, end = f"<!-- {SECTION}:start -->", f"<!-- {SECTION}:end -->"
-    text = (DOC.read_text() if DOC.exists()
-            else "# Benchmarks\n\nMeasured numbers, each section written by the script it names.\n")
-    block = f"{start}\n{HEADING}\n\n{body.rstrip()}\n{end}"
-    if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="timed steps per implementation")
@@ -213,7 +202,7 @@ def main() -> None:
     )
     print(body)
     if not args.no_write:
-        write_section(body)
+        write_section(SECTION, f"{HEADING}\n\n{body}")
         print(f"\nwrote the section of {DOC.relative_to(ROOT)}")
 
 

@@ -156,7 +156,7 @@ def main() -> None:
     fig.tight_layout()
     PNG.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(PNG)
-    from bench_stream_overhead import write_section
+    from benchdoc import write_section
 
     write_section(SECTION, body)
 

@@ -205,7 +205,7 @@ def main() -> None:
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
-        from bench_stream_overhead import write_section
+        from benchdoc import write_section
 
         write_section(SECTION, body)
 

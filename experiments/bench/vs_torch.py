@@ -165,7 +165,7 @@ def main() -> None:
     body = "## mtjax vs transformers + torch on the CPU (experiments/bench/vs_torch.py)\n\n" + "\n".join(lines)
     print(body)
     if not args.no_doc:
-        from bench_stream_overhead import write_section
+        from benchdoc import write_section
 
         write_section(SECTION, body)
 
