@@ -1,8 +1,10 @@
 """What a training run shows and records: a progress bar or log lines, and metrics.jsonl.
 
-On a terminal a live tqdm bar carries step, loss, tokens/s and ETA; elsewhere (CI,
-pipes, files) one plain line is printed every `log_every` steps. Every step's metrics
-are appended to <run dir>/metrics.jsonl, one JSON object per line.
+On a terminal a live tqdm bar carries step, loss, tokens/s, MFU, host RSS and ETA;
+elsewhere (CI, pipes, files) one plain line is printed every `log_every` steps. Every
+step's metrics (plus host RSS, device memory where the backend reports it, MFU against
+a named peak, and per-stage seconds when the engine records them) are appended to
+<run dir>/metrics.jsonl, one JSON object per line.
 """
 
 from __future__ import annotations
@@ -13,15 +15,21 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+import psutil
 from tqdm import tqdm
+
+GiB = 2**30
 
 
 class Progress:
     def __init__(self, run_dir: Path, total_steps: int, tokens_per_step: int, log_every: int = 10,
-                 first_step: int = 0, stream: TextIO | None = None, tensorboard: bool = False):
+                 first_step: int = 0, stream: TextIO | None = None, tensorboard: bool = False,
+                 flops_per_token: float | None = None, peak_flops: float | None = None):
         self.stream = stream or sys.stderr
         self.total, self.tokens_per_step, self.log_every = total_steps, tokens_per_step, log_every
         self.step = first_step
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self._process = psutil.Process()
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self._tb = _tensorboard_writer(run_dir) if tensorboard else None
         self._metrics = open(Path(run_dir) / "metrics.jsonl", "a")
@@ -42,16 +50,22 @@ class Progress:
         record = {"step": step, **metrics, "time_s": round(now - self._start, 3)}
         if rate:
             record["tokens_per_s"] = round(rate * self.tokens_per_step, 1)
+            if self.flops_per_token and self.peak_flops:
+                record["mfu"] = round(record["tokens_per_s"] * self.flops_per_token / self.peak_flops, 4)
+        record["rss_gib"] = round(self._process.memory_info().rss / GiB, 3)
+        device_bytes = device_memory_in_use()
+        if device_bytes is not None:
+            record["device_mem_gib"] = round(device_bytes / GiB, 3)
         self._write(record)
         self.step = step
         eta = (self.total - step) / rate if rate else None
         if self._bar is not None:
             self._bar.n = step
-            self._bar.set_postfix_str(self._summary(metrics, record.get("tokens_per_s")), refresh=False)
+            self._bar.set_postfix_str(self._summary(metrics, record), refresh=False)
             self._bar.refresh()
         elif step % self.log_every == 0 or step == self.total:
             eta_text = f"  eta {_duration(eta)}" if eta is not None else ""
-            self.print(f"step {step:>6}/{self.total}  {self._summary(metrics, record.get('tokens_per_s'))}{eta_text}")
+            self.print(f"step {step:>6}/{self.total}  {self._summary(metrics, record)}{eta_text}")
 
     def record(self, step: int, metrics: dict) -> None:
         """Record non-step metrics (e.g. a validation loss) and print them as a line."""
@@ -86,12 +100,17 @@ class Progress:
                     self._tb.add_scalar(key, value, record["step"])
 
     @staticmethod
-    def _summary(metrics: dict, tokens_per_s: float | None) -> str:
+    def _summary(metrics: dict, record: dict) -> str:
         parts = [f"loss {metrics['loss']:.4f}"]
         if "grad_norm" in metrics:
             parts.append(f"gnorm {metrics['grad_norm']:.3f}")
-        if tokens_per_s:
-            parts.append(f"{tokens_per_s:,.0f} tok/s")
+        if record.get("tokens_per_s"):
+            parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+        if "mfu" in record:
+            parts.append(f"mfu {record['mfu']:.1%}")
+        parts.append(f"rss {record['rss_gib']:.2f}G")
+        if "device_mem_gib" in record:
+            parts.append(f"dev {record['device_mem_gib']:.2f}G")
         return "  ".join(parts)
 
 
@@ -101,14 +120,50 @@ def _duration(seconds: float) -> str:
         else f"{seconds // 60}:{seconds % 60:02d}"
 
 
+def model_flops_per_token(num_params: int, num_layers: int, seq_len: int, hidden: int) -> float:
+    """Training FLOPs per token: 6 per parameter (fwd + bwd matmuls) plus attention's
+    score and value products, 12 x layers x seq x hidden (the usual MFU convention)."""
+    return 6.0 * num_params + 12.0 * num_layers * seq_len * hidden
+
+
+# Built-in hardware profiles by the device kind JAX reports (substring, lower case).
+_PROFILE_BY_KIND = (("gh200", "gh200"), ("h200", "h200"), ("h100", "h100-pcie5"), ("a100", "a100-80gb-pcie4"))
+
+
+def peak_flops(device, dtype: str, profile: str | None = None) -> tuple[float | None, str]:
+    """(peak matmul FLOP/s, where it comes from) for MFU on `device` in `dtype`.
+
+    `profile` names a built-in profile or a `mtjax probe` JSON; else the built-in
+    profile matching the device kind is used (cpu-2core for the CPU backend), else None.
+    """
+    from mtjax.plan import hardware
+
+    if profile is None:
+        kind = getattr(device, "device_kind", "").lower()
+        if device.platform == "cpu":
+            profile = "cpu-2core"
+        else:
+            profile = next((name for key, name in _PROFILE_BY_KIND if key in kind), None)
+    if profile is None:
+        return None, f"no hardware profile for {getattr(device, 'device_kind', device.platform)}: MFU not shown"
+    hw = hardware.load(profile)
+    peak = hw.matmul_flops_fp32 if dtype == "float32" else hw.matmul_flops_bf16
+    return peak, f"MFU against {peak / 1e12:.3g} TFLOP/s {dtype} ({hw.name}, {hw.source})"
+
+
+def device_memory_in_use() -> int | None:
+    """Bytes in use on the first device, where the backend reports it (not on CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats else stats.get("bytes_in_use")
+
+
 def _tensorboard_writer(run_dir: Path):
     from mtjax.config import ConfigError
 
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from tensorboardX import SummaryWriter  # a declared dependency: the maintained writer
     except ImportError:
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError:
-            raise ConfigError("run.tensorboard needs the tensorboard package: pip install tensorboard") from None
+        raise ConfigError("run.tensorboard needs the tensorboardX package: pip install tensorboardX") from None
     return SummaryWriter(str(Path(run_dir) / "tensorboard"))

@@ -34,7 +34,7 @@ from mtjax.config import ConfigError, ExperimentConfig
 from mtjax.errors import NonFiniteStep
 from mtjax.model_config import ModelConfig
 from mtjax.optim import make_optimizer
-from mtjax.progress import Progress
+from mtjax.progress import Progress, model_flops_per_token, peak_flops
 from mtjax.reference import ReferenceTrainer, loss_fn
 
 STATE_FILE = "mtjax-state.json"  # next to a saved checkpoint: step, data cursor, tokenizer
@@ -315,11 +315,18 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
 def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out) -> dict:
     run_dir = Path(exp.run.dir)
     losses, val_loss, start = [], None, time.perf_counter()
+    peak, peak_note = peak_flops(jax.devices()[0], cfg.compute_dtype)
+    print(f"mtjax: {peak_note}; per-step records in {run_dir / 'metrics.jsonl'}", file=out, flush=True)
+    flops = model_flops_per_token(cfg.num_params(), cfg.num_hidden_layers, exp.data.seq_len, cfg.hidden_size)
     with Progress(run_dir, exp.run.steps, tokens_per_step, exp.run.log_every, first_step=first, stream=out,
-                  tensorboard=exp.run.tensorboard) as progress:
+                  tensorboard=exp.run.tensorboard, flops_per_token=flops, peak_flops=peak) as progress:
         for step in range(first + 1, exp.run.steps + 1):
             try:
                 metrics = engine.step(loader.next())
+                if hasattr(engine, "stage_seconds"):
+                    # Waits for the tracer's watchers; the step's own host sync already
+                    # finished its compute, so this costs little.
+                    metrics = {**metrics, **{f"stage_{k}_s": round(v, 4) for k, v in engine.stage_seconds().items()}}
             except NonFiniteStep:
                 if exp.run.on_nonfinite == "stop":
                     raise

@@ -1,0 +1,62 @@
+"""The researcher's workflow around a run: what it records per step, its charts, its
+TensorBoard events, and eval/generate of a layer store as of an HF checkpoint."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from mtjax import config
+from mtjax import run as run_lib
+from mtjax.progress import model_flops_per_token, peak_flops
+
+TINY = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_hidden_layers=2",
+        "--model.num_attention_heads=2", "--model.num_key_value_heads=1", "--model.head_dim=16",
+        "--data.seq_len=32", "--data.batch_size=2", "--run.steps=4", "--run.log_every=2",
+        "--run.eval_every=2", "--run.eval_batches=1", "--run.sample_tokens=0", "--stream.engine=stream"]
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory):
+    """A tiny streamed run; its log lines and metrics.jsonl records."""
+    run_dir = tmp_path_factory.mktemp("wf") / "run"
+    log = io.StringIO()
+    run_lib.train(config.load(None, [*TINY, f"--run.dir={run_dir}"]), log)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_dir, log.getvalue(), records
+
+
+def test_each_step_records_rss_mfu_and_stage_times(streamed):
+    _, log, records = streamed
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        assert 0.01 < r["rss_gib"] < 64  # this process's resident memory, in GiB
+        assert {"stage_read_s", "stage_compute_s", "stage_optimizer_s"} <= set(r)
+        assert r["stage_compute_s"] > 0
+    cfg = config.model_config(config.load(None, TINY))
+    flops = model_flops_per_token(cfg.num_params(), 2, 32, 32)
+    peak, _ = peak_flops(__import__("jax").devices()[0], "float32")
+    for r in steps[1:]:  # the first step pays compilation: no rate yet
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / peak, rel=1e-2, abs=1e-4)
+    assert "MFU against 0.19 TFLOP/s float32 (cpu-2core, facts)" in log
+    step_lines = [line for line in log.splitlines() if line.startswith("step ") and "loss" in line
+                  and "val_loss" not in line]
+    assert len(step_lines) == 2 and all("mfu " in line and "rss " in line for line in step_lines)
+    assert "device_mem_gib" not in steps[0]  # the CPU backend reports no device memory
+
+
+def test_flops_per_token_is_six_per_param_plus_attention():
+    assert model_flops_per_token(1000, 2, 16, 8) == 6 * 1000 + 12 * 2 * 16 * 8
+
+
+def test_peak_of_a_gpu_comes_from_its_builtin_profile():
+    class H200:
+        platform, device_kind = "gpu", "NVIDIA H200"
+
+    peak, note = peak_flops(H200(), "bfloat16")
+    assert peak == 989e12 and "(h200, vendor)" in note
+    unknown = type("X", (), {"platform": "gpu", "device_kind": "Some GPU"})()
+    assert peak_flops(unknown, "bfloat16")[0] is None
