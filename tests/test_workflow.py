@@ -6,9 +6,10 @@ from __future__ import annotations
 import io
 import json
 
+import matplotlib.image
 import pytest
 
-from mtjax import config
+from mtjax import cli, config
 from mtjax import run as run_lib
 from mtjax.progress import model_flops_per_token, peak_flops
 
@@ -60,3 +61,13 @@ def test_peak_of_a_gpu_comes_from_its_builtin_profile():
     assert peak == 989e12 and "(h200, vendor)" in note
     unknown = type("X", (), {"platform": "gpu", "device_kind": "Some GPU"})()
     assert peak_flops(unknown, "bfloat16")[0] is None
+
+
+def test_plot_writes_a_valid_png_of_all_panels(streamed, tmp_path, capsys):
+    run_dir, _, _ = streamed
+    out = tmp_path / "charts.png"
+    assert cli.main(["plot", str(run_dir), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(out)
+    assert image.shape[0] > 500 and image.shape[1] > 1000  # the 2 x 2 grid at 120 dpi
+    assert f"wrote {out}" in capsys.readouterr().out
