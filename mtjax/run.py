@@ -220,11 +220,30 @@ def checkpoint_tokenizer(ckpt_dir: str | Path, spec: str | None = None):
     raise data.DataError(f"{ckpt_dir} holds no tokenizer; pass --tokenizer bytes or a tokenizer.json")
 
 
+def load_weights(path: str | Path):
+    """(model config, fp32 params) of an HF checkpoint dir or of a layer store (its last
+    written master weights, read without taking the writer lock)."""
+    from mtjax import parts
+
+    path = Path(path)
+    if not (path / "manifest.json").exists():
+        return hf.load_params(path)
+    import mtjax.store
+
+    with mtjax.store.open(path) as store:
+        cfg = store.config
+        named = {p.name: store.read(p.name, "master").result() for p in parts.parts(cfg)}
+    params = {name: treepath.unflatten(parts.abstract_part(cfg, name), named[name]) for name in ("embed", "head")}
+    params["blocks"] = [treepath.unflatten(parts.abstract_part(cfg, f"block.{i}"), named[f"block.{i}"])
+                        for i in range(cfg.num_hidden_layers)]
+    return cfg, params
+
+
 def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int = 128, batch_size: int = 8,
                         batches: int = 8, tokenizer: str | None = None) -> float:
     """Mean loss of a saved checkpoint over the first `batches` batches of a dataset split."""
     tok = checkpoint_tokenizer(ckpt_dir, tokenizer)
-    cfg, params = hf.load_params(ckpt_dir)
+    cfg, params = load_weights(ckpt_dir)
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="mtjax-eval-") as cache:

@@ -71,3 +71,54 @@ def test_plot_writes_a_valid_png_of_all_panels(streamed, tmp_path, capsys):
     image = matplotlib.image.imread(out)
     assert image.shape[0] > 500 and image.shape[1] > 1000  # the 2 x 2 grid at 120 dpi
     assert f"wrote {out}" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """A tiny HF checkpoint and the layer store `mtjax import` makes of it (fp32 compute,
+    so that both evaluate in the same dtype)."""
+    import hf_models
+
+    root = tmp_path_factory.mktemp("imp")
+    ckpt, _ = hf_models.checkpoint(root, "qwen2", vocab_size=300)
+    store = root / "store"
+    assert cli.main(["import", str(ckpt), str(store), "--compute-dtype", "float32"]) == 0
+    text = root / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    return ckpt, store, text
+
+
+def _output(capsys, args) -> str:
+    capsys.readouterr()
+    assert cli.main(args) == 0
+    return capsys.readouterr().out
+
+
+def test_eval_of_a_store_equals_eval_of_its_checkpoint(imported, capsys):
+    ckpt, store, text = imported
+    flags = [str(text), "--split", "train", "--tokenizer", "bytes", "--seq-len", "16", "--batch-size", "2", "--batches", "2"]
+    from_ckpt = _output(capsys, ["eval", str(ckpt), *flags])
+    from_store = _output(capsys, ["eval", str(store), *flags])
+    assert from_ckpt.startswith("train loss ") and from_store == from_ckpt
+
+
+def test_generate_from_a_store_equals_generate_from_its_checkpoint(imported, capsys):
+    ckpt, store, _ = imported
+    flags = ["--tokenizer", "bytes", "--prompt", "the ", "--tokens", "8", "--temperature", "0"]
+    from_ckpt = _output(capsys, ["generate", str(ckpt), *flags])
+    assert _output(capsys, ["generate", str(store), *flags]) == from_ckpt
+
+
+def test_store_weights_are_the_checkpoint_weights(imported):
+    import jax
+    import numpy as np
+
+    from mtjax import hf
+
+    ckpt, store, _ = imported
+    cfg, want = hf.load_params(ckpt)
+    store_cfg, got = run_lib.load_weights(store)
+    assert store_cfg.num_hidden_layers == cfg.num_hidden_layers
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,4 +1,5 @@
-"""`mtjax eval CHECKPOINT DATASET`: mean next-token loss of a checkpoint on a dataset split."""
+"""`mtjax eval CHECKPOINT DATASET`: mean next-token loss of a checkpoint (an HF checkpoint
+directory or a layer store, whose master weights are used) on a dataset split."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("eval", help="loss and perplexity of a checkpoint on a dataset", description=__doc__)
-    p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/default/final)")
+    p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/default/final) or layer store")
     p.add_argument("dataset", help="prepared dataset dir, raw text/JSONL file, or builtin:shakespeare")
     p.add_argument("--split", default="val", help="train or val (default: val)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per row (default: 128)")
