@@ -107,7 +107,7 @@ class Progress:
         if record.get("tokens_per_s"):
             parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
         if "mfu" in record:
-            parts.append(f"mfu {record['mfu']:.1%}")
+            parts.append(f"mfu {record['mfu']:.2%}")
         parts.append(f"rss {record['rss_gib']:.2f}G")
         if "device_mem_gib" in record:
             parts.append(f"dev {record['device_mem_gib']:.2f}G")

@@ -35,6 +35,7 @@ def run(args) -> int:
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     loss_ax, speed_ax, memory_ax, stage_ax = axes.flat
@@ -56,6 +57,7 @@ def run(args) -> int:
     for ax, ylabel, title in [(loss_ax, "loss (nats/token)", "loss"), (speed_ax, "tokens/s", "throughput"),
                               (memory_ax, "GiB", "memory"), (stage_ax, "seconds", "stage time per step")]:
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
