@@ -99,7 +99,7 @@ def _fixed_settings(exp: ExperimentConfig) -> dict:
     return json.loads(json.dumps(fixed))  # as the store gives it back (tuples become lists)
 
 
-_PARTIAL_STORE = {"parts", "train_state", "schema.json", "LOCK", "manifest.json.tmp"}
+_PARTIAL_STORE = {"parts", "train_state", "schema.json", "STORE_ID", "STORE_ID.tmp", "LOCK", "manifest.json.tmp"}
 
 
 def _creating_marker(path: Path) -> Path:

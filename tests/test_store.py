@@ -219,13 +219,29 @@ def test_store_for_another_config(filled, tmp_path):
     with pytest.raises(StoreError, match="another model config.*intermediate_size"):
         mtjax.store.open(tmp_path / "s", config=other)
     mtjax.store.open(tmp_path / "s", config=CFG).close()
-    # a manifest swapped in from another model's store does not match the arrays' schema
+    # a manifest swapped in from another model's store: refused by identity, and without
+    # the identity (stores made before it) because it does not match the arrays' schema
     filled[0].close()
     elsewhere = mtjax.store.create(tmp_path / "o", other)
     elsewhere.close()
     (tmp_path / "s" / layout.MANIFEST).write_bytes((tmp_path / "o" / layout.MANIFEST).read_bytes())
+    with pytest.raises(StoreError, match="comes from another store"):
+        mtjax.store.open(tmp_path / "s")
+    (tmp_path / "s" / layout.STORE_ID).unlink()
     with pytest.raises(StoreError, match="different models"):
         mtjax.store.open(tmp_path / "s")
+
+
+def test_manifest_of_a_twin_store_is_refused(tmp_path):
+    """Same model, same step and generation: only the store identity tells them apart."""
+    for name in ("a", "b"):
+        mtjax.store.create(tmp_path / name, CFG).close()
+    before = (tmp_path / "a" / layout.MANIFEST).read_bytes()
+    (tmp_path / "a" / layout.MANIFEST).write_bytes((tmp_path / "b" / layout.MANIFEST).read_bytes())
+    with pytest.raises(StoreError, match="comes from another store"):
+        mtjax.store.open(tmp_path / "a", writable=True)
+    (tmp_path / "a" / layout.MANIFEST).write_bytes(before)
+    mtjax.store.open(tmp_path / "a", writable=True).close()
 
 
 def test_newer_layout_version_is_refused(filled, tmp_path):

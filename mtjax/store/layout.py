@@ -3,6 +3,8 @@
     STORE/
       manifest.json                        the commit point: step, config, slot of each (part, kind)
       schema.json                          every array's name, shape and dtype (written once)
+      STORE_ID                             a random id, also in every manifest: a manifest copied
+                                           from another store is refused
       LOCK                                 held (fcntl) by the one writer
       parts/<part>/<kind>.<slot>/<leaf>/   one zarr3 array per leaf; slot "a" or "b"
       train_state/<name>/                  orbax checkpoint of the committed step's train state
@@ -28,6 +30,7 @@ LAYOUT_VERSION = 1
 FORMAT = "mtjax-store"
 MANIFEST = "manifest.json"
 SCHEMA = "schema.json"
+STORE_ID = "STORE_ID"
 LOCK = "LOCK"
 PARTS_DIR = "parts"
 TRAIN_STATE_DIR = "train_state"

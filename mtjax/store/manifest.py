@@ -26,6 +26,7 @@ class Manifest:
     train_state: str | None = None  # directory under train_state/, or None
     dtypes: dict | None = None  # {"compute", "master", "checkpoint"}: for people reading the file
     layout_version: int = layout.LAYOUT_VERSION
+    store_id: str | None = None  # equals the store's STORE_ID file; None in stores made before it
 
     def to_json(self) -> dict:
         return {"format": layout.FORMAT, **dataclasses.asdict(self)}
@@ -50,7 +51,7 @@ def read(root: Path) -> Manifest:
     try:
         return Manifest(step=int(d["step"]), generation=int(d["generation"]), config=d["config"],
                         slots=d["slots"], train_state=d.get("train_state"), dtypes=d.get("dtypes"),
-                        layout_version=version)
+                        layout_version=version, store_id=d.get("store_id"))
     except (KeyError, TypeError, ValueError) as e:
         raise StoreError(f"{path} lacks a valid {e} entry; restore the store from a backup") from None
 

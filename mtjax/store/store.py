@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import threading
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,7 @@ class Store:
         self._lock = WriterLock(self.root) if writable else None
         try:
             self._manifest = manifest.read(self.root)
+            self._check_identity()
             self.config = layout.config_from_json(self._manifest.config)
             self._schemas = self._read_schema()
             if config is not None and (diff := layout.config_diff(config, self.config)):
@@ -90,6 +92,14 @@ class Store:
         except BaseException:
             self.close()
             raise
+
+    def _check_identity(self) -> None:
+        """A manifest copied from another store (even one at the same step) is refused."""
+        id_file = self.root / layout.STORE_ID
+        ours = id_file.read_text().strip() if id_file.exists() else None
+        if ours is not None and self._manifest.store_id != ours:
+            raise StoreError(f"{self.root / layout.MANIFEST} comes from another store (id {self._manifest.store_id}, "
+                             f"this store is {ours}); put back this store's own manifest.json")
 
     # --- what is stored ----------------------------------------------------------------
 
@@ -397,7 +407,9 @@ def create(path, cfg: ModelConfig, tx=None) -> Store:
         (root / layout.PARTS_DIR).mkdir(parents=True, exist_ok=True)
         (root / layout.TRAIN_STATE_DIR).mkdir(exist_ok=True)
         manifest.write_atomic(root / layout.SCHEMA, json.dumps(layout.schema_to_json(schemas)))
-        empty = manifest.Manifest(step=0, generation=0, config=layout.config_to_json(cfg),
+        store_id = uuid.uuid4().hex
+        manifest.write_atomic(root / layout.STORE_ID, store_id + "\n")
+        empty = manifest.Manifest(step=0, generation=0, config=layout.config_to_json(cfg), store_id=store_id,
                                   slots={p: {k: None for k in model_parts.KINDS} for p in names},
                                   dtypes={"compute": cfg.compute_dtype, "master": "float32",
                                           "checkpoint": cfg.param_dtype})
