@@ -16,7 +16,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -36,6 +35,7 @@ from mtjax.stream import StreamEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import fault_suite  # noqa: E402
+import small_disk as small_disk_lib  # noqa: E402
 
 KILLS = 8
 STEPS = 6
@@ -149,26 +149,8 @@ def _committed_files(store: Path) -> dict:
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
-    try:
+    with small_disk_lib.mounted(tmp_path / "disk", "8m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
-
-
-def _fill(mnt: Path) -> Path:
-    ballast = mnt / "ballast"
-    with open(ballast, "ab", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
-    return ballast
 
 
 def test_full_disk_during_a_step_fails_cleanly_and_resumes(work, clean, small_disk, monkeypatch):
@@ -181,7 +163,7 @@ def test_full_disk_during_a_step_fails_cleanly_and_resumes(work, clean, small_di
 
     def step(self, tokens):
         if self.step_count == 2 and not ballast:
-            ballast.append(_fill(small_disk))  # the disk fills up during step 3
+            ballast.append(small_disk_lib.fill(small_disk))  # the disk fills up during step 3
         return real_step(self, tokens)
 
     monkeypatch.setattr(StreamEngine, "step", step)

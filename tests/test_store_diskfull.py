@@ -6,43 +6,24 @@ project machines; elsewhere the test is skipped with the reason shown).
 
 from __future__ import annotations
 
-import errno
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 import mtjax.store
 from mtjax.store.errors import StoreError
+import small_disk
 from test_store import read_all, same, values, write_all
 from test_store_crash import TINY
 
 
 @pytest.fixture
 def disk(tmp_path):
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
-    try:
+    with small_disk.mounted(tmp_path / "disk", "4m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
-def fill_disk(mnt: Path, leave: int = 0) -> Path:
-    """Write a ballast file until the disk is full, then free `leave` bytes of it."""
-    ballast = mnt / "ballast"
-    with open(ballast, "ab", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 4096)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
-    os.truncate(ballast, max(0, ballast.stat().st_size - leave))
-    return ballast
+fill_disk = small_disk.fill
 
 
 def committed(root: Path, step: int, seed: int) -> None:

@@ -1,0 +1,37 @@
+"""A small tmpfs mounted for a test, and a ballast file that fills it (needs root, as on
+the project machines and in CI; elsewhere the tests using it are skipped, saying why)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+
+@contextlib.contextmanager
+def mounted(where: Path, size: str):
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def fill(mnt: Path, leave: int = 0) -> Path:
+    """Write a ballast file until the disk is full, then free `leave` bytes of it."""
+    ballast = mnt / "ballast"
+    with open(ballast, "ab", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    os.truncate(ballast, max(0, ballast.stat().st_size - leave))
+    return ballast
