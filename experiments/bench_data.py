@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import os
-import statistics
 import sys
 import tempfile
 import time

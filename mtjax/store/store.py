@@ -17,7 +17,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
-import os
 import shutil
 import threading
 import uuid
