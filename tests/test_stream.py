@@ -149,6 +149,13 @@ def test_trace_has_every_stage(tmp_path):
     engine.close()
 
 
+def assert_equals_reference_run(engine):
+    """Params and optimizer state equal the untied, accumulation-1 reference after STEPS."""
+    _, ref_params, ref_opt, _ = reference(False, 1)
+    assert max(rel_errors(engine.params(), ref_params)) <= 1e-5
+    assert max(rel_errors(engine.opt_state(), ref_opt)) <= 1e-5
+
+
 def test_commit_and_resume_from_store(tmp_path):
     """Steps on a RAM-tier engine, committed to a store, resume in a disk-tier engine."""
     tx = make_optimizer(OPT)
@@ -166,9 +173,7 @@ def test_commit_and_resume_from_store(tmp_path):
     for b in data[2:]:
         second.step(b)
     # The adamw step count lives in the optimizer state, so the schedule resumes too.
-    _, ref_params, ref_opt, _ = reference(False, 1)
-    assert max(rel_errors(second.params(), ref_params)) <= 1e-5
-    assert max(rel_errors(second.opt_state(), ref_opt)) <= 1e-5
+    assert_equals_reference_run(second)
     second.close()
     store.close()
 
@@ -185,9 +190,7 @@ def test_resume_from_whole_model_params_and_opt_state():
     second = StreamEngine(CFG, params, OPT, opt_state=opt_state)
     for b in data[2:]:
         second.step(b)
-    _, ref_params, ref_opt, _ = reference(False, 1)
-    assert max(rel_errors(second.params(), ref_params)) <= 1e-5
-    assert max(rel_errors(second.opt_state(), ref_opt)) <= 1e-5
+    assert_equals_reference_run(second)
     second.close()
 
 
