@@ -228,3 +228,33 @@ def forward(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool =
         fn = functools.partial(block_forward, cfg, kind)
         x = (jax.checkpoint(fn) if remat else fn)(block, x)
     return head_forward(cfg, params["head"], params["embed"], x)
+
+
+def block_forward_cached(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray, cache: dict, start):
+    """`block_forward` for sampling: new tokens x [b, t, d] at positions start .. start+t-1
+    attend to the keys and values of all earlier positions kept in `cache` ({"k", "v"}:
+    [b, L, kv heads, head_dim]), so each token's keys and values are computed once.
+
+    Returns (hidden [b, t, d], the cache with this call's keys and values written in).
+    """
+    m = _merge(cfg, "block:" + kind, cast(block, x.dtype))
+    attn = m.self_attn
+    b, t, _ = x.shape
+    positions = start + jnp.arange(t, dtype=jnp.int32)  # [t]
+    cos, sin = rope.cos_sin(cfg, positions[None], x.dtype)
+    h = m.input_layernorm(x)
+    q = attn.q_proj(h).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)  # btnh
+    k = attn.k_proj(h).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
+    v = attn.v_proj(h).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    keys = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)  # bLkh
+    values = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
+    key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)
+    visible = key_pos[None, :] <= positions[:, None]  # [t, L]: causal; unwritten slots lie in the future
+    if attn.window:
+        visible &= key_pos[None, :] > positions[:, None] - attn.window  # W keys, the query's own included
+    out = jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None], scale=cfg.head_dim**-0.5)
+    x = x + attn.o_proj(out.reshape(b, t, -1))
+    return x + m.mlp(m.post_attention_layernorm(x)), {"k": keys, "v": values}
