@@ -1,9 +1,13 @@
 """Sampling text from a model: greedy, temperature and top-k.
 
-A KV-cache-free loop for small models: every new token recomputes the forward pass
-over a fixed-length buffer, so the whole generation is one compiled `fori_loop` (one
-compile per buffer length, no per-token dispatch). Causal attention makes the padding
-to the right of the current position invisible to it.
+A KV-cache-free loop for small models held in memory: every new token recomputes the
+forward pass over a fixed-length buffer, so the whole generation is one compiled
+`fori_loop` (one compile per buffer length, no per-token dispatch). Causal attention
+makes the padding to the right of the current position invisible to it.
+
+Models in a layer store are sampled by mtjax.stream.sample instead, one part at a time
+with a KV cache; it shares `fit`, `pick` and `cut_at_eos` with this loop, so both give
+the same tokens for the same weights and seed.
 """
 
 from __future__ import annotations
@@ -18,21 +22,39 @@ from mtjax import model
 from mtjax.model_config import ModelConfig
 
 
+def pick(logits, key, greedy: bool, top_k: int, temperature):
+    """(next token id, next key) from fp32 logits [vocab]; the key is split once per token."""
+    key, sub = jax.random.split(key)
+    if greedy:
+        return jnp.argmax(logits), key
+    logits = logits / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][-1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(sub, logits), key
+
+
+def fit(cfg: ModelConfig, prompt: list[int], max_new_tokens: int, top_k: int | None,
+        eos_id: int | None) -> tuple[list[int], int, int]:
+    """(prompt, max_new_tokens, top_k) made to fit the model: the prompt is cut on the left
+    so prompt and continuation fit in the context; top_k 0 means the whole vocabulary."""
+    context = cfg.max_position_embeddings
+    max_new_tokens = min(max_new_tokens, context - 1)
+    prompt = list(prompt)[-(context - max_new_tokens):] or [eos_id if eos_id is not None else 0]
+    top_k = 0 if not top_k or top_k >= cfg.vocab_size else int(top_k)
+    return prompt, max_new_tokens, top_k
+
+
+def cut_at_eos(new: list[int], eos_id: int | None) -> list[int]:
+    return new[:new.index(eos_id)] if eos_id is not None and eos_id in new else new
+
+
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
-def _sample_loop(cfg: ModelConfig, params, buffer, prompt_len, temperature_is_zero: bool, top_k: int,
-                 temperature, key):
+def _sample_loop(cfg: ModelConfig, params, buffer, prompt_len, greedy: bool, top_k: int, temperature, key):
     def body(i, carry):
         buffer, key = carry
         logits = model.forward(cfg, params, buffer)[0, i - 1]  # fp32 [vocab], predicts position i
-        key, sub = jax.random.split(key)
-        if temperature_is_zero:
-            token = jnp.argmax(logits)
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = jax.lax.top_k(logits, top_k)[0][-1]
-                logits = jnp.where(logits < kth, -jnp.inf, logits)
-            token = jax.random.categorical(sub, logits)
+        token, key = pick(logits, key, greedy, top_k, temperature)
         return buffer.at[0, i].set(token.astype(buffer.dtype)), key
 
     buffer, _ = jax.lax.fori_loop(prompt_len, buffer.shape[1], body, (buffer, key))
@@ -48,20 +70,14 @@ def generate(cfg: ModelConfig, params, prompt: list[int], max_new_tokens: int, t
     """
     if max_new_tokens <= 0:
         return []
-    context = cfg.max_position_embeddings
-    max_new_tokens = min(max_new_tokens, context - 1)
-    prompt = list(prompt)[-(context - max_new_tokens):] or [eos_id if eos_id is not None else 0]
-    length = len(prompt) + max_new_tokens
-    buffer = np.zeros((1, length), np.int32)
+    prompt, max_new_tokens, top_k = fit(cfg, prompt, max_new_tokens, top_k, eos_id)
+    buffer = np.zeros((1, len(prompt) + max_new_tokens), np.int32)
     buffer[0, :len(prompt)] = prompt
-    top_k = 0 if not top_k or top_k >= cfg.vocab_size else int(top_k)
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     out = _sample_loop(cfg, params, jnp.asarray(buffer), len(prompt), temperature <= 0, top_k,
                        jnp.float32(max(temperature, 1e-6)), jax.random.key(seed))
     new = np.asarray(out[0, len(prompt):]).tolist()  # the one host sync of a generation
-    if eos_id is not None and eos_id in new:
-        new = new[:new.index(eos_id)]
-    return new
+    return cut_at_eos(new, eos_id)
 
 
 def complete(cfg: ModelConfig, params, tokenizer, prompt: str, max_new_tokens: int, **kwargs) -> str:

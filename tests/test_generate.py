@@ -70,3 +70,69 @@ def test_complete_decodes_text():
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
     text = generate.complete(cfg, model.init_params(cfg), ByteTokenizer(), "Hi", 5, temperature=0)
     assert isinstance(text, str) and len(text.encode("utf-8", "replace")) <= 5 * 3
+
+
+# --- streamed sampling from a layer store ------------------------------------------------
+
+SLIDING_TIED = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=24,
+                           initializer_range=0.5, tie_word_embeddings=True, sliding_window=3,
+                           layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"))
+
+
+@pytest.fixture(scope="module", params=["untied-full", "tied-sliding"])
+def store_model(request, tmp_path_factory):
+    """(store dir, config, the store's master weights) of a fresh 4-block fp32 store."""
+    import dataclasses
+
+    import mtjax.store
+    from mtjax.run import load_weights
+
+    cfg = dataclasses.replace(CFG, num_hidden_layers=4, layer_types=()) if request.param == "untied-full" else SLIDING_TIED
+    path = mtjax.store.init_store(cfg, tmp_path_factory.mktemp("sample") / "store", seed=3)
+    loaded_cfg, params = load_weights(path)
+    assert loaded_cfg == cfg
+    return path, cfg, params
+
+
+def _sampler(path):
+    import mtjax.store
+    from mtjax.stream.sample import StreamSampler
+
+    return StreamSampler(mtjax.store.open(path))
+
+
+def test_streamed_greedy_equals_in_memory_generate(store_model):
+    path, cfg, params = store_model
+    sampler = _sampler(path)
+    for prompt, n in (([7], 10), (list(range(40)), 6), ([1, 2, 3, 4, 5, 6, 7, 8], 16)):
+        want = generate.generate(cfg, params, prompt, n, temperature=0)
+        assert sampler.generate(prompt, n, temperature=0) == want, prompt
+        assert len(set(want)) > 1  # varied output, so a wrong cache or position shows
+    eos = want[3]
+    assert sampler.generate([1, 2, 3, 4, 5, 6, 7, 8], 16, temperature=0, eos_id=eos) == want[:want.index(eos)]
+
+
+def test_streamed_sampling_equals_in_memory_sampling(store_model):
+    path, cfg, params = store_model
+    sampler = _sampler(path)
+    for seed, top_k in ((0, 0), (1, 5)):
+        want = generate.generate(cfg, params, [5, 6], 10, temperature=1.5, top_k=top_k, seed=seed)
+        assert sampler.generate([5, 6], 10, temperature=1.5, top_k=top_k, seed=seed) == want
+
+
+def test_streamed_sampling_holds_two_parts_and_the_kv_caches(store_model):
+    """The device never holds the whole model: at most two parts' weights (the tied head
+    reads the embedding) plus the caches, and the staging buffers are reused."""
+    from mtjax import parts
+
+    path, cfg, _ = store_model
+    sampler = _sampler(path)
+    n_prompt, n_new = 5, 8
+    sampler.generate(list(range(n_prompt)), n_new, temperature=0)
+    part_bytes = [parts.nbytes(sampler.schemas[n]) for n in sampler.names]
+    cache_bytes = cfg.num_hidden_layers * 2 * 16 * cfg.num_key_value_heads * cfg.head_dim * 4  # 13 -> 16 slots
+    assert sampler.ledger.peak <= cache_bytes + 2 * max(part_bytes)
+    assert sampler.ledger.peak < cache_bytes + sum(part_bytes) - max(part_bytes)
+    assert sampler.ledger.held == 0  # everything handed back
+    assert sampler.pool.allocated <= 2 * 3  # two slots per shape (embed, block, head), for 6 x 8 part loads
