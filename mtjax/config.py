@@ -79,10 +79,16 @@ class StoreConfig:
     compute: str = "ram"  # tier of the compute-dtype weights: ram | disk
     master: str = "ram"  # tier of the fp32 master weights: ram | disk
     opt: str = "ram"  # tier of the optimizer state: ram | disk
+    copies: int = 2  # copies of the state on disk: 2 (A/B slots) or 1 (half the disk; all kinds on disk, commit every step)
 
     def __post_init__(self):
         for kind in ("compute", "master", "opt"):
             _check_choice(f"store.{kind}", getattr(self, kind), ("ram", "disk"))
+        if self.copies not in (1, 2):
+            raise ConfigError(f"store.copies must be 1 or 2, got {self.copies!r}")
+        if self.copies == 1 and "ram" in self.tiers.values():
+            raise ConfigError("store.copies=1 keeps every kind of state on disk: set store.compute, store.master "
+                              "and store.opt to disk, or use store.copies=2")
 
     @property
     def tiers(self) -> dict[str, str]:

@@ -231,6 +231,7 @@ def load_weights(path: str | Path):
     import mtjax.store
 
     with mtjax.store.open(path) as store:
+        store.check_complete("read its weights")
         cfg = store.config
         named = {p.name: store.read(p.name, "master").result() for p in parts.parts(cfg)}
     params = {name: treepath.unflatten(parts.abstract_part(cfg, name), named[name]) for name in ("embed", "head")}
@@ -354,14 +355,19 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
             if metrics is not None:
                 losses.append(metrics["loss"])
                 progress.update(step, metrics)
+            if getattr(engine, "one_copy", False):
+                # One copy of the state on disk: an update may only overwrite it once this
+                # step (state + pending gradients) is committed. Cheap: nothing is flushed.
+                engine.commit(step, train_state(exp, step, loader.cursor))
             if val is not None and (step % exp.run.eval_every == 0 or step == exp.run.steps):
                 val_loss = evaluate(engine, cfg, val)
                 progress.record(step, {"val_loss": val_loss})
-            if exp.run.checkpoint_every and step % exp.run.checkpoint_every == 0 and step < exp.run.steps:
+            if (exp.run.checkpoint_every and step % exp.run.checkpoint_every == 0 and step < exp.run.steps
+                    and not getattr(engine, "one_copy", False)):
                 _checkpoint(exp, cfg, engine, loader, tokenizer, step)
         seconds = time.perf_counter() - start
         if store_dir(exp) is not None:
-            engine.commit(exp.run.steps, train_state(exp, exp.run.steps, loader.cursor))
+            engine.commit(exp.run.steps, train_state(exp, exp.run.steps, loader.cursor), flush=True)
         params = engine.params()
         final = run_dir / "final"
         save_checkpoint(cfg, params, final, tokenizer, {"step": exp.run.steps, "loader": loader.cursor},

@@ -38,6 +38,7 @@ def export_hf(store_dir: str | Path, out_dir: str | Path, max_shard_bytes: int =
     tmp = out.with_name(f".{out.name}.export-tmp")
     store_mod.remove(tmp)
     with store_mod.open(store_dir) as store:
+        store.check_complete("export it")
         try:
             hf.save_checkpoint(store.config, hf_tensors(store), tmp, max_shard_bytes)
             if out.exists():

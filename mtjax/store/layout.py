@@ -8,6 +8,7 @@
       LOCK                                 held (fcntl) by the one writer
       parts/<part>/<kind>.<slot>/<leaf>/   one zarr3 array per leaf; slot "a" or "b"
       train_state/<name>/                  orbax checkpoint of the committed step's train state
+      pending/<part>.<tag>--<leaf>.bin     one-copy stores: gradient sums whose update is pending
 
 See docs/store.md for the commit protocol.
 """
@@ -26,7 +27,7 @@ import numpy as np
 from mtjax.model_config import ModelConfig, RopeScaling
 from mtjax.store.errors import StoreError
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: one-copy stores (manifest "copies" and "pending")
 FORMAT = "mtjax-store"
 MANIFEST = "manifest.json"
 SCHEMA = "schema.json"
@@ -34,6 +35,7 @@ STORE_ID = "STORE_ID"
 LOCK = "LOCK"
 PARTS_DIR = "parts"
 TRAIN_STATE_DIR = "train_state"
+PENDING_DIR = "pending"
 SLOTS = ("a", "b")
 CHUNK_BYTES = 16 << 20  # 4-32 MiB chunks read fastest (FACTS.md); one chunk decodes on one thread
 

@@ -27,6 +27,8 @@ class Manifest:
     dtypes: dict | None = None  # {"compute", "master", "checkpoint"}: for people reading the file
     layout_version: int = layout.LAYOUT_VERSION
     store_id: str | None = None  # equals the store's STORE_ID file; None in stores made before it
+    copies: int = 2  # 2: A/B slots of every part; 1: one copy plus the pending gradients (docs/store.md)
+    pending: dict | None = None  # copies=1: {"tag", "parts", "scale"} of gradients not yet applied
 
     def to_json(self) -> dict:
         return {"format": layout.FORMAT, **dataclasses.asdict(self)}
@@ -51,7 +53,8 @@ def read(root: Path) -> Manifest:
     try:
         return Manifest(step=int(d["step"]), generation=int(d["generation"]), config=d["config"],
                         slots=d["slots"], train_state=d.get("train_state"), dtypes=d.get("dtypes"),
-                        layout_version=version, store_id=d.get("store_id"))
+                        layout_version=version, store_id=d.get("store_id"), copies=int(d.get("copies", 2)),
+                        pending=d.get("pending"))
     except (KeyError, TypeError, ValueError) as e:
         raise StoreError(f"{path} lacks a valid {e} entry; restore the store from a backup") from None
 

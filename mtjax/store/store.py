@@ -5,10 +5,13 @@
     fut = store.read(part, kind, out=None)           # Future[{leaf: np.ndarray}]
     fut = store.write(part, kind, arrays)            # Future[None], to the uncommitted slot
     store.commit(step, train_state=None)             # atomic: all of the step or none of it
+    store.commit_part(part)                          # one-copy stores: one part's update
 
 Each (part, kind) has two slots, "a" and "b". Writes go to the slot the committed
 manifest does not name; reads see the latest write; `commit` makes the written slots
-(and the train state) current by atomically replacing the manifest. docs/store.md has
+(and the train state) current by atomically replacing the manifest. A one-copy store
+(`copies=1`) frees the old slot as soon as a part's new state is committed, and commits
+each step as "the state before the update + the pending gradients". docs/store.md has
 the whole protocol and why a crash at any moment leaves a consistent store.
 """
 
@@ -80,6 +83,11 @@ class Store:
             self._mutex = threading.Lock()
             self._broken: str | None = None
             self._on_phase = lambda phase: None  # test hook: called at each step of `commit`
+            self._commit_mutex = threading.Lock()  # one manifest change at a time
+            # One-copy stores: part commits run in order, on their own thread, after the part's writes.
+            self._committer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtjax-store-commit")
+            self._part_commits: list[concurrent.futures.Future] = []
+            self._check_copies()
             named = self._manifest.train_state
             if named is not None and not (self.root / layout.TRAIN_STATE_DIR / named).is_dir():
                 # Checked before `clean`, which would otherwise delete this store's real train state.
@@ -88,6 +96,8 @@ class Store:
                                  "store's own manifest.json")
             if writable:
                 saved_state.clean(self.root, keep=named)
+                if self.copies == 1:
+                    self._free_stale()
         except BaseException:
             self.close()
             raise
@@ -100,7 +110,65 @@ class Store:
             raise StoreError(f"{self.root / layout.MANIFEST} comes from another store (id {self._manifest.store_id}, "
                              f"this store is {ours}); put back this store's own manifest.json")
 
+    def _check_copies(self) -> None:
+        m = self._manifest
+        pending = m.pending
+        ok = m.copies in (1, 2) and (pending is None or (
+            m.copies == 1 and isinstance(pending, dict) and isinstance(pending.get("tag"), str)
+            and isinstance(pending.get("parts"), list) and set(pending["parts"]) <= set(self.parts)
+            and isinstance(pending.get("scale"), (int, float))))
+        if not ok:
+            raise StoreError(f"{self.root / layout.MANIFEST} has a malformed copies/pending entry; "
+                             "restore the store from a backup")
+
+    def _free_stale(self) -> None:
+        """One-copy stores: delete what no commit names (a crash can leave both behind):
+        chunks of the slots the manifest does not name, and gradients of no pending update."""
+        for part, kinds in self._manifest.slots.items():
+            for kind, slot in kinds.items():
+                if slot is not None:
+                    self._free_slot(part, kind, layout.other_slot(slot))
+        keep = self.pending_files_prefixes()
+        pending_dir = self.root / layout.PENDING_DIR
+        for f in pending_dir.iterdir() if pending_dir.is_dir() else ():
+            if not f.name.startswith(keep):
+                f.unlink(missing_ok=True)
+
+    def _free_slot(self, part: str, kind: str, slot: str) -> None:
+        base = layout.slot_dir(self.root, part, kind, slot)
+        for leaf in self.schema(part, kind):
+            for f in (base / leaf).glob("c*") if (base / leaf).is_dir() else ():
+                f.unlink(missing_ok=True)  # chunk keys: "c" (a scalar) or "c.<i>...", and their temp files
+
     # --- what is stored ----------------------------------------------------------------
+
+    @property
+    def copies(self) -> int:
+        """2: every part has two slots (any commit interval); 1: one copy, committed every step."""
+        return self._manifest.copies
+
+    @property
+    def pending(self) -> dict | None:
+        """One-copy stores: {"tag", "parts", "scale"} of the committed gradients whose update
+        has not been applied to `parts` yet (None or no parts: the state is complete)."""
+        p = self._manifest.pending
+        return dict(p, parts=list(p["parts"])) if p and p["parts"] else None
+
+    @property
+    def pending_dir(self) -> Path:
+        """Where a one-copy store's trainer keeps gradient sums (`<part>.<tag>--<leaf>.bin`)."""
+        return self.root / layout.PENDING_DIR
+
+    def pending_files_prefixes(self) -> tuple[str, ...]:
+        p = self._manifest.pending
+        return tuple(f"{part}.{p['tag']}--" for part in p["parts"]) if p else ()
+
+    def check_complete(self, what: str) -> None:
+        """Refuse to read weights that still wait for a committed update."""
+        if self.pending:
+            raise StoreError(f"store {self.root} holds step {self.step} with its last optimizer update still to be "
+                             f"applied to {len(self.pending['parts'])} part(s) (its run stopped mid-step); resume the "
+                             f"run with `mtjax train ... --run.resume=true` to finish it, then {what}")
 
     @property
     def step(self) -> int:
@@ -295,11 +363,13 @@ class Store:
 
     # --- commits ------------------------------------------------------------------------
 
-    def commit(self, step: int, train_state: dict | None = None) -> None:
+    def commit(self, step: int, train_state: dict | None = None, pending: dict | None = None) -> None:
         """Make every write since the last commit, and `train_state`, the committed `step`.
 
         Atomic: after a crash at any moment the store opens at the previous step or at
-        this one, never a mix. On error the previous commit stays current.
+        this one, never a mix. On error the previous commit stays current. `pending`
+        (one-copy stores): {"tag", "parts", "scale"} of gradient sums, durable in
+        `pending_dir`, that the committed step still has to apply to those parts.
         """
         if not self.writable:
             raise StoreError(f"store {self.root} is open read-only; open it with writable=True to commit")
@@ -309,10 +379,20 @@ class Store:
         if train_state is not None:
             train_state = dict(train_state)
             saved_state.check(train_state)  # before anything touches the disk
+        if pending is not None and self.copies != 2 and not pending.get("parts"):
+            pending = None
+        if pending is not None and self.copies == 2:
+            raise StoreError("pending gradients are for one-copy stores (copies=1)")
         with self._mutex:
-            pending = list(self._pending.values())
-        concurrent.futures.wait(pending)  # the step's writes must all be on disk before the manifest names them
+            part_commits, self._part_commits = self._part_commits, []
+            waits = list(self._pending.values()) + part_commits
+        concurrent.futures.wait(waits)  # the step's writes must all be on disk before the manifest names them
         self._check_usable()  # a failed write marked the store broken: never commit a partial step
+        for f in part_commits:
+            f.result()  # a failed part commit: its error, not a commit that skips it
+        if pending is not None:
+            pending = {"tag": str(pending["tag"]), "parts": list(pending["parts"]), "scale": float(pending["scale"])}
+            self._sync_dirs([self.pending_dir])  # the sums' names are durable before the manifest needs them
         self._on_phase("written")
         slots = {p: dict(kinds) for p, kinds in self._manifest.slots.items()}
         dirs = set()
@@ -326,13 +406,63 @@ class Store:
         if train_state is not None:
             ts_name = saved_state.save(self.root, f"g{generation:08d}-step{step:08d}", train_state)
         self._on_phase("train_state")
-        new = dataclasses.replace(self._manifest, step=step, generation=generation, slots=slots,
-                                  train_state=ts_name)
-        manifest.write(self.root, new)  # the commit point
-        self._on_phase("committed")
-        self._manifest = new
-        self._dirty.clear()
+        with self._commit_mutex:
+            new = dataclasses.replace(self._manifest, step=step, generation=generation, slots=slots,
+                                      train_state=ts_name, pending=pending)
+            manifest.write(self.root, new)  # the commit point
+            self._on_phase("committed")
+            self._manifest = new
+            dirty, self._dirty = self._dirty, set()
         saved_state.clean(self.root, keep=ts_name)
+        if self.copies == 1:
+            for part, kind in dirty:
+                self._free_slot(part, kind, layout.other_slot(slots[part][kind]))
+
+    def commit_part(self, part: str, after=None) -> concurrent.futures.Future:
+        """One-copy stores: once the part's pending writes are on disk, commit its new state
+        and drop it from the pending update, free its old slots, then call `after()`.
+
+        Returns at once; `commit` waits for every part commit. A crash before the manifest
+        names the new state leaves the part pending, so a resume applies the same update again.
+        """
+        if self.copies != 1:
+            raise StoreError("commit_part is for one-copy stores (copies=1)")
+        with self._mutex:
+            writes = [self._pending[(part, k)] for k in model_parts.KINDS if (part, k) in self._pending]
+
+        def run():
+            concurrent.futures.wait(writes)
+            self._check_usable()
+            for w in writes:
+                w.result()
+            with self._mutex:
+                kinds = [k for k in model_parts.KINDS if (part, k) in self._dirty]
+            slots = {k: self._latest[(part, k)] for k in kinds}
+            dirs = set()
+            for kind, slot in slots.items():
+                dirs.update(_slot_dirs(layout.slot_dir(self.root, part, kind, slot), self.schema(part, kind)))
+            self._sync_dirs(sorted(dirs))
+            with self._commit_mutex:
+                m = self._manifest
+                table = {p: dict(ks) for p, ks in m.slots.items()}
+                table[part].update(slots)
+                pending = m.pending
+                if pending is not None:
+                    pending = dict(pending, parts=[p for p in pending["parts"] if p != part])
+                new = dataclasses.replace(m, generation=m.generation + 1, slots=table, pending=pending)
+                manifest.write(self.root, new)  # the part's commit point
+                self._manifest = new
+                with self._mutex:
+                    self._dirty -= {(part, k) for k in kinds}
+            for kind, slot in slots.items():
+                self._free_slot(part, kind, layout.other_slot(slot))
+            if after is not None:
+                after()
+
+        fut = self._committer.submit(run)
+        with self._mutex:
+            self._part_commits = [f for f in self._part_commits if not f.done() or f.exception()] + [fut]
+        return fut
 
     def _sync_dirs(self, dirs: list[Path]) -> None:
         """fsync directories in parallel: each call waits for the disk, not for the CPU."""
@@ -353,6 +483,9 @@ class Store:
         try:
             if getattr(self, "_pending", None):
                 concurrent.futures.wait(list(self._pending.values()))
+            if getattr(self, "_committer", None) is not None:
+                self._committer.shutdown(wait=True)
+                self._committer = None
         finally:
             self._arrays = None
             if getattr(self, "_io", None) is not None:
@@ -388,10 +521,13 @@ def open(path, writable: bool = False, config: ModelConfig | None = None) -> Sto
     return Store(root, writable, config)
 
 
-def create(path, cfg: ModelConfig, tx=None) -> Store:
+def create(path, cfg: ModelConfig, tx=None, copies: int = 2) -> Store:
     """Create an empty store for `cfg` (manifest at step 0, nothing written) and open it
     for writing. `tx` (an optax transformation; default AdamW from OptimConfig()) fixes the
-    optimizer-state leaves."""
+    optimizer-state leaves. `copies=1` keeps one copy of the state on disk instead of two
+    (a trainer must then commit every step; docs/store.md)."""
+    if copies not in (1, 2):
+        raise StoreError(f"store copies must be 1 or 2, got {copies!r}")
     root = Path(path)
     if (root / layout.MANIFEST).exists() or (root.exists() and any(root.iterdir())):
         raise StoreError(f"{root} already exists and is not empty; choose a new directory "
@@ -405,13 +541,14 @@ def create(path, cfg: ModelConfig, tx=None) -> Store:
     try:
         (root / layout.PARTS_DIR).mkdir(parents=True, exist_ok=True)
         (root / layout.TRAIN_STATE_DIR).mkdir(exist_ok=True)
+        (root / layout.PENDING_DIR).mkdir(exist_ok=True)
         manifest.write_atomic(root / layout.SCHEMA, json.dumps(layout.schema_to_json(schemas)))
         store_id = uuid.uuid4().hex
         manifest.write_atomic(root / layout.STORE_ID, store_id + "\n")
         empty = manifest.Manifest(step=0, generation=0, config=layout.config_to_json(cfg), store_id=store_id,
                                   slots={p: {k: None for k in model_parts.KINDS} for p in names},
                                   dtypes={"compute": cfg.compute_dtype, "master": "float32",
-                                          "checkpoint": cfg.param_dtype})
+                                          "checkpoint": cfg.param_dtype}, copies=copies)
         manifest.write(root, empty)
     except OSError as e:
         raise StoreError(f"cannot create store at {root} ({e.strerror or e})") from None

@@ -105,9 +105,19 @@ class StreamEngine:
         # head + tied embedding + the resident last block), one whose readers finish.
         group = max(len(g) for g in self.groups)
         self.pool = StagingPool(self.placement, self.ledger, prefetch_depth + max(group, 3) + 1)
+        # A one-copy store keeps a single copy of the state: each step commits the state
+        # before its update plus the gradients, durable in the store (docs/store.md).
+        self.one_copy = self.store is not None and getattr(self.store, "copies", 2) == 1
+        if self.one_copy and self.tiers.kinds_in("ram"):
+            raise MtjaxError("a one-copy store (store.copies=1) holds every kind of state: set store.compute, "
+                             "store.master and store.opt to 'disk', or use store.copies=2")
         # With the master weights on disk, gradients awaiting their update wait in files.
-        spill = ScratchFiles(_beside(self.store)) if self.tiers.placement["master"] == "disk" else None
+        if self.one_copy:
+            spill = ScratchFiles(directory=self.store.pending_dir)
+        else:
+            spill = ScratchFiles(_beside(self.store)) if self.tiers.placement["master"] == "disk" else None
         self.grads = GradSink(self.placement, self.tracer, spill)
+        self._uncommitted = False  # one-copy: this step's gradients are not yet in a commit
         self._scale = None  # the clip scale of the pending updates (CPU scalar)
         self._writes: list[cf.Future] = []
         self.read_buffers = ReadBuffers()
@@ -116,6 +126,7 @@ class StreamEngine:
         self._owns_store = False  # close() closes a store the engine created
         if from_store:
             self._load_ram_kinds()
+            self._adopt_pending()
         else:
             self._init_state(params_or_store, opt_state)
         if batch_shape is not None:
@@ -133,7 +144,7 @@ class StreamEngine:
             from mtjax.optim import make_optimizer
 
             path = exp.store.path or str(Path(exp.run.dir) / "store")
-            store = mtjax.store.create(path, cfg, make_optimizer(exp.optim))
+            store = mtjax.store.create(path, cfg, make_optimizer(exp.optim), copies=exp.store.copies)
         s = exp.stream
         engine = cls(cfg, params, exp.optim, prefetch_depth=s.prefetch_depth, keep_every=s.keep_every,
                    activations=s.activations, device_budget_bytes=s.device_budget_bytes, tiers=tiers,
@@ -161,6 +172,15 @@ class StreamEngine:
             for p in self.parts:
                 arrays = self.store.read(p.name, kind).result()
                 self.tiers.write(p.name, kind, jax.device_put(arrays, host_device()))
+
+    def _adopt_pending(self) -> None:
+        """Resume a one-copy store mid-update: its committed gradients are this engine's pending ones."""
+        pending = getattr(self.store, "pending", None)
+        if not pending:
+            return
+        schemas = {p: self.store.schema(p, "master") for p in pending["parts"]}
+        self.grads.adopt(pending["parts"], pending["tag"], schemas)
+        self._scale = jax.device_put(np.float32(pending["scale"]), host_device())
 
     def _write(self, part: str, kind: str, arrays: dict) -> None:
         with self.tracer.span("write", part):
@@ -191,6 +211,9 @@ class StreamEngine:
 
     def _apply_update(self, part: str) -> dict | None:
         """The deferred optimizer update of `part`, if one is pending; returns the new compute copy."""
+        if self._uncommitted and part in self.grads.pending():
+            raise MtjaxError("with a one-copy store a step must be committed (engine.commit(step, train_state)) "
+                             "before its update may overwrite the only copy of the state")
         grads = self.grads.take(part)
         if grads is None:
             return None
@@ -205,6 +228,9 @@ class StreamEngine:
         self._write(part, "master", master)
         self._write(part, "opt", opt)
         self._write(part, "compute", compute)
+        if self.one_copy:
+            # Once the new state is on disk the manifest names it and its gradient can go.
+            self._writes.append(self.store.commit_part(part, after=lambda: self.grads.release(part)))
         return compute
 
     def flush(self) -> None:
@@ -229,16 +255,28 @@ class StreamEngine:
         per_part = {p.name: {n: jnp.asarray(np.asarray(a)) for n, a in self._read(p.name, "opt").items()} for p in self.parts}
         return full_opt_state(self.cfg, self.tx, per_part)
 
-    def commit(self, step: int | None = None, train_state=None) -> None:
-        """Make the current state durable in the store: RAM-tier kinds are written too."""
+    def commit(self, step: int | None = None, train_state=None, flush: bool | None = None) -> None:
+        """Make the current state durable in the store: RAM-tier kinds are written too.
+
+        Pending updates are applied first (`flush`), except with a one-copy store, which
+        commits them as gradients still to apply (a resume applies them): no pause.
+        """
         if self.store is None:
             raise MtjaxError("commit needs a layer store: pass store=mtjax.store.create(...)")
+        step = self.step_count if step is None else step
+        if self.one_copy:
+            self._wait_writes()  # the part commits of this step's updates included
+            self.store.commit(step, train_state, pending=self.grads.pending_update(self._scale))
+            self._uncommitted = False
+            if not flush:
+                return
         self.flush()
         for kind in self.tiers.kinds_in("ram"):
             for p in self.parts:
                 self._writes.append(self.store.write(p.name, kind, {n: np.asarray(a) for n, a in self._read(p.name, kind).items()}))
         self._wait_writes()
-        self.store.commit(self.step_count if step is None else step, train_state)
+        self.store.commit(step, train_state)
+        self._uncommitted = False
 
     # --- the plan ------------------------------------------------------------------
 
@@ -359,7 +397,7 @@ class StreamEngine:
             for slot, _ in feed.close():
                 self.pool.release(slot, [])
         # Host sync: the clip scale needs every part's gradient norm.
-        sq = self.grads.finish()
+        sq = self.grads.finish(tag=f"g{self.step_count + 1}")
         self.step_count += 1
         # One host sync per step for the metrics, after the last block is enqueued.
         loss, norm_sq = float(np.mean([float(x) for x in losses])), float(sq)
@@ -371,6 +409,7 @@ class StreamEngine:
             self._wait_writes()
             raise NonFiniteStep(self.step_count, loss, bad)
         self._scale = jax.device_put(clip_scale(sq, self.clip_norm), host_device())
+        self._uncommitted = self.one_copy
         self._wait_writes()
         return {"loss": loss, "grad_norm": math.sqrt(norm_sq)}
 

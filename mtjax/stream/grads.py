@@ -4,7 +4,9 @@ sum it there over micro-batches, on a worker thread so the device loop never wai
 `finish` returns the squared global norm (a lazy scalar on the CPU backend), which
 fixes the clip scale before any part is updated; `take(part)` hands a part's summed
 gradient to its (deferred) update. With `spill`, sums wait in scratch files instead of
-host memory (used when the master weights live on disk).
+host memory (used when the master weights live on disk). A step's finished sums are
+named by its tag (`finish(tag)`); with a durable spill (one-copy stores) a taken sum's
+files stay until `release(part)`, after the part's new state is committed.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class GradSink:
         self._sums: dict[str, dict] = {}  # this step's sums (when not spilled)
         self._sq: dict[str, jax.Array] = {}  # this step's squared norm per part
         self._current: set[str] = set()  # parts with a sum in this step
-        self._ready: dict[str, dict | None] = {}  # last step's sums awaiting their update
+        self._ready: dict[str, tuple[dict | None, str]] = {}  # last step's (sums, tag) awaiting their update
+        self._taken: dict[str, str] = {}  # durable spill: part -> file key, until `release`
         self._futures: list[cf.Future] = []
         self.last_sq: dict[str, jax.Array] = {}  # the last finished step's squared norm per part
 
@@ -62,19 +65,19 @@ class GradSink:
             self._sq[part] = self._sq_fn(acc)
         if self.spill:
             # np.asarray inside waits for the sum (host sync on this worker thread).
-            self.spill.put(part + ".sum", acc)
+            self.spill.put(part + ".sum", acc, sync=last)
         else:
             self._sums[part] = acc
 
-    def finish(self) -> jax.Array:
+    def finish(self, tag: str = "ready") -> jax.Array:
         """The squared global norm of this step's gradients; re-raises worker errors."""
         for fut in self._futures:
             fut.result()
         self._futures.clear()
         for part in self._current:
-            self._ready[part] = self._sums.pop(part, None)
+            self._ready[part] = (self._sums.pop(part, None), tag)
             if self.spill:
-                self.spill.rename(part + ".sum", part + ".ready")
+                self.spill.rename(part + ".sum", f"{part}.{tag}")
         self._current.clear()
         self.last_sq = self._sq  # per part, to name the parts of a non-finite step
         sq, self._sq = sum(self._sq.values()), {}
@@ -84,6 +87,7 @@ class GradSink:
         """Drop the sums `finish` made ready (a non-finite step): no update will use them."""
         for part in list(self._ready):
             self.take(part)
+            self.release(part)
 
     def discard(self) -> None:
         """Drop this step's sums (the step failed); last step's stay pending."""
@@ -99,12 +103,38 @@ class GradSink:
     def pending(self) -> list[str]:
         return list(self._ready)
 
+    def pending_update(self, scale) -> dict | None:
+        """{"tag", "parts", "scale"} of the finished sums not yet applied (for a commit), or None."""
+        if not self._ready:
+            return None
+        tags = {tag for _, tag in self._ready.values()}
+        assert len(tags) == 1, f"sums of several steps pending: {tags}"
+        return {"tag": tags.pop(), "parts": list(self._ready), "scale": float(scale)}
+
+    def adopt(self, parts: list[str], tag: str, schemas: dict) -> None:
+        """Resume: the sums a previous process committed as pending, under `tag`
+        ({part: {leaf: ShapeDtypeStruct}} of their fp32 shapes)."""
+        for part in parts:
+            self.spill.adopt(f"{part}.{tag}", schemas[part])
+            self._ready[part] = (None, tag)
+
     def take(self, part: str) -> dict | None:
         """The summed gradient of `part` from the last step, or None if already taken."""
         if part not in self._ready:
             return None
-        grads = self._ready.pop(part)
-        return self.spill.take(part + ".ready") if self.spill else grads
+        grads, tag = self._ready.pop(part)
+        if not self.spill:
+            return grads
+        key = f"{part}.{tag}"
+        if self.spill.durable:
+            self._taken[part] = key
+        return self.spill.take(key, keep=self.spill.durable)
+
+    def release(self, part: str) -> None:
+        """Durable spill: the update of `part` is committed; its gradient files can go."""
+        key = self._taken.pop(part, None)
+        if key is not None:
+            self.spill.forget(key)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -1,0 +1,175 @@
+"""One-copy stores (store.copies=1): half the disk of A/B slots, the same guarantees.
+
+A one-copy store commits each step as the state before its update plus the gradients
+still to apply; each part's update is committed on its own, after which its old slot and
+its gradient go. These tests check that training equals a two-copy run bit for bit,
+that the disk holds one copy, that kill -9 at random moments then rerun ends
+bit-identical, and that nothing reads half-updated weights.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import mtjax.store
+from mtjax import config, model
+from mtjax.errors import MtjaxError
+from mtjax.model_config import ConfigError, ModelConfig
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.store.hf_export import export_hf
+from mtjax.stream import StreamEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import fault_suite  # noqa: E402
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16)
+OPT = OptimConfig(lr=1e-2, clip_norm=0.5, warmup_steps=0)
+DISK = {"compute": "disk", "master": "disk", "opt": "disk"}
+TOKENS = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 2, 16)).astype(np.int32)  # accum 2
+
+
+def _train(path: Path, copies: int, steps: int, close: bool = True):
+    store = mtjax.store.create(path, CFG, make_optimizer(OPT), copies=copies)
+    engine = StreamEngine(CFG, model.init_params(CFG, 0), OPT, tiers=DISK, store=store)
+    engine.commit(0)
+    for i in range(steps):
+        engine.step(TOKENS)
+        engine.commit(i + 1)
+    if close:
+        engine.close()
+        store.close()
+    return engine, store
+
+
+def _parts_bytes(path: Path) -> int:
+    """Bytes of tensor data in the store's chunk files (each ends with a 4-byte crc32c)."""
+    chunks = [f for f in (path / "parts").rglob("c*") if f.name == "c" or f.name.startswith("c.")]
+    return sum(f.stat().st_size - 4 for f in chunks)
+
+
+def _params(path: Path):
+    with mtjax.store.open(path) as store:
+        return {p: store.read(p, "master").result() for p in store.parts}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(np.array_equal(a[p][n], b[p][n]) for p in a for n in a[p])
+
+
+def test_one_copy_trains_like_two_copies_on_half_the_disk(tmp_path):
+    one, s1 = _train(tmp_path / "one", 1, 3, close=False)
+    two, s2 = _train(tmp_path / "two", 2, 3, close=False)
+    assert s1.pending is not None and s2.pending is None  # one copy: the last update waits, committed
+    one_bytes, two_bytes = _parts_bytes(tmp_path / "one"), _parts_bytes(tmp_path / "two")
+    assert one_bytes == s1.nbytes() and two_bytes == 2 * s2.nbytes()  # exactly one copy vs two
+    pending_bytes = sum(f.stat().st_size for f in s1.pending_dir.iterdir())
+    assert pending_bytes == s1.nbytes("master")  # the fp32 gradient of every part
+    p1, p2 = one.params(), two.params()  # applies the last update (and commits it, one copy)
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), p1, p2))
+    assert s1.pending is None and not list(s1.pending_dir.iterdir())
+    for e, s in ((one, s1), (two, s2)):
+        e.close()
+        s.close()
+
+
+def test_resume_applies_the_committed_update_exactly(tmp_path):
+    """A process that dies after committing step 2 (its update not applied yet): a new
+    engine on the store applies it and continues exactly as an unbroken run."""
+    _train(tmp_path / "clean", 1, 3)
+    _train(tmp_path / "broken", 1, 2)  # closed with step 2's update pending
+    with mtjax.store.open(tmp_path / "broken", writable=True) as store:
+        assert sorted(store.pending["parts"]) == sorted(store.parts)
+        engine = StreamEngine(CFG, store, OPT, tiers=DISK)
+        engine.step_count = 2
+        engine.step(TOKENS)
+        engine.commit(3)
+        engine.flush()
+        engine.close()
+    clean_engine, clean_store = _train(tmp_path / "clean2", 1, 3, close=False)
+    clean_engine.flush()
+    clean_engine.close()
+    clean_store.close()
+    assert _same(_params(tmp_path / "broken"), _params(tmp_path / "clean2"))
+
+
+def test_a_step_must_be_committed_before_its_update(tmp_path):
+    engine, store = _train(tmp_path / "s", 1, 1, close=False)
+    engine.step(TOKENS)
+    with pytest.raises(MtjaxError, match="must be committed"):
+        engine.step(TOKENS)
+    engine.close()
+    store.close()
+
+
+def test_half_updated_store_is_not_read_as_weights(tmp_path):
+    _train(tmp_path / "s", 1, 2)
+    with pytest.raises(mtjax.store.StoreError, match="resume the run"):
+        export_hf(tmp_path / "s", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_leftovers_of_a_crash_are_freed_on_open(tmp_path):
+    _, store = _train(tmp_path / "s", 1, 2, close=False)
+    slot = store._manifest.slots["block.0"]["master"]
+    stale = mtjax.store.layout.slot_dir(store.root, "block.0", "master", mtjax.store.layout.other_slot(slot))
+    store.close()
+    # What a kill between writing a part and committing it leaves: a written spare slot
+    # and the next step's partial gradient sums.
+    shutil.copytree(stale.with_name(f"master.{slot}"), stale, dirs_exist_ok=True)
+    (store.pending_dir / "block.1.sum--x.bin").write_bytes(b"0" * 100)
+    assert _parts_bytes(tmp_path / "s") > store.nbytes()
+    with mtjax.store.open(tmp_path / "s", writable=True) as again:
+        assert _parts_bytes(tmp_path / "s") == again.nbytes()
+        assert not (again.pending_dir / "block.1.sum--x.bin").exists()
+        assert again.pending is not None  # the committed gradients stay
+
+
+def test_config_needs_every_kind_on_disk():
+    with pytest.raises(ConfigError, match="store.copies=1 keeps every kind"):
+        config.load(None, ["--store.copies=1", "--store.master=disk"])
+    with pytest.raises(ConfigError, match="store.copies must be 1 or 2"):
+        config.load(None, ["--store.copies=3"])
+
+
+ONE_COPY = ["--store.copies=1"]
+
+
+def test_kill_minus_9_then_rerun_ends_bit_identical(tmp_path):
+    """`mtjax train` on a one-copy store killed at random moments, each kill followed by
+    the same command; the finished run equals an uninterrupted two-copy run."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path  # a kill is not a power loss
+    work = base / f"mtjax-test-one-copy-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        steps, rng = 5, random.Random(3)
+        r = fault_suite.mtjax(fault_suite.train_args(work / "clean", steps))  # two copies
+        assert r.returncode == 0, r.stderr
+        args = fault_suite.train_args(work / "killed", steps) + ONE_COPY
+        kills = 0
+        for i in range(6):
+            if i % 2:
+                killed = fault_suite.run_killed_after_commit(args, work / "killed", rng.randrange(steps),
+                                                             rng.uniform(0.0, 0.4))
+            else:
+                killed = fault_suite.run_killed(args, rng.uniform(3.0, 12.0))
+            kills += killed
+            if not killed:
+                shutil.rmtree(work / "killed")
+        assert kills >= 3
+        r = fault_suite.mtjax(args)
+        assert r.returncode == 0, r.stderr
+        assert fault_suite.same_files(work / "clean" / "final", work / "killed" / "final", ["model.safetensors"])
+        with mtjax.store.open(work / "killed" / "store") as store:
+            assert store.copies == 1 and store.pending is None
+            assert _parts_bytes(work / "killed" / "store") == store.nbytes()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
