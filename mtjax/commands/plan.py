@@ -18,6 +18,7 @@ def register(subparsers) -> None:
     p.add_argument("--keep-every", type=int, help="keep every k-th block input on the device")
     p.add_argument("--prefetch-depth", type=int, help="parts fetched ahead of the one computing")
     p.add_argument("--placement", help="e.g. compute=ram,master=ram,opt=disk (default: all ram)")
+    p.add_argument("--store-copies", type=int, choices=(1, 2), help="copies of disk-tier state (store.copies)")
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16", "float16"),
                    help="dtype of streamed weights and activations (default: the config's)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -47,7 +48,7 @@ def run_plan(args) -> int:
 
     overrides = {"compute_dtype": args.compute_dtype} if args.compute_dtype else {}
     cfg, workload, tx = inputs.load(args.config, **overrides)
-    knobs = ("batch_size", "seq_len", "grad_accum", "keep_every", "prefetch_depth")
+    knobs = ("batch_size", "seq_len", "grad_accum", "keep_every", "prefetch_depth", "store_copies")
     changes = {name: getattr(args, name) for name in knobs if getattr(args, name) is not None}
     if args.placement:
         changes["placement"] = _placement(args.placement)

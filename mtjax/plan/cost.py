@@ -68,6 +68,7 @@ class Workload:
     activations: str = "device"  # where kept block inputs live: device | host
     loss_chunk: int | None = None  # tokens per head chunk (logits never exist whole); None = seq_len
     placement: Placement = Placement()
+    store_copies: int = 2  # copies of the disk-tier state: 2 (A/B slots) or 1 (one copy + pending gradients)
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "grad_accum"):
@@ -333,8 +334,9 @@ def estimate(cfg: ModelConfig, workload: Workload, hardware: HardwareProfile,
     host = HostMemory(in_ram, grads_in_ram, staging, activations, runtime,
                       in_ram + grads_in_ram + staging + activations + runtime)
     checkpoint = sum(state.get(k) for k in ("master", "opt") if getattr(place, k) == "ram")
-    # Two copies of everything on disk, so a crash mid-write never loses the committed one.
-    disk_bytes = 2 * (sum(state.get(k) for k in place.on("disk")) + checkpoint) + (grad32 if spill else 0)
+    # Two copies of everything on disk, so a crash mid-write never loses the committed one;
+    # a one-copy store instead keeps the pending gradients durable (counted in the spill).
+    disk_bytes = w.store_copies * (sum(state.get(k) for k in place.on("disk")) + checkpoint) + (grad32 if spill else 0)
 
     times = _times(w, hw, pb, flops, traffic, c_item, cfg)
     return Plan(cfg, w, hw, pb, num_params, flops, model_flops, state, device, host, disk_bytes,

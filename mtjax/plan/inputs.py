@@ -54,4 +54,5 @@ def workload_from_experiment(exp) -> Workload:
         keep_every=exp.stream.keep_every, prefetch_depth=exp.stream.prefetch_depth,
         activations=exp.stream.activations,
         placement=Placement(compute=exp.store.compute, master=exp.store.master, opt=exp.store.opt),
+        store_copies=exp.store.copies,
     )

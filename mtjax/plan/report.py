@@ -45,7 +45,7 @@ def text(plan: Plan, advice: Advice | None = None) -> str:
         f"runtime {size(plan.host.runtime)}) of {size(hw.host_ram_bytes)}",
         *([f"  RAM in all     {size(plan.ram_needed):>10}  (the device is the host: its peak is in RAM too)"]
           if hw.device_is_host else []),
-        f"  disk           {size(plan.disk_bytes):>10}  (two copies of disk-tier state and checkpoints) "
+        f"  disk           {size(plan.disk_bytes):>10}  ({_copies(plan)}) "
         f"of {size(hw.disk_bytes)}",
         f"  state          compute {size(plan.state.compute)}, master {size(plan.state.master)}, "
         f"opt {size(plan.state.opt)}",
@@ -110,3 +110,9 @@ def as_dict(plan: Plan, advice: Advice | None = None) -> dict:
             "tokens_per_s": advice.plan.tokens_per_s, "fits": advice.fits, "why": advice.why,
         }
     return out
+
+
+def _copies(plan) -> str:
+    if plan.workload.store_copies == 2:
+        return "two copies of disk-tier state and checkpoints"
+    return "one copy of disk-tier state and checkpoints, plus the pending gradients"
