@@ -127,6 +127,9 @@ def resume_from_store(exp: ExperimentConfig, cfg: ModelConfig, path: Path):
         return None, 0, None
     store = mtjax.store.open(path, writable=True, config=cfg)  # the writer lock: one trainer per store
     try:
+        if store.copies != exp.store.copies:
+            raise ConfigError(f"store {path} keeps {store.copies} cop{'y' if store.copies == 1 else 'ies'} of the "
+                              f"state; set --store.copies={store.copies} to train it")
         state = store.load_train_state()
         if state is not None and not exp.run.resume:
             raise ConfigError(f"store.path {path} holds a run trained to step {state['step']}; pass "

@@ -7,9 +7,9 @@ fresh subprocess; the training child reports its peak RSS (ru_maxrss), per-step 
 loss and the bytes it read and wrote (/proc/self/io). The store is deleted at the end.
 Writes its section of docs/benchmarks.md.
 
-The store keeps two slots per (part, kind) and the engine spills fp32 gradient sums next
-to it, so the disk holds about 2 x 14 + 4 = 32 bytes per parameter after the first step
-(powers of two keep the 16 MiB chunks unpadded): check `df -h` first.
+The store is a one-copy store (`--copies 1`, store.copies=1): one copy of the 14 bytes of
+state per parameter plus the 4-byte fp32 gradient sums committed with each step, about
+18 bytes per parameter on disk (`--copies 2`: A/B slots, 32). Check `df -h` first.
 
     nohup .venv/bin/python experiments/bench/bigger_than_ram.py --dir /work/btr > /tmp/btr.log 2>&1 &
     .venv/bin/python experiments/bench/bigger_than_ram.py --layers 2 --width 256 --vocab 512 --no-doc   # smoke
@@ -57,7 +57,7 @@ def child_init(args) -> None:
     from mtjax.store.fresh import init_store
 
     t0 = time.perf_counter()
-    init_store(model_config(args), args.dir / "store", seed=0, tx=make_optimizer(OptimConfig()))
+    init_store(model_config(args), args.dir / "store", seed=0, tx=make_optimizer(OptimConfig()), copies=args.copies)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     print(json.dumps({"init_s": time.perf_counter() - t0, "init_peak_rss": peak, "written": io_bytes()[1]}))
 
@@ -79,7 +79,7 @@ def child_train(args) -> None:
         r0, w0 = io_bytes()
         t0 = time.perf_counter()
         out = engine.step(tokens)  # the same batch each step: the loss must fall
-        engine.commit(i + 1)  # every step durable, as a run that checkpoints each step
+        engine.commit(i + 1)  # every step durable (one copy: the state + the pending gradients)
         dt = time.perf_counter() - t0
         r1, w1 = io_bytes()
         steps.append({"step": i + 1, "s": dt, "loss": out["loss"], "read": r1 - r0, "written": w1 - w0,
@@ -93,7 +93,7 @@ def child_train(args) -> None:
 
 def run_child(mode: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", mode, "--dir", str(args.dir)] + [
-        f"--{k}={getattr(args, k)}" for k in ("layers", "width", "ffn", "vocab", "seq", "batch", "steps", "lr")]
+        f"--{k}={getattr(args, k)}" for k in ("layers", "width", "ffn", "vocab", "seq", "batch", "steps", "lr", "copies")]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr (per-step lines) passes through
     if out.returncode:
         sys.exit(f"{mode} failed (exit {out.returncode})")
@@ -102,7 +102,7 @@ def run_child(mode: str, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=32768)
@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--copies", type=int, choices=(1, 2), default=1, help="copies of the state in the store")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/mtjax-bigger-than-ram"),
                     help="scratch directory on the disk to test (deleted at the end)")
     ap.add_argument("--child", choices=["init", "train"], help=argparse.SUPPRESS)
@@ -125,12 +126,12 @@ def main() -> None:
     cfg = model_config(args)
     ram = psutil.virtual_memory().total
     state = cfg.num_params() * STATE_BYTES
-    need = 2 * state + 4 * cfg.num_params()  # two slots + fp32 gradient sums spilled to disk
+    need = args.copies * state + 4 * cfg.num_params()  # the state's copies + fp32 gradient sums
     free = shutil.disk_usage(args.dir.parent if not args.dir.exists() else args.dir).free
     print(f"{cfg.num_params() / 1e9:.2f}B params, state {state / 1e9:.1f} GB = {state / ram:.2f}x RAM "
           f"({ram / 1e9:.1f} GB); disk free {free / 1e9:.0f} GB, the store will reach ~{need / 1e9:.0f} GB", flush=True)
     if need + 10e9 > free:
-        sys.exit("not enough free disk for two slots of state, the gradient spill and 10 GB: choose a smaller model")
+        sys.exit("not enough free disk for the state, the gradient sums and 10 GB: choose a smaller model")
     args.dir.mkdir(parents=True, exist_ok=False)
     try:
         init = run_child("init", args)
@@ -145,13 +146,14 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f} at the end. Llama {args.layers} blocks x width {args.width} (FFN "
         f"{args.ffn}, vocab {args.vocab}), {train['params'] / 1e9:.2f}B parameters; bf16 compute, fp32 master, "
         f"AdamW; batch {args.batch} x seq {args.seq}, the same batch every step; compute, master and optimizer "
-        f"state all on the disk tier (k = 1, prefetch depth 2), a commit after every step. Init and training each in "
+        f"state all on the disk tier (k = 1, prefetch depth 2), a {args.copies}-copy store, a commit after every step. Init and training each in "
         f"a fresh process; peak RSS = ru_maxrss; bytes = /proc/self/io of the training process.",
         "",
         "| quantity | value |",
         "|---|---|",
         f"| persistent training state (14 bytes/param) | {state / 1e9:.1f} GB = {state / ram:.2f}x RAM |",
-        f"| store on disk after training (A/B slots) | {steps[-1]['disk_usage'] / 1e9:.1f} GB |",
+        f"| store on disk after each step ({args.copies} cop{'y' if args.copies == 1 else 'ies'} + pending gradients) | "
+        f"{', '.join(format(s_['disk_usage'] / 1e9, '.1f') for s_ in steps)} GB |",
         f"| init (`init_store`, one part at a time) | {init['init_s']:.0f} s, peak RSS {init['init_peak_rss'] / 1e9:.2f} GB |",
         f"| training peak RSS | {train['peak_rss'] / 1e9:.2f} GB = {train['peak_rss'] / ram:.1%} of RAM |",
         "",
@@ -164,11 +166,10 @@ def main() -> None:
     falls = all(b["loss"] < a["loss"] for a, b in zip(steps, steps[1:]))
     lines += ["", f"**Loss {'falls' if falls else 'does NOT fall'} every step; peak RSS "
               f"{train['peak_rss'] / ram:.1%} of RAM** (goal: state >= 1.5x RAM, peak RSS < 50% of RAM)", "",
-              f"Disk sets the size here: the run needs 32 bytes/param on disk (two slots of the 14 bytes of state, "
-              f"and the fp32 gradient sums spilled beside the store), and {free / 1e9:.0f} GB were free, less the 10 GB "
-              f"kept for others; state of 1.5x RAM ({1.5 * ram / 1e9:.0f} GB, {1.5 * ram / 14 / 1e9:.1f}B params) would "
-              f"need {1.5 * ram / 14 * 32 / 1e9:.0f} GB free. Step times include a commit (fsync of every written chunk) "
-              f"and ran beside other jobs on the 2 cores."]
+              f"Disk sets the size here: {free / 1e9:.0f} GB were free. A one-copy store needs 18 bytes/param (the 14 "
+              f"bytes of state once, and the fp32 gradient sums it commits with each step); A/B slots would need 32, "
+              f"{2 * ram / 14 * 32 / 1e9:.0f} GB for state of 2x RAM. Step times include each step's commit (fsync of "
+              f"every written chunk and gradient file) and ran beside other jobs on the 2 cores."]
     body = ("## Bigger than RAM (experiments/bench/bigger_than_ram.py)\n\n" + "\n".join(lines)
             + f"\n\nCommand: `.venv/bin/python experiments/bench/bigger_than_ram.py --layers {args.layers} --width "
               f"{args.width} --ffn {args.ffn} --vocab {args.vocab} --dir DIR`")

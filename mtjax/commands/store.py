@@ -25,6 +25,8 @@ def register(subparsers) -> None:
     p.add_argument("hf_dir", help="checkpoint directory (config.json + safetensors, single or sharded)")
     p.add_argument("store_dir", help="new store directory (must not exist or be empty)")
     p.add_argument("--compute-dtype", choices=DTYPES, default="bfloat16", help="dtype of the streamed weights")
+    p.add_argument("--copies", type=int, choices=(1, 2), default=2,
+                   help="copies of the state on disk: 2 (default) or 1 (train it with --store.copies=1)")
     p.set_defaults(func=run_import)
 
     e = subparsers.add_parser("export", help="write a store's weights as a Hugging Face checkpoint")
@@ -39,6 +41,8 @@ def register(subparsers) -> None:
     i.add_argument("--compute-dtype", choices=DTYPES,
                    help="dtype of the streamed weights (default: bfloat16, or the experiment's)")
     i.add_argument("--seed", type=int, default=0, help="parameter initialisation seed")
+    i.add_argument("--copies", type=int, choices=(1, 2), default=2,
+                   help="copies of the state on disk: 2 (default) or 1 (train it with --store.copies=1)")
     i.set_defaults(func=run_init)
 
 
@@ -57,7 +61,8 @@ def run_import(args) -> int:
     from mtjax.store.hf_import import import_hf
 
     total = load_hf_config(args.hf_dir).num_hidden_layers + 2
-    out = import_hf(args.hf_dir, args.store_dir, compute_dtype=args.compute_dtype, progress=_progress(total))
+    out = import_hf(args.hf_dir, args.store_dir, compute_dtype=args.compute_dtype, progress=_progress(total),
+                     copies=args.copies)
     print(f"\nimported {args.hf_dir} into {out}")
     return 0
 
@@ -74,6 +79,6 @@ def run_init(args) -> int:
     from mtjax.store.fresh import init_store, load_config
 
     cfg, tx = load_config(Path(args.config), args.compute_dtype)
-    out = init_store(cfg, args.store_dir, seed=args.seed, tx=tx)
+    out = init_store(cfg, args.store_dir, seed=args.seed, tx=tx, copies=args.copies)
     print(f"initialised {out}")
     return 0

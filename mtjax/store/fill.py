@@ -54,7 +54,7 @@ def _dead(pid: str) -> bool:
 
 
 @contextlib.contextmanager
-def staged(dest: str | Path, cfg, tx):
+def staged(dest: str | Path, cfg, tx, copies: int = 2):
     """Yield a writable store in a temporary sibling of `dest`; rename it to `dest` on success."""
     dest = Path(dest).absolute()
     check_destination(dest)
@@ -66,7 +66,7 @@ def staged(dest: str | Path, cfg, tx):
     store_mod.remove(tmp)
     store = None
     try:
-        store = store_mod.create(tmp, cfg, tx)
+        store = store_mod.create(tmp, cfg, tx, copies=copies)
         yield store
         store.close()
         if dest.exists():

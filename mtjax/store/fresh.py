@@ -34,11 +34,12 @@ def load_config(path: str | Path, compute_dtype: str | None = None) -> tuple[Mod
         raise StoreError(f"cannot init a store from {path}: {e}") from None
 
 
-def init_store(cfg: ModelConfig, store_dir: str | Path, seed: int = 0, tx=None) -> Path:
-    """A new store at `store_dir` (step 0) holding `init_params(cfg, seed)` and tx.init state."""
+def init_store(cfg: ModelConfig, store_dir: str | Path, seed: int = 0, tx=None, copies: int = 2) -> Path:
+    """A new store at `store_dir` (step 0) holding `init_params(cfg, seed)` and tx.init state
+    (`copies`: 2 or 1 copies of the state on disk, see mtjax.store.create)."""
     tx = tx or make_optimizer(OptimConfig())
     fill.check_destination(Path(store_dir))
-    with fill.staged(store_dir, cfg, tx) as store:
+    with fill.staged(store_dir, cfg, tx, copies) as store:
         for part, params in _part_params(cfg, seed, store.parts):
             named = treepath.flatten(params)
             fill.write_part(store, part, {k: np.asarray(v, np.float32) for k, v in named.items()}, tx)

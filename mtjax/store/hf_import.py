@@ -60,7 +60,7 @@ def _check_dtypes(cfg, reader: hf.SafetensorsReader, specs) -> None:
 
 
 def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "bfloat16", tx=None,
-              progress=None) -> Path:
+              progress=None, copies: int = 2) -> Path:
     """Convert the checkpoint in `hf_dir` into a new store at `store_dir` (step 0).
 
     Master weights are the checkpoint's values in fp32 (exact for fp32/bf16/fp16 files),
@@ -81,7 +81,7 @@ def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "b
         raise StoreError(f"cannot import {hf_dir}: {e}") from None
     tx = tx or make_optimizer(OptimConfig())
     grouped = by_part(specs)
-    with fill.staged(store_dir, cfg, tx) as store:
+    with fill.staged(store_dir, cfg, tx, copies) as store:
         for part in store.parts:
             reader = hf.SafetensorsReader(hf_dir)  # fresh mappings: the last part's pages leave RSS
             master = {}
