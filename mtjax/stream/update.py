@@ -1,15 +1,29 @@
 """The optimizer stage: one part's AdamW update on host-resident state.
 
-One jitted program for the CPU backend reads the fp32 master weights, the optimizer
-state, the old compute copy and the accumulated gradient, and writes master, optimizer
-state and the new compute copy in place (donated buffers: one pass over optimizer
-memory at memory bandwidth, DESIGN-NOTES point 4). Every part gets the same clip scale,
-computed from the global gradient norm before any part is updated.
+The update reads the fp32 master weights, the optimizer state and the gradient, and
+writes master, optimizer state and the compute copy (DESIGN-NOTES point 4). XLA's CPU
+backend compiles it to about four passes over memory (46 bytes/param where one pass
+would move 30), so it runs the same jitted optax program once per cache-sized row chunk
+of each leaf: the four passes then hit cache, and memory sees about one.
+
+The RAM tier keeps master weights and optimizer state as `RowChunks`: one XLA buffer per
+chunk, donated to the chunk's program, so the update runs in place. The compute copy
+stays one array per leaf (the forward streams it): each chunk's bf16 result is copied
+into it from cache. Disk-tier inputs (numpy buffers) are read through zero-copy views.
+
+Chunking is exact only for transformations that are elementwise per leaf (AdamW is):
+mtjax.stream.elementwise decides that from the traced program. Any other transformation
+runs as one whole-part program with donated buffers. Every part gets the same clip
+scale, computed from the global gradient norm before any part is updated.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
+import math
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +33,11 @@ import optax
 from mtjax import model, parts, treepath
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.stream.elementwise import leafwise
+from mtjax.stream.staging import aligned_empty
 from mtjax.stream.tiers import host_device
+
+CHUNK_BYTES = 4 << 20  # fp32 bytes of one leaf per chunk program (measured: experiments/bench/optimizer.py)
 
 
 def _update(tx, compute_dtype, master, opt_state, compute, grads, scale):
@@ -30,35 +48,271 @@ def _update(tx, compute_dtype, master, opt_state, compute, grads, scale):
     return master, opt_state, jax.tree.map(lambda w: w.astype(compute_dtype), master)
 
 
-class PartUpdate:
-    """AdamW (any optax transformation) applied one part at a time on the CPU backend."""
+class RowChunks:
+    """One leaf of host state held as row chunks (XLA buffers on the CPU backend).
 
-    def __init__(self, cfg: ModelConfig, tx: optax.GradientTransformation):
+    The chunks are what the optimizer donates and updates in place. Everything else
+    sees an array: `np.asarray` joins the chunks (a copy), `block_until_ready` waits.
+    """
+
+    def __init__(self, chunks: list, rows: tuple):
+        self.chunks, self.rows = chunks, rows  # rows: the (start, stop) of each chunk, or () for one whole chunk
+        first = chunks[0]
+        self.dtype = np.dtype(first.dtype)
+        self.shape = (rows[-1][1], *first.shape[1:]) if rows else tuple(first.shape)
+
+    ndim = property(lambda self: len(self.shape))
+    size = property(lambda self: math.prod(self.shape))
+    nbytes = property(lambda self: self.size * self.dtype.itemsize)
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.empty(self.shape, self.dtype)
+        for chunk, where in zip(self.chunks, _slices(self.rows)):
+            out[where] = np.asarray(chunk)
+        return out if dtype is None else out.astype(dtype)
+
+    def block_until_ready(self):
+        jax.block_until_ready(self.chunks)
+        return self
+
+    def __repr__(self):
+        return f"RowChunks(shape={self.shape}, dtype={self.dtype}, chunks={len(self.chunks)})"
+
+
+def _slices(rows: tuple) -> list:
+    return [slice(a, b) for a, b in rows] if rows else [...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSplit:
+    """How a part's flat optimizer state divides among its parameter leaves."""
+
+    own: dict[str, tuple[str, ...]]  # param leaf -> its state leaves (same shape as it)
+    shared: tuple[str, ...]  # rank-0 state leaves every leaf's update reads (step counts)
+
+
+def leaf_split(tx, compute_dtype, master: dict) -> LeafSplit | None:
+    """The split of `tx`'s state over the leaves of `master` (abstract), or None when
+    `tx` is not elementwise per leaf (then only whole-part updates are exact)."""
+    names = {n: set(treepath.flatten(jax.eval_shape(tx.init, {n: s}))) for n, s in master.items()}
+    whole = treepath.flatten(jax.eval_shape(tx.init, master))
+    shared = set(whole).intersection(*names.values()) if names else set()
+    own = {n: tuple(sorted(got - shared)) for n, got in names.items()}
+    label = {o: n for n, os in own.items() for o in os}
+    if (set(label) | shared != set(whole) or len(label) != sum(map(len, own.values()))
+            or any(whole[o].shape != master[label[o]].shape for o in label) or any(whole[o].shape for o in shared)):
+        return None
+    opt = jax.eval_shape(tx.init, master)
+    opt_labels = treepath.unflatten(opt, {o: label.get(o, "") for o in whole})
+    leaf_labels = {n: n for n in master}
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    fn = functools.partial(_update, tx, compute_dtype)
+    ok = leafwise(fn, (master, opt, None, master, scalar), (leaf_labels, opt_labels, None, leaf_labels, ""),
+                  (leaf_labels, opt_labels, leaf_labels))
+    return LeafSplit(own, tuple(sorted(shared))) if ok else None
+
+
+def _chunk_rows(shape: tuple, chunk_elems: int) -> int:
+    """Rows (along axis 0) per chunk: about `chunk_elems` elements, and a multiple of
+    whatever keeps every chunk 64-byte aligned in bf16 (so views alias, not copy)."""
+    row = math.prod(shape[1:])
+    step = 32 // math.gcd(row, 32)
+    rows = max(1, chunk_elems // row)
+    return rows - rows % step if rows >= step else rows
+
+
+def _plan(master: dict, chunk_elems: int) -> tuple[list[tuple[str, ...]], dict[str, tuple]]:
+    """(chunk programs, rows of each leaf): one program for all small leaves whole, then
+    one per row chunk of each large leaf. A program is a tuple of (leaf, chunk index)."""
+    rows, small = {}, []
+    for n, s in master.items():
+        shape = tuple(s.shape)
+        if math.prod(shape) <= chunk_elems:
+            rows[n] = ()
+            small.append((n, 0))
+        else:
+            step = _chunk_rows(shape, chunk_elems)
+            rows[n] = tuple((a, min(a + step, shape[0])) for a in range(0, shape[0], step))
+    calls = [tuple(small)] if small else []
+    calls += [((n, k),) for n, r in rows.items() for k in range(len(r))]
+    return calls, rows
+
+
+def _plain(arrays: dict) -> dict:
+    return {n: np.asarray(a) if isinstance(a, RowChunks) else a for n, a in arrays.items()}
+
+
+class PartUpdate:
+    """AdamW (any optax transformation) applied one part at a time on the CPU backend.
+
+    Inputs are consumed, as if donated: RAM-tier `RowChunks` and compute copies this
+    object made are updated in place and come back as the results. Numpy inputs (disk
+    tier) are only read; their results come back in new arrays.
+    """
+
+    def __init__(self, cfg: ModelConfig, tx: optax.GradientTransformation, chunk_bytes: int = CHUNK_BYTES):
         self.cfg, self.tx = cfg, tx
         self.cpu = host_device()
+        self.dtype = np.dtype(cfg.compute_dtype)
+        self.chunk_elems = max(1, chunk_bytes // 4)
         # keep_unused: jit drops the unread `compute` argument otherwise, and with it the
-        # donation, so every update would page-fault a fresh bf16 output buffer.
-        self._update = jax.jit(functools.partial(_update, tx, np.dtype(cfg.compute_dtype)), donate_argnums=(0, 1, 2),
-                               keep_unused=True)
+        # donation, so every update would page-fault a fresh compute-copy buffer.
+        self._update = jax.jit(functools.partial(_update, tx, self.dtype), donate_argnums=(0, 1, 2), keep_unused=True)
         self._init = jax.jit(tx.init)
-        self._templates = {p.name: jax.eval_shape(tx.init, parts.schema(cfg, p.name, "master")) for p in parts.parts(cfg)}
+        self._splits: dict[tuple, LeafSplit | None] = {}
+        self._plans: dict[tuple, tuple] = {}
+        self._chunk_templates: dict[tuple, object] = {}
+        self._owned: dict[int, tuple[weakref.ref, np.ndarray]] = {}  # id(compute array) -> (it, its buffer)
+
+    # --- compute copies whose memory this object may overwrite ---------------------------
+
+    def _own(self, buf: np.ndarray) -> jax.Array:
+        """A CPU array on `buf`'s memory (zero-copy), recorded as ours to update in place."""
+        arr = jax.device_put(buf, self.cpu)
+        if arr.unsafe_buffer_pointer() == buf.ctypes.data:  # aliased, so writes to buf reach it
+            key = id(arr)
+            self._owned[key] = (weakref.ref(arr, lambda _, k=key, d=self._owned: d.pop(k, None)), buf)
+        return arr
+
+    def _buffer(self, arr, shape: tuple) -> np.ndarray | None:
+        """The writable memory of `arr` if it is a compute copy of ours, else None."""
+        entry = self._owned.get(id(arr))
+        if entry is not None and entry[0]() is arr and entry[1].shape == shape and entry[1].dtype == self.dtype:
+            return entry[1]
+        return None
 
     def init_state(self, master: dict) -> dict:
         """Flat optimizer state of one part from its flat fp32 master weights."""
-        return treepath.flatten(self._init(jax.device_put(master, self.cpu)))
+        return treepath.flatten(self._init(jax.device_put(_plain(master), self.cpu)))
 
     def compute_copy(self, master: dict) -> dict:
-        dtype = np.dtype(self.cfg.compute_dtype)
-        return {n: jax.device_put(np.asarray(w).astype(dtype), self.cpu) for n, w in master.items()}
+        out = {}
+        for n, w in master.items():
+            buf = aligned_empty(np.shape(w), self.dtype)
+            np.copyto(buf, np.asarray(w), casting="unsafe")  # round to nearest even, as XLA's convert
+            out[n] = self._own(buf)
+        return out
 
-    def __call__(self, part: str, master: dict, opt: dict, compute: dict, grads: dict, scale):
+    # --- the update ----------------------------------------------------------------
+
+    def split(self, master: dict) -> LeafSplit | None:
+        """How this part's update divides among its leaves (None: whole-part program only)."""
+        key = tuple((n, tuple(np.shape(a))) for n, a in master.items())
+        if key not in self._splits:
+            self._splits[key] = leaf_split(self.tx, self.dtype, {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in key})
+        return self._splits[key]
+
+    def __call__(self, part: str, master: dict, opt: dict, compute: dict | None, grads: dict, scale):
         """(master, opt, compute) of `part` after one update; all flat dicts on the CPU."""
+        split = self.split(master)
+        if split is None:
+            return self._whole(part, master, opt, compute, grads, scale)
+        return self._chunked(split, master, opt, compute or {}, grads, scale)
+
+    def _whole(self, part, master, opt, compute, grads, scale):
         # Arrays read from disk arrive as numpy: place them on the CPU backend, not the
         # default (accelerator) device.
-        master, opt, compute, grads = jax.device_put((master, opt, compute, grads), self.cpu)
-        opt_tree = treepath.unflatten(self._templates[part], opt)
+        master, opt, compute, grads = jax.device_put((_plain(master), _plain(opt), compute, grads), self.cpu)
+        opt_tree = treepath.unflatten(jax.eval_shape(self.tx.init, master), opt)
         master, opt_tree, compute = self._update(master, opt_tree, compute, grads, scale)
         return master, treepath.flatten(opt_tree), compute
+
+    def _chunked(self, split: LeafSplit, master, opt, compute, grads, scale):
+        key = tuple((n, tuple(np.shape(a))) for n, a in master.items())
+        if key not in self._plans:
+            self._plans[key] = _plan({n: jax.ShapeDtypeStruct(s, np.float32) for n, s in key}, self.chunk_elems)
+        calls, rows = self._plans[key]
+        shapes = dict(key)
+
+        def signature(call) -> tuple:  # what a chunk program compiles for: leaves, chunk shapes
+            return tuple((n, (rows[n][k][1] - rows[n][k][0], *shapes[n][1:]) if rows[n] else shapes[n]) for n, k in call)
+
+        where = {n: _slices(r) for n, r in rows.items()}
+        state = {("master", n): master[n] for n in master} | {("opt", o): opt[o] for n in master for o in split.own[n]}
+        leaf = {k: k[1] if k[0] == "master" else n for n in master for k in [("master", n)] + [("opt", o) for o in split.own[n]]}
+        # Host sync: np.asarray waits for each input's producer (the gradient transfer,
+        # the previous update) before any chunk reads it.
+        src = {k: a.chunks if isinstance(a, RowChunks) and a.rows == rows[leaf[k]] else np.asarray(a)
+               for k, a in state.items()}
+        g_src = {n: np.asarray(g) for n, g in grads.items()}
+        # Results: RAM-tier leaves as new chunks (in the donated buffers), numpy (disk-tier)
+        # leaves in new whole arrays, compute copies in our own buffer or a new one.
+        new_chunks = {k: [None] * len(where[leaf[k]]) for k, a in state.items() if not isinstance(a, np.ndarray)}
+        whole = {k: aligned_empty(a.shape, np.float32) for k, a in state.items() if isinstance(a, np.ndarray)}
+        mine = {n: self._buffer(compute.get(n), shapes[n]) for n in master}
+        new_compute = {n: aligned_empty(shapes[n], self.dtype) if b is None else b for n, b in mine.items()}
+        shared = {o: np.asarray(opt[o]) for o in split.shared}
+        shared_out: dict[str, np.ndarray] = {}
+        scale = jax.device_put(jnp.asarray(scale, jnp.float32), self.cpu)
+        spares: dict[tuple, list] = collections.defaultdict(list)  # compute-shaped buffers to donate
+        uses = collections.Counter(map(signature, calls))
+
+        def finish(call, sig, result):
+            m_out, o_tree, c_out = result
+            o_out = treepath.flatten(o_tree)
+            for n, k in call:
+                # Host sync: np.asarray waits for this chunk's program.
+                new_compute[n][where[n][k]] = np.asarray(c_out[n])
+                for s in [("master", n)] + [("opt", o) for o in split.own[n]]:
+                    out = m_out[n] if s[0] == "master" else o_out[s[1]]
+                    if s in whole:
+                        whole[s][where[n][k]] = np.asarray(out)
+                    else:
+                        new_chunks[s][k] = out
+            for o in split.shared:
+                shared_out.setdefault(o, np.array(o_out[o]))  # every chunk computes the same value
+            uses[sig] -= 1
+            if uses[sig]:
+                spares[sig].append(c_out)
+
+        pending = None
+        for call in calls:
+            sig = signature(call)
+            m, o, views = {}, {}, {}
+            for n, k in call:
+                for s in [("master", n)] + [("opt", o_) for o_ in split.own[n]]:
+                    x = src[s][k] if isinstance(src[s], list) else None
+                    (m if s[0] == "master" else o)[s[1]] = x
+                    if x is None:
+                        views[s] = src[s][where[n][k]]
+                views["grad", n] = g_src[n][where[n][k]]
+            # Zero-copy: device_put of an aligned numpy view aliases it (FACTS: aliasing).
+            # The program only reads such views (donating one just gives a new output), and
+            # nothing writes them before their results are in.
+            put = jax.device_put({**views, **{("shared", x): v for x, v in shared.items()}}, self.cpu)
+            for s, x in put.items():
+                if s[0] == "master":
+                    m[s[1]] = x
+                elif s[0] in ("opt", "shared"):
+                    o[s[1]] = x
+            g = {n: put["grad", n] for n, _ in call}
+            o_tree = treepath.unflatten(self._chunk_template(sig), o)
+            spare = spares[sig].pop() if spares[sig] else {
+                n: jnp.zeros(m[n].shape, self.dtype, device=self.cpu) for n, _ in call}
+            result = self._update(m, o_tree, spare, g, scale)  # async: runs while the last chunk's results are copied
+            if pending is not None:
+                finish(*pending)
+            pending = (call, sig, result)
+        if pending is not None:
+            finish(*pending)
+
+        def result(s):
+            n = leaf[s]
+            if s in whole:
+                return jax.device_put(whole[s], self.cpu)
+            return RowChunks(new_chunks[s], rows[n])
+
+        new_opt = {o: result(("opt", o)) for n in master for o in split.own[n]}
+        new_opt |= {o: jax.device_put(v, self.cpu) for o, v in shared_out.items()}
+        return ({n: result(("master", n)) for n in master}, {o: new_opt[o] for o in opt},
+                {n: self._own(new_compute[n]) if mine[n] is None else compute[n] for n in master})
+
+    def _chunk_template(self, sig: tuple):
+        """The optimizer-state tree of one chunk program's leaves."""
+        if sig not in self._chunk_templates:
+            abstract = {n: jax.ShapeDtypeStruct(shape, np.float32) for n, shape in sig}
+            self._chunk_templates[sig] = jax.eval_shape(self.tx.init, abstract)
+        return self._chunk_templates[sig]
 
 
 @functools.lru_cache(maxsize=8)
