@@ -108,6 +108,8 @@ class Progress:
             parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
         if "mfu" in record:
             parts.append(f"mfu {record['mfu']:.2%}")
+        if "disk_read_gbps" in metrics:
+            parts.append(f"disk r {metrics['disk_read_gbps']:.2f} w {metrics['disk_write_gbps']:.2f} GB/s")
         parts.append(f"rss {record['rss_gib']:.2f}G")
         if "device_mem_gib" in record:
             parts.append(f"dev {record['device_mem_gib']:.2f}G")

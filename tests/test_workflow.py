@@ -49,6 +49,25 @@ def test_each_step_records_rss_mfu_and_stage_times(streamed):
     assert "device_mem_gib" not in steps[0]  # the CPU backend reports no device memory
 
 
+def test_disk_tier_reports_the_bandwidth_it_moved(tmp_path):
+    """Store I/O per step: the bytes of state and gradients read and written over the
+    step's wall time, in metrics.jsonl and on the progress line."""
+    run_dir, log = tmp_path / "run", io.StringIO()
+    disk = ["--store.compute=disk", "--store.master=disk", "--store.opt=disk", "--run.eval_every=0"]
+    run_lib.train(config.load(None, [*TINY, *disk, f"--run.dir={run_dir}", "--run.steps=3", "--run.log_every=1"]), log)
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    n = config.model_config(config.load(None, TINY)).num_params()
+    for prev, r in zip(steps, steps[1:]):
+        wall = r["time_s"] - prev["time_s"]  # at least the step's own wall time
+        # Each step rewrites every kind of state (fp32 compute and master, AdamW mu and nu)
+        # and reads the master and AdamW state for its update.
+        assert r["disk_write_gbps"] * 1e9 * wall >= 16 * n
+        assert r["disk_read_gbps"] * 1e9 * wall >= 12 * n
+    assert all("disk r " in line and " GB/s" in line for line in log.getvalue().splitlines()
+               if line.startswith("step ") and "loss" in line)
+
+
 def test_flops_per_token_is_six_per_param_plus_attention():
     assert model_flops_per_token(1000, 2, 16, 8) == 6 * 1000 + 12 * 2 * 16 * 8
 

@@ -84,6 +84,7 @@ class Store:
             self._broken: str | None = None
             self._on_phase = lambda phase: None  # test hook: called at each step of `commit`
             self._commit_mutex = threading.Lock()  # one manifest change at a time
+            self._io_bytes = [0, 0]  # tensor bytes read, written (finished operations)
             # One-copy stores: part commits run in order, on their own thread, after the part's writes.
             self._committer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtjax-store-commit")
             self._part_commits: list[concurrent.futures.Future] = []
@@ -276,7 +277,7 @@ class Store:
             done = arrays.gather(futs, out, on_error)
             return done if self.writable else self._unless_committed_meanwhile(done)
 
-        return self._chain(part, kind, start)
+        return self._counted(self._chain(part, kind, start), 0, sum(a.nbytes for a in out.values()))
 
     def _unless_committed_meanwhile(self, read: concurrent.futures.Future) -> concurrent.futures.Future:
         """A reader's result, unless a writer committed while it read.
@@ -342,7 +343,22 @@ class Store:
         with self._mutex:
             self._latest[(part, kind)] = slot
             self._dirty.add((part, kind))
-        return self._chain(part, kind, start)
+        return self._counted(self._chain(part, kind, start), 1, sum(a.nbytes for a in values.values()))
+
+    def _counted(self, fut: concurrent.futures.Future, which: int, nbytes: int) -> concurrent.futures.Future:
+        def count(f):
+            if not f.cancelled() and f.exception() is None:
+                with self._mutex:
+                    self._io_bytes[which] += nbytes
+
+        fut.add_done_callback(count)
+        return fut
+
+    @property
+    def io_bytes(self) -> tuple[int, int]:
+        """(bytes read, bytes written) of tensor data by this open store so far."""
+        with self._mutex:
+            return tuple(self._io_bytes)
 
     def _chain(self, part: str, kind: str, start) -> concurrent.futures.Future:
         """Start after the previous read or write of the same (part, kind) finished."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import math
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -380,8 +381,17 @@ class StreamEngine:
                 self.pool.release(slot, [])
         return float(jnp.mean(jnp.stack(losses)))  # one host sync for all micro-batches
 
+    def _io_bytes(self) -> tuple[int, int]:
+        """(read, written) bytes of disk-tier state and parked gradients so far."""
+        r = w = 0
+        for source in (self.store if self.tiers.kinds_in("disk") else None, self.grads.spill):
+            if source is not None:
+                r, w = r + source.io_bytes[0], w + source.io_bytes[1]
+        return r, w
+
     def step(self, tokens) -> dict[str, float]:
         tokens = self._tokens(tokens)
+        start, (read0, written0) = time.perf_counter(), self._io_bytes()
         accum = len(tokens)
         self.tracer.begin_step(self.step_count)
         self.ledger.held = 0  # nothing stays on the device between steps (even after a failed one)
@@ -411,7 +421,13 @@ class StreamEngine:
         self._scale = jax.device_put(clip_scale(sq, self.clip_norm), host_device())
         self._uncommitted = self.one_copy
         self._wait_writes()
-        return {"loss": loss, "grad_norm": math.sqrt(norm_sq)}
+        metrics = {"loss": loss, "grad_norm": math.sqrt(norm_sq)}
+        if self.tiers.kinds_in("disk"):
+            # Disk bandwidth over the step's wall time: state and gradient bytes moved meanwhile.
+            seconds, (read1, written1) = time.perf_counter() - start, self._io_bytes()
+            metrics["disk_read_gbps"] = (read1 - read0) / seconds / 1e9
+            metrics["disk_write_gbps"] = (written1 - written0) / seconds / 1e9
+        return metrics
 
     def _take(self, feed: Prefetcher, part: str):
         item, loaded = feed.get()

@@ -183,6 +183,7 @@ class ScratchFiles:
         self._tmp = None if self.durable else tempfile.TemporaryDirectory(prefix=".mtjax-grads-", dir=parent)
         self.dir = Path(directory) if self.durable else Path(self._tmp.name)
         self._meta: dict[str, dict[str, tuple]] = {}
+        self.io_bytes = [0, 0]  # bytes read, written
 
     def _path(self, key: str, leaf: str):
         return self.dir / f"{key}--{leaf}.bin"
@@ -200,6 +201,7 @@ class ScratchFiles:
                         f.flush()
                         os.fsync(f.fileno())  # the sum must survive a crash once a commit names it
                 meta[leaf] = (a.shape, a.dtype)
+                self.io_bytes[1] += a.nbytes
         except OSError as e:
             for leaf in arrays:
                 self._path(key, leaf).unlink(missing_ok=True)
@@ -222,6 +224,7 @@ class ScratchFiles:
         for leaf, (shape, dtype) in self._meta[key].items():
             path = self._path(key, leaf)
             out[leaf] = np.fromfile(path, dtype).reshape(shape)
+            self.io_bytes[0] += out[leaf].nbytes
             if not keep:
                 path.unlink()
         if not keep:
