@@ -119,6 +119,12 @@ def test_only_elementwise_transformations_are_chunked(tx, chunkable):
     assert (leaf_split(tx, np.dtype("bfloat16"), shapes) is not None) == chunkable
 
 
+def test_single_leaf_part_is_chunked():  # the embedding: its moments are its own, not shared
+    split = leaf_split(TX, np.dtype("bfloat16"), {"embedding": S((64, 32), np.float32)})
+    assert split is not None and split.own["embedding"] == ("0.mu.embedding", "0.nu.embedding")
+    assert split.shared == ("0.count", "2.count")
+
+
 def test_mixing_two_leaves_is_not_chunked():
     def swap(updates, state, params=None):  # the update of one leaf comes from another
         return {"x": updates["y"], "y": updates["x"]}, state

@@ -1,14 +1,15 @@
 """mtjax's per-part CPU AdamW update against torch.optim.AdamW(fused=True).
 
 One part of ~113M fp32 parameters (a Llama block with hidden 3072, SwiGLU 8192) is
-updated by `mtjax.stream.update.PartUpdate` (one jitted optax AdamW program with donated
-buffers that also writes the bf16 compute copy) and by torch's fused CPU AdamW on the
-same shapes, steps interleaved so machine load hits both alike. The table gives ns/param,
-the mtjax/torch ratio and the ratio to the memory-bandwidth bound of 28 bytes/param
-(read master, mu, nu, grad; write master, mu, nu) at the copy bandwidth measured in the
-same run. Writes its section of docs/benchmarks.md.
+updated by the engine's own optimizer stage, `mtjax.stream.update.PartUpdate`, on RAM-tier
+state (row-chunked, in place, writing the bf16 compute copy too), by the same class
+limited to whole-part programs (the previous path), and by torch's fused CPU AdamW on the
+same shapes, steps interleaved so machine load hits all of them alike. The table gives
+ns/param, the mtjax/torch ratio, and the time expressed as bytes/param at the copy
+bandwidth measured in the same run, against the memory-bandwidth bound of 28 bytes/param
+(read master, mu, nu, grad; write master, mu, nu). Writes its section of docs/benchmarks.md.
 
-    .venv/bin/python experiments/bench/optimizer.py [--steps 8] [--no-write]
+    .venv/bin/python experiments/bench/optimizer.py [--steps 10] [--chunk-mib 4] [--sweep 1,16] [--no-write]
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mtjax import parts  # noqa: E402
@@ -47,61 +47,41 @@ OPT = OptimConfig(lr=1e-4, schedule="constant", weight_decay=0.1)
 
 
 NOTES = """\
-Why mtjax moves more than 30 bytes/param: XLA's CPU backend has no multi-output fusion, so
-the update compiles to four passes over memory: mu (read mu, grad; write mu), nu (read nu,
+Why chunks: XLA's CPU backend has no multi-output fusion, so one AdamW program over whole
+leaves compiles to four passes over memory: mu (read mu, grad; write mu), nu (read nu,
 grad; write nu), master (read master, new mu, new nu; write master) and the bf16 copy (read
 master; write bf16): 32 bytes read + 14 written = 46 bytes/param, against 28 for torch's
-single fused loop (30 with the copy). Tried: donation of the compute copy was silently
-lost because jit pruned the unread argument (fixed with `keep_unused=True`, saving a fresh
-page-faulting bf16 buffer per update); a cache-blocked update (a `fori_loop` over row
-chunks with in-place `dynamic_update_slice`) needs
-`--xla_cpu_copy_insertion_use_region_analysis=true` to avoid whole-array copies and is
-still 3-160x slower than one pass (smaller chunks are worse) under the thunk runtime;
-unrolled static chunks allocate temporaries per chunk (out of memory); `--xla_cpu_use_multi_output_fusion` is not a flag
-in this jaxlib. Calling the same program once per 4 MiB chunk array (last row) keeps
-its four passes in cache; it needs a RAM tier that stores state as chunk arrays. A fused
-kernel outside XLA is the other way to reach the 28-byte bound."""
+single fused loop (30 with the copy). `PartUpdate` therefore calls the same jitted optax
+program once per row chunk of each leaf (4 MiB of fp32 by default): the four passes over a
+chunk hit cache, and memory sees about one. The RAM tier holds master weights and AdamW
+moments as `RowChunks` (one XLA buffer per chunk), donated to the chunk's program so it
+runs in place; each chunk's bf16 result is copied from cache into the whole compute copy
+the forward streams. Chunking is used only for transformations that are elementwise per
+leaf, which `mtjax.stream.elementwise` checks on the traced program (AdamW, SGD, Lion are;
+global-norm clipping inside the transformation, Adafactor or added noise are not and run as
+one whole-part program). Results equal the whole-leaf program within fp32 rounding
+(tests/test_update.py). Tried and dropped: copying each chunk's results back into whole
+numpy-backed leaves (the copies cost more than the passes they save: 2.4x torch);
+donating zero-copy numpy views (XLA never writes a donated foreign buffer in place: it
+allocates a new output); a `fori_loop` over chunks inside one program (3-160x slower
+under the thunk runtime)."""
 
 
-def setup_mtjax():
-    """(step function, parameter count): PartUpdate on one part held on the CPU backend."""
-    update = PartUpdate(CFG, make_optimizer(OPT))
+def setup_mtjax(chunk_bytes: int | None):
+    """(step function, parameter count): the engine's PartUpdate on one RAM-tier part."""
+    update = PartUpdate(CFG, make_optimizer(OPT), chunk_bytes=chunk_bytes)
     schema = parts.schema(CFG, "block.0", "master")
     rng = np.random.default_rng(0)
     cpu = update.cpu
     master = {n: jax.device_put(rng.standard_normal(s.shape, np.float32) * 0.02, cpu) for n, s in schema.items()}
     grads = {n: jax.device_put(rng.standard_normal(s.shape, np.float32) * 1e-3, cpu) for n, s in schema.items()}
     state = [master, update.init_state(master), update.compute_copy(master)]
-    scale = jnp.float32(1.0)
 
     def step():
-        state[:] = update("block.0", *state, grads, scale)
-        jax.block_until_ready(state)  # the update is asynchronous: time the whole pass
+        state[:] = update("block.0", *state, grads, np.float32(1.0))
+        jax.block_until_ready(state)  # time the whole update, not its dispatch
 
     return step, sum(int(np.prod(s.shape)) for s in schema.values())
-
-
-def setup_mtjax_chunked(chunk_bytes: int = 4 << 20):
-    """The same jitted program called once per ~4 MiB chunk array: its four passes over a
-    chunk then hit cache, not DRAM. Needs a tier that holds state as chunk arrays."""
-    update = PartUpdate(CFG, make_optimizer(OPT))
-    rng = np.random.default_rng(0)
-    cols = 1024
-    rows = chunk_bytes // (4 * cols)
-    count = sum(int(np.prod(s.shape)) for s in parts.schema(CFG, "block.0", "master").values()) // (rows * cols)
-    states = []
-    for _ in range(count):
-        master = {"w": jnp.asarray(rng.standard_normal((rows, cols), np.float32) * 0.02)}
-        opt = update.tx.init(master)
-        states.append([master, opt, {"w": master["w"].astype(CFG.compute_dtype)}, {"w": master["w"] * 1e-3}])
-    scale = jnp.float32(1.0)
-
-    def step():
-        for st in states:
-            st[0], st[1], st[2] = update._update(st[0], st[1], st[2], st[3], scale)
-        jax.block_until_ready([st[:3] for st in states])
-
-    return step, count * rows * cols
 
 
 def setup_torch(bf16_copy: bool):
@@ -155,50 +135,60 @@ def run_interleaved(steps: dict, warmup: int, rounds: int) -> dict[str, list[flo
     return times
 
 
-def table(rows: list[tuple[str, float, float]], bound_ns: float, torch_ns: float) -> str:
-    lines = ["| implementation | bytes/param | ns/param (median) | ns/param (best) | vs torch fused | vs bound |",
-             "|---|---|---|---|---|---|"]
-    for name, per_param_bytes, med, best in rows:
-        lines.append(f"| {name} | {per_param_bytes} | {med:.3f} | {best:.3f} | {med / torch_ns:.2f}x | "
-                     f"{med / bound_ns:.2f}x |")
-    lines.append(f"| memory-bandwidth bound | {BOUND_BYTES} | {bound_ns:.3f} | | | 1.00x |")
+def table(rows: list[tuple[str, int, float, float]], copy_bw: float, torch_ns: float) -> str:
+    bound_ns = BOUND_BYTES / copy_bw * 1e9
+    lines = ["| implementation | bytes/param it must move | ns/param (median) | ns/param (best) | vs torch fused "
+             "| time as bytes/param at copy bandwidth | vs 28-byte bound |", "|---|---|---|---|---|---|---|"]
+    for name, must, med, best in rows:
+        lines.append(f"| {name} | {must} | {med:.3f} | {best:.3f} | {med / torch_ns:.2f}x | "
+                     f"{med * copy_bw / 1e9:.1f} | {med / bound_ns:.2f}x |")
+    lines.append(f"| memory-bandwidth bound | {BOUND_BYTES} | {bound_ns:.3f} | | | {BOUND_BYTES} | 1.00x |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per implementation")
+    ap.add_argument("--steps", type=int, default=10, help="timed rounds (one step of each implementation)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--chunk-mib", type=float, default=None, help="chunk size of the main mtjax row (default: the engine's)")
+    ap.add_argument("--sweep", default="", help="extra chunk sizes in MiB, comma-separated (one more part each)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
 
+    from mtjax.stream.update import CHUNK_BYTES
+
+    chunk = CHUNK_BYTES if args.chunk_mib is None else int(args.chunk_mib * (1 << 20))
+    load_before = os.getloadavg()[0]
     copy_step, copy_bytes = setup_copy()
-    mtjax_step, n = setup_mtjax()
+    steps = {"copy": copy_step}
+    mtjax_step, n = setup_mtjax(chunk)
+    steps["mtjax"] = mtjax_step
+    steps["whole"] = setup_mtjax(None)[0]
+    sweep = [float(x) for x in args.sweep.split(",") if x]
+    for mib in sweep:
+        steps[f"chunk {mib:g}"] = setup_mtjax(int(mib * (1 << 20)))[0]
     torch_step, n_torch = setup_torch(bf16_copy=False)
-    torch_copy_step, _ = setup_torch(bf16_copy=True)
-    chunked_step, n_chunked = setup_mtjax_chunked()
+    steps["torch"] = torch_step
+    steps["torch+copy"] = setup_torch(bf16_copy=True)[0]
     assert n == n_torch
-    names = {"mtjax": "mtjax PartUpdate (jit, donated, + bf16 copy)", "torch": "torch AdamW(fused=True)",
-             "torch+copy": "torch AdamW(fused=True) + bf16 copy",
-             "chunked": "same mtjax program, one call per 4 MiB chunk array"}
-    times = run_interleaved({"mtjax": mtjax_step, "torch": torch_step, "torch+copy": torch_copy_step,
-                             "chunked": chunked_step, "copy": copy_step}, args.warmup, args.steps)
+    times = run_interleaved(steps, args.warmup, args.steps)
     copy_bw = copy_bytes / statistics.median(times["copy"])  # bytes moved per second
-    bound_ns = BOUND_BYTES / copy_bw * 1e9
-    ns = lambda ts: (statistics.median(ts) / n * 1e9, min(ts) / n * 1e9)  # noqa: E731
-    rows = [(names["mtjax"], 30, *ns(times["mtjax"])), (names["torch"], 28, *ns(times["torch"])),
-            (names["torch+copy"], 30, *ns(times["torch+copy"])),
-            (names["chunked"], 30, *(t * n / n_chunked for t in ns(times["chunked"])))]
-    torch_ns = rows[1][2]
+    ns = lambda name: (statistics.median(times[name]) / n * 1e9, min(times[name]) / n * 1e9)  # noqa: E731
+    rows = [(f"mtjax PartUpdate, RAM tier ({chunk / (1 << 20):g} MiB row chunks, in place, + bf16 copy)", 30, *ns("mtjax")),
+            *[(f"mtjax PartUpdate, {mib:g} MiB row chunks", 30, *ns(f"chunk {mib:g}")) for mib in sweep],
+            ("mtjax PartUpdate, whole-part program (before chunking)", 30, *ns("whole")),
+            ("torch AdamW(fused=True)", 28, *ns("torch")),
+            ("torch AdamW(fused=True) + bf16 copy", 30, *ns("torch+copy"))]
+    torch_ns = ns("torch")[0]
     body = (
         f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores, {platform.machine()}), "
         f"jax {jax.__version__}, torch {__import__('torch').__version__}. One part of {n / 1e6:.1f}M fp32 "
-        f"parameters, {args.steps} timed rounds (one step of each, interleaved) after {args.warmup} warm-up, "
-        f"load average {os.getloadavg()[0]:.1f} at the end. Copy bandwidth (median of a 512 MiB "
-        f"multi-threaded copy in each round): {copy_bw / 1e9:.1f} GB/s moved (read + written), so the "
-        f"28-byte bound is {bound_ns:.3f} ns/param. Ratios use the medians.\n\n"
-        + table(rows, bound_ns, torch_ns) + "\n\n" + NOTES
-        + "\n\nRun: `.venv/bin/python experiments/bench/optimizer.py`"
+        f"parameters, {args.steps} timed rounds (one step of each, interleaved) after {args.warmup} warm-up; "
+        f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after (a shared machine). Copy bandwidth "
+        f"(median of a 512 MiB multi-threaded copy in each round): {copy_bw / 1e9:.1f} GB/s moved (read + written), "
+        f"so the 28-byte bound is {BOUND_BYTES / copy_bw * 1e9:.3f} ns/param. Ratios use the medians.\n\n"
+        + table(rows, copy_bw, torch_ns) + "\n\n" + NOTES
+        + "\n\nRun: `.venv/bin/python experiments/bench/optimizer.py` (chunk sizes: `--sweep 1,16`)"
     )
     print(body)
     if not args.no_write:

@@ -96,7 +96,10 @@ def leaf_split(tx, compute_dtype, master: dict) -> LeafSplit | None:
     `tx` is not elementwise per leaf (then only whole-part updates are exact)."""
     names = {n: set(treepath.flatten(jax.eval_shape(tx.init, {n: s}))) for n, s in master.items()}
     whole = treepath.flatten(jax.eval_shape(tx.init, master))
-    shared = set(whole).intersection(*names.values()) if names else set()
+    try:  # state that exists without any parameter: step counts and the like
+        shared = set(treepath.flatten(jax.eval_shape(tx.init, {})))
+    except Exception:  # noqa: BLE001 (a transformation that cannot init nothing is not chunked)
+        return None
     own = {n: tuple(sorted(got - shared)) for n, got in names.items()}
     label = {o: n for n, os in own.items() for o in os}
     if (set(label) | shared != set(whole) or len(label) != sum(map(len, own.values()))
@@ -150,11 +153,11 @@ class PartUpdate:
     tier) are only read; their results come back in new arrays.
     """
 
-    def __init__(self, cfg: ModelConfig, tx: optax.GradientTransformation, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, cfg: ModelConfig, tx: optax.GradientTransformation, chunk_bytes: int | None = CHUNK_BYTES):
         self.cfg, self.tx = cfg, tx
         self.cpu = host_device()
         self.dtype = np.dtype(cfg.compute_dtype)
-        self.chunk_elems = max(1, chunk_bytes // 4)
+        self.chunk_elems = None if chunk_bytes is None else max(1, chunk_bytes // 4)  # None: whole parts only
         # keep_unused: jit drops the unread `compute` argument otherwise, and with it the
         # donation, so every update would page-fault a fresh compute-copy buffer.
         self._update = jax.jit(functools.partial(_update, tx, self.dtype), donate_argnums=(0, 1, 2), keep_unused=True)
@@ -204,7 +207,7 @@ class PartUpdate:
 
     def __call__(self, part: str, master: dict, opt: dict, compute: dict | None, grads: dict, scale):
         """(master, opt, compute) of `part` after one update; all flat dicts on the CPU."""
-        split = self.split(master)
+        split = self.split(master) if self.chunk_elems else None
         if split is None:
             return self._whole(part, master, opt, compute, grads, scale)
         return self._chunked(split, master, opt, compute or {}, grads, scale)
