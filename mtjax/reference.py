@@ -18,18 +18,18 @@ import optax
 from mtjax import model
 from mtjax.errors import NonFiniteStep
 from mtjax.loss import cross_entropy
-from mtjax.model_config import ModelConfig
+from mtjax.model_config import ConfigError, ModelConfig
 from mtjax.optim import OptimConfig, clip_scale, make_optimizer, sum_of_squares
 
 
-def loss_fn(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool = True) -> jnp.ndarray:
-    """Mean next-token loss of fp32 master `params` on tokens [batch, seq]."""
+def loss_fn(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str = True) -> jnp.ndarray:
+    """Mean next-token loss of fp32 master `params` on tokens [batch, seq] (remat: model.REMAT_POLICIES)."""
     return cross_entropy(model.forward(cfg, params, tokens, remat=remat), tokens)
 
 
-def _accumulated_grads(cfg: ModelConfig, params, micro_batches: jnp.ndarray):
+def _accumulated_grads(cfg: ModelConfig, params, micro_batches: jnp.ndarray, remat: str = "full"):
     """Mean loss and gradient over micro-batches [accum, batch, seq], summed in fp32."""
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, cfg))
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, cfg, remat=remat))
 
     def body(carry, tokens):
         loss_sum, grad_sum = carry
@@ -51,12 +51,16 @@ class ReferenceTrainer:
 
     `optimizer` is an `OptimConfig` or any optax transformation (which must not clip by
     global norm itself: `clip_norm` does that, exactly as the streaming engine does).
+    `remat` names what the backward keeps of each block (model.REMAT_POLICIES): "full"
+    recomputes whole blocks (least memory), "dots" keeps their projection outputs (faster).
     A step whose loss or gradients are NaN/Inf changes no state and raises NonFiniteStep.
     """
 
     def __init__(self, cfg: ModelConfig, params, optimizer: OptimConfig | optax.GradientTransformation = OptimConfig(),
-                 clip_norm: float | None = None, opt_state=None):
-        self.cfg = cfg
+                 clip_norm: float | None = None, opt_state=None, remat: str = "full"):
+        if remat not in model.REMAT_POLICIES:
+            raise ConfigError(f"remat must be one of {', '.join(model.REMAT_POLICIES)}, got {remat!r}")
+        self.cfg, self.remat = cfg, remat
         if isinstance(optimizer, OptimConfig):
             clip_norm = optimizer.clip_norm if clip_norm is None else clip_norm
             optimizer = make_optimizer(optimizer)
@@ -68,7 +72,7 @@ class ReferenceTrainer:
         self.steps = self.skipped = 0  # applied and skipped (non-finite) steps
 
     def _train_step(self, params, opt_state, micro_batches):
-        loss, grads = _accumulated_grads(self.cfg, params, micro_batches)
+        loss, grads = _accumulated_grads(self.cfg, params, micro_batches, self.remat)
         sq = sum_of_squares(grads)
         scale = clip_scale(sq, self.clip_norm)
         scaled = jax.tree.map(lambda g: g * scale, grads)
