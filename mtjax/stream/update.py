@@ -9,7 +9,9 @@ of each leaf: the four passes then hit cache, and memory sees about one.
 The RAM tier keeps master weights and optimizer state as `RowChunks`: one XLA buffer per
 chunk, donated to the chunk's program, so the update runs in place. The compute copy
 stays one array per leaf (the forward streams it): each chunk's bf16 result is copied
-into it from cache. Disk-tier inputs (numpy buffers) are read through zero-copy views.
+into it from cache. Arrays made elsewhere (the first update) are read through zero-copy
+views. Disk-tier state (numpy buffers the engine reuses) keeps the whole-part program:
+chunk results would need new whole arrays, paying the page faults chunking saves.
 
 Chunking is exact only for transformations that are elementwise per leaf (AdamW is):
 mtjax.stream.elementwise decides that from the traced program. Any other transformation
@@ -148,9 +150,10 @@ def _plain(arrays: dict) -> dict:
 class PartUpdate:
     """AdamW (any optax transformation) applied one part at a time on the CPU backend.
 
-    Inputs are consumed, as if donated: RAM-tier `RowChunks` and compute copies this
-    object made are updated in place and come back as the results. Numpy inputs (disk
-    tier) are only read; their results come back in new arrays.
+    Inputs are consumed, as if donated. RAM-tier state comes back as `RowChunks`, which
+    the next update runs on in place, and the compute copies this object made are
+    written in place. Parts whose state arrives as numpy buffers (disk tier) run the
+    whole-part program, which only reads them.
     """
 
     def __init__(self, cfg: ModelConfig, tx: optax.GradientTransformation, chunk_bytes: int | None = CHUNK_BYTES):
@@ -207,12 +210,15 @@ class PartUpdate:
 
     def __call__(self, part: str, master: dict, opt: dict, compute: dict | None, grads: dict, scale):
         """(master, opt, compute) of `part` after one update; all flat dicts on the CPU."""
-        split = self.split(master) if self.chunk_elems else None
+        # Disk-tier state arrives as numpy buffers the engine reuses: chunk results would
+        # need new whole arrays anyway, so those parts keep the one-program update.
+        on_disk = any(isinstance(a, np.ndarray) for a in (*master.values(), *opt.values()))
+        split = None if on_disk or not self.chunk_elems else self.split(master)
         if split is None:
-            return self._whole(part, master, opt, compute, grads, scale)
+            return self._whole(master, opt, compute, grads, scale)
         return self._chunked(split, master, opt, compute or {}, grads, scale)
 
-    def _whole(self, part, master, opt, compute, grads, scale):
+    def _whole(self, master, opt, compute, grads, scale):
         # Arrays read from disk arrive as numpy: place them on the CPU backend, not the
         # default (accelerator) device.
         master, opt, compute, grads = jax.device_put((_plain(master), _plain(opt), compute, grads), self.cpu)
@@ -225,43 +231,36 @@ class PartUpdate:
         if key not in self._plans:
             self._plans[key] = _plan({n: jax.ShapeDtypeStruct(s, np.float32) for n, s in key}, self.chunk_elems)
         calls, rows = self._plans[key]
-        shapes = dict(key)
+        shapes, where = dict(key), {n: _slices(r) for n, r in rows.items()}
+        states = {n: {"master": master[n]} | {o: opt[o] for o in split.own[n]} for n in master}  # leaf -> its state
+        # The state in chunks: RowChunks of ours are donated to their chunk's program (in
+        # place); other arrays (the first update) are read through zero-copy views.
+        src = {n: {s: a.chunks if isinstance(a, RowChunks) and a.rows == rows[n] else np.asarray(a)
+                   for s, a in st.items()} for n, st in states.items()}
+        # Host sync: np.asarray waits for the producers of the gradients and of the views.
+        grads = {n: np.asarray(g) for n, g in grads.items()}
+        mine = {n: self._buffer(compute.get(n), shapes[n]) for n in master}
+        new_compute = {n: aligned_empty(shapes[n], self.dtype) if b is None else b for n, b in mine.items()}
+        new_chunks = {n: {s: [None] * len(where[n]) for s in st} for n, st in states.items()}
+        shared = {o: np.asarray(opt[o]) for o in split.shared}
+        shared_out: dict[str, np.ndarray] = {}
+        scale = jax.device_put(jnp.asarray(scale, jnp.float32), self.cpu)
+        spares: dict[tuple, list] = collections.defaultdict(list)  # compute chunks to donate again
 
         def signature(call) -> tuple:  # what a chunk program compiles for: leaves, chunk shapes
             return tuple((n, (rows[n][k][1] - rows[n][k][0], *shapes[n][1:]) if rows[n] else shapes[n]) for n, k in call)
 
-        where = {n: _slices(r) for n, r in rows.items()}
-        state = {("master", n): master[n] for n in master} | {("opt", o): opt[o] for n in master for o in split.own[n]}
-        leaf = {k: k[1] if k[0] == "master" else n for n in master for k in [("master", n)] + [("opt", o) for o in split.own[n]]}
-        # Host sync: np.asarray waits for each input's producer (the gradient transfer,
-        # the previous update) before any chunk reads it.
-        src = {k: a.chunks if isinstance(a, RowChunks) and a.rows == rows[leaf[k]] else np.asarray(a)
-               for k, a in state.items()}
-        g_src = {n: np.asarray(g) for n, g in grads.items()}
-        # Results: RAM-tier leaves as new chunks (in the donated buffers), numpy (disk-tier)
-        # leaves in new whole arrays, compute copies in our own buffer or a new one.
-        new_chunks = {k: [None] * len(where[leaf[k]]) for k, a in state.items() if not isinstance(a, np.ndarray)}
-        whole = {k: aligned_empty(a.shape, np.float32) for k, a in state.items() if isinstance(a, np.ndarray)}
-        mine = {n: self._buffer(compute.get(n), shapes[n]) for n in master}
-        new_compute = {n: aligned_empty(shapes[n], self.dtype) if b is None else b for n, b in mine.items()}
-        shared = {o: np.asarray(opt[o]) for o in split.shared}
-        shared_out: dict[str, np.ndarray] = {}
-        scale = jax.device_put(jnp.asarray(scale, jnp.float32), self.cpu)
-        spares: dict[tuple, list] = collections.defaultdict(list)  # compute-shaped buffers to donate
         uses = collections.Counter(map(signature, calls))
 
         def finish(call, sig, result):
+            """Keep one chunk's results; copy its compute copy into the whole leaf."""
             m_out, o_tree, c_out = result
             o_out = treepath.flatten(o_tree)
             for n, k in call:
                 # Host sync: np.asarray waits for this chunk's program.
                 new_compute[n][where[n][k]] = np.asarray(c_out[n])
-                for s in [("master", n)] + [("opt", o) for o in split.own[n]]:
-                    out = m_out[n] if s[0] == "master" else o_out[s[1]]
-                    if s in whole:
-                        whole[s][where[n][k]] = np.asarray(out)
-                    else:
-                        new_chunks[s][k] = out
+                for s in states[n]:
+                    new_chunks[n][s][k] = m_out[n] if s == "master" else o_out[s]
             for o in split.shared:
                 shared_out.setdefault(o, np.array(o_out[o]))  # every chunk computes the same value
             uses[sig] -= 1
@@ -271,43 +270,34 @@ class PartUpdate:
         pending = None
         for call in calls:
             sig = signature(call)
-            m, o, views = {}, {}, {}
+            donated, views = {}, {("shared", o): v for o, v in shared.items()}
             for n, k in call:
-                for s in [("master", n)] + [("opt", o_) for o_ in split.own[n]]:
-                    x = src[s][k] if isinstance(src[s], list) else None
-                    (m if s[0] == "master" else o)[s[1]] = x
-                    if x is None:
-                        views[s] = src[s][where[n][k]]
-                views["grad", n] = g_src[n][where[n][k]]
+                for s, x in src[n].items():
+                    if isinstance(x, list):
+                        donated[s, n] = x[k]
+                    else:
+                        views[s, n] = x[where[n][k]]
+                views["grad", n] = grads[n][where[n][k]]
             # Zero-copy: device_put of an aligned numpy view aliases it (FACTS: aliasing).
-            # The program only reads such views (donating one just gives a new output), and
-            # nothing writes them before their results are in.
-            put = jax.device_put({**views, **{("shared", x): v for x, v in shared.items()}}, self.cpu)
-            for s, x in put.items():
-                if s[0] == "master":
-                    m[s[1]] = x
-                elif s[0] in ("opt", "shared"):
-                    o[s[1]] = x
-            g = {n: put["grad", n] for n, _ in call}
-            o_tree = treepath.unflatten(self._chunk_template(sig), o)
+            # Donating such a view only gives a new output; nothing writes the viewed
+            # memory before the program is done.
+            args = donated | jax.device_put(views, self.cpu)
+            m = {n: args["master", n] for n, _ in call}
+            o = {s[1]: x for s, x in args.items() if s[0] == "shared"}
+            o |= {s: args[s, n] for n, _ in call for s in states[n] if s != "master"}
+            g = {n: args["grad", n] for n, _ in call}
             spare = spares[sig].pop() if spares[sig] else {
                 n: jnp.zeros(m[n].shape, self.dtype, device=self.cpu) for n, _ in call}
-            result = self._update(m, o_tree, spare, g, scale)  # async: runs while the last chunk's results are copied
+            o_tree = treepath.unflatten(self._chunk_template(sig), o)
+            result = self._update(m, o_tree, spare, g, scale)  # async: runs while the last chunk's results are kept
             if pending is not None:
                 finish(*pending)
             pending = (call, sig, result)
         if pending is not None:
             finish(*pending)
-
-        def result(s):
-            n = leaf[s]
-            if s in whole:
-                return jax.device_put(whole[s], self.cpu)
-            return RowChunks(new_chunks[s], rows[n])
-
-        new_opt = {o: result(("opt", o)) for n in master for o in split.own[n]}
+        new_opt = {o: RowChunks(new_chunks[n][o], rows[n]) for n in master for o in split.own[n]}
         new_opt |= {o: jax.device_put(v, self.cpu) for o, v in shared_out.items()}
-        return ({n: result(("master", n)) for n in master}, {o: new_opt[o] for o in opt},
+        return ({n: RowChunks(new_chunks[n]["master"], rows[n]) for n in master}, {o: new_opt[o] for o in opt},
                 {n: self._own(new_compute[n]) if mine[n] is None else compute[n] for n in master})
 
     def _chunk_template(self, sig: tuple):
