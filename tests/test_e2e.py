@@ -162,3 +162,14 @@ def test_from_text_to_a_fine_tuned_model(workdir):
     with torch.no_grad():
         logits = theirs(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(logits, ours, atol=2e-4, rtol=1e-4)
+
+
+def test_readme_shows_exactly_these_commands():
+    """README.md's "From text to a fine-tuned model" block is the command list above."""
+    import shlex
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## From text to a fine-tuned model\n", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [shlex.split(line, comments=True) for line in block.replace("\\\n", " ").splitlines()]
+    assert commands == [["mtjax", *c] for c in (IMPORT, PREPARE, PREPARE_BYTES, TRAIN, EVAL, GENERATE, PLOT, EXPORT)]
