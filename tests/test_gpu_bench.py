@@ -1,0 +1,34 @@
+"""experiments/gpu/bench.sh in its dry mode on the CPU: the GPU benchmark's every section
+runs end to end (tiny sizes), so the script a lent GPU runs is known to work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_bench_dry_run_measures_every_section(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHON": os.environ.get("PYTHON", str(ROOT / ".venv/bin/python"))}
+    if not Path(env["PYTHON"]).exists():
+        env["PYTHON"] = "python3"
+    r = subprocess.run(["bash", str(ROOT / "experiments/gpu/bench.sh"), "--dry", "--out", str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    records = json.loads((tmp_path / "bench.json").read_text())
+    sections = {rec["section"] for rec in records}
+    assert {"device", "link", "throughput", "summary"} <= sections
+    link = next(rec for rec in records if rec["section"] == "link")
+    assert link["h2d_pageable"] > 0 and link["d2h_pageable"] > 0 and link["h2d_engine_path"] > 0
+    engines = {rec["engine"]: rec for rec in records if rec["section"] == "throughput"}
+    assert set(engines) == {"reference", "stream"}
+    for rec in engines.values():
+        assert rec["tokens_per_s"] > 0 and 0 < rec["mfu"] < 1
+    summary = next(rec for rec in records if rec["section"] == "summary")
+    assert summary["stream_vs_reference"] > 0
+    md = (tmp_path / "bench.md").read_text()
+    assert "| stream |" in md and "| reference |" in md and "MFU formula" in md
+    assert (tmp_path / "stream_trace.json").exists()
