@@ -156,6 +156,34 @@ def kill_import_export_trials(work: Path, kills: int, rng: random.Random) -> dic
     return results
 
 
+# --- damage to a committed store (tests/test_faults.py uses these too) ---------------------
+
+
+def damaged_chunk(run: Path) -> Path:
+    """The first chunk of a committed 2-D leaf in the run's store (chunk keys c.<row>.0)."""
+    import json
+
+    slots = json.loads((run / "store" / "manifest.json").read_text())["slots"]
+    d = run / "store" / "parts" / "block.1" / f"master.{slots['block.1']['master']}"
+    return d / "mlp.down_proj.kernel" / "c.0.0"
+
+
+def flip_byte(run: Path) -> None:
+    c = damaged_chunk(run)
+    b = bytearray(c.read_bytes())
+    b[len(b) // 2] ^= 0x01
+    c.write_bytes(bytes(b))
+
+
+def truncate_chunk(run: Path) -> None:
+    c = damaged_chunk(run)
+    c.write_bytes(c.read_bytes()[: c.stat().st_size // 2])
+
+
+def delete_chunk(run: Path) -> None:
+    damaged_chunk(run).unlink()
+
+
 def damage_trials(work: Path) -> dict[str, tuple[bool, str]]:
     """Each kind of damage to a committed store: the resumed run exits 2 with one line
     naming it; the store is not changed by the attempt."""
@@ -165,32 +193,12 @@ def damage_trials(work: Path) -> dict[str, tuple[bool, str]]:
     assert mtjax(train_args(other, 3)).returncode == 0
     out = {}
 
-    def chunk(run: Path) -> Path:
-        import json
-
-        slots = json.loads((run / "store" / "manifest.json").read_text())["slots"]
-        d = run / "store" / "parts" / "block.1" / f"master.{slots['block.1']['master']}"
-        return d / "mlp.down_proj.kernel" / "c.0.0"  # a 2-D leaf: chunk keys c.<row>.0
-
-    def flip(run):
-        c = chunk(run)
-        b = bytearray(c.read_bytes())
-        b[len(b) // 2] ^= 0x01
-        c.write_bytes(bytes(b))
-
-    def truncate(run):
-        c = chunk(run)
-        c.write_bytes(c.read_bytes()[: c.stat().st_size // 2])
-
-    def delete(run):
-        chunk(run).unlink()
-
     def foreign(run):
         shutil.copy(other / "store" / "manifest.json", run / "store" / "manifest.json")
 
-    for name, damage, expect in [("flipped byte in a stored array", flip, "block.1 master"),
-                                 ("truncated chunk", truncate, "block.1 master"),
-                                 ("deleted chunk", delete, "block.1 master"),
+    for name, damage, expect in [("flipped byte in a stored array", flip_byte, "block.1 master"),
+                                 ("truncated chunk", truncate_chunk, "block.1 master"),
+                                 ("deleted chunk", delete_chunk, "block.1 master"),
                                  ("manifest from another run", foreign, "another store")]:
         run = work / f"damaged-{name.split()[0]}"
         shutil.copytree(src, run)

@@ -92,32 +92,10 @@ def committed(work, clean):
     return work / "two"
 
 
-def _chunk(run: Path) -> Path:
-    slots = json.loads((run / "store" / "manifest.json").read_text())["slots"]
-    slot = run / "store" / "parts" / "block.1" / f"master.{slots['block.1']['master']}"
-    return slot / "mlp.down_proj.kernel" / "c.0.0"
-
-
-def _flip(run):
-    c = _chunk(run)
-    b = bytearray(c.read_bytes())
-    b[len(b) // 3] ^= 0x10
-    c.write_bytes(bytes(b))
-
-
-def _truncate(run):
-    c = _chunk(run)
-    os.truncate(c, c.stat().st_size - 7)
-
-
-def _delete(run):
-    _chunk(run).unlink()
-
-
 @pytest.mark.parametrize("damage, message", [
-    (_flip, "block.1 master tensor mlp.down_proj.kernel (slot "),
-    (_truncate, "block.1 master tensor mlp.down_proj.kernel (slot "),
-    (_delete, "is missing"),
+    (fault_suite.flip_byte, "block.1 master tensor mlp.down_proj.kernel (slot "),
+    (fault_suite.truncate_chunk, "block.1 master tensor mlp.down_proj.kernel (slot "),
+    (fault_suite.delete_chunk, "is missing"),
     ("foreign", "comes from another store"),
 ])
 def test_damaged_store_is_refused_naming_the_damage(work, clean, committed, damage, message, capsys):
@@ -128,20 +106,11 @@ def test_damaged_store_is_refused_naming_the_damage(work, clean, committed, dama
         shutil.copy(clean / "store" / "manifest.json", run / "store" / "manifest.json")
     else:
         damage(run)
-    before = _committed_files(run / "store")
+    before = fault_suite.committed_files(run / "store")
     assert cli.main(fault_suite.train_args(run, 4)) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(err) == 1 and message in err[0], err
-    assert _committed_files(run / "store") == before  # what was committed is untouched
-
-
-def _committed_files(store: Path) -> dict:
-    """Bytes of every file the committed step consists of (not the scratch slots)."""
-    m = json.loads((store / "manifest.json").read_text())
-    dirs = [store / "train_state"] + [store / "parts" / p / f"{k}.{s}" for p, kinds in m["slots"].items()
-                                      for k, s in kinds.items() if s]
-    files = [store / "manifest.json", store / "schema.json"] + [f for d in dirs for f in d.rglob("*") if f.is_file()]
-    return {f: f.read_bytes() for f in files}
+    assert fault_suite.committed_files(run / "store") == before  # what was committed is untouched
 
 
 # --- a full disk during a step ------------------------------------------------------------------

@@ -88,7 +88,8 @@ def store_model(request, tmp_path_factory):
     import mtjax.store
     from mtjax.run import load_weights
 
-    cfg = dataclasses.replace(CFG, num_hidden_layers=4, layer_types=()) if request.param == "untied-full" else SLIDING_TIED
+    untied_full = dataclasses.replace(CFG, num_hidden_layers=4, layer_types=())
+    cfg = untied_full if request.param == "untied-full" else SLIDING_TIED
     path = mtjax.store.init_store(cfg, tmp_path_factory.mktemp("sample") / "store", seed=3)
     loaded_cfg, params = load_weights(path)
     assert loaded_cfg == cfg
