@@ -137,3 +137,20 @@ def test_streamed_sampling_holds_two_parts_and_the_kv_caches(store_model):
     assert sampler.ledger.peak < cache_bytes + sum(part_bytes) - max(part_bytes)
     assert sampler.ledger.held == 0  # everything handed back
     assert sampler.pool.allocated <= 2 * 3  # two slots per shape (embed, block, head), for 6 x 8 part loads
+
+
+def test_generate_command_streams_a_store(tmp_path, monkeypatch, capsys):
+    """`mtjax generate STORE` never loads the whole model: it takes the streamed path."""
+    import mtjax.store
+    from mtjax import cli
+    from mtjax import run as run_lib
+
+    cfg = ModelConfig(vocab_size=257, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
+                      initializer_range=0.5)
+    path = mtjax.store.init_store(cfg, tmp_path / "store", seed=0)
+    want = generate.complete(cfg, run_lib.load_weights(path)[1], ByteTokenizer(), "Hi", 6, temperature=0)
+    monkeypatch.setattr(run_lib, "load_weights", lambda *a: pytest.fail("loaded the whole model"))
+    assert cli.main(["generate", str(path), "--tokenizer", "bytes", "--prompt", "Hi", "--tokens", "6",
+                     "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == "Hi" + want + "\n"
