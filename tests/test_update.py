@@ -85,14 +85,15 @@ def test_ram_tier_update_runs_in_place():
     update = PartUpdate(CFG, TX, chunk_bytes=64 * 4)
     master = {n: jax.device_put(a) for n, a in _random(SHAPES, 0).items()}
     state = update("block.0", master, update.init_state(master), update.compute_copy(master), _random(SHAPES, 1), 1.0)
-    pointers = lambda tree: {n: [c.unsafe_buffer_pointer() for c in a.chunks] if isinstance(a, RowChunks)  # noqa: E731
-                             else [a.unsafe_buffer_pointer()] for n, a in tree.items()}
-    before = [pointers(t) for t in state]
+    def pointers(tree):
+        return {c.unsafe_buffer_pointer() for n, a in tree.items() if not n.endswith("count")
+                for c in (a.chunks if isinstance(a, RowChunks) else [a])}
+
+    before = set().union(*map(pointers, state))
     state = update("block.0", *state, _random(SHAPES, 2), 1.0)
-    # Master and moments: the donated chunk buffers; compute copy: written into its memory.
-    for old, new in zip(before, (pointers(t) for t in state)):
-        assert {n: p for n, p in new.items() if not n.endswith("count")} == \
-            {n: p for n, p in old.items() if not n.endswith("count")}
+    # Master, moments and compute copy land in the buffers they came in (donated); XLA
+    # may swap buffers between arrays of one shape, so compare the sets.
+    assert set().union(*map(pointers, state)) == before
 
 
 def test_row_chunks_read_as_arrays():

@@ -8,10 +8,12 @@ of each leaf: the four passes then hit cache, and memory sees about one.
 
 The RAM tier keeps master weights and optimizer state as `RowChunks`: one XLA buffer per
 chunk, donated to the chunk's program, so the update runs in place. The compute copy
-stays one array per leaf (the forward streams it): each chunk's bf16 result is copied
-into it from cache. Arrays made elsewhere (the first update) are read through zero-copy
-views. Disk-tier state (numpy buffers the engine reuses) keeps the whole-part program:
-chunk results would need new whole arrays, paying the page faults chunking saves.
+stays one array per leaf (the forward streams it): each chunk's program also writes its
+rows of it (an update-slice of the donated leaf, in place). All chunk programs are
+dispatched without a host sync. Arrays made elsewhere (the first update) are read
+through zero-copy views. Disk-tier state (numpy buffers the engine reuses) keeps the
+whole-part program: chunk results would need new whole arrays, paying the page faults
+that chunking saves.
 
 Chunking is exact only for transformations that are elementwise per leaf (AdamW is):
 mtjax.stream.elementwise decides that from the traced program. Any other transformation
@@ -21,11 +23,9 @@ scale, computed from the global gradient norm before any part is updated.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,6 @@ from mtjax import model, parts, treepath
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.stream.elementwise import leafwise
-from mtjax.stream.staging import aligned_empty
 from mtjax.stream.tiers import host_device
 
 CHUNK_BYTES = 4 << 20  # fp32 bytes of one leaf per chunk program (measured: experiments/bench/optimizer.py)
@@ -48,6 +47,25 @@ def _update(tx, compute_dtype, master, opt_state, compute, grads, scale):
     updates, opt_state = tx.update(grads, opt_state, master)
     master = optax.apply_updates(master, updates)
     return master, opt_state, jax.tree.map(lambda w: w.astype(compute_dtype), master)
+
+
+def _update_rows(tx, compute_dtype, master, opt_state, compute, starts, grads, scale):
+    """`_update` on row chunks of leaves; each chunk's compute copy is written into its
+    leaf's whole compute copy (donated, so in place)."""
+    master, opt_state, chunks = _update(tx, compute_dtype, master, opt_state, None, grads, scale)
+    return master, opt_state, {n: _put_rows(compute[n], c, starts[n]) for n, c in chunks.items()}
+
+
+def _put_rows(whole, rows, start):
+    """`whole` with `rows` written from row `start` on (the whole leaf: `rows` itself)."""
+    if whole.shape == rows.shape:
+        return rows
+    # As raw words: XLA's CPU backend widens a bf16 update-slice to fp32 over the whole
+    # array (a full pass per chunk); on integers it writes only the chunk, in place.
+    word = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[whole.dtype.itemsize]
+    bits = jax.lax.dynamic_update_slice(jax.lax.bitcast_convert_type(whole, word),
+                                        jax.lax.bitcast_convert_type(rows, word), (start,) + (0,) * (whole.ndim - 1))
+    return jax.lax.bitcast_convert_type(bits, whole.dtype)
 
 
 class RowChunks:
@@ -151,9 +169,9 @@ class PartUpdate:
     """AdamW (any optax transformation) applied one part at a time on the CPU backend.
 
     Inputs are consumed, as if donated. RAM-tier state comes back as `RowChunks`, which
-    the next update runs on in place, and the compute copies this object made are
-    written in place. Parts whose state arrives as numpy buffers (disk tier) run the
-    whole-part program, which only reads them.
+    the next update runs on in place; compute copies are written in place. Parts whose
+    state arrives as numpy buffers (disk tier) run the whole-part program, which only
+    reads them.
     """
 
     def __init__(self, cfg: ModelConfig, tx: optax.GradientTransformation, chunk_bytes: int | None = CHUNK_BYTES):
@@ -161,51 +179,31 @@ class PartUpdate:
         self.cpu = host_device()
         self.dtype = np.dtype(cfg.compute_dtype)
         self.chunk_elems = None if chunk_bytes is None else max(1, chunk_bytes // 4)  # None: whole parts only
-        # keep_unused: jit drops the unread `compute` argument otherwise, and with it the
+        # keep_unused: jit drops an unread `compute` argument otherwise, and with it the
         # donation, so every update would page-fault a fresh compute-copy buffer.
         self._update = jax.jit(functools.partial(_update, tx, self.dtype), donate_argnums=(0, 1, 2), keep_unused=True)
+        self._chunk = jax.jit(functools.partial(_update_rows, tx, self.dtype), donate_argnums=(0, 1, 2),
+                              keep_unused=True)  # a whole leaf's compute copy is unread (replaced) but donated
         self._init = jax.jit(tx.init)
+        self._convert = jax.jit(lambda tree: jax.tree.map(lambda w: w.astype(self.dtype), tree))
         self._splits: dict[tuple, LeafSplit | None] = {}
         self._plans: dict[tuple, tuple] = {}
         self._chunk_templates: dict[tuple, object] = {}
-        self._owned: dict[int, tuple[weakref.ref, np.ndarray]] = {}  # id(compute array) -> (it, its buffer)
-
-    # --- compute copies whose memory this object may overwrite ---------------------------
-
-    def _own(self, buf: np.ndarray) -> jax.Array:
-        """A CPU array on `buf`'s memory (zero-copy), recorded as ours to update in place."""
-        arr = jax.device_put(buf, self.cpu)
-        if arr.unsafe_buffer_pointer() == buf.ctypes.data:  # aliased, so writes to buf reach it
-            key = id(arr)
-            self._owned[key] = (weakref.ref(arr, lambda _, k=key, d=self._owned: d.pop(k, None)), buf)
-        return arr
-
-    def _buffer(self, arr, shape: tuple) -> np.ndarray | None:
-        """The writable memory of `arr` if it is a compute copy of ours, else None."""
-        entry = self._owned.get(id(arr))
-        if entry is not None and entry[0]() is arr and entry[1].shape == shape and entry[1].dtype == self.dtype:
-            return entry[1]
-        return None
 
     def init_state(self, master: dict) -> dict:
         """Flat optimizer state of one part from its flat fp32 master weights."""
         return treepath.flatten(self._init(jax.device_put(_plain(master), self.cpu)))
 
     def compute_copy(self, master: dict) -> dict:
-        out = {}
-        for n, w in master.items():
-            buf = aligned_empty(np.shape(w), self.dtype)
-            np.copyto(buf, np.asarray(w), casting="unsafe")  # round to nearest even, as XLA's convert
-            out[n] = self._own(buf)
-        return out
-
-    # --- the update ----------------------------------------------------------------
+        """The compute-dtype copy of flat master weights, in XLA buffers the update can donate."""
+        return self._convert(jax.device_put(_plain(master), self.cpu))
 
     def split(self, master: dict) -> LeafSplit | None:
         """How this part's update divides among its leaves (None: whole-part program only)."""
         key = tuple((n, tuple(np.shape(a))) for n, a in master.items())
         if key not in self._splits:
-            self._splits[key] = leaf_split(self.tx, self.dtype, {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in key})
+            abstract = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in key}
+            self._splits[key] = leaf_split(self.tx, self.dtype, abstract)
         return self._splits[key]
 
     def __call__(self, part: str, master: dict, opt: dict, compute: dict | None, grads: dict, scale):
@@ -234,71 +232,56 @@ class PartUpdate:
         shapes, where = dict(key), {n: _slices(r) for n, r in rows.items()}
         states = {n: {"master": master[n]} | {o: opt[o] for o in split.own[n]} for n in master}  # leaf -> its state
         # The state in chunks: RowChunks of ours are donated to their chunk's program (in
-        # place); other arrays (the first update) are read through zero-copy views.
+        # place); other arrays (the first update) are read through views.
         src = {n: {s: a.chunks if isinstance(a, RowChunks) and a.rows == rows[n] else np.asarray(a)
                    for s, a in st.items()} for n, st in states.items()}
-        # Host sync: np.asarray waits for the producers of the gradients and of the views.
-        grads = {n: np.asarray(g) for n, g in grads.items()}
-        mine = {n: self._buffer(compute.get(n), shapes[n]) for n in master}
-        new_compute = {n: aligned_empty(shapes[n], self.dtype) if b is None else b for n, b in mine.items()}
-        new_chunks = {n: {s: [None] * len(where[n]) for s in st} for n, st in states.items()}
+        grads = {n: np.asarray(g) for n, g in grads.items()}  # host sync: the gradient transfer
         shared = {o: np.asarray(opt[o]) for o in split.shared}
-        shared_out: dict[str, np.ndarray] = {}
-        scale = jax.device_put(jnp.asarray(scale, jnp.float32), self.cpu)
-        spares: dict[tuple, list] = collections.defaultdict(list)  # compute chunks to donate again
-
-        def signature(call) -> tuple:  # what a chunk program compiles for: leaves, chunk shapes
-            return tuple((n, (rows[n][k][1] - rows[n][k][0], *shapes[n][1:]) if rows[n] else shapes[n]) for n, k in call)
-
-        uses = collections.Counter(map(signature, calls))
-
-        def finish(call, sig, result):
-            """Keep one chunk's results; copy its compute copy into the whole leaf."""
-            m_out, o_tree, c_out = result
-            o_out = treepath.flatten(o_tree)
+        # Every chunk's views in one device_put (one per chunk costs ~0.5 ms of Python).
+        # Zero-copy: device_put of an aligned numpy view aliases it (FACTS: aliasing).
+        # Donating such a view only gives a new output, and the engine writes none of
+        # these buffers before the update's results are ready. Shared scalars (step
+        # counts) get a copy per chunk: each program donates its own.
+        views = {}
+        for i, call in enumerate(calls):
+            views |= {(i, "shared", o): v for o, v in shared.items()}
             for n, k in call:
-                # Host sync: np.asarray waits for this chunk's program.
-                new_compute[n][where[n][k]] = np.asarray(c_out[n])
-                for s in states[n]:
-                    new_chunks[n][s][k] = m_out[n] if s == "master" else o_out[s]
-            for o in split.shared:
-                shared_out.setdefault(o, np.array(o_out[o]))  # every chunk computes the same value
-            uses[sig] -= 1
-            if uses[sig]:
-                spares[sig].append(c_out)
-
-        pending = None
-        for call in calls:
-            sig = signature(call)
-            donated, views = {}, {("shared", o): v for o, v in shared.items()}
+                views |= {(i, s, n): x[where[n][k]] for s, x in src[n].items() if not isinstance(x, list)}
+                views[i, "grad", n] = grads[n][where[n][k]]
+        views = jax.device_put(views, self.cpu)
+        # Each leaf's compute copy is threaded through its chunks' programs, donated.
+        copies = {n: jax.device_put(compute[n], self.cpu) if n in compute else jnp.zeros(shapes[n], self.dtype,
+                                                                                        device=self.cpu)
+                  for n in master}
+        scale = jax.device_put(jnp.asarray(scale, jnp.float32), self.cpu)
+        new = {n: {s: [None] * len(where[n]) for s in st} for n, st in states.items()}
+        shared_out = None
+        for i, call in enumerate(calls):  # all dispatched without a host sync
+            m, o, g = {}, {x: views[i, "shared", x] for x in shared}, {}
             for n, k in call:
                 for s, x in src[n].items():
-                    if isinstance(x, list):
-                        donated[s, n] = x[k]
+                    arg = x[k] if isinstance(x, list) else views[i, s, n]  # a donated chunk, or a view
+                    if s == "master":
+                        m[n] = arg
                     else:
-                        views[s, n] = x[where[n][k]]
-                views["grad", n] = grads[n][where[n][k]]
-            # Zero-copy: device_put of an aligned numpy view aliases it (FACTS: aliasing).
-            # Donating such a view only gives a new output; nothing writes the viewed
-            # memory before the program is done.
-            args = donated | jax.device_put(views, self.cpu)
-            m = {n: args["master", n] for n, _ in call}
-            o = {s[1]: x for s, x in args.items() if s[0] == "shared"}
-            o |= {s: args[s, n] for n, _ in call for s in states[n] if s != "master"}
-            g = {n: args["grad", n] for n, _ in call}
-            spare = spares[sig].pop() if spares[sig] else {
-                n: jnp.zeros(m[n].shape, self.dtype, device=self.cpu) for n, _ in call}
-            o_tree = treepath.unflatten(self._chunk_template(sig), o)
-            result = self._update(m, o_tree, spare, g, scale)  # async: runs while the last chunk's results are kept
-            if pending is not None:
-                finish(*pending)
-            pending = (call, sig, result)
-        if pending is not None:
-            finish(*pending)
-        new_opt = {o: RowChunks(new_chunks[n][o], rows[n]) for n in master for o in split.own[n]}
-        new_opt |= {o: jax.device_put(v, self.cpu) for o, v in shared_out.items()}
-        return ({n: RowChunks(new_chunks[n]["master"], rows[n]) for n in master}, {o: new_opt[o] for o in opt},
-                {n: self._own(new_compute[n]) if mine[n] is None else compute[n] for n in master})
+                        o[s] = arg
+                g[n] = views[i, "grad", n]
+            starts = {n: rows[n][k][0] if rows[n] else 0 for n, k in call}
+            o_tree = treepath.unflatten(self._chunk_template(self._signature(call, rows, shapes)), o)
+            m, o_tree, c = self._chunk(m, o_tree, {n: copies[n] for n, _ in call}, starts, g, scale)
+            copies |= c
+            o = treepath.flatten(o_tree)
+            for n, k in call:
+                for s in states[n]:
+                    new[n][s][k] = m[n] if s == "master" else o[s]
+            shared_out = shared_out or {x: o[x] for x in split.shared}  # every chunk computes the same
+        new_opt = {o: RowChunks(new[n][o], rows[n]) for n in master for o in split.own[n]} | (shared_out or {})
+        return ({n: RowChunks(new[n]["master"], rows[n]) for n in master}, {o: new_opt[o] for o in opt}, copies)
+
+    @staticmethod
+    def _signature(call, rows, shapes) -> tuple:
+        """What a chunk program compiles for: its leaves and their chunk shapes."""
+        return tuple((n, (rows[n][k][1] - rows[n][k][0], *shapes[n][1:]) if rows[n] else shapes[n]) for n, k in call)
 
     def _chunk_template(self, sig: tuple):
         """The optimizer-state tree of one chunk program's leaves."""
