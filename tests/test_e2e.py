@@ -72,9 +72,12 @@ def per_step(run_dir: Path, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in records(run_dir) if key in r}
 
 
-def train_killed_after_a_commit(cwd: Path) -> int:
-    """Start TRAIN, SIGKILL it once a checkpoint is committed (a step after it is logged)."""
-    proc = start(cwd, TRAIN, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def train_killed_after_a_commit(cwd: Path) -> tuple[int, str]:
+    """Start TRAIN, SIGKILL it once a checkpoint is committed (a step after it is logged);
+    (its exit status, its log)."""
+    log = cwd / "killed-train.log"
+    with log.open("w") as f:
+        proc = start(cwd, TRAIN, stdout=f, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
     try:
         while time.monotonic() < deadline and proc.poll() is None:
@@ -87,7 +90,7 @@ def train_killed_after_a_commit(cwd: Path) -> int:
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait()
-    return proc.returncode
+    return proc.returncode, log.read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +122,8 @@ def test_from_text_to_a_fine_tuned_model(workdir):
 
     # Beside it, the uninterrupted reference: the same command in a run directory of its own.
     reference = start(cwd, straight[1], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    assert train_killed_after_a_commit(cwd) == -signal.SIGKILL  # killed, not finished
+    status, log = train_killed_after_a_commit(cwd)
+    assert status == -signal.SIGKILL, log  # killed, not finished
     assert 3 <= max(per_step(cwd / "runs/genesis", "loss")) < 6
     [(_, err)] = mtjax(cwd, TRAIN)  # the same command again resumes from the last commit (step 2 or 4)
     assert re.search(r"steps [35]-6 ", err), err
