@@ -55,16 +55,18 @@ single fused loop (30 with the copy). `PartUpdate` therefore calls the same jitt
 program once per row chunk of each leaf (4 MiB of fp32 by default): the four passes over a
 chunk hit cache, and memory sees about one. The RAM tier holds master weights and AdamW
 moments as `RowChunks` (one XLA buffer per chunk), donated to the chunk's program so it
-runs in place; each chunk's bf16 result is copied from cache into the whole compute copy
-the forward streams. Chunking is used only for transformations that are elementwise per
-leaf, which `mtjax.stream.elementwise` checks on the traced program (AdamW, SGD, Lion are;
-global-norm clipping inside the transformation, Adafactor or added noise are not and run as
-one whole-part program). Results equal the whole-leaf program within fp32 rounding
-(tests/test_update.py). Tried and dropped: copying each chunk's results back into whole
-numpy-backed leaves (the copies cost more than the passes they save: 2.4x torch);
-donating zero-copy numpy views (XLA never writes a donated foreign buffer in place: it
-allocates a new output); a `fori_loop` over chunks inside one program (3-160x slower
-under the thunk runtime)."""
+runs in place; the program also writes its rows of the leaf's whole bf16 compute copy (an
+update-slice of the donated copy, done on uint16 words because XLA's CPU backend widens a
+bf16 update-slice to fp32 over the whole array). All chunk programs are dispatched with no
+host sync. Chunking is used only for transformations that are elementwise per leaf, which
+`mtjax.stream.elementwise` checks on the traced program (AdamW, SGD, Lion are; global-norm
+clipping inside the transformation, Adafactor or added noise are not, and run as one
+whole-part program, as does disk-tier state). Results equal the whole-leaf program within
+fp32 rounding (tests/test_update.py). Tried and dropped: copying each chunk's results back
+into whole numpy-backed leaves (the copies and per-chunk syncs cost more than the passes
+they save: 2.4x torch); donating zero-copy numpy views (XLA never writes a donated foreign
+buffer in place, it allocates a new output); a `fori_loop` over chunks inside one program
+(3-160x slower under the thunk runtime)."""
 
 
 def setup_mtjax(chunk_bytes: int | None):
@@ -150,7 +152,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="timed rounds (one step of each implementation)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--chunk-mib", type=float, default=None, help="chunk size of the main mtjax row (default: the engine's)")
+    ap.add_argument("--chunk-mib", type=float, default=None,
+                    help="chunk size of the main mtjax row (default: the engine's)")
     ap.add_argument("--sweep", default="", help="extra chunk sizes in MiB, comma-separated (one more part each)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
@@ -174,7 +177,8 @@ def main() -> None:
     times = run_interleaved(steps, args.warmup, args.steps)
     copy_bw = copy_bytes / statistics.median(times["copy"])  # bytes moved per second
     ns = lambda name: (statistics.median(times[name]) / n * 1e9, min(times[name]) / n * 1e9)  # noqa: E731
-    rows = [(f"mtjax PartUpdate, RAM tier ({chunk / (1 << 20):g} MiB row chunks, in place, + bf16 copy)", 30, *ns("mtjax")),
+    main_row = f"mtjax PartUpdate, RAM tier ({chunk / (1 << 20):g} MiB row chunks, in place, + bf16 copy)"
+    rows = [(main_row, 30, *ns("mtjax")),
             *[(f"mtjax PartUpdate, {mib:g} MiB row chunks", 30, *ns(f"chunk {mib:g}")) for mib in sweep],
             ("mtjax PartUpdate, whole-part program (before chunking)", 30, *ns("whole")),
             ("torch AdamW(fused=True)", 28, *ns("torch")),
