@@ -1,0 +1,55 @@
+"""mtjax.attention equals jax.nn.dot_product_attention (outputs and gradients) in every case it serves."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtjax.attention import _chunks, causal_attention
+
+
+def reference(q, k, v, scale, window):
+    local = (window - 1, 0) if window else None
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale)
+
+
+@pytest.mark.parametrize("t, heads, kv_heads, window, rows", [
+    (16, 4, 4, None, 5),    # uneven chunks, plain multi-head
+    (37, 4, 1, 7, 8),       # multi-query, sliding window shorter than a chunk
+    (64, 6, 2, 16, 16),     # grouped query, window = chunk
+    (64, 4, 2, None, 128),  # one chunk (seq shorter than CHUNK_ROWS)
+    (50, 2, 2, 40, 10),     # window spanning several chunks
+])
+def test_outputs_and_gradients_equal_dot_product_attention(t, heads, kv_heads, window, rows):
+    kq, kk, kv, kd = jax.random.split(jax.random.key(t), 4)
+    q = jax.random.normal(kq, (2, t, heads, 8))
+    k, v = jax.random.normal(kk, (2, t, kv_heads, 8)), jax.random.normal(kv, (2, t, kv_heads, 8))
+    dout = jax.random.normal(kd, q.shape)
+    want, want_vjp = jax.vjp(lambda *a: reference(*a, 0.3, window), q, k, v)
+    got, got_vjp = jax.vjp(lambda *a: causal_attention(*a, 0.3, window, rows), q, k, v)
+    for a, b in zip((got, *got_vjp(dout)), (want, *want_vjp(dout))):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b)
+
+
+def test_bf16_inputs_stay_within_bf16_rounding():
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(x, (1, 32, 4, 8), jnp.bfloat16) for x in (kq, kk, kv))
+    got = causal_attention(q, k, v, 0.35, None, 8)
+    assert got.dtype == jnp.bfloat16
+    want = reference(*(x.astype(jnp.float32) for x in (q, k, v)), 0.35, None)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
+
+
+def test_chunks_skip_exactly_the_invisible_keys():
+    """Chunk i scores keys [first visible, end of chunk i): nothing visible is dropped."""
+    assert _chunks(512, None, 128) == [(0, 128, 0), (128, 256, 0), (256, 384, 0), (384, 512, 0)]
+    assert _chunks(10, 3, 4) == [(0, 3, 0), (3, 7, 1), (7, 10, 5)]
+    for t, window, rows in [(37, 7, 8), (100, None, 30), (64, 64, 16)]:
+        chunks = _chunks(t, window, rows)
+        assert chunks[0][0] == 0 and chunks[-1][1] == t
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+        for r0, r1, k0 in chunks:
+            assert k0 == (max(0, r0 - window + 1) if window else 0)  # row r0's first visible key
