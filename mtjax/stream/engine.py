@@ -274,7 +274,9 @@ class StreamEngine:
         self.flush()
         for kind in self.tiers.kinds_in("ram"):
             for p in self.parts:
-                self._writes.append(self.store.write(p.name, kind, {n: np.asarray(a) for n, a in self._read(p.name, kind).items()}))
+                arrays = {n: np.asarray(a) for n, a in self._read(p.name, kind).items()}
+                # One part at a time: np.asarray joins the optimizer's RowChunks into copies.
+                self.store.write(p.name, kind, arrays).result()
         self._wait_writes()
         self.store.commit(step, train_state)
         self._uncommitted = False
