@@ -53,3 +53,16 @@ def test_chunks_skip_exactly_the_invisible_keys():
         assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
         for r0, r1, k0 in chunks:
             assert k0 == (max(0, r0 - window + 1) if window else 0)  # row r0's first visible key
+
+
+def test_the_model_uses_the_chunked_path_on_the_cpu():
+    """model.Attention goes through attend(), which picks causal_attention on this backend."""
+    import mtjax
+    from mtjax import model
+
+    cfg = mtjax.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    block = model.init_params(cfg, seed=0)["blocks"][0]
+    x = jnp.ones((1, 8, 32))
+    jaxpr = str(jax.make_jaxpr(lambda b, x: model.block_forward(cfg, "full", b, x))(block, x))
+    assert jax.default_backend() == "cpu" and "custom_vjp_call" in jaxpr
