@@ -126,6 +126,16 @@ def test_single_leaf_part_is_chunked():  # the embedding: its moments are its ow
     assert split.shared == ("0.count", "2.count")
 
 
+def test_a_scan_along_rows_is_not_chunked():
+    def running(updates, state, params=None):  # each row's update depends on the rows before it
+        def body(carry, row):
+            return carry + row, carry + row
+        return jax.tree.map(lambda u: jax.lax.scan(body, jnp.zeros(u.shape[1:], u.dtype), u)[1], updates), state
+
+    tx = optax.GradientTransformation(lambda p: optax.EmptyState(), running)
+    assert leaf_split(tx, np.dtype("float32"), {"x": S((8, 4), np.float32)}) is None
+
+
 def test_mixing_two_leaves_is_not_chunked():
     def swap(updates, state, params=None):  # the update of one leaf comes from another
         return {"x": updates["y"], "y": updates["x"]}, state

@@ -38,9 +38,16 @@ def _shape(v) -> tuple:
     return tuple(getattr(v.aval, "shape", ()))
 
 
+# Equations that run their body once on their own operands (loops and scans do not).
+CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+                   "custom_vjp_call_jaxpr", "checkpoint", "remat"})
+
+
 def _call_body(eqn) -> ClosedJaxpr | Jaxpr | None:
-    """The one body of a call-like equation (jit, custom_jvp_call) whose inputs and
-    outputs are the equation's own; None for control flow and plain primitives."""
+    """The body of a call-like equation (jit, custom_jvp_call) whose inputs and outputs
+    are the equation's own; None for control flow and plain primitives."""
+    if eqn.primitive.name not in CALLS:
+        return None
     bodies = [v for v in eqn.params.values() if isinstance(v, (ClosedJaxpr, Jaxpr))]
     if len(bodies) != 1:
         return None
