@@ -35,6 +35,17 @@ class BlockFns:
         self.head = jax.jit(functools.partial(_head, cfg))
         self.head_loss = jax.jit(functools.partial(_head_loss, cfg))
         self.embed_backward = jax.jit(functools.partial(_embed_backward, cfg))
+        # A part's gradient summed over micro-batches on the device, in fp32 (in place).
+        self.grad_to_f32 = jax.jit(_to_f32)
+        self.grad_add = jax.jit(_add_f32, donate_argnums=0)
+
+
+def _to_f32(grads):
+    return jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
+
+def _add_f32(acc, grads):
+    return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
 
 
 def _flat_forward(cfg: ModelConfig, kind: str):

@@ -45,16 +45,19 @@ class DevicePlan:
 
 def plan_bytes(*, max_part_bytes: int, max_grad_bytes: int, hidden_bytes: int, logits_bytes: int,
                residual_bytes: int, prefetch_depth: int, group: int, kept: int,
-               activations_on_device: bool) -> DevicePlan:
-    """The device bytes of one run; every argument comes from abstract shapes."""
+               activations_on_device: bool, accum: int = 1, max_part_params: int = 0) -> DevicePlan:
+    """The device bytes of one run; every argument comes from abstract shapes. A step
+    runs its `accum` micro-batches through each part in turn (hidden states of all of
+    them wait between parts) and sums each part's gradient on the device in fp32."""
+    sums = group * 4 * max_part_params if accum > 1 else 0
     return DevicePlan(
         # depth parts staged ahead, plus the parts in use: a recompute group, or the head,
         # the tied embedding and the last block (resident from its forward to its backward).
         weights=(prefetch_depth + max(group, 3)) * max_part_bytes,
-        activations=kept * hidden_bytes if activations_on_device else 0,
+        activations=accum * kept * hidden_bytes if activations_on_device else 0,
         residuals=group * residual_bytes,
         head=3 * logits_bytes,
-        working=4 * hidden_bytes + 2 * max_grad_bytes,
+        working=(3 + accum) * hidden_bytes + 2 * max_grad_bytes + sums,
     )
 
 

@@ -122,7 +122,8 @@ class StreamEngine:
         self._scale = None  # the clip scale of the pending updates (CPU scalar)
         self._writes: list[cf.Future] = []
         self.read_buffers = ReadBuffers()
-        self._plans: dict[tuple[int, int], budget_mod.DevicePlan] = {}
+        self._plans: dict[tuple[int, int, int], budget_mod.DevicePlan] = {}
+        self._residual_bytes_by_shape: dict[tuple, int] = {}
         self.step_count = 0
         self._owns_store = False  # close() closes a store the engine created
         if from_store:
@@ -290,18 +291,13 @@ class StreamEngine:
         k = n if k == 0 else min(k, n)
         return [range(s, min(s + k, n)) for s in range(0, n, k)]
 
-    def plan(self, batch: int, seq: int) -> budget_mod.DevicePlan:
-        """Device bytes this engine needs for micro-batches of [batch, seq]."""
-        if (batch, seq) in self._plans:
-            return self._plans[batch, seq]
+    def plan(self, batch: int, seq: int, accum: int = 1) -> budget_mod.DevicePlan:
+        """Device bytes this engine needs for `accum` micro-batches of [batch, seq]."""
+        if (batch, seq, accum) in self._plans:
+            return self._plans[batch, seq, accum]
         cfg, dt = self.cfg, np.dtype(self.cfg.compute_dtype)
         x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), dt)
-        residuals = 0
-        for p in self.parts:
-            if p.fn_kind.startswith("block:"):
-                kind = p.fn_kind.removeprefix("block:")
-                _, vjp = jax.eval_shape(self.fns.recompute[kind], self.schemas[p.name], x)
-                residuals = max(residuals, budget_mod.tree_bytes(vjp))
+        residuals = self._residuals(x)
         plan = budget_mod.plan_bytes(
             max_part_bytes=max(parts_mod.nbytes(s) for s in self.schemas.values()),
             max_grad_bytes=max(parts_mod.nbytes(s) for s in self.schemas.values()),
@@ -312,13 +308,29 @@ class StreamEngine:
             group=max(len(g) for g in self.groups),
             kept=len(self.groups),
             activations_on_device=self.options.activations == "device",
+            accum=accum,
+            max_part_params=max(parts_mod.nbytes(s) // np.dtype(cfg.compute_dtype).itemsize
+                                for s in self.schemas.values()),
         )
-        self._plans[batch, seq] = plan
+        self._plans[batch, seq, accum] = plan
         return plan
 
-    def check_budget(self, batch: int, seq: int) -> None:
+    def _residuals(self, x: jax.ShapeDtypeStruct) -> int:
+        """Bytes of the largest block's vjp residuals for hidden states shaped like `x`."""
+        if x.shape in self._residual_bytes_by_shape:
+            return self._residual_bytes_by_shape[x.shape]
+        residuals = 0
+        for p in self.parts:
+            if p.fn_kind.startswith("block:"):
+                kind = p.fn_kind.removeprefix("block:")
+                _, vjp = jax.eval_shape(self.fns.recompute[kind], self.schemas[p.name], x)
+                residuals = max(residuals, budget_mod.tree_bytes(vjp))
+        self._residual_bytes_by_shape[x.shape] = residuals
+        return residuals
+
+    def check_budget(self, batch: int, seq: int, accum: int = 1) -> None:
         """Raise DeviceBudgetError (before anything runs) when the run cannot fit."""
-        plan = self.plan(batch, seq)
+        plan = self.plan(batch, seq, accum)
         self.ledger.budget = budget_mod.check_budget(plan, self.options.device_budget_bytes)
         self._residual_bytes = plan.residuals // max(len(g) for g in self.groups)  # one block's
         if self.placement.pinned:
@@ -326,13 +338,13 @@ class StreamEngine:
             # head), plus the kept activations when they wait in host memory.
             part = max(parts_mod.nbytes(s) for s in self.schemas.values())
             hidden = batch * seq * self.cfg.hidden_size * np.dtype(self.cfg.compute_dtype).itemsize
-            stashed = len(self.groups) * hidden if self.options.activations == "host" else 0
+            stashed = accum * len(self.groups) * hidden if self.options.activations == "host" else 0
             raise_host_memory_limit(3 * self.pool.max_slots * part + stashed)
 
     # --- the step ------------------------------------------------------------------
 
     def _schedule(self, backward: bool = True) -> list[str]:
-        """The parts one micro-batch streams, in order of use."""
+        """The parts a step streams, in order of use: once, whatever the number of micro-batches."""
         n = self.cfg.num_hidden_layers
         fwd = ["embed", *(f"block.{i}" for i in range(n)), "head"]
         fwd += ["embed"] if self.cfg.tie_word_embeddings else []  # the head's kernel
@@ -361,27 +373,25 @@ class StreamEngine:
             tokens = tokens[None]
         if tokens.ndim != 3:
             raise MtjaxError(f"tokens must be [accum, batch, seq] or [batch, seq], got shape {tokens.shape}")
-        self.check_budget(*tokens.shape[1:])  # before anything changes
+        self.check_budget(*tokens.shape[1:], accum=len(tokens))  # before anything changes
         return tokens
 
     def eval_loss(self, tokens) -> float:
         """Mean loss over int32 [n, batch, seq] with the current weights; no update."""
         tokens = self._tokens(tokens)
-        feed = Prefetcher(self._schedule(backward=False) * len(tokens), self._load, self.options.prefetch_depth)
-        losses = []
+        feed = Prefetcher(self._schedule(backward=False), self._load, self.options.prefetch_depth)
         try:
-            for t in tokens:
-                t = self.placement.tokens(t)
-                x, _, _ = self._forward(feed, t, keep=False)
-                (head_slot, head_w), tied = self._take_head(feed)
-                losses.append(self.fns.head_loss(head_w, tied[1], x, t))
-                for slot in (head_slot, tied[0]):
-                    if slot is not None:
-                        self.pool.release(slot, losses[-1])
+            toks = [self.placement.tokens(t) for t in tokens]
+            xs, _, _ = self._forward(feed, toks, keep=False)
+            (head_slot, head_w), tied = self._take_head(feed)
+            losses = [self.fns.head_loss(head_w, tied[1], x, t) for x, t in zip(xs, toks)]
+            for slot in (head_slot, tied[0]):
+                if slot is not None:
+                    self.pool.release(slot, losses)
         finally:
             for slot, _ in feed.close():
                 self.pool.release(slot, [])
-        return float(jnp.mean(jnp.stack(losses)))  # one host sync for all micro-batches
+        return float(jnp.mean(jnp.stack(losses)))  # one host sync for all batches
 
     def _io_bytes(self) -> tuple[int, int]:
         """(read, written) bytes of disk-tier state and parked gradients so far."""
@@ -398,10 +408,9 @@ class StreamEngine:
         self.tracer.begin_step(self.step_count)
         self.ledger.held = 0  # nothing stays on the device between steps (even after a failed one)
         self._wait_writes()
-        feed = Prefetcher(self._schedule() * accum, self._load, self.options.prefetch_depth)
+        feed = Prefetcher(self._schedule(), self._load, self.options.prefetch_depth)
         try:
-            losses = [self._micro_batch(feed, self.placement.tokens(t), 1.0 / accum, last=a == accum - 1)
-                      for a, t in enumerate(tokens)]
+            losses = self._train_pass(feed, [self.placement.tokens(t) for t in tokens], 1.0 / accum)
         except BaseException:
             self.grads.discard()  # a failed step's partial sums must not reach the next step
             raise
@@ -454,87 +463,117 @@ class StreamEngine:
         backward (saves one transfer): when it is a recompute group of its own."""
         return len(self.groups[-1]) == 1
 
-    def _forward(self, feed: Prefetcher, tokens, keep: bool):
-        """Embedding and blocks, for training when `keep`:
-        (last hidden state, {block index: kept input}, resident (slot, weights) or None)."""
+    def _forward(self, feed: Prefetcher, toks: list, keep: bool):
+        """Embedding and blocks over every micro-batch, part by part; for training when
+        `keep`: (last hidden states, per micro-batch {block index: kept input}, resident
+        (slot, weights) or None)."""
         fns, pool, trace = self.fns, self.pool, self.tracer
         starts = {g.start for g in self.groups} if keep else set()
         resident = None
         slot, w = self._take(feed, "embed")
-        x = fns.embed_forward(w, tokens)
-        trace.watch("compute", "embed", x)
-        pool.release(slot, x)  # weights dropped as soon as the part is done
-        kept = {0: self._keep(x)} if keep else {}
+        xs = [fns.embed_forward(w, t) for t in toks]
+        trace.watch("compute", "embed", xs)
+        pool.release(slot, xs)  # weights dropped as soon as the part is done
+        kept = [{0: self._keep(x)} if keep else {} for x in xs]
         for i, kind in enumerate(self.cfg.layer_types):
             slot, w = self._take(feed, f"block.{i}")
-            x = fns.forward[kind](w, x)
-            trace.watch("compute", f"block.{i}", x)
+            xs = [fns.forward[kind](w, x) for x in xs]
+            trace.watch("compute", f"block.{i}", xs)
             if keep and self._last_stays and i == self.cfg.num_hidden_layers - 1:
                 resident = slot, w  # the backward starts with this block
             else:
-                pool.release(slot, x)
+                pool.release(slot, xs)
             if i + 1 in starts:
-                kept[i + 1] = self._keep(x)
-        return x, kept, resident
+                for k, x in zip(kept, xs):
+                    k[i + 1] = self._keep(x)
+        return xs, kept, resident
 
     def _take_head(self, feed: Prefetcher):
         """The head's (slot, weights), and the embedding's when tied (else (None, None))."""
         head = self._take(feed, "head")
         return head, self._take(feed, "embed") if self.cfg.tie_word_embeddings else (None, None)
 
-    def _micro_batch(self, feed: Prefetcher, tokens, weight: float, last: bool):
-        """Forward and backward of one micro-batch; gradients go to the host sums."""
+    def _train_pass(self, feed: Prefetcher, toks: list, weight: float) -> list:
+        """Forward and backward of every micro-batch, one part at a time: each part's
+        weights cross to the device once per step, and its gradient is summed over the
+        micro-batches on the device, then leaves once. Returns the micro-batch losses."""
         fns, pool, trace = self.fns, self.pool, self.tracer
-        x, kept, resident = self._forward(feed, tokens, keep=True)
+        xs, kept, resident = self._forward(feed, toks, keep=True)
         (head_slot, head_w), tied = self._take_head(feed)
-        loss, dhead, dembed, dx = fns.head(head_w, tied[1], x, tokens, weight)
-        trace.watch("compute", "head", dx)
-        pool.release(head_slot, dx)
-        self.grads.add("head", dhead, last)
+        losses, dxs, dhead, dembed = [], [], None, None
+        for x, t in zip(xs, toks):
+            loss, dh, de, dx = fns.head(head_w, tied[1], x, t, weight)
+            losses.append(loss)
+            dxs.append(dx)
+            dhead = self._sum(dhead, dh, len(toks))
+            dembed = self._sum(dembed, de, len(toks)) if tied[0] is not None else None
+        trace.watch("compute", "head", dxs)
+        pool.release(head_slot, dxs)
+        self.grads.add("head", dhead, last=True)
         if tied[0] is not None:
-            pool.release(tied[0], dx)
+            pool.release(tied[0], dxs)
             self.grads.add("embed", dembed, last=False)  # the lookup's gradient comes last
-        del x, head_w, tied
+        del xs, head_w, tied
 
         for group in reversed(self.groups):
-            x = self._unkeep(kept.pop(group.start))
-            dx = self._backward_group(feed, group, x, dx, last, resident)
+            xs = [self._unkeep(k.pop(group.start)) for k in kept]
+            dxs = self._backward_group(feed, group, xs, dxs, resident)
             resident = None
-        de = fns.embed_backward(tokens, dx)
+        de = None
+        for t, dx in zip(toks, dxs):
+            de = self._sum(de, fns.embed_backward(t, dx), len(toks))
         trace.watch("compute", "embed", de)
-        self.grads.add("embed", de, last)
-        return loss
+        self.grads.add("embed", de, last=True)
+        return losses
 
-    def _backward_group(self, feed: Prefetcher, group: range, x, dx, last: bool, resident=None):
-        """Recompute the group's blocks from their kept input, then walk them back.
-        `resident`: the group's (one) block is still on the device from the forward."""
-        fns, kinds = self.fns, self.cfg.layer_types
+    def _sum(self, acc, grads, count: int):
+        """Running sum of a part's gradients over the micro-batches, on the device (fp32).
+        With one micro-batch the gradient goes as it is (the host casts it)."""
+        if count == 1:
+            return grads
+        return self.fns.grad_to_f32(grads) if acc is None else self.fns.grad_add(acc, grads)
+
+    def _backward_group(self, feed: Prefetcher, group: range, xs: list, dxs: list, resident=None) -> list:
+        """Recompute the group's blocks from their kept inputs, then walk them back, one
+        micro-batch at a time with the group's weights on the device; returns the
+        gradients w.r.t. the group's inputs. `resident`: the group's (one) block is still
+        on the device from the forward."""
+        fns, kinds, count = self.fns, self.cfg.layer_types, len(xs)
         if len(group) == 1:  # recompute and backward fused in one program
             i = group.start
             slot, w = resident or self._take(feed, f"block.{i}")
-            dw, dx = fns.grad[kinds[i]](w, x, dx)
-            return self._finish_block(i, slot, dw, dx, last)
-        held = []
-        for i in group:
-            slot, w = self._take(feed, f"block.{i}")
-            x, vjp = fns.recompute[kinds[i]](w, x)
-            self.ledger.hold(self._residual_bytes, "recompute residuals")
-            held.append((i, slot, vjp))
-        del x, w
-        while held:
-            i, slot, vjp = held.pop()
-            dw, dx = fns.backward(vjp, dx)
-            del vjp
-            self.ledger.free(self._residual_bytes)
-            dx = self._finish_block(i, slot, dw, dx, last)
-        return dx
+            acc, out = None, []
+            for x, dx in zip(xs, dxs):
+                dw, dx = fns.grad[kinds[i]](w, x, dx)
+                acc = self._sum(acc, dw, count)
+                out.append(dx)
+            self._finish_block(i, slot, acc, out)
+            return out
+        held = [(i, *self._take(feed, f"block.{i}")) for i in group]
+        accs, out = dict.fromkeys(group), []
+        for x, dx in zip(xs, dxs):
+            vjps = []
+            for i, _, w in held:
+                x, vjp = fns.recompute[kinds[i]](w, x)
+                self.ledger.hold(self._residual_bytes, "recompute residuals")
+                vjps.append((i, vjp))
+            while vjps:
+                i, vjp = vjps.pop()
+                dw, dx = fns.backward(vjp, dx)
+                del vjp
+                self.ledger.free(self._residual_bytes)
+                accs[i] = self._sum(accs[i], dw, count)
+            out.append(dx)
+        del x
+        for i, slot, _ in reversed(held):
+            self._finish_block(i, slot, accs[i], out)
+        return out
 
-    def _finish_block(self, i: int, slot, dw, dx, last: bool):
-        self.tracer.watch("compute", f"block.{i}", dx)
-        # dx is computed by the program that last reads the slot's weights.
-        self.pool.release(slot, dx)
-        self.grads.add(f"block.{i}", dw, last)
-        return dx
+    def _finish_block(self, i: int, slot, dw, dxs: list) -> None:
+        self.tracer.watch("compute", f"block.{i}", dxs)
+        # The dxs are computed by the programs that last read the slot's weights.
+        self.pool.release(slot, dxs)
+        self.grads.add(f"block.{i}", dw, last=True)
 
     # --- reporting -----------------------------------------------------------------
 

@@ -47,7 +47,7 @@ class GradSink:
     def add(self, part: str, grads: dict, last: bool) -> None:
         """Queue a part's device gradients; returns at once (the copy is asynchronous).
         `last`: this is the step's last contribution to the part."""
-        self.placement.start_to_host(grads)
+        grads = self.placement.start_to_host(grads)
         self._futures.append(self._pool.submit(self._accumulate, part, grads, last))
 
     def _accumulate(self, part: str, grads: dict, last: bool) -> None:
