@@ -111,10 +111,17 @@ def test_a_step_must_be_committed_before_its_update(tmp_path):
 
 
 def test_half_updated_store_is_not_read_as_weights(tmp_path):
+    from mtjax import run as run_lib
+    from mtjax.stream.sample import StreamSampler
+
     _train(tmp_path / "s", 1, 2)
     with pytest.raises(mtjax.store.StoreError, match="resume the run"):
         export_hf(tmp_path / "s", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    with pytest.raises(mtjax.store.StoreError, match="resume the run"):
+        run_lib.load_weights(tmp_path / "s")  # eval
+    with mtjax.store.open(tmp_path / "s") as store, pytest.raises(mtjax.store.StoreError, match="resume the run"):
+        StreamSampler(store)  # generate
 
 
 def test_leftovers_of_a_crash_are_freed_on_open(tmp_path):

@@ -57,6 +57,7 @@ class StreamSampler:
     """Samples tokens from an open layer store (read-only is enough)."""
 
     def __init__(self, store, device: jax.Device | None = None):
+        store.check_complete("sample from it")  # a one-copy store stopped mid-update
         self.store, self.cfg = store, store.config
         self.names = [p.name for p in parts.parts(self.cfg)]
         self.schemas = {n: store.schema(n, "compute") for n in self.names}
