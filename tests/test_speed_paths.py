@@ -1,10 +1,7 @@
-"""The speed paths of the step (remat policies, XLA flag defaults) change nothing numerically."""
+"""The speed paths of the step (remat policies) change nothing numerically."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp

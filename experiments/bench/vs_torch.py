@@ -5,8 +5,12 @@ batch 1, fp32) trained three ways in one process, steps interleaved so drift in 
 load hits all alike: transformers' LlamaForCausalLM with per-layer gradient checkpointing,
 SDPA attention and torch.optim.AdamW(fused=True) (in a worker process, so torch's OpenMP
 threads and XLA's never spin against each other); mtjax's in-memory ReferenceTrainer (remat
-per block); mtjax's StreamEngine (RAM tier, k = 1, prefetch depth 2). All clip gradients at
-1.0. Prints tokens/s and the ratios to torch; writes its section of docs/benchmarks.md.
+per block, either rerunning whole blocks in the backward as torch does, or keeping the
+blocks' projection outputs: remat policy "dots"); mtjax's StreamEngine (RAM tier, k = 1,
+prefetch depth 2). All clip gradients at 1.0. Prints tokens/s and the ratios to torch, then
+the time of each piece of a step in both frameworks (one block forward, one block forward +
+backward, head + loss forward + backward, clip + AdamW); writes its section of
+docs/benchmarks.md.
 
     .venv/bin/python experiments/bench/vs_torch.py                  # ~3-4 minutes on 2 cores
     .venv/bin/python experiments/bench/vs_torch.py --layers 2 --width 256 --seq 128 --no-doc   # smoke
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -63,10 +68,43 @@ class TorchTrainer:
         ids = torch.from_numpy(tokens[0].astype(np.int64))
         loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
+        self.update()
+        return float(loss.detach())
+
+    def update(self):
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+
+    def pieces(self, tokens: np.ndarray, reps: int) -> dict[str, float]:
+        """Milliseconds of each piece of a step, best of `reps` (checkpointing off while timed)."""
+        m = self.model.model
+        ids = torch.from_numpy(tokens[0].astype(np.int64))
+        x = torch.randn(*ids.shape, m.config.hidden_size, requires_grad=True)
+        pe = m.rotary_emb(x, torch.arange(ids.shape[-1])[None])
+        layer = m.layers[0]
+
+        def block_fwd():
+            with torch.no_grad():
+                layer(x, position_embeddings=pe)
+
+        def block_fwd_bwd():
+            out = layer(x, position_embeddings=pe)
+            (out[0] if isinstance(out, tuple) else out).sum().backward()
+
+        def head():
+            logits = self.model.lm_head(m.norm(x))
+            torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()
+
+        def update():
+            for q in self.model.parameters():
+                q.grad = torch.zeros_like(q) if q.grad is None else q.grad
+            self.update()
+
+        self.model.gradient_checkpointing_disable()
+        out = {name: best_ms(fn, reps) for name, fn in PIECES(block_fwd, block_fwd_bwd, head, update).items()}
+        self.model.gradient_checkpointing_enable()
+        return out
 
 
 class TorchWorker:
@@ -86,6 +124,11 @@ class TorchWorker:
         self.i += 1
         return float(self.proc.stdout.readline())
 
+    def pieces(self, reps: int) -> dict[str, float]:
+        self.proc.stdin.write(f"pieces {reps}\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
     def close(self):
         self.proc.stdin.close()
         self.proc.wait()
@@ -96,14 +139,76 @@ def torch_worker(args) -> None:
     data = batches(args)
     print("ready", flush=True)
     for line in sys.stdin:
+        if line.startswith("pieces"):
+            print(json.dumps(trainer.pieces(data[0], int(line.split()[1]))), flush=True)
+            continue
         t0 = time.perf_counter()
         trainer.step(data[int(line)])
         print(time.perf_counter() - t0, flush=True)
 
 
+def PIECES(block_fwd, block_fwd_bwd, head, update) -> dict:
+    """The pieces of a step, named alike for both frameworks."""
+    return {"one block: forward": block_fwd, "one block: forward + backward": block_fwd_bwd,
+            "head + loss: forward + backward": head, "clip + AdamW, all parameters": update}
+
+
+def best_ms(fn, reps: int) -> float:
+    """Best of `reps` timed calls after one warm-up; fn must return only when its work is done."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * min(times)
+
+
+def jax_pieces(cfg: ModelConfig, trainer: ReferenceTrainer, tokens: np.ndarray, reps: int) -> dict[str, float]:
+    """The same pieces for mtjax, each one jitted program (the reference trainer's state)."""
+    import jax.numpy as jnp
+    import optax
+
+    from mtjax.loss import cross_entropy
+    from mtjax.optim import clip_scale, sum_of_squares
+
+    params, ids = trainer.params, jnp.asarray(tokens[0])
+    block, head_p, embed = params["blocks"][0], params["head"], params["embed"]
+    x = model.embed_forward(cfg, embed, ids)
+    fwd = jax.jit(lambda b, x: model.block_forward(cfg, "full", b, x))
+    grad = jax.jit(lambda b, x: jax.vjp(lambda b, x: model.block_forward(cfg, "full", b, x), b, x)[1](x))
+    head = jax.jit(jax.grad(lambda h, x: cross_entropy(model.head_forward(cfg, h, embed, x), ids), argnums=(0, 1)))
+
+    def adamw(p, s, g):
+        scale = clip_scale(sum_of_squares(g), trainer.clip_norm)
+        updates, s = trainer.tx.update(jax.tree.map(lambda a: a * scale, g), s, p)
+        return optax.apply_updates(p, updates), s
+
+    update = jax.jit(adamw, donate_argnums=(0, 1))
+    state = [jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, trainer.opt_state)]
+    grads = jax.tree.map(lambda a: a * 1e-3, params)
+
+    def step_update():
+        state[:] = update(state[0], state[1], grads)
+        jax.block_until_ready(state)
+
+    fns = PIECES(lambda: jax.block_until_ready(fwd(block, x)), lambda: jax.block_until_ready(grad(block, x)),
+                 lambda: jax.block_until_ready(head(head_p, x)), step_update)
+    return {name: best_ms(fn, reps) for name, fn in fns.items()}
+
+
 def batches(args) -> list[np.ndarray]:
     rng = np.random.default_rng(0)
     return [rng.integers(0, args.vocab, (1, 1, args.seq), dtype=np.int32) for _ in range(args.steps + 1)]
+
+
+def piece_table(pieces: dict, reps: int) -> list[str]:
+    if not pieces:
+        return []
+    (a, ta), (b, tb) = pieces.items()
+    return [f"Pieces of a step, each timed alone (best of {reps}, ms; torch without checkpointing while timed):", "",
+            f"| piece | {a} | {b} | {b} / {a} |", "|---|---|---|---|",
+            *(f"| {k} | {ta[k]:.1f} | {tb[k]:.1f} | {tb[k] / ta[k]:.2f} |" for k in ta), ""]
 
 
 def main() -> None:
@@ -114,6 +219,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per trainer (after one warm-up)")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    ap.add_argument("--piece-reps", type=int, default=5, help="timed calls per piece (0 skips the pieces table)")
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -130,6 +236,8 @@ def main() -> None:
         "transformers + torch (grad checkpointing, fused AdamW)": TorchWorker(
             [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "seq", "vocab", "steps")]),
         "mtjax reference (in memory, remat per block)": ReferenceTrainer(cfg, params, opt),
+        "mtjax reference (in memory, remat per block keeping projections)": ReferenceTrainer(cfg, params, opt,
+                                                                                             remat="dots"),
         "mtjax stream (RAM tier, k=1, depth 2)": StreamEngine(cfg, params, opt, keep_every=1, prefetch_depth=2),
     }
     del params
@@ -141,6 +249,11 @@ def main() -> None:
             if i:  # step 0 compiles / warms up
                 times[name].append(took if isinstance(t, TorchWorker) else time.perf_counter() - t0)
         print(i, {k: round(v[-1], 2) for k, v in times.items() if v}, flush=True)
+    torch_trainer, reference = list(trainers.values())[:2]
+    pieces = {}
+    if args.piece_reps:
+        pieces = {"transformers + torch": torch_trainer.pieces(args.piece_reps),
+                  "mtjax": jax_pieces(cfg, reference, batches(args)[0], args.piece_reps)}
     for t in trainers.values():
         if hasattr(t, "close"):
             t.close()
@@ -151,7 +264,7 @@ def main() -> None:
         f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, torch "
         f"{torch.__version__}, load average {os.getloadavg()[0]:.1f} at the end. Llama {args.layers} blocks x width "
         f"{args.width} ({cfg.num_params() / 1e6:.1f}M params), vocab {args.vocab}, batch 1 x seq {args.seq}, fp32, "
-        f"AdamW + clip 1.0; median of {args.steps} steps after one warm-up, the three trainers' steps interleaved "
+        f"AdamW + clip 1.0; median of {args.steps} steps after one warm-up, the trainers' steps interleaved "
         f"(torch in a worker process).",
         "",
         "| trainer | step (s) | tokens/s | vs torch (tokens/s ratio) |",
@@ -160,6 +273,7 @@ def main() -> None:
         "",
         "Goal: reference >= 1.0x torch, stream >= 0.9x torch.",
         "",
+        *piece_table(pieces, args.piece_reps),
         "Command: `.venv/bin/python experiments/bench/vs_torch.py`",
     ]
     body = "## mtjax vs transformers + torch on the CPU (experiments/bench/vs_torch.py)\n\n" + "\n".join(lines)
