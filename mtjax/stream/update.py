@@ -250,9 +250,8 @@ class PartUpdate:
                 views[i, "grad", n] = grads[n][where[n][k]]
         views = jax.device_put(views, self.cpu)
         # Each leaf's compute copy is threaded through its chunks' programs, donated.
-        copies = {n: jax.device_put(compute[n], self.cpu) if n in compute else jnp.zeros(shapes[n], self.dtype,
-                                                                                        device=self.cpu)
-                  for n in master}
+        copies = {n: jax.device_put(compute[n], self.cpu) if n in compute
+                  else jnp.zeros(shapes[n], self.dtype, device=self.cpu) for n in master}
         scale = jax.device_put(jnp.asarray(scale, jnp.float32), self.cpu)
         new = {n: {s: [None] * len(where[n]) for s in st} for n, st in states.items()}
         shared_out = None
