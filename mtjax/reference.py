@@ -30,6 +30,8 @@ def loss_fn(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str = T
 def _accumulated_grads(cfg: ModelConfig, params, micro_batches: jnp.ndarray, remat: str = "full"):
     """Mean loss and gradient over micro-batches [accum, batch, seq], summed in fp32."""
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, cfg, remat=remat))
+    if micro_batches.shape[0] == 1:  # no accumulator: saves three passes over every gradient
+        return grad_fn(params, micro_batches[0])
 
     def body(carry, tokens):
         loss_sum, grad_sum = carry
@@ -73,15 +75,15 @@ class ReferenceTrainer:
 
     def _train_step(self, params, opt_state, micro_batches):
         loss, grads = _accumulated_grads(self.cfg, params, micro_batches, self.remat)
-        sq = sum_of_squares(grads)
+        part_sq = jnp.stack([sum_of_squares(grads["head"]), *(sum_of_squares(b) for b in reversed(grads["blocks"])),
+                             sum_of_squares(grads["embed"])])  # in backward order, for NonFiniteStep
+        sq = jnp.sum(part_sq)  # one pass over the gradients for both
         scale = clip_scale(sq, self.clip_norm)
         scaled = jax.tree.map(lambda g: g * scale, grads)
         updates, new_opt = self.tx.update(scaled, opt_state, params)
         # A NaN/Inf loss or gradient leaves params and optimizer state as they were.
         ok = jnp.isfinite(loss) & jnp.isfinite(sq)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-        part_sq = jnp.stack([sum_of_squares(grads["head"]), *(sum_of_squares(b) for b in reversed(grads["blocks"])),
-                             sum_of_squares(grads["embed"])])  # in backward order, for NonFiniteStep
         return (keep(optax.apply_updates(params, updates), params), keep(new_opt, opt_state),
                 {"loss": loss, "grad_norm": jnp.sqrt(sq), "part_sq": part_sq})
 
