@@ -1,9 +1,9 @@
-"""The in-memory reference trainer: the whole model in device memory, one jitted step.
+"""The in-memory reference trainer: the whole model in device memory, two jitted programs a step.
 
 It is what users run when a model fits, and the baseline the streaming engine must
 equal. One step: value_and_grad over micro-batches (each block under `jax.checkpoint`),
-gradient accumulation, exact global-norm clipping, then one optax update of the fp32
-master parameters.
+gradient accumulation and per-part squared norms; then, if all are finite, exact
+global-norm clipping and one optax update of the fp32 master parameters.
 """
 
 from __future__ import annotations
@@ -70,36 +70,39 @@ class ReferenceTrainer:
         # A copy: the step donates its inputs, which must not delete the caller's arrays.
         self.params = jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params)
         self.opt_state = self.tx.init(self.params) if opt_state is None else jax.tree.map(jnp.array, opt_state)
-        self._step = jax.jit(self._train_step, donate_argnums=(0, 1))
+        # Two programs with a host check between them: the update runs only on a finite
+        # step, so it needs no select over the whole state (which made XLA copy m and v).
+        self._grads = jax.jit(self._grad_step)
+        self._update = jax.jit(self._apply, donate_argnums=(0, 1))
         self.steps = self.skipped = 0  # applied and skipped (non-finite) steps
 
-    def _train_step(self, params, opt_state, micro_batches):
+    def _grad_step(self, params, micro_batches):
         loss, grads = _accumulated_grads(self.cfg, params, micro_batches, self.remat)
         part_sq = jnp.stack([sum_of_squares(grads["head"]), *(sum_of_squares(b) for b in reversed(grads["blocks"])),
                              sum_of_squares(grads["embed"])])  # in backward order, for NonFiniteStep
-        sq = jnp.sum(part_sq)  # one pass over the gradients for both
+        return loss, grads, part_sq
+
+    def _apply(self, params, opt_state, grads, sq):
         scale = clip_scale(sq, self.clip_norm)
-        scaled = jax.tree.map(lambda g: g * scale, grads)
-        updates, new_opt = self.tx.update(scaled, opt_state, params)
-        # A NaN/Inf loss or gradient leaves params and optimizer state as they were.
-        ok = jnp.isfinite(loss) & jnp.isfinite(sq)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-        return (keep(optax.apply_updates(params, updates), params), keep(new_opt, opt_state),
-                {"loss": loss, "grad_norm": jnp.sqrt(sq), "part_sq": part_sq})
+        updates, opt_state = self.tx.update(jax.tree.map(lambda g: g * scale, grads), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
 
     def step(self, tokens) -> dict[str, float]:
         tokens = jnp.asarray(np.asarray(tokens), jnp.int32)
         if tokens.ndim == 2:
             tokens = tokens[None]
-        self.params, self.opt_state, metrics = self._step(self.params, self.opt_state, tokens)
-        part_sq = np.asarray(metrics.pop("part_sq"))  # one host sync per step, with the metrics
-        out = {k: float(v) for k, v in metrics.items()}
+        loss, grads, part_sq = self._grads(self.params, tokens)
+        part_sq = np.asarray(part_sq)  # host sync: the update may run only on a finite step
+        sq = np.float32(np.sum(part_sq, dtype=np.float32))
+        out = {"loss": float(loss), "grad_norm": float(np.sqrt(sq))}
         if not (np.isfinite(out["loss"]) and np.isfinite(out["grad_norm"])):
             n = self.cfg.num_hidden_layers
             names = ["head", *(f"block.{i}" for i in reversed(range(n))), "embed"]
             self.skipped += 1
             bad = [m for m, s in zip(names, part_sq) if not np.isfinite(s)]
             raise NonFiniteStep(self.skipped + self.steps, out["loss"], bad)
+        self.params, self.opt_state = self._update(self.params, self.opt_state, grads, sq)
+        jax.block_until_ready(self.params)  # a returned step is a finished step (as before)
         self.steps += 1
         return out
 

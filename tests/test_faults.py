@@ -163,8 +163,8 @@ def _batches():
 def _poison_reference(monkeypatch):
     real = reference_mod._accumulated_grads
 
-    def poisoned(cfg, params, micro_batches):
-        loss, grads = real(cfg, params, micro_batches)
+    def poisoned(cfg, params, micro_batches, *remat):
+        loss, grads = real(cfg, params, micro_batches, *remat)
         bad = micro_batches[0, 0, 0] == SENTINEL
         blocks = list(grads["blocks"])
         blocks[1] = jax.tree.map(lambda g: jnp.where(bad, jnp.inf * g - jnp.inf * g, g), blocks[1])  # NaN
