@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_bench_dry_run_measures_every_section(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHON": os.environ.get("PYTHON", str(ROOT / ".venv/bin/python"))}
-    if not Path(env["PYTHON"]).exists():
-        env["PYTHON"] = "python3"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHON": sys.executable}  # the interpreter running the tests
     r = subprocess.run(["bash", str(ROOT / "experiments/gpu/bench.sh"), "--dry", "--out", str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -38,8 +38,12 @@ TOKENS = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 2, 16)).astype
 
 
 def _train(path: Path, copies: int, steps: int, close: bool = True):
+    """`steps` committed steps. The last step's update is left pending, as if the process
+    died right after its commit (the engine would otherwise start it at once)."""
     store = mtjax.store.create(path, CFG, make_optimizer(OPT), copies=copies)
     engine = StreamEngine(CFG, model.init_params(CFG, 0), OPT, tiers=DISK, store=store)
+    start = engine._start_updates
+    engine._start_updates = lambda: None if engine.step_count == steps else start()
     engine.commit(0)
     for i in range(steps):
         engine.step(TOKENS)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import math
+import os
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -121,6 +123,13 @@ class StreamEngine:
         self._uncommitted = False  # one-copy: this step's gradients are not yet in a commit
         self._scale = None  # the clip scale of the pending updates (CPU scalar)
         self._writes: list[cf.Future] = []
+        self._writes_lock = threading.Lock()  # update workers add writes concurrently
+        # Deferred updates start as soon as the clip scale is known, on a few host threads
+        # (one for disk tiers: each update in flight holds a part's state in read buffers);
+        # the prefetcher waits for a part's update before staging it.
+        workers = 1 if self.tiers.kinds_in("disk") else max(1, min(8, os.cpu_count() or 1))
+        self._update_pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="mtjax-update")
+        self._updates: dict[str, cf.Future] = {}
         self.read_buffers = ReadBuffers()
         self._plans: dict[tuple[int, int, int], budget_mod.DevicePlan] = {}
         self._residual_bytes_by_shape: dict[tuple, int] = {}
@@ -187,12 +196,17 @@ class StreamEngine:
     def _write(self, part: str, kind: str, arrays: dict) -> None:
         with self.tracer.span("write", part):
             fut = self.tiers.write(part, kind, arrays)
-        # Keep only unfinished or failed writes: a finished one must not pin its arrays.
-        self._writes = [f for f in self._writes if not f.done() or f.exception()] + [fut]
+        self._track(fut)
+
+    def _track(self, fut: cf.Future) -> None:
+        with self._writes_lock:
+            # Keep only unfinished or failed writes: a finished one must not pin its arrays.
+            self._writes = [f for f in self._writes if not f.done() or f.exception()] + [fut]
 
     def _wait_writes(self) -> None:
         """Host sync: re-raise write errors, and make the state readable from the tiers."""
-        writes, self._writes = self._writes, []
+        with self._writes_lock:
+            writes, self._writes = self._writes, []
         for fut in writes:
             fut.result()
         if self.store is not None:
@@ -232,13 +246,24 @@ class StreamEngine:
         self._write(part, "compute", compute)
         if self.one_copy:
             # Once the new state is on disk the manifest names it and its gradient can go.
-            self._writes.append(self.store.commit_part(part, after=lambda: self.grads.release(part)))
+            self._track(self.store.commit_part(part, after=lambda: self.grads.release(part)))
         return compute
+
+    def _start_updates(self) -> None:
+        """Start every pending update on the update threads, in the order the forward needs them."""
+        for p in self.parts:
+            if p.name in self.grads.pending() and p.name not in self._updates:
+                self._updates[p.name] = self._update_pool.submit(self._apply_update, p.name)
+
+    def _updated(self, part: str) -> dict | None:
+        """The new compute copy of `part` once its pending update is done (None: no update)."""
+        fut = self._updates.pop(part, None)
+        return fut.result() if fut is not None else self._apply_update(part)
 
     def flush(self) -> None:
         """Apply every pending update (before reading state, a checkpoint or the end)."""
         for p in self.parts:
-            self._apply_update(p.name)
+            self._updated(p.name)
         self._wait_writes()
 
     def params(self):
@@ -271,6 +296,7 @@ class StreamEngine:
             self.store.commit(step, train_state, pending=self.grads.pending_update(self._scale))
             self._uncommitted = False
             if not flush:
+                self._start_updates()  # only now may they overwrite the one copy
                 return
         self.flush()
         for kind in self.tiers.kinds_in("ram"):
@@ -354,7 +380,7 @@ class StreamEngine:
 
     def _load(self, part: str):
         """Prefetch worker: pending update, then read into a staging slot, then device_put."""
-        fresh = self._apply_update(part)
+        fresh = self._updated(part)
         slot = self.pool.acquire(self.schemas[part])
         with self.tracer.span("read", part):
             if fresh is not None:
@@ -432,6 +458,8 @@ class StreamEngine:
         self._scale = jax.device_put(clip_scale(sq, self.clip_norm), host_device())
         self._uncommitted = self.one_copy
         self._wait_writes()
+        if not self.one_copy:
+            self._start_updates()  # they run while the caller logs, evaluates, fetches data
         metrics = {"loss": loss, "grad_norm": math.sqrt(norm_sq)}
         if self.tiers.kinds_in("disk"):
             # Disk bandwidth over the step's wall time: state and gradient bytes moved meanwhile.
@@ -587,6 +615,7 @@ class StreamEngine:
         self.tracer.write(path)
 
     def close(self) -> None:
+        self._update_pool.shutdown(wait=True)
         self.grads.close()
         self.tracer.close()
         self.tiers.close()
