@@ -45,6 +45,31 @@ from mtjax.stream import StreamEngine  # noqa: E402
 
 SECTION = "vs-torch"
 
+# What was tried to close the gap, with how it was measured (kept with the table it explains).
+NOTES = """What changed to get here, each measured in one process with the variants interleaved and
+compared by CPU seconds (the machine was shared, load 3-10; CPU time was stable to ~3% where wall
+time was not), width 1024, seq 512, fp32:
+
+- Attention (mtjax/attention.py, used on the CPU backend): query chunks of 128 rows score only
+  the keys they can see, and the backward is written out (probabilities recomputed from the saved
+  log-sum-exp). One attention fwd + bwd: 94 -> 74 ms CPU; one block fwd + bwd: 543 -> 506 ms CPU
+  (-7%). Equal to `jax.nn.dot_product_attention` to ~3e-7 relative (tests/test_attention.py).
+- Remat policy "dots" (model.REMAT_POLICIES; `ReferenceTrainer(remat="dots")`): the backward keeps
+  each block's projection outputs (about 4 d + 2 f floats per token, 11x the activations of
+  "full" at this shape, ~22 MB per block here) and recomputes only norms, RoPE, attention and
+  SwiGLU. Reference step: 6.7 -> 5.8 s CPU (-12%). Torch's gradient checkpointing corresponds to
+  "full"; "dots" trades memory torch's setting does not spend.
+- Reference step as two programs (gradients, host finiteness check, donated update) instead of
+  one with a select over the whole state, which made XLA copy m and v: 6.3 -> 6.05 s CPU (-4%).
+- XLA CPU flags, none outside noise (block fwd + bwd 488-519 ms CPU against 507 default):
+  `xla_cpu_enable_concurrency_optimized_scheduler` on and off, `xla_cpu_experimental_xnn_graph_fusion_mode=
+  XNN_GRAPH_FUSION_MODE_GREEDY`, `xla_cpu_experimental_ynn_fusion_type=+eltwise`; disabling the
+  default YNNPACK dot fusions or using oneDNN was slower. So mtjax sets no XLA flags.
+- Not done: fused qkv / gate-up matmuls (XLA's matmuls already run at ~200 GFLOP/s, the two
+  cores' fp32 peak, in both frameworks; the piece table shows the remaining per-block gap is in
+  the non-matmul work), chunked cross-entropy (the head is within ~15% of torch's), bf16.
+"""
+
 
 class TorchTrainer:
     """transformers Llama, gradient checkpointing per layer, fused AdamW, fp32."""
@@ -274,6 +299,7 @@ def main() -> None:
         "Goal: reference >= 1.0x torch, stream >= 0.9x torch.",
         "",
         *piece_table(pieces, args.piece_reps),
+        NOTES,
         "Command: `.venv/bin/python experiments/bench/vs_torch.py`",
     ]
     body = "## mtjax vs transformers + torch on the CPU (experiments/bench/vs_torch.py)\n\n" + "\n".join(lines)
