@@ -247,6 +247,7 @@ def main() -> None:
     ap.add_argument("--piece-reps", type=int, default=5, help="timed calls per piece (0 skips the pieces table)")
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    load_at_start = os.getloadavg()[0]
     torch.set_num_threads(os.cpu_count() or 1)
     if args.torch_worker:
         return torch_worker(args)
@@ -287,14 +288,16 @@ def main() -> None:
     torch_s = next(iter(med.values()))
     lines = [
         f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, torch "
-        f"{torch.__version__}, load average {os.getloadavg()[0]:.1f} at the end. Llama {args.layers} blocks x width "
+        f"{torch.__version__}, load average {load_at_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end "
+        f"(the run itself keeps both cores busy). Llama {args.layers} blocks x width "
         f"{args.width} ({cfg.num_params() / 1e6:.1f}M params), vocab {args.vocab}, batch 1 x seq {args.seq}, fp32, "
         f"AdamW + clip 1.0; median of {args.steps} steps after one warm-up, the trainers' steps interleaved "
         f"(torch in a worker process).",
         "",
-        "| trainer | step (s) | tokens/s | vs torch (tokens/s ratio) |",
-        "|---|---|---|---|",
-        *(f"| {k} | {s:.2f} | {args.seq / s:.0f} | {torch_s / s:.2f}x |" for k, s in med.items()),
+        "| trainer | step (s) | tokens/s | vs torch (tokens/s ratio) | every timed step (s) |",
+        "|---|---|---|---|---|",
+        *(f"| {k} | {s:.2f} | {args.seq / s:.0f} | {torch_s / s:.2f}x | {', '.join(f'{t:.2f}' for t in times[k])} |"
+          for k, s in med.items()),
         "",
         "Goal: reference >= 1.0x torch, stream >= 0.9x torch.",
         "",
