@@ -428,3 +428,23 @@ def test_reader_never_returns_bytes_of_two_steps(filled, tmp_path):
     with pytest.raises(StoreError, match="read-only"):
         store.refresh()
     reader.close()
+
+
+def test_a_write_during_a_commit_is_refused(tmp_path):
+    """A write issued while `commit` runs could land in a slot the commit names or frees."""
+    store = mtjax.store.create(tmp_path / "s", CFG)
+    arrays = {leaf: np.zeros(s.shape, s.dtype) for leaf, s in store.schema("block.0", "master").items()}
+    refused = []
+
+    def write_now(phase):
+        if phase == "written":
+            with pytest.raises(mtjax.store.StoreError, match="while a commit ran"):
+                store.write("block.0", "master", arrays)
+            refused.append(phase)
+
+    store._on_phase = write_now
+    store.commit(1)
+    assert refused == ["written"]
+    store._on_phase = lambda phase: None
+    store.write("block.0", "master", arrays).result()  # after the commit: accepted
+    store.close()

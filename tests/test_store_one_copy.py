@@ -184,3 +184,21 @@ def test_kill_minus_9_then_rerun_ends_bit_identical(tmp_path):
             assert _parts_bytes(work / "killed" / "store") == store.nbytes()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_final_commit_right_after_a_step_commit(tmp_path):
+    """A run's last step is committed (its update starts on the update threads at once),
+    then committed again with `flush`: the second commit waits for those updates rather
+    than racing their writes, and the store ends complete and equal to a two-copy run."""
+    for copies in (1, 2):
+        store = mtjax.store.create(tmp_path / f"s{copies}", CFG, make_optimizer(OPT), copies=copies)
+        engine = StreamEngine(CFG, model.init_params(CFG, 0), OPT, tiers=DISK, store=store)
+        engine.commit(0)
+        for i in range(3):
+            engine.step(TOKENS)
+            engine.commit(i + 1)
+        engine.commit(3, flush=True)
+        assert store.pending is None
+        engine.close()
+        store.close()
+    assert _same(_params(tmp_path / "s1"), _params(tmp_path / "s2"))

@@ -85,6 +85,7 @@ class Store:
             self._on_phase = lambda phase: None  # test hook: called at each step of `commit`
             self._commit_mutex = threading.Lock()  # one manifest change at a time
             self._io_bytes = [0, 0]  # tensor bytes read, written (finished operations)
+            self._committing = False  # a write issued during `commit` could land in a slot it frees
             # One-copy stores: part commits run in order, on their own thread, after the part's writes.
             self._committer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtjax-store-commit")
             self._part_commits: list[concurrent.futures.Future] = []
@@ -341,6 +342,9 @@ class Store:
             return arrays.gather(futs, None, on_error)
 
         with self._mutex:
+            if self._committing:
+                raise StoreError(f"store {self.root}: {part} {kind} was written while a commit ran; "
+                                 "finish every write before calling commit")
             self._latest[(part, kind)] = slot
             self._dirty.add((part, kind))
         return self._counted(self._chain(part, kind, start), 1, sum(a.nbytes for a in values.values()))
@@ -400,8 +404,16 @@ class Store:
         if pending is not None and self.copies == 2:
             raise StoreError("pending gradients are for one-copy stores (copies=1)")
         with self._mutex:
+            self._committing = True
             part_commits, self._part_commits = self._part_commits, []
             waits = list(self._pending.values()) + part_commits
+        try:
+            self._commit(step, train_state, pending, waits, part_commits)
+        finally:
+            with self._mutex:
+                self._committing = False
+
+    def _commit(self, step, train_state, pending, waits, part_commits) -> None:
         concurrent.futures.wait(waits)  # the step's writes must all be on disk before the manifest names them
         self._check_usable()  # a failed write marked the store broken: never commit a partial step
         for f in part_commits:
@@ -412,7 +424,9 @@ class Store:
         self._on_phase("written")
         slots = {p: dict(kinds) for p, kinds in self._manifest.slots.items()}
         dirs = set()
-        for part, kind in sorted(self._dirty):
+        with self._mutex:
+            written = sorted(self._dirty)
+        for part, kind in written:
             slot = slots[part][kind] = self._latest[(part, kind)]
             dirs.update(_slot_dirs(layout.slot_dir(self.root, part, kind, slot), self.schema(part, kind)))
         self._sync_dirs(sorted(dirs))

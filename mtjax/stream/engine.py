@@ -292,6 +292,10 @@ class StreamEngine:
             raise MtjaxError("commit needs a layer store: pass store=mtjax.store.create(...)")
         step = self.step_count if step is None else step
         if self.one_copy:
+            # Updates already started (by an earlier commit of this step) must finish first:
+            # a commit changes which slot each part's next write goes to.
+            for fut in list(self._updates.values()):
+                fut.result()
             self._wait_writes()  # the part commits of this step's updates included
             self.store.commit(step, train_state, pending=self.grads.pending_update(self._scale))
             self._uncommitted = False
