@@ -92,31 +92,33 @@ def same_files(a: Path, b: Path, names: list[str]) -> bool:
     return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
 
 
-def kill_train_trials(work: Path, kills: int, steps: int, rng: random.Random, window=(0.1, 1.0)) -> dict:
+def kill_train_trials(work: Path, kills: int, steps: int, rng: random.Random, window=(0.1, 1.0),
+                      extra: tuple[str, ...] = ()) -> dict:
     """One scripted run killed `kills` times, rerun after each kill; its final weights
-    against an uninterrupted run's. Half the kills come at a random moment (`window`, a
-    share of the clean run's duration), half just after a random store commit."""
+    against an uninterrupted run's (without `extra`, e.g. a one-copy store against the
+    default two copies). Half the kills come at a random moment (`window`, a share of the
+    clean run's duration), half just after a random store commit."""
     clean = work / "clean"
     t = time.perf_counter()
     r = mtjax(train_args(clean, steps))
     assert r.returncode == 0, r.stderr
     seconds = time.perf_counter() - t  # kill times scale with how fast this machine runs
     run = work / "killed"
+    args = train_args(run, steps) + list(extra)
     done, at_steps, reruns = 0, [], 0
     while done < kills:
         before = store_step(run)
         if done % 2:  # right after a commit: inside the next step, its commit or the export
-            killed = run_killed_after_commit(train_args(run, steps), run, rng.randrange(steps + 1),
-                                             rng.uniform(0.0, 0.5))
+            killed = run_killed_after_commit(args, run, rng.randrange(steps + 1), rng.uniform(0.0, 0.5))
         else:  # anywhere, from interpreter start-up to the end
-            killed = run_killed(train_args(run, steps), seconds * rng.uniform(*window))
+            killed = run_killed(args, seconds * rng.uniform(*window))
         if killed:
             done += 1
             at_steps.append((before, store_step(run)))
         else:  # the run finished before the kill: start over, so every kill lands mid-run
             shutil.rmtree(run)
         reruns += 1
-    r = mtjax(train_args(run, steps))  # the resume that finishes the run
+    r = mtjax(args)  # the resume that finishes the run
     ok = r.returncode == 0 and same_files(clean / "final", run / "final", ["model.safetensors"])
     return {"kills": done, "ok": ok, "launches": reruns + 1, "error": r.stderr.strip().splitlines()[-1:] if not ok else [],
             "mid_store": sum(1 for b, a in at_steps if a is not None), "before_store": sum(1 for b, a in at_steps if a is None)}
@@ -240,6 +242,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=50, help="kill -9 trials of mtjax train")
     ap.add_argument("--ie-kills", type=int, default=10, help="kill -9 trials of mtjax import / export")
+    ap.add_argument("--one-copy-kills", type=int, default=30, help="kill -9 trials of mtjax train on a one-copy store")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default="/dev/shm/mtjax-fault-suite" if Path("/dev/shm").is_dir() else "/tmp/mtjax-fault-suite")
@@ -257,6 +260,13 @@ def main() -> None:
                  f"{k['launches']} launches",
                  "final weights bit-identical to an uninterrupted run" if k["ok"] else f"FAILED {k['error']}"))
     print(rows[-1], f"{time.time() - t:.0f} s", flush=True)
+    if a.one_copy_kills:
+        k = kill_train_trials(work / "one-copy", a.one_copy_kills, a.steps, rng, extra=("--store.copies=1",))
+        rows.append(("kill -9 of `mtjax train` on a one-copy store (`--store.copies=1`), rerun until done",
+                     f"{k['kills']} kills ({k['before_store']} before the first commit, {k['mid_store']} after), "
+                     f"{k['launches']} launches",
+                     "final weights bit-identical to an uninterrupted two-copy run" if k["ok"] else f"FAILED {k['error']}"))
+        print(rows[-1], f"{time.time() - t:.0f} s", flush=True)
     ie = kill_import_export_trials(work, a.ie_kills, rng)
     for cmd, (landed, equal, finished) in ie.items():
         rows.append((f"kill -9 of `mtjax {cmd}`, rerun", f"{landed} kills ({finished} after the output was in place)",
