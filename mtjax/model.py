@@ -72,7 +72,8 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def __call__(self, x, cos, sin):
+    def qkv(self, x, cos, sin):
+        """Queries [b, t, heads, hd] and keys and values [b, t, kv heads, hd], rotated."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)  # btnh
@@ -80,7 +81,12 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v
+
+    def __call__(self, x, cos, sin):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
         # A window of W keys includes the query itself. On the CPU not jax.nn.dot_product_attention:
         # attention.py skips the masked score blocks, ~20% faster there.
         out = attend(q, k, v, cfg.head_dim**-0.5, self.window)  # btnh
@@ -262,13 +268,7 @@ def block_forward_cached(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarra
     b, t, _ = x.shape
     positions = start + jnp.arange(t, dtype=jnp.int32)  # [t]
     cos, sin = rope.cos_sin(cfg, positions[None], x.dtype)
-    h = m.input_layernorm(x)
-    q = attn.q_proj(h).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)  # btnh
-    k = attn.k_proj(h).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
-    v = attn.v_proj(h).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    q, k, v = attn.qkv(m.input_layernorm(x), cos, sin)
     keys = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)  # bLkh
     values = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
     key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)
