@@ -130,7 +130,7 @@ class Store:
             for kind, slot in kinds.items():
                 if slot is not None:
                     self._free_slot(part, kind, layout.other_slot(slot))
-        keep = self.pending_files_prefixes()
+        keep = self._pending_prefixes()
         pending_dir = self.root / layout.PENDING_DIR
         for f in pending_dir.iterdir() if pending_dir.is_dir() else ():
             if not f.name.startswith(keep):
@@ -161,7 +161,8 @@ class Store:
         """Where a one-copy store's trainer keeps gradient sums (`<part>.<tag>--<leaf>.bin`)."""
         return self.root / layout.PENDING_DIR
 
-    def pending_files_prefixes(self) -> tuple[str, ...]:
+    def _pending_prefixes(self) -> tuple[str, ...]:
+        """File-name prefixes of the gradient sums the committed pending update names."""
         p = self._manifest.pending
         return tuple(f"{part}.{p['tag']}--" for part in p["parts"]) if p else ()
 
@@ -399,8 +400,8 @@ class Store:
         if train_state is not None:
             train_state = dict(train_state)
             saved_state.check(train_state)  # before anything touches the disk
-        if pending is not None and self.copies != 2 and not pending.get("parts"):
-            pending = None
+        if pending is not None and not pending.get("parts"):
+            pending = None  # nothing left to apply: a complete step
         if pending is not None and self.copies == 2:
             raise StoreError("pending gradients are for one-copy stores (copies=1)")
         with self._mutex:

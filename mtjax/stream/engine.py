@@ -541,10 +541,9 @@ class StreamEngine:
             dembed = self._sum(dembed, de, len(toks)) if tied[0] is not None else None
         trace.watch("compute", "head", dxs)
         pool.release(head_slot, dxs)
-        self.grads.add("head", dhead, last=True)
+        self.grads.add("head", dhead)
         if tied[0] is not None:
-            pool.release(tied[0], dxs)
-            self.grads.add("embed", dembed, last=False)  # the lookup's gradient comes last
+            pool.release(tied[0], dxs)  # dembed waits on the device for the lookup's gradient
         del xs, head_w, tied
 
         for group in reversed(self.groups):
@@ -554,8 +553,10 @@ class StreamEngine:
         de = None
         for t, dx in zip(toks, dxs):
             de = self._sum(de, fns.embed_backward(t, dx), len(toks))
+        if dembed is not None:  # tied: the head's use of the embedding plus the lookup's
+            de = fns.grad_add(fns.grad_to_f32(dembed), de)
         trace.watch("compute", "embed", de)
-        self.grads.add("embed", de, last=True)
+        self.grads.add("embed", de)
         return losses
 
     def _sum(self, acc, grads, count: int):
@@ -605,7 +606,7 @@ class StreamEngine:
         self.tracer.watch("compute", f"block.{i}", dxs)
         # The dxs are computed by the programs that last read the slot's weights.
         self.pool.release(slot, dxs)
-        self.grads.add(f"block.{i}", dw, last=True)
+        self.grads.add(f"block.{i}", dw)
 
     # --- reporting -----------------------------------------------------------------
 

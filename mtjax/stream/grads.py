@@ -1,5 +1,6 @@
-"""The device->host stage for gradients: copy each part's gradient to host memory and
-sum it there over micro-batches, on a worker thread so the device loop never waits.
+"""The device->host stage for gradients: copy each part's gradient (already summed over
+the step's micro-batches on the device) to host memory, in fp32, on a worker thread so
+the device loop never waits.
 
 `finish` returns the squared global norm (a lazy scalar on the CPU backend), which
 fixes the clip scale before any part is updated; `take(part)` hands a part's summed
@@ -18,11 +19,7 @@ import jax.numpy as jnp
 
 from mtjax.optim import sum_of_squares
 from mtjax.stream.staging import Placement
-from mtjax.stream.tiers import ScratchFiles, host_device
-
-
-def _add(acc: dict, g: dict) -> dict:
-    return {n: acc[n] + g[n].astype(jnp.float32) for n in acc}
+from mtjax.stream.tiers import ScratchFiles
 
 
 def _to_f32(g: dict) -> dict:
@@ -33,7 +30,6 @@ class GradSink:
     def __init__(self, placement: Placement, tracer, spill: ScratchFiles | None = None):
         self.placement, self.tracer, self.spill = placement, tracer, spill
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="mtjax-grads")
-        self._add = jax.jit(_add, donate_argnums=0)
         self._to_f32 = jax.jit(_to_f32)
         self._sq_fn = jax.jit(sum_of_squares)
         self._sums: dict[str, dict] = {}  # this step's sums (when not spilled)
@@ -44,28 +40,22 @@ class GradSink:
         self._futures: list[cf.Future] = []
         self.last_sq: dict[str, jax.Array] = {}  # the last finished step's squared norm per part
 
-    def add(self, part: str, grads: dict, last: bool) -> None:
-        """Queue a part's device gradients; returns at once (the copy is asynchronous).
-        `last`: this is the step's last contribution to the part."""
+    def add(self, part: str, grads: dict) -> None:
+        """Queue a part's device gradient for this step (one per part); returns at once
+        (the copy is asynchronous)."""
+        assert part not in self._current, f"{part} got two gradients in one step"
+        self._current.add(part)
         grads = self.placement.start_to_host(grads)
-        self._futures.append(self._pool.submit(self._accumulate, part, grads, last))
+        self._futures.append(self._pool.submit(self._accumulate, part, grads))
 
-    def _accumulate(self, part: str, grads: dict, last: bool) -> None:
+    def _accumulate(self, part: str, grads: dict) -> None:
         with self.tracer.span("d2h", part):
             host = self.placement.host_arrays(grads)
-        if part in self._current:
-            prev = self.spill.take(part + ".sum") if self.spill else self._sums.pop(part)
-            acc = self._add(jax.device_put(prev, host_device()), host)
-        elif all(x.dtype == jnp.float32 for x in host.values()):
-            acc = dict(host)  # fp32 already: no copy
-        else:
-            acc = self._to_f32(host)
-        self._current.add(part)
-        if last:
-            self._sq[part] = self._sq_fn(acc)
+        acc = dict(host) if all(x.dtype == jnp.float32 for x in host.values()) else self._to_f32(host)
+        self._sq[part] = self._sq_fn(acc)
         if self.spill:
             # np.asarray inside waits for the sum (host sync on this worker thread).
-            self.spill.put(part + ".sum", acc, sync=last)
+            self.spill.put(part + ".sum", acc, sync=True)
         else:
             self._sums[part] = acc
 
