@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Collection
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ import optax
 from mtjax import model, parts, treepath
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.stream import fused_adamw
 from mtjax.stream.elementwise import leafwise
 from mtjax.stream.tiers import host_device
 
@@ -168,16 +170,21 @@ def _plain(arrays: dict) -> dict:
 
 
 class PartUpdate:
-    """AdamW (any optax transformation) applied one part at a time on the CPU backend.
+    """AdamW (any optax transformation) applied one part at a time on the host.
 
-    Inputs are consumed, as if donated. RAM-tier state comes back as `RowChunks`, which
-    the next update runs on in place; compute copies are written in place. Parts whose
-    state arrives as numpy buffers (disk tier) run the whole-part program, which only
-    reads them.
+    With `optim` (mtjax's own AdamW) and numba installed, the update is the one-pass
+    loop of mtjax.stream.fused_adamw: it runs when called, in place on the kinds named in
+    `own` (numpy arrays it made before), into new arrays otherwise. Without, it is the
+    optax program on the CPU backend, dispatched asynchronously: inputs are consumed, as
+    if donated; RAM-tier state comes back as `RowChunks`, which the next update runs on
+    in place; parts whose state arrives as numpy buffers (disk tier) run the whole-part
+    program, which only reads them.
     """
 
-    def __init__(self, cfg: ModelConfig, tx: optax.GradientTransformation, chunk_bytes: int | None = CHUNK_BYTES):
+    def __init__(self, cfg: ModelConfig, tx: optax.GradientTransformation, chunk_bytes: int | None = CHUNK_BYTES,
+                 optim: OptimConfig | None = None):
         self.cfg, self.tx = cfg, tx
+        self.fused = _fused_for(cfg, tx, optim)  # None: the optax program
         self.cpu = host_device()
         self.dtype = np.dtype(cfg.compute_dtype)
         self.chunk_elems = None if chunk_bytes is None else max(1, chunk_bytes // 4)  # None: whole parts only
@@ -208,8 +215,16 @@ class PartUpdate:
             self._splits[key] = leaf_split(self.tx, self.dtype, abstract)
         return self._splits[key]
 
-    def __call__(self, part: str, master: dict, opt: dict, compute: dict | None, grads: dict, scale):
-        """(master, opt, compute) of `part` after one update; all flat dicts on the CPU."""
+    def __call__(self, part: str, master: dict, opt: dict, compute: dict | None, grads: dict, scale,
+                 own: Collection[str] = (), copy: bool = True):
+        """(master, opt, compute) of `part` after one update; all flat dicts on the host.
+
+        `own`: the kinds ("master", "opt", "compute") whose arrays the fused update may
+        overwrite when they are its own earlier results (the RAM tier's). `copy=False`
+        (fused only): no compute copy is written, and None is returned for it.
+        """
+        if self.fused is not None:
+            return self._fused(master, opt, compute or {}, grads, scale, own, copy)
         # Disk-tier state arrives as numpy buffers the engine reuses: chunk results would
         # need new whole arrays anyway, so those parts keep the one-program update.
         on_disk = any(isinstance(a, np.ndarray) for a in (*master.values(), *opt.values()))
@@ -279,6 +294,24 @@ class PartUpdate:
         new_opt = {o: RowChunks(new[n][o], rows[n]) for n in master for o in split.own[n]} | (shared_out or {})
         return ({n: RowChunks(new[n]["master"], rows[n]) for n in master}, {o: new_opt[o] for o in opt}, copies)
 
+    def _fused(self, master, opt, compute, grads, scale, own, copy):
+        scalars, (adam_count, schedule_count) = self.fused.step(opt["0.count"], opt["2.count"], scale)
+        new_opt = {"0.count": adam_count, "2.count": schedule_count}
+        new_master, new_compute, leaves = {}, {}, []
+        for n, p in master.items():
+            ins = [_host(a) for a in (p, opt[f"0.mu.{n}"], opt[f"0.nu.{n}"])]
+            outs = [_target(a, kind in own, np.float32) for a, kind in zip(ins, ("master", "opt", "opt"))]
+            bf16 = None
+            if copy and self.dtype != np.float32:  # the loop writes it
+                bf16 = _target(_host(compute[n]) if n in compute else None, "compute" in own, self.dtype, p.shape)
+            grad = np.ascontiguousarray(np.asarray(grads[n]), np.float32)  # host sync: the gradient transfer
+            leaves.append(fused_adamw.Leaf(*ins, grad, (*outs, bf16), decay=len(p.shape) > 1))
+            new_master[n], new_opt[f"0.mu.{n}"], new_opt[f"0.nu.{n}"], new_compute[n] = *outs, bf16
+        self.fused.run(leaves, scalars)
+        if copy and self.dtype == np.float32:  # an fp32 copy is the new master; a copy, since it may be overwritten
+            new_compute = {n: np.array(a) for n, a in new_master.items()}
+        return new_master, {o: new_opt[o] for o in opt}, new_compute if copy else None
+
     @staticmethod
     def _signature(call, rows, shapes) -> tuple:
         """What a chunk program compiles for: its leaves and their chunk shapes."""
@@ -292,10 +325,34 @@ class PartUpdate:
         return self._chunk_templates[sig]
 
 
+def _fused_for(cfg: ModelConfig, tx, optim: OptimConfig | None):
+    """The one-pass AdamW for `tx` when it is `make_optimizer(optim)`, numba is installed
+    and the compute dtype is bf16 or fp32; otherwise None."""
+    if optim is None or not fused_adamw.available() or np.dtype(cfg.compute_dtype) not in (jnp.bfloat16, np.float32):
+        return None
+    state = treepath.flatten(jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((2, 2), np.float32)}))
+    if set(state) != {"0.count", "0.mu.w", "0.nu.w", "2.count"}:  # not the chain make_optimizer builds
+        return None
+    return fused_adamw.FusedAdamW(optim)
+
+
+def _host(a):
+    """A host array of `a` (RowChunks joined; jax CPU arrays viewed, read-only)."""
+    return None if a is None else np.asarray(a)
+
+
+def _target(a, writable: bool, dtype, shape=None) -> np.ndarray:
+    """Where an update of `a` goes: `a` itself when it may be overwritten and is a
+    writable C-contiguous array of `dtype`; else a new array."""
+    if writable and isinstance(a, np.ndarray) and a.flags.writeable and a.flags.c_contiguous and a.dtype == dtype:
+        return a
+    return np.empty(a.shape if a is not None else shape, dtype)
+
+
 @functools.lru_cache(maxsize=8)
 def update_for(cfg: ModelConfig, optim: OptimConfig) -> PartUpdate:
-    """The compiled update of an OptimConfig, shared by every engine that uses it."""
-    return PartUpdate(cfg, make_optimizer(optim))
+    """The update of an OptimConfig, shared by every engine that uses it."""
+    return PartUpdate(cfg, make_optimizer(optim), optim=optim)
 
 
 def _part_leaf_names(cfg: ModelConfig, tx, part: parts.Part):

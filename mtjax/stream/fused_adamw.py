@@ -1,0 +1,203 @@
+"""mtjax's AdamW as one pass over memory: a compiled host loop (numba).
+
+XLA's CPU backend compiles the optax AdamW update to four passes over memory (46
+bytes/param; see mtjax.stream.update). This loop reads master, moments and gradient
+once and writes master, moments and the bf16 compute copy once: 30 bytes/param, the
+traffic of torch's fused AdamW plus the copy (28 without it: the engine's RAM tier keeps
+no copy, see mtjax.stream.engine). An fp32 compute copy is the master itself, copied.
+
+It computes what XLA computes for `optim.make_optimizer`, bit for bit on jax 0.10:
+- XLA turns a division by a broadcast scalar into a multiplication by its reciprocal,
+  so the bias corrections are applied as `m * (1 / (1 - b1**t))`;
+- XLA's CPU code contracts a multiply feeding an add into a fused multiply-add; which
+  product is contracted was measured per expression, and `fma` below does the same;
+- bf16 rounding is round-to-nearest-even, NaN kept quiet.
+tests/test_fused_adamw.py checks the equality against the optax program, so a jax that
+contracts differently shows up there (as a difference of one rounding).
+
+Leaves are split into pieces run on a few host threads; the loops release the GIL.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtjax.optim import OptimConfig, make_schedule
+
+try:
+    import numba
+    from llvmlite import ir
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+except ImportError:  # the XLA program is used instead
+    numba = None
+
+PIECE = 1 << 21  # elements per piece (8 MiB of fp32): a few dozen per block, for balance across threads
+
+
+def available() -> bool:
+    return numba is not None
+
+
+if numba is not None:
+
+    @intrinsic
+    def _bf16(typingctx, x):
+        """The bf16 bits of a float32, rounded to nearest even; NaN stays a quiet NaN.
+
+        Written as LLVM IR so the integer steps stay 32-bit (numba widens integer
+        arithmetic to 64 bits, which halves the vector width of the loop)."""
+        def codegen(context, builder, signature, args):
+            i32, i16 = ir.IntType(32), ir.IntType(16)
+            bits = builder.bitcast(args[0], i32)
+            high = builder.lshr(bits, ir.Constant(i32, 16))
+            odd = builder.and_(high, ir.Constant(i32, 1))
+            rounded = builder.lshr(builder.add(builder.add(bits, ir.Constant(i32, 0x7FFF)), odd), ir.Constant(i32, 16))
+            quiet = builder.or_(high, ir.Constant(i32, 0x40))
+            nan = builder.fcmp_unordered("uno", args[0], args[0])
+            return builder.trunc(builder.select(nan, quiet, rounded), i16)
+        return numba.uint16(numba.float32), codegen
+
+    @intrinsic
+    def _fma(typingctx, a, b, c):
+        """a * b + c with one rounding, as XLA's CPU code computes it."""
+        def codegen(context, builder, signature, args):
+            f = ir.FloatType()
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f, [f, f, f]), "llvm.fma.f32")
+            return builder.call(fn, args)
+        return numba.float32(numba.float32, numba.float32, numba.float32), codegen
+
+    @numba.njit(inline="always", error_model="numpy")
+    def _adamw(p, m, v, g, k):
+        """One element: (master, mu, nu, bf16 bits of master). `k` holds the step's scalars."""
+        scale, b1, c1, b2, c2, r1, r2, eps, wd, neg_lr = k
+        g = g * scale
+        m = _fma(c1, g, b1 * m)  # optax: (1 - b1) * g + b1 * m
+        v = _fma(b2, v, c2 * (g * g))  # optax: (1 - b2) * g**2 + b2 * v
+        u = (m * r1) / (np.sqrt(v * r2) + eps)
+        if wd != 0:
+            u = _fma(wd, p, u)  # decoupled weight decay: u + wd * p
+        p = _fma(neg_lr, u, p)  # p + (-lr) * u
+        return p, m, v, _bf16(p)
+
+    # Separate loops: LLVM vectorizes a loop whose inputs and outputs may overlap only
+    # after a runtime check that fails when they are the same arrays, so in place gets
+    # its own; and a loop without the bf16 copy moves 28 bytes/param instead of 30.
+    @numba.njit(nogil=True, error_model="numpy", cache=True)
+    def _in_place(p, m, v, g, out, k):
+        for i in range(p.size):
+            p[i], m[i], v[i], out[i] = _adamw(p[i], m[i], v[i], g[i], k)
+
+    @numba.njit(nogil=True, error_model="numpy", cache=True)
+    def _in_place_no_copy(p, m, v, g, k):
+        for i in range(p.size):
+            p[i], m[i], v[i], _ = _adamw(p[i], m[i], v[i], g[i], k)
+
+    @numba.njit(nogil=True, error_model="numpy", cache=True)
+    def _into(p, m, v, g, p_out, m_out, v_out, out, k):
+        for i in range(p.size):
+            p_out[i], m_out[i], v_out[i], out[i] = _adamw(p[i], m[i], v[i], g[i], k)
+
+    @numba.njit(nogil=True, error_model="numpy", cache=True)
+    def _into_no_copy(p, m, v, g, p_out, m_out, v_out, k):
+        for i in range(p.size):
+            p_out[i], m_out[i], v_out[i], _ = _adamw(p[i], m[i], v[i], g[i], k)
+
+    @numba.njit(nogil=True, error_model="numpy", cache=True)
+    def _round(src, out):
+        for i in range(src.size):
+            out[i] = _bf16(src[i])
+
+
+def round_into(src: np.ndarray, out: np.ndarray) -> None:
+    """Write fp32 `src` into `out` (same shape, C-contiguous; bf16 rounded as XLA's
+    convert does, or fp32 copied). Runs on the calling thread, without the GIL."""
+    if src.shape != out.shape or not (src.flags.c_contiguous and out.flags.c_contiguous):
+        raise ValueError(f"round_into needs C-contiguous arrays of one shape, got {src.shape} and {out.shape}")
+    if out.dtype == np.float32:
+        np.copyto(out, src)
+    else:
+        _round(np.asarray(src, np.float32).reshape(-1), out.reshape(-1).view(np.uint16))
+
+
+def _increment(count):
+    """optax's safe_increment: +1, saturating at the dtype's maximum."""
+    top = jnp.iinfo(count.dtype).max
+    return jnp.where(count < top, count + 1, top)
+
+
+@dataclasses.dataclass
+class Leaf:
+    """One parameter leaf's update: inputs, where results go, and whether it decays."""
+
+    master: np.ndarray
+    mu: np.ndarray
+    nu: np.ndarray
+    grad: np.ndarray
+    out: tuple  # new master, mu, nu (arrays, or the inputs themselves: in place), bf16 copy or None
+    decay: bool
+
+    def pieces(self, size: int):
+        """(kernel, args) per piece of at most `size` elements, all 1-D views."""
+        ins, copy = (self.master, self.mu, self.nu), self.out[3]
+        in_place = all(o is a for o, a in zip(self.out, ins))
+        arrays = (*ins, self.grad, *self.out[:3]) + (() if copy is None else (copy,))
+        if not all(a.flags.c_contiguous for a in arrays):
+            raise ValueError("the fused AdamW needs C-contiguous arrays (a reshape would copy)")
+        flat = [a.reshape(-1) for a in (*ins, self.grad)]
+        outs = [] if in_place else [a.reshape(-1) for a in self.out[:3]]
+        outs += [] if copy is None else [copy.reshape(-1).view(np.uint16)]
+        fn = {(True, True): _in_place, (True, False): _in_place_no_copy,
+              (False, True): _into, (False, False): _into_no_copy}[in_place, copy is not None]
+        n = flat[0].size
+        for a in range(0, n, size):
+            s = slice(a, min(a + size, n))
+            yield fn, (*[x[s] for x in flat], *[o[s] for o in outs])
+
+
+class FusedAdamW:
+    """The update of `make_optimizer(optim)` on host arrays, one pass per leaf.
+
+    `step(counts)` gives the step's scalars and new step counts; `run(leaves, scalars)`
+    updates the leaves (in place where each Leaf's outputs are its inputs).
+    """
+
+    def __init__(self, optim: OptimConfig, threads: int | None = None):
+        if numba is None:
+            raise RuntimeError("the fused AdamW needs numba (pip install numba)")
+        self.optim = optim
+        schedule, b1, b2 = make_schedule(optim), optim.b1, optim.b2
+
+        @jax.jit
+        def scalars(adam_count, schedule_count):
+            # The expressions optax evaluates (scale_by_adam, scale_by_learning_rate).
+            t = _increment(adam_count)
+            r1, r2 = 1 / (1 - b1 ** t), 1 / (1 - b2 ** t)
+            lr = jnp.asarray(-schedule(schedule_count), jnp.float32)
+            return (r1.astype(jnp.float32), r2.astype(jnp.float32), lr), (t, _increment(schedule_count))
+
+        self._scalars = scalars
+        self.pool = cf.ThreadPoolExecutor(threads or os.cpu_count() or 1, thread_name_prefix="mtjax-adamw")
+
+    def step(self, adam_count, schedule_count, scale) -> tuple[tuple, tuple]:
+        """(kernel scalars for a decaying leaf, for a non-decaying one), (new counts)."""
+        cpu = jax.devices("cpu")[0]
+        with jax.default_device(cpu):
+            (r1, r2, lr), counts = self._scalars(np.asarray(adam_count), np.asarray(schedule_count))
+        f = np.float32
+        o = self.optim
+        base = (f(scale), f(o.b1), f(1 - o.b1), f(o.b2), f(1 - o.b2), f(r1), f(r2), f(o.eps))
+        return ((*base, f(o.weight_decay), f(lr)), (*base, f(0), f(lr))), tuple(np.asarray(c) for c in counts)
+
+    def run(self, leaves: list[Leaf], scalars: tuple) -> None:
+        """Update every leaf; returns when all are done (waits on the kernel threads)."""
+        jobs = [self.pool.submit(fn, *args, scalars[0] if leaf.decay else scalars[1])
+                for leaf in leaves for fn, args in leaf.pieces(PIECE)]
+        for job in jobs:
+            job.result()

@@ -1,0 +1,124 @@
+"""The one-pass AdamW loop computes what the optax program computes."""
+
+import jax
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig, make_optimizer, make_schedule
+from mtjax.stream import fused_adamw
+from mtjax.stream.update import PartUpdate
+
+from test_update import _check_equal, _random
+
+pytestmark = pytest.mark.skipif(not fused_adamw.available(), reason="numba is not installed")
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=16, compute_dtype="bfloat16")
+OPTIM = OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine", decay_steps=10, weight_decay=0.1)
+# A big leaf (bit-equality is counted on it), odd shapes, a 3-D leaf and 1-D leaves (no decay).
+SHAPES = {"big.kernel": (512, 96), "a.kernel": (300, 7), "c.kernel": (9, 4, 5), "norm.weight": (5,),
+          "big.bias": (1000,)}
+
+
+def _pair():
+    tx = make_optimizer(OPTIM)
+    return PartUpdate(CFG, tx, optim=OPTIM), PartUpdate(CFG, tx, chunk_bytes=None)
+
+
+def _state(update, seed=0):
+    master = jax.device_put(_random(SHAPES, seed, 0.02), update.cpu)
+    return master, update.init_state(master), update.compute_copy(master)
+
+
+def test_fused_is_used_only_for_mtjax_adamw():
+    fused, xla = _pair()
+    assert fused.fused is not None and xla.fused is None
+    assert PartUpdate(CFG, optax.adam(1e-3), optim=OPTIM).fused is None  # not make_optimizer's chain
+    f16 = ModelConfig(**{**CFG.__dict__, "compute_dtype": "float16"})
+    assert PartUpdate(f16, make_optimizer(OPTIM), optim=OPTIM).fused is None  # the loop writes bf16 or fp32 copies
+
+
+def _adamw64(master, opt, grads, scale, step):
+    """AdamW in float64 from float32 inputs: what both implementations round."""
+    o = OPTIM
+    lr = float(make_schedule(o)(step))
+    t = step + 1
+    out = {}
+    for n, p in master.items():
+        p, m, v = (np.asarray(x, np.float64) for x in (p, opt[f"0.mu.{n}"], opt[f"0.nu.{n}"]))
+        g = np.asarray(grads[n], np.float64) * float(scale)
+        m, v = o.b1 * m + (1 - o.b1) * g, o.b2 * v + (1 - o.b2) * g * g
+        u = (m / (1 - o.b1 ** t)) / (np.sqrt(v / (1 - o.b2 ** t)) + o.eps)
+        out[n] = (p - lr * (u + (o.weight_decay * p if p.ndim > 1 else 0)), m, v)
+    return out
+
+
+@pytest.mark.parametrize("own", [("master", "opt", "compute"), ()])
+def test_fused_equals_the_optax_program_over_steps(own):
+    """Eight steps through warmup and decay, with a clip scale: equal to XLA's program
+    within fp32 rounding, each step within a few fp32 roundings of AdamW in float64, and
+    the bf16 copy exactly the master rounded. (Not bit-identical to XLA's program: which
+    multiply-adds XLA contracts depends on how it fuses the program.)"""
+    fused, xla = _pair()
+    a, b = list(_state(fused)), list(_state(xla))
+    for step in range(8):
+        grads = _random(SHAPES, 100 + step, 1e-3)
+        scale = np.float32(0.5 if step % 2 else 1.0)
+        before = [{n: np.array(x) for n, x in d.items()} for d in a]
+        olds = [dict(d) for d in a]
+        a = list(fused("block.0", *a, grads, scale, own=own))
+        b = list(xla("block.0", *b, grads, scale))
+        for got, want in zip(a, b):
+            _check_equal(got, {n: np.asarray(x) for n, x in want.items()})
+        for n, (p, m, v) in _adamw64(before[0], before[1], grads, scale, step).items():
+            for got, want in ((a[0][n], p), (a[1][f"0.mu.{n}"], m), (a[1][f"0.nu.{n}"], v)):
+                np.testing.assert_allclose(got, want, rtol=2 ** -21, atol=2 ** -23 * np.max(np.abs(want)), err_msg=n)
+            np.testing.assert_array_equal(a[2][n], a[0][n].astype(ml_dtypes.bfloat16))
+        assert a[1]["0.count"] == b[1]["0.count"] == a[1]["2.count"] == step + 1
+        if step > 0:  # from the second step on, every array is the loop's own
+            for new, old in zip(a, olds):
+                for n in new:
+                    if np.ndim(new[n]):
+                        assert (new[n] is old[n]) == bool(own), n
+
+
+def test_into_leaves_its_inputs_alone():
+    """Not owned (disk tier, first update): results go to new arrays, inputs unchanged."""
+    fused, _ = _pair()
+    master, opt, compute = (
+        {n: np.array(x) for n, x in d.items()} for d in _state(fused))
+    kept = [{n: x.copy() for n, x in d.items()} for d in (master, opt, compute)]
+    new = fused("block.0", master, opt, compute, _random(SHAPES, 7, 1e-3), np.float32(1), own=())
+    for d, k, n in zip((master, opt, compute), kept, new):
+        for leaf in d:
+            np.testing.assert_array_equal(d[leaf], k[leaf])
+            assert not np.shares_memory(d[leaf], n[leaf]) or d[leaf].ndim == 0
+    assert not np.array_equal(new[1]["0.mu.big.kernel"], opt["0.mu.big.kernel"])  # (the first lr is 0: warmup)
+
+
+def test_bf16_rounding_matches_ml_dtypes():
+    """The loop's bf16 copy on ties, near-overflow, subnormals, infinities and NaN."""
+    bits = np.array([0x3F808000, 0x3F818000, 0x3F807FFF, 0x7F7FFFFF, 0x7F7F8000, 0x00000001, 0x80008000,
+                     0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0x00000000, 0x80000000],
+                    np.uint32)
+    rng = np.random.default_rng(0)
+    bits = np.concatenate([bits, rng.integers(0, 2 ** 32, 4096, dtype=np.uint32)])
+    p = bits.view(np.float32).copy()
+    n = p.size
+    zeros = np.zeros(n, np.float32)
+    out = np.zeros(n, ml_dtypes.bfloat16)
+    # lr 0 and no decay: the master passes through (NaN and inf included); the copy is its rounding.
+    k = tuple(np.float32(x) for x in (1, 0.9, 0.1, 0.95, 0.05, 1, 1, 1e-8, 0, 0))
+    leaf = fused_adamw.Leaf(p, zeros.copy(), zeros.copy(), zeros.copy(), (p, zeros.copy(), zeros.copy(), out), False)
+    for fn, args in leaf.pieces(1000):
+        fn(*args, k)
+    plain = (bits != 0x80000000) & ~np.isnan(bits.view(np.float32))  # -0 + 0 is +0; arithmetic quiets NaNs
+    np.testing.assert_array_equal(p.view(np.uint32)[plain], bits[plain])
+    want = p.astype(ml_dtypes.bfloat16).view(np.uint16)
+    got = out.view(np.uint16)
+    nan = np.isnan(p)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    np.testing.assert_array_equal(got[nan] & 0x7FC0, 0x7FC0)  # NaN stays a (quiet) NaN
