@@ -70,11 +70,17 @@ class ForwardCounter:
         return counted
 
 
-def run_case(tmp_path, *, keep_every, depth, tiers, accum, tied, activations="device"):
+def run_case(tmp_path, *, keep_every, depth, tiers, accum, tied, activations="device", fused=True):
     cfg, ref_params, ref_opt, ref_metrics = reference(tied, accum)
     store = mtjax.store.create(tmp_path / "store", cfg, make_optimizer(OPT)) if "disk" in tiers.values() else None
-    engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, prefetch_depth=depth, keep_every=keep_every,
-                          activations=activations, tiers=tiers, store=store, batch_shape=(2, 16))
+    # An OptimConfig gets the fused host AdamW; the same optax transformation passed as
+    # such runs as an XLA program on the CPU backend.
+    optimizer = OPT if fused else make_optimizer(OPT)
+    engine = StreamEngine(cfg, model.init_params(cfg, seed=1), optimizer, OPT.clip_norm, prefetch_depth=depth,
+                          keep_every=keep_every, activations=activations, tiers=tiers, store=store,
+                          batch_shape=(2, 16))
+    assert (engine.update.fused is not None) == fused
+    assert engine.derived_compute == (fused and "disk" not in (tiers.get("master"), tiers.get("compute")))
     counter = ForwardCounter(engine)  # after the budget check, which traces shapes only
     if activations == "host":
         # Take the GPU's staging path (host buffer -> pinned_host -> device) on the CPU too.
@@ -108,6 +114,12 @@ def run_case(tmp_path, *, keep_every, depth, tiers, accum, tied, activations="de
 def test_streamed_equals_reference(tmp_path, keep_every, depth, tiers, accum, tied, activations):
     run_case(tmp_path, keep_every=keep_every, depth=depth, tiers=tiers, accum=accum, tied=tied,
              activations=activations)
+
+
+@pytest.mark.parametrize("tiers", [{}, {"master": "disk", "opt": "disk"}], ids=["ram", "mixed"])
+def test_optax_program_update_equals_reference(tmp_path, tiers):
+    """The update as XLA's program (any optax transformation) instead of the fused loop."""
+    run_case(tmp_path, keep_every=2, depth=2, tiers=tiers, accum=1, tied=True, fused=False)
 
 
 def test_bf16_compute_agrees_within_bf16_tolerance():

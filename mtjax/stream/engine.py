@@ -13,6 +13,7 @@ the next step's prefetch so that global-norm clipping stays exact (DESIGN-NOTES 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import math
 import os
@@ -38,6 +39,7 @@ from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.staging import Placement, StagingPool, raise_host_memory_limit
 from mtjax.stream.tiers import ReadBuffers, ScratchFiles, Tiers, fix_mmap_threshold, host_device
 from mtjax.stream.trace import Tracer
+from mtjax.stream import fused_adamw
 from mtjax.stream.update import PartUpdate, full_opt_state, split_opt_state, update_for
 
 
@@ -96,6 +98,12 @@ class StreamEngine:
         from_store = _is_store(params_or_store)
         self.store = params_or_store if from_store else store
         self.tiers = Tiers(tiers or {}, self.store)
+        # With the master weights in RAM and the fused update, no compute copy is kept: the
+        # prefetcher rounds master into the staging slot (reading 4 bytes/param there
+        # instead of the update writing 2 that the prefetcher then reads; 2 bytes/param
+        # less RAM). docs/pipeline.md, "The compute copy".
+        self.derived_compute = (self.update.fused is not None and self.tiers.placement["master"] == "ram"
+                                and self.tiers.placement["compute"] == "ram")
         if self.tiers.kinds_in("disk"):
             fix_mmap_threshold()  # state on disk promises host memory flat in depth
         self.parts = parts_mod.parts(cfg)
@@ -173,13 +181,14 @@ class StreamEngine:
             master = jax.device_put(master, host_device())
             opt = self.update.init_state(master) if opt_parts is None else jax.device_put(opt_parts[p.name], host_device())
             self._write(p.name, "opt", opt)
-            self._write(p.name, "compute", self.update.compute_copy(master))
+            if not self.derived_compute:
+                self._write(p.name, "compute", self.update.compute_copy(master))
             self._write(p.name, "master", master)
         self._wait_writes()
 
     def _load_ram_kinds(self) -> None:
         """Bring the RAM-tier kinds of a store-backed run into memory."""
-        for kind in self.tiers.kinds_in("ram"):
+        for kind in self._kept_in_ram():
             for p in self.parts:
                 arrays = self.store.read(p.name, kind).result()
                 self.tiers.write(p.name, kind, jax.device_put(arrays, host_device()))
@@ -192,6 +201,18 @@ class StreamEngine:
         schemas = {p: self.store.schema(p, "master") for p in pending["parts"]}
         self.grads.adopt(pending["parts"], pending["tag"], schemas)
         self._scale = jax.device_put(np.float32(pending["scale"]), host_device())
+
+    def _kept_in_ram(self) -> list[str]:
+        """The kinds of state the RAM tier holds (a derived compute copy is not held)."""
+        return [k for k in self.tiers.kinds_in("ram") if not (k == "compute" and self.derived_compute)]
+
+    def _compute_copy(self, part: str) -> dict:
+        """A derived compute copy of `part`, rounded from its master weights (new arrays)."""
+        out = {}
+        for n, a in self._read(part, "master").items():
+            out[n] = np.empty(np.shape(a), self.update.dtype)
+            fused_adamw.round_into(np.asarray(a), out[n])
+        return out
 
     def _write(self, part: str, kind: str, arrays: dict) -> None:
         with self.tracer.span("write", part):
@@ -234,16 +255,21 @@ class StreamEngine:
         if grads is None:
             return None
         (master, m_bufs), (opt, o_bufs) = self._read_for_update(part, "master"), self._read_for_update(part, "opt")
-        # The old compute copy is donated to receive the new one (RAM tier only).
-        old = self._read(part, "compute") if self.tiers.placement["compute"] == "ram" else None
-        master, opt, compute = self.update(part, master, opt, old, grads, self._scale)
+        # The old compute copy receives the new one (RAM tier only), and RAM-tier state is
+        # updated in place: nothing else reads it while its part's update is pending.
+        old = self._read(part, "compute") if "compute" in self._kept_in_ram() else None
+        with self.tracer.span("optimizer", part) if self.update.fused else contextlib.nullcontext():
+            master, opt, compute = self.update(part, master, opt, old, grads, self._scale,
+                                               own=self.tiers.kinds_in("ram"), copy=not self.derived_compute)
         for bufs in (m_bufs, o_bufs):
             if bufs is not None:
                 self.read_buffers.release(*bufs, fence=master)
-        self.tracer.watch("optimizer", part, master)
+        if not self.update.fused:  # the optax program runs asynchronously: time it until done
+            self.tracer.watch("optimizer", part, master)
         self._write(part, "master", master)
         self._write(part, "opt", opt)
-        self._write(part, "compute", compute)
+        if compute is not None:
+            self._write(part, "compute", compute)
         if self.one_copy:
             # Once the new state is on disk the manifest names it and its gradient can go.
             self._track(self.store.commit_part(part, after=lambda: self.grads.release(part)))
@@ -256,7 +282,8 @@ class StreamEngine:
                 self._updates[p.name] = self._update_pool.submit(self._apply_update, p.name)
 
     def _updated(self, part: str) -> dict | None:
-        """The new compute copy of `part` once its pending update is done (None: no update)."""
+        """The new compute copy of `part` once its pending update is done (None: no update,
+        or no copy kept)."""
         fut = self._updates.pop(part, None)
         return fut.result() if fut is not None else self._apply_update(part)
 
@@ -272,14 +299,15 @@ class StreamEngine:
         out = {}
         for p in self.parts:
             tree = treepath.unflatten(parts_mod.abstract_part(self.cfg, p.name), self._read(p.name, "master"))
-            out[p.name] = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), tree)
+            # Copies: the next update overwrites RAM-tier arrays in place.
+            out[p.name] = jax.tree.map(lambda a: jnp.asarray(np.array(a)), tree)
         n = self.cfg.num_hidden_layers
         return {"embed": out["embed"], "blocks": [out[f"block.{i}"] for i in range(n)], "head": out["head"]}
 
     def opt_state(self):
         """The optimizer state shaped as the reference trainer's `tx.init(params)`."""
         self.flush()
-        per_part = {p.name: {n: jnp.asarray(np.asarray(a)) for n, a in self._read(p.name, "opt").items()} for p in self.parts}
+        per_part = {p.name: {n: jnp.asarray(np.array(a)) for n, a in self._read(p.name, "opt").items()} for p in self.parts}
         return full_opt_state(self.cfg, self.tx, per_part)
 
     def commit(self, step: int | None = None, train_state=None, flush: bool | None = None) -> None:
@@ -305,7 +333,10 @@ class StreamEngine:
         self.flush()
         for kind in self.tiers.kinds_in("ram"):
             for p in self.parts:
-                arrays = {n: np.asarray(a) for n, a in self._read(p.name, kind).items()}
+                if kind == "compute" and self.derived_compute:
+                    arrays = self._compute_copy(p.name)
+                else:
+                    arrays = {n: np.asarray(a) for n, a in self._read(p.name, kind).items()}
                 # One part at a time: np.asarray joins the optimizer's RowChunks into copies.
                 self.store.write(p.name, kind, arrays).result()
         self._wait_writes()
@@ -387,7 +418,11 @@ class StreamEngine:
         fresh = self._updated(part)
         slot = self.pool.acquire(self.schemas[part])
         with self.tracer.span("read", part):
-            if fresh is not None:
+            if self.derived_compute:
+                # Round the (updated) master weights straight into the staging slot.
+                for n, a in self._read(part, "master").items():
+                    fused_adamw.round_into(np.asarray(a), slot.buffers[n])
+            elif fresh is not None:
                 # np.asarray waits for the update (host sync on this worker thread):
                 # the new compute copy is staged without a round trip through the tier.
                 for n, buf in slot.buffers.items():
