@@ -9,8 +9,10 @@ allocated), so the planner, the trainer's preflight and the stores agree. One st
                (the pass and the recompute that builds its vjp) and backward once:
                4 forward-equivalents = ~8 * params * tokens FLOPs, plus attention
     gradients  of every part go device -> host, in the compute dtype (embedding: fp32)
-    optimizer  once per step on the host, in XLA's four passes: 46 bytes/param moved
-               for fp32 AdamW + bf16 copy (a single fused loop would move 30)
+    optimizer  once per step on the host, as one fused loop (mtjax.stream.fused_adamw):
+               28 bytes/param for fp32 AdamW, 30 with a bf16 compute copy; the RAM tier
+               keeps no copy (the prefetcher rounds master). Without numba, XLA's four
+               passes: 46 bytes/param
     disk tier  state kept on disk is read and written from disk instead of RAM; with
                master weights on disk, fp32 gradient sums are spilled to disk too
 
@@ -254,6 +256,18 @@ def _device_memory(cfg: ModelConfig, w: Workload, pb: dict[str, StateBytes]) -> 
     return DeviceMemory(weights, kept, residuals, head, working, weights + kept + residuals + head + working)
 
 
+def fused_update(cfg: ModelConfig) -> bool:
+    """Whether the engine updates with the fused loop (numba installed, bf16/fp32 compute)."""
+    from mtjax.stream import fused_adamw
+
+    return fused_adamw.available() and cfg.compute_dtype in ("bfloat16", "float32")
+
+
+def derived_compute(cfg: ModelConfig, place: Placement) -> bool:
+    """Whether the RAM tier keeps no compute copy (StreamEngine.derived_compute)."""
+    return fused_update(cfg) and place.master == "ram" and place.compute == "ram"
+
+
 def estimate(cfg: ModelConfig, workload: Workload, hardware: HardwareProfile,
              tx=None, part_bytes_: dict[str, StateBytes] | None = None) -> Plan:
     """Price one training step of `cfg` under `workload` on `hardware`."""
@@ -310,11 +324,16 @@ def estimate(cfg: ModelConfig, workload: Workload, hardware: HardwareProfile,
         disk_read += w.grad_accum * grad32
 
     # --- host memory traffic --------------------------------------------------------------
-    # XLA's CPU backend runs the update as four passes (no multi-output fusion): mu and nu
-    # (each reads its moment and the gradient, writes the moment), master (reads master and
-    # both moments, writes master), the compute copy (reads master): 46 bytes/param for
-    # AdamW + bf16, where one fused loop would move 30.
-    optimizer = 3 * state.opt + 2 * grad32 + 3 * state.master + state.compute
+    fused = fused_update(cfg)
+    derived = derived_compute(cfg, place)
+    if fused:  # one loop: reads master, both moments, gradient; writes master, moments (+ copy)
+        optimizer = 2 * state.master + 2 * state.opt + grad32 + (0 if derived else state.compute)
+    else:
+        # XLA's CPU backend runs the update as four passes (no multi-output fusion): mu and
+        # nu (each reads its moment and the gradient, writes the moment), master (reads
+        # master and both moments, writes master), the compute copy (reads master): 46
+        # bytes/param for AdamW + bf16.
+        optimizer = 3 * state.opt + 2 * grad32 + 3 * state.master + state.compute
     # Each micro-batch's gradient is read once and summed into the fp32 buffer (the first writes it).
     grad_sums = w.grad_accum * d2h_once + grad32 + (w.grad_accum - 1) * 2 * grad32
     dma = 0 if hw.h2d_bytes_per_s is None else h2d + d2h  # the device reads/writes host RAM
@@ -324,7 +343,7 @@ def estimate(cfg: ModelConfig, workload: Workload, hardware: HardwareProfile,
     # --- memory and disk footprints -------------------------------------------------------
     device = _device_memory(cfg, w, pb)
     biggest = max(pb.values(), key=lambda b: b.compute + b.master + b.opt)
-    in_ram = sum(state.get(k) for k in place.on("ram"))
+    in_ram = sum(state.get(k) for k in place.on("ram") if not (k == "compute" and derived))
     staging = (w.prefetch_depth + 1) * biggest.compute  # compute weights in flight to the device
     staging += sum(2 * biggest.get(k) for k in ("master", "opt") if getattr(place, k) == "disk")
     staging += 2 * biggest.master if spill else 0  # a part's gradient sum on its way to and from disk
