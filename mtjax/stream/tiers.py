@@ -3,8 +3,9 @@
 Each kind of state (compute weights, master weights, optimizer state) is placed in one
 tier. Both tiers answer the store's calls (`read(part, kind, out)` and
 `write(part, kind, arrays)`, each returning a Future), so the engine never asks where a
-kind lives. RAM-tier arrays are jax arrays on the CPU backend: the jitted optimizer
-update can then donate them and run in place.
+kind lives. RAM-tier arrays are numpy arrays on huge pages that the fused optimizer
+updates in place (`huge_empty`), or, with the optax program, jax arrays on the CPU
+backend that it donates.
 """
 
 from __future__ import annotations
@@ -115,6 +116,30 @@ class Tiers:
     def close(self) -> None:
         for tier in set(self.by_kind.values()):
             tier.close()
+
+
+HUGE_PAGE = 2 << 20
+
+
+def huge_empty(shape, dtype) -> np.ndarray:
+    """An array for long-lived host state, on transparent huge pages where the kernel
+    offers them (Linux, THP in "madvise" or "always" mode).
+
+    A memory-bound pass over state on 2 MiB pages runs ~9% faster here than on 4 KiB
+    pages (fewer TLB misses), and faulting it in costs about half. Arrays under 2 MiB,
+    and systems without madvise, get plain np.empty.
+    """
+    import mmap
+
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.empty(shape, dtype)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE)  # anonymous; unmapped when the array is freed
+    region.madvise(mmap.MADV_HUGEPAGE)
+    raw = np.frombuffer(region, np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def fix_mmap_threshold(nbytes: int = 256 << 10) -> bool:

@@ -38,7 +38,7 @@ from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.stream import fused_adamw
 from mtjax.stream.elementwise import leafwise
-from mtjax.stream.tiers import host_device
+from mtjax.stream.tiers import host_device, huge_empty
 
 # fp32 bytes of one leaf per chunk program. Measured (experiments/bench/optimizer.py): 8-32 MiB
 # beat 4 MiB unless the machine is busy; 1 MiB pays more in dispatch than it saves.
@@ -343,10 +343,12 @@ def _host(a):
 
 def _target(a, writable: bool, dtype, shape=None) -> np.ndarray:
     """Where an update of `a` goes: `a` itself when it may be overwritten and is a
-    writable C-contiguous array of `dtype`; else a new array."""
+    writable C-contiguous array of `dtype`; else a new array, on huge pages when it will
+    be updated in place from now on (RAM tier)."""
     if writable and isinstance(a, np.ndarray) and a.flags.writeable and a.flags.c_contiguous and a.dtype == dtype:
         return a
-    return np.empty(a.shape if a is not None else shape, dtype)
+    shape = a.shape if a is not None else shape
+    return huge_empty(shape, dtype) if writable else np.empty(shape, dtype)
 
 
 @functools.lru_cache(maxsize=8)
