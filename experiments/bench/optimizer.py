@@ -1,13 +1,14 @@
 """mtjax's per-part CPU AdamW update against torch.optim.AdamW(fused=True).
 
 One part of ~113M fp32 parameters (a Llama block with hidden 3072, SwiGLU 8192) is
-updated by the engine's own optimizer stage, `mtjax.stream.update.PartUpdate`, on RAM-tier
-state (row-chunked, in place, writing the bf16 compute copy too), by the same class
-limited to whole-part programs (the previous path), and by torch's fused CPU AdamW on the
-same shapes, steps interleaved so machine load hits all of them alike. The table gives
-ns/param, the mtjax/torch ratio, and the time expressed as bytes/param at the copy
-bandwidth measured in the same run, against the memory-bandwidth bound of 28 bytes/param
-(read master, mu, nu, grad; write master, mu, nu). Writes its section of docs/benchmarks.md.
+updated by the engine's optimizer stage, `mtjax.stream.update.PartUpdate`, on RAM-tier
+state in place: as the fused loop (mtjax.stream.fused_adamw) without and with the bf16
+compute copy, and as the optax program on XLA's CPU backend (row-chunked, and whole
+part), against torch's fused CPU AdamW on the same shapes, without and with a bf16 copy.
+Steps are interleaved so machine load hits all of them alike. The table gives ns/param,
+the ratio to torch, and the time expressed as bytes/param at the copy bandwidth measured
+in the same run, against the memory-bandwidth bound of 28 bytes/param (read master, mu,
+nu, grad; write master, mu, nu). Writes its section of docs/benchmarks.md.
 
     .venv/bin/python experiments/bench/optimizer.py [--steps 10] [--chunk-mib 4] [--sweep 1,16] [--no-write]
 """
@@ -47,45 +48,41 @@ OPT = OptimConfig(lr=1e-4, schedule="constant", weight_decay=0.1)
 
 
 NOTES = """\
-Why chunks: XLA's CPU backend has no multi-output fusion, so one AdamW program over whole
-leaves compiles to four passes over memory: mu (read mu, grad; write mu), nu (read nu,
-grad; write nu), master (read master, new mu, new nu; write master) and the bf16 copy (read
-master; write bf16): 32 bytes read + 14 written = 46 bytes/param, against 28 for torch's
-single fused loop (30 with the copy). `PartUpdate` therefore calls the same jitted optax
-program once per row chunk of each leaf (16 MiB of fp32 by default), so that the four
-passes over a chunk can hit cache and memory sees about one. The RAM tier holds master weights and AdamW
-moments as `RowChunks` (one XLA buffer per chunk), donated to the chunk's program so it
-runs in place; the program also writes its rows of the leaf's whole bf16 compute copy (an
-update-slice of the donated copy, done on uint16 words because XLA's CPU backend widens a
-bf16 update-slice to fp32 over the whole array). All chunk programs are dispatched with no
-host sync. Chunking is used only for transformations that are elementwise per leaf, which
-`mtjax.stream.elementwise` checks on the traced program (AdamW, SGD, Lion are; global-norm
-clipping inside the transformation, Adafactor or added noise are not, and run as one
-whole-part program, as does disk-tier state). Results equal the whole-leaf program within
-fp32 rounding (tests/test_update.py). Tried and dropped: copying each chunk's results back
-into whole numpy-backed leaves (the copies and per-chunk syncs cost more than the passes
-they save: 2.4x torch); donating zero-copy numpy views (XLA never writes a donated foreign
-buffer in place, it allocates a new output); a `fori_loop` over chunks inside one program
-(3-160x slower under the thunk runtime); fewer divisions (bias corrections as reciprocals:
-no change, the update is not compute-bound); `--xla_cpu_use_multi_output_fusion` (not
-accepted by this jaxlib, neither as XLA_FLAGS nor as a compile option).
+The fused loop is mtjax's AdamW compiled as one host loop (numba, `mtjax.stream.fused_adamw`):
+it reads master, both moments and the gradient once and writes master and moments once,
+in place, on the cores in turn (leaves split into 8 MiB pieces). It computes what XLA
+computes for the same optax transformation (bias corrections as reciprocals, the same
+fused multiply-adds, round-to-nearest-even bf16), so results agree with the optax program
+within fp32 rounding (tests/test_fused_adamw.py). Where the engine keeps master weights
+and the compute copy in RAM it keeps no copy at all (the prefetcher rounds master into the
+staging slot), so its update is the first row: the same 28 bytes/param as torch's. With
+master or compute on disk the update writes the bf16 copy too (second row, 30 bytes + the
+copy's write-allocate).
 
-What the chunks buy depends on the load. Interleaved runs of this script in one session
-(2026-11-29), ratio to torch fused: load 6-8: 4 MiB chunks 1.01-1.23x, whole-part program
-1.20-1.44x; load 3-4: 16 MiB chunks 1.30-1.38x, 8 and 32 MiB 1.25-1.26x, whole-part
-1.31-1.43x, 4 MiB 1.45-1.59x. When the machine is quiet its memory system moves the 46
-bytes of the whole-part program at about 35 GB/s, faster than the 2-thread numpy copy
-yardstick, and the chunks (whose working set, master + moments + gradient + copy, exceeds
-the 1 MiB L2 per core and competes for the shared L3) save little while each chunk program
-costs a dispatch (executed inline: the calling thread waits). The goal ratio <= 1.0 is
-therefore met only on a busy machine; within 1.5x of the 28-byte bound it is met
-throughout (1.0-1.2x). Reaching torch's single pass needs a fused kernel (one loop writing
-master, moments and the bf16 copy), which XLA's CPU backend does not generate."""
+Two things made the loop fast: numba widens integer arithmetic to 64 bits, which halved the
+vector width of the bf16 rounding until it was written as LLVM IR on 32-bit integers; and
+LLVM vectorizes a loop whose outputs may alias its inputs only after a runtime check that
+fails when they are the same arrays, so the in-place update is its own loop.
+
+The optax program rows are what runs without numba or for other optax transformations:
+XLA's CPU backend has no multi-output fusion, so it makes four passes over memory (46
+bytes/param), run per 16 MiB row chunk so that the passes over a chunk can hit cache.
+Tried and dropped on that path: copying chunk results back into whole leaves (2.4x torch);
+donating numpy views (XLA allocates a new output); a `fori_loop` over chunks (3-160x
+slower); `--xla_cpu_use_multi_output_fusion` (not accepted by this jaxlib). And on the loop:
+software prefetching (it stops LLVM from vectorizing: 4x slower).
+
+On this 2-core VM the update is bound by memory bandwidth, and load from other jobs moves
+every row by 10-30% between runs; the interleaving keeps the ratios comparable within a
+run."""
 
 
-def setup_mtjax(chunk_bytes: int | None):
-    """(step function, parameter count): the engine's PartUpdate on one RAM-tier part."""
-    update = PartUpdate(CFG, make_optimizer(OPT), chunk_bytes=chunk_bytes)
+def setup_mtjax(chunk_bytes: int | None, fused: bool = False, copy: bool = True):
+    """(step function, parameter count): the engine's PartUpdate on one RAM-tier part,
+    as the fused one-pass loop (with or without writing the bf16 compute copy) or as the
+    optax program on XLA's CPU backend."""
+    update = PartUpdate(CFG, make_optimizer(OPT), chunk_bytes=chunk_bytes, optim=OPT if fused else None)
+    assert (update.fused is not None) == fused, "the fused loop needs numba"
     schema = parts.schema(CFG, "block.0", "master")
     rng = np.random.default_rng(0)
     cpu = update.cpu
@@ -94,7 +91,8 @@ def setup_mtjax(chunk_bytes: int | None):
     state = [master, update.init_state(master), update.compute_copy(master)]
 
     def step():
-        state[:] = update("block.0", *state, grads, np.float32(1.0))
+        new = update("block.0", *state, grads, np.float32(1.0), own=("master", "opt", "compute"), copy=copy)
+        state[:] = new if copy else (*new[:2], state[2])
         jax.block_until_ready(state)  # time the whole update, not its dispatch
 
     return step, sum(int(np.prod(s.shape)) for s in schema.values())
@@ -178,8 +176,10 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     copy_step, copy_bytes = setup_copy()
     steps = {"copy": copy_step}
-    mtjax_step, n = setup_mtjax(chunk)
-    steps["mtjax"] = mtjax_step
+    fused_step, n = setup_mtjax(None, fused=True, copy=False)
+    steps["fused"] = fused_step
+    steps["fused+copy"] = setup_mtjax(None, fused=True)[0]
+    steps["mtjax"] = setup_mtjax(chunk)[0]
     steps["whole"] = setup_mtjax(None)[0]
     sweep = [float(x) for x in args.sweep.split(",") if x]
     for mib in sweep:
@@ -191,10 +191,13 @@ def main() -> None:
     times = run_interleaved(steps, args.warmup, args.steps)
     copy_bw = copy_bytes / statistics.median(times["copy"])  # bytes moved per second
     ns = lambda name: (statistics.median(times[name]) / n * 1e9, min(times[name]) / n * 1e9)  # noqa: E731
-    main_row = f"mtjax PartUpdate, RAM tier ({chunk / (1 << 20):g} MiB row chunks, in place, + bf16 copy)"
-    rows = [(main_row, 30, *ns("mtjax")),
+    chunk_row = f"mtjax PartUpdate, optax program, {chunk / (1 << 20):g} MiB row chunks in place (before the loop)"
+    rows = [("mtjax PartUpdate, fused loop, in place (RAM tier: no compute copy)", 28, *ns("fused")),
+            ("mtjax PartUpdate, fused loop, in place, + bf16 copy (master or compute on disk)", 30,
+             *ns("fused+copy")),
+            (chunk_row, 30, *ns("mtjax")),
             *[(f"mtjax PartUpdate, {mib:g} MiB row chunks", 30, *ns(f"chunk {mib:g}")) for mib in sweep],
-            ("mtjax PartUpdate, whole-part program (before chunking)", 30, *ns("whole")),
+            ("mtjax PartUpdate, optax program, whole part (before chunking)", 30, *ns("whole")),
             ("torch AdamW(fused=True)", 28, *ns("torch")),
             ("torch AdamW(fused=True) + bf16 copy", 30, *ns("torch+copy"))]
     torch_ns = ns("torch")[0]
