@@ -273,7 +273,10 @@ class StreamEngine:
         if self.one_copy:
             # Once the new state is on disk the manifest names it and its gradient can go.
             self._track(self.store.commit_part(part, after=lambda: self.grads.release(part)))
-        return compute
+        # A copy headed for disk is not handed to the prefetcher: updates run ahead of the
+        # forward, and holding every new copy until staged grows host memory with depth.
+        # The prefetcher reads it back (the store orders that read after this write).
+        return None if self.tiers.placement["compute"] == "disk" else compute
 
     def _start_updates(self) -> None:
         """Start every pending update on the update threads, in the order the forward needs them."""
