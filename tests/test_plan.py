@@ -15,7 +15,7 @@ from mtjax import cli, model, parts, treepath
 from mtjax.model_config import ModelConfig, load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, HardwareError, Placement, Workload, check, estimate, load, recommend
-from mtjax.plan.cost import block_forward_flops, residual_bytes
+from mtjax.plan.cost import block_forward_flops, derived_compute, fused_update, residual_bytes
 from mtjax.plan.report import size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +43,11 @@ def test_state_and_link_bytes_are_sums_over_the_schema():
     assert plan.traffic.h2d == 3 * (2 * blocks + embed + head)
     # Gradients in the compute dtype, except the embedding's dense fp32 table.
     assert plan.traffic.d2h == 3 * (blocks + head + schema_total(CFG, "master", ["embed"]))
-    assert plan.host.state == compute + master + opt
+    # With master and compute in RAM the engine keeps no compute copy (the fused update).
+    assert derived_compute(CFG, w.placement) == fused_update(CFG)
+    assert plan.host.state == master + opt + (0 if derived_compute(CFG, w.placement) else compute)
+    assert estimate(CFG, dataclasses.replace(w, placement=Placement(compute="disk")), HW, tx=TX).host.state \
+        == master + opt
     assert plan.host.grads == master
     assert plan.traffic.disk_read == plan.traffic.disk_write == 0
 
@@ -58,7 +62,10 @@ def test_disk_tier_moves_its_bytes_from_ram_to_disk():
     assert opt_disk.disk_bytes == base.disk_bytes == 2 * (master + opt)
     # Master weights on disk: the engine spills fp32 gradient sums (master-sized) every micro-batch.
     both = estimate(CFG, Workload(grad_accum=2, placement=Placement(master="disk", opt="disk")), HW, tx=TX)
-    assert base.host.state - both.host.state == master + opt
+    # Beside RAM master weights no compute copy is kept (fused update); beside disk ones it is.
+    compute = schema_total(CFG, "compute")
+    kept = 0 if derived_compute(CFG, Placement()) else compute
+    assert base.host.state - both.host.state == master + opt + kept - compute
     assert base.host.grads == master and both.host.grads == 0
     assert both.traffic.disk_read == both.traffic.disk_write == master + opt + 2 * master
     all_disk = estimate(CFG, Workload(placement=Placement("disk", "disk", "disk")), HW, tx=TX)

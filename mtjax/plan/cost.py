@@ -152,7 +152,7 @@ class Times:
     link: float  # the busier direction of the full-duplex host<->device link
     disk: float
     host_memory: float
-    startup: float  # not overlapped: the embedding's gradient -> update -> weights chain
+    startup: float  # not overlapped: the embedding's gradient -> update -> weights chain (GPU); the fixed per-part cost (CPU)
     step: float
     bound: str  # the resource that sets the step time
 
@@ -375,8 +375,10 @@ def _times(w: Workload, hw: HardwareProfile, pb: dict[str, StateBytes], flops: f
     host_mem = t.host_memory / hw.host_memory_bytes_per_s
     stages = {"device compute": device, "host<->device link": link, "disk": disk, "host memory": host_mem}
     if hw.device_is_host:
-        # One set of cores does everything: nothing overlaps.
-        return Times(device, link, disk, host_mem, 0.0, sum(stages.values()), max(stages, key=stages.get))
+        # One set of cores does everything: nothing overlaps, not even the engine's fixed
+        # cost per part streamed (forward: every part; backward: every block).
+        fixed = hw.part_overhead_s * w.grad_accum * (2 * cfg.num_hidden_layers + 2)
+        return Times(device, link, disk, host_mem, fixed, sum(stages.values()) + fixed, max(stages, key=stages.get))
     # The embedding's gradient leaves the device last and its new weights are needed first.
     e = pb["embed"]
     place = w.placement

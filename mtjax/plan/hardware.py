@@ -41,6 +41,7 @@ class HardwareProfile:
     disk_bytes: int  # disk size available to the store
     device_is_host: bool = False  # device compute, optimizer and I/O share the same cores
     runtime_bytes: int = 2 * GiB  # host RAM of Python, the JAX runtime and compiled programs
+    part_overhead_s: float = 0.0  # fixed host time per part streamed (dispatch, Python), measured
     notes: str = ""
 
     def __post_init__(self):

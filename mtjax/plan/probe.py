@@ -2,8 +2,9 @@
 
 Each figure is measured the way the streaming engine uses the resource:
 
-    disk     sequential write of a file with fsync, then a cold read (page cache dropped
-             with posix_fadvise DONTNEED) into a pre-touched buffer, 8 MiB at a time
+    disk     the store's pattern: chunk files (16 MiB) each written and fsynced, then read
+             cold (page cache dropped with posix_fadvise DONTNEED) into pre-touched
+             buffers, on the store's number of I/O threads
     memory   copies between pre-touched buffers on every core (fresh buffers would
              measure page faults, not bandwidth); reported as bytes read + written
     matmul   a jitted square matmul, fp32 and bf16 (fp32 accumulation)
@@ -32,7 +33,6 @@ import psutil
 
 from mtjax.plan.hardware import HardwareProfile
 
-CHUNK = 8 << 20
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -46,28 +46,46 @@ def _best_of(fn, repeats: int) -> float:
 
 
 def disk_bandwidth(directory: str | Path, nbytes: int) -> tuple[float, float, bool]:
-    """(read bytes/s, write bytes/s, whether the read was cold) of a file in `directory`."""
-    buf = np.ones(CHUNK, np.uint8)  # pre-touched: time the disk, not page faults
-    fd, name = tempfile.mkstemp(prefix="mtjax-probe-", dir=directory)
+    """(read bytes/s, write bytes/s, whether the read was cold) of chunk files in `directory`,
+    written and read the way the layer store does (mtjax.store.chunks)."""
+    from mtjax.store.layout import CHUNK_BYTES
+    from mtjax.store.store import IO_THREADS
+
+    size = min(CHUNK_BYTES, nbytes)
+    count = max(1, nbytes // size)
+    cold = hasattr(os, "posix_fadvise")
+    root = Path(tempfile.mkdtemp(prefix="mtjax-probe-", dir=directory))
+    bufs = [np.ones(size, np.uint8) for _ in range(IO_THREADS)]  # pre-touched: time the disk, not page faults
+    paths = [root / f"chunk{i}" for i in range(count)]
+
+    def write(i):
+        fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, bufs[i % IO_THREADS])
+            os.fsync(fd)  # a chunk is written when it is on disk
+        finally:
+            os.close(fd)
+
+    def read(i):
+        fd = os.open(paths[i], os.O_RDONLY)
+        try:
+            if cold:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drop it from the page cache
+            return os.readv(fd, [memoryview(bufs[i % IO_THREADS])])
+        finally:
+            os.close(fd)
+
     try:
-        t0 = time.perf_counter()
-        for _ in range(nbytes // CHUNK):
-            os.write(fd, buf)
-        os.fsync(fd)  # a write is done when it is on disk
-        write = (nbytes // CHUNK * CHUNK) / (time.perf_counter() - t0)
-        cold = hasattr(os, "posix_fadvise")
-        if cold:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drop the file from the page cache
-        os.lseek(fd, 0, os.SEEK_SET)
-        view, total = memoryview(buf), 0
-        t0 = time.perf_counter()
-        while (n := os.readv(fd, [view])) > 0:
-            total += n
-        read = total / (time.perf_counter() - t0)
+        with concurrent.futures.ThreadPoolExecutor(IO_THREADS) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(write, range(count)))
+            write_rate = count * size / (time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            total = sum(pool.map(read, range(count)))
+            read_rate = total / (time.perf_counter() - t0)
     finally:
-        os.close(fd)
-        os.unlink(name)
-    return read, write, cold
+        shutil.rmtree(root, ignore_errors=True)
+    return read_rate, write_rate, cold
 
 
 def memory_bandwidth(nbytes: int, repeats: int = 3) -> float:
@@ -163,6 +181,42 @@ def _probe_block(width: int):
                        num_attention_heads=heads, num_key_value_heads=heads, head_dim=64, compute_dtype="float32")
 
 
+# A fresh training process before any state: the runtime, the fused update's compiled
+# loops and a tiny engine's programs (the probe's own process holds its big buffers' heap).
+# Its steps, whose compute is negligible, time the engine's fixed cost per part streamed.
+_RUNTIME_SCRIPT = """
+import statistics, time
+import numpy as np, psutil
+from mtjax.model_config import ModelConfig
+from mtjax import model
+from mtjax.stream import StreamEngine
+cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=16, compute_dtype="bfloat16")
+engine = StreamEngine(cfg, model.init_params(cfg, seed=0))
+tokens = np.zeros((1, 2, 16), np.int32)
+times = []
+for i in range(6):
+    t0 = time.perf_counter()
+    engine.step(tokens)
+    times.append(time.perf_counter() - t0)
+parts = len(engine._schedule())
+engine.close()
+print(psutil.Process().memory_info().rss, statistics.median(times[1:]) / parts)
+"""
+
+
+def runtime() -> tuple[int, float]:
+    """(host RAM a training process holds before its state, fixed seconds per part
+    streamed), from a tiny engine in a fresh subprocess on the CPU backend."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _RUNTIME_SCRIPT], capture_output=True, text=True, env=env, check=True)
+    rss, per_part = out.stdout.strip().splitlines()[-1].split()
+    return int(rss), float(per_part)
+
+
 def run(directory: str | Path = ".", quick: bool = False, name: str | None = None) -> HardwareProfile:
     """Measure this machine. Full mode moves ~1 GiB through disk and memory."""
     size = (64 << 20) if quick else (1 << 30)
@@ -175,6 +229,7 @@ def run(directory: str | Path = ".", quick: bool = False, name: str | None = Non
     block = _probe_block(256 if quick else 1024)
     efficiency = min(1.0, block_flops(block, 1, 128 if quick else 512) / fp32)
     ram = psutil.virtual_memory().total
+    runtime_bytes, part_overhead = runtime()
     import jax
 
     on_host = h2d is None
@@ -190,7 +245,5 @@ def run(directory: str | Path = ".", quick: bool = False, name: str | None = Non
         host_memory_bytes_per_s=mem, host_ram_bytes=ram, disk_read_bytes_per_s=read,
         disk_write_bytes_per_s=write, disk_bytes=shutil.disk_usage(directory).free,
         device_is_host=on_host, notes=notes,
-        # This process now holds Python, the JAX runtime and a few compiled programs (the
-        # probe's buffers are freed): what a training process needs before any state.
-        runtime_bytes=psutil.Process().memory_info().rss,
+        runtime_bytes=runtime_bytes, part_overhead_s=part_overhead,
     )
