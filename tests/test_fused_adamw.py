@@ -122,3 +122,24 @@ def test_bf16_rounding_matches_ml_dtypes():
     nan = np.isnan(p)
     np.testing.assert_array_equal(got[~nan], want[~nan])
     np.testing.assert_array_equal(got[nan] & 0x7FC0, 0x7FC0)  # NaN stays a (quiet) NaN
+
+
+def test_ram_tier_state_gets_huge_page_arrays():
+    """The first in-place update moves RAM-tier state into arrays it then keeps updating:
+    big ones 2 MiB-aligned (madvised for transparent huge pages), all writable."""
+    from mtjax.stream.tiers import HUGE_PAGE, huge_empty
+
+    a = huge_empty((3 << 20,), np.float32)
+    assert a.flags.writeable and a.flags.c_contiguous and a.shape == (3 << 20,) and a.dtype == np.float32
+    assert a.ctypes.data % HUGE_PAGE == 0
+    a[:] = 1.5
+    assert float(a.sum()) == 1.5 * (3 << 20)
+    small = huge_empty((5, 3), ml_dtypes.bfloat16)
+    assert small.shape == (5, 3) and small.dtype == ml_dtypes.bfloat16 and small.flags.writeable
+    fused, _ = _pair()
+    state = _state(fused)
+    big = SHAPES["big.kernel"]
+    new = fused("block.0", *state, _random(SHAPES, 3, 1e-3), np.float32(1), own=("master", "opt", "compute"))
+    for arr in (new[0]["big.kernel"], new[1]["0.mu.big.kernel"], new[1]["0.nu.big.kernel"]):
+        assert arr.shape == big and arr.flags.writeable
+        assert arr.nbytes < HUGE_PAGE or arr.ctypes.data % HUGE_PAGE == 0

@@ -73,14 +73,18 @@ def drop_page_cache(root: Path) -> None:
 
 
 def child_init(a) -> None:
-    """Fill the store, then calibrate compute on one block of this model."""
+    """Fill the store, then calibrate compute on one block of this model and, for a disk
+    tier, the disk right before the run (its rates drift with other jobs on the machine)."""
     from mtjax.optim import make_optimizer
     from mtjax.plan import probe
     from mtjax.store.fresh import init_store
 
     cfg = model_config(a.width, a.layers, a.dtype)
     init_store(cfg, a.dir, seed=0, tx=make_optimizer(optimizer()))
-    print(json.dumps({"block_flops": probe.block_flops(cfg, a.batch, a.seq)}))
+    out = {"block_flops": probe.block_flops(cfg, a.batch, a.seq)}
+    if a.tier == "disk":
+        out["disk_read"], out["disk_write"], _ = probe.disk_bandwidth(Path(a.dir).parent, 512 << 20)
+    print(json.dumps(out))
 
 
 def child_train(a) -> None:
@@ -119,7 +123,7 @@ def run_child(mode: str, case, steps: int, store_dir: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def predict(case, hw, block_flops: float | None):
+def predict(case, hw, block_flops: float | None, disk: tuple[float, float] | None = None):
     from mtjax.optim import make_optimizer
     from mtjax.plan import Workload, estimate
     from mtjax.plan.cost import Placement
@@ -128,6 +132,8 @@ def predict(case, hw, block_flops: float | None):
     cfg = model_config(width, layers, dtype)
     if block_flops is not None:  # probe.calibrate's figure, measured in the init child
         hw = dataclasses.replace(hw, compute_efficiency=min(1.0, block_flops / (hw.matmul_flops(dtype) / hw.compute_efficiency)))
+    if disk is not None:  # the disk as probed right before this model's run
+        hw = dataclasses.replace(hw, disk_read_bytes_per_s=disk[0], disk_write_bytes_per_s=disk[1])
     work = Workload(batch_size=batch, seq_len=seq, placement=Placement(tier, tier, tier))
     return estimate(cfg, work, hw, tx=make_optimizer(optimizer()))
 
@@ -161,8 +167,9 @@ def main() -> None:
             init = run_child("init", case, args.steps, store_dir)
             meas = run_child("train", case, args.steps, store_dir)
             shutil.rmtree(store_dir)
-            generic, calibrated = predict(case, hw, None), predict(case, hw, init["block_flops"])
-            rows.append((case, generic, calibrated, init["block_flops"], meas))
+            disk = (init["disk_read"], init["disk_write"]) if "disk_read" in init else None
+            generic, calibrated = predict(case, hw, None), predict(case, hw, init["block_flops"], disk)
+            rows.append((case, generic, calibrated, init, meas))
             print(case, f"generic {generic.times.step:.2f} s, calibrated {calibrated.times.step:.2f} s, measured "
                   f"{meas['step_s']:.2f} s; RSS predicted {calibrated.ram_needed / 2**20:.0f} MiB, measured "
                   f"{meas['peak_rss'] / 2**20:.0f} MiB", flush=True)
@@ -182,25 +189,30 @@ def main() -> None:
         f"fwd + bwd at {hw.compute_efficiency:.2f} of the fp32 matmul (generic), memory "
         f"{hw.host_memory_bytes_per_s / 1e9:.1f} GB/s moved, disk {hw.disk_read_bytes_per_s / 1e9:.2f} GB/s cold read, "
         f"{hw.disk_write_bytes_per_s / 1e9:.2f} GB/s synced write. Calibrated: `compute_efficiency` from one block of "
-        f"the model itself (`probe.calibrate`). StreamEngine: k = 1, prefetch depth 2, every kind of state in the "
+        f"the model itself (`probe.calibrate`) and, for disk-tier models, the disk probed again right before the "
+        f"run (`probe.disk_bandwidth`, 512 MiB; the rates drift 2x with other jobs). Runtime RSS: a fresh process "
+        f"after one tiny engine step (`probe.runtime_rss`), {hw.runtime_bytes / 2**20:.0f} MiB. StreamEngine: k = 1, prefetch depth 2, every kind of state in the "
         f"tier shown (disk: page cache dropped before each step), vocab 8192, median of {args.steps} steps after one "
         f"warm-up; each model in fresh processes, peak RSS = ru_maxrss of the training process.",
         "",
-        "| model (blocks x width, batch x seq) | block GFLOP/s | predicted step, generic (s) | predicted step, "
+        "| model (blocks x width, batch x seq) | block GFLOP/s | disk read / write at the run (GB/s) "
+        "| predicted step, generic (s) | predicted step, "
         "calibrated (s) | measured step (s) | measured / calibrated | predicted peak RSS (MiB) | measured peak RSS "
         "(MiB) | measured / predicted |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for case, generic, cal, bf, m in rows:
-        lines.append(f"| {name(case, cal)} | {bf / 1e9:.0f} | {generic.times.step:.2f} | {cal.times.step:.2f} | "
+    for case, generic, cal, init, m in rows:
+        bf = init["block_flops"]
+        disk = f"{init['disk_read'] / 1e9:.2f} / {init['disk_write'] / 1e9:.2f}" if "disk_read" in init else ""
+        lines.append(f"| {name(case, cal)} | {bf / 1e9:.0f} | {disk} | {generic.times.step:.2f} | {cal.times.step:.2f} | "
                      f"{m['step_s']:.2f} | {m['step_s'] / cal.times.step:.2f} | {cal.ram_needed / 2**20:.0f} | "
                      f"{m['peak_rss'] / 2**20:.0f} | {m['peak_rss'] / cal.ram_needed:.2f} |")
     lines += ["", "Goal: step time within 20% (0.80-1.20) and peak RSS within 10% (0.90-1.10).", "",
-              "Why these agree where the first version was off by 1.5-2.6x: the optimizer is priced at the four passes "
-              "XLA's CPU backend makes (46 bytes/param, not 30); compute uses the probe's measured forward + recompute "
-              "+ backward of a real block instead of 0.7 of a square matmul; the runtime's RSS is measured by the probe "
-              "instead of an assumed 2 GiB. The disk-tier rows are bound by the probe's synced-write rate, which the "
-              "store's own chunked writes beat a little (hence measured < predicted there).", "",
+              "Why these agree where the first version was off by 1.5-2.6x: the optimizer is priced as the engine runs "
+              "it (the fused loop's 28-30 bytes/param; XLA's four passes, 46, without numba); compute uses the probe's "
+              "measured forward + recompute + backward of a real block instead of 0.7 of a square matmul; the "
+              "runtime's RSS is measured instead of an assumed 2 GiB; the disk is probed again before each disk-tier "
+              "run, since one probe at the start of the benchmark was off by up to 2x by the time a model ran.", "",
               "Command: `.venv/bin/python experiments/bench/plan_accuracy.py`"]
     body = "\n".join(lines)
     print(body)
