@@ -65,7 +65,10 @@ def drop_page_cache(root: Path) -> None:
     """Evict every file of the store from the page cache (what a store larger than RAM sees)."""
     for dirpath, _, files in os.walk(root):
         for f in files:
-            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:  # the deferred updates of the last step may be renaming chunk files meanwhile
+                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
