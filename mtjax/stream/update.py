@@ -1,10 +1,14 @@
 """The optimizer stage: one part's AdamW update on host-resident state.
 
 The update reads the fp32 master weights, the optimizer state and the gradient, and
-writes master, optimizer state and the compute copy (DESIGN-NOTES point 4). XLA's CPU
-backend compiles it to about four passes over memory (46 bytes/param where one pass
-would move 30), so it runs the same jitted optax program once per cache-sized row chunk
-of each leaf: the four passes then hit cache, and memory sees about one.
+writes master, optimizer state and, where one is kept, the compute copy (DESIGN-NOTES
+point 4). mtjax's own AdamW (an OptimConfig) runs as the fused loop of
+mtjax.stream.fused_adamw: one pass over memory, in place on RAM-tier state.
+
+Any other optax transformation (or mtjax's without numba) runs as a jitted program on
+the CPU backend. XLA compiles it to about four passes over memory (46 bytes/param where
+one pass would move 30), so it runs the same program once per cache-sized row chunk of
+each leaf: the four passes then hit cache, and memory sees about one.
 
 The RAM tier keeps master weights and optimizer state as `RowChunks`: one XLA buffer per
 chunk, donated to the chunk's program, so the update runs in place. The compute copy
