@@ -36,6 +36,16 @@ LOCK = "LOCK"
 PARTS_DIR = "parts"
 TRAIN_STATE_DIR = "train_state"
 PENDING_DIR = "pending"
+
+
+def pending_key(part: str, tag: str) -> str:
+    """The name of a part's gradient sum for step `tag` in the pending directory."""
+    return f"{part}.{tag}"
+
+
+def pending_file(key: str, leaf: str) -> str:
+    """The file of one leaf of the gradient sum named `key`."""
+    return f"{key}--{leaf}.bin"
 SLOTS = ("a", "b")
 CHUNK_BYTES = 16 << 20  # 4-32 MiB chunks read fastest (FACTS.md); one chunk decodes on one thread
 

@@ -130,10 +130,12 @@ class Store:
             for kind, slot in kinds.items():
                 if slot is not None:
                     self._free_slot(part, kind, layout.other_slot(slot))
-        keep = self._pending_prefixes()
+        p = self._manifest.pending
+        keep = {layout.pending_file(layout.pending_key(part, p["tag"]), leaf)
+                for part in (p["parts"] if p else ()) for leaf in self.schema(part, "master")}
         pending_dir = self.root / layout.PENDING_DIR
         for f in pending_dir.iterdir() if pending_dir.is_dir() else ():
-            if not f.name.startswith(keep):
+            if f.name not in keep:
                 f.unlink(missing_ok=True)
 
     def _free_slot(self, part: str, kind: str, slot: str) -> None:
@@ -158,13 +160,8 @@ class Store:
 
     @property
     def pending_dir(self) -> Path:
-        """Where a one-copy store's trainer keeps gradient sums (`<part>.<tag>--<leaf>.bin`)."""
+        """Where a one-copy store's trainer keeps gradient sums (file names: layout.pending_file)."""
         return self.root / layout.PENDING_DIR
-
-    def _pending_prefixes(self) -> tuple[str, ...]:
-        """File-name prefixes of the gradient sums the committed pending update names."""
-        p = self._manifest.pending
-        return tuple(f"{part}.{p['tag']}--" for part in p["parts"]) if p else ()
 
     def check_complete(self, what: str) -> None:
         """Refuse to read weights that still wait for a committed update."""

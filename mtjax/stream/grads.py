@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax.optim import sum_of_squares
+from mtjax.store.layout import pending_key
 from mtjax.stream.staging import Placement
 from mtjax.stream.tiers import ScratchFiles
 
@@ -67,7 +68,7 @@ class GradSink:
         for part in self._current:
             self._ready[part] = (self._sums.pop(part, None), tag)
             if self.spill:
-                self.spill.rename(part + ".sum", f"{part}.{tag}")
+                self.spill.rename(part + ".sum", pending_key(part, tag))
         self._current.clear()
         self.last_sq = self._sq  # per part, to name the parts of a non-finite step
         sq, self._sq = sum(self._sq.values()), {}
@@ -105,7 +106,7 @@ class GradSink:
         """Resume: the sums a previous process committed as pending, under `tag`
         ({part: {leaf: ShapeDtypeStruct}} of their fp32 shapes)."""
         for part in parts:
-            self.spill.adopt(f"{part}.{tag}", schemas[part])
+            self.spill.adopt(pending_key(part, tag), schemas[part])
             self._ready[part] = (None, tag)
 
     def take(self, part: str) -> dict | None:
@@ -115,7 +116,7 @@ class GradSink:
         grads, tag = self._ready.pop(part)
         if not self.spill:
             return grads
-        key = f"{part}.{tag}"
+        key = pending_key(part, tag)
         if self.spill.durable:
             self._taken[part] = key
         return self.spill.take(key, keep=self.spill.durable)

@@ -18,6 +18,7 @@ import numpy as np
 
 from mtjax.errors import MtjaxError
 from mtjax.parts import KINDS
+from mtjax.store.layout import pending_file
 
 TIER_NAMES = ("ram", "disk")
 
@@ -211,7 +212,7 @@ class ScratchFiles:
         self.io_bytes = [0, 0]  # bytes read, written
 
     def _path(self, key: str, leaf: str):
-        return self.dir / f"{key}--{leaf}.bin"
+        return self.dir / pending_file(key, leaf)
 
     def put(self, key: str, arrays: Mapping, sync: bool = False) -> None:
         import os
@@ -239,7 +240,7 @@ class ScratchFiles:
         """Take over files a previous process left under `key` ({leaf: ShapeDtypeStruct})."""
         missing = [leaf for leaf in schema if not self._path(key, leaf).is_file()]
         if missing:
-            raise MtjaxError(f"{self.dir} lacks the pending gradient files {key}--{missing[0]}.bin that the store's "
+            raise MtjaxError(f"{self.dir} lacks the pending gradient file {pending_file(key, missing[0])} that the store's "
                              "manifest names; the store is damaged: restore it from a backup")
         self._meta[key] = {leaf: (tuple(s.shape), np.dtype(s.dtype)) for leaf, s in schema.items()}
 
