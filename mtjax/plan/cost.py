@@ -260,7 +260,7 @@ def fused_update(cfg: ModelConfig) -> bool:
     """Whether the engine updates with the fused loop (numba installed, bf16/fp32 compute)."""
     from mtjax.stream import fused_adamw
 
-    return fused_adamw.available() and cfg.compute_dtype in ("bfloat16", "float32")
+    return fused_adamw.supports(cfg.compute_dtype)
 
 
 def derived_compute(cfg: ModelConfig, place: Placement) -> bool:

@@ -33,13 +33,13 @@ from mtjax.errors import MtjaxError, NonFiniteStep
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, clip_scale
 from mtjax.stream import budget as budget_mod
+from mtjax.stream import fused_adamw
 from mtjax.stream.blockfns import block_fns
 from mtjax.stream.grads import GradSink
 from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.staging import Placement, StagingPool, raise_host_memory_limit
 from mtjax.stream.tiers import ReadBuffers, ScratchFiles, Tiers, fix_mmap_threshold, host_device
 from mtjax.stream.trace import Tracer
-from mtjax.stream import fused_adamw
 from mtjax.stream.update import PartUpdate, full_opt_state, split_opt_state, update_for
 
 
@@ -206,12 +206,13 @@ class StreamEngine:
         """The kinds of state the RAM tier holds (a derived compute copy is not held)."""
         return [k for k in self.tiers.kinds_in("ram") if not (k == "compute" and self.derived_compute)]
 
-    def _compute_copy(self, part: str) -> dict:
-        """A derived compute copy of `part`, rounded from its master weights (new arrays)."""
-        out = {}
-        for n, a in self._read(part, "master").items():
-            out[n] = np.empty(np.shape(a), self.update.dtype)
-            fused_adamw.round_into(np.asarray(a), out[n])
+    def _round_master(self, part: str, out: dict | None = None) -> dict:
+        """The derived compute copy of `part`: its master weights rounded into `out`
+        ({leaf: array}; new arrays when None)."""
+        master = {n: np.asarray(a) for n, a in self._read(part, "master").items()}
+        out = {n: np.empty(a.shape, self.update.dtype) for n, a in master.items()} if out is None else out
+        for n, a in master.items():
+            fused_adamw.round_into(a, out[n])
         return out
 
     def _write(self, part: str, kind: str, arrays: dict) -> None:
@@ -337,7 +338,7 @@ class StreamEngine:
         for kind in self.tiers.kinds_in("ram"):
             for p in self.parts:
                 if kind == "compute" and self.derived_compute:
-                    arrays = self._compute_copy(p.name)
+                    arrays = self._round_master(p.name)
                 else:
                     arrays = {n: np.asarray(a) for n, a in self._read(p.name, kind).items()}
                 # One part at a time: np.asarray joins the optimizer's RowChunks into copies.
@@ -422,9 +423,7 @@ class StreamEngine:
         slot = self.pool.acquire(self.schemas[part])
         with self.tracer.span("read", part):
             if self.derived_compute:
-                # Round the (updated) master weights straight into the staging slot.
-                for n, a in self._read(part, "master").items():
-                    fused_adamw.round_into(np.asarray(a), slot.buffers[n])
+                self._round_master(part, slot.buffers)  # the updated master, straight into the slot
             elif fresh is not None:
                 # np.asarray waits for the update (host sync on this worker thread):
                 # the new compute copy is staged without a round trip through the tier.

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtjax.optim import OptimConfig, make_schedule
+from mtjax.stream.tiers import host_device
 
 try:
     import numba
@@ -44,6 +45,12 @@ MIN_PIECE = 1 << 16  # elements: a leaf this small is not split across threads
 
 def available() -> bool:
     return numba is not None
+
+
+def supports(compute_dtype) -> bool:
+    """Whether the loop can serve a model of this compute dtype (numba installed; the copy
+    it writes is bf16, or fp32, which is the master itself)."""
+    return available() and np.dtype(compute_dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 
 
 if numba is not None:
@@ -192,8 +199,7 @@ class FusedAdamW:
 
     def step(self, adam_count, schedule_count, scale) -> tuple[tuple, tuple]:
         """(kernel scalars for a decaying leaf, for a non-decaying one), (new counts)."""
-        cpu = jax.devices("cpu")[0]
-        with jax.default_device(cpu):
+        with jax.default_device(host_device()):
             (r1, r2, lr), counts = self._scalars(np.asarray(adam_count), np.asarray(schedule_count))
         f = np.float32
         o = self.optim

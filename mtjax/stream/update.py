@@ -332,7 +332,7 @@ class PartUpdate:
 def _fused_for(cfg: ModelConfig, tx, optim: OptimConfig | None):
     """The one-pass AdamW for `tx` when it is `make_optimizer(optim)`, numba is installed
     and the compute dtype is bf16 or fp32; otherwise None."""
-    if optim is None or not fused_adamw.available() or np.dtype(cfg.compute_dtype) not in (jnp.bfloat16, np.float32):
+    if optim is None or not fused_adamw.supports(cfg.compute_dtype):
         return None
     state = treepath.flatten(jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((2, 2), np.float32)}))
     if set(state) != {"0.count", "0.mu.w", "0.nu.w", "2.count"}:  # not the chain make_optimizer builds
