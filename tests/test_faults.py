@@ -216,9 +216,14 @@ def test_nonfinite_step_changes_no_state_and_names_the_block(engine, monkeypatch
     eng.step(b[2])
     want_params, want_opt = _clean_reference(params, [b[0], b[2]])
     got_params, got_opt = eng.params(), eng.opt_state()
+    # Per tensor ||got - want|| / ||want||, as the streamed-equals-reference tests measure:
+    # AdamW normalises each gradient element, so fp32 rounding in a near-zero gradient can
+    # move one parameter by ~1e-4 of its value, while a state the skipped step had touched
+    # would be off by a whole update.
     for x, y in zip(jax.tree.leaves(got_params) + jax.tree.leaves(got_opt),
                     jax.tree.leaves(want_params) + jax.tree.leaves(want_opt)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=1e-7)
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert np.linalg.norm(x - y) <= 1e-5 * np.linalg.norm(y)
     if engine == "stream":
         eng.close()
         eng.store.close()
