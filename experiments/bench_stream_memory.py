@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
+
+from procmem import peak_rss  # noqa: E402
 
 
 def model_config(layers: int, width: int):
@@ -68,7 +69,7 @@ def child_train(args) -> None:
     engine.close()
     store.close()
     kept = len(engine.groups) * args.batch * args.seq * args.width * np.dtype(cfg.compute_dtype).itemsize
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak = peak_rss()
     print(json.dumps({"layers": args.layers, "params": cfg.num_params(), "peak_rss": peak, "kept": kept,
                       "step_s": min(times), "slots": engine.pool.allocated}))
 
@@ -116,7 +117,7 @@ def main() -> None:
     lines = [
         f"Llama blocks of width {args.width} (bf16 compute, fp32 master + AdamW), batch {args.batch} x seq "
         f"{args.seq}; compute, master and optimizer state all in the store on disk; k = 1, prefetch depth 2; "
-        f"{args.steps} steps, each model in a fresh process (peak RSS = ru_maxrss).",
+        f"{args.steps} steps, each model in a fresh process (peak RSS = VmHWM, experiments/procmem.py).",
         "",
         "| blocks | params | state on disk | peak RSS | kept activations | RSS - kept vs first | step (s) |",
         "|---|---|---|---|---|---|---|",

@@ -3,7 +3,7 @@
 `mtjax.store.fresh.init_store` writes a fresh Llama (one part in memory at a time), then a
 StreamEngine with compute, master and optimizer state on the disk tier trains it for a
 few steps on one fixed batch (so the loss must fall). Init and training each run in a
-fresh subprocess; the training child reports its peak RSS (ru_maxrss), per-step time,
+fresh subprocess; the training child reports its peak RSS (VmHWM), per-step time,
 loss and the bytes it read and wrote (/proc/self/io). The store is deleted at the end.
 Writes its section of docs/benchmarks.md.
 
@@ -22,7 +22,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -33,6 +32,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
+
+from procmem import peak_rss  # noqa: E402
 
 STATE_BYTES = 2 + 4 + 4 + 4  # bf16 compute + fp32 master + AdamW mu + nu, per parameter
 
@@ -58,7 +59,7 @@ def child_init(args) -> None:
 
     t0 = time.perf_counter()
     init_store(model_config(args), args.dir / "store", seed=0, tx=make_optimizer(OptimConfig()), copies=args.copies)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak = peak_rss()
     print(json.dumps({"init_s": time.perf_counter() - t0, "init_peak_rss": peak, "written": io_bytes()[1]}))
 
 
@@ -87,7 +88,7 @@ def child_train(args) -> None:
         print(json.dumps(steps[-1]), file=sys.stderr, flush=True)
     engine.close()
     store.close()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     print(json.dumps({"params": cfg.num_params(), "peak_rss": peak, "steps": steps}))
 
 
@@ -147,7 +148,7 @@ def main() -> None:
         f"{args.ffn}, vocab {args.vocab}), {train['params'] / 1e9:.2f}B parameters; bf16 compute, fp32 master, "
         f"AdamW; batch {args.batch} x seq {args.seq}, the same batch every step; compute, master and optimizer "
         f"state all on the disk tier (k = 1, prefetch depth 2), a {args.copies}-copy store, a commit after every step. Init and training each in "
-        f"a fresh process; peak RSS = ru_maxrss; bytes = /proc/self/io of the training process.",
+        f"a fresh process; peak RSS = VmHWM (experiments/procmem.py); bytes = /proc/self/io of the training process.",
         "",
         "| quantity | value |",
         "|---|---|",
