@@ -265,7 +265,9 @@ def fused_update(cfg: ModelConfig) -> bool:
 
 def derived_compute(cfg: ModelConfig, place: Placement) -> bool:
     """Whether the RAM tier keeps no compute copy (StreamEngine.derived_compute)."""
-    return fused_update(cfg) and place.master == "ram" and place.compute == "ram"
+    from mtjax.stream.tiers import derives_compute
+
+    return derives_compute(fused_update(cfg), place.master, place.compute)
 
 
 def estimate(cfg: ModelConfig, workload: Workload, hardware: HardwareProfile,

@@ -38,7 +38,7 @@ from mtjax.stream.blockfns import block_fns
 from mtjax.stream.grads import GradSink
 from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.staging import Placement, StagingPool, raise_host_memory_limit
-from mtjax.stream.tiers import ReadBuffers, ScratchFiles, Tiers, fix_mmap_threshold, host_device
+from mtjax.stream.tiers import ReadBuffers, ScratchFiles, Tiers, derives_compute, fix_mmap_threshold, host_device
 from mtjax.stream.trace import Tracer
 from mtjax.stream.update import PartUpdate, full_opt_state, split_opt_state, update_for
 
@@ -102,8 +102,8 @@ class StreamEngine:
         # prefetcher rounds master into the staging slot (reading 4 bytes/param there
         # instead of the update writing 2 that the prefetcher then reads; 2 bytes/param
         # less RAM). docs/pipeline.md, "The compute copy".
-        self.derived_compute = (self.update.fused is not None and self.tiers.placement["master"] == "ram"
-                                and self.tiers.placement["compute"] == "ram")
+        self.derived_compute = derives_compute(self.update.fused is not None, self.tiers.placement["master"],
+                                               self.tiers.placement["compute"])
         if self.tiers.kinds_in("disk"):
             fix_mmap_threshold()  # state on disk promises host memory flat in depth
         self.parts = parts_mod.parts(cfg)
