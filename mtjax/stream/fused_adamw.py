@@ -194,13 +194,17 @@ class FusedAdamW:
             return (r1.astype(jnp.float32), r2.astype(jnp.float32), lr), (t, _increment(schedule_count))
 
         self._scalars = scalars
+        self._last = None  # (counts, their scalars): every part of a step has the same counts
         self.threads = threads or os.cpu_count() or 1
         self.pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="mtjax-adamw")
 
     def step(self, adam_count, schedule_count, scale) -> tuple[tuple, tuple]:
         """(kernel scalars for a decaying leaf, for a non-decaying one), (new counts)."""
-        with jax.default_device(host_device()):
-            (r1, r2, lr), counts = self._scalars(np.asarray(adam_count), np.asarray(schedule_count))
+        key = (int(adam_count), int(schedule_count))
+        if self._last is None or self._last[0] != key:
+            with jax.default_device(host_device()):
+                self._last = key, self._scalars(np.asarray(adam_count), np.asarray(schedule_count))
+        (r1, r2, lr), counts = self._last[1]
         f = np.float32
         o = self.optim
         base = (f(scale), f(o.b1), f(1 - o.b1), f(o.b2), f(1 - o.b2), f(r1), f(r2), f(o.eps))
