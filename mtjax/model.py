@@ -33,7 +33,7 @@ def _dot(x, w):
 
     The token axes are flattened into one first. On [b, t, d], XLA's CPU backend wrote the
     backward's activation gradients transposed for the weight-gradient dots, and reduced
-    3-D norms slowly: flat, one block's forward + backward ran 6-10% faster.
+    3-D norms slowly: flat, one block's forward + backward ran ~9% faster (width 1024).
     """
     y = jnp.einsum("td,df->tf", x.reshape(-1, x.shape[-1]), w.astype(x.dtype), preferred_element_type=jnp.float32)
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
