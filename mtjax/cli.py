@@ -11,7 +11,6 @@ import argparse
 import importlib
 import sys
 
-from mtjax import hugepages
 from mtjax.errors import MtjaxError
 
 # Order is the order of `mtjax --help`.
@@ -38,7 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--debug"):
@@ -52,8 +50,6 @@ def main(argv: list[str] | None = None) -> int:
         args.extra_args = extra  # e.g. a mistyped --optim.lrr=1, which train reports with the nearest key
     if args.command is None:
         args = parser.parse_args([*argv, "train"])
-    if from_command_line and args.command == "train":
-        hugepages.reexec()  # once: glibc reads its tunables only at process start
     try:
         return int(args.func(args) or 0)
     except (MtjaxError, FileNotFoundError, PermissionError) as e:

@@ -87,9 +87,6 @@ def child(args) -> None:
 
 
 def main() -> None:
-    from mtjax import hugepages
-
-    hugepages.reexec()  # run as `mtjax train` does (children inherit it); MTJAX_HUGE_PAGES=0 to compare
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--widths", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--layers", type=int, default=4)
@@ -120,10 +117,7 @@ def main() -> None:
     ram_over = [100 * (r["ram"] / r["reference"] - 1) for r in rows]
     ram_lo, ram_hi = max(0.0, min(ram_over)), max(ram_over)
     lines = [
-        f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, "
-        f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', 'unset')} in every process (as `mtjax train` runs; "
-        "mtjax/hugepages.py), "
-        "load average "
+        f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, load average "
         f"{os.getloadavg()[0]:.1f} at the end. fp32 Llama, {args.layers} blocks, vocab {args.vocab}, batch 1 x seq "
         f"{args.seq}, AdamW + clip 1.0; reference = in-memory ReferenceTrainer (remat per block); stream = "
         f"StreamEngine, k = 1, prefetch depth 2, every kind of state in the RAM tier or in the disk tier (page cache "

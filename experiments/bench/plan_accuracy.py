@@ -143,9 +143,6 @@ def predict(case, hw, block_flops: float | None, disk: tuple[float, float] | Non
 
 
 def main() -> None:
-    from mtjax import hugepages
-
-    hugepages.reexec()  # run as `mtjax train` does (children inherit it); MTJAX_HUGE_PAGES=0 to compare
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3, help="timed steps per model (after one warm-up)")
     ap.add_argument("--quick", action="store_true", help="tiny models (smoke test)")
@@ -190,10 +187,7 @@ def main() -> None:
     lines = [
         "## Planner vs measured step time and peak RSS (experiments/bench/plan_accuracy.py)",
         "",
-        f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, "
-        f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', 'unset')} in every process (as `mtjax train` runs; "
-        "mtjax/hugepages.py), "
-        "load average "
+        f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, load average "
         f"{os.getloadavg()[0]:.1f} at the end. Profile from `mtjax.plan.probe.run` in this run: matmul "
         f"{hw.matmul_flops_fp32 / 1e9:.0f} GFLOP/s fp32 / {hw.matmul_flops_bf16 / 1e9:.0f} bf16, a width-1024 block's "
         f"fwd + bwd at {hw.compute_efficiency:.2f} of the fp32 matmul (generic), memory "

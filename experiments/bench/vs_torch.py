@@ -79,15 +79,9 @@ time was not), width 1024, seq 512, fp32:
 - The reference donates the last step's gradients to the next gradient program, so the 480 MB
   of gradients land in pages already mapped (fresh pages cost ~0.2 s per GiB): 2.98 -> 2.83 s
   per step, two trainers interleaved.
-- Transparent huge pages for glibc's allocator (mtjax/hugepages.py; `mtjax train` sets
-  GLIBC_TUNABLES=glibc.malloc.hugetlb=1, and this benchmark runs every process with it). XLA maps
-  a fresh 400 MB temporary buffer for each execution of the reference's gradient program, faulted
-  in 4 KiB at a time: the reference step went 2.70 -> 2.60 s; torch, whose allocations are mostly
-  reused (33-56 MB faulted a step), was unchanged (3.02 vs 3.05 s).
 - Tried without gain: attention with K and V transposed once per call instead of per query
-  chunk (with and without an optimization barrier), or accumulating dK and dV transposed; a
-  longer forward chunk than the backward's; mallopt to keep freed memory mapped (XLA's temporary
-  buffer is still mapped afresh each step from its threads' arenas).
+  chunk (with and without an optimization barrier), within noise; mallopt to keep freed memory
+  mapped (XLA's 400 MB temp buffer is still faulted in every step).
 - Not done: fused qkv / gate-up matmuls (XLA's matmuls already run at ~200 GFLOP/s, the two
   cores' fp32 peak, in both frameworks). What is left per block is attention: forward + backward
   ~42 ms here against ~27 ms for torch's fused CPU flash-attention kernel.
@@ -260,9 +254,6 @@ def piece_table(pieces: dict, reps: int) -> list[str]:
 
 
 def main() -> None:
-    from mtjax import hugepages
-
-    hugepages.reexec()  # run as `mtjax train` does (children inherit it); MTJAX_HUGE_PAGES=0 to compare
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=1024)
@@ -318,10 +309,7 @@ def main() -> None:
     torch_s = next(iter(med.values()))
     lines = [
         f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, torch "
-        f"{torch.__version__}, "
-        f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', 'unset')} in every process (as `mtjax train` runs; "
-        "mtjax/hugepages.py), "
-        f"load average {load_at_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end "
+        f"{torch.__version__}, load average {load_at_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end "
         f"(the run itself keeps both cores busy). Llama {args.layers} blocks x width "
         f"{args.width} ({cfg.num_params() / 1e6:.1f}M params), vocab {args.vocab}, batch 1 x seq {args.seq}, fp32, "
         f"AdamW + clip 1.0; median of {args.steps} steps after one warm-up, the trainers' steps interleaved "
