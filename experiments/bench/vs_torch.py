@@ -80,8 +80,13 @@ time was not), width 1024, seq 512, fp32:
   of gradients land in pages already mapped (fresh pages cost ~0.2 s per GiB): 2.98 -> 2.83 s
   per step, two trainers interleaved.
 - Tried without gain: attention with K and V transposed once per call instead of per query
-  chunk (with and without an optimization barrier), within noise; mallopt to keep freed memory
-  mapped (XLA's 400 MB temp buffer is still faulted in every step).
+  chunk (with and without an optimization barrier), or accumulating dK and dV transposed; a
+  longer forward chunk than the backward's; mallopt to keep freed memory mapped (XLA's 400 MB
+  temporary buffer is still mapped afresh each step, from its threads' arenas).
+- Tried and dropped: glibc's allocator on transparent huge pages (GLIBC_TUNABLES=
+  glibc.malloc.hugetlb=1). Alone in a process the reference step went 2.70 -> 2.60 s and the
+  streamed RAM tier 1.62 -> 1.43 s (width 1024, 4 blocks); in this benchmark, with every trainer
+  in one process, the reference was 2.93-3.02 s with it and 2.78-2.83 s without.
 - Not done: fused qkv / gate-up matmuls (XLA's matmuls already run at ~200 GFLOP/s, the two
   cores' fp32 peak, in both frameworks). What is left per block is attention: forward + backward
   ~42 ms here against ~27 ms for torch's fused CPU flash-attention kernel.
