@@ -87,6 +87,9 @@ time was not), width 1024, seq 512, fp32:
   glibc.malloc.hugetlb=1). Alone in a process the reference step went 2.70 -> 2.60 s and the
   streamed RAM tier 1.62 -> 1.43 s (width 1024, 4 blocks); in this benchmark, with every trainer
   in one process, the reference was 2.93-3.02 s with it and 2.78-2.83 s without.
+- The spread, 2026-11-30: seven runs of this script after the changes above (without the
+  huge-page tunable) gave the reference 1.00-1.08x torch (median 1.04x) and the stream
+  0.98-1.02x.
 - Not done: fused qkv / gate-up matmuls (XLA's matmuls already run at ~200 GFLOP/s, the two
   cores' fp32 peak, in both frameworks). What is left per block is attention: forward + backward
   ~42 ms here against ~27 ms for torch's fused CPU flash-attention kernel.
