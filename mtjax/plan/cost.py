@@ -256,6 +256,12 @@ def _device_memory(cfg: ModelConfig, w: Workload, pb: dict[str, StateBytes]) -> 
     return DeviceMemory(weights, kept, residuals, head, working, weights + kept + residuals + head + working)
 
 
+def parts_streamed(cfg: ModelConfig) -> int:
+    """Parts streamed to the device per micro-batch: every part forward, every block again
+    for the backward (the probe times the engine's fixed cost per one of these)."""
+    return 2 * cfg.num_hidden_layers + 2
+
+
 def fused_update(cfg: ModelConfig) -> bool:
     """Whether the engine updates with the fused loop (numba installed, bf16/fp32 compute)."""
     from mtjax.stream import fused_adamw
@@ -381,8 +387,8 @@ def _times(w: Workload, hw: HardwareProfile, pb: dict[str, StateBytes], flops: f
     stages = {"device compute": device, "host<->device link": link, "disk": disk, "host memory": host_mem}
     if hw.device_is_host:
         # One set of cores does everything: nothing overlaps, not even the engine's fixed
-        # cost per part streamed (forward: every part; backward: every block).
-        fixed = hw.part_overhead_s * w.grad_accum * (2 * cfg.num_hidden_layers + 2)
+        # cost per part streamed.
+        fixed = hw.part_overhead_s * w.grad_accum * parts_streamed(cfg)
         return Times(device, link, disk, host_mem, fixed, sum(stages.values()) + fixed, max(stages, key=stages.get))
     # The embedding's gradient leaves the device last and its new weights are needed first.
     e = pb["embed"]

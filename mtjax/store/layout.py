@@ -36,6 +36,8 @@ LOCK = "LOCK"
 PARTS_DIR = "parts"
 TRAIN_STATE_DIR = "train_state"
 PENDING_DIR = "pending"
+SLOTS = ("a", "b")
+CHUNK_BYTES = 16 << 20  # 4-32 MiB chunks read fastest (FACTS.md); one chunk decodes on one thread
 
 
 def pending_key(part: str, tag: str) -> str:
@@ -46,8 +48,6 @@ def pending_key(part: str, tag: str) -> str:
 def pending_file(key: str, leaf: str) -> str:
     """The file of one leaf of the gradient sum named `key`."""
     return f"{key}--{leaf}.bin"
-SLOTS = ("a", "b")
-CHUNK_BYTES = 16 << 20  # 4-32 MiB chunks read fastest (FACTS.md); one chunk decodes on one thread
 
 
 def other_slot(slot: str | None) -> str:
