@@ -1,17 +1,43 @@
-"""`mtjax plan CONFIG`: what one training step costs; `mtjax probe`: measure this machine."""
+"""`mtjax plan CONFIG`: what one training step and the whole run cost; `mtjax probe`: measure this machine."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from pathlib import Path
 
+from mtjax import plan as planner
 from mtjax.errors import MtjaxError
+from mtjax.plan import fit, inputs, machine, probe, report, wholerun
+from mtjax.plan.hardware import choices
+from mtjax.plan.units import size
+
+PLAN_DESCRIPTION = (
+    "Predict, before anything is allocated, the device memory, host RAM and disk a run needs, the bytes "
+    "each link moves per step, the step time and what bounds it, and what the whole run costs (wall time, "
+    "device-hours, price, bytes written to the store's drive). Every placement of the compute, master and "
+    "optimizer state is priced in a table, marked where it does not fit; a placement, prefetch depth and "
+    "checkpoint interval are recommended. Exits with status 2 and one line when the configured run does not "
+    "fit the machine's RAM, disk or device memory."
+)
+
+
+class PlanError(MtjaxError):
+    """A plan request that cannot be answered, or a run that does not fit."""
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("plan", help="predict memory, traffic and step time of a run; recommend placement")
+    p = subparsers.add_parser("plan", help="predict memory, traffic, step time and run cost; recommend placement",
+                              description=PLAN_DESCRIPTION)
     p.add_argument("config", help="HF config.json, checkpoint dir, or experiment YAML")
-    p.add_argument("--hardware", default="h200", help="built-in profile name or a JSON from `mtjax probe --out`")
+    p.add_argument("--hardware", metavar="NAME_OR_JSON", help=f"a built-in profile: {choices()}; or a JSON from `mtjax probe --out`. "
+                                      "Default: this machine, measured by a quick probe on first use and cached "
+                                      "in $XDG_CACHE_HOME/mtjax (~/.cache/mtjax)")
+    p.add_argument("--reprobe", action="store_true", help="measure this machine again instead of using its cached profile")
+    p.add_argument("--steps", type=int, metavar="N", help="optimizer steps of the whole run (default: the config's run.steps)")
+    p.add_argument("--price-per-hour", type=float, metavar="USD",
+                   help="price of the machine per hour, for the run's cost (default: the profile's typical price)")
     p.add_argument("--batch-size", type=int, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
@@ -24,28 +50,43 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run_plan)
 
-    q = subparsers.add_parser("probe", help="measure disk, memory, matmul and host<->device speed into a profile")
+    q = subparsers.add_parser("probe", help="measure disk, memory, matmul and host<->device speed into a profile",
+                              description="Measure this machine the way the streaming engine uses it (store-"
+                                          "pattern disk writes and cold reads, memory copies, matmuls, the "
+                                          "host<->device link, one Llama block) into a hardware profile for "
+                                          "`mtjax plan --hardware`.")
     q.add_argument("--out", help="write the profile JSON here (for `mtjax plan --hardware`)")
     q.add_argument("--dir", default=".", help="directory on the disk the store will use (default: .)")
-    q.add_argument("--quick", action="store_true", help="small sizes: a rough profile in about a second")
+    q.add_argument("--quick", action="store_true", help="small sizes: a rough profile in seconds")
     q.set_defaults(func=run_probe)
 
 
 def _placement(text: str):
-    from mtjax.plan import Placement
-
     try:
         pairs = dict(item.split("=", 1) for item in text.split(","))
-        return Placement(**pairs)
+        return planner.Placement(**pairs)
     except (ValueError, TypeError) as e:
-        raise MtjaxError(
+        raise PlanError(
             f"--placement {text!r} is not valid ({e}); write e.g. compute=ram,master=ram,opt=disk") from None
 
 
-def run_plan(args) -> int:
-    from mtjax import plan as planner
-    from mtjax.plan import inputs, report
+def _run_length(args) -> tuple[int, str]:
+    """(steps, where the number comes from)."""
+    if args.steps is not None:
+        if args.steps < 1:
+            raise PlanError(f"--steps must be >= 1, got {args.steps}")
+        return args.steps, "--steps"
+    steps = inputs.run_steps(args.config)
+    if Path(args.config).suffix in (".yaml", ".yml"):
+        return steps, f"run.steps of {args.config}; --steps sets another"
+    return steps, "the default run.steps; --steps sets another"
 
+
+def run_plan(args) -> int:
+    if args.price_per_hour is not None and not (math.isfinite(args.price_per_hour) and args.price_per_hour >= 0):
+        raise PlanError(f"--price-per-hour must be a finite number >= 0, got {args.price_per_hour}")
+    if args.reprobe and args.hardware:
+        raise PlanError("--reprobe measures this machine, --hardware names another profile: pass one of them")
     overrides = {"compute_dtype": args.compute_dtype} if args.compute_dtype else {}
     cfg, workload, tx = inputs.load(args.config, **overrides)
     knobs = ("batch_size", "seq_len", "grad_accum", "keep_every", "prefetch_depth", "store_copies")
@@ -55,17 +96,29 @@ def run_plan(args) -> int:
     try:
         workload = dataclasses.replace(workload, **changes)
     except ValueError as e:
-        raise MtjaxError(str(e)) from None
-    hw = planner.load(args.hardware)
+        raise PlanError(str(e)) from None
+    steps, steps_from = _run_length(args)
+    if args.hardware:
+        hw, profile_from = planner.load(args.hardware), None
+    else:
+        local = machine.profile(reprobe=args.reprobe)
+        hw, profile_from = local.profile, local.describe()
+
     plan = planner.estimate(cfg, workload, hw, tx=tx)
     advice = planner.recommend(plan)
-    print(json.dumps(report.as_dict(plan, advice), indent=2) if args.json else report.text(plan, advice))
+    room = fit.limits(hw)
+    options = fit.placements(plan, room)
+    run = wholerun.price(plan, steps, steps_from, args.price_per_hour)
+    shown = (json.dumps(report.as_dict(plan, advice, options, run, profile_from), indent=2) if args.json
+             else report.text(plan, advice, options, run, profile_from))
+    print(shown, flush=True)
+    problem = fit.check(plan, int(room.ram), int(room.disk), None if room.device is None else int(room.device))
+    if problem:
+        raise PlanError(f"the configured run does not fit {hw.name}: {problem}")
     return 0
 
 
 def run_probe(args) -> int:
-    from mtjax.plan import probe, report
-
     profile = probe.run(args.dir, quick=args.quick)
     print(profile.to_json() if not args.out else "", end="")
     if args.out:
@@ -73,6 +126,6 @@ def run_probe(args) -> int:
         print(f"disk read {profile.disk_read_bytes_per_s / 1e9:.2f} GB/s, write "
               f"{profile.disk_write_bytes_per_s / 1e9:.2f} GB/s, memory {profile.host_memory_bytes_per_s / 1e9:.1f} "
               f"GB/s moved, matmul fp32 {profile.matmul_flops_fp32 / 1e9:.0f} / bf16 "
-              f"{profile.matmul_flops_bf16 / 1e9:.0f} GFLOP/s, RAM {report.size(profile.host_ram_bytes)}")
+              f"{profile.matmul_flops_bf16 / 1e9:.0f} GFLOP/s, RAM {size(profile.host_ram_bytes)}")
         print(f"wrote {args.out}")
     return 0

@@ -1,7 +1,9 @@
 """Does a plan fit the machine, and what should change if not.
 
-`check` is what the trainer's preflight calls; `recommend` picks the placement of each
-kind of state, the prefetch depth and the checkpoint interval for a machine.
+`check` is what the trainer's preflight calls; `limits` and `short_of` say which of a
+profile's RAM, disk and device memory a plan exceeds (the marks of `mtjax plan`'s
+placement table, and its exit status); `recommend` picks the placement of each kind of
+state, the prefetch depth and the checkpoint interval for a machine.
 """
 
 from __future__ import annotations
@@ -12,16 +14,12 @@ import math
 
 from mtjax import parts
 from mtjax.plan.cost import Placement, Plan, estimate
+from mtjax.plan.hardware import HardwareProfile
+from mtjax.plan.units import size
 
 RAM_HEADROOM = 0.9  # leave 10% of RAM to the OS and page cache
 DEVICE_HEADROOM = 0.9  # XLA needs scratch space beyond the buffers the plan counts
 MTBF_S = 24 * 3600.0  # assumed mean time between failures of one machine
-
-
-def _gib(n: float) -> str:
-    from mtjax.plan.report import size
-
-    return size(n)
 
 
 def _with_placement(plan: Plan, placement: Placement) -> Plan:
@@ -31,6 +29,45 @@ def _with_placement(plan: Plan, placement: Placement) -> Plan:
 
 def _placements() -> list[Placement]:
     return [Placement(*tiers) for tiers in itertools.product(("ram", "disk"), repeat=len(parts.KINDS))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a run may use of a machine, in bytes (device None: the device is the host)."""
+
+    ram: float
+    disk: float
+    device: float | None
+
+
+def limits(hw: HardwareProfile) -> Limits:
+    """A profile's RAM and device memory less their headroom, and its disk."""
+    return Limits(hw.host_ram_bytes * RAM_HEADROOM, hw.disk_bytes,
+                  None if hw.device_is_host else hw.device_memory_bytes * DEVICE_HEADROOM)
+
+
+def short_of(plan: Plan, room: Limits) -> tuple[str, ...]:
+    """The resources `plan` needs more of than `room` has: "RAM", "disk", "device"."""
+    over = (("RAM", plan.ram_needed > room.ram), ("disk", plan.disk_bytes > room.disk),
+            ("device", room.device is not None and plan.device.peak > room.device))
+    return tuple(name for name, exceeded in over if exceeded)
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One row of the placement table: a placement priced with the run's other settings."""
+
+    placement: Placement
+    plan: Plan
+    short: tuple[str, ...]  # what it does not fit (empty: it fits)
+    configured: bool  # the placement `plan` was priced with
+
+
+def placements(plan: Plan, room: Limits) -> list[Option]:
+    """Every placement of compute, master and opt state, fastest first."""
+    options = [(p, _with_placement(plan, p)) for p in _placements()]
+    options.sort(key=lambda o: o[1].times.step)
+    return [Option(p, q, short_of(q, room), p == plan.workload.placement) for p, q in options]
 
 
 def check(plan: Plan, available_ram: int, free_disk: int, device_memory: int | None = None) -> str | None:
@@ -47,15 +84,15 @@ def check(plan: Plan, available_ram: int, free_disk: int, device_memory: int | N
             best = min(fits, key=lambda p: (moved(p), _with_placement(plan, p).times.step))
             changes = [f"store.{k}={getattr(best, k)}" for k in parts.KINDS if getattr(best, k) != getattr(current, k)]
             fix = f"set {' '.join(changes)}" if changes else fix
-        problems.append(f"needs {_gib(plan.ram_needed)} of host RAM but {_gib(available_ram)} is available "
-                        f"(short by {_gib(short)}): {fix}")
+        problems.append(f"needs {size(plan.ram_needed)} of host RAM but {size(available_ram)} is available "
+                        f"(short by {size(short)}): {fix}")
     if plan.disk_bytes > free_disk:
         short = plan.disk_bytes - free_disk
         on_disk = plan.workload.placement.on("disk")
-        fix = (f"free {_gib(short)} on the store's disk" +
+        fix = (f"free {size(short)} on the store's disk" +
                (f" or keep {'/'.join(on_disk)} in RAM" if on_disk else ""))
-        problems.append(f"needs {_gib(plan.disk_bytes)} of free disk but {_gib(free_disk)} is free "
-                        f"(short by {_gib(short)}): {fix}")
+        problems.append(f"needs {size(plan.disk_bytes)} of free disk but {size(free_disk)} is free "
+                        f"(short by {size(short)}): {fix}")
     if device_memory is not None and not plan.hardware.device_is_host and plan.device.peak > device_memory:
         short = plan.device.peak - device_memory
         w = plan.workload
@@ -65,8 +102,8 @@ def check(plan: Plan, available_ram: int, free_disk: int, device_memory: int | N
         if w.keep_every < plan.cfg.num_hidden_layers and plan.device.kept_inputs > plan.device.residuals:
             fix.append("raise keep_every")
         fix.append("lower batch_size (raise grad_accum to keep the tokens per step)")
-        problems.append(f"needs {_gib(plan.device.peak)} of device memory but {_gib(device_memory)} is available "
-                        f"(short by {_gib(short)}): {' or '.join(fix)}")
+        problems.append(f"needs {size(plan.device.peak)} of device memory but {size(device_memory)} is available "
+                        f"(short by {size(short)}): {' or '.join(fix)}")
     return "; ".join(problems) or None
 
 
@@ -112,14 +149,14 @@ def recommend(plan: Plan, available_ram: int | None = None, free_disk: int | Non
     the device (changing keep_every or the activation tier only if nothing else fits),
     and a checkpoint interval."""
     hw = plan.hardware
-    ram = (available_ram if available_ram is not None else hw.host_ram_bytes) * RAM_HEADROOM
+    ram = available_ram * RAM_HEADROOM if available_ram is not None else limits(hw).ram
     disk = free_disk if free_disk is not None else hw.disk_bytes
     dev = hw.device_memory_bytes * DEVICE_HEADROOM
     candidates = [_with_placement(plan, p) for p in _placements()]
     fitting = [c for c in candidates if c.ram_needed <= ram and c.disk_bytes <= disk]
     if fitting:
         best = min(fitting, key=lambda c: (c.times.step, c.ram_needed))
-        why = f"fastest of {len(fitting)} placements that fit {_gib(ram)} of RAM and {_gib(disk)} of disk"
+        why = f"fastest of {len(fitting)} placements that fit {size(ram)} of RAM and {size(disk)} of disk"
     else:
         best = min(candidates, key=lambda c: c.ram_needed)
         why = "no placement fits RAM and disk; this one needs the least RAM"
@@ -128,7 +165,7 @@ def recommend(plan: Plan, available_ram: int | None = None, free_disk: int | Non
     stream = f"keep_every {w1.keep_every}, activations on the {w1.activations}"
     if chosen.device.peak > dev:
         why += (f"; the device does not fit even with prefetch_depth 1, {stream} "
-                f"({_gib(chosen.device.peak)} > {_gib(dev)}): lower batch_size or seq_len")
+                f"({size(chosen.device.peak)} > {size(dev)}): lower batch_size or seq_len")
     elif (w1.keep_every, w1.activations) != (w0.keep_every, w0.activations):
         why += f"; {stream} to fit the device"
     every, cost = checkpoint_interval(chosen)

@@ -4,7 +4,10 @@ A profile is either measured on this machine (`mtjax probe`, source "measured") 
 built in. Built-in GPU profiles carry the vendor's datasheet figures for the
 accelerator and its host link (source "vendor"); their host RAM, memory bandwidth and
 disk figures describe a typical server of that class and are assumptions, said so in
-`notes`. Profiles are JSON files with the same field names as `HardwareProfile`.
+`notes`. Built-in profiles of rented-class machines also carry a typical hourly price and
+the rated endurance of a typical drive of their disk's size (`TYPICAL_PRICE`,
+`TYPICAL_ENDURANCE`), which `mtjax plan` labels as typical wherever it prints them.
+Profiles are JSON files with the same field names as `HardwareProfile`.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class HardwareProfile:
     device_is_host: bool = False  # device compute, optimizer and I/O share the same cores
     runtime_bytes: int = 2 * GiB  # host RAM of Python, the JAX runtime and compiled programs
     part_overhead_s: float = 0.0  # fixed host time per part streamed (dispatch, Python), measured
+    price_per_hour: float | None = None  # USD per hour of the machine; None: unknown
+    drive_endurance_bytes: int | None = None  # bytes the store's drive is rated to write (TBW); None: unknown
     notes: str = ""
 
     def __post_init__(self):
@@ -75,6 +80,15 @@ class HardwareProfile:
 _VENDOR_EFFICIENCY = 0.5
 _SERVER_NOTE = ("accelerator and link: vendor datasheet; host RAM, memory bandwidth and "
                 "disk: assumed typical server, replace with `mtjax probe` on the real machine")
+# What the built-in prices and drive endurances are: round figures, not quotes.
+TYPICAL_PRICE = "typical on-demand price of one such GPU with its share of the server, 2026"
+TYPICAL_ENDURANCE = "typical datacenter NVMe: one drive write per day for five years"
+TB = 10**12
+
+
+def _endurance(drive_bytes: int) -> int:
+    """Rated bytes written of a drive of this size at one drive write per day for five years."""
+    return drive_bytes * 365 * 5
 
 BUILTIN: dict[str, HardwareProfile] = {
     p.name: p
@@ -84,7 +98,8 @@ BUILTIN: dict[str, HardwareProfile] = {
             device_memory_bytes=80 * GiB, matmul_flops_fp32=19.5e12, matmul_flops_bf16=312e12,
             compute_efficiency=_VENDOR_EFFICIENCY, h2d_bytes_per_s=32 * GB, d2h_bytes_per_s=32 * GB,
             host_memory_bytes_per_s=200 * GB, host_ram_bytes=1024 * GiB,
-            disk_read_bytes_per_s=7 * GB, disk_write_bytes_per_s=5 * GB, disk_bytes=8 * 10**12,
+            disk_read_bytes_per_s=7 * GB, disk_write_bytes_per_s=5 * GB, disk_bytes=8 * TB,
+            price_per_hour=1.5, drive_endurance_bytes=_endurance(8 * TB),
             notes="PCIe 4.0 x16: 32 GB/s per direction; " + _SERVER_NOTE,
         ),
         HardwareProfile(
@@ -92,7 +107,8 @@ BUILTIN: dict[str, HardwareProfile] = {
             device_memory_bytes=80 * GiB, matmul_flops_fp32=51e12, matmul_flops_bf16=756e12,
             compute_efficiency=_VENDOR_EFFICIENCY, h2d_bytes_per_s=64 * GB, d2h_bytes_per_s=64 * GB,
             host_memory_bytes_per_s=300 * GB, host_ram_bytes=1536 * GiB,
-            disk_read_bytes_per_s=14 * GB, disk_write_bytes_per_s=10 * GB, disk_bytes=8 * 10**12,
+            disk_read_bytes_per_s=14 * GB, disk_write_bytes_per_s=10 * GB, disk_bytes=8 * TB,
+            price_per_hour=2.5, drive_endurance_bytes=_endurance(8 * TB),
             notes="PCIe 5.0 x16: 64 GB/s per direction; " + _SERVER_NOTE,
         ),
         HardwareProfile(
@@ -100,7 +116,8 @@ BUILTIN: dict[str, HardwareProfile] = {
             device_memory_bytes=139 * GiB, matmul_flops_fp32=67e12, matmul_flops_bf16=989e12,
             compute_efficiency=_VENDOR_EFFICIENCY, h2d_bytes_per_s=64 * GB, d2h_bytes_per_s=64 * GB,
             host_memory_bytes_per_s=300 * GB, host_ram_bytes=2048 * GiB,
-            disk_read_bytes_per_s=14 * GB, disk_write_bytes_per_s=10 * GB, disk_bytes=8 * 10**12,
+            disk_read_bytes_per_s=14 * GB, disk_write_bytes_per_s=10 * GB, disk_bytes=8 * TB,
+            price_per_hour=3.5, drive_endurance_bytes=_endurance(8 * TB),
             notes="139 GiB of HBM visible to JAX; PCIe 5.0 x16: 64 GB/s per direction; " + _SERVER_NOTE,
         ),
         HardwareProfile(
@@ -117,7 +134,8 @@ BUILTIN: dict[str, HardwareProfile] = {
             device_memory_bytes=96 * GiB, matmul_flops_fp32=67e12, matmul_flops_bf16=989e12,
             compute_efficiency=_VENDOR_EFFICIENCY, h2d_bytes_per_s=450 * GB, d2h_bytes_per_s=450 * GB,
             host_memory_bytes_per_s=500 * GB, host_ram_bytes=480 * 10**9,
-            disk_read_bytes_per_s=7 * GB, disk_write_bytes_per_s=5 * GB, disk_bytes=4 * 10**12,
+            disk_read_bytes_per_s=7 * GB, disk_write_bytes_per_s=5 * GB, disk_bytes=4 * TB,
+            price_per_hour=3.0, drive_endurance_bytes=_endurance(4 * TB),
             notes=("NVLink-C2C 900 GB/s total (450 per direction), Grace LPDDR5X 480 GB at up to "
                    "~500 GB/s: vendor; disk assumed"),
         ),
@@ -134,6 +152,16 @@ BUILTIN: dict[str, HardwareProfile] = {
         ),
     ]
 }
+
+
+def is_builtin(profile: HardwareProfile) -> bool:
+    """Whether `profile` is a built-in one as shipped (its price and endurance are typical figures)."""
+    return BUILTIN.get(profile.name) == profile
+
+
+def choices() -> str:
+    """The built-in profiles in one phrase, for help texts."""
+    return ", ".join(f"{name} ({p.device})" for name, p in BUILTIN.items())
 
 
 def load(name_or_path: str | Path) -> HardwareProfile:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from mtjax import config as experiment  # the one module that reads YAML
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig, load_hf_config
+from mtjax.optim import make_optimizer
 from mtjax.plan.cost import Placement, Workload
 
 
@@ -30,8 +32,6 @@ def load(path: str | Path, **model_overrides) -> tuple[ModelConfig, Workload, ob
 
 
 def _from_experiment(path: Path, model_overrides: dict):
-    from mtjax import config as experiment  # the one module that reads YAML
-
     cfg, workload, tx = from_experiment(experiment.load(path))
     if model_overrides:
         cfg = dataclasses.replace(cfg, **model_overrides)
@@ -41,10 +41,14 @@ def _from_experiment(path: Path, model_overrides: dict):
 def from_experiment(exp) -> tuple[ModelConfig, Workload, object]:
     """(model config, workload, optax transformation) of a loaded `ExperimentConfig`:
     what the trainer's preflight hands to `estimate` and then `check`."""
-    from mtjax import config as experiment
-    from mtjax.optim import make_optimizer
-
     return experiment.model_config(exp), workload_from_experiment(exp), make_optimizer(exp.optim)
+
+
+def run_steps(path: str | Path) -> int:
+    """The optimizer steps of the run: an experiment YAML's run.steps, else the default's."""
+    path = Path(path)
+    exp = experiment.load(path) if path.suffix in (".yaml", ".yml") else experiment.ExperimentConfig()
+    return exp.run.steps
 
 
 def workload_from_experiment(exp) -> Workload:

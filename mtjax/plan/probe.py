@@ -24,14 +24,24 @@ import math
 import os
 import platform
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import psutil
 
+from mtjax import parts
+from mtjax.model_config import ModelConfig
+from mtjax.plan.cost import block_forward_flops
 from mtjax.plan.hardware import HardwareProfile
+from mtjax.store.layout import CHUNK_BYTES
+from mtjax.store.store import IO_THREADS
+from mtjax.stream.blockfns import block_fns
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -47,9 +57,6 @@ def _best_of(fn, repeats: int) -> float:
 def disk_bandwidth(directory: str | Path, nbytes: int) -> tuple[float, float, bool]:
     """(read bytes/s, write bytes/s, whether the read was cold) of chunk files in `directory`,
     written and read the way the layer store does (mtjax.store.chunks)."""
-    from mtjax.store.layout import CHUNK_BYTES
-    from mtjax.store.store import IO_THREADS
-
     size = min(CHUNK_BYTES, nbytes)
     count = max(1, nbytes // size)
     cold = hasattr(os, "posix_fadvise")
@@ -101,9 +108,6 @@ def memory_bandwidth(nbytes: int, repeats: int = 3) -> float:
 
 
 def matmul_flops(n: int, dtype: str, repeats: int = 3) -> float:
-    import jax
-    import jax.numpy as jnp
-
     a = jnp.ones((n, n), dtype)
     f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
     f(a, a).block_until_ready()  # compile outside the timing
@@ -113,13 +117,6 @@ def matmul_flops(n: int, dtype: str, repeats: int = 3) -> float:
 def block_flops(cfg, batch: int, seq: int, repeats: int = 3) -> float:
     """Executed FLOP/s of one block of `cfg` in the engine's own compiled programs: the
     forward, then recompute + backward (4 forward-equivalents, as the cost model counts)."""
-    import jax
-    import jax.numpy as jnp
-
-    from mtjax import parts
-    from mtjax.plan.cost import block_forward_flops
-    from mtjax.stream.blockfns import block_fns
-
     kind = cfg.layer_types[0]
     name = f"block.{cfg.layer_types.index(kind)}"
     rng = np.random.default_rng(0)
@@ -148,8 +145,6 @@ def calibrate(profile: HardwareProfile, cfg, batch: int, seq: int) -> HardwarePr
 
 def link_bandwidth(nbytes: int, repeats: int = 3) -> tuple[float | None, float | None, int | None]:
     """(host->device, device->host bytes/s, device memory bytes); Nones on a CPU-only JAX."""
-    import jax
-
     devices = [d for d in jax.devices() if d.platform != "cpu"]
     if not devices:
         return None, None, None
@@ -173,8 +168,6 @@ def link_bandwidth(nbytes: int, repeats: int = 3) -> tuple[float | None, float |
 
 
 def _probe_block(width: int):
-    from mtjax.model_config import ModelConfig
-
     heads = width // 64
     return ModelConfig(vocab_size=256, hidden_size=width, intermediate_size=int(width * 2.75), num_hidden_layers=1,
                        num_attention_heads=heads, num_key_value_heads=heads, head_dim=64, compute_dtype="float32")
@@ -208,9 +201,6 @@ print(psutil.Process().memory_info().rss, statistics.median(times[1:]) / parts)
 def runtime() -> tuple[int, float]:
     """(host RAM a training process holds before its state, fixed seconds per part
     streamed), from a tiny engine in a fresh subprocess on the CPU backend."""
-    import subprocess
-    import sys
-
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", _RUNTIME_SCRIPT], capture_output=True, text=True, env=env, check=True)
     rss, per_part = out.stdout.strip().splitlines()[-1].split()
@@ -230,8 +220,6 @@ def run(directory: str | Path = ".", quick: bool = False, name: str | None = Non
     efficiency = min(1.0, block_flops(block, 1, 128 if quick else 512) / fp32)
     ram = psutil.virtual_memory().total
     runtime_bytes, part_overhead = runtime()
-    import jax
-
     on_host = h2d is None
     device = jax.devices()[0].device_kind if not on_host else f"{platform.processor() or platform.machine()} CPU"
     notes = f"measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}, {os.cpu_count()} cores"

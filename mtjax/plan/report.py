@@ -1,33 +1,22 @@
-"""A plan as text for people (`mtjax plan`) and as a dict for machines (`--json`)."""
+"""A plan as text for people (`mtjax plan`) and as a dict for machines (`--json`).
+
+Beside the step itself a report may hold the placement table (`fit.placements`), the
+whole run's price (`wholerun.price`) and a line on where the hardware profile came from
+(`machine.LocalProfile.describe`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
 from mtjax.plan.cost import Plan
-from mtjax.plan.fit import Advice
+from mtjax.plan.fit import Advice, Option
+from mtjax.plan.units import duration, rate, seconds, size
+from mtjax.plan.wholerun import RunCost
 
 
-def size(n: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.1f} ms"
-    return f"{s * 1e6:.0f} us"
-
-
-def rate(bytes_: float, s: float) -> str:
-    return f"{bytes_ / s / 1e9:.1f} GB/s" if s > 0 else "-"
-
-
-def text(plan: Plan, advice: Advice | None = None) -> str:
+def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None = None,
+         run: RunCost | None = None, profile_from: str | None = None) -> str:
     cfg, w, hw, t, tr = plan.cfg, plan.workload, plan.hardware, plan.times, plan.traffic
     lines = [
         f"model        {cfg.model_type}, {plan.num_params / 1e9:.2f}B params, {cfg.num_hidden_layers} blocks, "
@@ -35,6 +24,7 @@ def text(plan: Plan, advice: Advice | None = None) -> str:
         f"step         batch {w.batch_size} x seq {w.seq_len} x accum {w.grad_accum} = {w.tokens_per_step} tokens; "
         f"keep_every {w.keep_every}, prefetch_depth {w.prefetch_depth}, placement {w.placement}",
         f"hardware     {hw.name} ({hw.source}): {hw.device}",
+        *([f"profile      {profile_from}"] if profile_from else []),
         "",
         "memory",
         f"  device peak    {size(plan.device.peak):>10}  (weights {size(plan.device.weights)}, "
@@ -69,6 +59,10 @@ def text(plan: Plan, advice: Advice | None = None) -> str:
         f"step time    {seconds(t.step)} ({overlap}); bound by {t.bound}",
         f"throughput   {plan.tokens_per_s:,.0f} tokens/s, {plan.model_flops / t.step / 1e12:.2f} model TFLOP/s",
     ]
+    if options:
+        lines += ["", *_placement_table(options, advice)]
+    if run is not None:
+        lines += ["", *_run_lines(run)]
     if advice is not None:
         a = advice
         lines += [
@@ -86,12 +80,46 @@ def text(plan: Plan, advice: Advice | None = None) -> str:
     return "\n".join(lines)
 
 
-def as_dict(plan: Plan, advice: Advice | None = None) -> dict:
+def _placement_table(options: list[Option], advice: Advice | None) -> list[str]:
+    lines = [f"{'placement':<35}{'step':>11}{'host RAM':>11}{'disk':>11}   (this run's other settings; fastest first)"]
+    for o in options:
+        place = o.placement
+        marks = [m for m, on in (("configured", o.configured),
+                                 ("recommended", advice is not None and place == advice.placement)) if on]
+        if o.short:
+            marks.append(f"DOES NOT FIT: {', '.join(o.short)}")
+        lines.append(f"  {str(place):<33}{seconds(o.plan.times.step):>11}{size(o.plan.ram_needed):>11}"
+                     f"{size(o.plan.disk_bytes):>11}   {'; '.join(marks)}".rstrip())
+    return lines
+
+
+def _run_lines(run: RunCost) -> list[str]:
+    cost = (f"${run.cost:,.2f} at ${run.price_per_hour:,.2f}/h ({run.price_from})" if run.cost is not None
+            else "no price in the hardware profile: pass --price-per-hour")
+    lines = [
+        f"whole run    {run.steps:,} steps ({run.steps_from})" if run.steps_from else f"whole run    {run.steps:,} steps",
+        f"  wall time        {duration(run.wall_s)} on one device: {_hours(run.device_hours)} device-hours",
+        f"  cost             {cost}",
+        f"  disk writes      {size(run.disk_write_per_step)} per step, {size(run.disk_write)} per run",
+    ]
+    if run.endurance_used is not None:
+        lines.append(f"  drive endurance  the run writes {run.endurance_used:.1%} of the drive's rated "
+                     f"{run.endurance_bytes / 1e12:,.0f} TB written ({run.endurance_from})")
+    return lines
+
+
+def _hours(h: float) -> str:
+    return f"{h:,.1f}" if h >= 10 else f"{h:.3g}"
+
+
+def as_dict(plan: Plan, advice: Advice | None = None, options: list[Option] | None = None,
+            run: RunCost | None = None, profile_from: str | None = None) -> dict:
     out = {
         "model": {"num_params": plan.num_params, "num_blocks": plan.cfg.num_hidden_layers,
                   "compute_dtype": plan.cfg.compute_dtype},
         "workload": dataclasses.asdict(plan.workload),
         "hardware": plan.hardware.name,
+        "profile": profile_from,
         "flops": plan.flops,
         "model_flops": plan.model_flops,
         "state_bytes": dataclasses.asdict(plan.state),
@@ -102,6 +130,12 @@ def as_dict(plan: Plan, advice: Advice | None = None) -> dict:
         "times": dataclasses.asdict(plan.times),
         "tokens_per_s": plan.tokens_per_s,
     }
+    if options is not None:
+        out["placements"] = [{"placement": dataclasses.asdict(o.placement), "configured": o.configured, "step_s": o.plan.times.step,
+                              "ram_needed": o.plan.ram_needed, "disk_bytes": o.plan.disk_bytes,
+                              "does_not_fit": list(o.short)} for o in options]
+    if run is not None:
+        out["run"] = {**dataclasses.asdict(run), "endurance_used": run.endurance_used}
     if advice is not None:
         out["recommended"] = {
             "placement": dataclasses.asdict(advice.placement), "prefetch_depth": advice.prefetch_depth,
