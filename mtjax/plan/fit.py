@@ -72,8 +72,10 @@ def placements(plan: Plan, room: Limits) -> list[Option]:
 
 def check(plan: Plan, available_ram: int, free_disk: int, device_memory: int | None = None) -> str | None:
     """None when the run fits; otherwise one line: what does not fit, by how much, what to change."""
+    device = None if plan.hardware.device_is_host else device_memory  # else its peak is in ram_needed
+    over = short_of(plan, Limits(available_ram, free_disk, device))
     problems = []
-    if plan.ram_needed > available_ram:
+    if "RAM" in over:
         short = plan.ram_needed - available_ram
         fix = "use a machine with more RAM"
         fits = [p for p in _placements() if _with_placement(plan, p).ram_needed <= available_ram]
@@ -86,14 +88,14 @@ def check(plan: Plan, available_ram: int, free_disk: int, device_memory: int | N
             fix = f"set {' '.join(changes)}" if changes else fix
         problems.append(f"needs {size(plan.ram_needed)} of host RAM but {size(available_ram)} is available "
                         f"(short by {size(short)}): {fix}")
-    if plan.disk_bytes > free_disk:
+    if "disk" in over:
         short = plan.disk_bytes - free_disk
         on_disk = plan.workload.placement.on("disk")
         fix = (f"free {size(short)} on the store's disk" +
                (f" or keep {'/'.join(on_disk)} in RAM" if on_disk else ""))
         problems.append(f"needs {size(plan.disk_bytes)} of free disk but {size(free_disk)} is free "
                         f"(short by {size(short)}): {fix}")
-    if device_memory is not None and not plan.hardware.device_is_host and plan.device.peak > device_memory:
+    if "device" in over:
         short = plan.device.peak - device_memory
         w = plan.workload
         fix = []
