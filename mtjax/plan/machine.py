@@ -16,6 +16,7 @@ import hashlib
 import os
 import platform
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -84,6 +85,9 @@ def profile(cache: Path | None = None, reprobe: bool = False, probe_dir: str | P
     except OSError as e:
         raise ProbeError(f"cannot probe this machine's disk in {probe_dir} ({e.strerror or e}): run from a "
                          "writable directory or pass --hardware") from None
+    except subprocess.CalledProcessError as e:  # the probe's tiny training process failed
+        last = (e.stderr or "").strip().splitlines()[-1:] or [f"exit status {e.returncode}"]
+        raise ProbeError(f"cannot probe this machine ({last[0]}): pass --hardware") from None
     cached = ""
     try:
         measured.save(path)
