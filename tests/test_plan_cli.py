@@ -62,8 +62,8 @@ def tight_profile(tmp_path, capsys, tiny) -> tuple[Path, float, list[dict]]:
 
 def test_a_run_that_does_not_fit_is_marked_and_exits_nonzero_with_one_line(tmp_path, capsys, tiny):
     tight, limit, rows = tight_profile(tmp_path, capsys, tiny)
-    proc = subprocess.run([sys.executable, "-m", "mtjax", "plan", str(tiny), "--seq-len", "64", "--hardware", str(tight)],
-                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    command = [sys.executable, "-m", "mtjax", "plan", str(tiny), "--seq-len", "64", "--hardware", str(tight)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mtjax plan: error: the configured run does not fit tight: ")
@@ -116,7 +116,8 @@ def test_steps_and_price_scale_the_whole_run(tmp_path, capsys, tiny):
     cli.main(["plan", *map(str, args), "--steps", "100"])
     assert "typical on-demand price" in capsys.readouterr().out
     # A profile without a price: no cost, and the line says how to get one.
-    cli.main(["plan", *map(str, args), "--steps", "100", "--hardware", str(profile_file(tmp_path, "x", price_per_hour=None))])
+    unpriced = profile_file(tmp_path, "unpriced", price_per_hour=None)
+    cli.main(["plan", *map(str, args), "--steps", "100", "--hardware", str(unpriced)])
     assert "pass --price-per-hour" in capsys.readouterr().out
 
 

@@ -31,11 +31,14 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="predict memory, traffic, step time and run cost; recommend placement",
                               description=PLAN_DESCRIPTION)
     p.add_argument("config", help="HF config.json, checkpoint dir, or experiment YAML")
-    p.add_argument("--hardware", metavar="NAME_OR_JSON", help=f"a built-in profile: {choices()}; or a JSON from `mtjax probe --out`. "
-                                      "Default: this machine, measured by a quick probe on first use and cached "
-                                      "in $XDG_CACHE_HOME/mtjax (~/.cache/mtjax)")
-    p.add_argument("--reprobe", action="store_true", help="measure this machine again instead of using its cached profile")
-    p.add_argument("--steps", type=int, metavar="N", help="optimizer steps of the whole run (default: the config's run.steps)")
+    p.add_argument("--hardware", metavar="NAME_OR_JSON",
+                   help=f"a built-in profile: {choices()}; or a JSON from `mtjax probe --out`. Default: this "
+                        "machine, measured by a quick probe on first use and cached in $XDG_CACHE_HOME/mtjax "
+                        "(~/.cache/mtjax)")
+    p.add_argument("--reprobe", action="store_true",
+                   help="measure this machine again instead of using its cached profile")
+    p.add_argument("--steps", type=int, metavar="N",
+                   help="optimizer steps of the whole run (default: the config's run.steps)")
     p.add_argument("--price-per-hour", type=float, metavar="USD",
                    help="price of the machine per hour, for the run's cost (default: the profile's typical price)")
     p.add_argument("--batch-size", type=int, help="sequences per micro-batch")
@@ -112,7 +115,7 @@ def run_plan(args) -> int:
     shown = (json.dumps(report.as_dict(plan, advice, options, run, profile_from), indent=2) if args.json
              else report.text(plan, advice, options, run, profile_from))
     print(shown, flush=True)
-    problem = fit.check(plan, int(room.ram), int(room.disk), None if room.device is None else int(room.device))
+    problem = fit.check(plan, room.ram, room.disk, room.device)
     if problem:
         raise PlanError(f"the configured run does not fit {hw.name}: {problem}")
     return 0

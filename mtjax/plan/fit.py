@@ -70,7 +70,7 @@ def placements(plan: Plan, room: Limits) -> list[Option]:
     return [Option(p, q, short_of(q, room), p == plan.workload.placement) for p, q in options]
 
 
-def check(plan: Plan, available_ram: int, free_disk: int, device_memory: int | None = None) -> str | None:
+def check(plan: Plan, available_ram: float, free_disk: float, device_memory: float | None = None) -> str | None:
     """None when the run fits; otherwise one line: what does not fit, by how much, what to change."""
     device = None if plan.hardware.device_is_host else device_memory  # else its peak is in ram_needed
     over = short_of(plan, Limits(available_ram, free_disk, device))

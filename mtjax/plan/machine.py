@@ -42,7 +42,8 @@ class LocalProfile:
 
     def describe(self) -> str:
         """One line: which profile, probed when, cached where."""
-        when = "probed now" if self.probed_now else f"probed {time.strftime('%Y-%m-%d %H:%M', time.localtime(self.probed_at))}"
+        stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.probed_at))
+        when = "probed now" if self.probed_now else f"probed {stamp}"
         where = f"cached at {self.path}" if not self.cached else f"not cached ({self.cached})"
         return f"this machine, {when} (quick probe: rough figures), {where}; --reprobe measures again"
 

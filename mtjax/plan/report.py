@@ -81,7 +81,8 @@ def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None 
 
 
 def _placement_table(options: list[Option], advice: Advice | None) -> list[str]:
-    lines = [f"{'placement':<35}{'step':>11}{'host RAM':>11}{'disk':>11}   (this run's other settings; fastest first)"]
+    header = f"{'placement':<35}{'step':>11}{'host RAM':>11}{'disk':>11}"
+    lines = [f"{header}   (this run's other settings; fastest first)"]
     for o in options:
         place = o.placement
         marks = [m for m, on in (("configured", o.configured),
@@ -97,7 +98,7 @@ def _run_lines(run: RunCost) -> list[str]:
     cost = (f"${run.cost:,.2f} at ${run.price_per_hour:,.2f}/h ({run.price_from})" if run.cost is not None
             else "no price in the hardware profile: pass --price-per-hour")
     lines = [
-        f"whole run    {run.steps:,} steps ({run.steps_from})" if run.steps_from else f"whole run    {run.steps:,} steps",
+        f"whole run    {run.steps:,} steps" + (f" ({run.steps_from})" if run.steps_from else ""),
         f"  wall time        {duration(run.wall_s)} on one device: {_hours(run.device_hours)} device-hours",
         f"  cost             {cost}",
         f"  disk writes      {size(run.disk_write_per_step)} per step, {size(run.disk_write)} per run",
@@ -131,9 +132,9 @@ def as_dict(plan: Plan, advice: Advice | None = None, options: list[Option] | No
         "tokens_per_s": plan.tokens_per_s,
     }
     if options is not None:
-        out["placements"] = [{"placement": dataclasses.asdict(o.placement), "configured": o.configured, "step_s": o.plan.times.step,
-                              "ram_needed": o.plan.ram_needed, "disk_bytes": o.plan.disk_bytes,
-                              "does_not_fit": list(o.short)} for o in options]
+        out["placements"] = [{"placement": dataclasses.asdict(o.placement), "configured": o.configured,
+                              "step_s": o.plan.times.step, "ram_needed": o.plan.ram_needed,
+                              "disk_bytes": o.plan.disk_bytes, "does_not_fit": list(o.short)} for o in options]
     if run is not None:
         out["run"] = {**dataclasses.asdict(run), "endurance_used": run.endurance_used}
     if advice is not None:
