@@ -3,14 +3,17 @@
     summary = mtjax.run.train(mtjax.config.load("experiments/default.yaml"))
 
 `mtjax train` is a thin wrapper around `train`. The engine that runs a step is chosen
-by `stream.engine` in `make_engine`; any object with this protocol plugs in:
+by `stream.engine` in `make_engine`; any object with the `Engine` protocol plugs in:
 
     engine.step(tokens)   int32 [accum, batch, seq] -> {"loss", "grad_norm", ...} (floats)
     engine.params()       fp32 params pytree on the host, every pending update applied
-    engine.eval_loss(t)   optional: mean loss over int32 [n, batch, seq], no update
-    engine.opt_state()    optional: optimizer state shaped as optax's init(params); saved
-                          with checkpoints so that `--run.resume=true` continues exactly
-    engine.close()        optional: release threads and files at the end of the run
+    engine.opt_state()    optimizer state shaped as optax's init(params); saved with
+                          checkpoints so that `--run.resume=true` continues exactly
+    engine.eval_loss(t)   mean loss over int32 [n, batch, seq], no update
+    engine.stage_seconds()   seconds per stage of the last step (may be empty)
+    engine.commits_every_step   whether each step must be committed before its update runs
+    engine.commit(step, train_state, flush=False)   engines with a store (`store_dir`)
+    engine.close()        release threads and files (and the store) at the end of the run
 """
 
 from __future__ import annotations
@@ -42,13 +45,25 @@ OPT_FILE = "optimizer.npz"  # the optimizer state of a checkpoint, one array per
 
 
 class Engine(Protocol):
+    commits_every_step: bool
+
     def step(self, tokens: np.ndarray) -> dict[str, float]: ...
 
     def params(self): ...
 
+    def opt_state(self): ...
+
+    def eval_loss(self, tokens: np.ndarray) -> float: ...
+
+    def stage_seconds(self) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
+
 
 class ReferenceEngine:
     """The whole model in device memory (mtjax.reference), behind the engine protocol."""
+
+    commits_every_step = False  # no store: its checkpoints are written whole
 
     def __init__(self, exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None):
         self.cfg = cfg
@@ -67,6 +82,12 @@ class ReferenceEngine:
     def eval_loss(self, tokens: np.ndarray) -> float:
         losses = [self._loss(self.trainer.params, jnp.asarray(t)) for t in tokens]
         return float(jnp.mean(jnp.stack(losses)))  # one host sync for all micro-batches
+
+    def stage_seconds(self) -> dict[str, float]:
+        return {}  # one program per step: no stages to time
+
+    def close(self) -> None:
+        pass  # nothing held beyond device arrays
 
 
 def make_engine(exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None) -> Engine:
@@ -139,18 +160,12 @@ def resume_from_store(exp: ExperimentConfig, cfg: ModelConfig, path: Path):
             diff = [f"{g}.{k}" for g in now for k in now[g] if saved.get(g, {}).get(k) != now[g][k]]
             raise ConfigError(f"store {path} was trained with other settings ({', '.join(diff) or 'unknown'}); "
                               "resume with the same ones, or use a new run.dir")
-        s = exp.stream
-        engine = StreamEngine(cfg, store, exp.optim, prefetch_depth=s.prefetch_depth, keep_every=s.keep_every,
-                              activations=s.activations, device_budget_bytes=s.device_budget_bytes,
-                              tiers=exp.store.tiers, batch_shape=(exp.data.batch_size, exp.data.seq_len))
+        step = 0 if state is None else int(state["step"])
+        engine = StreamEngine.from_experiment(exp, cfg, store=store, step=step)  # it owns the store now
     except BaseException:
         store.close()
         raise
-    engine._owns_store = True
-    if state is None:
-        return engine, 0, None
-    engine.step_count = int(state["step"])
-    return engine, int(state["step"]), state["loader"]
+    return engine, step, None if state is None else state["loader"]
 
 
 def initial_params(exp: ExperimentConfig, cfg: ModelConfig):
@@ -158,15 +173,6 @@ def initial_params(exp: ExperimentConfig, cfg: ModelConfig):
     if exp.model.checkpoint:
         return hf.load_params(exp.model.checkpoint, cfg)[1]
     return model.init_params(cfg, exp.run.seed)
-
-
-def evaluate(engine, cfg: ModelConfig, batches: np.ndarray) -> float:
-    """Mean validation loss over int32 [n, batch, seq]."""
-    if hasattr(engine, "eval_loss"):
-        return engine.eval_loss(batches)
-    params = engine.params()  # engines without eval_loss pay one full host copy here
-    fn = jax.jit(lambda p, t: loss_fn(cfg, p, t, remat=False))
-    return float(np.mean([fn(params, jnp.asarray(t)) for t in batches]))
 
 
 def save_checkpoint(cfg: ModelConfig, params, out_dir: Path, tokenizer, state: dict, opt_state=None) -> None:
@@ -330,8 +336,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     try:
         summary = _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
     finally:
-        if hasattr(engine, "close"):
-            engine.close()
+        engine.close()
     return summary
 
 
@@ -346,10 +351,9 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
         for step in range(first + 1, exp.run.steps + 1):
             try:
                 metrics = engine.step(loader.next())
-                if hasattr(engine, "stage_seconds"):
-                    # Waits for the tracer's watchers; the step's own host sync already
-                    # finished its compute, so this costs little.
-                    metrics = {**metrics, **{f"stage_{k}_s": round(v, 4) for k, v in engine.stage_seconds().items()}}
+                # Waits for the tracer's watchers; the step's own host sync already
+                # finished its compute, so this costs little.
+                metrics = {**metrics, **{f"stage_{k}_s": round(v, 4) for k, v in engine.stage_seconds().items()}}
             except NonFiniteStep:
                 if exp.run.on_nonfinite == "stop":
                     raise
@@ -358,15 +362,15 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
             if metrics is not None:
                 losses.append(metrics["loss"])
                 progress.update(step, metrics)
-            if getattr(engine, "one_copy", False):
+            if engine.commits_every_step:
                 # One copy of the state on disk: an update may only overwrite it once this
                 # step (state + pending gradients) is committed. Cheap: nothing is flushed.
                 engine.commit(step, train_state(exp, step, loader.cursor))
             if val is not None and (step % exp.run.eval_every == 0 or step == exp.run.steps):
-                val_loss = evaluate(engine, cfg, val)
+                val_loss = engine.eval_loss(val)
                 progress.record(step, {"val_loss": val_loss})
             if (exp.run.checkpoint_every and step % exp.run.checkpoint_every == 0 and step < exp.run.steps
-                    and not getattr(engine, "one_copy", False)):
+                    and not engine.commits_every_step):
                 _checkpoint(exp, cfg, engine, loader, tokenizer, step)
         seconds = time.perf_counter() - start
         if store_dir(exp) is not None:
@@ -374,7 +378,7 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
         params = engine.params()
         final = run_dir / "final"
         save_checkpoint(cfg, params, final, tokenizer, {"step": exp.run.steps, "loader": loader.cursor},
-                        _opt_state(engine))
+                        engine.opt_state())
         sample = ""
         if exp.run.sample_prompt and exp.run.sample_tokens:
             sample = generate.complete(cfg, params, tokenizer, exp.run.sample_prompt, exp.run.sample_tokens,
@@ -400,11 +404,7 @@ def _checkpoint(exp, cfg, engine, loader, tokenizer, step: int) -> None:
         engine.commit(step, train_state(exp, step, loader.cursor))
     else:
         save_checkpoint(cfg, engine.params(), Path(exp.run.dir) / "checkpoint", tokenizer,
-                        {"step": step, "loader": loader.cursor}, _opt_state(engine))
-
-
-def _opt_state(engine):
-    return engine.opt_state() if hasattr(engine, "opt_state") else None
+                        {"step": step, "loader": loader.cursor}, engine.opt_state())
 
 
 def describe(summary: dict) -> str:

@@ -207,7 +207,7 @@ def test_nonfinite_step_changes_no_state_and_names_the_block(engine, monkeypatch
         eng = run_lib.ReferenceEngine(exp_of(tmp_path, 3), CFG, params)
     else:
         _poison_stream(monkeypatch, {2})
-        eng = StreamEngine(CFG, params, OPT, tiers={"compute": "disk", "master": "disk", "opt": "disk"},
+        eng = StreamEngine(CFG, params, OPT, store_config=config.StoreConfig(compute="disk", master="disk", opt="disk"),
                            store=mtjax.store.create(tmp_path / "s", CFG))
     eng.step(b[0])
     with pytest.raises(NonFiniteStep, match="first block with non-finite gradients: block.1") as e:
@@ -256,7 +256,7 @@ def test_run_on_nonfinite(mode, work, monkeypatch):
 def test_failing_write_back_surfaces_within_the_step(tmp_path):
     """A write-back worker's error is raised by the step that issued the write; no hang."""
     store = mtjax.store.create(tmp_path / "s", CFG)
-    eng = StreamEngine(CFG, model.init_params(CFG, 0), OPT, tiers={"compute": "ram", "master": "disk", "opt": "disk"},
+    eng = StreamEngine(CFG, model.init_params(CFG, 0), OPT, store_config=config.StoreConfig(master="disk", opt="disk"),
                        store=store)
     b = _batches()
     eng.step(b[0])

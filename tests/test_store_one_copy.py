@@ -21,6 +21,7 @@ import pytest
 
 import mtjax.store
 from mtjax import config, model
+from mtjax.config import StoreConfig
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ConfigError, ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
@@ -33,7 +34,7 @@ import fault_suite  # noqa: E402
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=16)
 OPT = OptimConfig(lr=1e-2, clip_norm=0.5, warmup_steps=0)
-DISK = {"compute": "disk", "master": "disk", "opt": "disk"}
+DISK = StoreConfig(compute="disk", master="disk", opt="disk")
 TOKENS = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 2, 16)).astype(np.int32)  # accum 2
 
 
@@ -41,9 +42,9 @@ def _train(path: Path, copies: int, steps: int, close: bool = True):
     """`steps` committed steps. The last step's update is left pending, as if the process
     died right after its commit (the engine would otherwise start it at once)."""
     store = mtjax.store.create(path, CFG, make_optimizer(OPT), copies=copies)
-    engine = StreamEngine(CFG, model.init_params(CFG, 0), OPT, tiers=DISK, store=store)
-    start = engine._start_updates
-    engine._start_updates = lambda: None if engine.step_count == steps else start()
+    engine = StreamEngine(CFG, model.init_params(CFG, 0), OPT, store_config=DISK, store=store)
+    start = engine.updater.start
+    engine.updater.start = lambda: None if engine.step_count == steps else start()
     engine.commit(0)
     for i in range(steps):
         engine.step(TOKENS)
@@ -92,8 +93,7 @@ def test_resume_applies_the_committed_update_exactly(tmp_path):
     _train(tmp_path / "broken", 1, 2)  # closed with step 2's update pending
     with mtjax.store.open(tmp_path / "broken", writable=True) as store:
         assert sorted(store.pending["parts"]) == sorted(store.parts)
-        engine = StreamEngine(CFG, store, OPT, tiers=DISK)
-        engine.step_count = 2
+        engine = StreamEngine(CFG, optim=OPT, store_config=DISK, store=store, step=2)
         engine.step(TOKENS)
         engine.commit(3)
         engine.flush()
@@ -192,7 +192,7 @@ def test_final_commit_right_after_a_step_commit(tmp_path):
     than racing their writes, and the store ends complete and equal to a two-copy run."""
     for copies in (1, 2):
         store = mtjax.store.create(tmp_path / f"s{copies}", CFG, make_optimizer(OPT), copies=copies)
-        engine = StreamEngine(CFG, model.init_params(CFG, 0), OPT, tiers=DISK, store=store)
+        engine = StreamEngine(CFG, model.init_params(CFG, 0), OPT, store_config=DISK, store=store)
         engine.commit(0)
         for i in range(3):
             engine.step(TOKENS)

@@ -19,6 +19,7 @@ import pytest
 
 import mtjax.store
 from mtjax import model
+from mtjax.config import StoreConfig, StreamConfig
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.reference import ReferenceTrainer
@@ -29,7 +30,7 @@ CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidde
 # clip_norm far below the gradient norm (~1.2), so every step is clipped.
 OPT = OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=2, decay_steps=10, clip_norm=0.05, weight_decay=0.1)
 STEPS = 5
-DISK = {"compute": "disk", "master": "disk", "opt": "disk"}
+DISK = StoreConfig(compute="disk", master="disk", opt="disk")
 
 
 def batches(accum: int, seed: int = 0):
@@ -73,11 +74,11 @@ class ForwardCounter:
 def run_case(tmp_path, *, keep_every, depth, tiers, accum, tied, activations="device", fused=True):
     cfg, ref_params, ref_opt, ref_metrics = reference(tied, accum)
     store = mtjax.store.create(tmp_path / "store", cfg, make_optimizer(OPT)) if "disk" in tiers.values() else None
-    # An OptimConfig gets the fused host AdamW; the same optax transformation passed as
-    # such runs as an XLA program on the CPU backend.
-    optimizer = OPT if fused else make_optimizer(OPT)
-    engine = StreamEngine(cfg, model.init_params(cfg, seed=1), optimizer, OPT.clip_norm, prefetch_depth=depth,
-                          keep_every=keep_every, activations=activations, tiers=tiers, store=store,
+    # An OptimConfig alone gets the fused host AdamW; the same optax transformation passed
+    # as `tx` runs as an XLA program on the CPU backend.
+    engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT,
+                          StreamConfig(prefetch_depth=depth, keep_every=keep_every, activations=activations),
+                          StoreConfig(**tiers), store=store, tx=None if fused else make_optimizer(OPT),
                           batch_shape=(2, 16))
     assert (engine.update.fused is not None) == fused
     assert engine.derived_compute == (fused and "disk" not in (tiers.get("master"), tiers.get("compute")))
@@ -105,7 +106,7 @@ def run_case(tmp_path, *, keep_every, depth, tiers, accum, tied, activations="de
     [
         (1, 1, {}, 1, False, "device"),
         (2, 3, {}, 4, True, "host"),
-        (0, 2, DISK, 1, True, "device"),
+        (0, 2, DISK.tiers, 1, True, "device"),
         # k = 3 over 4 blocks: groups of 3 and 1 (the last block stays resident).
         (3, 1, {"master": "disk", "opt": "disk"}, 4, False, "device"),
     ],
@@ -124,7 +125,7 @@ def test_optax_program_update_equals_reference(tmp_path, tiers):
 
 def test_bf16_compute_agrees_within_bf16_tolerance():
     cfg, ref_params, _, ref_metrics = reference(False, 1, "bfloat16")
-    engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, keep_every=2)
+    engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, StreamConfig(keep_every=2))
     for i, b in enumerate(batches(1)):
         metrics = engine.step(b)
         np.testing.assert_allclose(metrics["loss"], ref_metrics[i]["loss"], rtol=2e-2)
@@ -139,8 +140,8 @@ def test_bf16_compute_agrees_within_bf16_tolerance():
 def test_budget_too_small_stops_before_step_one():
     params = model.init_params(CFG, seed=1)
     with pytest.raises(DeviceBudgetError, match="device_budget_bytes"):
-        StreamEngine(CFG, params, OPT, device_budget_bytes=10_000, batch_shape=(2, 16))
-    engine = StreamEngine(CFG, params, OPT, device_budget_bytes=10_000)
+        StreamEngine(CFG, params, OPT, StreamConfig(device_budget_bytes=10_000), batch_shape=(2, 16))
+    engine = StreamEngine(CFG, params, OPT, StreamConfig(device_budget_bytes=10_000))
     with pytest.raises(DeviceBudgetError, match="raise the budget"):
         engine.step(batches(1)[0])
     assert engine.step_count == 0
@@ -181,7 +182,7 @@ def test_commit_and_resume_from_store(tmp_path):
     store.close()
     store = mtjax.store.open(tmp_path / "store", writable=True)
     assert store.step == 2
-    second = StreamEngine(CFG, store, OPT, tiers=DISK)
+    second = StreamEngine(CFG, optim=OPT, store_config=DISK, store=store)
     for b in data[2:]:
         second.step(b)
     # The adamw step count lives in the optimizer state, so the schedule resumes too.
@@ -210,9 +211,9 @@ def test_bad_tokens_and_options_are_user_errors():
     from mtjax.errors import MtjaxError
 
     with pytest.raises(MtjaxError, match="keep_every"):
-        StreamEngine(CFG, model.init_params(CFG), OPT, keep_every=-1)
+        StreamEngine(CFG, model.init_params(CFG), OPT, StreamConfig(keep_every=-1))
     with pytest.raises(MtjaxError, match="needs a layer store"):
-        StreamEngine(CFG, model.init_params(CFG), OPT, tiers=DISK)
+        StreamEngine(CFG, model.init_params(CFG), OPT, store_config=DISK)
     engine = StreamEngine(CFG, model.init_params(CFG), OPT)
     with pytest.raises(MtjaxError, match="tokens must be"):
         engine.step(np.zeros((16,), np.int32))

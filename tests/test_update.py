@@ -172,12 +172,12 @@ def test_engine_with_row_chunks_equals_reference(tmp_path):
     ref = ReferenceTrainer(cfg, model.init_params(cfg, seed=1), opt)
     engine = StreamEngine(cfg, model.init_params(cfg, seed=1), opt, batch_shape=(2, 16),
                           store=mtjax.store.create(tmp_path / "store", cfg, make_optimizer(opt)))
-    engine.update = PartUpdate(cfg, engine.tx, chunk_bytes=64 * 4)  # chunks of 64 elements
+    engine.updater.update = PartUpdate(cfg, engine.tx, chunk_bytes=64 * 4)  # chunks of 64 elements
     for b in batches:
         ref.step(b)
         engine.step(b)
     params, opt_state = engine.params(), engine.opt_state()
-    chunked = engine._read("block.0", "master")["mlp.up_proj.kernel"]
+    chunked = engine.tiers.read("block.0", "master").result()["mlp.up_proj.kernel"]
     assert isinstance(chunked, RowChunks) and len(chunked.chunks) > 1
     for got, want in [(params, ref.params), (opt_state, ref.opt_state)]:
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

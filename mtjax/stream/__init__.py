@@ -7,13 +7,15 @@ Stages, one module each, in the order data flows through them:
     staging   host staging buffers and every host<->device transfer
     blockfns  the compiled per-kind functions (forward, recompute, backward, head)
     grads     gradients to host memory, summed over micro-batches
-    update    the per-part optax update on the CPU
+    update    one part's update: the fused AdamW loop, or an optax transformation's XLA program
+    updater   the deferred updates: started once the clip scale is known, awaited per part
+    commit    a one-copy store's commit protocol (state before the update + pending gradients)
     budget    device byte accounting
     trace     per-part stage timings, Chrome trace JSON
     engine    the step, reading as those stages
 """
 
 from mtjax.stream.budget import DeviceBudgetError
-from mtjax.stream.engine import StreamEngine, StreamOptions
+from mtjax.stream.engine import StreamEngine
 
-__all__ = ["DeviceBudgetError", "StreamEngine", "StreamOptions"]
+__all__ = ["DeviceBudgetError", "StreamEngine"]

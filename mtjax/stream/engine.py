@@ -1,25 +1,21 @@
 """The streaming engine: one training step as a pipeline of per-part stages.
 
     tier/store -> prefetch (update, read, stage) -> device_put -> block fwd/bwd
-               -> gradients to host -> (next step) optax update on CPU -> tier/store
+               -> gradients to host -> (next step) AdamW update on the host -> tier/store
 
 The step reads as those stages; docs/pipeline.md draws the timeline. Forward streams
 embed, blocks and head; the head computes the loss and its gradient at once; backward
 streams the blocks back in reverse, one recompute group (k blocks) at a time, each
-block's forward recomputed once from the group's kept input. Updates are deferred to
-the next step's prefetch so that global-norm clipping stays exact (DESIGN-NOTES 2).
+block's forward recomputed once from the group's kept input. The optimizer update is
+deferred to the next step's prefetch (mtjax.stream.updater), so that global-norm
+clipping stays exact: every part's gradient is in before the clip scale is known. A
+one-copy store's commit protocol is mtjax.stream.commit.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import contextlib
-import dataclasses
 import math
-import os
-import threading
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -27,77 +23,60 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import mtjax.store
 from mtjax import parts as parts_mod
 from mtjax import treepath
+from mtjax.config import ExperimentConfig, StoreConfig, StreamConfig
 from mtjax.errors import MtjaxError, NonFiniteStep
 from mtjax.model_config import ModelConfig
-from mtjax.optim import OptimConfig, clip_scale
+from mtjax.optim import OptimConfig, clip_scale, make_optimizer
 from mtjax.stream import budget as budget_mod
-from mtjax.stream import fused_adamw
 from mtjax.stream.blockfns import block_fns
+from mtjax.stream.commit import OneCopy
 from mtjax.stream.grads import GradSink
 from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.staging import Placement, StagingPool, raise_host_memory_limit
-from mtjax.stream.tiers import ReadBuffers, ScratchFiles, Tiers, derives_compute, fix_mmap_threshold, host_device
+from mtjax.stream.tiers import ScratchFiles, Tiers, derives_compute, fix_mmap_threshold, host_device
 from mtjax.stream.trace import Tracer
 from mtjax.stream.update import PartUpdate, full_opt_state, split_opt_state, update_for
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamOptions:
-    prefetch_depth: int = 2  # parts staged on the device ahead of use
-    keep_every: int = 1  # keep every k-th block input; 0 keeps only the embedding output
-    activations: str = "device"  # where kept block inputs wait for the backward: device | host
-    device_budget_bytes: int | None = None  # None: derived from the plan of the run
-
-    def __post_init__(self):
-        if self.prefetch_depth < 1:
-            raise MtjaxError(f"stream.prefetch_depth must be >= 1, got {self.prefetch_depth}")
-        if self.keep_every < 0:
-            raise MtjaxError(f"stream.keep_every must be >= 0 (0 keeps only the embedding output), got {self.keep_every}")
-        if self.activations not in ("device", "host"):
-            raise MtjaxError(f"stream.activations must be 'device' or 'host', got {self.activations!r}")
+from mtjax.stream.updater import Updater
 
 
 def _beside(store) -> str | None:
     """The directory holding the store: scratch files go next to it, on the same disk."""
-    root = getattr(store, "root", None)
-    return str(Path(root).absolute().parent) if root is not None else None
-
-
-def _is_store(obj) -> bool:
-    return all(hasattr(obj, a) for a in ("read", "write", "commit"))
+    return str(Path(store.root).absolute().parent) if store is not None else None
 
 
 class StreamEngine:
     """Streams one part at a time through the device; state stays in host RAM or on disk.
 
-    >>> engine = StreamEngine(cfg, params, OptimConfig(lr=1e-3), keep_every=2)
+    >>> engine = StreamEngine(cfg, params, OptimConfig(lr=1e-3), StreamConfig(keep_every=2))
     >>> metrics = engine.step(tokens)   # int [accum, batch, seq] or [batch, seq]
     >>> engine.params()                 # fp32 master params, pending updates applied
 
-    `params_or_store` is a params pytree (mtjax.model layout) or an open layer store;
-    `tiers` places each kind of state ({"compute"|"master"|"opt": "ram"|"disk"}), and
-    "disk" kinds live in `store` (the store itself when one is passed as the state).
-    `trace_steps` is how many recent steps keep their stage timings (None: all).
+    This constructor is for tests and scripts; `from_experiment` builds a run's engine.
+    `params` (fp32, mtjax.model layout; `opt_state`: the whole-model optimizer state to
+    continue from) fills the tiers; None resumes from `store`, an open layer store.
+    `store_config` places each kind of state in RAM or in `store` (a one-copy store is
+    one whose manifest says so; the config's `copies` and `path` are for creating one).
+    `tx` runs the update as that optax transformation's XLA program instead of the fused
+    AdamW of `optim`, whose clip_norm applies either way. `step`: the steps already
+    trained (a resume). `owns_store`: close() closes the store too. `trace_steps`: how
+    many recent steps keep their stage timings (None: all).
     """
 
-    def __init__(self, cfg: ModelConfig, params_or_store, optimizer: OptimConfig | optax.GradientTransformation = OptimConfig(),
-                 clip_norm: float | None = None, *, prefetch_depth: int = 2, keep_every: int = 1,
-                 activations: str = "device", device_budget_bytes: int | None = None,
-                 tiers: Mapping[str, str] | None = None, store=None, batch_shape: tuple[int, int] | None = None,
-                 device: jax.Device | None = None, trace_steps: int | None = 4, opt_state=None):
-        self.cfg = cfg
-        self.options = StreamOptions(prefetch_depth, keep_every, activations, device_budget_bytes)
-        if isinstance(optimizer, OptimConfig):
-            clip_norm = optimizer.clip_norm if clip_norm is None else clip_norm
-            self.update = update_for(cfg, optimizer)
-        else:
-            self.update = PartUpdate(cfg, optimizer)
-        self.tx, self.clip_norm = self.update.tx, clip_norm
-        from_store = _is_store(params_or_store)
-        self.store = params_or_store if from_store else store
-        self.tiers = Tiers(tiers or {}, self.store)
+    def __init__(self, cfg: ModelConfig, params=None, optim: OptimConfig = OptimConfig(),
+                 stream: StreamConfig = StreamConfig(), store_config: StoreConfig = StoreConfig(), *, store=None,
+                 tx: optax.GradientTransformation | None = None, opt_state=None, step: int = 0,
+                 batch_shape: tuple[int, int] | None = None, device: jax.Device | None = None,
+                 trace_steps: int | None = 4, owns_store: bool = False):
+        if params is None and store is None:
+            raise MtjaxError("StreamEngine needs params or an open layer store to take the state from")
+        self.cfg, self.options, self.step_count = cfg, stream, step
+        self.update = update_for(cfg, optim) if tx is None else PartUpdate(cfg, tx)
+        self.tx, self.clip_norm = self.update.tx, optim.clip_norm
+        self.store, self._owns_store = store, owns_store
+        self.tiers = Tiers(store_config.tiers, store)
         # With the master weights in RAM and the fused update, no compute copy is kept: the
         # prefetcher rounds master into the staging slot (reading 4 bytes/param there
         # instead of the update writing 2 that the prefetcher then reads; 2 bytes/param
@@ -115,63 +94,55 @@ class StreamEngine:
         # Slots per shape: the parts staged ahead, those in use (a recompute group, or
         # head + tied embedding + the resident last block), one whose readers finish.
         group = max(len(g) for g in self.groups)
-        self.pool = StagingPool(self.placement, self.ledger, prefetch_depth + max(group, 3) + 1)
+        self.pool = StagingPool(self.placement, self.ledger, stream.prefetch_depth + max(group, 3) + 1)
         # A one-copy store keeps a single copy of the state: each step commits the state
         # before its update plus the gradients, durable in the store (docs/store.md).
-        self.one_copy = self.store is not None and getattr(self.store, "copies", 2) == 1
-        if self.one_copy and self.tiers.kinds_in("ram"):
-            raise MtjaxError("a one-copy store (store.copies=1) holds every kind of state: set store.compute, "
-                             "store.master and store.opt to 'disk', or use store.copies=2")
-        # With the master weights on disk, gradients awaiting their update wait in files.
-        if self.one_copy:
-            spill = ScratchFiles(directory=self.store.pending_dir)
-        else:
-            spill = ScratchFiles(_beside(self.store)) if self.tiers.placement["master"] == "disk" else None
-        self.grads = GradSink(self.placement, self.tracer, spill)
-        self._uncommitted = False  # one-copy: this step's gradients are not yet in a commit
-        self._scale = None  # the clip scale of the pending updates (CPU scalar)
-        self._writes: list[cf.Future] = []
-        self._writes_lock = threading.Lock()  # update workers add writes concurrently
-        # Deferred updates start as soon as the clip scale is known, on a few host threads
-        # (one for disk tiers: each update in flight holds a part's state in read buffers);
-        # the prefetcher waits for a part's update before staging it.
-        workers = 1 if self.tiers.kinds_in("disk") else max(1, min(8, os.cpu_count() or 1))
-        self._update_pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="mtjax-update")
-        self._updates: dict[str, cf.Future] = {}
-        self.read_buffers = ReadBuffers()
+        self.one_copy = OneCopy(store, self.tiers) if store is not None and store.copies == 1 else None
+        self.grads = GradSink(self.placement, self.tracer, self._spill())
+        scale = self.one_copy.adopt(self.grads) if self.one_copy is not None and params is None else None
+        self.updater = Updater([p.name for p in self.parts], self.update, self.tiers, self.grads, self.tracer,
+                               self.derived_compute, self.one_copy, scale)
         self._plans: dict[tuple[int, int, int], budget_mod.DevicePlan] = {}
         self._residual_bytes_by_shape: dict[tuple, int] = {}
-        self.step_count = 0
-        self._owns_store = False  # close() closes a store the engine created
-        if from_store:
+        if params is None:
             self._load_ram_kinds()
-            self._adopt_pending()
         else:
-            self._init_state(params_or_store, opt_state)
+            self._init_state(params, opt_state)
         if batch_shape is not None:
             self.check_budget(*batch_shape)
 
     @classmethod
-    def from_experiment(cls, exp, cfg: ModelConfig, params, opt_state=None) -> StreamEngine:
-        """The engine an experiment config (mtjax.config) asks for, from fp32 `params`.
-
-        Disk tiers get a new store at `store.path` (default <run.dir>/store).
-        """
-        tiers, store = exp.store.tiers, None
-        if "disk" in tiers.values():
-            import mtjax.store
-            from mtjax.optim import make_optimizer
-
+    def from_experiment(cls, exp: ExperimentConfig, cfg: ModelConfig, params=None, opt_state=None, *, store=None,
+                        step: int = 0) -> StreamEngine:
+        """A run's engine, as the experiment config asks, owning its store (if any): from
+        fp32 `params` (and `opt_state`), with a new store at `store.path` (default
+        <run.dir>/store) when some state is on disk; or resumed from `store`, an open
+        layer store whose last commit is `step`."""
+        created = store is None and "disk" in exp.store.tiers.values()
+        if created:
             path = exp.store.path or str(Path(exp.run.dir) / "store")
             store = mtjax.store.create(path, cfg, make_optimizer(exp.optim), copies=exp.store.copies)
-        s = exp.stream
-        engine = cls(cfg, params, exp.optim, prefetch_depth=s.prefetch_depth, keep_every=s.keep_every,
-                   activations=s.activations, device_budget_bytes=s.device_budget_bytes, tiers=tiers,
-                   store=store, batch_shape=(exp.data.batch_size, exp.data.seq_len), opt_state=opt_state)
-        engine._owns_store = store is not None
-        return engine
+        try:
+            return cls(cfg, params, exp.optim, exp.stream, exp.store, store=store, opt_state=opt_state, step=step,
+                       batch_shape=(exp.data.batch_size, exp.data.seq_len), owns_store=store is not None)
+        except BaseException:
+            if created:
+                store.close()
+            raise
+
+    @property
+    def commits_every_step(self) -> bool:
+        """One copy of the state: each step must be committed before its update can run."""
+        return self.one_copy is not None
 
     # --- state ---------------------------------------------------------------------
+
+    def _spill(self) -> ScratchFiles | None:
+        """Where gradients wait for their update: with the master weights on disk, in files
+        (a one-copy store's durable ones); otherwise in host memory (None)."""
+        if self.one_copy is not None:
+            return self.one_copy.spill
+        return ScratchFiles(_beside(self.store)) if self.tiers.placement["master"] == "disk" else None
 
     def _init_state(self, params, opt_state=None) -> None:
         """Fill the tiers from fp32 `params` and, when resuming, the whole-model `opt_state`."""
@@ -180,129 +151,29 @@ class StreamEngine:
             master = {n: np.asarray(a, np.float32) for n, a in treepath.flatten(parts_mod.part_params(params, p.name)).items()}
             master = jax.device_put(master, host_device())
             opt = self.update.init_state(master) if opt_parts is None else jax.device_put(opt_parts[p.name], host_device())
-            self._write(p.name, "opt", opt)
+            self.updater.write(p.name, "opt", opt)
             if not self.derived_compute:
-                self._write(p.name, "compute", self.update.compute_copy(master))
-            self._write(p.name, "master", master)
-        self._wait_writes()
+                self.updater.write(p.name, "compute", self.update.compute_copy(master))
+            self.updater.write(p.name, "master", master)
+        self.updater.wait_writes()
 
     def _load_ram_kinds(self) -> None:
         """Bring the RAM-tier kinds of a store-backed run into memory."""
-        for kind in self._kept_in_ram():
+        for kind in self.updater.kept_in_ram():
             for p in self.parts:
                 arrays = self.store.read(p.name, kind).result()
                 self.tiers.write(p.name, kind, jax.device_put(arrays, host_device()))
 
-    def _adopt_pending(self) -> None:
-        """Resume a one-copy store mid-update: its committed gradients are this engine's pending ones."""
-        pending = getattr(self.store, "pending", None)
-        if not pending:
-            return
-        schemas = {p: self.store.schema(p, "master") for p in pending["parts"]}
-        self.grads.adopt(pending["parts"], pending["tag"], schemas)
-        self._scale = jax.device_put(np.float32(pending["scale"]), host_device())
-
-    def _kept_in_ram(self) -> list[str]:
-        """The kinds of state the RAM tier holds (a derived compute copy is not held)."""
-        return [k for k in self.tiers.kinds_in("ram") if not (k == "compute" and self.derived_compute)]
-
-    def _round_master(self, part: str, out: dict | None = None) -> dict:
-        """The derived compute copy of `part`: its master weights rounded into `out`
-        ({leaf: array}; new arrays when None)."""
-        master = {n: np.asarray(a) for n, a in self._read(part, "master").items()}
-        out = {n: np.empty(a.shape, self.update.dtype) for n, a in master.items()} if out is None else out
-        for n, a in master.items():
-            fused_adamw.round_into(a, out[n])
-        return out
-
-    def _write(self, part: str, kind: str, arrays: dict) -> None:
-        with self.tracer.span("write", part):
-            fut = self.tiers.write(part, kind, arrays)
-        self._track(fut)
-
-    def _track(self, fut: cf.Future) -> None:
-        with self._writes_lock:
-            # Keep only unfinished or failed writes: a finished one must not pin its arrays.
-            self._writes = [f for f in self._writes if not f.done() or f.exception()] + [fut]
-
-    def _wait_writes(self) -> None:
-        """Host sync: re-raise write errors, and make the state readable from the tiers."""
-        with self._writes_lock:
-            writes, self._writes = self._writes, []
-        for fut in writes:
-            fut.result()
-        if self.store is not None:
-            self.store.wait()  # also lets the store drop the results of finished reads
-
-    def _read(self, part: str, kind: str) -> dict:
-        with self.tracer.span("read", part):
-            return self.tiers.read(part, kind).result()
-
-    def _read_for_update(self, part: str, kind: str):
-        """(arrays, buffers to hand back or None): disk reads land in reused buffers."""
-        if self.tiers.placement[kind] == "ram":
-            return self._read(part, kind), None
-        schema = self.store.schema(part, kind)
-        buffers = self.read_buffers.acquire(schema)
-        with self.tracer.span("read", part):
-            return self.tiers.read(part, kind, out=buffers).result(), (schema, buffers)
-
-    def _apply_update(self, part: str) -> dict | None:
-        """The deferred optimizer update of `part`, if one is pending; returns the new compute copy."""
-        if self._uncommitted and part in self.grads.pending():
-            raise MtjaxError("with a one-copy store a step must be committed (engine.commit(step, train_state)) "
-                             "before its update may overwrite the only copy of the state")
-        grads = self.grads.take(part)
-        if grads is None:
-            return None
-        (master, m_bufs), (opt, o_bufs) = self._read_for_update(part, "master"), self._read_for_update(part, "opt")
-        # The old compute copy receives the new one (RAM tier only), and RAM-tier state is
-        # updated in place: nothing else reads it while its part's update is pending.
-        old = self._read(part, "compute") if "compute" in self._kept_in_ram() else None
-        with self.tracer.span("optimizer", part) if self.update.fused else contextlib.nullcontext():
-            master, opt, compute = self.update(part, master, opt, old, grads, self._scale,
-                                               own=self.tiers.kinds_in("ram"), copy=not self.derived_compute)
-        for bufs in (m_bufs, o_bufs):
-            if bufs is not None:
-                self.read_buffers.release(*bufs, fence=master)
-        if not self.update.fused:  # the optax program runs asynchronously: time it until done
-            self.tracer.watch("optimizer", part, master)
-        self._write(part, "master", master)
-        self._write(part, "opt", opt)
-        if compute is not None:
-            self._write(part, "compute", compute)
-        if self.one_copy:
-            # Once the new state is on disk the manifest names it and its gradient can go.
-            self._track(self.store.commit_part(part, after=lambda: self.grads.release(part)))
-        # A copy headed for disk is not handed to the prefetcher: updates run ahead of the
-        # forward, and holding every new copy until staged grows host memory with depth.
-        # The prefetcher reads it back (the store orders that read after this write).
-        return None if self.tiers.placement["compute"] == "disk" else compute
-
-    def _start_updates(self) -> None:
-        """Start every pending update on the update threads, in the order the forward needs them."""
-        for p in self.parts:
-            if p.name in self.grads.pending() and p.name not in self._updates:
-                self._updates[p.name] = self._update_pool.submit(self._apply_update, p.name)
-
-    def _updated(self, part: str) -> dict | None:
-        """The new compute copy of `part` once its pending update is done (None: no update,
-        or no copy kept)."""
-        fut = self._updates.pop(part, None)
-        return fut.result() if fut is not None else self._apply_update(part)
-
     def flush(self) -> None:
         """Apply every pending update (before reading state, a checkpoint or the end)."""
-        for p in self.parts:
-            self._updated(p.name)
-        self._wait_writes()
+        self.updater.flush()
 
     def params(self):
         """The fp32 master parameters, pending updates applied."""
         self.flush()
         out = {}
         for p in self.parts:
-            tree = treepath.unflatten(parts_mod.abstract_part(self.cfg, p.name), self._read(p.name, "master"))
+            tree = treepath.unflatten(parts_mod.abstract_part(self.cfg, p.name), self.updater.read(p.name, "master"))
             # Copies: the next update overwrites RAM-tier arrays in place.
             out[p.name] = jax.tree.map(lambda a: jnp.asarray(np.array(a)), tree)
         n = self.cfg.num_hidden_layers
@@ -311,7 +182,8 @@ class StreamEngine:
     def opt_state(self):
         """The optimizer state shaped as the reference trainer's `tx.init(params)`."""
         self.flush()
-        per_part = {p.name: {n: jnp.asarray(np.array(a)) for n, a in self._read(p.name, "opt").items()} for p in self.parts}
+        per_part = {p.name: {n: jnp.asarray(np.array(a)) for n, a in self.updater.read(p.name, "opt").items()}
+                    for p in self.parts}
         return full_opt_state(self.cfg, self.tx, per_part)
 
     def commit(self, step: int | None = None, train_state=None, flush: bool | None = None) -> None:
@@ -323,29 +195,25 @@ class StreamEngine:
         if self.store is None:
             raise MtjaxError("commit needs a layer store: pass store=mtjax.store.create(...)")
         step = self.step_count if step is None else step
-        if self.one_copy:
+        if self.one_copy is not None:
             # Updates already started (by an earlier commit of this step) must finish first:
             # a commit changes which slot each part's next write goes to.
-            for fut in list(self._updates.values()):
-                fut.result()
-            self._wait_writes()  # the part commits of this step's updates included
-            self.store.commit(step, train_state, pending=self.grads.pending_update(self._scale))
-            self._uncommitted = False
+            self.updater.settle()
+            self.one_copy.commit(step, train_state, self.grads, self.updater.scale)
             if not flush:
-                self._start_updates()  # only now may they overwrite the one copy
+                self.updater.start()  # only now may they overwrite the one copy
                 return
         self.flush()
         for kind in self.tiers.kinds_in("ram"):
             for p in self.parts:
                 if kind == "compute" and self.derived_compute:
-                    arrays = self._round_master(p.name)
+                    arrays = self.updater.round_master(p.name)
                 else:
-                    arrays = {n: np.asarray(a) for n, a in self._read(p.name, kind).items()}
+                    arrays = {n: np.asarray(a) for n, a in self.updater.read(p.name, kind).items()}
                 # One part at a time: np.asarray joins the optimizer's RowChunks into copies.
                 self.store.write(p.name, kind, arrays).result()
-        self._wait_writes()
+        self.updater.wait_writes()
         self.store.commit(step, train_state)
-        self._uncommitted = False
 
     # --- the plan ------------------------------------------------------------------
 
@@ -419,18 +287,10 @@ class StreamEngine:
 
     def _load(self, part: str):
         """Prefetch worker: pending update, then read into a staging slot, then device_put."""
-        fresh = self._updated(part)
+        fresh = self.updater.updated(part)
         slot = self.pool.acquire(self.schemas[part])
         with self.tracer.span("read", part):
-            if self.derived_compute:
-                self._round_master(part, slot.buffers)  # the updated master, straight into the slot
-            elif fresh is not None:
-                # np.asarray waits for the update (host sync on this worker thread):
-                # the new compute copy is staged without a round trip through the tier.
-                for n, buf in slot.buffers.items():
-                    np.copyto(buf, np.asarray(fresh[n]))
-            else:
-                self.tiers.read(part, "compute", out=slot.buffers).result()
+            self.updater.compute_into(part, slot.buffers, fresh)
         with self.tracer.span("h2d", part):
             return slot, self.pool.put(slot, part)
 
@@ -474,7 +334,7 @@ class StreamEngine:
         accum = len(tokens)
         self.tracer.begin_step(self.step_count)
         self.ledger.held = 0  # nothing stays on the device between steps (even after a failed one)
-        self._wait_writes()
+        self.updater.wait_writes()
         feed = Prefetcher(self._schedule(), self._load, self.options.prefetch_depth)
         try:
             losses = self._train_pass(feed, [self.placement.tokens(t) for t in tokens], 1.0 / accum)
@@ -494,13 +354,9 @@ class StreamEngine:
             order = ["head", *(f"block.{i}" for i in reversed(range(self.cfg.num_hidden_layers))), "embed"]
             bad = [p for p in order if not math.isfinite(float(self.grads.last_sq.get(p, 0.0)))]
             self.grads.drop_ready()
-            self._wait_writes()
+            self.updater.wait_writes()
             raise NonFiniteStep(self.step_count, loss, bad)
-        self._scale = jax.device_put(clip_scale(sq, self.clip_norm), host_device())
-        self._uncommitted = self.one_copy
-        self._wait_writes()
-        if not self.one_copy:
-            self._start_updates()  # they run while the caller logs, evaluates, fetches data
+        self.updater.ready(clip_scale(sq, self.clip_norm))  # the updates start (one-copy: at the commit)
         metrics = {"loss": loss, "grad_norm": math.sqrt(norm_sq)}
         if self.tiers.kinds_in("disk"):
             # Disk bandwidth over the step's wall time: state and gradient bytes moved meanwhile.
@@ -657,7 +513,7 @@ class StreamEngine:
         self.tracer.write(path)
 
     def close(self) -> None:
-        self._update_pool.shutdown(wait=True)
+        self.updater.close()
         self.grads.close()
         self.tracer.close()
         self.tiers.close()

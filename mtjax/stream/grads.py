@@ -6,8 +6,9 @@ the device loop never waits.
 fixes the clip scale before any part is updated; `take(part)` hands a part's summed
 gradient to its (deferred) update. With `spill`, sums wait in scratch files instead of
 host memory (used when the master weights live on disk). A step's finished sums are
-named by its tag (`finish(tag)`); with a durable spill (one-copy stores) a taken sum's
-files stay until `release(part)`, after the part's new state is committed.
+named by its tag (`finish(tag)`); with a durable spill (one-copy stores, whose commit
+protocol is mtjax.stream.commit) a taken sum's files stay until `release(part)`, after
+the part's new state is committed.
 """
 
 from __future__ import annotations
@@ -94,13 +95,11 @@ class GradSink:
     def pending(self) -> list[str]:
         return list(self._ready)
 
-    def pending_update(self, scale) -> dict | None:
-        """{"tag", "parts", "scale"} of the finished sums not yet applied (for a commit), or None."""
-        if not self._ready:
-            return None
+    def ready_tag(self) -> str | None:
+        """The tag of the finished sums not yet applied (one step's), or None."""
         tags = {tag for _, tag in self._ready.values()}
-        assert len(tags) == 1, f"sums of several steps pending: {tags}"
-        return {"tag": tags.pop(), "parts": list(self._ready), "scale": float(scale)}
+        assert len(tags) <= 1, f"sums of several steps pending: {tags}"
+        return tags.pop() if tags else None
 
     def adopt(self, parts: list[str], tag: str, schemas: dict) -> None:
         """Resume: the sums a previous process committed as pending, under `tag`

@@ -109,6 +109,7 @@ class Tiers:
         self.placement = {kind: placement.get(kind, "ram") for kind in KINDS}
         if "disk" in self.placement.values() and store is None:
             raise MtjaxError("a 'disk' tier needs a layer store: pass store=mtjax.store.create(...)")
+        self.store = store
         ram, disk = RamTier(), DiskTier(store) if store is not None else None
         self.by_kind = {kind: ram if where == "ram" else disk for kind, where in self.placement.items()}
 
@@ -120,6 +121,15 @@ class Tiers:
 
     def kinds_in(self, tier_name: str) -> list[str]:
         return [k for k, v in self.placement.items() if v == tier_name]
+
+    def schema(self, part: str, kind: str) -> dict:
+        """{leaf: ShapeDtypeStruct} of a disk-tier kind, as the store holds it."""
+        return self.store.schema(part, kind)
+
+    def wait(self) -> None:
+        """Wait for the store's reads and writes in flight; re-raise the first failure."""
+        if self.store is not None:
+            self.store.wait()
 
     def close(self) -> None:
         for tier in set(self.by_kind.values()):

@@ -1,0 +1,185 @@
+"""The deferred update: step n's optimizer update of each part runs after step n's
+backward, once the clip scale is known, and before the part is staged for step n + 1.
+
+    updater.ready(scale)         the step's gradients are final: start every update
+    updater.updated(part)        wait for the part's update (the next step's prefetch)
+    updater.compute_into(...)    the part's compute weights, into a staging slot
+    updater.flush()              apply every pending update (before state is read)
+
+Updates run on a few host threads (one when state is on disk: each update in flight
+holds a part's state in read buffers), in the order the forward needs the parts. An
+update reads master and optimizer state from their tiers, runs `PartUpdate` (the fused
+AdamW loop, or the XLA program of another optax transformation), and writes the results
+back; the updater tracks those writes and re-raises their errors. With a one-copy store
+the updates of a step wait for its commit (`OneCopy`, mtjax.stream.commit).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import os
+import threading
+
+import jax
+import numpy as np
+
+from mtjax.stream import fused_adamw
+from mtjax.stream.commit import OneCopy
+from mtjax.stream.grads import GradSink
+from mtjax.stream.tiers import ReadBuffers, Tiers, host_device
+from mtjax.stream.trace import Tracer
+from mtjax.stream.update import PartUpdate
+
+
+class Updater:
+    """The pending updates of the last step, and the tier writes they (and the engine) make.
+
+    `parts`: part names in the order the forward needs them. `derived_compute`: no
+    compute copy is kept; the staged copy is rounded from master (docs/pipeline.md).
+    `scale`: the clip scale of updates already pending (a resumed one-copy store's).
+    """
+
+    def __init__(self, parts: list[str], update: PartUpdate, tiers: Tiers, grads: GradSink, tracer: Tracer,
+                 derived_compute: bool, one_copy: OneCopy | None = None, scale: float | None = None):
+        self.parts, self.update, self.tiers, self.grads, self.tracer = parts, update, tiers, grads, tracer
+        self.derived_compute, self.one_copy = derived_compute, one_copy
+        self.scale = None if scale is None else jax.device_put(np.float32(scale), host_device())
+        self._writes: list[cf.Future] = []
+        self._writes_lock = threading.Lock()  # update workers add writes concurrently
+        workers = 1 if tiers.kinds_in("disk") else max(1, min(8, os.cpu_count() or 1))
+        self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="mtjax-update")
+        self._updates: dict[str, cf.Future] = {}
+        self.read_buffers = ReadBuffers()
+
+    # --- reads and writes of the tiers ------------------------------------------------
+
+    def kept_in_ram(self) -> list[str]:
+        """The kinds of state the RAM tier holds (a derived compute copy is not held)."""
+        return [k for k in self.tiers.kinds_in("ram") if not (k == "compute" and self.derived_compute)]
+
+    def read(self, part: str, kind: str) -> dict:
+        with self.tracer.span("read", part):
+            return self.tiers.read(part, kind).result()
+
+    def write(self, part: str, kind: str, arrays: dict) -> None:
+        with self.tracer.span("write", part):
+            fut = self.tiers.write(part, kind, arrays)
+        self._track(fut)
+
+    def _track(self, fut: cf.Future) -> None:
+        with self._writes_lock:
+            # Keep only unfinished or failed writes: a finished one must not pin its arrays.
+            self._writes = [f for f in self._writes if not f.done() or f.exception()] + [fut]
+
+    def wait_writes(self) -> None:
+        """Host sync: re-raise write errors, and make the state readable from the tiers."""
+        with self._writes_lock:
+            writes, self._writes = self._writes, []
+        for fut in writes:
+            fut.result()
+        self.tiers.wait()  # also lets the store drop the results of finished reads
+
+    def _read_for_update(self, part: str, kind: str):
+        """(arrays, buffers to hand back or None): disk reads land in reused buffers."""
+        if self.tiers.placement[kind] == "ram":
+            return self.read(part, kind), None
+        schema = self.tiers.schema(part, kind)
+        buffers = self.read_buffers.acquire(schema)
+        with self.tracer.span("read", part):
+            return self.tiers.read(part, kind, out=buffers).result(), (schema, buffers)
+
+    # --- the compute copy -----------------------------------------------------------
+
+    def round_master(self, part: str, out: dict | None = None) -> dict:
+        """The derived compute copy of `part`: its master weights rounded into `out`
+        ({leaf: array}; new arrays when None)."""
+        master = {n: np.asarray(a) for n, a in self.read(part, "master").items()}
+        out = {n: np.empty(a.shape, self.update.dtype) for n, a in master.items()} if out is None else out
+        for n, a in master.items():
+            fused_adamw.round_into(a, out[n])
+        return out
+
+    def compute_into(self, part: str, out: dict, fresh: dict | None) -> None:
+        """The current compute weights of `part` into `out`; `fresh` is what `updated`
+        returned for it (the new copy, staged without a round trip through the tier)."""
+        if self.derived_compute:
+            self.round_master(part, out)  # the updated master, straight into the slot
+        elif fresh is not None:
+            # np.asarray waits for the update (host sync on this worker thread).
+            for n, buf in out.items():
+                np.copyto(buf, np.asarray(fresh[n]))
+        else:
+            self.tiers.read(part, "compute", out=out).result()
+
+    # --- the updates ------------------------------------------------------------------
+
+    def _apply(self, part: str) -> dict | None:
+        """The deferred optimizer update of `part`, if one is pending; returns the new compute copy."""
+        if self.one_copy is not None:
+            self.one_copy.check_may_update(part, self.grads)
+        grads = self.grads.take(part)
+        if grads is None:
+            return None
+        (master, m_bufs), (opt, o_bufs) = self._read_for_update(part, "master"), self._read_for_update(part, "opt")
+        # The old compute copy receives the new one (RAM tier only), and RAM-tier state is
+        # updated in place: nothing else reads it while its part's update is pending.
+        old = self.read(part, "compute") if "compute" in self.kept_in_ram() else None
+        with self.tracer.span("optimizer", part) if self.update.fused else contextlib.nullcontext():
+            master, opt, compute = self.update(part, master, opt, old, grads, self.scale,
+                                               own=self.tiers.kinds_in("ram"), copy=not self.derived_compute)
+        for bufs in (m_bufs, o_bufs):
+            if bufs is not None:
+                self.read_buffers.release(*bufs, fence=master)
+        if not self.update.fused:  # the XLA program runs asynchronously: time it until done
+            self.tracer.watch("optimizer", part, master)
+        self.write(part, "master", master)
+        self.write(part, "opt", opt)
+        if compute is not None:
+            self.write(part, "compute", compute)
+        if self.one_copy is not None:
+            # Once the new state is on disk the manifest names it and its gradient can go.
+            self._track(self.one_copy.part_updated(part, self.grads))
+        # A disk-tier copy is not handed to the prefetcher: staged at once it would sit in
+        # host memory until its part's forward, and holding every new copy until staged
+        # grows host memory with depth. The prefetcher reads it back (the store orders
+        # that read after this write).
+        return None if self.tiers.placement["compute"] == "disk" else compute
+
+    def ready(self, scale) -> None:
+        """The step's gradients are final and `scale` is their clip scale: start the
+        updates (with a one-copy store, at the step's commit instead)."""
+        self.scale = jax.device_put(scale, host_device())
+        if self.one_copy is not None:
+            self.one_copy.step_finished()
+        self.wait_writes()
+        if self.one_copy is None:
+            self.start()  # they run while the caller logs, evaluates, fetches data
+
+    def start(self) -> None:
+        """Start every pending update on the update threads, in the order the forward needs them."""
+        for part in self.parts:
+            if part in self.grads.pending() and part not in self._updates:
+                self._updates[part] = self._pool.submit(self._apply, part)
+
+    def updated(self, part: str) -> dict | None:
+        """The new compute copy of `part` once its pending update is done (None: no update,
+        or no copy kept)."""
+        fut = self._updates.pop(part, None)
+        return fut.result() if fut is not None else self._apply(part)
+
+    def settle(self) -> None:
+        """Wait for the updates already started and for every write (their part commits
+        included), without starting any: a commit changes where the next writes go."""
+        for fut in list(self._updates.values()):
+            fut.result()
+        self.wait_writes()
+
+    def flush(self) -> None:
+        """Apply every pending update (before reading state, a commit or the end)."""
+        for part in self.parts:
+            self.updated(part)
+        self.wait_writes()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
