@@ -52,13 +52,14 @@ def child_train(args) -> None:
     import numpy as np
 
     import mtjax.store
+    from mtjax.config import StoreConfig, StreamConfig
     from mtjax.optim import OptimConfig
     from mtjax.stream import StreamEngine
 
     cfg = model_config(args.layers, args.width)
     store = mtjax.store.open(args.dir, writable=True)
-    engine = StreamEngine(cfg, store, OptimConfig(lr=1e-4), tiers={"compute": "disk", "master": "disk", "opt": "disk"},
-                          keep_every=1, prefetch_depth=2)
+    engine = StreamEngine(cfg, optim=OptimConfig(lr=1e-4), stream=StreamConfig(keep_every=1, prefetch_depth=2),
+                          store_config=StoreConfig(compute="disk", master="disk", opt="disk"), store=store)
     rng = np.random.default_rng(0)
     times = []
     for _ in range(args.steps):

@@ -27,6 +27,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mtjax import model  # noqa: E402
+from mtjax.config import StreamConfig  # noqa: E402
 from mtjax.model_config import ModelConfig  # noqa: E402
 from mtjax.optim import OptimConfig  # noqa: E402
 from mtjax.reference import ReferenceTrainer  # noqa: E402
@@ -60,7 +61,7 @@ def main() -> None:
     data = [rng.integers(0, cfg.vocab_size, (1, args.batch, args.seq), dtype=np.int32) for _ in range(args.steps + 1)]
 
     ref = ReferenceTrainer(cfg, params, opt)
-    stream = StreamEngine(cfg, params, opt, keep_every=1, prefetch_depth=2)
+    stream = StreamEngine(cfg, params, opt, StreamConfig(keep_every=1, prefetch_depth=2))
     del params
     times = {"reference": [], "stream": []}
     for i, tokens in enumerate(data):

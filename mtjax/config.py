@@ -100,10 +100,10 @@ class StreamConfig:
     """How a step runs: the engine and its streaming knobs."""
 
     engine: str = "stream"  # stream (one block at a time through the device) | reference (whole model in device memory)
-    prefetch_depth: int = 2  # blocks staged on the host ahead of the one computing
+    prefetch_depth: int = 2  # parts (embedding, blocks, head) staged on the device ahead of the one computing
     keep_every: int = 1  # keep block inputs every k blocks; 0 keeps only the embedding output
-    activations: str = "device"  # where kept block inputs live: device | host
-    device_budget_bytes: int | None = None  # cap on device memory use; None means what the device has
+    activations: str = "device"  # where kept block inputs wait for the backward: device | host
+    device_budget_bytes: int | None = None  # cap on device memory use, checked before step 1; None: no cap
 
     def __post_init__(self):
         _check_choice("stream.engine", self.engine, ("reference", "stream"))

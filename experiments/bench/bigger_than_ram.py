@@ -67,13 +67,15 @@ def child_train(args) -> None:
     import numpy as np
 
     import mtjax.store
+    from mtjax.config import StoreConfig, StreamConfig
     from mtjax.optim import OptimConfig
     from mtjax.stream import StreamEngine
 
     cfg = model_config(args)
     store = mtjax.store.open(args.dir / "store", writable=True)
-    engine = StreamEngine(cfg, store, OptimConfig(lr=args.lr, schedule="constant"),
-                          tiers={"compute": "disk", "master": "disk", "opt": "disk"}, keep_every=1, prefetch_depth=2)
+    engine = StreamEngine(cfg, optim=OptimConfig(lr=args.lr, schedule="constant"),
+                          stream=StreamConfig(keep_every=1, prefetch_depth=2),
+                          store_config=StoreConfig(compute="disk", master="disk", opt="disk"), store=store)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, args.batch, args.seq), dtype=np.int32)
     steps = []
     for i in range(args.steps):

@@ -39,6 +39,7 @@ def child(args) -> None:
     import numpy as np
 
     from mtjax import model
+    from mtjax.config import StoreConfig, StreamConfig
     from mtjax.model_config import ModelConfig
     from mtjax.optim import OptimConfig, make_optimizer
     from mtjax.reference import ReferenceTrainer
@@ -58,9 +59,9 @@ def child(args) -> None:
     store = mtjax.store.open(store_dir, writable=True)
     engines = {
         "reference": ReferenceTrainer(cfg, params, opt),
-        "ram": StreamEngine(cfg, params, opt, keep_every=1, prefetch_depth=2),
-        "disk": StreamEngine(cfg, store, opt, tiers={k: "disk" for k in ("compute", "master", "opt")},
-                             keep_every=1, prefetch_depth=2),
+        "ram": StreamEngine(cfg, params, opt, StreamConfig(keep_every=1, prefetch_depth=2)),
+        "disk": StreamEngine(cfg, optim=opt, stream=StreamConfig(keep_every=1, prefetch_depth=2),
+                             store_config=StoreConfig(compute="disk", master="disk", opt="disk"), store=store),
     }
     del params
     rng = np.random.default_rng(0)

@@ -95,12 +95,13 @@ def child_train(a) -> None:
     import numpy as np
 
     import mtjax.store
+    from mtjax.config import StoreConfig, StreamConfig
     from mtjax.stream import StreamEngine
 
     cfg = model_config(a.width, a.layers, a.dtype)
     store = mtjax.store.open(a.dir, writable=True)
-    engine = StreamEngine(cfg, store, optimizer(), tiers={k: a.tier for k in ("compute", "master", "opt")},
-                          keep_every=1, prefetch_depth=2)
+    engine = StreamEngine(cfg, optim=optimizer(), stream=StreamConfig(keep_every=1, prefetch_depth=2),
+                          store_config=StoreConfig(compute=a.tier, master=a.tier, opt=a.tier), store=store)
     rng = np.random.default_rng(0)
     times = []
     for i in range(a.steps + 1):

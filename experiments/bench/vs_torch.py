@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from mtjax import model  # noqa: E402
+from mtjax.config import StreamConfig  # noqa: E402
 from mtjax.model_config import ModelConfig  # noqa: E402
 from mtjax.optim import OptimConfig  # noqa: E402
 from mtjax.reference import ReferenceTrainer  # noqa: E402
@@ -289,7 +290,8 @@ def main() -> None:
         "mtjax reference (in memory, remat per block)": ReferenceTrainer(cfg, params, opt),
         "mtjax reference (in memory, remat per block keeping projections)": ReferenceTrainer(cfg, params, opt,
                                                                                              remat="dots"),
-        "mtjax stream (RAM tier, k=1, depth 2)": StreamEngine(cfg, params, opt, keep_every=1, prefetch_depth=2),
+        "mtjax stream (RAM tier, k=1, depth 2)": StreamEngine(cfg, params, opt,
+                                                              StreamConfig(keep_every=1, prefetch_depth=2)),
     }
     del params
     times = {name: [] for name in trainers}

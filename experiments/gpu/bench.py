@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from mtjax import model  # noqa: E402
+from mtjax.config import StreamConfig  # noqa: E402
 from mtjax.model_config import ModelConfig  # noqa: E402
 from mtjax.optim import OptimConfig  # noqa: E402
 from mtjax.progress import model_flops_per_token, peak_flops  # noqa: E402
@@ -119,8 +120,8 @@ def throughput(a, cfg: ModelConfig, emit) -> None:
     # The streamed run first: it leaves nothing on the device, the reference may.
     budget = int(state * a.budget_fraction) or None  # None: the engine's own plan
     try:
-        eng = StreamEngine(cfg, params, OptimConfig(), prefetch_depth=a.prefetch, keep_every=1,
-                           activations=a.activations, device_budget_bytes=budget, batch_shape=(a.batch, a.seq))
+        eng = StreamEngine(cfg, params, OptimConfig(), StreamConfig(prefetch_depth=a.prefetch, keep_every=1,
+                           activations=a.activations, device_budget_bytes=budget), batch_shape=(a.batch, a.seq))
         times = timed_steps(eng, batches)
         stages = {k: round(v, 3) for k, v in eng.stage_seconds().items()}
         summarise("stream", times, {"device_budget": budget, "device_peak": eng.ledger.peak, "stages_s": stages,
