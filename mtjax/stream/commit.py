@@ -8,7 +8,7 @@ committed as "the state before its update + the step's gradients" (docs/store.md
     scale = one_copy.adopt(grads)          # resume: the committed gradients are pending again
     one_copy.step_finished()               # a step's gradients are final; its updates must wait
     one_copy.commit(step, state, grads, scale)   # durable: state + gradients; updates may run
-    one_copy.part_updated(part, grads)     # a part's new state committed; its gradient goes
+    one_copy.part_updated(part)            # a part's new state committed; its gradient files go
 
 The store provides the atomic steps (`commit` with `pending`, `commit_part`); this object
 decides when each one happens.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 
 from mtjax.errors import MtjaxError
+from mtjax.store.layout import pending_key
 from mtjax.stream.grads import GradSink
 from mtjax.stream.tiers import ScratchFiles, Tiers
 
@@ -33,6 +34,7 @@ class OneCopy:
         # and stay until the part's new state is committed.
         self.spill = ScratchFiles(directory=store.pending_dir)
         self._uncommitted = False  # this step's gradients are not yet in a commit
+        self._tag = None  # the tag of the committed pending gradients (their file names)
 
     def adopt(self, grads: GradSink) -> float | None:
         """Resume mid-update: the gradients the store's last commit names become `grads`'
@@ -40,8 +42,10 @@ class OneCopy:
         pending = self.store.pending
         if not pending:
             return None
-        schemas = {p: self.store.schema(p, "master") for p in pending["parts"]}
-        grads.adopt(pending["parts"], pending["tag"], schemas)
+        for part in pending["parts"]:  # fp32 sums, shaped like the master weights
+            self.spill.adopt(pending_key(part, pending["tag"]), self.store.schema(part, "master"))
+        grads.adopt(pending["parts"], pending["tag"])
+        self._tag = pending["tag"]
         return float(pending["scale"])
 
     def step_finished(self) -> None:
@@ -59,8 +63,10 @@ class OneCopy:
         parts, tag = grads.pending(), grads.ready_tag()
         pending = None if not parts else {"tag": tag, "parts": parts, "scale": float(scale)}
         self.store.commit(step, train_state, pending=pending)
-        self._uncommitted = False
+        self._uncommitted, self._tag = False, tag
 
-    def part_updated(self, part: str, grads: GradSink) -> cf.Future:
-        """Once the part's new state is written, commit it and drop its gradient files."""
-        return self.store.commit_part(part, after=lambda: grads.release(part))
+    def part_updated(self, part: str) -> cf.Future:
+        """Once the part's new state is written, commit it, then delete its gradient files
+        (`grads.take` left them: until this commit a crash needs them)."""
+        key = pending_key(part, self._tag)
+        return self.store.commit_part(part, after=lambda: self.spill.forget(key))

@@ -6,9 +6,9 @@ the device loop never waits.
 fixes the clip scale before any part is updated; `take(part)` hands a part's summed
 gradient to its (deferred) update. With `spill`, sums wait in scratch files instead of
 host memory (used when the master weights live on disk). A step's finished sums are
-named by its tag (`finish(tag)`); with a durable spill (one-copy stores, whose commit
-protocol is mtjax.stream.commit) a taken sum's files stay until `release(part)`, after
-the part's new state is committed.
+named by its tag (`finish(tag)`, file keys `pending_key(part, tag)`). A durable spill
+(one-copy stores) keeps a taken sum's files: the commit protocol (mtjax.stream.commit)
+deletes them once the part's new state is committed.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ class GradSink:
         self._sq: dict[str, jax.Array] = {}  # this step's squared norm per part
         self._current: set[str] = set()  # parts with a sum in this step
         self._ready: dict[str, tuple[dict | None, str]] = {}  # last step's (sums, tag) awaiting their update
-        self._taken: dict[str, str] = {}  # durable spill: part -> file key, until `release`
         self._futures: list[cf.Future] = []
         self.last_sq: dict[str, jax.Array] = {}  # the last finished step's squared norm per part
 
@@ -77,9 +76,10 @@ class GradSink:
 
     def drop_ready(self) -> None:
         """Drop the sums `finish` made ready (a non-finite step): no update will use them."""
-        for part in list(self._ready):
-            self.take(part)
-            self.release(part)
+        for part, (_, tag) in self._ready.items():
+            if self.spill:
+                self.spill.forget(pending_key(part, tag))
+        self._ready.clear()
 
     def discard(self) -> None:
         """Drop this step's sums (the step failed); last step's stay pending."""
@@ -101,11 +101,9 @@ class GradSink:
         assert len(tags) <= 1, f"sums of several steps pending: {tags}"
         return tags.pop() if tags else None
 
-    def adopt(self, parts: list[str], tag: str, schemas: dict) -> None:
-        """Resume: the sums a previous process committed as pending, under `tag`
-        ({part: {leaf: ShapeDtypeStruct}} of their fp32 shapes)."""
+    def adopt(self, parts: list[str], tag: str) -> None:
+        """Resume: the spill already holds these parts' finished sums, under `tag`."""
         for part in parts:
-            self.spill.adopt(pending_key(part, tag), schemas[part])
             self._ready[part] = (None, tag)
 
     def take(self, part: str) -> dict | None:
@@ -115,16 +113,7 @@ class GradSink:
         grads, tag = self._ready.pop(part)
         if not self.spill:
             return grads
-        key = pending_key(part, tag)
-        if self.spill.durable:
-            self._taken[part] = key
-        return self.spill.take(key, keep=self.spill.durable)
-
-    def release(self, part: str) -> None:
-        """Durable spill: the update of `part` is committed; its gradient files can go."""
-        key = self._taken.pop(part, None)
-        if key is not None:
-            self.spill.forget(key)
+        return self.spill.take(pending_key(part, tag), keep=self.spill.durable)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -139,7 +139,7 @@ class Updater:
             self.write(part, "compute", compute)
         if self.one_copy is not None:
             # Once the new state is on disk the manifest names it and its gradient can go.
-            self._track(self.one_copy.part_updated(part, self.grads))
+            self._track(self.one_copy.part_updated(part))
         # A disk-tier copy is not handed to the prefetcher: staged at once it would sit in
         # host memory until its part's forward, and holding every new copy until staged
         # grows host memory with depth. The prefetcher reads it back (the store orders
