@@ -6,6 +6,7 @@ another file; the extension picks the format (png, pdf, svg, ...)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -109,8 +110,8 @@ def save(fig, out: Path) -> None:
         fig.savefig(tmp, dpi=120, format=out.suffix.lower().lstrip("."))
         os.replace(tmp, out)
     except OSError as e:
-        if tmp.parent.is_dir():
-            tmp.unlink(missing_ok=True)  # a partial image (a full disk) is not left behind
+        with contextlib.suppress(OSError):  # nothing there to remove, or nowhere to remove it from
+            tmp.unlink()  # a partial image (a full disk) is not left behind
         raise MtjaxError(f"cannot write {out} ({e.strerror or e}); choose another --out") from None
 
 
