@@ -465,7 +465,7 @@ def _opt_state(engine):
 
 def describe(summary: dict) -> str:
     """The closing lines `mtjax train` prints."""
-    lines, resumed = [], summary.get("resumed_from")
+    lines, resumed = [], summary["resumed_from"]
     if summary["first_loss"] is not None:
         steps = summary["final_loss_steps"]
         mean = f"step {steps[0]}" if len(steps) == 1 else f"mean of steps {steps[0]}-{steps[-1]}"
