@@ -109,7 +109,8 @@ def test_metrics_and_log_lines_carry_the_learning_rate_and_gradient_norm(streame
     warmup = config.load(None, TINY).optim  # 20 warmup steps to 4e-3: step s trains at 4e-3 * (s - 1) / 20
     assert [r["lr"] for r in steps] == pytest.approx([warmup.lr * (s - 1) / warmup.warmup_steps for s in (1, 2, 3, 4)])
     assert all(r["grad_norm"] > 0 for r in steps)
-    lines = [line for line in log.splitlines() if line.startswith("step ") and "loss" in line and "val_loss" not in line]
+    lines = [line for line in log.splitlines()
+             if line.startswith("step ") and "loss" in line and "val_loss" not in line]
     assert [line.split()[1] for line in lines] == ["2/4", "4/4"]  # one plain line per logged step
     for line, r in zip(lines, steps[1::2]):
         assert f"  lr {r['lr']:.3g}  gnorm {r['grad_norm']:.3f}  " in line

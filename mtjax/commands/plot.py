@@ -74,8 +74,9 @@ def figure(runs: dict):
         stages = sorted({k for r in records for k in r if k.startswith("stage_") and k.endswith("_s")})
         for key in stages:
             _plot(stage_ax, _series(records, key), f"{name} {key[6:-2]}")
-    labels = [(loss_ax, "loss (nats/token)", "loss"), *[(ax, y, t) for ax, (_, y, t) in zip((lr_ax, gnorm_ax, speed_ax), _PANELS)],
-              (memory_ax, "GiB", "memory"), (stage_ax, "seconds", "stage time per step")]
+    series_labels = [(ax, y, t) for ax, (_, y, t) in zip((lr_ax, gnorm_ax, speed_ax), _PANELS)]
+    labels = [(loss_ax, "loss (nats/token)", "loss"), *series_labels, (memory_ax, "GiB", "memory"),
+              (stage_ax, "seconds", "stage time per step")]
     for ax, ylabel, title in labels:
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
