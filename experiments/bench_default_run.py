@@ -41,7 +41,10 @@ def main() -> None:
         summary = run_lib.train(exp, stream=open(os.devnull, "w"))
         wall = time.perf_counter() - start
         records = [json.loads(line) for line in Path(tmp, "run", "metrics.jsonl").read_text().splitlines()]
-    rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    # The run average after the first step (metrics.jsonl's tokens_per_s is a recent rate).
+    steps = [r for r in records if "loss" in r]
+    timed = steps[-1]["time_s"] - steps[0]["time_s"] if len(steps) > 1 else 0
+    rates = [(steps[-1]["step"] - steps[0]["step"]) * summary["tokens"] / summary["steps"] / timed] if timed else []
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in KiB on Linux
     load = os.getloadavg()[0]
     rows = [

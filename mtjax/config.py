@@ -117,7 +117,7 @@ class DataConfig:
     """Training data: what to read, how to tokenize it, and how to batch it."""
 
     dataset: str = "builtin:shakespeare"  # prepared dataset dir, raw text/JSONL file, or builtin:NAME
-    tokenizer: str = "bytes"  # bytes | bpe:VOCAB | path to tokenizer.json or a checkpoint dir
+    tokenizer: str = "bytes"  # bytes | bpe:VOCAB | tokenizer.json | checkpoint dir (raw text; datasets bring their own)
     text_field: str = "text"  # JSONL field holding the text
     val_fraction: float = 0.01  # share of tokens held out for validation when preparing
     seq_len: int = 128  # tokens per row; position t predicts t + 1 within the row
@@ -143,7 +143,7 @@ class RunConfig:
     eval_batches: int = 4  # micro-batches per validation loss
     checkpoint_every: int = 0  # steps between checkpoints in <dir>/checkpoint; 0 saves only at the end
     seed: int = 0  # seed of parameter initialisation and sampling
-    sample_prompt: str = "CLEOPATRA.\n"  # prompt of the sample printed at the end; "" skips it
+    sample_prompt: str = "CLEOPATRA.\n"  # closing sample's prompt ("" skips); on non-Shakespeare data: its first words
     sample_tokens: int = 200  # tokens generated for that sample
     tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard package)
     resume: bool = False  # continue from the latest checkpoint in <dir> (its weights, optimizer, data cursor)

@@ -8,6 +8,7 @@ A user-supplied optax transformation must therefore not clip by global norm itse
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -56,6 +57,48 @@ def make_schedule(cfg: OptimConfig) -> optax.Schedule:
         return after
     warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
     return optax.join_schedules([warmup, after], [cfg.warmup_steps])
+
+
+def lr_at(cfg: OptimConfig, step: int) -> float:
+    """The learning rate optimizer step `step` (1-based) applies: the schedule at the
+    optimizer's count before that step, step - 1 (so a warmup's first step has lr 0).
+    Computed on the CPU where JAX has one: asking it every step then costs the
+    accelerator nothing."""
+    try:
+        where = jax.default_device(jax.devices("cpu")[0])
+    except RuntimeError:  # JAX_PLATFORMS without cpu
+        where = contextlib.nullcontext()
+    with where:
+        return float(make_schedule(cfg)(step - 1))
+
+
+def schedule_warnings(cfg: OptimConfig, steps: int) -> list[str]:
+    """What a run of `steps` steps cannot do of the schedule asked for, one sentence each.
+
+    A warmup that does not end before the last step never trains at `lr`; a decay that
+    ends before the last step trains the remaining steps at the floor; one that ends
+    after it stops short of the floor. Warnings, not errors: a short trial run of a long
+    schedule (or a run continued later with more steps) is legitimate.
+    """
+    if steps < 1:
+        return []
+    warmup, out = cfg.warmup_steps, []
+    if warmup >= steps:
+        top = lr_at(cfg, steps)
+        out.append(f"optim.warmup_steps ({warmup}) is not shorter than run.steps ({steps}): the learning rate "
+                   f"rises to {top:.3g} ({top / cfg.lr:.0%} of optim.lr) and never reaches optim.lr; "
+                   f"lower optim.warmup_steps")
+    elif cfg.schedule != "constant" and warmup + cfg.decay_steps != steps:
+        end = warmup + cfg.decay_steps
+        fits = f"optim.decay_steps={steps - warmup} decays over the whole run"
+        if end < steps:
+            out.append(f"the {cfg.schedule} decay ends at step {end} of {steps}: the last {steps - end} steps "
+                       f"train at the floor {cfg.lr * cfg.min_lr_ratio:.3g}; {fits}")
+        else:
+            last = lr_at(cfg, steps)
+            out.append(f"the {cfg.schedule} decay ends at step {end}, after run.steps ({steps}): the run ends at "
+                       f"lr {last:.3g} ({last / cfg.lr:.0%} of optim.lr), not at the floor; {fits}")
+    return out
 
 
 def decay_mask(params):

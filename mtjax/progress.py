@@ -1,15 +1,19 @@
 """What a training run shows and records: a progress bar or log lines, and metrics.jsonl.
 
-On a terminal a live tqdm bar carries step, loss, tokens/s, MFU, host RSS and ETA;
-elsewhere (CI, pipes, files) one plain line is printed every `log_every` steps. Every
-step's metrics (plus host RSS, device memory where the backend reports it, MFU against
-a named peak, and per-stage seconds when the engine records them) are appended to
-<run dir>/metrics.jsonl, one JSON object per line.
+On a terminal a live tqdm bar carries step, loss, learning rate, gradient norm, tokens/s,
+MFU, host RSS and ETA; elsewhere (CI, pipes, files, or a terminal that reports zero
+columns) one plain line with the same fields is printed every `log_every` steps, with no
+carriage returns. Every step's metrics (plus host RSS, device memory where the backend
+reports it, MFU against a named peak, and per-stage seconds when the engine records them)
+are appended to <run dir>/metrics.jsonl, one JSON object per line. tokens/s (and MFU) is
+the rate over the last `RATE_WINDOW` steps, the first step excluded (it pays compilation).
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,6 +23,7 @@ import psutil
 from tqdm import tqdm
 
 GiB = 2**30
+RATE_WINDOW = 10  # steps over which tokens/s is measured
 
 
 class Progress:
@@ -33,23 +38,24 @@ class Progress:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self._tb = _tensorboard_writer(run_dir) if tensorboard else None
         self._metrics = open(Path(run_dir) / "metrics.jsonl", "a")
-        self._live = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._live = _terminal_columns(self.stream) > 0
         self._bar = tqdm(total=total_steps, initial=first_step, file=self.stream, unit="step",
                          dynamic_ncols=True) if self._live else None
         self._start = time.perf_counter()
-        self._timed_from = first_step  # the first step pays compilation: rates exclude it
-        self._timed_start = None
+        # (step, time) of the last steps; the first entry is the end of the first step,
+        # which pays compilation, so rates start from there.
+        self._recent = collections.deque(maxlen=RATE_WINDOW + 1)
 
     def update(self, step: int, metrics: dict) -> None:
         """Record the metrics of finished step `step` (1-based) and refresh the display."""
         now = time.perf_counter()
-        if self._timed_start is None:
-            self._timed_start, self._timed_from = now, step
-        timed = step - self._timed_from
-        rate = timed / (now - self._timed_start) if timed else 0.0
+        self._recent.append((step, now))
+        first, then = self._recent[0]
+        rate = (step - first) / (now - then) if step > first else 0.0  # steps/s over the window
         record = {"step": step, **metrics, "time_s": round(now - self._start, 3)}
         if rate:
             record["tokens_per_s"] = round(rate * self.tokens_per_step, 1)
+            record["rate_steps"] = step - first  # the steps that rate is measured over
             if self.flops_per_token and self.peak_flops:
                 record["mfu"] = round(record["tokens_per_s"] * self.flops_per_token / self.peak_flops, 4)
         record["rss_gib"] = round(self._process.memory_info().rss / GiB, 3)
@@ -102,10 +108,13 @@ class Progress:
     @staticmethod
     def _summary(metrics: dict, record: dict) -> str:
         parts = [f"loss {metrics['loss']:.4f}"]
+        if "lr" in metrics:
+            parts.append(f"lr {metrics['lr']:.3g}")
         if "grad_norm" in metrics:
             parts.append(f"gnorm {metrics['grad_norm']:.3f}")
         if record.get("tokens_per_s"):
-            parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+            n = record["rate_steps"]
+            parts.append(f"{record['tokens_per_s']:,.0f} tok/s over {f'{n} steps' if n > 1 else 'the last step'}")
         if "mfu" in record:
             parts.append(f"mfu {record['mfu']:.2%}")
         if "disk_read_gbps" in metrics:
@@ -114,6 +123,15 @@ class Progress:
         if "device_mem_gib" in record:
             parts.append(f"dev {record['device_mem_gib']:.2f}G")
         return "  ".join(parts)
+
+
+def _terminal_columns(stream) -> int:
+    """The width of the terminal `stream` writes to; 0 when it is not a terminal or
+    reports no width (a bar would then be unreadable: plain lines are printed instead)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns if stream.isatty() else 0
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 def _duration(seconds: float) -> str:

@@ -33,10 +33,10 @@ import numpy as np
 
 from mtjax import config as config_lib
 from mtjax import data, generate, hf, model, preflight, treepath
-from mtjax.config import ConfigError, ExperimentConfig
+from mtjax.config import ConfigError, ExperimentConfig, RunConfig
 from mtjax.errors import NonFiniteStep
 from mtjax.model_config import ModelConfig
-from mtjax.optim import make_optimizer
+from mtjax.optim import lr_at, make_optimizer, schedule_warnings
 from mtjax.progress import Progress, model_flops_per_token, peak_flops
 from mtjax.reference import ReferenceTrainer, loss_fn
 
@@ -175,6 +175,27 @@ def initial_params(exp: ExperimentConfig, cfg: ModelConfig):
     return model.init_params(cfg, exp.run.seed)
 
 
+def weights_provenance(exp: ExperimentConfig, resumed: Path | None = None, step: int = 0,
+                       store: Path | None = None) -> list[str]:
+    """The lines that say where a run's starting weights come from: a commit or checkpoint
+    `resumed` at `step`, the untrained weights of a layer `store` (filled by `mtjax import`
+    or `mtjax init`), model.checkpoint, or a random initialisation, which model.hf_config
+    alone (an architecture, not its weights) gets a warning for."""
+    if resumed is not None:
+        return [f"mtjax: weights: resumed from {resumed} at step {step}"]
+    if store is not None:
+        return [f"mtjax: weights: the layer store {store} as imported (no training steps in it yet)"]
+    if exp.model.checkpoint:
+        return [f"mtjax: weights: the Hugging Face checkpoint {exp.model.checkpoint}"]
+    lines = [f"mtjax: weights: a fresh random initialisation (run.seed {exp.run.seed})"]
+    if exp.model.hf_config:
+        where = f" and no layer store at {store_dir(exp)}" if store_dir(exp) is not None else ""
+        lines.append(f"mtjax: warning: model.hf_config={exp.model.hf_config} gives the architecture only; no "
+                     f"model.checkpoint{where}, so training starts from random weights; to fine-tune, pass "
+                     f"--model.checkpoint={exp.model.hf_config} or `mtjax import` it into the store first")
+    return lines
+
+
 def save_checkpoint(cfg: ModelConfig, params, out_dir: Path, tokenizer, state: dict, opt_state=None) -> None:
     """An HF checkpoint (fp32) plus tokenizer, optimizer and run state, swapped in whole."""
     out_dir = Path(out_dir)
@@ -298,22 +319,27 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     dataset.check_vocab(cfg.vocab_size)
     preflight.check(exp, cfg, dataset)  # before any weight is made: RAM, disk, data length
     tokenizer = dataset.tokenizer()
+    exp = _as_run(exp, dataset, tokenizer, run_dir)
     if exp.model.checkpoint and tokenizer.spec == "bytes" and (Path(exp.model.checkpoint) / "tokenizer.json").exists():
         print(f"mtjax: warning: the data is byte-tokenized but {exp.model.checkpoint} has its own tokenizer.json; "
               f"--data.tokenizer={exp.model.checkpoint} trains on the ids the model knows", file=out, flush=True)
     val = _eval_batches(dataset, exp) if exp.run.eval_every else None
     first, opt_state, cursor, engine = 0, None, None, None
+    origin = {}  # where the weights come from, for weights_provenance
     store_path = store_dir(exp)
     if store_path is not None and (exp.run.resume or (store_path / "manifest.json").exists()):
         # Streaming with state on disk: the store's last commit is the checkpoint (or an
         # imported store is the starting point).
         engine, first, cursor = resume_from_store(exp, cfg, store_path)
+        if engine is not None:
+            origin = dict(store=store_path) if cursor is None else dict(resumed=store_path, step=first)
     elif exp.run.resume:
         resumed = latest_checkpoint(run_dir)
         if resumed is None:
             raise ConfigError(f"run.resume: {run_dir} has no checkpoint to resume from; drop --run.resume")
         params, opt_state, state = load_checkpoint(exp, cfg, resumed)
         first, cursor = state["step"], state["loader"]
+        origin = dict(resumed=resumed, step=first)
     loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,
                          exp.data.seed, cursor=cursor)
     if engine is None:
@@ -332,7 +358,11 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     print(f"mtjax: {cfg.num_params() / 1e6:.2f}M-parameter {cfg.model_type} ({cfg.num_hidden_layers} blocks, "
           f"width {cfg.hidden_size}), {exp.stream.engine} engine on {jax.devices()[0].platform}; "
           f"{dataset.meta['num_tokens']:,} tokens ({dataset.meta['tokenizer_source']}); "
-          f"steps {first + 1}-{exp.run.steps} of {tokens_per_step:,} tokens; run dir {run_dir}", file=out, flush=True)
+          f"{_steps_text(first, exp.run.steps)} of {tokens_per_step:,} tokens; run dir {run_dir}", file=out, flush=True)
+    for line in weights_provenance(exp, **origin):
+        print(line, file=out, flush=True)
+    for warning in schedule_warnings(exp.optim, exp.run.steps):
+        print(f"mtjax: warning: {warning}", file=out, flush=True)
     try:
         summary = _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
     finally:
@@ -340,9 +370,31 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     return summary
 
 
+def _as_run(exp: ExperimentConfig, dataset, tokenizer, run_dir: Path) -> ExperimentConfig:
+    """`exp` as this run uses it, as config.yaml records it: a prepared dataset brings its
+    own tokenizer (data.tokenizer only tokenizes raw text), and on data other than the
+    built-in Shakespeare the default sample prompt gives way to the data's first words."""
+    groups = {}
+    if dataset.path.resolve() != (run_dir / "data").resolve():  # a prepared dataset, used as it is
+        groups["data"] = dict(tokenizer=tokenizer.spec)
+    if exp.run.sample_prompt == RunConfig.sample_prompt and exp.data.dataset != "builtin:shakespeare":
+        start, stop = dataset.split("train")
+        text = tokenizer.decode(dataset.tokens(start, min(stop, start + 256)).tolist())
+        groups["run"] = dict(sample_prompt=" ".join(text.strip().split("\n")[0].split()[:6]))
+    return replace(exp, **groups)
+
+
+def _steps_text(first: int, steps: int) -> str:
+    """The steps a run trains, from after step `first` to `steps`, in words."""
+    if first >= steps:
+        return f"no steps left (at step {first} of {steps})"
+    todo = f"step {steps}" if steps == first + 1 else f"steps {first + 1}-{steps}"
+    return todo if first else f"{steps} steps"
+
+
 def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out) -> dict:
     run_dir = Path(exp.run.dir)
-    losses, val_loss, start = [], None, time.perf_counter()
+    losses, val_loss, start = {}, None, time.perf_counter()  # losses by step
     peak, peak_note = peak_flops(jax.devices()[0], cfg.compute_dtype)
     print(f"mtjax: {peak_note}; per-step records in {run_dir / 'metrics.jsonl'}", file=out, flush=True)
     flops = model_flops_per_token(cfg.num_params(), cfg.num_hidden_layers, exp.data.seq_len, cfg.hidden_size)
@@ -360,8 +412,8 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
                 metrics = None  # the engine changed no state; the data cursor moves on
                 progress.record(step, {"skipped_nonfinite": 1.0})
             if metrics is not None:
-                losses.append(metrics["loss"])
-                progress.update(step, metrics)
+                losses[step] = metrics["loss"]
+                progress.update(step, {**metrics, "lr": lr_at(exp.optim, step)})
             if engine.commits_every_step:
                 # One copy of the state on disk: an update may only overwrite it once this
                 # step (state + pending gradients) is committed. Cheap: nothing is flushed.
@@ -383,10 +435,14 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
         if exp.run.sample_prompt and exp.run.sample_tokens:
             sample = generate.complete(cfg, params, tokenizer, exp.run.sample_prompt, exp.run.sample_tokens,
                                        seed=exp.run.seed)
+    last = list(losses)[-10:]  # the final loss is the mean over (up to) the last 10 trained steps
     summary = {
         "steps": exp.run.steps - first,
-        "first_loss": losses[0] if losses else None,
-        "final_loss": float(np.mean(losses[-10:])) if losses else None,  # mean of the last 10 steps
+        "resumed_from": first or None,
+        "first_loss": losses[min(losses)] if losses else None,
+        "first_loss_step": min(losses) if losses else None,
+        "final_loss": float(np.mean([losses[s] for s in last])) if losses else None,
+        "final_loss_steps": last,
         "val_loss": val_loss,
         "tokens": (exp.run.steps - first) * tokens_per_step,
         "seconds": round(seconds, 2),
@@ -409,10 +465,17 @@ def _checkpoint(exp, cfg, engine, loader, tokenizer, step: int) -> None:
 
 def describe(summary: dict) -> str:
     """The closing lines `mtjax train` prints."""
-    lines = []
+    lines, resumed = [], summary["resumed_from"]
     if summary["first_loss"] is not None:
-        lines.append(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
-                     f"(mean of the last 10 steps) in {summary['seconds']:.0f} s")
+        steps = summary["final_loss_steps"]
+        mean = f"step {steps[0]}" if len(steps) == 1 else f"mean of steps {steps[0]}-{steps[-1]}"
+        if len(steps) not in (1, steps[-1] - steps[0] + 1):
+            mean += f", {len(steps)} of them trained"  # others were skipped as non-finite
+        lines.append(f"{f'resumed from step {resumed}: ' if resumed else ''}loss {summary['first_loss']:.3f} "
+                     f"at step {summary['first_loss_step']} -> {summary['final_loss']:.3f} ({mean}) "
+                     f"in {summary['seconds']:.0f} s")
+    elif resumed:
+        lines.append(f"resumed from step {resumed}: no steps left to train")
     if summary["val_loss"] is not None:
         lines.append(f"validation loss {summary['val_loss']:.3f}")
     lines.append(f"checkpoint: {summary['checkpoint']}   metrics: {summary['run_dir']}/metrics.jsonl")

@@ -24,6 +24,11 @@ def mounted(where: Path, size: str):
         subprocess.run(["umount", "-l", str(where)], check=True)
 
 
+def make_readonly(mnt: Path) -> None:
+    """Remount a `mounted` tmpfs read-only (EROFS for every write, root's too)."""
+    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+
+
 def fill(mnt: Path, leave: int = 0) -> Path:
     """Write a ballast file until the disk is full, then free `leave` bytes of it."""
     ballast = mnt / "ballast"

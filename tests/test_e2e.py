@@ -28,6 +28,7 @@ import pytest
 
 from mtjax import data, generate, hf, model
 from mtjax import run as run_lib
+from mtjax.optim import OptimConfig, lr_at
 
 DATA = Path(__file__).parent / "data"
 
@@ -37,13 +38,13 @@ PREPARE = ["data", "prepare", "genesis.txt", "--out", "data/genesis", "--tokeniz
            "--val-fraction", "0.1"]
 PREPARE_BYTES = ["data", "prepare", "genesis.txt", "--out", "data/genesis-bytes", "--tokenizer", "bytes"]
 TRAIN = ["train", "--model.hf_config=qwen2-tiny", "--data.dataset=data/genesis", "--data.seq_len=32",
-         "--data.batch_size=2", "--optim.lr=3e-3", "--optim.decay_steps=6", "--store.compute=disk",
-         "--store.master=disk", "--store.opt=disk", "--run.dir=runs/genesis", "--run.steps=6",
+         "--data.batch_size=2", "--optim.lr=3e-3", "--optim.warmup_steps=1", "--optim.decay_steps=5",
+         "--store.compute=disk", "--store.master=disk", "--store.opt=disk", "--run.dir=runs/genesis", "--run.steps=6",
          "--run.log_every=1", "--run.eval_every=2", "--run.eval_batches=1", "--run.checkpoint_every=2",
          "--run.sample_tokens=0", "--run.resume=true"]
 EVAL = ["eval", "runs/genesis/store", "data/genesis", "--seq-len", "32", "--batch-size", "2", "--batches", "1"]
 GENERATE = ["generate", "runs/genesis/store", "--prompt", "In the beginning", "--tokens", "12", "--temperature", "0"]
-PLOT = ["plot", "runs/genesis", "--out", "runs/genesis/charts.png"]
+PLOT = ["plot", "runs/genesis"]
 EXPORT = ["export", "runs/genesis/store", "genesis-hf"]
 
 
@@ -127,7 +128,12 @@ def test_from_text_to_a_fine_tuned_model(workdir):
     assert 3 <= max(per_step(cwd / "runs/genesis", "loss")) < 6
     [(_, err)] = mtjax(cwd, TRAIN)  # the same command again resumes from the last commit (step 2 or 4)
     assert re.search(r"steps [35]-6 ", err), err
+    # It says where the weights come from and logs each step's learning rate.
+    assert re.search(r"\nmtjax: weights: resumed from runs/genesis/store at step [24]\n", err), err
+    last_lr = lr_at(OptimConfig(lr=3e-3, warmup_steps=1, decay_steps=5), 6)  # TRAIN's schedule at its last step
+    assert re.search(rf"\nstep      6/6  loss \S+  lr {last_lr:.3g}  gnorm ", err) and "warning" not in err, err
     assert reference.wait(timeout=300) == 0, reference.stderr.read()[-3000:]
+    assert "\nmtjax: weights: the layer store runs/straight/store as imported" in reference.stderr.read()
     resumed, want = per_step(cwd / "runs/genesis", "loss"), per_step(cwd / "runs/straight", "loss")
     assert sorted(resumed) == list(range(1, 7)) and resumed == want  # bit-identical per-step losses
     vals = per_step(cwd / "runs/genesis", "val_loss")

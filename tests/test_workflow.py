@@ -1,17 +1,28 @@
-"""The researcher's workflow around a run: what it records per step, its charts, its
-TensorBoard events, and eval/generate of a layer store as of an HF checkpoint."""
+"""The researcher's workflow around a run: what it records per step and shows on its
+progress line, its charts, its TensorBoard events, and eval/generate of a layer store as
+of an HF checkpoint."""
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
+import os
+import struct
+import subprocess
+import sys
+import termios
+import tty
+import types
 
 import matplotlib.image
 import pytest
 
-from mtjax import cli, config
+import small_disk
+from mtjax import cli, config, progress
 from mtjax import run as run_lib
-from mtjax.progress import model_flops_per_token, peak_flops
+from mtjax.commands import plot
+from mtjax.progress import Progress, model_flops_per_token, peak_flops
 
 TINY = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_hidden_layers=2",
         "--model.num_attention_heads=2", "--model.num_key_value_heads=1", "--model.head_dim=16",
@@ -88,8 +99,127 @@ def test_plot_writes_a_valid_png_of_all_panels(streamed, tmp_path, capsys):
     assert cli.main(["plot", str(run_dir), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     image = matplotlib.image.imread(out)
-    assert image.shape[0] > 500 and image.shape[1] > 1000  # the 2 x 2 grid at 120 dpi
+    assert image.shape[0] > 500 and image.shape[1] > 1000  # the 3 x 2 grid at 120 dpi
     assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_metrics_and_log_lines_carry_the_learning_rate_and_gradient_norm(streamed):
+    _, log, records = streamed
+    steps = [r for r in records if "loss" in r]
+    warmup = config.load(None, TINY).optim  # 20 warmup steps to 4e-3: step s trains at 4e-3 * (s - 1) / 20
+    assert [r["lr"] for r in steps] == pytest.approx([warmup.lr * (s - 1) / warmup.warmup_steps for s in (1, 2, 3, 4)])
+    assert all(r["grad_norm"] > 0 for r in steps)
+    lines = [line for line in log.splitlines()
+             if line.startswith("step ") and "loss" in line and "val_loss" not in line]
+    assert [line.split()[1] for line in lines] == ["2/4", "4/4"]  # one plain line per logged step
+    for line, r in zip(lines, steps[1::2]):
+        assert f"  lr {r['lr']:.3g}  gnorm {r['grad_norm']:.3f}  " in line
+    assert "\r" not in log
+    assert "mtjax: weights: a fresh random initialisation (run.seed 0)" in log
+    assert "warning: optim.warmup_steps (20) is not shorter than run.steps (4)" in log
+
+
+def _clocked(monkeypatch, times):
+    """Progress's clock reads `times` in turn (construction first, then one per update)."""
+    it = iter(times)
+    monkeypatch.setattr(progress, "time", types.SimpleNamespace(perf_counter=lambda: next(it)))
+
+
+def test_tokens_per_s_is_the_rate_over_the_last_steps(monkeypatch, tmp_path):
+    """Steps 2-5 take 1 s, steps 6-15 take 0.5 s: at step 15 the rate over the last 10
+    steps is 2 steps/s (the mean since step 1 would be 14 steps in 9 s)."""
+    ends = [10.0, 11, 12, 13, 14] + [14 + 0.5 * i for i in range(1, 11)]
+    _clocked(monkeypatch, [0.0, *ends])
+    out = io.StringIO()
+    with Progress(tmp_path, 15, tokens_per_step=100, log_every=5, stream=out) as p:
+        for step in range(1, 16):
+            p.update(step, {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.5})
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and "\r" not in out.getvalue()
+    assert lines[-1].startswith("step     15/15  loss 2.0000  lr 0.001  gnorm 0.500  200 tok/s over 10 steps  ")
+    assert "100 tok/s over 4 steps" in lines[0]  # step 5: steps 2-5 at 1 step/s, the compiling step 1 left out
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["tokens_per_s"] == 200.0 and last["rate_steps"] == 10
+
+
+def _on_pty(tmp_path, columns: int) -> bytes:
+    """What Progress writes for 4 steps to a raw pseudo-terminal `columns` wide."""
+    master, slave = os.openpty()
+    tty.setraw(slave)  # no newline translation: the bytes as written
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    with os.fdopen(slave, "w") as stream, Progress(tmp_path, 4, 10, log_every=2, stream=stream) as p:
+        for step in range(1, 5):
+            p.update(step, {"loss": 1.0, "lr": 1e-3, "grad_norm": 0.5})
+    written = os.read(master, 1 << 16)
+    os.close(master)
+    return written
+
+
+def test_a_terminal_of_zero_columns_gets_plain_lines(tmp_path):
+    zero = _on_pty(tmp_path / "a", 0)
+    assert b"\r" not in zero and [line[:11] for line in zero.splitlines()] == [b"step      2", b"step      4"]
+    assert b"gnorm 0.500" in zero
+    assert b"\r" in _on_pty(tmp_path / "b", 80)  # a real width gets the live bar
+
+
+def test_import_progress_is_plain_lines_off_a_terminal(tmp_path, capsys):
+    import hf_models
+
+    ckpt, _ = hf_models.checkpoint(tmp_path, "llama", vocab_size=64)
+    assert cli.main(["import", str(ckpt), str(tmp_path / "store")]) == 0
+    out = capsys.readouterr().out
+    assert "\r" not in out
+    assert [line.split()[0] for line in out.splitlines()[:-1]] == ["1/4", "2/4", "3/4", "4/4"]  # 2 blocks + embed, head
+
+
+def test_plot_goes_into_the_run_directory_with_memory_from_zero(streamed, capsys):
+    run_dir, _, records = streamed
+    capsys.readouterr()
+    assert cli.main(["plot", str(run_dir)]) == 0
+    assert capsys.readouterr().out == f"wrote {run_dir / plot.DEFAULT_NAME}\n"
+    assert (run_dir / plot.DEFAULT_NAME).read_bytes()[:4] == b"\x89PNG"
+    fig = plot.figure({run_dir: records})
+    fig.draw_without_rendering()  # lays out the legends
+    axes = {ax.get_title(): ax for ax in fig.axes}
+    assert axes["memory"].get_ylim()[0] == 0 and axes["throughput"].get_ylim()[0] == 0
+    for title, key in (("learning rate", "lr"), ("gradient norm", "grad_norm")):
+        (line,) = axes[title].lines
+        assert list(line.get_ydata()) == [r[key] for r in records if key in r]
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is not None:  # beside the data, never over it
+            assert not legend.get_window_extent().overlaps(ax.get_window_extent()), ax.get_title()
+
+
+def test_plot_to_an_unwritable_place_is_one_line_and_leaves_nothing(streamed, tmp_path, capsys):
+    run_dir, _, _ = streamed
+    a_file = tmp_path / "file"
+    a_file.write_text("kept")
+    cases = [(a_file / "x.png", "is a file, not a directory"), (a_file / "deeper" / "x.png", "Not a directory"),
+             (tmp_path / "x.bmp", "matplotlib writes no .bmp images"), (tmp_path / "x", "no extension")]
+    for out, message in cases:
+        capsys.readouterr()
+        assert cli.main(["plot", str(run_dir), "--out", str(out)]) == 2, out
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0] and "--out" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] and a_file.read_text() == "kept"
+    with small_disk.mounted(tmp_path / "ro", "1M") as mnt:
+        (mnt / "charts.png").write_bytes(b"an older chart")
+        small_disk.make_readonly(mnt)
+        result = subprocess.run([sys.executable, "-m", "mtjax", "plot", str(run_dir), "--out", str(mnt / "charts.png")],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert result.stderr.strip().splitlines() == [
+            f"mtjax plot: error: cannot write {mnt / 'charts.png'} (Read-only file system); choose another --out"]
+        assert os.listdir(mnt) == ["charts.png"] and (mnt / "charts.png").read_bytes() == b"an older chart"
+    with small_disk.mounted(tmp_path / "full", "1M") as mnt:
+        (mnt / "charts.png").write_bytes(b"an older chart")
+        small_disk.fill(mnt)
+        capsys.readouterr()
+        assert cli.main(["plot", str(run_dir), "--out", str(mnt / "charts.png")]) == 2
+        assert "(No space left on device); choose another --out" in capsys.readouterr().err
+        assert sorted(os.listdir(mnt)) == ["ballast", "charts.png"]  # no partial image left
+        assert (mnt / "charts.png").read_bytes() == b"an older chart"
 
 
 @pytest.fixture(scope="module")

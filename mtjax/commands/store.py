@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 from mtjax.errors import MtjaxError
@@ -46,12 +47,15 @@ def register(subparsers) -> None:
     i.set_defaults(func=run_init)
 
 
-def _progress(total: int):
+def _progress(total: int, live: bool):
+    """A callback printing each imported part: in place on a terminal (`live`), else one
+    plain line per part (a log file gets no carriage returns)."""
     done = [0]
 
     def step(part: str) -> None:
         done[0] += 1
-        print(f"\r{done[0]}/{total} parts ({part})", end="", flush=True)
+        text = f"{done[0]}/{total} parts ({part})"
+        print(f"\r{text}" if live else text, end="" if live else "\n", flush=True)
 
     return step
 
@@ -61,9 +65,12 @@ def run_import(args) -> int:
     from mtjax.store.hf_import import import_hf
 
     total = load_hf_config(args.hf_dir).num_hidden_layers + 2
-    out = import_hf(args.hf_dir, args.store_dir, compute_dtype=args.compute_dtype, progress=_progress(total),
+    live = sys.stdout.isatty()
+    out = import_hf(args.hf_dir, args.store_dir, compute_dtype=args.compute_dtype, progress=_progress(total, live),
                      copies=args.copies)
-    print(f"\nimported {args.hf_dir} into {out}")
+    if live:
+        print()  # ends the line the progress rewrote
+    print(f"imported {args.hf_dir} into {out}")
     return 0
 
 

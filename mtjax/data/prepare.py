@@ -13,6 +13,7 @@ import io
 import json
 import os
 import shutil
+import sys
 from importlib import resources
 from pathlib import Path
 from typing import Iterator
@@ -189,7 +190,7 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
         writer = _ShardWriter(tmp, dtype, shard_tokens)
         docs, max_id = 0, -1
         bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
-                   disable=total_bytes < PROGRESS_BYTES, leave=False)
+                   disable=total_bytes < PROGRESS_BYTES or not sys.stderr.isatty(), leave=False)  # no \r in logs
         with bar:
             for text, end in documents(files, text_field, on_bytes=bar.update):
                 ids = tok.encode(text) if text else []
