@@ -246,7 +246,7 @@ class Store:
     def read(self, part, kind: str, out: dict | None = None) -> concurrent.futures.Future:
         """Future of {leaf: array}: the latest written (else committed) state of a part.
 
-        `out` ({leaf: preallocated C-contiguous array}, e.g. from a BufferPool) is filled
+        `out` ({leaf: preallocated C-contiguous array}, e.g. from mtjax.hostmem.BufferPool) is filled
         in place and returned; without it fresh arrays are allocated (slower: page faults).
         """
         part = _part_name(part)

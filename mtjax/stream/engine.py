@@ -30,6 +30,7 @@ import optax
 from mtjax import parts as parts_mod
 from mtjax import treepath
 from mtjax.errors import MtjaxError, NonFiniteStep
+from mtjax.hostmem import BufferPool, fix_mmap_threshold
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, clip_scale
 from mtjax.stream import budget as budget_mod
@@ -38,7 +39,7 @@ from mtjax.stream.blockfns import block_fns
 from mtjax.stream.grads import GradSink
 from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.staging import Placement, StagingPool, raise_host_memory_limit
-from mtjax.stream.tiers import ReadBuffers, ScratchFiles, Tiers, derives_compute, fix_mmap_threshold, host_device
+from mtjax.stream.tiers import ScratchFiles, Tiers, derives_compute, host_device
 from mtjax.stream.trace import Tracer
 from mtjax.stream.update import PartUpdate, full_opt_state, split_opt_state, update_for
 
@@ -138,7 +139,7 @@ class StreamEngine:
         workers = 1 if self.tiers.kinds_in("disk") else max(1, min(8, os.cpu_count() or 1))
         self._update_pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="mtjax-update")
         self._updates: dict[str, cf.Future] = {}
-        self.read_buffers = ReadBuffers()
+        self.read_buffers = BufferPool(sets_per_shape=1)  # the optimizer's disk-tier reads
         self._plans: dict[tuple[int, int, int], budget_mod.DevicePlan] = {}
         self._residual_bytes_by_shape: dict[tuple, int] = {}
         self.step_count = 0
@@ -245,7 +246,7 @@ class StreamEngine:
         schema = self.store.schema(part, kind)
         buffers = self.read_buffers.acquire(schema)
         with self.tracer.span("read", part):
-            return self.tiers.read(part, kind, out=buffers).result(), (schema, buffers)
+            return self.tiers.read(part, kind, out=buffers).result(), buffers
 
     def _apply_update(self, part: str) -> dict | None:
         """The deferred optimizer update of `part`, if one is pending; returns the new compute copy."""
@@ -264,7 +265,7 @@ class StreamEngine:
                                                own=self.tiers.kinds_in("ram"), copy=not self.derived_compute)
         for bufs in (m_bufs, o_bufs):
             if bufs is not None:
-                self.read_buffers.release(*bufs, fence=master)
+                self.read_buffers.release(bufs, fence=master)
         if not self.update.fused:  # the optax program runs asynchronously: time it until done
             self.tracer.watch("optimizer", part, master)
         self._write(part, "master", master)

@@ -4,8 +4,8 @@ Each kind of state (compute weights, master weights, optimizer state) is placed 
 tier. Both tiers answer the store's calls (`read(part, kind, out)` and
 `write(part, kind, arrays)`, each returning a Future), so the engine never asks where a
 kind lives. RAM-tier arrays are numpy arrays on huge pages that the fused optimizer
-updates in place (`huge_empty`), or, with the optax program, jax arrays on the CPU
-backend that it donates.
+updates in place (`mtjax.hostmem.huge_empty`), or, with the optax program, jax arrays
+on the CPU backend that it donates.
 """
 
 from __future__ import annotations
@@ -124,78 +124,6 @@ class Tiers:
     def close(self) -> None:
         for tier in set(self.by_kind.values()):
             tier.close()
-
-
-HUGE_PAGE = 2 << 20
-
-
-def huge_empty(shape, dtype) -> np.ndarray:
-    """An array for long-lived host state, on transparent huge pages where the kernel
-    offers them (Linux, THP in "madvise" or "always" mode).
-
-    A memory-bound pass over state on 2 MiB pages runs ~9% faster here than on 4 KiB
-    pages (fewer TLB misses), and faulting it in costs about half. Arrays under 2 MiB,
-    and systems without madvise, get plain np.empty.
-    """
-    import mmap
-
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return np.empty(shape, dtype)
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE)  # anonymous; unmapped when the array is freed
-    region.madvise(mmap.MADV_HUGEPAGE)
-    raw = np.frombuffer(region, np.uint8)
-    start = -raw.ctypes.data % HUGE_PAGE
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
-def fix_mmap_threshold(nbytes: int = 256 << 10) -> bool:
-    """Serve every host allocation >= nbytes with its own mmap, returned on free (glibc).
-
-    glibc raises its mmap threshold after large frees, after which transient
-    multi-MiB buffers (optimizer outputs, gradients) come from heap arenas that do not
-    shrink: host RSS then grows with depth. Fixing the threshold keeps it flat. Returns
-    whether it was applied (False off glibc).
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, int(nbytes)))  # -3 = M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
-
-
-class ReadBuffers:
-    """Reused host buffers that the optimizer's disk-tier reads land in, one set per shape.
-
-    Fresh arrays per read would pay page faults, and the store keeps a reference to the
-    last result of each read until its next commit, so host memory would grow with depth.
-    """
-
-    def __init__(self):
-        self._sets: dict[tuple, tuple[dict, list]] = {}
-
-    @staticmethod
-    def _key(schema: dict) -> tuple:
-        return tuple((n, tuple(s.shape), np.dtype(s.dtype).str) for n, s in schema.items())
-
-    def acquire(self, schema: dict) -> dict[str, np.ndarray]:
-        from mtjax.stream.staging import aligned_empty
-
-        key = self._key(schema)
-        if key not in self._sets:
-            return {n: aligned_empty(s.shape, s.dtype) for n, s in schema.items()}
-        buffers, fence = self._sets.pop(key)
-        # Host sync (prefetch thread): the update that last read these buffers must be done.
-        jax.block_until_ready(fence)
-        return buffers
-
-    def release(self, schema: dict, buffers: dict, fence) -> None:
-        """Hand buffers back; `fence` are outputs of the computation that reads them."""
-        self._sets[self._key(schema)] = (buffers, jax.tree.leaves(fence))
 
 
 class ScratchFiles:
