@@ -33,13 +33,14 @@ from mtjax.errors import MtjaxError, NonFiniteStep
 from mtjax.hostmem import BufferPool, fix_mmap_threshold
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, clip_scale
+from mtjax.store.pending import PendingFiles
 from mtjax.stream import budget as budget_mod
 from mtjax.stream import fused_adamw
 from mtjax.stream.blockfns import block_fns
 from mtjax.stream.grads import GradSink
 from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.staging import Placement, StagingPool, raise_host_memory_limit
-from mtjax.stream.tiers import ScratchFiles, Tiers, derives_compute, host_device
+from mtjax.stream.tiers import Tiers, derives_compute, host_device
 from mtjax.stream.trace import Tracer
 from mtjax.stream.update import PartUpdate, full_opt_state, split_opt_state, update_for
 
@@ -125,9 +126,9 @@ class StreamEngine:
                              "store.master and store.opt to 'disk', or use store.copies=2")
         # With the master weights on disk, gradients awaiting their update wait in files.
         if self.one_copy:
-            spill = ScratchFiles(directory=self.store.pending_dir)
+            spill = PendingFiles(directory=self.store.pending_dir)
         else:
-            spill = ScratchFiles(_beside(self.store)) if self.tiers.placement["master"] == "disk" else None
+            spill = PendingFiles(_beside(self.store)) if self.tiers.placement["master"] == "disk" else None
         self.grads = GradSink(self.placement, self.tracer, spill)
         self._uncommitted = False  # one-copy: this step's gradients are not yet in a commit
         self._scale = None  # the clip scale of the pending updates (CPU scalar)

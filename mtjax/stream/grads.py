@@ -4,8 +4,8 @@ the device loop never waits.
 
 `finish` returns the squared global norm (a lazy scalar on the CPU backend), which
 fixes the clip scale before any part is updated; `take(part)` hands a part's summed
-gradient to its (deferred) update. With `spill`, sums wait in scratch files instead of
-host memory (used when the master weights live on disk). A step's finished sums are
+gradient to its (deferred) update. With `spill`, sums wait in checksummed files
+(mtjax.store.pending) instead of host memory (used when the master weights live on disk). A step's finished sums are
 named by its tag (`finish(tag)`); with a durable spill (one-copy stores) a taken sum's
 files stay until `release(part)`, after the part's new state is committed.
 """
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 
 from mtjax.optim import sum_of_squares
 from mtjax.store.layout import pending_key
+from mtjax.store.pending import PendingFiles
 from mtjax.stream.staging import Placement
-from mtjax.stream.tiers import ScratchFiles
 
 
 def _to_f32(g: dict) -> dict:
@@ -28,7 +28,7 @@ def _to_f32(g: dict) -> dict:
 
 
 class GradSink:
-    def __init__(self, placement: Placement, tracer, spill: ScratchFiles | None = None):
+    def __init__(self, placement: Placement, tracer, spill: PendingFiles | None = None):
         self.placement, self.tracer, self.spill = placement, tracer, spill
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="mtjax-grads")
         self._to_f32 = jax.jit(_to_f32)

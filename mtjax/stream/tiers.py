@@ -18,7 +18,6 @@ import numpy as np
 
 from mtjax.errors import MtjaxError
 from mtjax.parts import KINDS
-from mtjax.store.layout import pending_file
 
 TIER_NAMES = ("ram", "disk")
 
@@ -124,87 +123,3 @@ class Tiers:
     def close(self) -> None:
         for tier in set(self.by_kind.values()):
             tier.close()
-
-
-class ScratchFiles:
-    """Flat {leaf: array} dicts parked in files: gradients waiting for their update when
-    the master weights live on disk, so host memory does not grow with the model.
-
-    Plain file writes and reads: the bytes sit in the page cache, not in the process.
-    `directory` (a one-copy store's pending_dir) makes them durable: `put(..., sync=True)`
-    fsyncs, `take(key, keep=True)` leaves the files until `forget(key)`, and `close`
-    leaves the directory; without it a temporary directory next to `parent` is used.
-    """
-
-    def __init__(self, parent: str | None = None, directory=None):
-        import tempfile
-        from pathlib import Path
-
-        self.durable = directory is not None
-        self._tmp = None if self.durable else tempfile.TemporaryDirectory(prefix=".mtjax-grads-", dir=parent)
-        self.dir = Path(directory) if self.durable else Path(self._tmp.name)
-        self._meta: dict[str, dict[str, tuple]] = {}
-        self.io_bytes = [0, 0]  # bytes read, written
-
-    def _path(self, key: str, leaf: str):
-        return self.dir / pending_file(key, leaf)
-
-    def put(self, key: str, arrays: Mapping, sync: bool = False) -> None:
-        import os
-
-        meta = {}
-        try:
-            for leaf, a in arrays.items():
-                a = np.ascontiguousarray(np.asarray(a))
-                with open(self._path(key, leaf), "wb") as f:
-                    a.tofile(f)
-                    if sync and self.durable:
-                        f.flush()
-                        os.fsync(f.fileno())  # the sum must survive a crash once a commit names it
-                meta[leaf] = (a.shape, a.dtype)
-                self.io_bytes[1] += a.nbytes
-        except OSError as e:
-            for leaf in arrays:
-                self._path(key, leaf).unlink(missing_ok=True)
-            # A user-facing error: the step fails, what was committed before it stays intact.
-            raise MtjaxError(f"cannot park gradients in {self.dir} ({e}); free disk space there, then "
-                             "rerun to resume from the last committed step") from None
-        self._meta[key] = meta
-
-    def adopt(self, key: str, schema: Mapping) -> None:
-        """Take over files a previous process left under `key` ({leaf: ShapeDtypeStruct})."""
-        missing = [leaf for leaf in schema if not self._path(key, leaf).is_file()]
-        if missing:
-            raise MtjaxError(f"{self.dir} lacks the pending gradient file {pending_file(key, missing[0])} that the store's "
-                             "manifest names; the store is damaged: restore it from a backup")
-        self._meta[key] = {leaf: (tuple(s.shape), np.dtype(s.dtype)) for leaf, s in schema.items()}
-
-    def take(self, key: str, keep: bool = False) -> dict:
-        """The arrays stored under `key`; the files go (unless `keep`: then at `forget`)."""
-        out = {}
-        for leaf, (shape, dtype) in self._meta[key].items():
-            path = self._path(key, leaf)
-            out[leaf] = np.fromfile(path, dtype).reshape(shape)
-            self.io_bytes[0] += out[leaf].nbytes
-            if not keep:
-                path.unlink()
-        if not keep:
-            del self._meta[key]
-        return out
-
-    def forget(self, key: str) -> None:
-        for leaf in self._meta.pop(key, {}):
-            self._path(key, leaf).unlink(missing_ok=True)
-
-    def rename(self, key: str, new: str) -> None:
-        for leaf in self._meta[key]:
-            self._path(key, leaf).rename(self._path(new, leaf))
-        self._meta[new] = self._meta.pop(key)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._meta
-
-    def close(self) -> None:
-        self._meta.clear()
-        if self._tmp is not None:
-            self._tmp.cleanup()
