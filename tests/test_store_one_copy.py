@@ -288,3 +288,15 @@ def test_cli_refuses_a_damaged_pending_file_in_one_line(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert len(lines) == 1 and str(path) in lines[0] and "checksum" in lines[0], r.stderr
     assert _files(run_dir / "store") == before
+
+
+def test_pending_files_of_an_older_layout_are_refused(tmp_path):
+    """Pending files of layout 2 were raw bytes: a store stopped mid-update by that
+    version is refused (and left as it was), not read as damaged or applied unchecked."""
+    _train(tmp_path / "s", 1, 2)
+    manifest = tmp_path / "s" / "manifest.json"
+    manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), layout_version=2)))
+    before = _files(tmp_path / "s")
+    with pytest.raises(mtjax.store.StoreError, match=r"\(layout 2\) stopped mid-update"):
+        mtjax.store.open(tmp_path / "s", writable=True)
+    assert _files(tmp_path / "s") == before
