@@ -1,6 +1,6 @@
 """The layer store: a directory of per-part, per-leaf tensorstore arrays with atomic commits.
 
-    import mtjax.store
+    import mtjax.hostmem, mtjax.store
     store = mtjax.store.create("run/store", cfg)          # or mtjax.store.open(path, writable=True)
     store.write("block.0", "master", arrays).result()
     store.commit(step=1, train_state={"rng": key_data, "cursor": 123})
