@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 import mtjax.store  # noqa: E402
+from mtjax.hostmem import aligned_empty  # noqa: E402
 from mtjax.model_config import ModelConfig  # noqa: E402
 from mtjax.store import layout  # noqa: E402
 
@@ -106,10 +107,10 @@ def main() -> None:
     probe.close()
     shutil.rmtree(base / "probe")
     rng = np.random.default_rng(0)
-    data = {k: mtjax.store.empty_like_schema({"x": s})["x"] for k, s in schema.items()}
+    data = {k: aligned_empty(s.shape, s.dtype) for k, s in schema.items()}
     for a in data.values():
         a[...] = rng.random(a.shape, np.float32)
-    bufs = {k: mtjax.store.empty_like_schema({"x": s})["x"] for k, s in schema.items()}
+    bufs = {k: aligned_empty(s.shape, s.dtype) for k, s in schema.items()}
     total = sum(a.nbytes for a in data.values())
     print(f"{len(data)} arrays, {total / 1e9:.2f} GB per round, chunks of {layout.CHUNK_BYTES >> 20} MiB, dir {base}")
 

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+from mtjax.hostmem import HUGE_PAGE
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer, make_schedule
 from mtjax.stream import fused_adamw
@@ -126,16 +127,8 @@ def test_bf16_rounding_matches_ml_dtypes():
 
 def test_ram_tier_state_gets_huge_page_arrays():
     """The first in-place update moves RAM-tier state into arrays it then keeps updating:
-    big ones 2 MiB-aligned (madvised for transparent huge pages), all writable."""
-    from mtjax.stream.tiers import HUGE_PAGE, huge_empty
-
-    a = huge_empty((3 << 20,), np.float32)
-    assert a.flags.writeable and a.flags.c_contiguous and a.shape == (3 << 20,) and a.dtype == np.float32
-    assert a.ctypes.data % HUGE_PAGE == 0
-    a[:] = 1.5
-    assert float(a.sum()) == 1.5 * (3 << 20)
-    small = huge_empty((5, 3), ml_dtypes.bfloat16)
-    assert small.shape == (5, 3) and small.dtype == ml_dtypes.bfloat16 and small.flags.writeable
+    big ones 2 MiB-aligned (madvised for transparent huge pages), all writable. The
+    allocator itself: tests/test_hostmem.py."""
     fused, _ = _pair()
     state = _state(fused)
     big = SHAPES["big.kernel"]

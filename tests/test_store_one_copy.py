@@ -9,10 +9,14 @@ bit-identical, and that nothing reads half-updated weights.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -76,8 +80,9 @@ def test_one_copy_trains_like_two_copies_on_half_the_disk(tmp_path):
     assert s1.pending is not None and s2.pending is None  # one copy: the last update waits, committed
     one_bytes, two_bytes = _parts_bytes(tmp_path / "one"), _parts_bytes(tmp_path / "two")
     assert one_bytes == s1.nbytes() and two_bytes == 2 * s2.nbytes()  # exactly one copy vs two
-    pending_bytes = sum(f.stat().st_size for f in s1.pending_dir.iterdir())
-    assert pending_bytes == s1.nbytes("master")  # the fp32 gradient of every part
+    pending = list(s1.pending_dir.iterdir())  # one chunk file per leaf: its bytes + a 4-byte crc32c
+    assert len(pending) == sum(len(s1.schema(p, "master")) for p in s1.parts)
+    assert sum(f.stat().st_size - 4 for f in pending) == s1.nbytes("master")  # the fp32 gradient of every part
     p1, p2 = one.params(), two.params()  # applies the last update (and commits it, one copy)
     assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), p1, p2))
     assert s1.pending is None and not list(s1.pending_dir.iterdir())
@@ -202,3 +207,96 @@ def test_final_commit_right_after_a_step_commit(tmp_path):
         engine.close()
         store.close()
     assert _same(_params(tmp_path / "s1"), _params(tmp_path / "s2"))
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file of a store and its bytes (LOCK holds the pid of its last writer)."""
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*"))
+            if f.is_file() and f.name != "LOCK"}
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_flip, lambda f: f.write_bytes(f.read_bytes()[:-9]), Path.unlink],
+                         ids=["flipped", "truncated", "missing"])
+@pytest.mark.parametrize("part", ["embed", "head"])
+def test_a_damaged_pending_file_is_refused_on_resume(tmp_path, damage, part):
+    """A store killed mid-update whose pending gradient file was damaged: the resume
+    refuses it with one line naming the file before any update runs (the head's update
+    would run last), and the store keeps every byte it had."""
+    _train(tmp_path / "s", 1, 2)  # closed with step 2's update pending for every part
+    with mtjax.store.open(tmp_path / "s") as store:
+        tag = store.pending["tag"]
+        leaf = sorted(store.schema(part, "master"))[0]
+        path = store.pending_dir / mtjax.store.layout.pending_file(mtjax.store.layout.pending_key(part, tag), leaf)
+    damage(path)
+    before = _files(tmp_path / "s")
+    with mtjax.store.open(tmp_path / "s", writable=True) as store:
+        with pytest.raises(mtjax.store.StoreError) as err:
+            StreamEngine(CFG, None, OPT, store_config=DISK, store=store)
+        assert sorted(store.pending["parts"]) == sorted(store.parts)  # nothing applied
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message and "pending gradient file" in message
+    assert _files(tmp_path / "s") == before
+
+
+def _killed_mid_update(args: list[str], run_dir: Path) -> bool:
+    """Start `mtjax args`, SIGKILL it as soon as its store's manifest names a pending
+    update; True if the killed store still has one."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(fault_suite.ROOT)}
+    p = subprocess.Popen([sys.executable, "-m", "mtjax", *args], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, env=env, cwd=fault_suite.ROOT)
+    deadline = time.monotonic() + 300
+    while p.poll() is None and time.monotonic() < deadline:
+        try:
+            if (json.loads((run_dir / "store" / "manifest.json").read_text()).get("pending") or {}).get("parts"):
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.005)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    with mtjax.store.open(run_dir / "store") as store:
+        return store.pending is not None
+
+
+def test_cli_refuses_a_damaged_pending_file_in_one_line(tmp_path):
+    """`mtjax train --run.resume=true` on a one-copy store killed mid-update with a flipped
+    byte in a pending gradient file: exit 2, one line naming the file, no traceback, and
+    the store's committed state left byte for byte as it was."""
+    run_dir = tmp_path / "run"
+    args = fault_suite.train_args(run_dir, 4) + ONE_COPY
+    for _ in range(3):
+        if _killed_mid_update(args, run_dir):
+            break
+        shutil.rmtree(run_dir)
+    else:
+        pytest.fail("three runs finished their pending updates before the kill")
+    with mtjax.store.open(run_dir / "store") as store:
+        part, tag = store.pending["parts"][-1], store.pending["tag"]
+        leaf = sorted(store.schema(part, "master"))[-1]
+        path = store.pending_dir / mtjax.store.layout.pending_file(mtjax.store.layout.pending_key(part, tag), leaf)
+    _flip(path)
+    mtjax.store.open(run_dir / "store", writable=True).close()  # frees what the kill left uncommitted
+    before = _files(run_dir / "store")
+    r = fault_suite.mtjax(args)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1 and str(path) in lines[0] and "checksum" in lines[0], r.stderr
+    assert _files(run_dir / "store") == before
+
+
+def test_pending_files_of_an_older_layout_are_refused(tmp_path):
+    """Pending files of layout 2 were raw bytes: a store stopped mid-update by that
+    version is refused (and left as it was), not read as damaged or applied unchecked."""
+    _train(tmp_path / "s", 1, 2)
+    manifest = tmp_path / "s" / "manifest.json"
+    manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), layout_version=2)))
+    before = _files(tmp_path / "s")
+    with pytest.raises(mtjax.store.StoreError, match=r"\(layout 2\) stopped mid-update"):
+        mtjax.store.open(tmp_path / "s", writable=True)
+    assert _files(tmp_path / "s") == before

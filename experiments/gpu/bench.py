@@ -34,12 +34,13 @@ sys.path.insert(0, str(ROOT))
 
 from mtjax import model  # noqa: E402
 from mtjax.config import StreamConfig  # noqa: E402
+from mtjax.hostmem import aligned_empty  # noqa: E402
 from mtjax.model_config import ModelConfig  # noqa: E402
 from mtjax.optim import OptimConfig  # noqa: E402
 from mtjax.progress import model_flops_per_token, peak_flops  # noqa: E402
 from mtjax.reference import ReferenceTrainer  # noqa: E402
 from mtjax.stream import StreamEngine  # noqa: E402
-from mtjax.stream.staging import Placement, aligned_empty  # noqa: E402
+from mtjax.stream.staging import Placement  # noqa: E402
 
 STATE_BYTES = 2 + 4 + 4 + 4  # bf16 weights, fp32 master, AdamW m and v, per parameter
 

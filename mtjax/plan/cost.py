@@ -354,7 +354,7 @@ def estimate(cfg: ModelConfig, workload: Workload, hardware: HardwareProfile,
     in_ram = sum(state.get(k) for k in place.on("ram") if not (k == "compute" and derived))
     staging = (w.prefetch_depth + 1) * biggest.compute  # compute weights in flight to the device
     # The optimizer's disk reads land in reused buffers, one set per part shape and kind
-    # (mtjax.stream.tiers.ReadBuffers): the embedding, the head and each block kind.
+    # (a mtjax.hostmem.BufferPool): the embedding, the head and each block kind.
     shapes = {p.fn_kind: pb[p.name] for p in parts.parts(cfg)}
     staging += sum(b.get(k) for b in shapes.values() for k in ("master", "opt") if getattr(place, k) == "disk")
     staging += 2 * biggest.master if spill else 0  # a part's gradient sum on its way to and from disk

@@ -8,7 +8,9 @@ with flat chunk keys, so chunk i is the file `c.i.0...` holding rows [i*r, (i+1)
 raw little-endian bytes followed by their crc32c (zarr v3 `bytes` + `crc32c` codecs;
 the last chunk is padded to full size). `preadv`/`pwritev` move those bytes between the
 file and their rows of the array, and the checksum is computed in place. tensorstore
-creates and checks each array's zarr.json, and can read every array we write.
+creates and checks each array's zarr.json, and can read every array we write. Gradient
+sums waiting for their update are single chunk files of the same format
+(mtjax.store.pending).
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ TMP_SUFFIX = ".__mtjax_writing"  # a chunk being written; renamed over the chunk
 
 class ChunkError(Exception):
     """A chunk file that is missing, of the wrong size or fails its checksum."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(f"chunk file {path} {reason}")
 
 
 def plan(array_dir: Path, shape: tuple[int, ...], itemsize: int, rows: int) -> list[tuple[Path, int, int, int]]:
@@ -65,27 +71,52 @@ def _vectored(op, fd: int, buffers: list[memoryview]) -> int:
     return offset
 
 
-def read_chunk(path: Path, dest: memoryview, padding: int) -> None:
+def _open_sized(path: Path, size: int) -> int:
+    """A read-only descriptor of the chunk file, which must hold exactly `size` bytes."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        raise ChunkError(f"chunk file {path} is missing") from None
+        raise ChunkError(path, "is missing") from None
+    if (actual := os.fstat(fd).st_size) != size:
+        os.close(fd)
+        raise ChunkError(path, f"has {actual} bytes, expected {size}")
+    return fd
+
+
+def read_chunk(path: Path, dest: memoryview, padding: int) -> None:
+    size = len(dest) + padding + 4
+    fd = _open_sized(path, size)
     try:
-        size = os.fstat(fd).st_size
-        if size != len(dest) + padding + 4:
-            raise ChunkError(f"chunk file {path} has {size} bytes, expected {len(dest) + padding + 4}")
         pad, stored = bytearray(padding), bytearray(4)
         if _vectored(os.preadv, fd, [dest, memoryview(pad), memoryview(stored)]) != size:
-            raise ChunkError(f"chunk file {path} was truncated while reading")
+            raise ChunkError(path, "was truncated while reading")
     finally:
         os.close(fd)
     crc = crc32c.crc32c(pad, crc32c.crc32c(dest)) if padding else crc32c.crc32c(dest)
     if crc != struct.unpack("<I", stored)[0]:
-        raise ChunkError(f"checksum mismatch in chunk file {path}")
+        raise ChunkError(path, "has a checksum mismatch")
 
 
-def write_chunk(path: Path, src: memoryview, padding: int) -> None:
-    """Write a temporary file, fsync it, rename it over the chunk.
+def check_chunk(path: Path, nbytes: int, block: int = 16 << 20) -> None:
+    """Check a chunk file of `nbytes` data bytes (no padding) against its crc32c, reading
+    it a block at a time: its bytes are not kept."""
+    fd = _open_sized(path, nbytes + 4)
+    try:
+        view, crc, offset = memoryview(bytearray(max(1, min(block, nbytes)))), 0, 0
+        while offset < nbytes:
+            n = os.preadv(fd, [view[:min(len(view), nbytes - offset)]], offset)
+            if n == 0:
+                raise ChunkError(path, "was truncated while reading")
+            crc, offset = crc32c.crc32c(view[:n], crc), offset + n
+        stored = os.pread(fd, 4, nbytes)
+    finally:
+        os.close(fd)
+    if len(stored) != 4 or crc != struct.unpack("<I", stored)[0]:
+        raise ChunkError(path, "has a checksum mismatch")
+
+
+def write_chunk(path: Path, src: memoryview, padding: int, sync: bool = True) -> None:
+    """Write a temporary file, fsync it (unless not `sync`), rename it over the chunk.
 
     The rename becomes durable when the commit fsyncs the array's directory.
     """
@@ -96,7 +127,8 @@ def write_chunk(path: Path, src: memoryview, padding: int) -> None:
     try:
         try:
             _vectored(os.pwritev, fd, [src, memoryview(pad), memoryview(struct.pack("<I", crc))])
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -105,21 +137,22 @@ def write_chunk(path: Path, src: memoryview, padding: int) -> None:
         raise
 
 
-def _flat(array: np.ndarray) -> memoryview:
+def flat(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array (a copy of any other), as one flat view."""
     return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
 def read_into(pool: concurrent.futures.Executor, array_dir: Path, rows: int,
               out: np.ndarray) -> list[concurrent.futures.Future]:
     """Start reading every chunk of the array at `array_dir` into `out` (C-contiguous)."""
-    flat = _flat(out)
-    return [pool.submit(read_chunk, path, flat[start:stop], pad)
+    view = flat(out)
+    return [pool.submit(read_chunk, path, view[start:stop], pad)
             for path, start, stop, pad in plan(array_dir, out.shape, out.dtype.itemsize, rows)]
 
 
 def write_from(pool: concurrent.futures.Executor, array_dir: Path, rows: int,
                array: np.ndarray) -> list[concurrent.futures.Future]:
     """Start writing every chunk of `array` to the array at `array_dir`, without copying it."""
-    flat = _flat(array)
-    return [pool.submit(write_chunk, path, flat[start:stop], pad)
+    view = flat(array)
+    return [pool.submit(write_chunk, path, view[start:stop], pad)
             for path, start, stop, pad in plan(array_dir, array.shape, array.dtype.itemsize, rows)]

@@ -27,7 +27,8 @@ import numpy as np
 from mtjax.model_config import ModelConfig, RopeScaling
 from mtjax.store.errors import StoreError
 
-LAYOUT_VERSION = 2  # 2: one-copy stores (manifest "copies" and "pending")
+LAYOUT_VERSION = 3  # 2: one-copy stores (manifest "copies" and "pending"); 3: pending files carry a crc32c
+PENDING_CRC_VERSION = 3  # the first layout whose pending gradient files are checksummed chunks
 FORMAT = "mtjax-store"
 MANIFEST = "manifest.json"
 SCHEMA = "schema.json"

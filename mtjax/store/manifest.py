@@ -100,4 +100,7 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def write(root: Path, manifest: Manifest) -> None:
+    """Commit `manifest`, recorded with this mtjax's layout version: what it names is in
+    this version's format (an older store is upgraded by its first commit)."""
+    manifest = dataclasses.replace(manifest, layout_version=layout.LAYOUT_VERSION)
     write_atomic(root / layout.MANIFEST, json.dumps(manifest.to_json(), indent=1))

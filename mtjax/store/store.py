@@ -99,6 +99,7 @@ class Store:
             if writable:
                 saved_state.clean(self.root, keep=named)
                 if self.copies == 1:
+                    self._check_pending_format()
                     self._free_stale()
         except BaseException:
             self.close()
@@ -122,6 +123,14 @@ class Store:
         if not ok:
             raise StoreError(f"{self.root / layout.MANIFEST} has a malformed copies/pending entry; "
                              "restore the store from a backup")
+
+    def _check_pending_format(self) -> None:
+        """Pending gradients written before they carried a checksum cannot be checked."""
+        version = self._manifest.layout_version
+        if self.pending and version < layout.PENDING_CRC_VERSION:
+            raise StoreError(f"store {self.root} (layout {version}) stopped mid-update with pending gradient files "
+                             "in a format without checksums; finish the update with the mtjax that wrote it "
+                             "(resume the run there), then continue with this one")
 
     def _free_stale(self) -> None:
         """One-copy stores: delete what no commit names (a crash can leave both behind):
@@ -246,7 +255,7 @@ class Store:
     def read(self, part, kind: str, out: dict | None = None) -> concurrent.futures.Future:
         """Future of {leaf: array}: the latest written (else committed) state of a part.
 
-        `out` ({leaf: preallocated C-contiguous array}, e.g. from a BufferPool) is filled
+        `out` ({leaf: preallocated C-contiguous array}, e.g. from mtjax.hostmem.BufferPool) is filled
         in place and returned; without it fresh arrays are allocated (slower: page faults).
         """
         part = _part_name(part)

@@ -21,7 +21,8 @@ import concurrent.futures as cf
 from mtjax.errors import MtjaxError
 from mtjax.store.layout import pending_key
 from mtjax.stream.grads import GradSink
-from mtjax.stream.tiers import ScratchFiles, Tiers
+from mtjax.store.pending import PendingFiles
+from mtjax.stream.tiers import Tiers
 
 
 class OneCopy:
@@ -32,7 +33,7 @@ class OneCopy:
         self.store = store
         # Gradient sums wait for their update in the store's pending directory, fsynced,
         # and stay until the part's new state is committed.
-        self.spill = ScratchFiles(directory=store.pending_dir)
+        self.spill = PendingFiles(directory=store.pending_dir)
         self._uncommitted = False  # this step's gradients are not yet in a commit
         self._tag = None  # the tag of the committed pending gradients (their file names)
 

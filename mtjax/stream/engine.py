@@ -28,15 +28,17 @@ from mtjax import parts as parts_mod
 from mtjax import treepath
 from mtjax.config import ExperimentConfig, StoreConfig, StreamConfig
 from mtjax.errors import MtjaxError, NonFiniteStep
+from mtjax.hostmem import fix_mmap_threshold
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, clip_scale, make_optimizer
+from mtjax.store.pending import PendingFiles
 from mtjax.stream import budget as budget_mod
 from mtjax.stream.blockfns import block_fns
 from mtjax.stream.commit import OneCopy
 from mtjax.stream.grads import GradSink
 from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.staging import Placement, StagingPool, raise_host_memory_limit
-from mtjax.stream.tiers import ScratchFiles, Tiers, derives_compute, fix_mmap_threshold, host_device
+from mtjax.stream.tiers import Tiers, derives_compute, host_device
 from mtjax.stream.trace import Tracer
 from mtjax.stream.update import PartUpdate, full_opt_state, split_opt_state, update_for
 from mtjax.stream.updater import Updater
@@ -137,12 +139,12 @@ class StreamEngine:
 
     # --- state ---------------------------------------------------------------------
 
-    def _spill(self) -> ScratchFiles | None:
+    def _spill(self) -> PendingFiles | None:
         """Where gradients wait for their update: with the master weights on disk, in files
         (a one-copy store's durable ones); otherwise in host memory (None)."""
         if self.one_copy is not None:
             return self.one_copy.spill
-        return ScratchFiles(_beside(self.store)) if self.tiers.placement["master"] == "disk" else None
+        return PendingFiles(_beside(self.store)) if self.tiers.placement["master"] == "disk" else None
 
     def _init_state(self, params, opt_state=None) -> None:
         """Fill the tiers from fp32 `params` and, when resuming, the whole-model `opt_state`."""

@@ -4,11 +4,11 @@ the device loop never waits.
 
 `finish` returns the squared global norm (a lazy scalar on the CPU backend), which
 fixes the clip scale before any part is updated; `take(part)` hands a part's summed
-gradient to its (deferred) update. With `spill`, sums wait in scratch files instead of
-host memory (used when the master weights live on disk). A step's finished sums are
-named by its tag (`finish(tag)`, file keys `pending_key(part, tag)`). A durable spill
-(one-copy stores) keeps a taken sum's files: the commit protocol (mtjax.stream.commit)
-deletes them once the part's new state is committed.
+gradient to its (deferred) update. With `spill`, sums wait in checksummed files
+(mtjax.store.pending) instead of host memory (used when the master weights live on disk).
+A step's finished sums are named by its tag (`finish(tag)`, file keys `pending_key(part,
+tag)`). A durable spill (one-copy stores) keeps a taken sum's files: the commit protocol
+(mtjax.stream.commit) deletes them once the part's new state is committed.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 
 from mtjax.optim import sum_of_squares
 from mtjax.store.layout import pending_key
+from mtjax.store.pending import PendingFiles
 from mtjax.stream.staging import Placement
-from mtjax.stream.tiers import ScratchFiles
 
 
 def _to_f32(g: dict) -> dict:
@@ -29,7 +29,7 @@ def _to_f32(g: dict) -> dict:
 
 
 class GradSink:
-    def __init__(self, placement: Placement, tracer, spill: ScratchFiles | None = None):
+    def __init__(self, placement: Placement, tracer, spill: PendingFiles | None = None):
         self.placement, self.tracer, self.spill = placement, tracer, spill
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="mtjax-grads")
         self._to_f32 = jax.jit(_to_f32)

@@ -1,10 +1,10 @@
-"""Host<->device placement: the only module that calls `jax.device_put`.
+"""Host<->device placement: staging slots and the transfers between host memory and the device.
 
-Compute weights reach the device through a pool of reused, page-aligned, pre-touched
-host buffers (fresh buffers pay page faults: 150-220 ms/GiB on the CPU machines). The
-reuse rule: on the CPU backend `device_put` of an aligned buffer is zero-copy and
-aliases it, and on a GPU the copy out of it is asynchronous, so a buffer is refilled
-only after every computation that reads its device copy has finished (its fence).
+Compute weights reach the device through staging slots: buffer sets from a
+`mtjax.hostmem.BufferPool`, page-aligned and pre-touched (fresh buffers pay page faults:
+150-220 ms/GiB on the CPU machines), reused under the pool's fence rule (a set is
+refilled only after every computation that reads its device copy has finished). The
+staging pool also counts staged weights against the device budget.
 
 Where the backend has a `pinned_host` memory kind and is not the CPU itself, weights go
 host buffer -> pinned host array -> device, the fast DMA path, and kept activations and
@@ -15,29 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 
 import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from mtjax.hostmem import BufferPool
 from mtjax.stream.budget import DeviceLedger
 from mtjax.stream.tiers import host_device
-
-PAGE = 4096
-
-# The reuse rule of the staging pool. Only tests turn it off, to show the corruption
-# that follows when a buffer is refilled while a computation still reads it.
-WAIT_FOR_READERS = True
-
-
-def aligned_empty(shape, dtype) -> np.ndarray:
-    """A page-aligned array, touched once so that later fills pay no page faults."""
-    dtype = np.dtype(dtype)
-    nbytes = max(int(np.prod(shape)) * dtype.itemsize, 1)
-    raw = np.zeros(nbytes + PAGE, np.uint8)  # zeros: every page written once
-    start = -raw.ctypes.data % PAGE
-    return raw[start:start + nbytes].view(dtype)[: int(np.prod(shape))].reshape(shape)
 
 
 def raise_host_memory_limit(nbytes: int) -> None:
@@ -56,15 +41,9 @@ def raise_host_memory_limit(nbytes: int) -> None:
 class Slot:
     """One set of staging buffers, shaped like one part's compute weights."""
 
-    key: tuple
     buffers: dict[str, np.ndarray]
     nbytes: int
-    fence: list = dataclasses.field(default_factory=list)  # outputs of the last readers
     on_device: bool = False
-
-
-def _key(schema: dict) -> tuple:
-    return tuple((n, tuple(s.shape), np.dtype(s.dtype).str) for n, s in schema.items())
 
 
 class Placement:
@@ -123,42 +102,28 @@ class Placement:
 
 
 class StagingPool:
-    """Reused host staging buffers, one set per in-flight part, keyed by shapes."""
+    """Staging slots for the parts in flight: host buffers from one fenced pool, and the
+    device ledger's count of the weights staged from them."""
 
     def __init__(self, placement: Placement, ledger: DeviceLedger, max_slots: int = 4):
         self.placement, self.ledger = placement, ledger
-        self.max_slots = max_slots  # per shape: more would only wait for readers anyway
-        self._free: dict[tuple, list[Slot]] = {}
-        self._count: dict[tuple, int] = {}
-        self._lock = threading.Lock()
-        self.allocated = 0  # slots created, for tests and the memory benchmark
+        # Per shape: more slots would only wait for readers anyway.
+        self.buffers = BufferPool(sets_per_shape=max_slots)
+
+    @property
+    def max_slots(self) -> int:
+        return self.buffers.sets_per_shape
+
+    @property
+    def allocated(self) -> int:
+        """Slots created, for tests and the memory benchmark."""
+        return self.buffers.allocated
 
     def acquire(self, schema: dict) -> Slot:
-        """A slot for weights of this schema, safe to overwrite.
-
-        Prefers a free slot whose readers have finished, then a new slot (up to
-        `max_slots` per shape), then the free slot released longest ago.
-        """
-        key = _key(schema)
-        with self._lock:
-            free = self._free.setdefault(key, [])
-            ready = [s for s in free if all(a.is_ready() for a in s.fence)]
-            if ready or (free and self._count.get(key, 0) >= self.max_slots):
-                slot = ready[0] if ready else free[0]
-                free.remove(slot)
-            else:
-                slot = None
-                self._count[key] = self._count.get(key, 0) + 1
-        if slot is None:
-            buffers = {n: aligned_empty(s.shape, s.dtype) for n, s in schema.items()}
-            self.allocated += 1
-            return Slot(key, buffers, sum(b.nbytes for b in buffers.values()))
-        if WAIT_FOR_READERS:
-            # Host sync (on the prefetch thread): the last computation reading this
-            # buffer's device copy must finish before the buffer is refilled.
-            jax.block_until_ready(slot.fence)
-        slot.fence = []
-        return slot
+        """A slot for weights of this schema, safe to overwrite (waits for the readers of
+        a reused one: see `BufferPool.acquire`)."""
+        buffers = self.buffers.acquire(schema)
+        return Slot(buffers, sum(b.nbytes for b in buffers.values()))
 
     def put(self, slot: Slot, what: str) -> dict[str, jax.Array]:
         """The slot's weights on the device, counted against the device budget."""
@@ -172,6 +137,4 @@ class StagingPool:
         if slot.on_device:
             self.ledger.free(slot.nbytes)
             slot.on_device = False
-        slot.fence = [a for a in jax.tree.leaves(fence) if isinstance(a, jax.Array)]
-        with self._lock:
-            self._free.setdefault(slot.key, []).append(slot)
+        self.buffers.release(slot.buffers, fence)

@@ -4,8 +4,8 @@ Each kind of state (compute weights, master weights, optimizer state) is placed 
 tier. Both tiers answer the store's calls (`read(part, kind, out)` and
 `write(part, kind, arrays)`, each returning a Future), so the engine never asks where a
 kind lives. RAM-tier arrays are numpy arrays on huge pages that the fused optimizer
-updates in place (`huge_empty`), or, with the optax program, jax arrays on the CPU
-backend that it donates.
+updates in place (`mtjax.hostmem.huge_empty`), or, with the optax program, jax arrays
+on the CPU backend that it donates.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import numpy as np
 
 from mtjax.errors import MtjaxError
 from mtjax.parts import KINDS
-from mtjax.store.layout import pending_file
 
 TIER_NAMES = ("ram", "disk")
 
@@ -134,159 +133,3 @@ class Tiers:
     def close(self) -> None:
         for tier in set(self.by_kind.values()):
             tier.close()
-
-
-HUGE_PAGE = 2 << 20
-
-
-def huge_empty(shape, dtype) -> np.ndarray:
-    """An array for long-lived host state, on transparent huge pages where the kernel
-    offers them (Linux, THP in "madvise" or "always" mode).
-
-    A memory-bound pass over state on 2 MiB pages runs ~9% faster here than on 4 KiB
-    pages (fewer TLB misses), and faulting it in costs about half. Arrays under 2 MiB,
-    and systems without madvise, get plain np.empty.
-    """
-    import mmap
-
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return np.empty(shape, dtype)
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE)  # anonymous; unmapped when the array is freed
-    region.madvise(mmap.MADV_HUGEPAGE)
-    raw = np.frombuffer(region, np.uint8)
-    start = -raw.ctypes.data % HUGE_PAGE
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
-def fix_mmap_threshold(nbytes: int = 256 << 10) -> bool:
-    """Serve every host allocation >= nbytes with its own mmap, returned on free (glibc).
-
-    glibc raises its mmap threshold after large frees, after which transient
-    multi-MiB buffers (optimizer outputs, gradients) come from heap arenas that do not
-    shrink: host RSS then grows with depth. Fixing the threshold keeps it flat. Returns
-    whether it was applied (False off glibc).
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, int(nbytes)))  # -3 = M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
-
-
-class ReadBuffers:
-    """Reused host buffers that the optimizer's disk-tier reads land in, one set per shape.
-
-    Fresh arrays per read would pay page faults, and the store keeps a reference to the
-    last result of each read until its next commit, so host memory would grow with depth.
-    """
-
-    def __init__(self):
-        self._sets: dict[tuple, tuple[dict, list]] = {}
-
-    @staticmethod
-    def _key(schema: dict) -> tuple:
-        return tuple((n, tuple(s.shape), np.dtype(s.dtype).str) for n, s in schema.items())
-
-    def acquire(self, schema: dict) -> dict[str, np.ndarray]:
-        from mtjax.stream.staging import aligned_empty
-
-        key = self._key(schema)
-        if key not in self._sets:
-            return {n: aligned_empty(s.shape, s.dtype) for n, s in schema.items()}
-        buffers, fence = self._sets.pop(key)
-        # Host sync (prefetch thread): the update that last read these buffers must be done.
-        jax.block_until_ready(fence)
-        return buffers
-
-    def release(self, schema: dict, buffers: dict, fence) -> None:
-        """Hand buffers back; `fence` are outputs of the computation that reads them."""
-        self._sets[self._key(schema)] = (buffers, jax.tree.leaves(fence))
-
-
-class ScratchFiles:
-    """Flat {leaf: array} dicts parked in files: gradients waiting for their update when
-    the master weights live on disk, so host memory does not grow with the model.
-
-    Plain file writes and reads: the bytes sit in the page cache, not in the process.
-    `directory` (a one-copy store's pending_dir) makes them durable: `put(..., sync=True)`
-    fsyncs, `take(key, keep=True)` leaves the files until `forget(key)`, and `close`
-    leaves the directory; without it a temporary directory next to `parent` is used.
-    """
-
-    def __init__(self, parent: str | None = None, directory=None):
-        import tempfile
-        from pathlib import Path
-
-        self.durable = directory is not None
-        self._tmp = None if self.durable else tempfile.TemporaryDirectory(prefix=".mtjax-grads-", dir=parent)
-        self.dir = Path(directory) if self.durable else Path(self._tmp.name)
-        self._meta: dict[str, dict[str, tuple]] = {}
-        self.io_bytes = [0, 0]  # bytes read, written
-
-    def _path(self, key: str, leaf: str):
-        return self.dir / pending_file(key, leaf)
-
-    def put(self, key: str, arrays: Mapping, sync: bool = False) -> None:
-        import os
-
-        meta = {}
-        try:
-            for leaf, a in arrays.items():
-                a = np.ascontiguousarray(np.asarray(a))
-                with open(self._path(key, leaf), "wb") as f:
-                    a.tofile(f)
-                    if sync and self.durable:
-                        f.flush()
-                        os.fsync(f.fileno())  # the sum must survive a crash once a commit names it
-                meta[leaf] = (a.shape, a.dtype)
-                self.io_bytes[1] += a.nbytes
-        except OSError as e:
-            for leaf in arrays:
-                self._path(key, leaf).unlink(missing_ok=True)
-            # A user-facing error: the step fails, what was committed before it stays intact.
-            raise MtjaxError(f"cannot park gradients in {self.dir} ({e}); free disk space there, then "
-                             "rerun to resume from the last committed step") from None
-        self._meta[key] = meta
-
-    def adopt(self, key: str, schema: Mapping) -> None:
-        """Take over files a previous process left under `key` ({leaf: ShapeDtypeStruct})."""
-        missing = [leaf for leaf in schema if not self._path(key, leaf).is_file()]
-        if missing:
-            raise MtjaxError(f"{self.dir} lacks the pending gradient file {pending_file(key, missing[0])} that the store's "
-                             "manifest names; the store is damaged: restore it from a backup")
-        self._meta[key] = {leaf: (tuple(s.shape), np.dtype(s.dtype)) for leaf, s in schema.items()}
-
-    def take(self, key: str, keep: bool = False) -> dict:
-        """The arrays stored under `key`; the files go (unless `keep`: then at `forget`)."""
-        out = {}
-        for leaf, (shape, dtype) in self._meta[key].items():
-            path = self._path(key, leaf)
-            out[leaf] = np.fromfile(path, dtype).reshape(shape)
-            self.io_bytes[0] += out[leaf].nbytes
-            if not keep:
-                path.unlink()
-        if not keep:
-            del self._meta[key]
-        return out
-
-    def forget(self, key: str) -> None:
-        for leaf in self._meta.pop(key, {}):
-            self._path(key, leaf).unlink(missing_ok=True)
-
-    def rename(self, key: str, new: str) -> None:
-        for leaf in self._meta[key]:
-            self._path(key, leaf).rename(self._path(new, leaf))
-        self._meta[new] = self._meta.pop(key)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._meta
-
-    def close(self) -> None:
-        self._meta.clear()
-        if self._tmp is not None:
-            self._tmp.cleanup()

@@ -42,7 +42,8 @@ from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.stream import fused_adamw
 from mtjax.stream.elementwise import leafwise
-from mtjax.stream.tiers import host_device, huge_empty
+from mtjax.hostmem import huge_empty
+from mtjax.stream.tiers import host_device
 
 # fp32 bytes of one leaf per chunk program. Measured (experiments/bench/optimizer.py): 8-32 MiB
 # beat 4 MiB unless the machine is busy; 1 MiB pays more in dispatch than it saves.

@@ -27,7 +27,8 @@ import numpy as np
 from mtjax.stream import fused_adamw
 from mtjax.stream.commit import OneCopy
 from mtjax.stream.grads import GradSink
-from mtjax.stream.tiers import ReadBuffers, Tiers, host_device
+from mtjax.hostmem import BufferPool
+from mtjax.stream.tiers import Tiers, host_device
 from mtjax.stream.trace import Tracer
 from mtjax.stream.update import PartUpdate
 
@@ -50,7 +51,7 @@ class Updater:
         workers = 1 if tiers.kinds_in("disk") else max(1, min(8, os.cpu_count() or 1))
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="mtjax-update")
         self._updates: dict[str, cf.Future] = {}
-        self.read_buffers = ReadBuffers()
+        self.read_buffers = BufferPool(sets_per_shape=1)  # the optimizer's disk-tier reads
 
     # --- reads and writes of the tiers ------------------------------------------------
 
@@ -87,7 +88,7 @@ class Updater:
         schema = self.tiers.schema(part, kind)
         buffers = self.read_buffers.acquire(schema)
         with self.tracer.span("read", part):
-            return self.tiers.read(part, kind, out=buffers).result(), (schema, buffers)
+            return self.tiers.read(part, kind, out=buffers).result(), buffers
 
     # --- the compute copy -----------------------------------------------------------
 
@@ -130,7 +131,7 @@ class Updater:
                                                own=self.tiers.kinds_in("ram"), copy=not self.derived_compute)
         for bufs in (m_bufs, o_bufs):
             if bufs is not None:
-                self.read_buffers.release(*bufs, fence=master)
+                self.read_buffers.release(bufs, fence=master)
         if not self.update.fused:  # the XLA program runs asynchronously: time it until done
             self.tracer.watch("optimizer", part, master)
         self.write(part, "master", master)

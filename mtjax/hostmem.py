@@ -1,0 +1,133 @@
+"""Host memory for the streaming engine: page-aligned buffers, huge-page arrays, and one
+fenced pool of reused buffer sets.
+
+A fresh numpy array pays a page fault on the first write to every page (150-220 ms per
+GiB on the CPU machines), which costs more than reading the bytes from disk. So bytes
+that arrive every step (staged compute weights, the optimizer's disk-tier reads) land in
+buffers allocated once, aligned to a page (which also makes `device_put` of them
+zero-copy on the CPU backend), touched once, and reused through `BufferPool`.
+
+The pool's rule: a buffer set goes back into use only after the computations that read
+it are done. On the CPU backend `device_put` of an aligned buffer aliases it, and on a
+GPU the copy out of it is asynchronous, so `release(buffers, fence)` records the outputs
+of the last readers and `acquire` waits for them before handing the set out again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+import mmap
+import threading
+
+import jax
+import numpy as np
+
+PAGE = 4096
+HUGE_PAGE = 2 << 20
+
+# The pool's reuse rule. Only tests turn it off, to show the corruption that follows when
+# a buffer is refilled while a computation still reads it.
+WAIT_FOR_READERS = True
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """A page-aligned array of zeros, every page already written (no page faults later)."""
+    dtype = np.dtype(dtype)
+    count = math.prod(shape)
+    nbytes = max(count * dtype.itemsize, 1)
+    raw = np.empty(nbytes + PAGE, np.uint8)
+    start = -raw.ctypes.data % PAGE
+    out = raw[start:start + nbytes]
+    out.fill(0)  # np.zeros would not do: calloc leaves large mappings unfaulted
+    return out.view(dtype)[:count].reshape(shape)
+
+
+def huge_empty(shape, dtype) -> np.ndarray:
+    """An array for long-lived host state, on transparent huge pages where the kernel
+    offers them (Linux, THP in "madvise" or "always" mode).
+
+    A memory-bound pass over state on 2 MiB pages runs ~9% faster here than on 4 KiB
+    pages (fewer TLB misses), and faulting it in costs about half. Arrays under 2 MiB,
+    and systems without madvise, get plain np.empty.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.empty(shape, dtype)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE)  # anonymous; unmapped when the array is freed
+    region.madvise(mmap.MADV_HUGEPAGE)
+    raw = np.frombuffer(region, np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def fix_mmap_threshold(nbytes: int = 256 << 10) -> bool:
+    """Serve every host allocation >= nbytes with its own mmap, returned on free (glibc).
+
+    glibc raises its mmap threshold after large frees, after which transient
+    multi-MiB buffers (optimizer outputs, gradients) come from heap arenas that do not
+    shrink: host RSS then grows with depth. Fixing the threshold keeps it flat. Returns
+    whether it was applied (False off glibc).
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, int(nbytes)))  # -3 = M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+def _shape_key(arrays) -> tuple:
+    """What makes two buffer sets interchangeable: each leaf's name, shape and dtype."""
+    return tuple((n, tuple(a.shape), np.dtype(a.dtype).str) for n, a in arrays.items())
+
+
+class BufferPool:
+    """Reused sets of aligned buffers ({leaf: array}), keyed by the shapes they hold.
+
+    >>> pool = BufferPool(sets_per_shape=2)
+    >>> bufs = pool.acquire(store.schema("block.0", "compute"))
+    >>> store.read("block.0", "compute", out=bufs).result()
+    >>> y = f(jax.device_put(bufs))      # asynchronous; may alias bufs
+    >>> pool.release(bufs, fence=y)      # bufs are reused only once y is ready
+
+    `acquire` prefers a free set whose readers have finished, then a new set (up to
+    `sets_per_shape` per shape), then waits for the free set released longest ago. With
+    none free it makes a new one: a caller holding every set never waits on itself.
+    """
+
+    def __init__(self, sets_per_shape: int = 1):
+        self.sets_per_shape = sets_per_shape
+        self._free: dict[tuple, list[tuple[dict, list]]] = {}  # released (set, fence), oldest first
+        self._made: dict[tuple, int] = {}
+        self._lock = threading.Lock()  # acquire and release run on different threads
+        self.allocated = 0  # sets made, for tests and the memory benchmark
+
+    def acquire(self, schema: dict) -> dict[str, np.ndarray]:
+        """A buffer set shaped like `schema` ({leaf: ShapeDtypeStruct}), safe to overwrite."""
+        key = _shape_key(schema)
+        with self._lock:
+            free = self._free.setdefault(key, [])
+            pick = next((i for i, (_, fence) in enumerate(free) if all(a.is_ready() for a in fence)), None)
+            if pick is None and free and self._made.get(key, 0) >= self.sets_per_shape:
+                pick = 0
+            if pick is None:
+                self._made[key] = self._made.get(key, 0) + 1
+                self.allocated += 1
+            else:
+                buffers, fence = free.pop(pick)
+        if pick is None:
+            return {n: aligned_empty(s.shape, s.dtype) for n, s in schema.items()}
+        if WAIT_FOR_READERS:
+            # Host sync (on the caller's thread, the prefetch or update worker): the last
+            # computation reading these buffers, or their device copy, must be done.
+            jax.block_until_ready(fence)
+        return buffers
+
+    def release(self, buffers: dict[str, np.ndarray], fence=()) -> None:
+        """Hand a set back; `fence` (any pytree) holds the outputs of the last
+        computations that read it or its device copy. Non-jax leaves are already done."""
+        fence = [a for a in jax.tree.leaves(fence) if isinstance(a, jax.Array)]
+        with self._lock:
+            self._free.setdefault(_shape_key(buffers), []).append((buffers, fence))
