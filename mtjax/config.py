@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import re
 import types
 import typing
@@ -420,14 +421,19 @@ def _coerce(value, hint, key: str):
                 return int(number)
         raise _type_error(key, value, "an integer")
     if hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise _type_error(key, value, "a number")
+        if number is None:
+            raise _type_error(key, value, "a number")
+        if not math.isfinite(number):  # nan and inf parse as floats, and would train to NaN
+            raise _type_error(key, value, "a finite number")
+        return number
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

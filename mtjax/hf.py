@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 
 from mtjax import model
 from mtjax.errors import MtjaxError
-from mtjax.model_config import ModelConfig, load_hf_config, to_hf_dict
+from mtjax.model_config import ModelConfig, differences, load_hf_config, to_hf_dict
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 INDEX_FILE = "model.safetensors.index.json"
@@ -161,7 +161,19 @@ def load_params(ckpt_dir: str | Path, cfg: ModelConfig | None = None, dtype=np.f
     """(cfg, params) from a checkpoint directory, params as numpy arrays in `dtype`."""
     cfg = cfg or load_hf_config(ckpt_dir)
     reader = SafetensorsReader(ckpt_dir)
-    specs = check(cfg, reader)
+    try:
+        specs = check(cfg, reader)
+    except CheckpointError:
+        # Name the settings that differ rather than the tensors that follow from them.
+        try:
+            diff = differences(load_hf_config(ckpt_dir), cfg, ignore=("param_dtype", "compute_dtype", "extra_hf"))
+        except MtjaxError:
+            diff = []  # no readable config.json: the tensor list is all there is to say
+        if not diff:
+            raise
+        raise CheckpointError(f"checkpoint {ckpt_dir} holds another model than this one ({', '.join(diff)}: the "
+                              "checkpoint's -> this run's); use the checkpoint's settings, or another checkpoint "
+                              "or run.dir") from None
     params = jax.tree.map(lambda _: None, model.abstract_params(cfg))
     for spec in specs:
         set_path(params, spec.path, to_mtjax(spec, reader.read(spec.hf_name)).astype(dtype))

@@ -103,12 +103,27 @@ class ModelConfig:
         """Distinct block kinds, in first-use order: one compiled function each."""
         return tuple(dict.fromkeys(self.layer_types))
 
+    def check_context(self, seq_len: int, name: str) -> None:
+        """Refuse rows longer than the model's context; `name` is the setting that gave them."""
+        if seq_len > self.max_position_embeddings:
+            raise ConfigError(f"{name} ({seq_len}) exceeds the model's context (model.max_position_embeddings = "
+                              f"{self.max_position_embeddings}); lower {name}")
+
     def num_params(self) -> int:
         from mtjax.model import abstract_params  # the model owns the parameter layout
 
         import jax
 
         return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(self)))
+
+
+def differences(old: ModelConfig, new: ModelConfig, ignore: tuple[str, ...] = ()) -> list[str]:
+    """'field old -> new' for each field (not in `ignore`) whose value differs; layer_types
+    is left out when it only follows a changed num_hidden_layers."""
+    if old.num_hidden_layers != new.num_hidden_layers:
+        ignore = (*ignore, "layer_types")
+    return [f"{f.name} {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}" for f in dataclasses.fields(ModelConfig)
+            if f.name not in ignore and getattr(old, f.name) != getattr(new, f.name)]
 
 
 def _rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:

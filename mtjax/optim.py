@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,10 @@ class OptimConfig:
     clip_norm: float | None = 1.0  # global gradient-norm clip; None disables
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"optim.{f.name} must be a finite number, got {value}")
         if self.schedule not in ("constant", "cosine", "linear"):
             raise ConfigError(f"optim.schedule must be constant, cosine or linear, got {self.schedule!r}")
         if self.lr <= 0 or self.warmup_steps < 0 or self.decay_steps < 0:

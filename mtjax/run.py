@@ -312,9 +312,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     run_dir = Path(exp.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = config_lib.model_config(exp)
-    if exp.data.seq_len > cfg.max_position_embeddings:
-        raise ConfigError(f"data.seq_len ({exp.data.seq_len}) exceeds the model's context "
-                          f"(model.max_position_embeddings = {cfg.max_position_embeddings}); lower data.seq_len")
+    cfg.check_context(exp.data.seq_len, "data.seq_len")
     dataset = data.resolve(exp.data, run_dir / "data")
     dataset.check_vocab(cfg.vocab_size)
     preflight.check(exp, cfg, dataset)  # before any weight is made: RAM, disk, data length

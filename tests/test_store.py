@@ -212,7 +212,7 @@ def test_existing_directory_is_never_overwritten(filled, tmp_path):
 
 def test_store_for_another_config(filled, tmp_path):
     other = ModelConfig(**{**CFG.__dict__, "intermediate_size": 40})
-    with pytest.raises(StoreError, match="another model config.*intermediate_size"):
+    with pytest.raises(StoreError, match="another model config.*intermediate_size 48 -> 40"):
         mtjax.store.open(tmp_path / "s", config=other)
     mtjax.store.open(tmp_path / "s", config=CFG).close()
     # a manifest swapped in from another model's store: refused by identity, and without

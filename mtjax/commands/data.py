@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from mtjax import writable
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("data", help="prepare a tokenized dataset from text or JSONL, or describe one",
@@ -23,7 +25,9 @@ def register(subparsers) -> None:
                       help="share of tokens held out for validation (default: 0.01)")
     prep.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --out")
     prep.set_defaults(func=run_prepare)
-    info = sub.add_parser("info", help="print a prepared dataset's metadata")
+    info = sub.add_parser("info", help="print a prepared dataset's metadata",
+                          description="Print the meta.json of a prepared dataset: tokenizer, vocabulary, token "
+                                      "count, shards and the train/validation split.")
     info.add_argument("dataset", help="prepared dataset directory")
     info.set_defaults(func=run_info)
 
@@ -31,6 +35,7 @@ def register(subparsers) -> None:
 def run_prepare(args) -> int:
     from mtjax.data import prepare
 
+    writable.check(args.out, "--out")
     meta = prepare(args.inputs, args.out, args.tokenizer, args.text_field, args.val_fraction,
                    overwrite=args.overwrite)
     train, val = (b - a for a, b in meta["splits"].values())

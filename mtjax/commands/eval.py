@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from mtjax.errors import MtjaxError
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("eval", help="loss and perplexity of a checkpoint on a dataset", description=__doc__)
@@ -15,18 +17,48 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="rows per batch (default: 8)")
     p.add_argument("--batches", type=int, default=8, help="batches to average over (default: 8)")
     p.add_argument("--tokenizer", default=None, help="tokenizer spec when the checkpoint has none (a store "
-                   "trained by `mtjax train` uses the tokenizer of its training data)")
+                   "uses the tokenizer of its training data, or the one `mtjax import` kept)")
     p.set_defaults(func=run)
 
 
+_FLAGS = {"data.seq_len / data.batch_size / data.grad_accum": "--seq-len / --batch-size",
+          "--data.tokenizer": "--tokenizer"}
+
+
+def model_config(path):
+    """The model config of a layer store or an HF checkpoint directory (no weights read)."""
+    import mtjax.store
+    from mtjax.commands.generate import is_store
+    from mtjax.model_config import load_hf_config
+
+    if is_store(path):
+        with mtjax.store.open(path) as store:
+            return store.config
+    return load_hf_config(path)
+
+
 def run(args) -> int:
-    from mtjax.commands.generate import is_store, store_tokenizer_spec
+    from mtjax import data
+    from mtjax.commands.generate import check_source, is_store, tokenizer_of
     from mtjax.run import evaluate_checkpoint
 
+    if args.seq_len < 2:
+        raise MtjaxError(f"--seq-len must be at least 2 (a row predicts its next tokens), got {args.seq_len}")
+    for flag, value in (("--batch-size", args.batch_size), ("--batches", args.batches)):
+        if value < 1:
+            raise MtjaxError(f"{flag} must be at least 1, got {value}")
+    check_source(args.checkpoint)
+    model_config(args.checkpoint).check_context(args.seq_len, "--seq-len")
     spec = args.tokenizer
     if spec is None and is_store(args.checkpoint):
-        spec = store_tokenizer_spec(args.checkpoint)  # the tokenizer of the data the store was trained on
-    loss = evaluate_checkpoint(args.checkpoint, args.dataset, args.split, args.seq_len, args.batch_size,
-                               args.batches, spec)
+        spec = tokenizer_of(args.checkpoint, None).spec  # the data it was trained on, or the imported one
+    try:
+        loss = evaluate_checkpoint(args.checkpoint, args.dataset, args.split, args.seq_len, args.batch_size,
+                                   args.batches, spec)
+    except data.DataError as e:  # mtjax.data words its advice in the keys of `mtjax train`
+        message = str(e)
+        for key, flag in _FLAGS.items():
+            message = message.replace(key, flag)
+        raise data.DataError(message) from None
     print(f"{args.split} loss {loss:.4f}  perplexity {math.exp(min(loss, 50)):.2f}")
     return 0

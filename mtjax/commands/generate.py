@@ -4,7 +4,10 @@ whole model never needs to fit); an HF checkpoint directory is loaded whole."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+from mtjax.errors import MtjaxError
 
 
 def register(subparsers) -> None:
@@ -17,7 +20,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer spec (bytes or a tokenizer.json) when the checkpoint has none; a store "
-                        "trained by `mtjax train` uses the tokenizer of its training data")
+                        "uses the tokenizer of its training data, or the one `mtjax import` kept")
     p.set_defaults(func=run)
 
 
@@ -25,23 +28,12 @@ def is_store(path) -> bool:
     return (Path(path) / "manifest.json").exists()
 
 
-def store_tokenizer_spec(path) -> str | None:
-    """The tokenizer of the data a store was trained on (from its committed train state),
-    or None for a store that no run has trained (made by `mtjax import` or `mtjax init`)."""
-    import mtjax.store
-    from mtjax.data import format as fmt
-
-    with mtjax.store.open(path) as store:
-        state = store.load_train_state()
-    data = (state or {}).get("fixed", {}).get("data")
-    if not data:
-        return None
-    dataset = Path(data["dataset"])
-    if (dataset / fmt.META_FILE).exists():  # a prepared dataset names its own tokenizer
-        from mtjax.data import Dataset
-
-        return Dataset(dataset).tokenizer().spec
-    return data["tokenizer"]
+def check_source(path) -> None:
+    """Refuse a path that is neither a layer store nor a Hugging Face checkpoint directory."""
+    if not is_store(path) and not (Path(path) / "config.json").is_file():
+        what = "it does not exist" if not Path(path).exists() else "it has no manifest.json or config.json"
+        raise MtjaxError(f"no store or checkpoint at {path} ({what}); pass a layer store, a run's final/ "
+                         "directory or a Hugging Face checkpoint directory")
 
 
 def tokenizer_of(path, spec: str | None):
@@ -50,11 +42,32 @@ def tokenizer_of(path, spec: str | None):
     from mtjax.run import checkpoint_tokenizer
 
     if spec is None and is_store(path):
-        spec = store_tokenizer_spec(path)
+        import mtjax.store
+        from mtjax.store import tokenizer
+
+        with mtjax.store.open(path) as store:
+            spec = tokenizer.spec(store)
+        if spec is None:
+            raise data.DataError(f"store {path} holds no tokenizer (made by `mtjax init`, or imported from a "
+                                 "checkpoint without tokenizer files); "
+                                 "pass --tokenizer bytes or a tokenizer.json")
     return data.load_tokenizer(spec) if spec else checkpoint_tokenizer(path)
 
 
+def check_sampling(args) -> None:
+    if args.tokens < 1:
+        raise MtjaxError(f"--tokens must be at least 1, got {args.tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise MtjaxError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise MtjaxError(f"--top-k must be >= 0 (0: sample from the whole vocabulary), got {args.top_k}")
+    if args.seed < 0:
+        raise MtjaxError(f"--seed must be >= 0, got {args.seed}")
+
+
 def run(args) -> int:
+    check_sampling(args)
+    check_source(args.checkpoint)
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     tokenizer = tokenizer_of(args.checkpoint, args.tokenizer)
     if is_store(args.checkpoint):

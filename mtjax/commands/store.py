@@ -6,6 +6,7 @@ import re
 import sys
 from pathlib import Path
 
+from mtjax import writable
 from mtjax.errors import MtjaxError
 
 DTYPES = ("bfloat16", "float32", "float16")
@@ -22,7 +23,12 @@ def parse_size(text: str) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("import", help="convert a Hugging Face checkpoint into a new layer store")
+    p = subparsers.add_parser(
+        "import", help="convert a Hugging Face checkpoint into a new layer store",
+        description="Convert a Hugging Face checkpoint (config.json and safetensors) into a new layer store, one "
+                    "tensor at a time, so a model larger than host memory imports too. The store holds fp32 master "
+                    "weights, compute weights in --compute-dtype and fresh AdamW state, plus the checkpoint's "
+                    "tokenizer files; train it with `mtjax train --store.path=STORE`.")
     p.add_argument("hf_dir", help="checkpoint directory (config.json + safetensors, single or sharded)")
     p.add_argument("store_dir", help="new store directory (must not exist or be empty)")
     p.add_argument("--compute-dtype", choices=DTYPES, default="bfloat16", help="dtype of the streamed weights")
@@ -30,13 +36,22 @@ def register(subparsers) -> None:
                    help="copies of the state on disk: 2 (default) or 1 (train it with --store.copies=1)")
     p.set_defaults(func=run_import)
 
-    e = subparsers.add_parser("export", help="write a store's weights as a Hugging Face checkpoint")
+    e = subparsers.add_parser(
+        "export", help="write a store's weights as a Hugging Face checkpoint",
+        description="Write a store's last committed master weights as a Hugging Face checkpoint (config.json, "
+                    "safetensors shards in the checkpoint's dtype) with the tokenizer files of its model, so "
+                    "transformers' from_pretrained loads both.")
     e.add_argument("store_dir")
     e.add_argument("out_dir", help="new output directory (must not exist or be empty)")
     e.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
     e.set_defaults(func=run_export)
 
-    i = subparsers.add_parser("init", help="create a store with freshly initialised weights")
+    i = subparsers.add_parser(
+        "init", help="create a store with freshly initialised weights",
+        description="Create a layer store holding freshly initialised weights for an architecture (an HF "
+                    "config.json, a checkpoint directory or an experiment YAML), one part at a time, so a model "
+                    "larger than host memory can start from scratch. It has no tokenizer: train it with a "
+                    "dataset's, or pass --tokenizer to eval and generate.")
     i.add_argument("config", help="HF config.json, a checkpoint dir holding one, or an experiment YAML")
     i.add_argument("store_dir", help="new store directory (must not exist or be empty)")
     i.add_argument("--compute-dtype", choices=DTYPES,
@@ -64,6 +79,7 @@ def run_import(args) -> int:
     from mtjax.model_config import load_hf_config
     from mtjax.store.hf_import import import_hf
 
+    writable.check(args.store_dir, "store directory")
     total = load_hf_config(args.hf_dir).num_hidden_layers + 2
     live = sys.stdout.isatty()
     out = import_hf(args.hf_dir, args.store_dir, compute_dtype=args.compute_dtype, progress=_progress(total, live),
@@ -77,6 +93,7 @@ def run_import(args) -> int:
 def run_export(args) -> int:
     from mtjax.store.hf_export import export_hf
 
+    writable.check(args.out_dir, "output directory")
     out = export_hf(args.store_dir, args.out_dir, parse_size(args.max_shard_size))
     print(f"exported {args.store_dir} to {out}")
     return 0
@@ -85,6 +102,7 @@ def run_export(args) -> int:
 def run_init(args) -> int:
     from mtjax.store.fresh import init_store, load_config
 
+    writable.check(args.store_dir, "store directory")
     cfg, tx = load_config(Path(args.config), args.compute_dtype)
     out = init_store(cfg, args.store_dir, seed=args.seed, tx=tx, copies=args.copies)
     print(f"initialised {out}")

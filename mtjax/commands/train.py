@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from mtjax import config
+from mtjax import config, writable
 
 _GROUP_TITLES = {
     "model": "model (a preset, an HF config.json or checkpoint, and inline architecture overrides)",
@@ -58,6 +59,19 @@ def overrides_of(args) -> list[str]:
     return [f"{k}={v}" for k, v in vars(args).items() if "." in k]
 
 
+def check_outputs(exp: config.ExperimentConfig, store: Path | None) -> None:
+    """Refuse, before anything is made, a run directory or store path that cannot be written."""
+    writable.check(exp.run.dir, "run.dir")
+    if store is None:
+        return
+    if (store / "config.json").exists() and not (store / "manifest.json").exists():
+        raise config.ConfigError(
+            f"store.path {store} is a Hugging Face checkpoint, not a layer store; convert it with "
+            f"`mtjax import {store} STORE` and pass --store.path=STORE, or train from its weights with "
+            f"--model.checkpoint={store}")
+    writable.check(store, "store.path")
+
+
 def run(args) -> int:
     exp = config.load(args.experiment, overrides_of(args))
     if args.print_config:
@@ -65,6 +79,7 @@ def run(args) -> int:
         return 0
     from mtjax import run as run_lib  # imports JAX: keep `--help` fast
 
+    check_outputs(exp, run_lib.store_dir(exp))
     summary = run_lib.train(exp)
     print(run_lib.describe(summary), file=sys.stdout, flush=True)
     return 0

@@ -21,6 +21,7 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
+from mtjax import writable
 from mtjax.data import format as fmt
 from mtjax.data import tokenizer as toklib
 from mtjax.data.format import DataError
@@ -157,6 +158,15 @@ class _ShardWriter:
         self._file, self._in_shard = open(self.out / name, "wb"), 0
         self.shards.append({"file": name, "tokens": 0})
 
+    def abort(self) -> None:
+        """Close the open shard without flushing (its directory is about to be removed)."""
+        if self._file is not None:
+            try:
+                self._file.close()  # a full disk fails the flush inside close too
+            except OSError:
+                pass
+            self._file = None
+
     def close(self) -> None:
         if self._file is not None:
             self._file.flush()
@@ -185,9 +195,9 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    writer = _ShardWriter(tmp, dtype, shard_tokens)
     try:
-        writer = _ShardWriter(tmp, dtype, shard_tokens)
+        tmp.mkdir()
         docs, max_id = 0, -1
         bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
                    disable=total_bytes < PROGRESS_BYTES or not sys.stderr.isatty(), leave=False)  # no \r in logs
@@ -223,7 +233,12 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
         tok.save(tmp)
         fmt.write_meta(tmp, meta)
         _replace(tmp, out)
+    except OSError as e:  # e.g. a full disk: nothing of this attempt stays behind
+        writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DataError(f"cannot write the dataset {out}: {writable.describe(e)}") from None
     except BaseException:
+        writer.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return meta

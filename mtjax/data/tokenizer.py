@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -18,6 +19,9 @@ from mtjax.data.format import DataError
 # Names end-of-document tokens go by, most specific first, when no tokenizer_config.json says.
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
 TOKENIZER_FILE = "tokenizer.json"
+# The files a Hugging Face checkpoint's tokenizer may consist of (AutoTokenizer reads them).
+HF_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+            "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json")
 # Line starts (after a newline, before a non-space): byte-level BPE pre-tokenizers (GPT-2,
 # Llama 3, Qwen2) never merge across them, so pieces cut there encode to the same ids as
 # the whole text, and `encode_batch` encodes them in parallel. Other tokenizers (e.g. ones
@@ -85,6 +89,16 @@ class HFTokenizer:
 
     def save(self, out_dir: Path) -> None:
         self._tok.save(str(Path(out_dir) / TOKENIZER_FILE))
+
+
+def copy_hf_files(src_dir: Path, dst_dir: Path) -> list[str]:
+    """Copy the tokenizer files `src_dir` holds (of HF_FILES) into `dst_dir`; their names."""
+    found = [name for name in HF_FILES if (Path(src_dir) / name).is_file()]
+    if found:
+        Path(dst_dir).mkdir(parents=True, exist_ok=True)
+    for name in found:
+        shutil.copyfile(Path(src_dir) / name, Path(dst_dir) / name)
+    return found
 
 
 def load(spec: str) -> Tokenizer:

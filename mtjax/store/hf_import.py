@@ -18,7 +18,7 @@ from mtjax import hf
 from mtjax.errors import MtjaxError
 from mtjax.model_config import load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
-from mtjax.store import fill
+from mtjax.store import fill, tokenizer
 from mtjax.store.errors import StoreError
 
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -65,7 +65,8 @@ def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "b
 
     Master weights are the checkpoint's values in fp32 (exact for fp32/bf16/fp16 files),
     compute weights are cast to `compute_dtype`, optimizer state is `tx.init` (default
-    AdamW). `progress(part_name)` is called after each part.
+    AdamW). The checkpoint's tokenizer files are kept in the store (mtjax.store.tokenizer).
+    `progress(part_name)` is called after each part.
     """
     hf_dir = Path(hf_dir)
     try:
@@ -97,5 +98,6 @@ def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "b
             del master
             if progress:
                 progress(part)
+        tokenizer.keep(hf_dir, store.root)  # eval, generate and export then use the checkpoint's own
         store.commit(0)
     return Path(store_dir)

@@ -9,6 +9,7 @@
       parts/<part>/<kind>.<slot>/<leaf>/   one zarr3 array per leaf; slot "a" or "b"
       train_state/<name>/                  orbax checkpoint of the committed step's train state
       pending/<part>.<tag>--<leaf>.bin     one-copy stores: gradient sums whose update is pending
+      tokenizer/                           the imported checkpoint's tokenizer files (mtjax.store.tokenizer)
 
 See docs/store.md for the commit protocol.
 """
@@ -37,6 +38,7 @@ LOCK = "LOCK"
 PARTS_DIR = "parts"
 TRAIN_STATE_DIR = "train_state"
 PENDING_DIR = "pending"
+TOKENIZER_DIR = "tokenizer"
 SLOTS = ("a", "b")
 CHUNK_BYTES = 16 << 20  # 4-32 MiB chunks read fastest (FACTS.md); one chunk decodes on one thread
 
@@ -94,11 +96,6 @@ def config_from_json(d: dict) -> ModelConfig:
     d["layer_types"] = tuple(d.get("layer_types", ()))
     d["extra_hf"] = _tuples(d.get("extra_hf", []))
     return ModelConfig(**d)
-
-
-def config_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
-    """Field names whose values differ between two configs."""
-    return [f.name for f in dataclasses.fields(ModelConfig) if getattr(a, f.name) != getattr(b, f.name)]
 
 
 def schema_to_json(schemas: dict) -> dict:

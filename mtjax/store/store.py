@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mtjax import model_config
 from mtjax import parts as model_parts
 from mtjax.model_config import ModelConfig
 from mtjax.store import arrays, chunks, layout, manifest
@@ -64,9 +65,9 @@ class Store:
             self._check_identity()
             self.config = layout.config_from_json(self._manifest.config)
             self._schemas = self._read_schema()
-            if config is not None and (diff := layout.config_diff(config, self.config)):
-                raise StoreError(f"store {self.root} was written for another model config (differs in: "
-                                 f"{', '.join(diff)}); use a matching config or another store")
+            if config is not None and (diff := model_config.differences(self.config, config)):
+                raise StoreError(f"store {self.root} was written for another model config ({', '.join(diff)}: "
+                                 "the store's -> yours); use the store's settings or another store")
             self.parts = [p.name for p in model_parts.parts(self.config)]
             slots = self._manifest.slots
             if (not isinstance(slots, dict) or list(slots) != self.parts

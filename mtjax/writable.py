@@ -1,0 +1,61 @@
+"""Whether an output path can be written, asked before a command starts writing there.
+
+Every command that creates a directory (train's run.dir and store.path, `data prepare
+--out`, `import`, `export`, `init`) calls `check` first, so a read-only disk or a parent
+that is a file is one line naming the path and what to do, not an OSError halfway
+through. `describe` words an OSError met while writing (a full disk) the same way.
+"""
+
+from __future__ import annotations
+
+import errno
+import tempfile
+from pathlib import Path
+
+from mtjax.errors import MtjaxError
+
+
+class OutputError(MtjaxError):
+    """An output path that cannot be written; the message names it and what to do."""
+
+
+_HINTS = {
+    errno.ENOSPC: "free space on that disk or choose another location",
+    errno.EDQUOT: "free space within your quota or choose another location",
+    errno.EROFS: "choose a location on a writable disk",
+    errno.EACCES: "choose a directory you may write to",
+    errno.EPERM: "choose a directory you may write to",
+    errno.ENOTDIR: "a parent of the path is a file; choose another path",
+    errno.EEXIST: "something is already there; choose another path",
+    errno.ENOENT: "check the path",
+}
+
+
+def describe(e: OSError) -> str:
+    """'PATH: reason; what to do' for an OSError (one line)."""
+    where = f"{e.filename}: " if e.filename else ""
+    return f"{where}{e.strerror or e}; {_HINTS.get(e.errno, 'check the path and the disk')}"
+
+
+def check(path: str | Path, what: str, kind: str = "directory") -> Path:
+    """Raise OutputError unless `path` (a `kind`: directory or file) can be created or
+    written. `what` names the path for the user, e.g. "--out" or "run.dir"."""
+    path = Path(path)
+    if path.exists():
+        if kind == "directory" and not path.is_dir():
+            raise OutputError(f"{what} {path} is a file, not a directory; choose a directory")
+        if kind == "file" and path.is_dir():
+            raise OutputError(f"{what} {path} is a directory; name a file")
+        where = path if path.is_dir() else path.parent
+    else:
+        where = next((p for p in path.parents if p.exists()), Path("."))
+        if not where.is_dir():
+            raise OutputError(f"{what} {path} cannot be created: {where} is a file, not a directory; "
+                              "choose another path")
+    try:
+        with tempfile.TemporaryFile(dir=where):  # the one true test: permissions, read-only mounts, ACLs
+            pass
+    except OSError as e:
+        hint = _HINTS.get(e.errno, "choose another location")
+        raise OutputError(f"{what} {path} cannot be written: {where} is not writable ({e.strerror}); {hint}") from None
+    return path
