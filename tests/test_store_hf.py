@@ -216,3 +216,44 @@ def test_config_without_a_dtype_takes_the_tensors_dtype(tmp_path):
     import_hf(src, tmp_path / "store")
     assert mtjax.store.open(tmp_path / "store").config.param_dtype == "bfloat16"
     assert tensors(export_hf(tmp_path / "store", tmp_path / "out")) == tensors(src)
+
+
+def test_tokenizer_round_trip_through_import_and_export(tmp_path, capsys):
+    """import keeps the checkpoint's tokenizer (the real Qwen2 one, gzipped as in tests/data),
+    eval and generate use it with no --tokenizer, and AutoTokenizer on the export gives the
+    source checkpoint's ids."""
+    import gzip
+    import shutil
+
+    import transformers
+
+    from mtjax import data
+
+    src, _ = hf_models.checkpoint(tmp_path, "qwen2", vocab_size=151936, hidden_size=16, intermediate_size=32,
+                                  num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    qwen = Path(__file__).parent / "data" / "qwen2"
+    (src / "tokenizer.json").write_bytes(gzip.decompress((qwen / "tokenizer.json.gz").read_bytes()))
+    shutil.copy(qwen / "tokenizer_config.json", src)
+    assert cli.main(["import", str(src), str(tmp_path / "s"), "--compute-dtype", "float32"]) == 0
+    assert sorted(p.name for p in (tmp_path / "s" / "tokenizer").iterdir()) == ["tokenizer.json",
+                                                                                 "tokenizer_config.json"]
+    text = tmp_path / "t.txt"
+    text.write_text("In the beginning God created the heaven and the earth. " * 40)
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp_path / "s"), "--prompt", "In the", "--tokens", "3",
+                     "--temperature", "0"]) == 0
+    assert cli.main(["eval", str(tmp_path / "s"), str(text), "--seq-len", "16", "--batch-size", "1",
+                     "--batches", "1", "--split", "train"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("In the") and out[1].startswith("train loss ")
+    for spec in (str(src), "bytes"):  # the same loss as with the checkpoint's tokenizer named, not as bytes
+        assert cli.main(["eval", str(tmp_path / "s"), str(text), "--seq-len", "16", "--batch-size", "1",
+                         "--batches", "1", "--split", "train", "--tokenizer", spec]) == 0
+    named, as_bytes = capsys.readouterr().out.splitlines()
+    assert out[1] == named != as_bytes
+    assert cli.main(["export", str(tmp_path / "s"), str(tmp_path / "o")]) == 0
+    ours, theirs = (transformers.AutoTokenizer.from_pretrained(str(d)) for d in (tmp_path / "o", src))
+    sample = "In the beginning <|endoftext|> Ünïcödé 123\n\tdone"
+    assert ours(sample)["input_ids"] == theirs(sample)["input_ids"] == \
+        data.load_tokenizer(str(src)).encode(sample)
+    assert ours.eos_token == theirs.eos_token == "<|endoftext|>"

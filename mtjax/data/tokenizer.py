@@ -92,13 +92,19 @@ class HFTokenizer:
 
 
 def copy_hf_files(src_dir: Path, dst_dir: Path) -> list[str]:
-    """Copy the tokenizer files `src_dir` holds (of HF_FILES) into `dst_dir`; their names."""
-    found = [name for name in HF_FILES if (Path(src_dir) / name).is_file()]
+    """Copy the tokenizer files `src_dir` holds (of HF_FILES, each possibly gzipped as
+    NAME.gz, which is written unzipped: transformers reads no .gz) into `dst_dir`; their names."""
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    found = {name: src for name in HF_FILES
+             for src in (src_dir / f"{name}.gz", src_dir / name) if src.is_file()}  # plain wins
     if found:
-        Path(dst_dir).mkdir(parents=True, exist_ok=True)
-    for name in found:
-        shutil.copyfile(Path(src_dir) / name, Path(dst_dir) / name)
-    return found
+        dst_dir.mkdir(parents=True, exist_ok=True)
+    for name, src in found.items():
+        if src.suffix == ".gz":
+            (dst_dir / name).write_bytes(gzip.decompress(src.read_bytes()))
+        else:
+            shutil.copyfile(src, dst_dir / name)
+    return list(found)
 
 
 def load(spec: str) -> Tokenizer:
