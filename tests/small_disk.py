@@ -1,5 +1,6 @@
 """A small tmpfs mounted for a test, and a ballast file that fills it (needs root, as on
-the project machines and in CI; elsewhere the tests using it are skipped, saying why)."""
+the project machines and in CI; elsewhere the tests using it are skipped, saying why);
+and a read-only directory (a read-only tmpfs as root, a mode-555 directory otherwise)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,22 @@ def fill(mnt: Path, leave: int = 0) -> Path:
             assert e.errno == errno.ENOSPC
     os.truncate(ballast, max(0, ballast.stat().st_size - leave))
     return ballast
+
+
+@contextlib.contextmanager
+def read_only(where: Path):
+    """`where` as a directory nobody can write to (root ignores file modes: it gets a
+    read-only mount instead)."""
+    where.mkdir()
+    if os.geteuid() != 0:
+        where.chmod(0o555)
+        try:
+            yield where
+        finally:
+            where.chmod(0o755)
+        return
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)

@@ -32,7 +32,7 @@ def mtjax(*args, cwd=None) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("args, message", [
     (["train", "--optim.lrr=3e-4"], "unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
-    (["--optim.lr=fast"], "optim.lr must be a number, got 'fast'"),
+    (["train", "--optim.lr=fast"], "optim.lr must be a number, got 'fast'"),
 ])
 def test_bad_override_is_one_line_and_a_nonzero_exit(args, message):
     result = mtjax(*args)
@@ -46,8 +46,8 @@ def test_errors_of_other_commands_are_one_line(tmp_path, capsys):
     empty.write_text("")
     cases = [
         (["data", "prepare", str(empty), "--out", str(tmp_path / "ds")], "the input is empty"),
-        (["generate", str(tmp_path / "nowhere")], "holds no tokenizer"),
-        (["generate", str(tmp_path), "--tokenizer", "bytes"], "no config.json"),
+        (["generate", str(tmp_path / "nowhere")], "no store or checkpoint at"),
+        (["generate", str(tmp_path), "--tokenizer", "bytes"], "has no manifest.json or config.json"),
         (["plot", str(tmp_path)], "has no metrics.jsonl"),
         (["train", str(tmp_path / "missing.yaml")], "does not exist"),
     ]
@@ -58,15 +58,23 @@ def test_errors_of_other_commands_are_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", [["train"], ["data"], ["data", "prepare"], ["data", "info"], ["generate"],
-                                     ["eval"], ["plot"]])
+                                     ["eval"], ["plot"], ["import"], ["export"], ["init"]])
 def test_help_of_each_command(command, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main([*command, "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: mtjax {' '.join(command)}")
+    description = out.split("\n\n")[1]  # the paragraph between the usage and the arguments
+    assert len(description.split()) >= 8 and not description.lstrip().startswith(("positional", "options")), out
     if command == ["train"]:
         assert "--optim.lr FLOAT" in out and "peak learning rate" in out and "--stream.engine" in out
+
+
+def test_bare_mtjax_prints_usage_and_starts_nothing(tmp_path):
+    result = mtjax(cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.startswith("usage: mtjax") and "train" in result.stdout
+    assert list(tmp_path.iterdir()) == []  # no run directory: nothing was trained
 
 
 def test_print_config_shows_the_embedded_default(tmp_path, capsys):

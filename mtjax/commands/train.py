@@ -7,6 +7,7 @@ Shakespeare slice shipped in the package, on the CPU, in a few minutes.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -80,6 +81,13 @@ def run(args) -> int:
     from mtjax import run as run_lib  # imports JAX: keep `--help` fast
 
     check_outputs(exp, run_lib.store_dir(exp))
-    summary = run_lib.train(exp)
+    run_dir = Path(exp.run.dir)
+    new = not run_dir.exists()
+    try:
+        summary = run_lib.train(exp)
+    except BaseException:
+        if new and not (run_dir / "config.yaml").exists():  # refused before it started: leave no run dir
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     print(run_lib.describe(summary), file=sys.stdout, flush=True)
     return 0

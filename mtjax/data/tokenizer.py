@@ -127,7 +127,8 @@ def _load_file(spec: str) -> HFTokenizer:
             raise DataError(f"{path} has no {TOKENIZER_FILE}; use --data.tokenizer=bytes or a tokenizer file")
         path = found[0]
     if not path.is_file():
-        raise DataError(f"tokenizer {spec!r} is neither 'bytes', 'bpe:VOCAB' nor an existing tokenizer.json")
+        raise DataError(f"tokenizer {spec!r} is neither 'bytes', 'bpe:VOCAB' nor an existing tokenizer.json; "
+                        "name one of those")
     raw = path.read_bytes()
     try:
         text = (gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw).decode("utf-8")

@@ -1,0 +1,202 @@
+"""Bad input through the real command line, as a user types it (`python -m mtjax ...`).
+
+For every case: a non-zero exit, exactly one line on stderr that names the problem and
+what to do, no traceback, and nothing lost or left behind: every file of the working
+directory (a finished run, a prepared dataset, a store, a checkpoint) is byte-identical
+afterwards and no new file appeared, temporary ones included (TMPDIR points inside it).
+The cases of one class run side by side (most of their time is interpreter start-up).
+docs/reliability.md has the table of classes and cases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import hf_models
+import small_disk
+from mtjax import cli
+
+TINY = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_hidden_layers=2",
+        "--model.num_attention_heads=2", "--model.num_key_value_heads=1", "--model.head_dim=16",
+        "--data.seq_len=32", "--data.batch_size=4", "--optim.warmup_steps=0", "--run.steps=2",
+        "--run.eval_every=0", "--run.sample_tokens=0"]
+QWEN_TOKENIZER = str(Path(__file__).parent / "data" / "qwen2" / "tokenizer.json.gz")
+
+
+def start(cwd: Path, args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TMPDIR": str(cwd / "tmp")}
+    return subprocess.Popen([sys.executable, "-m", "mtjax", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """{path: sha256 (or 'dir')} of everything under `root`."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        out[rel] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def run_cases(cwd: Path, cases: list[tuple[list[str], str]], parallel: int = 4) -> None:
+    """Run each (args, expected text) case; check its one error line and that the working
+    directory is exactly as before."""
+    before = snapshot(cwd)
+    results = []
+    for i in range(0, len(cases), parallel):
+        batch = [(args, expect, start(cwd, args)) for args, expect in cases[i:i + parallel]]
+        for args, expect, p in batch:
+            out, err = p.communicate(timeout=300)
+            results.append((args, expect, p.returncode, out, err))
+    for args, expect, rc, out, err in results:
+        lines = err.strip().splitlines()
+        assert rc not in (0, None) and "Traceback" not in err + out, (args, rc, err)
+        assert len(lines) == 1 and expect in lines[0], (args, err)
+        assert lines[0].startswith(f"mtjax {args[0]}: error: "), (args, err)
+    after = snapshot(cwd)
+    assert after == before, {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A user's directory: a finished run, a text file and its dataset, an HF checkpoint,
+    a store imported from it and one made by init, a plain file, a read-only directory."""
+    cwd = tmp_path_factory.mktemp("bad-input")
+    (cwd / "tmp").mkdir()
+    (cwd / "text.txt").write_text("To be, or not to be, that is the question.\n" * 200)
+    (cwd / "FILE").write_text("a file, not a directory\n")
+    (cwd / "empty").mkdir()
+    ckpt, _ = hf_models.checkpoint(cwd, "llama")
+    ckpt.rename(cwd / "ckpt")
+    assert cli.main(["import", str(cwd / "ckpt"), str(cwd / "store"), "--compute-dtype", "float32"]) == 0
+    assert cli.main(["init", str(cwd / "ckpt"), str(cwd / "fresh")]) == 0
+    assert cli.main(["data", "prepare", str(cwd / "text.txt"), "--out", str(cwd / "ds")]) == 0
+    assert cli.main(["train", *TINY, f"--run.dir={cwd / 'run'}", "--data.dataset=builtin:shakespeare"]) == 0
+    with small_disk.read_only(cwd / "RO") as ro:
+        yield cwd
+        assert ro.is_dir()
+
+
+def test_outputs_that_cannot_be_written(work):
+    ro = "" if os.geteuid() == 0 else "Permission denied"
+    run_cases(work, [
+        (["train", *TINY, "--run.dir=RO/r"], f"run.dir RO/r cannot be written: RO is not writable ({ro or 'Read-only'}"),
+        (["train", *TINY, "--run.dir=FILE"], "run.dir FILE is a file, not a directory"),
+        (["train", *TINY, "--run.dir=FILE/r"], "run.dir FILE/r cannot be created: FILE is a file"),
+        (["train", *TINY, "--run.dir=r2", "--store.master=disk", "--store.path=FILE/s"],
+         "store.path FILE/s cannot be created: FILE is a file"),
+        (["data", "prepare", "text.txt", "--out", "RO/d"], "--out RO/d cannot be written"),
+        (["data", "prepare", "text.txt", "--out", "FILE/d"], "--out FILE/d cannot be created: FILE is a file"),
+        (["data", "prepare", "text.txt", "--out", "FILE"], "--out FILE is a file"),
+        (["import", "ckpt", "RO/s"], "store directory RO/s cannot be written"),
+        (["import", "ckpt", "FILE/s"], "store directory FILE/s cannot be created: FILE is a file"),
+        (["export", "store", "RO/x"], "output directory RO/x cannot be written"),
+        (["export", "store", "FILE/x"], "output directory FILE/x cannot be created: FILE is a file"),
+        (["init", "ckpt", "FILE/s"], "store directory FILE/s cannot be created: FILE is a file"),
+    ])
+
+
+def test_numbers_out_of_range(work):
+    run_cases(work, [
+        (["train", *TINY, "--run.dir=r2", "--optim.lr=nan"], "optim.lr must be a finite number, got 'nan'"),
+        (["train", *TINY, "--run.dir=r2", "--optim.lr=inf"], "optim.lr must be a finite number, got 'inf'"),
+        (["train", *TINY, "--run.dir=r2", "--optim.eps=-inf"], "optim.eps must be a finite number"),
+        (["train", *TINY, "--run.dir=r2", "--model.rope_theta=nan"], "model.rope_theta must be a finite number"),
+        (["train", *TINY, "--run.dir=r2", "--data.val_fraction=nan"], "data.val_fraction must be a finite number"),
+        (["generate", "run/final", "--top-k", "-5"], "--top-k must be >= 0"),
+        (["generate", "run/final", "--tokens", "-3"], "--tokens must be at least 1, got -3"),
+        (["generate", "run/final", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
+        (["generate", "run/final", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
+        (["generate", "run/final", "--tokens", "many"], "argument --tokens: invalid int value: 'many'"),
+        (["eval", "run/final", "ds", "--batches", "0"], "--batches must be at least 1, got 0"),
+        (["eval", "run/final", "ds", "--batch-size", "-1"], "--batch-size must be at least 1"),
+        (["eval", "run/final", "ds", "--seq-len", "1"], "--seq-len must be at least 2"),
+        (["eval", "run/final", "ds", "--seq-len", "5000"],
+         "--seq-len (5000) exceeds the model's context (model.max_position_embeddings = 1024); lower --seq-len"),
+        (["eval", "store", "ds", "--seq-len", "129"], "--seq-len (129) exceeds the model's context"),
+    ])
+
+
+def test_messages_point_the_right_way(work):
+    run_cases(work, [
+        (["eval", "/nonexistent", "ds"], "no store or checkpoint at /nonexistent (it does not exist)"),
+        (["generate", "NOT_A_STORE"], "no store or checkpoint at NOT_A_STORE"),
+        (["generate", "empty"], "no store or checkpoint at empty (it has no manifest.json or config.json)"),
+        (["eval", "FILE", "ds"], "no store or checkpoint at FILE"),
+        (["generate", "fresh"], "store fresh holds no tokenizer"),
+        (["train", *TINY, "--run.dir=run", "--data.dataset=builtin:shakespeare", "--run.resume=true",
+          "--run.steps=3", "--model.num_hidden_layers=3"], "(num_hidden_layers 2 -> 3: the checkpoint's -> this run's)"),
+        (["train", *TINY, "--run.dir=run", "--data.dataset=builtin:shakespeare", "--run.resume=true",
+          "--run.steps=3", "--model.intermediate_size=96"], "(intermediate_size 64 -> 96: the checkpoint's"),
+        (["train", "--model.checkpoint=ckpt", "--model.intermediate_size=96", "--model.vocab_size=257",
+          "--run.dir=r2", "--data.dataset=ds", "--data.seq_len=32"], "vocab_size 97 -> 257, intermediate_size 56 -> 96"),
+        (["train", *TINY, "--run.dir=r2", "--store.master=disk", "--store.path=ckpt"],
+         "store.path ckpt is a Hugging Face checkpoint, not a layer store; convert it with `mtjax import ckpt STORE`"),
+        (["eval", "run/final", "ds", "--seq-len", "64", "--batch-size", "64"],
+         "add data or lower --seq-len / --batch-size"),
+        (["eval", "run/final", "ds", "--tokenizer", "nothing.json"], "tokenizer 'nothing.json' is neither"),
+        (["eval", "run/final", "ds", "--split", "test"], "has no split 'test'"),
+    ])
+
+
+def test_eval_errors_name_its_own_flags_only(work):
+    """No error of `mtjax eval` speaks of train's data.* keys (the cases above that reach mtjax.data)."""
+    p = start(work, ["eval", "run/final", "ds", "--seq-len", "64", "--batch-size", "64"])
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 2 and "--seq-len" in err and "data." not in err.replace("data.dataset", ""), err
+
+
+@pytest.fixture
+def disk(work):
+    """A 6 MiB tmpfs inside the working directory holding a prepared dataset; mostly full."""
+    with small_disk.mounted(work / "disk", "6m") as mnt:
+        assert cli.main(["data", "prepare", str(work / "text.txt"), "--out", str(mnt / "ds")]) == 0
+        small_disk.fill(mnt, leave=64 << 10)
+        yield mnt
+        (mnt / "ballast").unlink()
+    (work / "disk").rmdir()
+
+
+def test_a_full_disk_outside_the_store_step(work, disk):
+    big = work / "tmp" / "big.txt"
+    big.write_text("Whether 'tis nobler in the mind to suffer the slings and arrows\n" * 20000)  # 1.3 MB
+    try:
+        run_cases(work, [
+            (["data", "prepare", "tmp/big.txt", "--out", "disk/new"], "No space left on device; free space"),
+            (["data", "prepare", "tmp/big.txt", "--out", "disk/ds", "--overwrite"], "No space left on device"),
+            (["import", "ckpt", "disk/s"], "No space left on device"),
+            (["export", "store", "disk/x"], "No space left on device"),
+        ], parallel=1)  # one at a time: each must find the disk as full as the last left it
+    finally:
+        big.unlink()
+
+
+def test_ctrl_c_stops_a_command_with_one_line_and_no_litter(work):
+    """SIGINT at a few moments of a long `data prepare` (a 12 MB input through the Qwen2
+    tokenizer): exit 130, one line, nothing swallowed, nothing left behind."""
+    big = work / "tmp" / "long.txt"
+    big.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(200000)))
+    before = snapshot(work)
+    try:
+        for delay in (0.0, 0.3, 0.7, 1.2):
+            p = start(work, ["data", "prepare", "tmp/long.txt", "--out", "long", "--tokenizer", QWEN_TOKENIZER])
+            deadline = time.monotonic() + 120
+            while not list(work.glob(".long.tmp-*")) and p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)  # until it is writing shards
+            time.sleep(delay)
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=120)
+            lines = [line for line in err.splitlines() if line.strip() and "tokenizing" not in line]
+            assert p.returncode == 130, (delay, p.returncode, err[-2000:])
+            assert lines == ["mtjax data: interrupted"], (delay, err[-2000:])
+            assert snapshot(work) == before, delay
+    finally:
+        big.unlink()
