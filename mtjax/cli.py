@@ -11,6 +11,7 @@ import _thread
 import argparse
 import importlib
 import sys
+import threading
 
 from mtjax import writable
 from mtjax.errors import MtjaxError
@@ -52,7 +53,11 @@ def _unraisable(unraisable) -> None:
     inside it, where Python would print "Exception ignored in ..." and carry on: raise it
     again in the main thread instead."""
     if isinstance(unraisable.exc_value, KeyboardInterrupt):
-        _thread.interrupt_main()  # the SIGINT handler runs again at the main thread's next step
+        # From another thread, a moment later: raised here (or still inside the callback)
+        # it would be swallowed again.
+        timer = threading.Timer(0.05, _thread.interrupt_main)
+        timer.daemon = True
+        timer.start()
     else:
         sys.__unraisablehook__(unraisable)
 

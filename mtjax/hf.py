@@ -203,7 +203,11 @@ def save_checkpoint(cfg: ModelConfig, tensors, out_dir: str | Path, max_shard_by
         nonlocal current, size
         if current:
             name = f"shard-{len(tmp_names):05d}.tmp"
-            save_file(current, str(out / name), metadata={"format": "pt"})
+            try:
+                save_file(current, str(out / name), metadata={"format": "pt"})
+            except SafetensorError as e:  # e.g. a full disk, reported as an I/O error
+                raise CheckpointError(f"cannot write {out / name} ({e}); free space there or choose another "
+                                      "output directory") from None
             tmp_names.append(name)
             shards.append(list(current))
         current, size = {}, 0
