@@ -58,7 +58,7 @@ def test_errors_of_other_commands_are_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", [["train"], ["data"], ["data", "prepare"], ["data", "info"], ["generate"],
-                                     ["eval"], ["plot"], ["import"], ["export"], ["init"]])
+                                     ["eval"], ["plot"], ["plan"], ["probe"], ["import"], ["export"], ["init"]])
 def test_help_of_each_command(command, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main([*command, "--help"])
