@@ -144,9 +144,10 @@ class Schedule:
         return StateBytes(*(sum(b.get(k) for b in self.part_bytes.values()) for k in parts.KINDS))
 
     @property
-    def kept_per_microbatch(self) -> int:
-        """Block inputs kept per micro-batch (the embedding output and each group's input)."""
-        return len(self.groups)
+    def kept_bytes(self) -> int:
+        """Kept block inputs of every micro-batch (the embedding output and each group's
+        input), all held at once between the forward and the backward."""
+        return len(self.groups) * self.shape.accum * self.hidden_bytes
 
 
 def groups(num_blocks: int, keep_every: int) -> tuple[range, ...]:
@@ -313,7 +314,11 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
     group = max(len(g) for g in grps)
     max_part = max(b.compute for b in pb.values())
     residual = max(residual_bytes(cfg, kind, shape.batch, shape.seq) for kind in cfg.block_kinds)
-    sums = group * max(b.master for b in pb.values()) if shape.accum > 1 else 0  # a group's fp32 sums
+    # Several micro-batches: the fp32 sums in progress, a group's blocks' or the head's
+    # (with the tied embedding's).
+    blocks = max(b.master for p, b in pb.items() if p.startswith("block."))
+    at_head = pb["head"].master + (pb["embed"].master if cfg.tie_word_embeddings else 0)
+    sums = max(group * blocks, at_head) if shape.accum > 1 else 0
     return DevicePlan(
         # depth parts staged ahead, plus the parts in use: a recompute group, or the head,
         # the tied embedding and the last block (resident from its forward to its backward).
