@@ -187,3 +187,24 @@ def test_transfers_and_device_plan_follow_the_knobs():
     m = sum(b.master for b in s.part_bytes.values())
     assert s.traffic.d2h_grads == m
     assert one.traffic.d2h_grads == m // 2 + s.part_bytes["embed"].master // 2
+
+
+def test_preflight_checks_the_device_plan_the_engine_enforces(tmp_path):
+    """A budget below the step's device plan is refused before anything is built, in the
+    words the engine would use; at the plan's total it passes, and the engine runs under it."""
+    from mtjax import config, data, preflight
+
+    exp = config.load(None, ["--stream.engine=stream", "--data.batch_size=2", "--data.seq_len=16",
+                             "--data.grad_accum=2", f"--run.dir={tmp_path / 'run'}"])
+    cfg, ds = config.model_config(exp), data.resolve(exp.data, tmp_path / "data")
+    plan = preflight.check(exp, cfg, ds)
+    need = plan.device.total
+    short = dataclasses.replace(exp, stream=dataclasses.replace(exp.stream, device_budget_bytes=need - 1))
+    with pytest.raises(preflight.PreflightError, match="stream.device_budget_bytes"):
+        preflight.check(short, cfg, ds)
+    exact = dataclasses.replace(exp, stream=dataclasses.replace(exp.stream, device_budget_bytes=need))
+    preflight.check(exact, cfg, ds)
+    engine = StreamEngine(cfg, model.init_params(cfg, seed=0), exp.optim, device_budget_bytes=need)
+    engine.step(np.zeros((2, 2, 16), np.int32))
+    assert engine.schedule.device == plan.device and engine.ledger.budget == need
+    engine.close()
