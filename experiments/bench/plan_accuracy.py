@@ -140,7 +140,8 @@ def predict(case, hw, block_flops: float | None, disk: tuple[float, float] | Non
     if disk is not None:  # the disk as probed right before this model's run
         hw = dataclasses.replace(hw, disk_read_bytes_per_s=disk[0], disk_write_bytes_per_s=disk[1])
     stream = StreamConfig(keep_every=1, prefetch_depth=2)  # what child_train runs
-    return estimate(cfg, stream, StoreConfig(compute=tier, master=tier, opt=tier), StepShape(batch, seq), hw, tx=make_optimizer(optimizer()))
+    store = StoreConfig(compute=tier, master=tier, opt=tier)
+    return estimate(cfg, stream, store, StepShape(batch, seq), hw, tx=make_optimizer(optimizer()))
 
 
 def main() -> None:

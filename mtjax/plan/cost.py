@@ -58,7 +58,7 @@ class Times:
     link: float  # the busier direction of the full-duplex host<->device link
     disk: float
     host_memory: float
-    startup: float  # not overlapped: the embedding's gradient -> update -> weights chain (GPU); the fixed per-part cost (CPU)
+    startup: float  # not overlapped: the embedding's gradient -> update -> weights (GPU); the fixed per-transfer cost (CPU)
     step: float
     bound: str  # the resource that sets the step time
 

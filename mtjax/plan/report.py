@@ -17,7 +17,7 @@ from mtjax.plan.wholerun import RunCost
 
 def placement(store) -> str:
     """The tiers of a `StoreConfig`, as `compute=ram,master=disk,opt=disk`."""
-    return ",".join(f"{k}={getattr(store, k)}" for k in ("compute", "master", "opt"))
+    return ",".join(f"{k}={v}" for k, v in store.tiers.items())
 
 
 def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None = None,
@@ -132,7 +132,7 @@ def as_dict(plan: Plan, advice: Advice | None = None, options: list[Option] | No
         "flops": plan.flops,
         "model_flops": plan.model_flops,
         "state_bytes": dataclasses.asdict(plan.state),
-        "device_memory": dataclasses.asdict(plan.device),
+        "device_memory": {**dataclasses.asdict(plan.device), "peak": plan.device.total},
         "host_memory": dataclasses.asdict(plan.host),
         "disk_bytes": plan.disk_bytes,
         "traffic": dataclasses.asdict(plan.traffic),
@@ -140,14 +140,15 @@ def as_dict(plan: Plan, advice: Advice | None = None, options: list[Option] | No
         "tokens_per_s": plan.tokens_per_s,
     }
     if options is not None:
-        out["placements"] = [{"placement": dataclasses.asdict(o.placement), "configured": o.configured,
+        out["placements"] = [{"placement": o.placement.tiers, "copies": o.placement.copies, "configured": o.configured,
                               "step_s": o.plan.times.step, "ram_needed": o.plan.ram_needed,
                               "disk_bytes": o.plan.disk_bytes, "does_not_fit": list(o.short)} for o in options]
     if run is not None:
         out["run"] = {**dataclasses.asdict(run), "endurance_used": run.endurance_used}
     if advice is not None:
         out["recommended"] = {
-            "placement": dataclasses.asdict(advice.placement), "prefetch_depth": advice.prefetch_depth,
+            "placement": advice.placement.tiers, "copies": advice.placement.copies,
+            "prefetch_depth": advice.prefetch_depth,
             "keep_every": advice.plan.stream.keep_every, "activations": advice.plan.stream.activations,
             "checkpoint_every": advice.checkpoint_every, "step_s": advice.plan.times.step,
             "tokens_per_s": advice.plan.tokens_per_s, "fits": advice.fits, "why": advice.why,

@@ -271,7 +271,8 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
         d2h_grads=sum(grad.values()),
         d2h_activations=kept if on_host else 0,
         disk_read=reads, disk_write=writes,
-        host_memory=_host_memory(pb, transfers, grad, fused, derived, store, sum(reads.values()) + sum(writes.values())),
+        host_memory=_host_memory(pb, transfers, grad, fused, derived, store,
+                                 sum(reads.values()) + sum(writes.values())),
     )
     return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps), forward_parts(cfg),
                     transfers, grad, hidden, traffic, _device_plan(cfg, stream, shape, pb, grps, grad, hidden))
