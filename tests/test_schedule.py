@@ -110,14 +110,14 @@ def test_engine_moves_what_the_schedule_says(tmp_path, where, accum, keep_every,
     cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
     tiers, copies = PLACEMENTS[where]
     store = mtjax.store.create(tmp_path / "store", cfg, TX, copies=copies) if tiers else None
-    engine = StreamEngine(cfg, model.init_params(cfg, seed=0), OPT, keep_every=keep_every, activations=activations,
-                          tiers=tiers, store=store, batch_shape=(BATCH, SEQ))
+    stream = StreamConfig(keep_every=keep_every, activations=activations)
+    placement = StoreConfig(**{k: tiers.get(k, "ram") for k in parts.KINDS}, copies=copies)
+    engine = StreamEngine(cfg, model.init_params(cfg, seed=0), OPT, stream, placement, store=store,
+                          batch_shape=(BATCH, SEQ))
     shape = StepShape(BATCH, SEQ, accum)
     s = engine.plan(BATCH, SEQ, accum)
     # The planner prices the very same description.
-    plan = estimate(cfg, StreamConfig(keep_every=keep_every, activations=activations),
-                    StoreConfig(**{k: tiers.get(k, "ram") for k in parts.KINDS}, copies=copies), shape,
-                    BUILTIN["h200"], tx=TX)
+    plan = estimate(cfg, stream, placement, shape, BUILTIN["h200"], tx=TX)
     assert plan.schedule == s
     assert (plan.traffic.h2d, plan.traffic.d2h) == (s.traffic.h2d, s.traffic.d2h)
     assert plan.traffic.disk_read == s.traffic.disk_read_bytes and plan.traffic.disk_write == s.traffic.disk_write_bytes
@@ -204,7 +204,7 @@ def test_preflight_checks_the_device_plan_the_engine_enforces(tmp_path):
         preflight.check(short, cfg, ds)
     exact = dataclasses.replace(exp, stream=dataclasses.replace(exp.stream, device_budget_bytes=need))
     preflight.check(exact, cfg, ds)
-    engine = StreamEngine(cfg, model.init_params(cfg, seed=0), exp.optim, device_budget_bytes=need)
+    engine = StreamEngine(cfg, model.init_params(cfg, seed=0), exp.optim, exact.stream)
     engine.step(np.zeros((2, 2, 16), np.int32))
     assert engine.schedule.device == plan.device and engine.ledger.budget == need
     engine.close()
