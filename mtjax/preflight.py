@@ -7,11 +7,12 @@ at once, in one line naming what is missing and by how much, instead of dying ho
 What each check covers (the others live where the thing is opened):
   host RAM and disk   the planner's estimate of this run (mtjax.plan) against what the
                       machine has now, with RAM_MARGIN and DISK_MARGIN left over
+  device budget       the step's device plan (mtjax.stream.schedule, the one the engine's
+                      ledger enforces) against stream.device_budget_bytes
   data                the train split holds at least one step of windows (mtjax.data also
                       checks format, emptiness and token ids against the vocabulary)
   store and config    mtjax.store.open(config=...) refuses a store of another model, and
                       mtjax.run.resume_from_store one trained with other settings
-  device budget       StreamEngine.check_budget, when the engine is built
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from pathlib import Path
 import psutil
 
 from mtjax.errors import MtjaxError
-from mtjax.plan import estimate, fit
+from mtjax.plan import estimate, fit, inputs
 from mtjax.plan.hardware import BUILTIN
-from mtjax.plan.inputs import workload_from_experiment
+from mtjax.stream import DeviceBudgetError, schedule
 
 RAM_MARGIN = fit.RAM_HEADROOM  # share of available RAM a run may plan to use
 DISK_MARGIN = 0.95  # share of free disk a run may plan to fill
@@ -50,8 +51,6 @@ def _disk_root(path: Path) -> Path:
 def check(exp, cfg, dataset, available_ram: int | None = None, free_disk: int | None = None):
     """Raise PreflightError if the run does not fit; returns the plan it was checked against.
     `available_ram` and `free_disk` default to what the machine has now."""
-    from mtjax.optim import make_optimizer
-
     start, stop = dataset.split("train")
     windows = (stop - start) // exp.data.seq_len
     need = exp.data.batch_size  # one micro-batch of whole windows (the loader wraps around after)
@@ -60,7 +59,13 @@ def check(exp, cfg, dataset, available_ram: int | None = None, free_disk: int | 
                              f"tokens but one micro-batch needs {need} (short by {need - windows}); "
                              "use more data or lower data.seq_len / data.batch_size")
     hardware = BUILTIN["cpu-2core"]  # only the bytes of the plan are used here, not its times
-    plan = estimate(cfg, workload_from_experiment(exp), hardware, tx=make_optimizer(exp.optim))
+    run = inputs.from_experiment(exp)
+    plan = estimate(cfg, run.stream, run.store, run.shape, hardware, tx=run.tx)
+    if exp.stream.engine == "stream":
+        try:  # what StreamEngine.check_budget will refuse, before anything is built
+            schedule.check_budget(plan.device, exp.stream.device_budget_bytes)
+        except DeviceBudgetError as e:
+            raise PreflightError(str(e)) from None
     store = Path(exp.store.path or Path(exp.run.dir) / "store")
     uses_store = exp.stream.engine == "stream" and "disk" in exp.store.tiers.values()
     ram = psutil.virtual_memory().available if available_ram is None else available_ram

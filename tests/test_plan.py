@@ -14,9 +14,12 @@ import pytest
 from mtjax import cli, model, parts, treepath
 from mtjax.model_config import ModelConfig, load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
-from mtjax.plan import BUILTIN, HardwareError, Placement, Workload, check, estimate, load, recommend
-from mtjax.plan.cost import block_forward_flops, derived_compute, fused_update, residual_bytes
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.plan import BUILTIN, HardwareError, StepShape, check, estimate, load, recommend
+from mtjax.plan.cost import block_forward_flops
 from mtjax.plan.report import size
+from mtjax.stream import fused_adamw
+from mtjax.stream.schedule import residual_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 BIG = [ROOT / "experiments/hf_configs/llama-3-70b.json", ROOT / "experiments/hf_configs/llama-175b.json"]
@@ -26,50 +29,65 @@ TX = make_optimizer(OptimConfig())
 HW = BUILTIN["h200"]
 
 
+def plan_of(cfg=CFG, shape=StepShape(1, 2048), hw=HW, tx=TX, **knobs):
+    """The plan of `cfg` at `shape` with stream.* and store.* knobs given by name."""
+    stream = {k: v for k, v in knobs.items() if k in ("keep_every", "prefetch_depth", "activations")}
+    store = {k: v for k, v in knobs.items() if k not in stream}
+    return estimate(cfg, StreamConfig(**stream), StoreConfig(**store), shape, hw, tx=tx)
+
+
 def schema_total(cfg, kind, names=None):
     names = names or [p.name for p in parts.parts(cfg)]
     return sum(parts.nbytes(parts.schema(cfg, n, kind, TX)) for n in names)
 
 
 def test_state_and_link_bytes_are_sums_over_the_schema():
-    w = Workload(batch_size=2, seq_len=16, grad_accum=3)
-    plan = estimate(CFG, w, HW, tx=TX)
+    shape = StepShape(batch=2, seq=16, accum=3)
+    plan = plan_of(shape=shape)
     compute, master, opt = (schema_total(CFG, k) for k in parts.KINDS)
     assert (plan.state.compute, plan.state.master, plan.state.opt) == (compute, master, opt)
     assert plan.num_params == CFG.num_params()
     blocks = schema_total(CFG, "compute", [f"block.{i}" for i in range(3)])
     embed, head = (schema_total(CFG, "compute", [n]) for n in ("embed", "head"))
-    # Blocks stream twice per micro-batch (forward, backward), embedding and head once.
-    assert plan.traffic.h2d == 3 * (2 * blocks + embed + head)
-    # Gradients in the compute dtype, except the embedding's dense fp32 table.
-    assert plan.traffic.d2h == 3 * (blocks + head + schema_total(CFG, "master", ["embed"]))
+    tokens = 3 * 2 * 16 * 4  # int32 ids of three micro-batches
+    # Once per step, whatever the accum: every part forward, the blocks again backward,
+    # except the last, which stays on the device (k = 1).
+    assert plan.traffic.h2d == 2 * blocks - blocks // 3 + embed + head + tokens
+    # Each part's gradient leaves once, summed over the micro-batches in fp32.
+    assert plan.traffic.d2h == master
+    one = plan_of(shape=StepShape(2, 16, 1))
+    # One micro-batch: in the compute dtype, except the embedding's dense fp32 table.
+    assert one.traffic.d2h == blocks + head + schema_total(CFG, "master", ["embed"])
     # With master and compute in RAM the engine keeps no compute copy (the fused update).
-    assert derived_compute(CFG, w.placement) == fused_update(CFG)
-    assert plan.host.state == master + opt + (0 if derived_compute(CFG, w.placement) else compute)
-    assert estimate(CFG, dataclasses.replace(w, placement=Placement(compute="disk")), HW, tx=TX).host.state \
-        == master + opt
+    assert plan.schedule.derived_compute == fused_adamw.supports(CFG.compute_dtype)
+    assert plan.host.state == master + opt + (0 if plan.schedule.derived_compute else compute)
+    assert plan_of(shape=shape, compute="disk").host.state == master + opt
     assert plan.host.grads == master
     assert plan.traffic.disk_read == plan.traffic.disk_write == 0
 
 
 def test_disk_tier_moves_its_bytes_from_ram_to_disk():
-    base = estimate(CFG, Workload(grad_accum=2), HW, tx=TX)
+    shape = StepShape(1, 2048, accum=2)
+    base = plan_of(shape=shape)
     master, opt = schema_total(CFG, "master"), schema_total(CFG, "opt")
-    opt_disk = estimate(CFG, Workload(grad_accum=2, placement=Placement(opt="disk")), HW, tx=TX)
+    opt_disk = plan_of(shape=shape, opt="disk")
     assert base.host.state - opt_disk.host.state == opt
     assert opt_disk.traffic.disk_read == opt_disk.traffic.disk_write == opt
     # Two copies on disk (crash-safe commit); RAM-resident master and opt are checkpointed instead.
     assert opt_disk.disk_bytes == base.disk_bytes == 2 * (master + opt)
-    # Master weights on disk: the engine spills fp32 gradient sums (master-sized) every micro-batch.
-    both = estimate(CFG, Workload(grad_accum=2, placement=Placement(master="disk", opt="disk")), HW, tx=TX)
+    # Master weights on disk: the engine spills each part's fp32 gradient sum (master-sized)
+    # once per step, and reads it back for the update.
+    both = plan_of(shape=shape, master="disk", opt="disk")
     # Beside RAM master weights no compute copy is kept (fused update); beside disk ones it is.
     compute = schema_total(CFG, "compute")
-    kept = 0 if derived_compute(CFG, Placement()) else compute
+    kept = 0 if base.schedule.derived_compute else compute
     assert base.host.state - both.host.state == master + opt + kept - compute
     assert base.host.grads == master and both.host.grads == 0
-    assert both.traffic.disk_read == both.traffic.disk_write == master + opt + 2 * master
-    all_disk = estimate(CFG, Workload(placement=Placement("disk", "disk", "disk")), HW, tx=TX)
-    assert all_disk.traffic.disk_read == master + opt + master + all_disk.traffic.h2d
+    assert both.traffic.disk_read == both.traffic.disk_write == master + opt + master
+    all_disk = plan_of(compute="disk", master="disk", opt="disk")
+    # Every part staged to the device is read from the store; the update writes the copy.
+    assert all_disk.traffic.disk_read == master + opt + master + all_disk.traffic.h2d - 2048 * 4
+    assert all_disk.traffic.disk_write == master + opt + master + compute
 
 
 def test_block_flops_match_xla_cost_analysis():
@@ -85,15 +103,17 @@ def test_block_flops_match_xla_cost_analysis():
 
 
 def test_device_peak_grows_with_prefetch_depth_and_kept_inputs_shrink_with_k():
-    w = Workload(batch_size=2, seq_len=32)
-    peaks = [estimate(CFG, dataclasses.replace(w, prefetch_depth=d), HW, tx=TX).device.peak for d in (1, 2, 4)]
+    shape = StepShape(batch=2, seq=32)
+    peaks = [plan_of(shape=shape, prefetch_depth=d).device.total for d in (1, 2, 4)]
     assert peaks[0] < peaks[1] < peaks[2]
-    plans = [estimate(CFG, dataclasses.replace(w, keep_every=k), HW, tx=TX).device for k in (1, 2, 3)]
+    plans = [plan_of(shape=shape, keep_every=k).device for k in (1, 2, 3)]
     hidden = 2 * 32 * CFG.hidden_size * 2  # [batch, seq, hidden] bf16
-    assert [p.kept_inputs for p in plans] == [3 * hidden, 2 * hidden, hidden]
+    assert [p.activations for p in plans] == [3 * hidden, 2 * hidden, hidden]
     assert plans[0].residuals < plans[1].residuals < plans[2].residuals  # k blocks of residuals
-    host = estimate(CFG, dataclasses.replace(w, activations="host"), HW, tx=TX)
-    assert host.device.kept_inputs == 0 and host.host.activations == plans[0].kept_inputs
+    host = plan_of(shape=shape, activations="host")
+    assert host.device.activations == 0 and host.host.activations == plans[0].activations
+    # All micro-batches' kept inputs wait at once, between the forward and the backward.
+    assert plan_of(shape=StepShape(2, 32, 4), keep_every=1).device.activations == 4 * plans[0].activations
 
 
 def test_residuals_are_what_a_real_vjp_keeps():
@@ -115,7 +135,7 @@ def test_residuals_are_what_a_real_vjp_keeps():
 def test_big_configs_plan_without_allocating(path):
     rss = psutil.Process().memory_info().rss
     cfg = load_hf_config(path, compute_dtype="bfloat16")
-    plan = estimate(cfg, Workload(batch_size=1, seq_len=2048), HW)
+    plan = estimate(cfg, StreamConfig(), StoreConfig(), StepShape(1, 2048), HW)
     advice = recommend(plan)
     assert psutil.Process().memory_info().rss - rss < 512 * 2**20  # the bf16 weights alone are > 100 GiB
     assert plan.num_params == pytest.approx(70.6e9 if "70b" in path.stem else 175.2e9, rel=0.01)
@@ -127,7 +147,7 @@ def test_big_configs_plan_without_allocating(path):
 def test_check_names_the_ram_shortfall_and_a_placement_that_fits():
     cfg = dataclasses.replace(CFG, vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
                               layer_types=(), num_attention_heads=8, head_dim=32)
-    plan = estimate(cfg, Workload(), HW, tx=TX)
+    plan = plan_of(cfg)
     assert check(plan, available_ram=plan.host.total, free_disk=plan.disk_bytes) is None
     short = schema_total(cfg, "opt") // 2
     message = check(plan, available_ram=plan.host.total - short, free_disk=10**12)
@@ -136,24 +156,24 @@ def test_check_names_the_ram_shortfall_and_a_placement_that_fits():
     suggested = message.split(": set ")[1].split()
     assert len(suggested) == 1 and suggested[0].startswith("store.") and suggested[0].endswith("=disk")
     kind = suggested[0].removeprefix("store.").split("=")[0]
-    fixed = estimate(cfg, Workload(placement=Placement(**{kind: "disk"})), HW, tx=TX)
+    fixed = plan_of(cfg, **{kind: "disk"})
     assert check(fixed, available_ram=plan.host.total - short, free_disk=10**12) is None
     assert "free disk" in check(plan, available_ram=plan.host.total, free_disk=plan.disk_bytes - 1)
-    assert "device memory" in check(plan, plan.host.total, plan.disk_bytes, device_memory=plan.device.peak - 1)
+    assert "device memory" in check(plan, plan.host.total, plan.disk_bytes, device_memory=plan.device.total - 1)
 
 
 def test_recommend_puts_state_on_disk_only_when_ram_is_short():
-    plan = estimate(CFG, Workload(), BUILTIN["cpu-2core"], tx=TX)
-    assert recommend(plan).placement == Placement()
+    plan = plan_of(hw=BUILTIN["cpu-2core"])
+    assert recommend(plan).placement == StoreConfig()
     tight = plan.ram_needed - schema_total(CFG, "opt") // 2
     advice = recommend(plan, available_ram=int(tight / 0.9))
-    assert advice.fits and advice.placement != Placement()
+    assert advice.fits and advice.placement != StoreConfig()
     assert advice.plan.ram_needed <= tight
 
 
 def test_on_a_cpu_device_the_device_peak_counts_as_host_ram():
-    plan = estimate(CFG, Workload(batch_size=2, seq_len=32), BUILTIN["cpu-2core"], tx=TX)
-    assert plan.ram_needed == plan.host.total + plan.device.peak
+    plan = plan_of(shape=StepShape(2, 32), hw=BUILTIN["cpu-2core"])
+    assert plan.ram_needed == plan.host.total + plan.device.total
     assert check(plan, available_ram=plan.ram_needed, free_disk=plan.disk_bytes) is None
     assert "host RAM" in check(plan, available_ram=plan.host.total, free_disk=plan.disk_bytes)
 
@@ -212,9 +232,9 @@ def test_preflight_from_an_experiment_config():
     from mtjax.plan import inputs
 
     exp = experiment.load(None, ["store.opt=disk", "data.batch_size=4", "stream.keep_every=2"])
-    cfg, workload, tx = inputs.from_experiment(exp)
-    assert (workload.batch_size, workload.keep_every, workload.placement.opt) == (4, 2, "disk")
-    plan = estimate(cfg, workload, BUILTIN["cpu-2core"], tx=tx)
-    assert plan.state.opt == schema_total(cfg, "opt") and plan.traffic.disk_read == plan.state.opt
+    run = inputs.from_experiment(exp)
+    assert (run.shape.batch, run.stream.keep_every, run.store.opt) == (4, 2, "disk")
+    plan = estimate(run.cfg, run.stream, run.store, run.shape, BUILTIN["cpu-2core"], tx=run.tx)
+    assert plan.state.opt == schema_total(run.cfg, "opt") and plan.traffic.disk_read == plan.state.opt
     assert check(plan, available_ram=plan.ram_needed, free_disk=plan.disk_bytes) is None
     assert "short by 1 B" in check(plan, available_ram=plan.ram_needed, free_disk=plan.disk_bytes - 1)

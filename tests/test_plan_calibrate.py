@@ -5,14 +5,20 @@ import json
 
 import pytest
 
+from mtjax.config import StoreConfig, StreamConfig
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
-from mtjax.plan import BUILTIN, Workload, estimate, hardware, probe
+from mtjax.plan import BUILTIN, StepShape, estimate, hardware, probe
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, compute_dtype="bfloat16")
 TX = make_optimizer(OptimConfig())
 CPU = BUILTIN["cpu-2core"]
+SHAPE = StepShape(batch=1, seq=32)
+
+
+def plan_of(hw=CPU):
+    return estimate(CFG, StreamConfig(), StoreConfig(), SHAPE, hw, tx=TX)
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -22,15 +28,20 @@ def test_optimizer_priced_as_the_engine_runs_it(monkeypatch, fused):
     if fused and not fused_adamw.available():
         pytest.skip("numba is not installed")
     monkeypatch.setattr(fused_adamw, "available", lambda: fused)
-    plan = estimate(CFG, Workload(batch_size=1, seq_len=32), CPU, tx=TX)
+    plan = plan_of()
     n = plan.num_params
-    grad_sums = plan.traffic.d2h + 4 * n  # each gradient read once, summed into an fp32 buffer
+    embed = plan.part_bytes["embed"].master // 4  # its gradient arrives in fp32; the others in bf16
+    # Each gradient is read as it arrives, cast to fp32 where it is bf16, its norm read.
+    grads = plan.traffic.d2h + 8 * (n - embed) + 4 * embed
+    # Each part staged: master rounded into the slot without a compute copy (6 bytes/param)
+    # or the copy copied in (4); the transfers are embed, 2 blocks, head, 1 block (k = 1).
+    staged = sum(plan.part_bytes[p].master // 4 for p in plan.schedule.transfers)
     if fused:  # one loop: master 8, mu and nu 16, gradient 4; no compute copy beside RAM master
         extra = 2 * (plan.state.opt - 8 * n)  # AdamW's step counters ride along
-        assert plan.traffic.host_memory == 28 * n + extra + grad_sums
+        assert plan.traffic.host_memory == 28 * n + extra + grads + 6 * staged
     else:  # XLA's passes: mu, nu 12 bytes each; master 16; bf16 copy 6
         extra = 3 * (plan.state.opt - 8 * n)
-        assert plan.traffic.host_memory == 46 * n + extra + grad_sums
+        assert plan.traffic.host_memory == 46 * n + extra + grads + 4 * staged
     assert 0 <= extra < 1000  # a few int32 counts per part
 
 
@@ -39,8 +50,7 @@ def test_calibrate_sets_efficiency_from_the_measured_block(monkeypatch):
     cal = probe.calibrate(CPU, CFG, 1, 32)
     assert cal.matmul_flops("bfloat16") == pytest.approx(50e9)
     assert cal.matmul_flops_bf16 == CPU.matmul_flops_bf16  # only the efficiency changes
-    slow = estimate(CFG, Workload(batch_size=1, seq_len=32), cal, tx=TX)
-    fast = estimate(CFG, Workload(batch_size=1, seq_len=32), CPU, tx=TX)
+    slow, fast = plan_of(cal), plan_of(CPU)
     assert slow.times.device == pytest.approx(slow.flops / 50e9)
     assert slow.times.device > fast.times.device
 
@@ -51,9 +61,7 @@ def test_block_flops_runs_the_engine_block():
 
 
 def test_runtime_bytes_enters_host_memory(tmp_path):
-    w = Workload(batch_size=1, seq_len=32)
-    small = estimate(CFG, w, dataclasses.replace(CPU, runtime_bytes=300 << 20), tx=TX)
-    big = estimate(CFG, w, CPU, tx=TX)
+    small, big = plan_of(dataclasses.replace(CPU, runtime_bytes=300 << 20)), plan_of(CPU)
     assert small.host.runtime == 300 << 20
     assert big.host.total - small.host.total == (2 << 30) - (300 << 20)
     # a profile written before the field existed still loads, with the 2 GiB default

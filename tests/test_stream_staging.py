@@ -11,7 +11,8 @@ import pytest
 
 from mtjax import hostmem
 from mtjax.stream import prefetch, staging
-from mtjax.stream.budget import DeviceBudgetError, DeviceLedger, check_budget, plan_bytes
+from mtjax.stream.budget import DeviceBudgetError, DeviceLedger
+from mtjax.stream.schedule import DevicePlan, check_budget
 from mtjax.stream.trace import Tracer
 
 
@@ -102,10 +103,8 @@ def test_prefetch_exhausted_schedule():
 
 
 def test_budget_check_and_ledger():
-    plan = plan_bytes(max_part_bytes=100, max_grad_bytes=100, hidden_bytes=10, logits_bytes=20,
-                      residual_bytes=50, prefetch_depth=2, group=4, kept=2, activations_on_device=True)
-    assert plan.weights == 600 and plan.activations == 20 and plan.residuals == 200
-    assert check_budget(plan, None) == plan.total
+    plan = DevicePlan(weights=600, activations=20, residuals=200, head=60, working=50)
+    assert plan.total == 930 and check_budget(plan, None) == plan.total
     with pytest.raises(DeviceBudgetError, match="device_budget_bytes"):
         check_budget(plan, plan.total - 1)
     ledger = DeviceLedger(100)
@@ -114,6 +113,15 @@ def test_budget_check_and_ledger():
         ledger.hold(50, "b")
     ledger.free(60)
     assert ledger.held == 0 and ledger.peak == 60
+    # Held to a plan, each use stays within its planned bytes as well as the budget.
+    ledger.enforce(plan, 1000)
+    ledger.hold(600, "weights", "weights")
+    with pytest.raises(DeviceBudgetError, match="plan allows"):
+        ledger.hold(1, "a part", "weights")
+    ledger.hold(20, "an activation", "activations")
+    assert ledger.peak_by_use == {"weights": 600, "activations": 20, "residuals": 0}
+    ledger.reset()
+    assert ledger.held == 0 and ledger.held_by_use["weights"] == 0
 
 
 def test_trace_times_device_work_and_writes_chrome_json(tmp_path):

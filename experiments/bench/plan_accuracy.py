@@ -129,9 +129,9 @@ def run_child(mode: str, case, steps: int, store_dir: Path) -> dict:
 
 
 def predict(case, hw, block_flops: float | None, disk: tuple[float, float] | None = None):
+    from mtjax.config import StoreConfig, StreamConfig
     from mtjax.optim import make_optimizer
-    from mtjax.plan import Workload, estimate
-    from mtjax.plan.cost import Placement
+    from mtjax.plan import StepShape, estimate
 
     layers, width, batch, seq, dtype, tier = case
     cfg = model_config(width, layers, dtype)
@@ -139,8 +139,9 @@ def predict(case, hw, block_flops: float | None, disk: tuple[float, float] | Non
         hw = dataclasses.replace(hw, compute_efficiency=min(1.0, block_flops / (hw.matmul_flops(dtype) / hw.compute_efficiency)))
     if disk is not None:  # the disk as probed right before this model's run
         hw = dataclasses.replace(hw, disk_read_bytes_per_s=disk[0], disk_write_bytes_per_s=disk[1])
-    work = Workload(batch_size=batch, seq_len=seq, placement=Placement(tier, tier, tier))
-    return estimate(cfg, work, hw, tx=make_optimizer(optimizer()))
+    stream = StreamConfig(keep_every=1, prefetch_depth=2)  # what child_train runs
+    store = StoreConfig(compute=tier, master=tier, opt=tier)
+    return estimate(cfg, stream, store, StepShape(batch, seq), hw, tx=make_optimizer(optimizer()))
 
 
 def main() -> None:

@@ -64,13 +64,17 @@ def register(subparsers) -> None:
     q.set_defaults(func=run_probe)
 
 
-def _placement(text: str):
+def _placement(text: str) -> dict[str, str]:
+    """{kind: tier} of `--placement compute=ram,...`; the tiers are checked by StoreConfig."""
     try:
         pairs = dict(item.split("=", 1) for item in text.split(","))
-        return planner.Placement(**pairs)
-    except (ValueError, TypeError) as e:
+        unknown = sorted(set(pairs) - {"compute", "master", "opt"})
+        if unknown:
+            raise ValueError(f"unknown kind(s) {unknown}")
+    except ValueError as e:
         raise PlanError(
             f"--placement {text!r} is not valid ({e}); write e.g. compute=ram,master=ram,opt=disk") from None
+    return pairs
 
 
 def _run_length(args) -> tuple[int, str]:
@@ -91,14 +95,19 @@ def run_plan(args) -> int:
     if args.reprobe and args.hardware:
         raise PlanError("--reprobe measures this machine, --hardware names another profile: pass one of them")
     overrides = {"compute_dtype": args.compute_dtype} if args.compute_dtype else {}
-    cfg, workload, tx = inputs.load(args.config, **overrides)
-    knobs = ("batch_size", "seq_len", "grad_accum", "keep_every", "prefetch_depth", "store_copies")
-    changes = {name: getattr(args, name) for name in knobs if getattr(args, name) is not None}
-    if args.placement:
-        changes["placement"] = _placement(args.placement)
-    try:
-        workload = dataclasses.replace(workload, **changes)
-    except ValueError as e:
+    given_run = inputs.load(args.config, **overrides)
+
+    def given(*names):
+        return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+    store = dict(_placement(args.placement) if args.placement else {})
+    if args.store_copies is not None:
+        store["copies"] = args.store_copies
+    try:  # the config dataclasses check every value
+        data = dataclasses.replace(given_run.data, **given("batch_size", "seq_len", "grad_accum"))
+        stream = dataclasses.replace(given_run.stream, **given("keep_every", "prefetch_depth"))
+        store = dataclasses.replace(given_run.store, **store)
+    except ValueError as e:  # ConfigError included
         raise PlanError(str(e)) from None
     steps, steps_from = _run_length(args)
     if args.hardware:
@@ -107,7 +116,7 @@ def run_plan(args) -> int:
         local = machine.profile(reprobe=args.reprobe)
         hw, profile_from = local.profile, local.describe()
 
-    plan = planner.estimate(cfg, workload, hw, tx=tx)
+    plan = planner.estimate(given_run.cfg, stream, store, planner.StepShape.of(data), hw, tx=given_run.tx)
     advice = planner.recommend(plan)
     room = fit.limits(hw)
     options = fit.placements(plan, room)

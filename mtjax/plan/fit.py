@@ -13,7 +13,8 @@ import itertools
 import math
 
 from mtjax import parts
-from mtjax.plan.cost import Placement, Plan, estimate
+from mtjax.config import StoreConfig
+from mtjax.plan.cost import Plan, estimate
 from mtjax.plan.hardware import HardwareProfile
 from mtjax.plan.units import size
 
@@ -22,13 +23,22 @@ DEVICE_HEADROOM = 0.9  # XLA needs scratch space beyond the buffers the plan cou
 MTBF_S = 24 * 3600.0  # assumed mean time between failures of one machine
 
 
-def _with_placement(plan: Plan, placement: Placement) -> Plan:
-    w = dataclasses.replace(plan.workload, placement=placement)
-    return estimate(plan.cfg, w, plan.hardware, part_bytes_=plan.part_bytes)
+def _with_placement(plan: Plan, placement: StoreConfig) -> Plan:
+    return estimate(plan.cfg, plan.stream, placement, plan.shape, plan.hardware, part_bytes_=plan.part_bytes)
 
 
-def _placements() -> list[Placement]:
-    return [Placement(*tiers) for tiers in itertools.product(("ram", "disk"), repeat=len(parts.KINDS))]
+def _placements(current: StoreConfig) -> list[StoreConfig]:
+    """Every tier of every kind; a one-copy store only where all of them are on disk."""
+    out = []
+    for tiers in itertools.product(("ram", "disk"), repeat=len(parts.KINDS)):
+        copies = current.copies if set(tiers) == {"disk"} else 2
+        out.append(dataclasses.replace(current, **dict(zip(parts.KINDS, tiers)), copies=copies))
+    return out
+
+
+def _changes(current: StoreConfig, new: StoreConfig) -> list[str]:
+    """The store settings to change from `current` to `new`, as `store.KEY=VALUE`."""
+    return [f"store.{k}={getattr(new, k)}" for k in (*parts.KINDS, "copies") if getattr(new, k) != getattr(current, k)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +59,7 @@ def limits(hw: HardwareProfile) -> Limits:
 def short_of(plan: Plan, room: Limits) -> tuple[str, ...]:
     """The resources `plan` needs more of than `room` has: "RAM", "disk", "device"."""
     over = (("RAM", plan.ram_needed > room.ram), ("disk", plan.disk_bytes > room.disk),
-            ("device", room.device is not None and plan.device.peak > room.device))
+            ("device", room.device is not None and plan.device.total > room.device))
     return tuple(name for name, exceeded in over if exceeded)
 
 
@@ -57,7 +67,7 @@ def short_of(plan: Plan, room: Limits) -> tuple[str, ...]:
 class Option:
     """One row of the placement table: a placement priced with the run's other settings."""
 
-    placement: Placement
+    placement: StoreConfig
     plan: Plan
     short: tuple[str, ...]  # what it does not fit (empty: it fits)
     configured: bool  # the placement `plan` was priced with
@@ -65,9 +75,9 @@ class Option:
 
 def placements(plan: Plan, room: Limits) -> list[Option]:
     """Every placement of compute, master and opt state, fastest first."""
-    options = [(p, _with_placement(plan, p)) for p in _placements()]
+    options = [(p, _with_placement(plan, p)) for p in _placements(plan.store)]
     options.sort(key=lambda o: o[1].times.step)
-    return [Option(p, q, short_of(q, room), p == plan.workload.placement) for p, q in options]
+    return [Option(p, q, short_of(q, room), p == plan.store) for p, q in options]
 
 
 def check(plan: Plan, available_ram: float, free_disk: float, device_memory: float | None = None) -> str | None:
@@ -78,40 +88,39 @@ def check(plan: Plan, available_ram: float, free_disk: float, device_memory: flo
     if "RAM" in over:
         short = plan.ram_needed - available_ram
         fix = "use a machine with more RAM"
-        fits = [p for p in _placements() if _with_placement(plan, p).ram_needed <= available_ram]
+        current = plan.store
+        fits = [p for p in _placements(current) if _with_placement(plan, p).ram_needed <= available_ram]
         if fits:
             # The smallest change: the fewest kinds moved from RAM to disk, then the fastest.
-            current = plan.workload.placement
-            moved = lambda p: sum(getattr(p, k) != getattr(current, k) for k in parts.KINDS)  # noqa: E731
-            best = min(fits, key=lambda p: (moved(p), _with_placement(plan, p).times.step))
-            changes = [f"store.{k}={getattr(best, k)}" for k in parts.KINDS if getattr(best, k) != getattr(current, k)]
+            best = min(fits, key=lambda p: (len(_changes(current, p)), _with_placement(plan, p).times.step))
+            changes = _changes(current, best)
             fix = f"set {' '.join(changes)}" if changes else fix
         problems.append(f"needs {size(plan.ram_needed)} of host RAM but {size(available_ram)} is available "
                         f"(short by {size(short)}): {fix}")
     if "disk" in over:
         short = plan.disk_bytes - free_disk
-        on_disk = plan.workload.placement.on("disk")
+        on_disk = [k for k in parts.KINDS if getattr(plan.store, k) == "disk"]
         fix = (f"free {size(short)} on the store's disk" +
                (f" or keep {'/'.join(on_disk)} in RAM" if on_disk else ""))
         problems.append(f"needs {size(plan.disk_bytes)} of free disk but {size(free_disk)} is free "
                         f"(short by {size(short)}): {fix}")
     if "device" in over:
-        short = plan.device.peak - device_memory
-        w = plan.workload
+        short = plan.device.total - device_memory
         fix = []
-        if w.prefetch_depth > 1:
+        if plan.stream.prefetch_depth > 1:
             fix.append("lower prefetch_depth")
-        if w.keep_every < plan.cfg.num_hidden_layers and plan.device.kept_inputs > plan.device.residuals:
+        if (0 < plan.stream.keep_every < plan.cfg.num_hidden_layers
+                and plan.device.activations > plan.device.residuals):
             fix.append("raise keep_every")
         fix.append("lower batch_size (raise grad_accum to keep the tokens per step)")
-        problems.append(f"needs {size(plan.device.peak)} of device memory but {size(device_memory)} is available "
+        problems.append(f"needs {size(plan.device.total)} of device memory but {size(device_memory)} is available "
                         f"(short by {size(short)}): {' or '.join(fix)}")
     return "; ".join(problems) or None
 
 
 @dataclasses.dataclass(frozen=True)
 class Advice:
-    placement: Placement
+    placement: StoreConfig
     prefetch_depth: int
     checkpoint_every: int  # steps between checkpoints of the RAM-resident state
     checkpoint_seconds: float  # time to write one checkpoint
@@ -128,22 +137,23 @@ def checkpoint_interval(plan: Plan, mtbf_s: float = MTBF_S) -> tuple[int, float]
     return max(1, round(math.sqrt(2 * cost * mtbf_s) / plan.times.step)), cost
 
 
-def _fit_device(plan: Plan, workload, device_bytes: float) -> Plan:
+def _fit_device(plan: Plan, device_bytes: float) -> Plan:
     """Prefetch depth 2 (one part computing, one arriving, one queued to absorb link and
     disk jitter) or 1; if neither fits, the recompute group and activation tier that
     need the least device memory."""
     def at(**changes) -> Plan:
-        return estimate(plan.cfg, dataclasses.replace(workload, **changes), plan.hardware, part_bytes_=plan.part_bytes)
+        return estimate(plan.cfg, dataclasses.replace(plan.stream, **changes), plan.store, plan.shape, plan.hardware,
+                        part_bytes_=plan.part_bytes)
 
     for depth in (2, 1):
         p = at(prefetch_depth=depth)
-        if p.device.peak <= device_bytes:
+        if p.device.total <= device_bytes:
             return p
     L = plan.cfg.num_hidden_layers
-    groups = sorted({1, 2, 4, 8, 16, L, workload.keep_every or L} & set(range(1, L + 1)))
+    groups = sorted({1, 2, 4, 8, 16, L, plan.stream.keep_every or L} & set(range(1, L + 1)))
     options = [at(prefetch_depth=1, keep_every=k, activations=a) for k in groups for a in ("device", "host")]
-    fitting = [p for p in options if p.device.peak <= device_bytes]
-    return min(fitting, key=lambda p: p.times.step) if fitting else min(options, key=lambda p: p.device.peak)
+    fitting = [p for p in options if p.device.total <= device_bytes]
+    return min(fitting, key=lambda p: p.times.step) if fitting else min(options, key=lambda p: p.device.total)
 
 
 def recommend(plan: Plan, available_ram: int | None = None, free_disk: int | None = None) -> Advice:
@@ -154,7 +164,7 @@ def recommend(plan: Plan, available_ram: int | None = None, free_disk: int | Non
     ram = available_ram * RAM_HEADROOM if available_ram is not None else limits(hw).ram
     disk = free_disk if free_disk is not None else hw.disk_bytes
     dev = hw.device_memory_bytes * DEVICE_HEADROOM
-    candidates = [_with_placement(plan, p) for p in _placements()]
+    candidates = [_with_placement(plan, p) for p in _placements(plan.store)]
     fitting = [c for c in candidates if c.ram_needed <= ram and c.disk_bytes <= disk]
     if fitting:
         best = min(fitting, key=lambda c: (c.times.step, c.ram_needed))
@@ -162,14 +172,14 @@ def recommend(plan: Plan, available_ram: int | None = None, free_disk: int | Non
     else:
         best = min(candidates, key=lambda c: c.ram_needed)
         why = "no placement fits RAM and disk; this one needs the least RAM"
-    chosen = _fit_device(plan, best.workload, dev)
-    w0, w1 = plan.workload, chosen.workload
-    stream = f"keep_every {w1.keep_every}, activations on the {w1.activations}"
-    if chosen.device.peak > dev:
+    chosen = _fit_device(best, dev)
+    s0, s1 = plan.stream, chosen.stream
+    stream = f"keep_every {s1.keep_every}, activations on the {s1.activations}"
+    if chosen.device.total > dev:
         why += (f"; the device does not fit even with prefetch_depth 1, {stream} "
-                f"({size(chosen.device.peak)} > {size(dev)}): lower batch_size or seq_len")
-    elif (w1.keep_every, w1.activations) != (w0.keep_every, w0.activations):
+                f"({size(chosen.device.total)} > {size(dev)}): lower batch_size or seq_len")
+    elif (s1.keep_every, s1.activations) != (s0.keep_every, s0.activations):
         why += f"; {stream} to fit the device"
     every, cost = checkpoint_interval(chosen)
-    fits = bool(fitting) and chosen.device.peak <= dev
-    return Advice(chosen.workload.placement, chosen.workload.prefetch_depth, every, cost, chosen, fits, why)
+    fits = bool(fitting) and chosen.device.total <= dev
+    return Advice(chosen.store, s1.prefetch_depth, every, cost, chosen, fits, why)

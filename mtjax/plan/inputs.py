@@ -1,8 +1,9 @@
-"""What to plan: a model config and a workload, from the paths a user has at hand.
+"""What to plan: a model config and the settings of a run, from the paths a user has at hand.
 
 CONFIG is a Hugging Face ``config.json``, a checkpoint directory holding one, or an
 experiment YAML (read by `mtjax.config`; its data, stream and store groups give the
-workload and its optim group the optimizer). Command-line values override the file.
+step's shape and settings, its optim group the optimizer). Command-line values override
+the file.
 """
 
 from __future__ import annotations
@@ -11,37 +12,49 @@ import dataclasses
 from pathlib import Path
 
 from mtjax import config as experiment  # the one module that reads YAML
+from mtjax.config import DataConfig, StoreConfig, StreamConfig
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig, load_hf_config
 from mtjax.optim import make_optimizer
-from mtjax.plan.cost import Placement, Workload
+from mtjax.stream.schedule import StepShape
+
+# A bare model config plans one 2048-token sequence per step.
+DEFAULT_DATA = DataConfig(batch_size=1, seq_len=2048, grad_accum=1)
 
 
 class PlanInputError(MtjaxError, ValueError):
     """A CONFIG the planner cannot read."""
 
 
-def load(path: str | Path, **model_overrides) -> tuple[ModelConfig, Workload, object | None]:
-    """(model config, workload, optax transformation or None for the default AdamW)."""
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """A run to plan: the model and the config groups that shape its step."""
+
+    cfg: ModelConfig
+    stream: StreamConfig
+    store: StoreConfig
+    data: DataConfig
+    tx: object | None  # optax transformation; None: mtjax's default AdamW
+
+    @property
+    def shape(self) -> StepShape:
+        return StepShape.of(self.data)
+
+
+def load(path: str | Path, **model_overrides) -> Inputs:
     path = Path(path)
     if path.suffix in (".yaml", ".yml"):
-        return _from_experiment(path, model_overrides)
+        got = from_experiment(experiment.load(path))
+        return dataclasses.replace(got, cfg=dataclasses.replace(got.cfg, **model_overrides)) if model_overrides else got
     if not path.exists():
         raise PlanInputError(f"{path} does not exist: pass an HF config.json, a checkpoint dir or an experiment YAML")
-    return load_hf_config(path, **model_overrides), Workload(), None
+    return Inputs(load_hf_config(path, **model_overrides), StreamConfig(), StoreConfig(), DEFAULT_DATA, None)
 
 
-def _from_experiment(path: Path, model_overrides: dict):
-    cfg, workload, tx = from_experiment(experiment.load(path))
-    if model_overrides:
-        cfg = dataclasses.replace(cfg, **model_overrides)
-    return cfg, workload, tx
-
-
-def from_experiment(exp) -> tuple[ModelConfig, Workload, object]:
-    """(model config, workload, optax transformation) of a loaded `ExperimentConfig`:
-    what the trainer's preflight hands to `estimate` and then `check`."""
-    return experiment.model_config(exp), workload_from_experiment(exp), make_optimizer(exp.optim)
+def from_experiment(exp) -> Inputs:
+    """The run a loaded `ExperimentConfig` describes: what the trainer's preflight hands
+    to `estimate` and then `check`."""
+    return Inputs(experiment.model_config(exp), exp.stream, exp.store, exp.data, make_optimizer(exp.optim))
 
 
 def run_steps(path: str | Path) -> int:
@@ -49,14 +62,3 @@ def run_steps(path: str | Path) -> int:
     path = Path(path)
     exp = experiment.load(path) if path.suffix in (".yaml", ".yml") else experiment.ExperimentConfig()
     return exp.run.steps
-
-
-def workload_from_experiment(exp) -> Workload:
-    """The planner's view of an `ExperimentConfig`: data shapes, stream knobs, store tiers."""
-    return Workload(
-        batch_size=exp.data.batch_size, seq_len=exp.data.seq_len, grad_accum=exp.data.grad_accum,
-        keep_every=exp.stream.keep_every, prefetch_depth=exp.stream.prefetch_depth,
-        activations=exp.stream.activations,
-        placement=Placement(compute=exp.store.compute, master=exp.store.master, opt=exp.store.opt),
-        store_copies=exp.store.copies,
-    )

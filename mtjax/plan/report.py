@@ -15,20 +15,25 @@ from mtjax.plan.units import duration, rate, seconds, size
 from mtjax.plan.wholerun import RunCost
 
 
+def placement(store) -> str:
+    """The tiers of a `StoreConfig`, as `compute=ram,master=disk,opt=disk`."""
+    return ",".join(f"{k}={v}" for k, v in store.tiers.items())
+
+
 def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None = None,
          run: RunCost | None = None, profile_from: str | None = None) -> str:
-    cfg, w, hw, t, tr = plan.cfg, plan.workload, plan.hardware, plan.times, plan.traffic
+    cfg, st, sh, hw, t, tr = plan.cfg, plan.stream, plan.shape, plan.hardware, plan.times, plan.traffic
     lines = [
         f"model        {cfg.model_type}, {plan.num_params / 1e9:.2f}B params, {cfg.num_hidden_layers} blocks, "
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, compute dtype {cfg.compute_dtype}",
-        f"step         batch {w.batch_size} x seq {w.seq_len} x accum {w.grad_accum} = {w.tokens_per_step} tokens; "
-        f"keep_every {w.keep_every}, prefetch_depth {w.prefetch_depth}, placement {w.placement}",
+        f"step         batch {sh.batch} x seq {sh.seq} x accum {sh.accum} = {sh.tokens} tokens; "
+        f"keep_every {st.keep_every}, prefetch_depth {st.prefetch_depth}, placement {placement(plan.store)}",
         f"hardware     {hw.name} ({hw.source}): {hw.device}",
         *([f"profile      {profile_from}"] if profile_from else []),
         "",
         "memory",
-        f"  device peak    {size(plan.device.peak):>10}  (weights {size(plan.device.weights)}, "
-        f"kept inputs {size(plan.device.kept_inputs)}, residuals {size(plan.device.residuals)}, "
+        f"  device peak    {size(plan.device.total):>10}  (weights {size(plan.device.weights)}, "
+        f"kept inputs {size(plan.device.activations)}, residuals {size(plan.device.residuals)}, "
         f"head {size(plan.device.head)}, working {size(plan.device.working)}) of {size(hw.device_memory_bytes)}",
         f"  host RAM       {size(plan.host.total):>10}  (state {size(plan.host.state)}, grads {size(plan.host.grads)}, "
         f"staging {size(plan.host.staging)}, activations {size(plan.host.activations)}, "
@@ -68,9 +73,9 @@ def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None 
         lines += [
             "",
             "recommended",
-            f"  placement        {a.placement}  ({a.why})",
+            f"  placement        {placement(a.placement)}  ({a.why})",
             f"  prefetch_depth   {a.prefetch_depth}",
-            f"  keep_every       {a.plan.workload.keep_every}, activations on the {a.plan.workload.activations}",
+            f"  keep_every       {a.plan.stream.keep_every}, activations on the {a.plan.stream.activations}",
             (f"  checkpoint_every {a.checkpoint_every} steps (one checkpoint writes "
              f"{size(a.plan.checkpoint_bytes)} in {seconds(a.checkpoint_seconds)})" if a.plan.checkpoint_bytes else
              "  checkpoint_every 1 step: master and opt live in the disk store, which commits every step"),
@@ -89,7 +94,7 @@ def _placement_table(options: list[Option], advice: Advice | None) -> list[str]:
                                  ("recommended", advice is not None and place == advice.placement)) if on]
         if o.short:
             marks.append(f"DOES NOT FIT: {', '.join(o.short)}")
-        lines.append(f"  {str(place):<33}{seconds(o.plan.times.step):>11}{size(o.plan.ram_needed):>11}"
+        lines.append(f"  {placement(place):<33}{seconds(o.plan.times.step):>11}{size(o.plan.ram_needed):>11}"
                      f"{size(o.plan.disk_bytes):>11}   {'; '.join(marks)}".rstrip())
     return lines
 
@@ -118,13 +123,16 @@ def as_dict(plan: Plan, advice: Advice | None = None, options: list[Option] | No
     out = {
         "model": {"num_params": plan.num_params, "num_blocks": plan.cfg.num_hidden_layers,
                   "compute_dtype": plan.cfg.compute_dtype},
-        "workload": dataclasses.asdict(plan.workload),
+        "shape": dataclasses.asdict(plan.shape),
+        "stream": dataclasses.asdict(plan.stream),
+        "store": dataclasses.asdict(plan.store),
+        "transfers": list(plan.schedule.transfers),
         "hardware": plan.hardware.name,
         "profile": profile_from,
         "flops": plan.flops,
         "model_flops": plan.model_flops,
         "state_bytes": dataclasses.asdict(plan.state),
-        "device_memory": dataclasses.asdict(plan.device),
+        "device_memory": {**dataclasses.asdict(plan.device), "peak": plan.device.total},
         "host_memory": dataclasses.asdict(plan.host),
         "disk_bytes": plan.disk_bytes,
         "traffic": dataclasses.asdict(plan.traffic),
@@ -132,15 +140,16 @@ def as_dict(plan: Plan, advice: Advice | None = None, options: list[Option] | No
         "tokens_per_s": plan.tokens_per_s,
     }
     if options is not None:
-        out["placements"] = [{"placement": dataclasses.asdict(o.placement), "configured": o.configured,
+        out["placements"] = [{"placement": o.placement.tiers, "copies": o.placement.copies, "configured": o.configured,
                               "step_s": o.plan.times.step, "ram_needed": o.plan.ram_needed,
                               "disk_bytes": o.plan.disk_bytes, "does_not_fit": list(o.short)} for o in options]
     if run is not None:
         out["run"] = {**dataclasses.asdict(run), "endurance_used": run.endurance_used}
     if advice is not None:
         out["recommended"] = {
-            "placement": dataclasses.asdict(advice.placement), "prefetch_depth": advice.prefetch_depth,
-            "keep_every": advice.plan.workload.keep_every, "activations": advice.plan.workload.activations,
+            "placement": advice.placement.tiers, "copies": advice.placement.copies,
+            "prefetch_depth": advice.prefetch_depth,
+            "keep_every": advice.plan.stream.keep_every, "activations": advice.plan.stream.activations,
             "checkpoint_every": advice.checkpoint_every, "step_s": advice.plan.times.step,
             "tokens_per_s": advice.plan.tokens_per_s, "fits": advice.fits, "why": advice.why,
         }
@@ -148,6 +157,6 @@ def as_dict(plan: Plan, advice: Advice | None = None, options: list[Option] | No
 
 
 def _copies(plan) -> str:
-    if plan.workload.store_copies == 2:
+    if plan.store.copies == 2:
         return "two copies of disk-tier state and checkpoints"
     return "one copy of disk-tier state and checkpoints, plus the pending gradients"

@@ -14,6 +14,7 @@ one-copy store's commit protocol is mtjax.stream.commit.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -33,12 +34,13 @@ from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, clip_scale, make_optimizer
 from mtjax.store.pending import PendingFiles
 from mtjax.stream import budget as budget_mod
+from mtjax.stream import schedule as schedule_mod
 from mtjax.stream.blockfns import block_fns
 from mtjax.stream.commit import OneCopy
 from mtjax.stream.grads import GradSink
 from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.staging import Placement, StagingPool, raise_host_memory_limit
-from mtjax.stream.tiers import Tiers, derives_compute, host_device
+from mtjax.stream.tiers import Tiers, host_device
 from mtjax.stream.trace import Tracer
 from mtjax.stream.update import PartUpdate, full_opt_state, split_opt_state, update_for
 from mtjax.stream.updater import Updater
@@ -79,12 +81,13 @@ class StreamEngine:
         self.tx, self.clip_norm = self.update.tx, optim.clip_norm
         self.store, self._owns_store = store, owns_store
         self.tiers = Tiers(store_config.tiers, store)
+        # The placement as the step's schedule reads it: the store's own number of copies.
+        self.placement_config = dataclasses.replace(store_config, copies=getattr(store, "copies", 2))
         # With the master weights in RAM and the fused update, no compute copy is kept: the
         # prefetcher rounds master into the staging slot (reading 4 bytes/param there
         # instead of the update writing 2 that the prefetcher then reads; 2 bytes/param
         # less RAM). docs/pipeline.md, "The compute copy".
-        self.derived_compute = derives_compute(self.update.fused is not None, self.tiers.placement["master"],
-                                               self.tiers.placement["compute"])
+        self.derived_compute = schedule_mod.derives_compute(self.update.fused is not None, self.placement_config)
         if self.tiers.kinds_in("disk"):
             fix_mmap_threshold()  # state on disk promises host memory flat in depth
         self.parts = parts_mod.parts(cfg)
@@ -104,8 +107,8 @@ class StreamEngine:
         scale = self.one_copy.adopt(self.grads) if self.one_copy is not None and params is None else None
         self.updater = Updater([p.name for p in self.parts], self.update, self.tiers, self.grads, self.tracer,
                                self.derived_compute, self.one_copy, scale)
-        self._plans: dict[tuple[int, int, int], budget_mod.DevicePlan] = {}
-        self._residual_bytes_by_shape: dict[tuple, int] = {}
+        self._schedules: dict[schedule_mod.StepShape, schedule_mod.Schedule] = {}
+        self.schedule: schedule_mod.Schedule | None = None  # of the last token shape checked
         if params is None:
             self._load_ram_kinds()
         else:
@@ -142,9 +145,10 @@ class StreamEngine:
     def _spill(self) -> PendingFiles | None:
         """Where gradients wait for their update: with the master weights on disk, in files
         (a one-copy store's durable ones); otherwise in host memory (None)."""
-        if self.one_copy is not None:
+        where = schedule_mod.spill(self.placement_config)
+        if where == "pending":
             return self.one_copy.spill
-        return PendingFiles(_beside(self.store)) if self.tiers.placement["master"] == "disk" else None
+        return PendingFiles(_beside(self.store)) if where == "scratch" else None
 
     def _init_state(self, params, opt_state=None) -> None:
         """Fill the tiers from fp32 `params` and, when resuming, the whole-model `opt_state`."""
@@ -220,72 +224,31 @@ class StreamEngine:
     # --- the plan ------------------------------------------------------------------
 
     @property
-    def groups(self) -> list[range]:
+    def groups(self) -> tuple[range, ...]:
         """Recompute groups: block ranges whose first input is kept."""
-        n, k = self.cfg.num_hidden_layers, self.options.keep_every
-        k = n if k == 0 else min(k, n)
-        return [range(s, min(s + k, n)) for s in range(0, n, k)]
+        return schedule_mod.groups(self.cfg.num_hidden_layers, self.options.keep_every)
 
-    def plan(self, batch: int, seq: int, accum: int = 1) -> budget_mod.DevicePlan:
-        """Device bytes this engine needs for `accum` micro-batches of [batch, seq]."""
-        if (batch, seq, accum) in self._plans:
-            return self._plans[batch, seq, accum]
-        cfg, dt = self.cfg, np.dtype(self.cfg.compute_dtype)
-        x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), dt)
-        residuals = self._residuals(x)
-        plan = budget_mod.plan_bytes(
-            max_part_bytes=max(parts_mod.nbytes(s) for s in self.schemas.values()),
-            max_grad_bytes=max(parts_mod.nbytes(s) for s in self.schemas.values()),
-            hidden_bytes=math.prod(x.shape) * dt.itemsize,
-            logits_bytes=batch * seq * cfg.vocab_size * 4,
-            residual_bytes=residuals,
-            prefetch_depth=self.options.prefetch_depth,
-            group=max(len(g) for g in self.groups),
-            kept=len(self.groups),
-            activations_on_device=self.options.activations == "device",
-            accum=accum,
-            max_part_params=max(parts_mod.nbytes(s) // np.dtype(cfg.compute_dtype).itemsize
-                                for s in self.schemas.values()),
-        )
-        self._plans[batch, seq, accum] = plan
-        return plan
-
-    def _residuals(self, x: jax.ShapeDtypeStruct) -> int:
-        """Bytes of the largest block's vjp residuals for hidden states shaped like `x`."""
-        if x.shape in self._residual_bytes_by_shape:
-            return self._residual_bytes_by_shape[x.shape]
-        residuals = 0
-        for p in self.parts:
-            if p.fn_kind.startswith("block:"):
-                kind = p.fn_kind.removeprefix("block:")
-                _, vjp = jax.eval_shape(self.fns.recompute[kind], self.schemas[p.name], x)
-                residuals = max(residuals, budget_mod.tree_bytes(vjp))
-        self._residual_bytes_by_shape[x.shape] = residuals
-        return residuals
+    def plan(self, batch: int, seq: int, accum: int = 1) -> schedule_mod.Schedule:
+        """The schedule of a step of `accum` micro-batches of [batch, seq] (mtjax.stream.schedule)."""
+        shape = schedule_mod.StepShape(batch, seq, accum)
+        if shape not in self._schedules:
+            self._schedules[shape] = schedule_mod.describe(self.cfg, self.options, self.placement_config, shape,
+                                                           self.tx, fused=self.update.fused is not None)
+        return self._schedules[shape]
 
     def check_budget(self, batch: int, seq: int, accum: int = 1) -> None:
-        """Raise DeviceBudgetError (before anything runs) when the run cannot fit."""
-        plan = self.plan(batch, seq, accum)
-        self.ledger.budget = budget_mod.check_budget(plan, self.options.device_budget_bytes)
-        self._residual_bytes = plan.residuals // max(len(g) for g in self.groups)  # one block's
+        """Raise DeviceBudgetError (before anything runs) when the run cannot fit; from
+        here on the ledger holds the step to this schedule's device plan."""
+        self.schedule = s = self.plan(batch, seq, accum)
+        self.ledger.enforce(s.device, schedule_mod.check_budget(s.device, self.options.device_budget_bytes))
+        self._residual_bytes = s.device.residuals // max(len(g) for g in s.groups)  # one block's
         if self.placement.pinned:
             # Pinned host memory in flight: staged parts of each shape (embedding, blocks,
             # head), plus the kept activations when they wait in host memory.
-            part = max(parts_mod.nbytes(s) for s in self.schemas.values())
-            hidden = batch * seq * self.cfg.hidden_size * np.dtype(self.cfg.compute_dtype).itemsize
-            stashed = accum * len(self.groups) * hidden if self.options.activations == "host" else 0
-            raise_host_memory_limit(3 * self.pool.max_slots * part + stashed)
+            part = max(b.compute for b in s.part_bytes.values())
+            raise_host_memory_limit(3 * self.pool.max_slots * part + s.traffic.h2d_activations)
 
     # --- the step ------------------------------------------------------------------
-
-    def _schedule(self, backward: bool = True) -> list[str]:
-        """The parts a step streams, in order of use: once, whatever the number of micro-batches."""
-        n = self.cfg.num_hidden_layers
-        fwd = ["embed", *(f"block.{i}" for i in range(n)), "head"]
-        fwd += ["embed"] if self.cfg.tie_word_embeddings else []  # the head's kernel
-        bwd = [f"block.{i}" for g in reversed(self.groups) for i in g]
-        bwd = bwd[1:] if self._last_stays else bwd  # already on the device
-        return fwd + bwd if backward else fwd
 
     def _load(self, part: str):
         """Prefetch worker: pending update, then read into a staging slot, then device_put."""
@@ -308,7 +271,7 @@ class StreamEngine:
     def eval_loss(self, tokens) -> float:
         """Mean loss over int32 [n, batch, seq] with the current weights; no update."""
         tokens = self._tokens(tokens)
-        feed = Prefetcher(self._schedule(backward=False), self._load, self.options.prefetch_depth)
+        feed = Prefetcher(self.schedule.forward, self._load, self.options.prefetch_depth)
         try:
             toks = [self.placement.tokens(t) for t in tokens]
             xs, _, _ = self._forward(feed, toks, keep=False)
@@ -335,9 +298,9 @@ class StreamEngine:
         start, (read0, written0) = time.perf_counter(), self._io_bytes()
         accum = len(tokens)
         self.tracer.begin_step(self.step_count)
-        self.ledger.held = 0  # nothing stays on the device between steps (even after a failed one)
+        self.ledger.reset()  # nothing stays on the device between steps (even after a failed one)
         self.updater.wait_writes()
-        feed = Prefetcher(self._schedule(), self._load, self.options.prefetch_depth)
+        feed = Prefetcher(self.schedule.transfers, self._load, self.options.prefetch_depth)
         try:
             losses = self._train_pass(feed, [self.placement.tokens(t) for t in tokens], 1.0 / accum)
         except BaseException:
@@ -375,20 +338,14 @@ class StreamEngine:
     def _keep(self, x):
         if self.options.activations == "host":
             return self.placement.stash(x)
-        self.ledger.hold(x.nbytes, "a kept activation")
+        self.ledger.hold(x.nbytes, "a kept activation", "activations")
         return x
 
     def _unkeep(self, x):
         if self.options.activations == "host":
             return self.placement.unstash(x)
-        self.ledger.free(x.nbytes)
+        self.ledger.free(x.nbytes, "activations")
         return x
-
-    @property
-    def _last_stays(self) -> bool:
-        """Whether the last block's weights stay on the device from its forward to its
-        backward (saves one transfer): when it is a recompute group of its own."""
-        return len(self.groups[-1]) == 1
 
     def _forward(self, feed: Prefetcher, toks: list, keep: bool):
         """Embedding and blocks over every micro-batch, part by part; for training when
@@ -406,7 +363,7 @@ class StreamEngine:
             slot, w = self._take(feed, f"block.{i}")
             xs = [fns.forward[kind](w, x) for x in xs]
             trace.watch("compute", f"block.{i}", xs)
-            if keep and self._last_stays and i == self.cfg.num_hidden_layers - 1:
+            if keep and self.schedule.last_stays and i == self.cfg.num_hidden_layers - 1:
                 resident = slot, w  # the backward starts with this block
             else:
                 pool.release(slot, xs)
@@ -483,13 +440,13 @@ class StreamEngine:
             vjps = []
             for i, _, w in held:
                 x, vjp = fns.recompute[kinds[i]](w, x)
-                self.ledger.hold(self._residual_bytes, "recompute residuals")
+                self.ledger.hold(self._residual_bytes, "recompute residuals", "residuals")
                 vjps.append((i, vjp))
             while vjps:
                 i, vjp = vjps.pop()
                 dw, dx = fns.backward(vjp, dx)
                 del vjp
-                self.ledger.free(self._residual_bytes)
+                self.ledger.free(self._residual_bytes, "residuals")
                 accs[i] = self._sum(accs[i], dw, count)
             out.append(dx)
         del x

@@ -127,7 +127,7 @@ class StagingPool:
 
     def put(self, slot: Slot, what: str) -> dict[str, jax.Array]:
         """The slot's weights on the device, counted against the device budget."""
-        self.ledger.hold(slot.nbytes, what)
+        self.ledger.hold(slot.nbytes, what, "weights")
         slot.on_device = True
         return self.placement.to_device(slot.buffers)
 
@@ -135,6 +135,6 @@ class StagingPool:
         """Hand a slot back once its device copy is no longer needed; `fence` are the
         outputs of the last computations that read it."""
         if slot.on_device:
-            self.ledger.free(slot.nbytes)
+            self.ledger.free(slot.nbytes, "weights")
             slot.on_device = False
         self.buffers.release(slot.buffers, fence)

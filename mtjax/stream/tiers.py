@@ -88,13 +88,6 @@ class DiskTier:
         pass
 
 
-def derives_compute(fused_update: bool, master_tier: str, compute_tier: str) -> bool:
-    """Whether no compute copy is kept: with the fused update and both master and compute
-    weights in RAM, the prefetcher rounds master straight into the staging slot
-    (docs/pipeline.md, "The compute copy"). The engine and the planner both ask here."""
-    return fused_update and master_tier == "ram" and compute_tier == "ram"
-
-
 class Tiers:
     """The tier of each kind of state: {"compute": tier, "master": tier, "opt": tier}."""
 

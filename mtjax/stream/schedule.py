@@ -1,0 +1,344 @@
+"""One training step of the streaming engine, described before it runs.
+
+    s = describe(cfg, StreamConfig(keep_every=2), StoreConfig(master="disk"), StepShape(2, 128, 4), tx)
+    s.transfers          # parts in the order they cross to the device: ("embed", "block.0", ...)
+    s.traffic.h2d        # bytes host -> device in one step; also d2h, disk_read, disk_write, host_memory
+    s.spill              # where gradients wait for their update: None, "scratch" or "pending"
+    s.device.total       # device bytes at the peak, by use (DevicePlan)
+
+The engine streams `transfers` and holds what `device` allows (its ledger enforces each
+use), the planner (mtjax.plan.cost) prices `traffic` with a machine's bandwidths, and the
+trainer's preflight checks `device` against the budget. tests/test_schedule.py counts
+every transfer, disk read and write of real engine steps and finds these numbers.
+
+What one step moves (docs/pipeline.md): each part crosses to the device once, whatever
+the number of micro-batches (they loop inside each part), and the blocks again for the
+backward, one recompute group at a time, groups in reverse; the last block stays on the
+device when it is a group of its own. Each part's gradient is summed over the
+micro-batches on the device and leaves once, in the compute dtype when there is one
+micro-batch and in fp32 when there are several (the embedding's is always fp32). Kept
+block inputs waiting in host memory cross each way once per micro-batch. Disk bytes are
+those of the steady state: one step's streaming plus one deferred update of every part
+(the previous step's), which reads master and optimizer state and writes them back with
+the compute copy where one is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import numpy as np
+
+from mtjax import model, parts, treepath
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.model_config import ModelConfig
+from mtjax.stream import fused_adamw
+from mtjax.stream.budget import DeviceBudgetError
+
+TOKEN_BYTES = 4  # int32 token ids
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The token shape of one optimizer step (from DataConfig, or a token array's shape)."""
+
+    batch: int  # sequences per micro-batch
+    seq: int  # tokens per sequence
+    accum: int = 1  # micro-batches per step
+
+    @classmethod
+    def of(cls, data) -> StepShape:
+        """The shape a `mtjax.config.DataConfig` asks for (validated there)."""
+        return cls(data.batch_size, data.seq_len, data.grad_accum)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq * self.accum
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """Bytes of one part's (or all parts') three kinds of state."""
+
+    compute: int
+    master: int
+    opt: int
+
+    def get(self, kind: str) -> int:
+        return getattr(self, kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """Bytes the engine may hold on the device at its peak, by use."""
+
+    weights: int  # staged compute weights: prefetched parts plus the parts in use
+    activations: int  # kept block inputs of every micro-batch (0 when they wait in host memory)
+    residuals: int  # vjp residuals of one recompute group (the weights they keep are counted above)
+    head: int  # fp32 logits, softmax and their gradient at the LM head
+    working: int  # hidden states of every micro-batch between parts, temporaries, gradients in flight
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.activations + self.residuals + self.head + self.working
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name} {getattr(self, f.name) / 2**20:.1f} MiB" for f in dataclasses.fields(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Bytes over each link in one step, by what moves."""
+
+    h2d_weights: int  # compute weights of every transfer
+    h2d_tokens: int  # int32 token ids of every micro-batch
+    h2d_activations: int  # kept block inputs coming back for the backward (activations=host)
+    d2h_grads: int  # each part's summed gradient, once
+    d2h_activations: int  # kept block inputs going out to host memory (activations=host)
+    disk_read: dict  # {"compute" | "master" | "opt" | "grads": bytes}
+    disk_write: dict  # same keys; "grads" are the spilled gradient sums
+    host_memory: int  # read + written by the host CPU: optimizer, gradients, staging copies, disk I/O
+
+    @property
+    def h2d(self) -> int:
+        return self.h2d_weights + self.h2d_tokens + self.h2d_activations
+
+    @property
+    def d2h(self) -> int:
+        return self.d2h_grads + self.d2h_activations
+
+    @property
+    def disk_read_bytes(self) -> int:
+        return sum(self.disk_read.values())
+
+    @property
+    def disk_write_bytes(self) -> int:
+        return sum(self.disk_write.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    cfg: ModelConfig
+    stream: StreamConfig
+    store: StoreConfig
+    shape: StepShape
+    fused: bool  # the update is the one-pass AdamW loop (mtjax.stream.fused_adamw)
+    derived_compute: bool  # no compute copy is kept: the prefetcher rounds master into the slot
+    spill: str | None  # where gradients wait for their update: None (RAM), "scratch" files, "pending" (one-copy store)
+    part_bytes: dict  # {part: StateBytes}
+    groups: tuple  # recompute groups: block ranges whose first input is kept
+    last_stays: bool  # the last block stays on the device from its forward to its backward
+    forward: tuple  # parts a forward-only pass (evaluation) streams, in order
+    transfers: tuple  # parts a training step streams, in order
+    grad_bytes: dict  # {part: bytes of its gradient leaving the device}
+    hidden_bytes: int  # one micro-batch's hidden states [batch, seq, hidden]
+    traffic: Traffic
+    device: DevicePlan
+
+    @property
+    def state(self) -> StateBytes:
+        """Totals over all parts."""
+        return StateBytes(*(sum(b.get(k) for b in self.part_bytes.values()) for k in parts.KINDS))
+
+    @property
+    def kept_bytes(self) -> int:
+        """Kept block inputs of every micro-batch (the embedding output and each group's
+        input), all held at once between the forward and the backward."""
+        return len(self.groups) * self.shape.accum * self.hidden_bytes
+
+
+def groups(num_blocks: int, keep_every: int) -> tuple[range, ...]:
+    """Recompute groups of `keep_every` blocks (0: one group of all of them)."""
+    k = num_blocks if keep_every == 0 else min(keep_every, num_blocks)
+    return tuple(range(s, min(s + k, num_blocks)) for s in range(0, num_blocks, k))
+
+
+def last_stays(groups_: tuple[range, ...]) -> bool:
+    """Whether the last block's weights stay on the device from its forward to its
+    backward (saves one transfer): when it is a recompute group of its own."""
+    return len(groups_[-1]) == 1
+
+
+def forward_parts(cfg: ModelConfig) -> tuple[str, ...]:
+    """embed, the blocks, head, and embed again when tied (the head's kernel)."""
+    fwd = ["embed", *(f"block.{i}" for i in range(cfg.num_hidden_layers)), "head"]
+    return tuple(fwd + (["embed"] if cfg.tie_word_embeddings else []))
+
+
+def train_parts(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[str, ...]:
+    """The forward, then the blocks of each recompute group, groups in reverse, blocks in
+    forward order within a group; without the last block when it stays on the device."""
+    bwd = [f"block.{i}" for g in reversed(groups_) for i in g]
+    return forward_parts(cfg) + tuple(bwd[1:] if last_stays(groups_) else bwd)
+
+
+def derives_compute(fused: bool, store: StoreConfig) -> bool:
+    """Whether no compute copy is kept: with the fused update and both master and compute
+    weights in RAM, the prefetcher rounds master straight into the staging slot
+    (docs/pipeline.md, "The compute copy")."""
+    return fused and store.master == "ram" and store.compute == "ram"
+
+
+def spill(store: StoreConfig) -> str | None:
+    """Where summed gradients wait for their deferred update: "pending" files of a
+    one-copy store (durable), "scratch" files beside the store when the master weights
+    are on disk, else None (host RAM)."""
+    if store.copies == 1:
+        return "pending"
+    return "scratch" if store.master == "disk" else None
+
+
+def part_bytes(cfg: ModelConfig, tx) -> dict[str, StateBytes]:
+    """{part name: bytes of its compute, master and opt state}, from `parts.schema`."""
+    by_kind: dict[str, StateBytes] = {}
+    out = {}
+    for p in parts.parts(cfg):
+        # Parts of one fn_kind have one parameter layout: derive its schema once.
+        if p.fn_kind not in by_kind:
+            by_kind[p.fn_kind] = StateBytes(*(parts.nbytes(parts.schema(cfg, p.name, k, tx)) for k in parts.KINDS))
+        out[p.name] = by_kind[p.fn_kind]
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int) -> int:
+    """Bytes a block's vjp keeps beyond its own weights, traced from the real block
+    (`jax.eval_shape` of `jax.vjp`: nothing runs, nothing is allocated). Includes
+    whatever the attention implementation saves, e.g. [batch, heads, seq, seq] scores."""
+    name = f"block.{cfg.layer_types.index(kind)}"
+    weights = parts.schema(cfg, name, "compute")
+    template = parts.abstract_part(cfg, name)
+    x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype))
+
+    def forward(w, x):
+        return model.block_forward(cfg, kind, treepath.unflatten(template, w), x)
+
+    saved = jax.tree.leaves(jax.eval_shape(lambda w, x: jax.vjp(forward, w, x)[1], weights, x))
+    # The weights appear among the residuals but are already counted as staged weights.
+    unmatched = [(tuple(v.shape), np.dtype(v.dtype)) for v in weights.values()]
+    total = 0
+    for leaf in saved:
+        key = (tuple(leaf.shape), np.dtype(leaf.dtype))
+        if key in unmatched:
+            unmatched.remove(key)
+        else:
+            total += math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, tx,
+             fused: bool | None = None, part_bytes_: dict[str, StateBytes] | None = None) -> Schedule:
+    """The schedule of one step of `shape` under `stream` and `store`'s placement.
+
+    `tx` is the optax transformation (its state's bytes); `fused`: whether the update is
+    the fused AdamW loop (default: what an OptimConfig gets, `fused_adamw.supports`).
+    `part_bytes_` saves recomputing `part_bytes(cfg, tx)` when pricing many variants.
+    """
+    fused = fused_adamw.supports(cfg.compute_dtype) if fused is None else fused
+    pb = part_bytes(cfg, tx) if part_bytes_ is None else part_bytes_
+    grps = groups(cfg.num_hidden_layers, stream.keep_every)
+    transfers = train_parts(cfg, grps)
+    derived = derives_compute(fused, store)
+    where = spill(store)
+    hidden = shape.batch * shape.seq * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize
+    # Summed over several micro-batches a gradient is fp32; alone it leaves as computed,
+    # in the compute dtype, except the embedding's (a dense fp32 table, also when tied).
+    grad = {p: b.master if shape.accum > 1 or p == "embed" else b.compute for p, b in pb.items()}
+    kept = len(grps) * shape.accum * hidden
+    on_host = stream.activations == "host"
+
+    h2d_weights = sum(pb[p].compute for p in transfers)
+    reads = dict.fromkeys(("compute", "master", "opt", "grads"), 0)
+    writes = dict(reads)
+    if store.compute == "disk":
+        reads["compute"] = h2d_weights  # every transfer reads its part from the store
+    for kind in ("master", "opt"):  # the update reads them and writes them back
+        if getattr(store, kind) == "disk":
+            reads[kind] = writes[kind] = sum(b.get(kind) for b in pb.values())
+    if store.compute == "disk":  # the update writes the new copy; the next step reads it back
+        writes["compute"] = sum(b.compute for b in pb.values())
+    grad32 = sum(b.master for b in pb.values())
+    if where is not None:  # each fp32 sum goes to its file once and comes back for the update
+        reads["grads"] = writes["grads"] = grad32
+
+    traffic = Traffic(
+        h2d_weights=h2d_weights,
+        h2d_tokens=shape.accum * shape.batch * shape.seq * TOKEN_BYTES,
+        h2d_activations=kept if on_host else 0,
+        d2h_grads=sum(grad.values()),
+        d2h_activations=kept if on_host else 0,
+        disk_read=reads, disk_write=writes,
+        host_memory=_host_memory(pb, transfers, grad, fused, derived, store,
+                                 sum(reads.values()) + sum(writes.values())),
+    )
+    return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps), forward_parts(cfg),
+                    transfers, grad, hidden, traffic, _device_plan(cfg, stream, shape, pb, grps, grad, hidden))
+
+
+def _host_memory(pb: dict[str, StateBytes], transfers, grad: dict, fused: bool, derived: bool, store: StoreConfig,
+                 disk_io: int) -> int:
+    """Bytes the host CPU reads and writes in one step (DMA is the link's: the planner
+    adds it where the device is not the host)."""
+    m = sum(b.master for b in pb.values())
+    o = sum(b.opt for b in pb.values())
+    c = sum(b.compute for b in pb.values())
+    if fused:  # one loop: reads master, both moments, gradient; writes master, moments (+ copy)
+        optimizer = 2 * m + 2 * o + m + (0 if derived else c)
+    else:
+        # XLA's CPU backend runs the update as four passes (no multi-output fusion): mu and
+        # nu (each reads its moment and the gradient, writes the moment), master (reads
+        # master and both moments, writes master), the compute copy (reads master): 46
+        # bytes/param for AdamW + bf16.
+        optimizer = 3 * o + 2 * m + 3 * m + c
+    # A gradient is read as it arrives; one narrower than fp32 is cast (an fp32 write);
+    # the norm reads the fp32 sum.
+    grads = sum(g + (2 * pb[p].master if g != pb[p].master else pb[p].master) for p, g in grad.items())
+    # Each transfer fills a staging slot: a copy of the compute weights (read + write),
+    # master rounded into it when no copy is kept, or a disk read (counted in disk_io).
+    staging = 0
+    for p in transfers:
+        if derived:
+            staging += pb[p].master + pb[p].compute
+        elif store.compute == "ram":
+            staging += 2 * pb[p].compute
+    return optimizer + grads + staging + disk_io  # disk I/O: the kernel copies through the page cache
+
+
+def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: dict[str, StateBytes],
+                 grps: tuple[range, ...], grad: dict, hidden: int) -> DevicePlan:
+    """Device bytes of the step; every term comes from abstract shapes. Every micro-batch
+    runs through a part before the next part (their hidden states wait between parts),
+    and each part's gradient is summed on the device in fp32."""
+    group = max(len(g) for g in grps)
+    max_part = max(b.compute for b in pb.values())
+    residual = max(residual_bytes(cfg, kind, shape.batch, shape.seq) for kind in cfg.block_kinds)
+    # Several micro-batches: the fp32 sums in progress, a group's blocks' or the head's
+    # (with the tied embedding's).
+    blocks = max(b.master for p, b in pb.items() if p.startswith("block."))
+    at_head = pb["head"].master + (pb["embed"].master if cfg.tie_word_embeddings else 0)
+    sums = max(group * blocks, at_head) if shape.accum > 1 else 0
+    return DevicePlan(
+        # depth parts staged ahead, plus the parts in use: a recompute group, or the head,
+        # the tied embedding and the last block (resident from its forward to its backward).
+        weights=(stream.prefetch_depth + max(group, 3)) * max_part,
+        activations=len(grps) * shape.accum * hidden if stream.activations == "device" else 0,
+        residuals=group * residual,
+        head=3 * shape.batch * shape.seq * cfg.vocab_size * 4,
+        working=(3 + shape.accum) * hidden + 2 * max(grad.values()) + sums,
+    )
+
+
+def check_budget(plan: DevicePlan, budget: int | None) -> int:
+    """The budget to run under; raises before step 1 when the plan does not fit."""
+    if budget is None:
+        return plan.total
+    if plan.total > budget:
+        raise DeviceBudgetError(
+            f"this run needs {plan.total / 2**20:.1f} MiB on the device ({plan.describe()}) but "
+            f"stream.device_budget_bytes is {budget / 2**20:.1f} MiB: raise the budget, lower "
+            f"stream.prefetch_depth or stream.keep_every, or set stream.activations=host"
+        )
+    return budget

@@ -1,0 +1,210 @@
+"""The step's schedule is what the engine does: real engine steps, counted at every
+transfer (weights staged, tokens, kept activations each way, gradients to the host),
+every disk read and write of the store by kind, and every gradient spill, equal the
+description of mtjax.stream.schedule exactly; so does the planner's, which prices it."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+import pytest
+
+import mtjax.store
+from mtjax import model, parts
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.plan import BUILTIN, StepShape, estimate
+from mtjax.stream import StreamEngine, schedule
+from mtjax.stream.budget import tree_bytes
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, compute_dtype="bfloat16")
+OPT = OptimConfig(lr=1e-3, warmup_steps=0)
+TX = make_optimizer(OPT)
+STEPS = 2
+BATCH, SEQ = 2, 8
+PLACEMENTS = {  # name: (tiers, store copies)
+    "ram": ({}, 2),
+    "disk": ({"compute": "disk", "master": "disk", "opt": "disk"}, 2),
+    "master-disk": ({"master": "disk"}, 2),  # gradients in scratch files, compute copy in RAM
+    "one-copy": ({"compute": "disk", "master": "disk", "opt": "disk"}, 1),
+}
+
+
+class Counts:
+    """Bytes by (what, detail), recorded by wrappers on the engine's own objects."""
+
+    def __init__(self):
+        self.bytes = collections.Counter()
+        self.order: list[list[str]] = []  # parts staged to the device, per step
+
+    def add(self, what: str, nbytes: int) -> None:
+        self.bytes[what] += int(nbytes)
+
+
+def instrument(engine: StreamEngine, counts: Counts) -> None:
+    pool, place = engine.pool, engine.placement
+
+    def wrap(obj, name, record):
+        inner = getattr(obj, name)
+
+        def counted(*args, **kwargs):
+            record(*args, **kwargs)
+            return inner(*args, **kwargs)
+
+        setattr(obj, name, counted)
+
+    def staged(slot, what):
+        counts.order[-1].append(what)
+        counts.add("h2d_weights", slot.nbytes)
+
+    wrap(pool, "put", staged)
+    wrap(place, "tokens", lambda t: counts.add("h2d_tokens", np.asarray(t).nbytes))
+    wrap(place, "stash", lambda x: counts.add("d2h_activations", x.nbytes))
+    wrap(place, "unstash", lambda x: counts.add("h2d_activations", x.nbytes))
+    wrap(place, "start_to_host", lambda tree: counts.add("d2h_grads", tree_bytes(tree)))
+    if engine.store is not None:
+        store = engine.store
+
+        def read(part, kind, out=None):
+            counts.add(f"disk_read.{kind}", parts.nbytes(store.schema(part, kind)))
+
+        wrap(store, "read", read)
+        wrap(store, "write", lambda part, kind, values: counts.add(f"disk_write.{kind}",
+                                                                     sum(a.nbytes for a in values.values())))
+    spill = engine.grads.spill
+    if spill is not None:
+        wrap(spill, "put", lambda key, arrays, sync=False: counts.add(
+            "disk_write.grads", sum(np.asarray(a).nbytes for a in arrays.values())))
+        inner_take = spill.take
+
+        def take(key, keep=False):
+            out = inner_take(key, keep)
+            counts.add("disk_read.grads", sum(a.nbytes for a in out.values()))
+            return out
+
+        spill.take = take
+
+
+CASES = [  # (placement, accum, keep_every, tied, activations)
+    *[("ram", a, k, t, "device") for a in (1, 4) for k in (1, 2, 0) for t in (False, True)],
+    ("ram", 4, 2, False, "host"),
+    ("ram", 1, 0, True, "host"),
+    ("disk", 1, 1, False, "device"),
+    ("disk", 4, 2, True, "host"),
+    ("disk", 4, 0, False, "device"),
+    ("master-disk", 4, 1, True, "device"),
+    ("master-disk", 1, 2, False, "host"),
+    ("one-copy", 1, 0, True, "device"),
+    ("one-copy", 4, 1, False, "device"),
+    ("one-copy", 4, 2, True, "host"),
+]
+
+
+@pytest.mark.parametrize("where,accum,keep_every,tied,activations", CASES,
+                         ids=[f"{w}-accum{a}-k{k}-{'tied' if t else 'untied'}-{x}" for w, a, k, t, x in CASES])
+def test_engine_moves_what_the_schedule_says(tmp_path, where, accum, keep_every, tied, activations):
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
+    tiers, copies = PLACEMENTS[where]
+    store = mtjax.store.create(tmp_path / "store", cfg, TX, copies=copies) if tiers else None
+    stream = StreamConfig(keep_every=keep_every, activations=activations)
+    placement = StoreConfig(**{k: tiers.get(k, "ram") for k in parts.KINDS}, copies=copies)
+    engine = StreamEngine(cfg, model.init_params(cfg, seed=0), OPT, stream, placement, store=store,
+                          batch_shape=(BATCH, SEQ))
+    shape = StepShape(BATCH, SEQ, accum)
+    s = engine.plan(BATCH, SEQ, accum)
+    # The planner prices the very same description.
+    plan = estimate(cfg, stream, placement, shape, BUILTIN["h200"], tx=TX)
+    assert plan.schedule == s
+    assert (plan.traffic.h2d, plan.traffic.d2h) == (s.traffic.h2d, s.traffic.d2h)
+    assert plan.traffic.disk_read == s.traffic.disk_read_bytes and plan.traffic.disk_write == s.traffic.disk_write_bytes
+
+    counts = Counts()
+    instrument(engine, counts)
+    io0 = store.io_bytes if store is not None else (0, 0)
+    rng = np.random.default_rng(0)
+    if copies == 1:
+        engine.commit(0)
+    for step in range(STEPS):
+        counts.order.append([])
+        engine.step(rng.integers(0, cfg.vocab_size, (accum, BATCH, SEQ), dtype=np.int32))
+        if copies == 1:
+            engine.commit(step + 1)  # a one-copy store's updates wait for the step's commit
+    engine.flush()  # the last step's deferred update: every step streams once and updates once
+    t = s.traffic
+
+    # Each step stages its parts in the schedule's order, once whatever the accum.
+    assert counts.order == [list(s.transfers)] * STEPS
+    expected = {"h2d_weights": t.h2d_weights, "h2d_tokens": t.h2d_tokens, "h2d_activations": t.h2d_activations,
+                "d2h_grads": t.d2h_grads, "d2h_activations": t.d2h_activations,
+                **{f"disk_read.{k}": b for k, b in t.disk_read.items()},
+                **{f"disk_write.{k}": b for k, b in t.disk_write.items()}}
+    assert dict(counts.bytes) == {k: STEPS * b for k, b in expected.items() if b}
+    # The store's and the spill's own counters agree (tensor bytes of finished I/O).
+    if store is not None:
+        io1 = store.io_bytes
+        assert io1[0] - io0[0] == STEPS * sum(b for k, b in t.disk_read.items() if k != "grads")
+        assert io1[1] - io0[1] == STEPS * sum(b for k, b in t.disk_write.items() if k != "grads")
+    assert (engine.grads.spill is not None) == (s.spill is not None)
+    if s.spill is not None:
+        assert engine.grads.spill.durable == (s.spill == "pending")
+        assert engine.grads.spill.io_bytes == [STEPS * t.disk_read["grads"], STEPS * t.disk_write["grads"]]
+    assert s.derived_compute == engine.derived_compute
+
+    # The ledger held the step to the device plan: kept activations exactly, a group's
+    # residuals exactly (a group of one runs fused and holds none), staged weights within.
+    peak = engine.ledger.peak_by_use
+    assert peak["activations"] == (s.kept_bytes if activations == "device" else 0)
+    grouped = max(len(g) for g in s.groups) > 1
+    assert peak["residuals"] == (s.device.residuals if grouped else 0)
+    assert 0 < peak["weights"] <= s.device.weights
+    engine.close()
+    if store is not None:
+        store.close()
+
+
+def test_transfers_and_device_plan_follow_the_knobs():
+    """The part order of docs/pipeline.md, and the device plan's terms."""
+    stream, store = StreamConfig(keep_every=2, prefetch_depth=3), StoreConfig()
+    s = schedule.describe(CFG, stream, store, StepShape(BATCH, SEQ, 4), TX)
+    # groups [0, 1], [2]: block 2 stays on the device, group [0, 1] comes back in order.
+    assert s.transfers == ("embed", "block.0", "block.1", "block.2", "head", "block.0", "block.1")
+    tied = schedule.describe(dataclasses.replace(CFG, tie_word_embeddings=True), StreamConfig(keep_every=0), store,
+                             StepShape(BATCH, SEQ), TX)
+    assert tied.transfers == ("embed", "block.0", "block.1", "block.2", "head", "embed", "block.0", "block.1",
+                              "block.2")
+    assert not tied.last_stays and tied.groups == (range(0, 3),)
+    hidden = BATCH * SEQ * CFG.hidden_size * 2
+    max_part = max(b.compute for b in s.part_bytes.values())
+    assert s.device.weights == (3 + 3) * max_part  # depth 3 ahead; head, tied embedding and last block in use
+    assert s.device.activations == 2 * 4 * hidden  # two kept inputs per micro-batch, four micro-batches
+    assert s.device.residuals == 2 * schedule.residual_bytes(CFG, "full_attention", BATCH, SEQ)
+    # Gradients leave in the compute dtype with one micro-batch, in fp32 with several.
+    one = schedule.describe(CFG, stream, store, StepShape(BATCH, SEQ, 1), TX)
+    m = sum(b.master for b in s.part_bytes.values())
+    assert s.traffic.d2h_grads == m
+    assert one.traffic.d2h_grads == m // 2 + s.part_bytes["embed"].master // 2
+
+
+def test_preflight_checks_the_device_plan_the_engine_enforces(tmp_path):
+    """A budget below the step's device plan is refused before anything is built, in the
+    words the engine would use; at the plan's total it passes, and the engine runs under it."""
+    from mtjax import config, data, preflight
+
+    exp = config.load(None, ["--stream.engine=stream", "--data.batch_size=2", "--data.seq_len=16",
+                             "--data.grad_accum=2", f"--run.dir={tmp_path / 'run'}"])
+    cfg, ds = config.model_config(exp), data.resolve(exp.data, tmp_path / "data")
+    plan = preflight.check(exp, cfg, ds)
+    need = plan.device.total
+    short = dataclasses.replace(exp, stream=dataclasses.replace(exp.stream, device_budget_bytes=need - 1))
+    with pytest.raises(preflight.PreflightError, match="stream.device_budget_bytes"):
+        preflight.check(short, cfg, ds)
+    exact = dataclasses.replace(exp, stream=dataclasses.replace(exp.stream, device_budget_bytes=need))
+    preflight.check(exact, cfg, ds)
+    engine = StreamEngine(cfg, model.init_params(cfg, seed=0), exp.optim, exact.stream)
+    engine.step(np.zeros((2, 2, 16), np.int32))
+    assert engine.schedule.device == plan.device and engine.ledger.budget == need
+    engine.close()
