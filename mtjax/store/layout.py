@@ -38,7 +38,7 @@ PARTS_DIR = "parts"
 TRAIN_STATE_DIR = "train_state"
 PENDING_DIR = "pending"
 SLOTS = ("a", "b")
-CHUNK_BYTES = 16 << 20  # 4-32 MiB chunks read fastest (FACTS.md); one chunk decodes on one thread
+CHUNK_BYTES = 16 << 20  # 4-32 MiB chunks read fastest; one chunk decodes on one thread (docs/store.md)
 
 
 def pending_key(part: str, tag: str) -> str:
