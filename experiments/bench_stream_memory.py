@@ -71,7 +71,7 @@ def child_train(args) -> None:
     store.close()
     kept = len(engine.groups) * args.batch * args.seq * args.width * np.dtype(cfg.compute_dtype).itemsize
     peak = peak_rss()
-    print(json.dumps({"layers": args.layers, "params": cfg.num_params(), "peak_rss": peak, "kept": kept,
+    print(json.dumps({"layers": args.layers, "params": model.num_params(cfg), "peak_rss": peak, "kept": kept,
                       "step_s": min(times), "slots": engine.pool.allocated}))
 
 

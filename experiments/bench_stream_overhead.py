@@ -76,7 +76,7 @@ def main() -> None:
         stream.write_trace(args.trace)
     stream.close()
 
-    n_params = cfg.num_params()
+    n_params = model.num_params(cfg)
     tokens = args.batch * args.seq
     rows = [
         ("reference (whole model, remat per block)", ref_s),

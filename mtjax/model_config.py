@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -102,13 +101,6 @@ class ModelConfig:
     def block_kinds(self) -> tuple[str, ...]:
         """Distinct block kinds, in first-use order: one compiled function each."""
         return tuple(dict.fromkeys(self.layer_types))
-
-    def num_params(self) -> int:
-        from mtjax.model import abstract_params  # the model owns the parameter layout
-
-        import jax
-
-        return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(self)))
 
 
 def _rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:

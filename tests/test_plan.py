@@ -36,7 +36,7 @@ def test_state_and_link_bytes_are_sums_over_the_schema():
     plan = estimate(CFG, w, HW, tx=TX)
     compute, master, opt = (schema_total(CFG, k) for k in parts.KINDS)
     assert (plan.state.compute, plan.state.master, plan.state.opt) == (compute, master, opt)
-    assert plan.num_params == CFG.num_params()
+    assert plan.num_params == model.num_params(CFG)
     blocks = schema_total(CFG, "compute", [f"block.{i}" for i in range(3)])
     embed, head = (schema_total(CFG, "compute", [n]) for n in ("embed", "head"))
     # Blocks stream twice per micro-batch (forward, backward), embedding and head once.

@@ -91,7 +91,7 @@ def child_train(args) -> None:
     engine.close()
     store.close()
     peak = peak_rss()
-    print(json.dumps({"params": cfg.num_params(), "peak_rss": peak, "steps": steps}))
+    print(json.dumps({"params": model.num_params(cfg), "peak_rss": peak, "steps": steps}))
 
 
 def run_child(mode: str, args) -> dict:
@@ -128,10 +128,10 @@ def main() -> None:
 
     cfg = model_config(args)
     ram = psutil.virtual_memory().total
-    state = cfg.num_params() * STATE_BYTES
-    need = args.copies * state + 4 * cfg.num_params()  # the state's copies + fp32 gradient sums
+    state = model.num_params(cfg) * STATE_BYTES
+    need = args.copies * state + 4 * model.num_params(cfg)  # the state's copies + fp32 gradient sums
     free = shutil.disk_usage(args.dir.parent if not args.dir.exists() else args.dir).free
-    print(f"{cfg.num_params() / 1e9:.2f}B params, state {state / 1e9:.1f} GB = {state / ram:.2f}x RAM "
+    print(f"{model.num_params(cfg) / 1e9:.2f}B params, state {state / 1e9:.1f} GB = {state / ram:.2f}x RAM "
           f"({ram / 1e9:.1f} GB); disk free {free / 1e9:.0f} GB, the store will reach ~{need / 1e9:.0f} GB", flush=True)
     if need + 10e9 > free:
         sys.exit("not enough free disk for the state, the gradient sums and 10 GB: choose a smaller model")

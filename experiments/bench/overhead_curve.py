@@ -83,7 +83,7 @@ def child(args) -> None:
         engines[name].close()
     store.close()
     block_bytes = (4 * w * w + 3 * w * cfg.intermediate_size) * 4
-    print(json.dumps({"width": w, "block_mib": block_bytes / 2**20, "params": cfg.num_params(),
+    print(json.dumps({"width": w, "block_mib": block_bytes / 2**20, "params": model.num_params(cfg),
                       **{k: statistics.median(v) for k, v in times.items()}}))
 
 

@@ -321,7 +321,7 @@ def main() -> None:
         f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, torch "
         f"{torch.__version__}, load average {load_at_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end "
         f"(the run itself keeps both cores busy). Llama {args.layers} blocks x width "
-        f"{args.width} ({cfg.num_params() / 1e6:.1f}M params), vocab {args.vocab}, batch 1 x seq {args.seq}, fp32, "
+        f"{args.width} ({model.num_params(cfg) / 1e6:.1f}M params), vocab {args.vocab}, batch 1 x seq {args.seq}, fp32, "
         f"AdamW + clip 1.0; median of {args.steps} steps after one warm-up, the trainers' steps interleaved "
         f"(torch in a worker process; the streamed step includes finishing its deferred update, so that none of "
         f"it runs during another trainer's step).",
