@@ -21,23 +21,17 @@ import datetime
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import harness  # first: the checkout on sys.path, JAX on the CPU
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from mtjax import parts  # noqa: E402
-from mtjax.model_config import ModelConfig  # noqa: E402
-from mtjax.optim import OptimConfig, make_optimizer  # noqa: E402
-from mtjax.stream.update import PartUpdate  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments"))
-from benchdoc import DOC, write_section  # noqa: E402
+from mtjax import parts
+from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.stream.update import PartUpdate
 
 SECTION = "optimizer-update"
 HEADING = "## Optimizer update: mtjax vs torch fused AdamW (experiments/bench/optimizer.py)"
@@ -205,8 +199,8 @@ def main() -> None:
     )
     print(body)
     if not args.no_write:
-        write_section(SECTION, f"{HEADING}\n\n{body}")
-        print(f"\nwrote the section of {DOC.relative_to(ROOT)}")
+        harness.write_section(SECTION, f"{HEADING}\n\n{body}")
+        print(f"\nwrote the section of {harness.DOC.relative_to(harness.ROOT)}")
 
 
 if __name__ == "__main__":
