@@ -158,9 +158,7 @@ def main() -> None:
     body = ("## Bigger than RAM (experiments/bench/bigger_than_ram.py)\n\n" + "\n".join(lines)
             + f"\n\nCommand: `.venv/bin/python experiments/bench/bigger_than_ram.py --layers {args.layers} --width "
               f"{args.width} --ffn {args.ffn} --vocab {args.vocab} --dir DIR`")
-    print(body)
-    if not args.no_doc:
-        harness.write_section("bigger-than-ram", body)
+    harness.publish("bigger-than-ram", body, write=not args.no_doc)
 
 
 if __name__ == "__main__":

@@ -58,9 +58,7 @@ def main() -> None:
     lines += [f"| {a} | {b} |" for a, b in rows]
     lines += ["", "Sample after training:", "", "```", summary["sample"].strip(), "```"]
     table = "\n".join(lines)
-    print(table)
-    if not no_doc:
-        harness.write_section(SECTION, table)
+    harness.publish(SECTION, table, write=not no_doc)
 
 
 if __name__ == "__main__":

@@ -161,6 +161,14 @@ def write_section(name: str, body: str, doc: Path = DOC) -> None:
     doc.write_text(text)
 
 
+def publish(name: str, body: str, write: bool = True) -> None:
+    """Print a benchmark's section and, unless told not to (`--no-doc`), write it to docs/benchmarks.md."""
+    print(body)
+    if write:
+        write_section(name, body)
+        print(f"\nwrote section {name} of {DOC.relative_to(ROOT)}")
+
+
 def main(argv: list[str]) -> None:
     if len(argv) == 3 and argv[0] == "section":
         write_section(argv[1], Path(argv[2]).read_text())

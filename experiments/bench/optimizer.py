@@ -197,10 +197,7 @@ def main() -> None:
         + table(rows, copy_bw, torch_ns) + "\n\n" + NOTES
         + "\n\nRun: `.venv/bin/python experiments/bench/optimizer.py`"
     )
-    print(body)
-    if not args.no_write:
-        harness.write_section(SECTION, f"{HEADING}\n\n{body}")
-        print(f"\nwrote the section of {harness.DOC.relative_to(harness.ROOT)}")
+    harness.publish(SECTION, f"{HEADING}\n\n{body}", write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def main() -> None:
         f"Command: `.venv/bin/python experiments/bench/overhead_curve.py --widths {' '.join(map(str, args.widths))}`",
     ]
     body = "## Streaming overhead vs block size (experiments/bench/overhead_curve.py)\n\n" + "\n".join(lines)
-    print(body)
+    harness.publish(SECTION, body, write=not args.no_doc)
     if args.no_doc:
         return
     import matplotlib
@@ -153,7 +153,6 @@ def main() -> None:
     fig.tight_layout()
     PNG.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(PNG)
-    harness.write_section(SECTION, body)
 
 
 if __name__ == "__main__":

@@ -182,9 +182,7 @@ def main() -> None:
               "where the training process peaked at ~1,060 MiB. VmHWM is the child's own peak.", "",
               "Command: `.venv/bin/python experiments/bench/plan_accuracy.py`"]
     body = "\n".join(lines)
-    print(body)
-    if not args.no_write:
-        harness.write_section(SECTION, body)
+    harness.publish(SECTION, body, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -114,9 +114,7 @@ def main() -> None:
     body = ("## Streaming memory vs depth (experiments/bench/stream_memory.py)\n\n" + "\n".join(lines)
             + f"\n\nCommand: `.venv/bin/python experiments/bench/stream_memory.py --layers "
               f"{' '.join(map(str, args.layers))} --width {args.width}`")
-    print(body)
-    if not args.no_doc:
-        harness.write_section("stream-memory", body)
+    harness.publish("stream-memory", body, write=not args.no_doc)
 
 
 if __name__ == "__main__":

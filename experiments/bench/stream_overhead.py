@@ -93,9 +93,7 @@ def main() -> None:
         f"\n\nCommand: `.venv/bin/python experiments/bench/stream_overhead.py "
         f"--layers {args.layers} --width {args.width} --seq {args.seq}`"
     )
-    print(body)
-    if not args.no_doc:
-        harness.write_section(SECTION, body)
+    harness.publish(SECTION, body, write=not args.no_doc)
 
 
 if __name__ == "__main__":

@@ -327,9 +327,7 @@ def main() -> None:
         "Command: `.venv/bin/python experiments/bench/vs_torch.py`",
     ]
     body = "## mtjax vs transformers + torch on the CPU (experiments/bench/vs_torch.py)\n\n" + "\n".join(lines)
-    print(body)
-    if not args.no_doc:
-        harness.write_section(SECTION, body)
+    harness.publish(SECTION, body, write=not args.no_doc)
 
 
 if __name__ == "__main__":
