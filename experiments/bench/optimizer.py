@@ -10,7 +10,7 @@ the ratio to torch, and the time expressed as bytes/param at the copy bandwidth 
 in the same run, against the memory-bandwidth bound of 28 bytes/param (read master, mu,
 nu, grad; write master, mu, nu). Writes its section of docs/benchmarks.md.
 
-    .venv/bin/python experiments/bench/optimizer.py [--steps 10] [--no-write]
+    .venv/bin/python experiments/bench/optimizer.py [--steps 10] [--no-doc]
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="timed rounds (one step of each implementation)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    ap.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
 
     load_before = os.getloadavg()[0]
@@ -197,7 +197,7 @@ def main() -> None:
         + table(rows, copy_bw, torch_ns) + "\n\n" + NOTES
         + "\n\nRun: `.venv/bin/python experiments/bench/optimizer.py`"
     )
-    harness.publish(SECTION, f"{HEADING}\n\n{body}", write=not args.no_write)
+    harness.publish(SECTION, f"{HEADING}\n\n{body}", write=not args.no_doc)
 
 
 if __name__ == "__main__":

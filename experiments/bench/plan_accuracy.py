@@ -11,7 +11,7 @@ cache before every step (as a store larger than RAM would be). The prediction is
 docs/benchmarks.md.
 
     .venv/bin/python experiments/bench/plan_accuracy.py              # ~5 minutes
-    .venv/bin/python experiments/bench/plan_accuracy.py --quick --no-write   # smoke
+    .venv/bin/python experiments/bench/plan_accuracy.py --quick --no-doc   # smoke
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per model (after one warm-up)")
     ap.add_argument("--quick", action="store_true", help="tiny models (smoke test)")
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory for the stores and the disk probe")
-    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    ap.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
     ap.add_argument("--child", choices=["init", "train"], help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -182,7 +182,7 @@ def main() -> None:
               "where the training process peaked at ~1,060 MiB. VmHWM is the child's own peak.", "",
               "Command: `.venv/bin/python experiments/bench/plan_accuracy.py`"]
     body = "\n".join(lines)
-    harness.publish(SECTION, body, write=not args.no_write)
+    harness.publish(SECTION, body, write=not args.no_doc)
 
 
 if __name__ == "__main__":
