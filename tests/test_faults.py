@@ -35,6 +35,8 @@ from mtjax.stream import StreamEngine
 import fault_trials
 import small_disk as small_disk_lib
 
+pytestmark = pytest.mark.slow  # real mtjax processes killed and rerun; ~90 s
+
 KILLS = 8
 STEPS = 6
 QUIET = open(os.devnull, "w")

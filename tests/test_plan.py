@@ -96,6 +96,7 @@ def test_device_peak_grows_with_prefetch_depth_and_kept_inputs_shrink_with_k():
     assert host.device.kept_inputs == 0 and host.host.activations == plans[0].kept_inputs
 
 
+@pytest.mark.slow  # runs the probe / a real vjp
 def test_residuals_are_what_a_real_vjp_keeps():
     b, s = 2, 16
     params = model.init_params(CFG)["blocks"][0]
@@ -170,6 +171,7 @@ def test_profiles_round_trip_and_builtins_are_labelled(tmp_path):
         load(str(path))
 
 
+@pytest.mark.slow  # runs the probe / a real vjp
 def test_cli_plan_and_probe(tmp_path, capsys):
     assert cli.main(["plan", str(BIG[0]), "--hardware", "h100-pcie5", "--seq-len", "1024",
                      "--placement", "compute=ram,master=ram,opt=disk", "--compute-dtype", "bfloat16"]) == 0

@@ -73,6 +73,7 @@ def _same(a: dict, b: dict) -> bool:
     return all(np.array_equal(a[p][n], b[p][n]) for p in a for n in a[p])
 
 
+@pytest.mark.slow  # two stores trained side by side
 def test_one_copy_trains_like_two_copies_on_half_the_disk(tmp_path):
     one, s1 = _train(tmp_path / "one", 1, 3, close=False)
     two, s2 = _train(tmp_path / "two", 2, 3, close=False)
@@ -158,6 +159,7 @@ def test_config_needs_every_kind_on_disk():
 ONE_COPY = ["--store.copies=1"]
 
 
+@pytest.mark.slow  # mtjax processes killed and rerun
 def test_kill_minus_9_then_rerun_ends_bit_identical(tmp_path):
     """`mtjax train` on a one-copy store killed at random moments, each kill followed by
     the same command; the finished run equals an uninterrupted two-copy run."""

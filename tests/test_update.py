@@ -111,6 +111,7 @@ def test_whole_part_fallback_equals_reference():
         _check_equal(g, w)
 
 
+@pytest.mark.slow  # engine steps against the reference
 def test_engine_with_the_optax_program_commits_its_state_whole(tmp_path):
     """Streamed steps with the optax program's RAM-tier state (XLA buffers it updates in
     place) equal the in-memory trainer, and a commit writes that state to the store whole."""

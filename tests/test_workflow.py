@@ -40,6 +40,7 @@ def streamed(tmp_path_factory):
     return run_dir, log.getvalue(), records
 
 
+@pytest.mark.slow  # a streamed training run
 def test_each_step_records_rss_mfu_and_stage_times(streamed):
     _, log, records = streamed
     steps = [r for r in records if "loss" in r]
@@ -93,6 +94,7 @@ def test_peak_of_a_gpu_comes_from_its_builtin_profile():
     assert peak_flops(unknown, "bfloat16")[0] is None
 
 
+@pytest.mark.slow  # a streamed training run
 def test_plot_writes_a_valid_png_of_all_panels(streamed, tmp_path, capsys):
     run_dir, _, _ = streamed
     out = tmp_path / "charts.png"
