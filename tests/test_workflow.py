@@ -193,6 +193,7 @@ def test_plot_goes_into_the_run_directory_with_memory_from_zero(streamed, capsys
             assert not legend.get_window_extent().overlaps(ax.get_window_extent()), ax.get_title()
 
 
+@pytest.mark.slow  # a training run, ~6 s
 def test_plot_to_an_unwritable_place_is_one_line_and_leaves_nothing(streamed, tmp_path, capsys):
     run_dir, _, _ = streamed
     a_file = tmp_path / "file"
