@@ -1,12 +1,13 @@
-# make run   the embedded default training run (creates .venv on first use)
-# make test  the whole test suite, as CI runs it (.ci/run)
+# make run        the embedded default training run (creates .venv on first use)
+# make test       the whole test suite, as CI runs it (.ci/run)
+# make test-fast  the fast tier for the inner loop: every test not marked slow (2-2.5 minutes alone on 2 cores)
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: run test
+.PHONY: run test test-fast
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,3 +26,6 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.installed-test
+	$(BIN)/pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -16,6 +16,7 @@ name mapping in `mtjax.hf` stays a table. Kernels are stored [in, out] (y = x @ 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -184,6 +185,11 @@ def abstract_params(cfg: ModelConfig) -> Params:
         "blocks": [abstract_block(cfg, kind) for kind in cfg.layer_types],
         "head": _abstract(cfg, "head"),
     }
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """How many parameters the model has (tied embeddings counted once)."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
 
 
 def init_params(cfg: ModelConfig, seed: int = 0) -> Params:

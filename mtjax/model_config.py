@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -108,13 +107,6 @@ class ModelConfig:
         if seq_len > self.max_position_embeddings:
             raise ConfigError(f"{name} ({seq_len}) exceeds the model's context (model.max_position_embeddings = "
                               f"{self.max_position_embeddings}); lower {name}")
-
-    def num_params(self) -> int:
-        from mtjax.model import abstract_params  # the model owns the parameter layout
-
-        import jax
-
-        return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(self)))
 
 
 def differences(old: ModelConfig, new: ModelConfig, ignore: tuple[str, ...] = ()) -> list[str]:

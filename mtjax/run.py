@@ -353,7 +353,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     if not exp.run.resume:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
     tokens_per_step = exp.data.grad_accum * exp.data.batch_size * exp.data.seq_len
-    print(f"mtjax: {cfg.num_params() / 1e6:.2f}M-parameter {cfg.model_type} ({cfg.num_hidden_layers} blocks, "
+    print(f"mtjax: {model.num_params(cfg) / 1e6:.2f}M-parameter {cfg.model_type} ({cfg.num_hidden_layers} blocks, "
           f"width {cfg.hidden_size}), {exp.stream.engine} engine on {jax.devices()[0].platform}; "
           f"{dataset.meta['num_tokens']:,} tokens ({dataset.meta['tokenizer_source']}); "
           f"{_steps_text(first, exp.run.steps)} of {tokens_per_step:,} tokens; run dir {run_dir}", file=out, flush=True)
@@ -395,7 +395,7 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
     losses, val_loss, start = {}, None, time.perf_counter()  # losses by step
     peak, peak_note = peak_flops(jax.devices()[0], cfg.compute_dtype)
     print(f"mtjax: {peak_note}; per-step records in {run_dir / 'metrics.jsonl'}", file=out, flush=True)
-    flops = model_flops_per_token(cfg.num_params(), cfg.num_hidden_layers, exp.data.seq_len, cfg.hidden_size)
+    flops = model_flops_per_token(model.num_params(cfg), cfg.num_hidden_layers, exp.data.seq_len, cfg.hidden_size)
     with Progress(run_dir, exp.run.steps, tokens_per_step, exp.run.log_every, first_step=first, stream=out,
                   tensorboard=exp.run.tensorboard, flops_per_token=flops, peak_flops=peak) as progress:
         for step in range(first + 1, exp.run.steps + 1):

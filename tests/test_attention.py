@@ -15,12 +15,15 @@ def reference(q, k, v, scale, window):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale)
 
 
+SLOW = pytest.mark.slow  # ~5 s each here; the fast tier keeps one case
+
+
 @pytest.mark.parametrize("t, heads, kv_heads, window, rows", [
-    (16, 4, 4, None, 5),    # uneven chunks, plain multi-head
-    (37, 4, 1, 7, 8),       # multi-query, sliding window shorter than a chunk
-    (64, 6, 2, 16, 16),     # grouped query, window = chunk
-    (64, 4, 2, None, 128),  # one chunk (seq shorter than CHUNK_ROWS)
-    (50, 2, 2, 40, 10),     # window spanning several chunks
+    pytest.param(16, 4, 4, None, 5, marks=SLOW),    # uneven chunks, plain multi-head
+    pytest.param(37, 4, 1, 7, 8, marks=SLOW),       # multi-query, sliding window shorter than a chunk
+    pytest.param(64, 6, 2, 16, 16, marks=SLOW),     # grouped query, window = chunk
+    (64, 4, 2, None, 128),                          # one chunk (seq shorter than CHUNK_ROWS)
+    pytest.param(50, 2, 2, 40, 10, marks=SLOW),     # window spanning several chunks
 ])
 def test_outputs_and_gradients_equal_dot_product_attention(t, heads, kv_heads, window, rows):
     kq, kk, kv, kd = jax.random.split(jax.random.key(t), 4)
@@ -37,6 +40,7 @@ def test_outputs_and_gradients_equal_dot_product_attention(t, heads, kv_heads, w
         assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b)
 
 
+@pytest.mark.slow  # compiles a long attention; the fast tier keeps the fp32 checks
 def test_bf16_inputs_stay_within_bf16_rounding():
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(x, (1, 32, 4, 8), jnp.bfloat16) for x in (kq, kk, kv))

@@ -94,6 +94,7 @@ def trained(tmp_path_factory):
     return run_dir, result
 
 
+@pytest.mark.slow  # a training run in a subprocess
 def test_train_end_to_end(trained):
     run_dir, result = trained
     assert result.returncode == 0, result.stderr
@@ -111,6 +112,7 @@ def test_train_end_to_end(trained):
     assert config.load(run_dir / "config.yaml") == config.load(None, [*TINY, f"--run.dir={run_dir}"])
 
 
+@pytest.mark.slow  # a training run in a subprocess
 def test_run_equals_a_hand_written_reference_loop(trained):
     """The run's losses and final weights are exactly N reference steps on the loader's batches."""
     run_dir, result = trained
@@ -129,6 +131,7 @@ def test_run_equals_a_hand_written_reference_loop(trained):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # a training run in a subprocess
 def test_generate_eval_plot_and_data_commands_on_the_run(trained, tmp_path, capsys):
     run_dir, result = trained
     assert result.returncode == 0, result.stderr
@@ -149,6 +152,7 @@ def test_generate_eval_plot_and_data_commands_on_the_run(trained, tmp_path, caps
     assert json.loads(capsys.readouterr().out)["num_tokens"] == 501
 
 
+@pytest.mark.slow  # a training run in a subprocess
 def test_python_api_matches_the_command_line_arguments(tmp_path):
     exp = config.load(None, [*TINY, "--run.steps=2", "--run.eval_every=0", "--run.sample_prompt=",
                              f"--run.dir={tmp_path / 'api'}"])
@@ -192,6 +196,7 @@ def test_tensorboard_writes_events_or_names_the_missing_package(tmp_path):
     assert b"loss" in events[0].read_bytes()  # the scalar's tag is in the event records
 
 
+@pytest.mark.slow  # a training run in a subprocess
 def test_fine_tune_starts_from_the_checkpoint_weights(tmp_path):
     import hf_models
 
@@ -211,6 +216,7 @@ def test_fine_tune_starts_from_the_checkpoint_weights(tmp_path):
         run_lib.train(config.load(None, [*args, f"--model.checkpoint={small}"]), open(os.devnull, "w"))
 
 
+@pytest.mark.slow  # a training run in a subprocess
 def test_a_bad_run_leaves_the_previous_run_intact(trained, capsys):
     run_dir, result = trained
     assert result.returncode == 0, result.stderr

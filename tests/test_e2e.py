@@ -30,6 +30,8 @@ from mtjax import data, generate, hf, model
 from mtjax import run as run_lib
 from mtjax.optim import OptimConfig, lr_at
 
+pytestmark = pytest.mark.slow  # the whole command-line path, several mtjax processes
+
 DATA = Path(__file__).parent / "data"
 
 # The commands of README.md's "From text to a fine-tuned model", in order.

@@ -16,7 +16,6 @@ import json
 import os
 import random
 import shutil
-import sys
 import threading
 from pathlib import Path
 
@@ -33,9 +32,10 @@ from mtjax.errors import MtjaxError, NonFiniteStep
 from mtjax.reference import ReferenceTrainer
 from mtjax.stream import StreamEngine
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import fault_suite  # noqa: E402
-import small_disk as small_disk_lib  # noqa: E402
+import fault_trials
+import small_disk as small_disk_lib
+
+pytestmark = pytest.mark.slow  # real mtjax processes killed and rerun; ~90 s
 
 KILLS = 8
 STEPS = 6
@@ -43,7 +43,7 @@ QUIET = open(os.devnull, "w")
 
 
 def exp_of(run_dir: Path, steps: int, *extra: str):
-    return config.load(None, fault_suite.train_args(run_dir, steps)[1:] + list(extra))
+    return config.load(None, fault_trials.train_args(run_dir, steps)[1:] + list(extra))
 
 
 def final_bytes(run_dir: Path) -> bytes:
@@ -76,7 +76,7 @@ def test_kill_minus_9_then_rerun_ends_bit_identical(work, clean):
     """KILLS kills at random moments and just after random commits (store creation, steps,
     commits, the final export), each followed by the same command; the finished run's
     weights equal the clean run's."""
-    k = fault_suite.kill_train_trials(work / "kills", KILLS, STEPS, random.Random(1))
+    k = fault_trials.kill_train_trials(work / "kills", KILLS, STEPS, random.Random(1))
     assert k["kills"] == KILLS and k["mid_store"] >= KILLS // 2  # half land after a commit by construction
     assert k["ok"], k["error"]
     assert (work / "kills" / "clean" / "final" / "model.safetensors").read_bytes() == final_bytes(clean)
@@ -93,9 +93,9 @@ def committed(work, clean):
 
 
 @pytest.mark.parametrize("damage, message", [
-    (fault_suite.flip_byte, "block.1 master tensor mlp.down_proj.kernel (slot "),
-    (fault_suite.truncate_chunk, "block.1 master tensor mlp.down_proj.kernel (slot "),
-    (fault_suite.delete_chunk, "is missing"),
+    (fault_trials.flip_byte, "block.1 master tensor mlp.down_proj.kernel (slot "),
+    (fault_trials.truncate_chunk, "block.1 master tensor mlp.down_proj.kernel (slot "),
+    (fault_trials.delete_chunk, "is missing"),
     ("foreign", "comes from another store"),
 ])
 def test_damaged_store_is_refused_naming_the_damage(work, clean, committed, damage, message, capsys):
@@ -106,11 +106,11 @@ def test_damaged_store_is_refused_naming_the_damage(work, clean, committed, dama
         shutil.copy(clean / "store" / "manifest.json", run / "store" / "manifest.json")
     else:
         damage(run)
-    before = fault_suite.committed_files(run / "store")
-    assert cli.main(fault_suite.train_args(run, 4)) == 2
+    before = fault_trials.committed_files(run / "store")
+    assert cli.main(fault_trials.train_args(run, 4)) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(err) == 1 and message in err[0], err
-    assert fault_suite.committed_files(run / "store") == before  # what was committed is untouched
+    assert fault_trials.committed_files(run / "store") == before  # what was committed is untouched
 
 
 # --- a full disk during a step ------------------------------------------------------------------
@@ -290,7 +290,7 @@ def _raised(fn, *args):
 
 def test_second_trainer_on_the_same_store_is_refused(work, committed, capsys):
     with mtjax.store.open(committed / "store", writable=True):
-        assert cli.main(fault_suite.train_args(committed, 4)) == 2
+        assert cli.main(fault_trials.train_args(committed, 4)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "is already open for writing" in err[-1]
 
@@ -364,4 +364,4 @@ def test_bad_input_to_train_is_one_line(tmp_path, capsys):
         assert not (run_dir / "final").exists()
 
 
-TINY_RUN = [a for a in fault_suite.TINY] + ["--run.steps=1"]
+TINY_RUN = [a for a in fault_trials.TINY] + ["--run.steps=1"]

@@ -30,6 +30,7 @@ def greedy_reference(params, prompt, n):
     return ids[len(prompt):]
 
 
+@pytest.mark.slow  # compiles a decode loop per case
 def test_greedy_matches_a_step_by_step_loop(params):
     prompt = [3, 14, 15, 9, 2]
     got = generate.generate(CFG, params, prompt, 8, temperature=0)
@@ -37,6 +38,7 @@ def test_greedy_matches_a_step_by_step_loop(params):
     assert len(set(got)) > 1  # not a degenerate constant output
 
 
+@pytest.mark.slow  # compiles a decode loop per case
 def test_top_k_one_is_greedy_and_sampling_is_seeded(params):
     prompt = [1, 2, 3]
     greedy = generate.generate(CFG, params, prompt, 8, temperature=0)
@@ -56,6 +58,7 @@ def test_top_k_restricts_to_the_k_likeliest(params):
     assert firsts <= top3 and len(firsts) > 1
 
 
+@pytest.mark.slow  # compiles a decode loop per case
 def test_long_prompts_are_cut_to_the_context_and_eos_stops(params):
     prompt = list(range(40))  # longer than the 24-position context
     out = generate.generate(CFG, params, prompt, 6, temperature=0)
@@ -103,6 +106,7 @@ def _sampler(path):
     return StreamSampler(mtjax.store.open(path))
 
 
+@pytest.mark.slow  # compiles a decode loop per case
 def test_streamed_greedy_equals_in_memory_generate(store_model):
     path, cfg, params = store_model
     sampler = _sampler(path)
@@ -114,6 +118,7 @@ def test_streamed_greedy_equals_in_memory_generate(store_model):
     assert sampler.generate([1, 2, 3, 4, 5, 6, 7, 8], 16, temperature=0, eos_id=eos) == want[:want.index(eos)]
 
 
+@pytest.mark.slow  # compiles a decode loop per case
 def test_streamed_sampling_equals_in_memory_sampling(store_model):
     path, cfg, params = store_model
     sampler = _sampler(path)
@@ -122,6 +127,7 @@ def test_streamed_sampling_equals_in_memory_sampling(store_model):
         assert sampler.generate([5, 6], 10, temperature=1.5, top_k=top_k, seed=seed) == want
 
 
+@pytest.mark.slow  # compiles a decode loop per case
 def test_streamed_sampling_holds_two_parts_and_the_kv_caches(store_model):
     """The device never holds the whole model: at most two parts' weights (the tied head
     reads the embedding) plus the caches, and the staging buffers are reused."""

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the GPU benchmark's dry run in a subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -22,6 +22,8 @@ import mtjax
 from mtjax import hf
 from mtjax.model_config import SLIDING
 
+pytestmark = pytest.mark.slow  # transformers + torch models side by side
+
 SEQ = 12  # longer than every sliding window below
 BATCH = 2
 

@@ -46,7 +46,7 @@ def test_state_and_link_bytes_are_sums_over_the_schema():
     plan = plan_of(shape=shape)
     compute, master, opt = (schema_total(CFG, k) for k in parts.KINDS)
     assert (plan.state.compute, plan.state.master, plan.state.opt) == (compute, master, opt)
-    assert plan.num_params == CFG.num_params()
+    assert plan.num_params == model.num_params(CFG)
     blocks = schema_total(CFG, "compute", [f"block.{i}" for i in range(3)])
     embed, head = (schema_total(CFG, "compute", [n]) for n in ("embed", "head"))
     tokens = 3 * 2 * 16 * 4  # int32 ids of three micro-batches
@@ -116,6 +116,7 @@ def test_device_peak_grows_with_prefetch_depth_and_kept_inputs_shrink_with_k():
     assert plan_of(shape=StepShape(2, 32, 4), keep_every=1).device.activations == 4 * plans[0].activations
 
 
+@pytest.mark.slow  # runs the probe / a real vjp
 def test_residuals_are_what_a_real_vjp_keeps():
     b, s = 2, 16
     params = model.init_params(CFG)["blocks"][0]
@@ -190,6 +191,7 @@ def test_profiles_round_trip_and_builtins_are_labelled(tmp_path):
         load(str(path))
 
 
+@pytest.mark.slow  # runs the probe / a real vjp
 def test_cli_plan_and_probe(tmp_path, capsys):
     assert cli.main(["plan", str(BIG[0]), "--hardware", "h100-pcie5", "--seq-len", "1024",
                      "--placement", "compute=ram,master=ram,opt=disk", "--compute-dtype", "bfloat16"]) == 0

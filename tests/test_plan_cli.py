@@ -148,6 +148,7 @@ def test_drive_endurance_line_follows_the_profile(tmp_path, capsys, tiny):
     assert "drive endurance" not in capsys.readouterr().out
 
 
+@pytest.mark.slow  # probes this machine, ~18 s
 def test_this_machine_is_probed_once_then_read_from_the_cache(tiny, capsys, cache, monkeypatch):
     measured = []
     real = probe.run

@@ -50,6 +50,7 @@ def rel_errors(a, b) -> dict[str, float]:
             for (p, x), y in zip(flat_a, flat_b)}
 
 
+@pytest.mark.slow  # several trainer steps, compiled per case
 def test_loss_falls_on_a_fixed_batch(params):
     batch = tokens(4)
     fresh = mtjax.init_params(CFG, seed=0)  # jax arrays, which jnp.asarray would not copy
@@ -64,6 +65,7 @@ def test_loss_falls_on_a_fixed_batch(params):
     jax.tree.map(np.testing.assert_array_equal, fresh, params)
 
 
+@pytest.mark.slow  # several trainer steps, compiled per case
 def test_resuming_from_params_and_opt_state_continues_exactly(params):
     """A second trainer built from the first one's state takes the identical next step,
     and building it leaves the first trainer's arrays usable."""
@@ -88,6 +90,7 @@ def test_remat_does_not_change_the_gradient(params):
     assert max(errors.values()) <= 1e-6, errors
 
 
+@pytest.mark.slow  # several trainer steps, compiled per case
 def test_gradient_accumulation_equals_one_big_batch(params):
     micro = tokens(2, seed=3, accum=4)  # [accum 4, batch 2, seq]
     big = micro.reshape(8, SEQ)
@@ -105,6 +108,7 @@ def test_gradient_accumulation_equals_one_big_batch(params):
     assert min(moved.values()) > 1e-3, moved
 
 
+@pytest.mark.slow  # several trainer steps, compiled per case
 def test_accumulated_gradient_is_the_mean_of_micro_batch_gradients(params):
     """One SGD step exposes the accumulated gradient: (params - new params) / lr."""
     micro = tokens(2, seed=5, accum=3)
@@ -117,6 +121,7 @@ def test_accumulated_gradient_is_the_mean_of_micro_batch_gradients(params):
     assert max(errors.values()) <= 1e-5, errors
 
 
+@pytest.mark.slow  # several trainer steps, compiled per case
 def test_bf16_compute_keeps_fp32_master_and_matches_fp32_loss(params):
     batch = tokens(4, seed=7)
     bf16 = dataclasses.replace(CFG, compute_dtype="bfloat16")
@@ -145,6 +150,7 @@ def test_bf16_loss_is_computed_in_bf16():
     assert 0 < np.abs(low - high).max() < 0.05 * np.abs(high).max()
 
 
+@pytest.mark.slow  # several trainer steps, compiled per case
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_global_norm_clipping_clips(params, optimizer):
     """The step equals the optimizer applied to the gradient pre-scaled to norm clip."""
@@ -178,6 +184,7 @@ def test_global_norm_clipping_clips(params, optimizer):
     assert max(diff.values()) > 1e-2
 
 
+@pytest.mark.slow  # several trainer steps, compiled per case
 def test_train_reference_with_a_plain_optax_transformation(params):
     batches = [tokens(4, seed=s) for s in (20, 21, 20, 21, 20, 21)]
     lr = 0.5

@@ -44,6 +44,7 @@ def first_batch(run_dir):
     return data.Loader(data.Dataset(run_dir / "data"), "train", 32, 2).next()[0]
 
 
+@pytest.mark.slow  # training runs, 8-20 s each here
 def test_a_checkpoint_start_is_named_and_starts_from_its_weights(ckpt, tmp_path):
     run_dir = tmp_path / "ft"
     summary, log = train([*SHORT, "--run.steps=1", f"--model.checkpoint={ckpt}", f"--run.dir={run_dir}"])
@@ -52,6 +53,7 @@ def test_a_checkpoint_start_is_named_and_starts_from_its_weights(ckpt, tmp_path)
     np.testing.assert_allclose(summary["first_loss"], float(loss_fn(cfg, params, first_batch(run_dir))), rtol=1e-5)
 
 
+@pytest.mark.slow  # training runs, 8-20 s each here
 def test_an_architecture_alone_warns_that_it_starts_from_random_weights(ckpt, tmp_path):
     run_dir = tmp_path / "scratch"
     summary, log = train([*SHORT, "--run.steps=1", f"--model.hf_config={ckpt}", f"--run.dir={run_dir}"])
@@ -63,6 +65,7 @@ def test_an_architecture_alone_warns_that_it_starts_from_random_weights(ckpt, tm
     np.testing.assert_allclose(summary["first_loss"], float(loss_fn(cfg, fresh, first_batch(run_dir))), rtol=1e-5)
 
 
+@pytest.mark.slow  # training runs, 8-20 s each here
 def test_an_imported_store_and_its_resumed_commit_are_named(ckpt, tmp_path):
     store = tmp_path / "store"
     assert cli.main(["import", str(ckpt), str(store), "--compute-dtype", "float32"]) == 0
@@ -78,6 +81,7 @@ def test_an_imported_store_and_its_resumed_commit_are_named(ckpt, tmp_path):
                                                 "(step 3) in ")
 
 
+@pytest.mark.slow  # training runs, 8-20 s each here
 def test_summary_wording_fits_a_short_run_and_its_resumptions(tmp_path):
     run_dir = tmp_path / "run"
     args = [*TINY, *SHORT, f"--run.dir={run_dir}"]
@@ -114,6 +118,7 @@ def test_warmup_longer_than_the_run_warns_with_the_lr_it_reaches():
     assert schedule_warnings(OptimConfig(schedule="constant", warmup_steps=2), 10) == []
 
 
+@pytest.mark.slow  # training runs, 8-20 s each here
 def test_lr_at_a_step_is_the_lr_its_update_applied():
     """Adam's first update moves each undecayed (1-D) weight by lr * g / (|g| + eps), i.e.
     by lr: with a one-step linear decay, step 1 trains at lr and step 2 at lr * 0.1."""
@@ -128,6 +133,7 @@ def test_lr_at_a_step_is_the_lr_its_update_applied():
     np.testing.assert_allclose(max(moved), lr_at(opt, 1), rtol=1e-3)
 
 
+@pytest.mark.slow  # training runs, 8-20 s each here
 def test_config_yaml_records_the_datasets_tokenizer_and_a_prompt_from_the_data(tmp_path):
     text = tmp_path / "fox.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 200)

@@ -29,6 +29,7 @@ def params():
                                                    if x.ndim == 1 else 0), p)
 
 
+@pytest.mark.slow  # a gradient per remat policy
 @pytest.mark.parametrize("policy", model.REMAT_POLICIES)
 def test_every_remat_policy_gives_the_plain_gradient(params, policy):
     batch = jnp.asarray(tokens(2, seed=1))
@@ -38,6 +39,7 @@ def test_every_remat_policy_gives_the_plain_gradient(params, policy):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # a gradient per remat policy
 def test_dots_policy_saves_the_projections_and_full_saves_nothing():
     """Policies differ in what the backward keeps: count the saved residuals."""
     x = jnp.ones((1, SEQ, CFG.hidden_size))
@@ -56,6 +58,7 @@ def test_dots_policy_saves_the_projections_and_full_saves_nothing():
     assert none > dots  # and less than no remat at all
 
 
+@pytest.mark.slow  # a gradient per remat policy
 def test_trainer_steps_agree_across_policies(params):
     opt = mtjax.OptimConfig(lr=1e-2, schedule="constant", clip_norm=0.5)
     full, dots = (ReferenceTrainer(CFG, params, opt, remat=p) for p in ("full", "dots"))

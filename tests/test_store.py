@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mtjax.store
-from mtjax import hostmem, parts
+from mtjax import hostmem, model, parts
 from mtjax.model_config import ModelConfig, RopeScaling
 from mtjax.store import layout
 from mtjax.store.errors import StoreError
@@ -77,8 +77,8 @@ def test_create_schema_and_sizes(tmp_path):
         for k in KINDS:
             assert store.schema(p, k) == parts.schema(CFG, p, k, tx)
     assert store.schema("block.0", "compute")["mlp.up_proj.kernel"].dtype == jax.numpy.bfloat16
-    assert store.nbytes("master") == 4 * CFG.num_params()
-    assert store.nbytes("compute") == 2 * CFG.num_params()
+    assert store.nbytes("master") == 4 * model.num_params(CFG)
+    assert store.nbytes("compute") == 2 * model.num_params(CFG)
     assert store.nbytes() == sum(store.nbytes(k) for k in KINDS)
     assert store.nbytes("opt", "head") == parts.nbytes(parts.schema(CFG, "head", "opt", tx))
     with pytest.raises(StoreError, match="never been written"):

@@ -22,6 +22,8 @@ import pytest
 import mtjax.store
 from test_store import CFG, read_all, same, values, write_all
 
+pytestmark = pytest.mark.slow  # processes killed mid-commit
+
 TINY = dataclasses.replace(CFG, num_hidden_layers=1, layer_types=())
 
 HERE = Path(__file__).parent

@@ -16,6 +16,8 @@ import small_disk
 from test_store import read_all, same, values, write_all
 from test_store_crash import TINY
 
+pytestmark = pytest.mark.slow  # mounts small tmpfs disks and fills them
+
 
 @pytest.fixture
 def disk(tmp_path):

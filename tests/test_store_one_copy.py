@@ -32,8 +32,7 @@ from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.store.hf_export import export_hf
 from mtjax.stream import StreamEngine
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import fault_suite  # noqa: E402
+import fault_trials
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=16)
@@ -74,6 +73,7 @@ def _same(a: dict, b: dict) -> bool:
     return all(np.array_equal(a[p][n], b[p][n]) for p in a for n in a[p])
 
 
+@pytest.mark.slow  # two stores trained side by side
 def test_one_copy_trains_like_two_copies_on_half_the_disk(tmp_path):
     one, s1 = _train(tmp_path / "one", 1, 3, close=False)
     two, s2 = _train(tmp_path / "two", 2, 3, close=False)
@@ -159,6 +159,7 @@ def test_config_needs_every_kind_on_disk():
 ONE_COPY = ["--store.copies=1"]
 
 
+@pytest.mark.slow  # mtjax processes killed and rerun
 def test_kill_minus_9_then_rerun_ends_bit_identical(tmp_path):
     """`mtjax train` on a one-copy store killed at random moments, each kill followed by
     the same command; the finished run equals an uninterrupted two-copy run."""
@@ -167,23 +168,23 @@ def test_kill_minus_9_then_rerun_ends_bit_identical(tmp_path):
     shutil.rmtree(work, ignore_errors=True)
     try:
         steps, rng = 5, random.Random(3)
-        r = fault_suite.mtjax(fault_suite.train_args(work / "clean", steps))  # two copies
+        r = fault_trials.mtjax(fault_trials.train_args(work / "clean", steps))  # two copies
         assert r.returncode == 0, r.stderr
-        args = fault_suite.train_args(work / "killed", steps) + ONE_COPY
+        args = fault_trials.train_args(work / "killed", steps) + ONE_COPY
         kills = 0
         for i in range(6):
             if i % 2:
-                killed = fault_suite.run_killed_after_commit(args, work / "killed", rng.randrange(steps),
+                killed = fault_trials.run_killed_after_commit(args, work / "killed", rng.randrange(steps),
                                                              rng.uniform(0.0, 0.4))
             else:
-                killed = fault_suite.run_killed(args, rng.uniform(3.0, 12.0))
+                killed = fault_trials.run_killed(args, rng.uniform(3.0, 12.0))
             kills += killed
             if not killed:
                 shutil.rmtree(work / "killed")
         assert kills >= 3
-        r = fault_suite.mtjax(args)
+        r = fault_trials.mtjax(args)
         assert r.returncode == 0, r.stderr
-        assert fault_suite.same_files(work / "clean" / "final", work / "killed" / "final", ["model.safetensors"])
+        assert fault_trials.same_files(work / "clean" / "final", work / "killed" / "final", ["model.safetensors"])
         with mtjax.store.open(work / "killed" / "store") as store:
             assert store.copies == 1 and store.pending is None
             assert _parts_bytes(work / "killed" / "store") == store.nbytes()
@@ -247,9 +248,9 @@ def test_a_damaged_pending_file_is_refused_on_resume(tmp_path, damage, part):
 def _killed_mid_update(args: list[str], run_dir: Path) -> bool:
     """Start `mtjax args`, SIGKILL it as soon as its store's manifest names a pending
     update; True if the killed store still has one."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(fault_suite.ROOT)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(fault_trials.ROOT)}
     p = subprocess.Popen([sys.executable, "-m", "mtjax", *args], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, env=env, cwd=fault_suite.ROOT)
+                         stderr=subprocess.DEVNULL, env=env, cwd=fault_trials.ROOT)
     deadline = time.monotonic() + 300
     while p.poll() is None and time.monotonic() < deadline:
         try:
@@ -269,7 +270,7 @@ def test_cli_refuses_a_damaged_pending_file_in_one_line(tmp_path):
     byte in a pending gradient file: exit 2, one line naming the file, no traceback, and
     the store's committed state left byte for byte as it was."""
     run_dir = tmp_path / "run"
-    args = fault_suite.train_args(run_dir, 4) + ONE_COPY
+    args = fault_trials.train_args(run_dir, 4) + ONE_COPY
     for _ in range(3):
         if _killed_mid_update(args, run_dir):
             break
@@ -283,7 +284,7 @@ def test_cli_refuses_a_damaged_pending_file_in_one_line(tmp_path):
     _flip(path)
     mtjax.store.open(run_dir / "store", writable=True).close()  # frees what the kill left uncommitted
     before = _files(run_dir / "store")
-    r = fault_suite.mtjax(args)
+    r = fault_trials.mtjax(args)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert len(lines) == 1 and str(path) in lines[0] and "checksum" in lines[0], r.stderr

@@ -103,12 +103,12 @@ def run_case(tmp_path, *, keep_every, depth, tiers, accum, tied, activations="de
 
 @pytest.mark.parametrize(
     "keep_every,depth,tiers,accum,tied,activations",
-    [
+    [  # the fast tier keeps the first case; the others take 6-12 s each here
         (1, 1, {}, 1, False, "device"),
-        (2, 3, {}, 4, True, "host"),
-        (0, 2, DISK.tiers, 1, True, "device"),
+        pytest.param(2, 3, {}, 4, True, "host", marks=pytest.mark.slow),
+        pytest.param(0, 2, DISK.tiers, 1, True, "device", marks=pytest.mark.slow),
         # k = 3 over 4 blocks: groups of 3 and 1 (the last block stays resident).
-        (3, 1, {"master": "disk", "opt": "disk"}, 4, False, "device"),
+        pytest.param(3, 1, {"master": "disk", "opt": "disk"}, 4, False, "device", marks=pytest.mark.slow),
     ],
     ids=["k1-depth1-ram-untied", "k2-depth3-ram-accum4-tied-host-pinned", "kall-depth2-disk-tied", "k3-depth1-mixed-accum4"],
 )
@@ -123,6 +123,7 @@ def test_optax_program_update_equals_reference(tmp_path, tiers):
     run_case(tmp_path, keep_every=2, depth=2, tiers=tiers, accum=1, tied=True, fused=False)
 
 
+@pytest.mark.slow  # engine steps against the reference
 def test_bf16_compute_agrees_within_bf16_tolerance():
     cfg, ref_params, _, ref_metrics = reference(False, 1, "bfloat16")
     engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, StreamConfig(keep_every=2))
@@ -220,6 +221,7 @@ def test_bad_tokens_and_options_are_user_errors():
     engine.close()
 
 
+@pytest.mark.slow  # engine steps against the reference
 def test_run_config_builds_the_stream_engine(tmp_path):
     """`stream.engine=stream` in an experiment config gives this engine, with its knobs,
     and its evaluation loss equals the reference's."""

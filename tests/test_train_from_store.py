@@ -12,6 +12,8 @@ from mtjax import cli, config, data, hf
 from mtjax import run as run_lib
 from mtjax.reference import loss_fn
 
+pytestmark = pytest.mark.slow  # mtjax processes over a store
+
 
 def test_training_starts_from_an_imported_store_and_keeps_it(tmp_path):
     ckpt, _ = hf_models.checkpoint(tmp_path, "llama", vocab_size=300)

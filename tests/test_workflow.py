@@ -19,7 +19,7 @@ import matplotlib.image
 import pytest
 
 import small_disk
-from mtjax import cli, config, progress
+from mtjax import cli, config, model, progress
 from mtjax import run as run_lib
 from mtjax.commands import plot
 from mtjax.progress import Progress, model_flops_per_token, peak_flops
@@ -40,6 +40,7 @@ def streamed(tmp_path_factory):
     return run_dir, log.getvalue(), records
 
 
+@pytest.mark.slow  # a streamed training run
 def test_each_step_records_rss_mfu_and_stage_times(streamed):
     _, log, records = streamed
     steps = [r for r in records if "loss" in r]
@@ -49,7 +50,7 @@ def test_each_step_records_rss_mfu_and_stage_times(streamed):
         assert {"stage_read_s", "stage_compute_s", "stage_optimizer_s"} <= set(r)
         assert r["stage_compute_s"] > 0
     cfg = config.model_config(config.load(None, TINY))
-    flops = model_flops_per_token(cfg.num_params(), 2, 32, 32)
+    flops = model_flops_per_token(model.num_params(cfg), 2, 32, 32)
     peak, _ = peak_flops(__import__("jax").devices()[0], "float32")
     for r in steps[1:]:  # the first step pays compilation: no rate yet
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / peak, rel=1e-2, abs=1e-4)
@@ -68,7 +69,7 @@ def test_disk_tier_reports_the_bandwidth_it_moved(tmp_path):
     run_lib.train(config.load(None, [*TINY, *disk, f"--run.dir={run_dir}", "--run.steps=3", "--run.log_every=1"]), log)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "loss" in r]
-    n = config.model_config(config.load(None, TINY)).num_params()
+    n = model.num_params(config.model_config(config.load(None, TINY)))
     for prev, r in zip(steps, steps[1:]):
         wall = r["time_s"] - prev["time_s"]  # at least the step's own wall time
         # Each step rewrites every kind of state (fp32 compute and master, AdamW mu and nu)
@@ -93,6 +94,7 @@ def test_peak_of_a_gpu_comes_from_its_builtin_profile():
     assert peak_flops(unknown, "bfloat16")[0] is None
 
 
+@pytest.mark.slow  # a streamed training run
 def test_plot_writes_a_valid_png_of_all_panels(streamed, tmp_path, capsys):
     run_dir, _, _ = streamed
     out = tmp_path / "charts.png"
@@ -191,6 +193,7 @@ def test_plot_goes_into_the_run_directory_with_memory_from_zero(streamed, capsys
             assert not legend.get_window_extent().overlaps(ax.get_window_extent()), ax.get_title()
 
 
+@pytest.mark.slow  # a training run, ~6 s
 def test_plot_to_an_unwritable_place_is_one_line_and_leaves_nothing(streamed, tmp_path, capsys):
     run_dir, _, _ = streamed
     a_file = tmp_path / "file"

@@ -23,28 +23,28 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
+import harness  # first: the checkout on sys.path, JAX on the CPU
 
-from procmem import peak_rss  # noqa: E402
+import numpy as np
+import psutil
+
+import mtjax.store
+from mtjax import model
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.store.fresh import init_store
+from mtjax.stream import StreamEngine
 
 STATE_BYTES = 2 + 4 + 4 + 4  # bf16 compute + fp32 master + AdamW mu + nu, per parameter
 
 
 def model_config(args):
-    from mtjax.model_config import ModelConfig
-
-    heads = args.width // 128
-    return ModelConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=args.ffn or int(args.width * 2.7),
-                       num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
-                       head_dim=128, compute_dtype="bfloat16")
+    return harness.llama(args.layers, args.width, vocab=args.vocab, ffn=args.ffn or int(args.width * 2.7),
+                         head_dim=128, dtype="bfloat16")
 
 
 def io_bytes() -> tuple[int, int]:
@@ -54,23 +54,12 @@ def io_bytes() -> tuple[int, int]:
 
 
 def child_init(args) -> None:
-    from mtjax.optim import OptimConfig, make_optimizer
-    from mtjax.store.fresh import init_store
-
     t0 = time.perf_counter()
     init_store(model_config(args), args.dir / "store", seed=0, tx=make_optimizer(OptimConfig()), copies=args.copies)
-    peak = peak_rss()
-    print(json.dumps({"init_s": time.perf_counter() - t0, "init_peak_rss": peak, "written": io_bytes()[1]}))
+    harness.report(init_s=time.perf_counter() - t0, init_peak_rss=harness.peak_rss(), written=io_bytes()[1])
 
 
 def child_train(args) -> None:
-    import numpy as np
-
-    import mtjax.store
-    from mtjax.config import StoreConfig, StreamConfig
-    from mtjax.optim import OptimConfig
-    from mtjax.stream import StreamEngine
-
     cfg = model_config(args)
     store = mtjax.store.open(args.dir / "store", writable=True)
     engine = StreamEngine(cfg, optim=OptimConfig(lr=args.lr, schedule="constant"),
@@ -90,17 +79,12 @@ def child_train(args) -> None:
         print(json.dumps(steps[-1]), file=sys.stderr, flush=True)
     engine.close()
     store.close()
-    peak = peak_rss()
-    print(json.dumps({"params": cfg.num_params(), "peak_rss": peak, "steps": steps}))
+    harness.report(params=model.num_params(cfg), peak_rss=harness.peak_rss(), steps=steps)
 
 
 def run_child(mode: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", mode, "--dir", str(args.dir)] + [
-        f"--{k}={getattr(args, k)}" for k in ("layers", "width", "ffn", "vocab", "seq", "batch", "steps", "lr", "copies")]
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr (per-step lines) passes through
-    if out.returncode:
-        sys.exit(f"{mode} failed (exit {out.returncode})")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    opts = [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "ffn", "vocab", "seq", "batch", "steps", "lr", "copies")]
+    return harness.run_child(__file__, mode, "--dir", str(args.dir), *opts, show_stderr=True)  # per-step lines
 
 
 def main() -> None:
@@ -124,14 +108,12 @@ def main() -> None:
     if args.child == "train":
         return child_train(args)
 
-    import psutil
-
     cfg = model_config(args)
     ram = psutil.virtual_memory().total
-    state = cfg.num_params() * STATE_BYTES
-    need = args.copies * state + 4 * cfg.num_params()  # the state's copies + fp32 gradient sums
+    state = model.num_params(cfg) * STATE_BYTES
+    need = args.copies * state + 4 * model.num_params(cfg)  # the state's copies + fp32 gradient sums
     free = shutil.disk_usage(args.dir.parent if not args.dir.exists() else args.dir).free
-    print(f"{cfg.num_params() / 1e9:.2f}B params, state {state / 1e9:.1f} GB = {state / ram:.2f}x RAM "
+    print(f"{model.num_params(cfg) / 1e9:.2f}B params, state {state / 1e9:.1f} GB = {state / ram:.2f}x RAM "
           f"({ram / 1e9:.1f} GB); disk free {free / 1e9:.0f} GB, the store will reach ~{need / 1e9:.0f} GB", flush=True)
     if need + 10e9 > free:
         sys.exit("not enough free disk for the state, the gradient sums and 10 GB: choose a smaller model")
@@ -150,7 +132,7 @@ def main() -> None:
         f"{args.ffn}, vocab {args.vocab}), {train['params'] / 1e9:.2f}B parameters; bf16 compute, fp32 master, "
         f"AdamW; batch {args.batch} x seq {args.seq}, the same batch every step; compute, master and optimizer "
         f"state all on the disk tier (k = 1, prefetch depth 2), a {args.copies}-copy store, a commit after every step. Init and training each in "
-        f"a fresh process; peak RSS = VmHWM (experiments/procmem.py); bytes = /proc/self/io of the training process.",
+        f"a fresh process; peak RSS = VmHWM (experiments/bench/harness.py); bytes = /proc/self/io of the training process.",
         "",
         "| quantity | value |",
         "|---|---|",
@@ -176,11 +158,7 @@ def main() -> None:
     body = ("## Bigger than RAM (experiments/bench/bigger_than_ram.py)\n\n" + "\n".join(lines)
             + f"\n\nCommand: `.venv/bin/python experiments/bench/bigger_than_ram.py --layers {args.layers} --width "
               f"{args.width} --ffn {args.ffn} --vocab {args.vocab} --dir DIR`")
-    print(body)
-    if not args.no_doc:
-        from benchdoc import write_section
-
-        write_section("bigger-than-ram", body)
+    harness.publish("bigger-than-ram", body, write=not args.no_doc)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,14 @@
 One part of ~113M fp32 parameters (a Llama block with hidden 3072, SwiGLU 8192) is
 updated by the engine's optimizer stage, `mtjax.stream.update.PartUpdate`, on RAM-tier
 state in place: as the fused loop (mtjax.stream.fused_adamw) without and with the bf16
-compute copy, and as the optax program on XLA's CPU backend (row-chunked, and whole
-part), against torch's fused CPU AdamW on the same shapes, without and with a bf16 copy.
+compute copy, and as the whole-part optax program on XLA's CPU backend, against torch's
+fused CPU AdamW on the same shapes, without and with a bf16 copy.
 Steps are interleaved so machine load hits all of them alike. The table gives ns/param,
 the ratio to torch, and the time expressed as bytes/param at the copy bandwidth measured
 in the same run, against the memory-bandwidth bound of 28 bytes/param (read master, mu,
 nu, grad; write master, mu, nu). Writes its section of docs/benchmarks.md.
 
-    .venv/bin/python experiments/bench/optimizer.py [--steps 10] [--chunk-mib 4] [--sweep 1,16] [--no-write]
+    .venv/bin/python experiments/bench/optimizer.py [--steps 10] [--no-doc]
 """
 
 from __future__ import annotations
@@ -21,23 +21,17 @@ import datetime
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import harness  # first: the checkout on sys.path, JAX on the CPU
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from mtjax import parts  # noqa: E402
-from mtjax.model_config import ModelConfig  # noqa: E402
-from mtjax.optim import OptimConfig, make_optimizer  # noqa: E402
-from mtjax.stream.update import PartUpdate  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments"))
-from benchdoc import DOC, write_section  # noqa: E402
+from mtjax import parts
+from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.stream.update import PartUpdate
 
 SECTION = "optimizer-update"
 HEADING = "## Optimizer update: mtjax vs torch fused AdamW (experiments/bench/optimizer.py)"
@@ -66,24 +60,26 @@ fails when they are the same arrays, so the in-place update is its own loop. Eac
 contiguous piece per core (many small pieces taken in turn scaled worse to the second core),
 and RAM-tier state lives on transparent huge pages (madvise): ~9% faster than 4 KiB pages.
 
-The optax program rows are what runs without numba or for other optax transformations:
-XLA's CPU backend has no multi-output fusion, so it makes four passes over memory (46
-bytes/param), run per 16 MiB row chunk so that the passes over a chunk can hit cache.
-Tried and dropped on that path: copying chunk results back into whole leaves (2.4x torch);
-donating numpy views (XLA allocates a new output); a `fori_loop` over chunks (3-160x
-slower); `--xla_cpu_use_multi_output_fusion` (not accepted by this jaxlib). And on the loop:
-software prefetching (it stops LLVM from vectorizing: 4x slower).
+The optax program row is what runs without numba or for other optax transformations:
+one jitted program per part, its inputs donated. XLA's CPU backend has no multi-output
+fusion, so it makes four passes over memory (46 bytes/param). Tried and dropped on that
+path: running the program per 16 MiB row chunk so the passes hit cache (1.09 ns/param
+against 1.01 whole, on 2026-11-30: slower, and ~280 lines); copying chunk results back
+into whole leaves (2.4x torch); donating numpy views (XLA allocates a new output); a
+`fori_loop` over chunks (3-160x slower); `--xla_cpu_use_multi_output_fusion` (not accepted
+by this jaxlib). And on the loop: software prefetching (it stops LLVM from vectorizing: 4x
+slower).
 
 On this 2-core VM the update is bound by memory bandwidth, and load from other jobs moves
 every row by 10-30% between runs; the interleaving keeps the ratios comparable within a
 run."""
 
 
-def setup_mtjax(chunk_bytes: int | None, fused: bool = False, copy: bool = True):
+def setup_mtjax(fused: bool, copy: bool = True):
     """(step function, parameter count): the engine's PartUpdate on one RAM-tier part,
     as the fused one-pass loop (with or without writing the bf16 compute copy) or as the
     optax program on XLA's CPU backend."""
-    update = PartUpdate(CFG, make_optimizer(OPT), chunk_bytes=chunk_bytes, optim=OPT if fused else None)
+    update = PartUpdate(CFG, make_optimizer(OPT), optim=OPT if fused else None)
     assert (update.fused is not None) == fused, "the fused loop needs numba"
     schema = parts.schema(CFG, "block.0", "master")
     rng = np.random.default_rng(0)
@@ -166,26 +162,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="timed rounds (one step of each implementation)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--chunk-mib", type=float, default=None,
-                    help="chunk size of the main mtjax row (default: the engine's)")
-    ap.add_argument("--sweep", default="", help="extra chunk sizes in MiB, comma-separated (one more part each)")
-    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    ap.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
 
-    from mtjax.stream.update import CHUNK_BYTES
-
-    chunk = CHUNK_BYTES if args.chunk_mib is None else int(args.chunk_mib * (1 << 20))
     load_before = os.getloadavg()[0]
     copy_step, copy_bytes = setup_copy()
     steps = {"copy": copy_step}
-    fused_step, n = setup_mtjax(None, fused=True, copy=False)
+    fused_step, n = setup_mtjax(fused=True, copy=False)
     steps["fused"] = fused_step
-    steps["fused+copy"] = setup_mtjax(None, fused=True)[0]
-    steps["mtjax"] = setup_mtjax(chunk)[0]
-    steps["whole"] = setup_mtjax(None)[0]
-    sweep = [float(x) for x in args.sweep.split(",") if x]
-    for mib in sweep:
-        steps[f"chunk {mib:g}"] = setup_mtjax(int(mib * (1 << 20)))[0]
+    steps["fused+copy"] = setup_mtjax(fused=True)[0]
+    steps["whole"] = setup_mtjax(fused=False)[0]
     torch_step, n_torch = setup_torch(bf16_copy=False)
     steps["torch"] = torch_step
     steps["torch+copy"] = setup_torch(bf16_copy=True)[0]
@@ -193,13 +179,11 @@ def main() -> None:
     times = run_interleaved(steps, args.warmup, args.steps)
     copy_bw = copy_bytes / statistics.median(times["copy"])  # bytes moved per second
     ns = lambda name: (statistics.median(times[name]) / n * 1e9, min(times[name]) / n * 1e9)  # noqa: E731
-    chunk_row = f"mtjax PartUpdate, optax program, {chunk / (1 << 20):g} MiB row chunks in place (before the loop)"
     rows = [("mtjax PartUpdate, fused loop, in place (RAM tier: no compute copy)", 28, *ns("fused")),
             ("mtjax PartUpdate, fused loop, in place, + bf16 copy (master or compute on disk)", 30,
              *ns("fused+copy")),
-            (chunk_row, 30, *ns("mtjax")),
-            *[(f"mtjax PartUpdate, {mib:g} MiB row chunks", 30, *ns(f"chunk {mib:g}")) for mib in sweep],
-            ("mtjax PartUpdate, optax program, whole part (before chunking)", 30, *ns("whole")),
+            ("mtjax PartUpdate, optax program, whole part, in place (without numba; other optax "
+             "transformations)", 30, *ns("whole")),
             ("torch AdamW(fused=True)", 28, *ns("torch")),
             ("torch AdamW(fused=True) + bf16 copy", 30, *ns("torch+copy"))]
     torch_ns = ns("torch")[0]
@@ -211,12 +195,9 @@ def main() -> None:
         f"(median of a 512 MiB multi-threaded copy in each round): {copy_bw / 1e9:.1f} GB/s moved (read + written), "
         f"so the 28-byte bound is {BOUND_BYTES / copy_bw * 1e9:.3f} ns/param. Ratios use the medians.\n\n"
         + table(rows, copy_bw, torch_ns) + "\n\n" + NOTES
-        + "\n\nRun: `.venv/bin/python experiments/bench/optimizer.py` (chunk sizes: `--sweep 1,16`)"
+        + "\n\nRun: `.venv/bin/python experiments/bench/optimizer.py`"
     )
-    print(body)
-    if not args.no_write:
-        write_section(SECTION, f"{HEADING}\n\n{body}")
-        print(f"\nwrote the section of {DOC.relative_to(ROOT)}")
+    harness.publish(SECTION, f"{HEADING}\n\n{body}", write=not args.no_doc)
 
 
 if __name__ == "__main__":

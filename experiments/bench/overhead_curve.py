@@ -15,43 +15,33 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
-sys.path.insert(0, str(ROOT / "experiments" / "bench"))
+import harness  # first: the checkout on sys.path, JAX on the CPU
+
+import jax
+import numpy as np
+
+import mtjax.store
+from mtjax import model
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.reference import ReferenceTrainer
+from mtjax.store.fresh import init_store
+from mtjax.stream import StreamEngine
 
 SECTION = "overhead-curve"
-PNG = ROOT / "docs" / "img" / "overhead_curve.png"
+PNG = harness.ROOT / "docs" / "img" / "overhead_curve.png"
 
 
 def child(args) -> None:
-    import numpy as np
-
-    from mtjax import model
-    from mtjax.config import StoreConfig, StreamConfig
-    from mtjax.model_config import ModelConfig
-    from mtjax.optim import OptimConfig, make_optimizer
-    from mtjax.reference import ReferenceTrainer
-    from mtjax.store.fresh import init_store
-    from mtjax.stream import StreamEngine
-    import mtjax.store
-    from plan_accuracy import drop_page_cache
-
     w = args.width
-    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=w, intermediate_size=int(w * 2.75),
-                      num_hidden_layers=args.layers, num_attention_heads=w // 64, num_key_value_heads=w // 64,
-                      head_dim=64, compute_dtype="float32")
+    cfg = harness.llama(args.layers, w, vocab=args.vocab)
     opt = OptimConfig(lr=1e-4, clip_norm=1.0)
     store_dir = Path(args.dir) / "store"
     init_store(cfg, store_dir, seed=0, tx=make_optimizer(opt))
@@ -70,7 +60,7 @@ def child(args) -> None:
         tokens = rng.integers(0, cfg.vocab_size, (1, 1, args.seq), dtype=np.int32)
         for name, e in engines.items():
             if name == "disk":
-                drop_page_cache(store_dir)
+                harness.drop_page_cache(store_dir)
             t0 = time.perf_counter()
             e.step(tokens)  # returns floats: the step has finished
             if name != "reference":
@@ -83,8 +73,8 @@ def child(args) -> None:
         engines[name].close()
     store.close()
     block_bytes = (4 * w * w + 3 * w * cfg.intermediate_size) * 4
-    print(json.dumps({"width": w, "block_mib": block_bytes / 2**20, "params": cfg.num_params(),
-                      **{k: statistics.median(v) for k, v in times.items()}}))
+    harness.report(width=w, block_mib=block_bytes / 2**20, params=model.num_params(cfg),
+                   **{k: statistics.median(v) for k, v in times.items()})
 
 
 def main() -> None:
@@ -96,7 +86,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory for the stores")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md or the plot")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["train"], help=argparse.SUPPRESS)
     ap.add_argument("--width", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -105,15 +95,10 @@ def main() -> None:
     rows = []
     for w in args.widths:
         with tempfile.TemporaryDirectory(prefix="mtjax-curve-", dir=args.dir) as d:
-            cmd = [sys.executable, __file__, "--child", "--width", str(w), "--dir", d, "--layers", str(args.layers),
-                   "--seq", str(args.seq), "--vocab", str(args.vocab), "--steps", str(args.steps)]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode:
-                sys.exit(f"width {w} failed:\n{out.stderr[-3000:]}")
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            rows.append(harness.run_child(__file__, "train", "--width", str(w), "--dir", d, "--layers",
+                                          str(args.layers), "--seq", str(args.seq), "--vocab", str(args.vocab),
+                                          "--steps", str(args.steps)))
             print(rows[-1], flush=True)
-
-    import jax
 
     ram_over = [100 * (r["ram"] / r["reference"] - 1) for r in rows]
     ram_lo, ram_hi = max(0.0, min(ram_over)), max(ram_over)
@@ -148,7 +133,7 @@ def main() -> None:
         f"Command: `.venv/bin/python experiments/bench/overhead_curve.py --widths {' '.join(map(str, args.widths))}`",
     ]
     body = "## Streaming overhead vs block size (experiments/bench/overhead_curve.py)\n\n" + "\n".join(lines)
-    print(body)
+    harness.publish(SECTION, body, write=not args.no_doc)
     if args.no_doc:
         return
     import matplotlib
@@ -168,9 +153,6 @@ def main() -> None:
     fig.tight_layout()
     PNG.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(PNG)
-    from benchdoc import write_section
-
-    write_section(SECTION, body)
 
 
 if __name__ == "__main__":

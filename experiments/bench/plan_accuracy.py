@@ -11,7 +11,7 @@ cache before every step (as a store larger than RAM would be). The prediction is
 docs/benchmarks.md.
 
     .venv/bin/python experiments/bench/plan_accuracy.py              # ~5 minutes
-    .venv/bin/python experiments/bench/plan_accuracy.py --quick --no-write   # smoke
+    .venv/bin/python experiments/bench/plan_accuracy.py --quick --no-doc   # smoke
 """
 
 from __future__ import annotations
@@ -24,80 +24,55 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
+import harness  # first: the checkout on sys.path, JAX on the CPU
 
-from procmem import peak_rss  # noqa: E402
+import jax
+import numpy as np
+
+import mtjax.store
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.plan import StepShape, estimate, probe
+from mtjax.store.fresh import init_store
+from mtjax.stream import StreamEngine
 
 SECTION = "plan-accuracy"
-CASES = [  # (blocks, width, batch, seq, compute dtype, tier of every kind)
-    (4, 512, 2, 256, "float32", "ram"),
-    (4, 1024, 1, 512, "float32", "ram"),
-    (8, 1024, 1, 128, "bfloat16", "disk"),
-    (4, 2048, 1, 128, "bfloat16", "disk"),
+CASES = [  # (blocks, width, batch, seq, micro-batches per step, compute dtype, tier of every kind)
+    (4, 512, 2, 256, 1, "float32", "ram"),
+    (4, 1024, 1, 512, 1, "float32", "ram"),
+    (4, 512, 2, 128, 4, "float32", "ram"),
+    (4, 1024, 1, 128, 8, "float32", "ram"),
+    (8, 1024, 1, 128, 1, "bfloat16", "disk"),
+    (4, 2048, 1, 128, 1, "bfloat16", "disk"),
+    (8, 1024, 1, 128, 4, "bfloat16", "disk"),
 ]
-QUICK = [(2, 256, 1, 64, "float32", "ram"), (2, 256, 1, 64, "bfloat16", "disk")]
+QUICK = [(2, 256, 1, 64, 1, "float32", "ram"), (2, 256, 1, 64, 4, "bfloat16", "disk")]
 
 
 def model_config(width: int, layers: int, dtype: str):
-    from mtjax.model_config import ModelConfig
-
-    heads = width // 64
-    return ModelConfig(vocab_size=8192, hidden_size=width, intermediate_size=int(width * 2.75),
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                       head_dim=64, compute_dtype=dtype)
+    return harness.llama(layers, width, vocab=8192, dtype=dtype)
 
 
 def optimizer():
-    from mtjax.optim import OptimConfig
-
     return OptimConfig(lr=1e-4)
-
-
-def drop_page_cache(root: Path) -> None:
-    """Evict every file of the store from the page cache (what a store larger than RAM sees)."""
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            try:  # the deferred updates of the last step may be renaming chunk files meanwhile
-                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def child_init(a) -> None:
     """Fill the store, then calibrate compute on one block of this model and, for a disk
     tier, the disk right before the run (its rates drift with other jobs on the machine)."""
-    from mtjax.optim import make_optimizer
-    from mtjax.plan import probe
-    from mtjax.store.fresh import init_store
-
     cfg = model_config(a.width, a.layers, a.dtype)
     init_store(cfg, a.dir, seed=0, tx=make_optimizer(optimizer()))
     out = {"block_flops": probe.block_flops(cfg, a.batch, a.seq)}
     if a.tier == "disk":
         out["disk_read"], out["disk_write"], _ = probe.disk_bandwidth(Path(a.dir).parent, 512 << 20)
-    print(json.dumps(out))
+    harness.report(**out)
 
 
 def child_train(a) -> None:
-    import numpy as np
-
-    import mtjax.store
-    from mtjax.config import StoreConfig, StreamConfig
-    from mtjax.stream import StreamEngine
-
     cfg = model_config(a.width, a.layers, a.dtype)
     store = mtjax.store.open(a.dir, writable=True)
     engine = StreamEngine(cfg, optim=optimizer(), stream=StreamConfig(keep_every=1, prefetch_depth=2),
@@ -105,35 +80,25 @@ def child_train(a) -> None:
     rng = np.random.default_rng(0)
     times = []
     for i in range(a.steps + 1):
-        tokens = rng.integers(0, cfg.vocab_size, (1, a.batch, a.seq), dtype=np.int32)
+        tokens = rng.integers(0, cfg.vocab_size, (a.accum, a.batch, a.seq), dtype=np.int32)
         if a.tier == "disk":
-            drop_page_cache(Path(a.dir))
+            harness.drop_page_cache(Path(a.dir))
         t0 = time.perf_counter()
         engine.step(tokens)  # returns floats: the step has finished
         if i:  # step 0 compiles
             times.append(time.perf_counter() - t0)
     engine.close()
     store.close()
-    peak = peak_rss()
-    print(json.dumps({"step_s": statistics.median(times), "peak_rss": peak}))
+    harness.report(step_s=statistics.median(times), peak_rss=harness.peak_rss())
 
 
 def run_child(mode: str, case, steps: int, store_dir: Path) -> dict:
-    layers, width, batch, seq, dtype, tier = case
-    cmd = [sys.executable, __file__, "--child", mode, "--dir", str(store_dir), "--steps", str(steps),
-           "--case", json.dumps([layers, width, batch, seq, dtype, tier])]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode:
-        sys.exit(f"{mode} of {case} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return harness.run_child(__file__, mode, "--dir", str(store_dir), "--steps", str(steps), "--case",
+                             json.dumps(list(case)))
 
 
 def predict(case, hw, block_flops: float | None, disk: tuple[float, float] | None = None):
-    from mtjax.config import StoreConfig, StreamConfig
-    from mtjax.optim import make_optimizer
-    from mtjax.plan import StepShape, estimate
-
-    layers, width, batch, seq, dtype, tier = case
+    layers, width, batch, seq, accum, dtype, tier = case
     cfg = model_config(width, layers, dtype)
     if block_flops is not None:  # probe.calibrate's figure, measured in the init child
         hw = dataclasses.replace(hw, compute_efficiency=min(1.0, block_flops / (hw.matmul_flops(dtype) / hw.compute_efficiency)))
@@ -141,7 +106,7 @@ def predict(case, hw, block_flops: float | None, disk: tuple[float, float] | Non
         hw = dataclasses.replace(hw, disk_read_bytes_per_s=disk[0], disk_write_bytes_per_s=disk[1])
     stream = StreamConfig(keep_every=1, prefetch_depth=2)  # what child_train runs
     store = StoreConfig(compute=tier, master=tier, opt=tier)
-    return estimate(cfg, stream, store, StepShape(batch, seq), hw, tx=make_optimizer(optimizer()))
+    return estimate(cfg, stream, store, StepShape(batch, seq, accum), hw, tx=make_optimizer(optimizer()))
 
 
 def main() -> None:
@@ -149,17 +114,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per model (after one warm-up)")
     ap.add_argument("--quick", action="store_true", help="tiny models (smoke test)")
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory for the stores and the disk probe")
-    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    ap.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
     ap.add_argument("--child", choices=["init", "train"], help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        args.layers, args.width, args.batch, args.seq, args.dtype, args.tier = json.loads(args.case)
+        args.layers, args.width, args.batch, args.seq, args.accum, args.dtype, args.tier = json.loads(args.case)
         return child_init(args) if args.child == "init" else child_train(args)
-
-    import jax
-
-    from mtjax.plan import probe
 
     scratch = Path(tempfile.mkdtemp(prefix="mtjax-plan-acc-", dir=args.dir))
     rows = []
@@ -183,8 +144,8 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
     def name(case, plan):
-        layers, width, batch, seq, dtype, tier = case
-        return f"{layers} x {width}, {batch} x {seq}, {dtype}, {tier} ({plan.num_params / 1e6:.0f}M)"
+        layers, width, batch, seq, accum, dtype, tier = case
+        return f"{layers} x {width}, {batch} x {seq} x {accum}, {dtype}, {tier} ({plan.num_params / 1e6:.0f}M)"
 
     lines = [
         "## Planner vs measured step time and peak RSS (experiments/bench/plan_accuracy.py)",
@@ -199,9 +160,9 @@ def main() -> None:
         f"run (`probe.disk_bandwidth`, 512 MiB; the rates drift 2x with other jobs). Runtime RSS: a fresh process "
         f"after one tiny engine step (`probe.runtime_rss`), {hw.runtime_bytes / 2**20:.0f} MiB. StreamEngine: k = 1, prefetch depth 2, every kind of state in the "
         f"tier shown (disk: page cache dropped before each step), vocab 8192, median of {args.steps} steps after one "
-        f"warm-up; each model in fresh processes, peak RSS = VmHWM of the training process (experiments/procmem.py).",
+        f"warm-up; each model in fresh processes, peak RSS = VmHWM of the training process (experiments/bench/harness.py).",
         "",
-        "| model (blocks x width, batch x seq) | block GFLOP/s | disk read / write at the run (GB/s) "
+        "| model (blocks x width, batch x seq x micro-batches) | block GFLOP/s | disk read / write at the run (GB/s) "
         "| predicted step, generic (s) | predicted step, "
         "calibrated (s) | measured step (s) | measured / calibrated | predicted peak RSS (MiB) | measured peak RSS "
         "(MiB) | measured / predicted |",
@@ -224,11 +185,7 @@ def main() -> None:
               "where the training process peaked at ~1,060 MiB. VmHWM is the child's own peak.", "",
               "Command: `.venv/bin/python experiments/bench/plan_accuracy.py`"]
     body = "\n".join(lines)
-    print(body)
-    if not args.no_write:
-        from benchdoc import write_section
-
-        write_section(SECTION, body)
+    harness.publish(SECTION, body, write=not args.no_doc)
 
 
 if __name__ == "__main__":

@@ -24,25 +24,25 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
-from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
+import harness  # first: the checkout on sys.path, JAX on the CPU
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
 
-from mtjax import model  # noqa: E402
-from mtjax.config import StreamConfig  # noqa: E402
-from mtjax.model_config import ModelConfig  # noqa: E402
-from mtjax.optim import OptimConfig  # noqa: E402
-from mtjax.reference import ReferenceTrainer  # noqa: E402
-from mtjax.stream import StreamEngine  # noqa: E402
+from mtjax import model
+from mtjax.config import StreamConfig
+from mtjax.loss import cross_entropy
+from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig, clip_scale, sum_of_squares
+from mtjax.reference import ReferenceTrainer
+from mtjax.stream import StreamEngine
 
 SECTION = "vs-torch"
 
@@ -162,8 +162,6 @@ class TorchWorker:
     """TorchTrainer in a child process; `step` sends the batch index, gets the step seconds."""
 
     def __init__(self, argv):
-        import subprocess
-
         self.proc = subprocess.Popen([sys.executable, __file__, "--torch-worker", *argv],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout.readline().strip() == "ready"
@@ -205,24 +203,12 @@ def PIECES(block_fwd, block_fwd_bwd, head, update) -> dict:
 
 
 def best_ms(fn, reps: int) -> float:
-    """Best of `reps` timed calls after one warm-up; fn must return only when its work is done."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * min(times)
+    """Best of `reps` timed calls after one warm-up, in ms; fn must return only when its work is done."""
+    return 1000 * harness.best_seconds(fn, reps, warmup=1)
 
 
 def jax_pieces(cfg: ModelConfig, trainer: ReferenceTrainer, tokens: np.ndarray, reps: int) -> dict[str, float]:
     """The same pieces for mtjax, each one jitted program (the reference trainer's state)."""
-    import jax.numpy as jnp
-    import optax
-
-    from mtjax.loss import cross_entropy
-    from mtjax.optim import clip_scale, sum_of_squares
-
     params, ids = trainer.params, jnp.asarray(tokens[0])
     block, head_p, embed = params["blocks"][0], params["head"], params["embed"]
     x = model.embed_forward(cfg, embed, ids)
@@ -278,10 +264,7 @@ def main() -> None:
     if args.torch_worker:
         return torch_worker(args)
 
-    heads = args.width // 64
-    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=int(args.width * 2.75),
-                      num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
-                      head_dim=64, compute_dtype="float32")
+    cfg = harness.llama(args.layers, args.width, vocab=args.vocab)
     params = model.init_params(cfg, seed=0)
     opt = OptimConfig(lr=1e-4, clip_norm=1.0, schedule="constant")
     trainers = {
@@ -321,7 +304,7 @@ def main() -> None:
         f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, torch "
         f"{torch.__version__}, load average {load_at_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end "
         f"(the run itself keeps both cores busy). Llama {args.layers} blocks x width "
-        f"{args.width} ({cfg.num_params() / 1e6:.1f}M params), vocab {args.vocab}, batch 1 x seq {args.seq}, fp32, "
+        f"{args.width} ({model.num_params(cfg) / 1e6:.1f}M params), vocab {args.vocab}, batch 1 x seq {args.seq}, fp32, "
         f"AdamW + clip 1.0; median of {args.steps} steps after one warm-up, the trainers' steps interleaved "
         f"(torch in a worker process; the streamed step includes finishing its deferred update, so that none of "
         f"it runs during another trainer's step).",
@@ -344,11 +327,7 @@ def main() -> None:
         "Command: `.venv/bin/python experiments/bench/vs_torch.py`",
     ]
     body = "## mtjax vs transformers + torch on the CPU (experiments/bench/vs_torch.py)\n\n" + "\n".join(lines)
-    print(body)
-    if not args.no_doc:
-        from benchdoc import write_section
-
-        write_section(SECTION, body)
+    harness.publish(SECTION, body, write=not args.no_doc)
 
 
 if __name__ == "__main__":

@@ -104,10 +104,10 @@ def throughput(a, cfg: ModelConfig, emit) -> None:
     # Two untimed steps: the first compiles the step, the second the deferred optimizer update.
     batches = [rng.integers(0, cfg.vocab_size, (a.accum, a.batch, a.seq), dtype=np.int32) for _ in range(a.steps + 2)]
     tokens = a.accum * a.batch * a.seq
-    flops = model_flops_per_token(cfg.num_params(), cfg.num_hidden_layers, a.seq, cfg.hidden_size)
+    flops = model_flops_per_token(model.num_params(cfg), cfg.num_hidden_layers, a.seq, cfg.hidden_size)
     peak, peak_note = peak_flops(jax.devices()[0], "bfloat16")
-    state = cfg.num_params() * STATE_BYTES
-    results = {"params": cfg.num_params(), "tokens_per_step": tokens, "flops_per_token": flops, "peak": peak,
+    state = model.num_params(cfg) * STATE_BYTES
+    results = {"params": model.num_params(cfg), "tokens_per_step": tokens, "flops_per_token": flops, "peak": peak,
                "peak_note": peak_note, "state_bytes": state}
 
     def summarise(name, times, extra=None):

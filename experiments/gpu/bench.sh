@@ -7,7 +7,7 @@
 #     bash experiments/gpu/bench.sh --dry            # tiny sizes on the CPU (the test suite runs this)
 #
 # Then put DIR/bench.md into docs/benchmarks.md:
-#     .venv/bin/python experiments/benchdoc.py gpu-bench DIR/bench.md
+#     .venv/bin/python experiments/bench/harness.py section gpu-bench DIR/bench.md
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"

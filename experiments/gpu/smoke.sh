@@ -92,7 +92,7 @@ for name in ("reference", "stream"):
         eng.close()
     del eng
 toks = batch * seq
-print(f"model {cfg.num_params() / 1e6:.0f}M params ({layers} x {width}, bf16 compute), batch {batch} x seq {seq}")
+print(f"model {model.num_params(cfg) / 1e6:.0f}M params ({layers} x {width}, bf16 compute), batch {batch} x seq {seq}")
 for name, s in times.items():
     print(f"  {name:9s} step {s * 1e3:8.1f} ms  {toks / s:9.0f} tokens/s")
 print(f"  streamed / reference = {times['stream'] / times['reference']:.2f}; trace: {os.environ['SMOKE_TRACE']}")

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
+from mtjax import config as experiment  # the one module that reads YAML
 from mtjax import model, treepath
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig, load_hf_config
@@ -22,8 +23,6 @@ def load_config(path: str | Path, compute_dtype: str | None = None) -> tuple[Mod
     path = Path(path)
     try:
         if path.suffix in (".yaml", ".yml"):
-            from mtjax import config as experiment  # the one module that reads YAML
-
             exp = experiment.load(path)
             cfg = experiment.model_config(exp)
             if compute_dtype:

@@ -40,7 +40,7 @@ TRAIN_STATE_DIR = "train_state"
 PENDING_DIR = "pending"
 TOKENIZER_DIR = "tokenizer"
 SLOTS = ("a", "b")
-CHUNK_BYTES = 16 << 20  # 4-32 MiB chunks read fastest (FACTS.md); one chunk decodes on one thread
+CHUNK_BYTES = 16 << 20  # 4-32 MiB chunks read fastest; one chunk decodes on one thread (docs/store.md)
 
 
 def pending_key(part: str, tag: str) -> str:

@@ -30,6 +30,7 @@ import numpy as np
 from mtjax import model_config
 from mtjax import parts as model_parts
 from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.store import arrays, chunks, layout, manifest
 from mtjax.store import train_state as saved_state
 from mtjax.store.errors import StoreError
@@ -571,8 +572,6 @@ def create(path, cfg: ModelConfig, tx=None, copies: int = 2) -> Store:
         raise StoreError(f"{root} already exists and is not empty; choose a new directory "
                          "(an existing store is opened with mtjax.store.open)")
     if tx is None:
-        from mtjax.optim import OptimConfig, make_optimizer
-
         tx = make_optimizer(OptimConfig())
     names = [p.name for p in model_parts.parts(cfg)]
     schemas = {p: {k: model_parts.schema(cfg, p, k, tx) for k in model_parts.KINDS} for p in names}

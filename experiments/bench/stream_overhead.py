@@ -6,8 +6,8 @@ block input, k = 1) and AdamW; the stream keeps all state in the RAM tier. Steps
 two engines alternate, so drift in machine load hits both alike. Prints a table and
 writes its section of docs/benchmarks.md.
 
-    .venv/bin/python experiments/bench_stream_overhead.py            # ~3-5 minutes on 2 cores
-    .venv/bin/python experiments/bench_stream_overhead.py --layers 2 --width 256 --no-doc   # smoke
+    .venv/bin/python experiments/bench/stream_overhead.py            # ~3-5 minutes on 2 cores
+    .venv/bin/python experiments/bench/stream_overhead.py --layers 2 --width 256 --no-doc   # smoke
 """
 
 from __future__ import annotations
@@ -16,24 +16,19 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import harness  # first: the checkout on sys.path, JAX on the CPU
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from mtjax import model  # noqa: E402
-from mtjax.config import StreamConfig  # noqa: E402
-from mtjax.model_config import ModelConfig  # noqa: E402
-from mtjax.optim import OptimConfig  # noqa: E402
-from mtjax.reference import ReferenceTrainer  # noqa: E402
-from mtjax.stream import StreamEngine  # noqa: E402
-
-from benchdoc import write_section  # noqa: E402
+from mtjax import model
+from mtjax.config import StreamConfig
+from mtjax.optim import OptimConfig
+from mtjax.reference import ReferenceTrainer
+from mtjax.stream import StreamEngine
 
 SECTION = "stream-overhead"
 
@@ -51,10 +46,7 @@ def main() -> None:
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
     args = ap.parse_args()
 
-    heads = max(args.width // 64, 1)
-    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=int(args.width * 2.75),
-                      num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
-                      head_dim=args.width // heads, compute_dtype=args.dtype)
+    cfg = harness.llama(args.layers, args.width, vocab=args.vocab, dtype=args.dtype)
     params = model.init_params(cfg, seed=0)
     opt = OptimConfig(lr=1e-4, clip_norm=1.0)
     rng = np.random.default_rng(0)
@@ -76,7 +68,7 @@ def main() -> None:
         stream.write_trace(args.trace)
     stream.close()
 
-    n_params = cfg.num_params()
+    n_params = model.num_params(cfg)
     tokens = args.batch * args.seq
     rows = [
         ("reference (whole model, remat per block)", ref_s),
@@ -97,13 +89,11 @@ def main() -> None:
         "Stream stage seconds in the last step (summed over parts; stages overlap): "
         + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()),
     ]
-    body = "## Streaming overhead (experiments/bench_stream_overhead.py)\n\n" + "\n".join(lines) + (
-        f"\n\nCommand: `.venv/bin/python experiments/bench_stream_overhead.py "
+    body = "## Streaming overhead (experiments/bench/stream_overhead.py)\n\n" + "\n".join(lines) + (
+        f"\n\nCommand: `.venv/bin/python experiments/bench/stream_overhead.py "
         f"--layers {args.layers} --width {args.width} --seq {args.seq}`"
     )
-    print(body)
-    if not args.no_doc:
-        write_section(SECTION, body)
+    harness.publish(SECTION, body, write=not args.no_doc)
 
 
 if __name__ == "__main__":

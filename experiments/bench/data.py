@@ -1,6 +1,6 @@
 """Data pipeline throughput: tokenizing into shards, and the loader against a plain slice.
 
-    .venv/bin/python experiments/bench_data.py [--mb 8] [--reps 3] [--no-doc]
+    .venv/bin/python experiments/bench/data.py [--mb 8] [--reps 3] [--no-doc]
 
 prepare: the shipped Shakespeare slice repeated to --mb MB of text, tokenized with each
 tokenizer (bpe:8192 includes training the BPE on that text); MB of input text per second.
@@ -13,33 +13,18 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import os
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness  # first: the checkout on sys.path, JAX on the CPU
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from mtjax.data import Dataset, Loader, prepare  # noqa: E402
-
-from benchdoc import write_section  # noqa: E402
+from mtjax.data import Dataset, Loader, prepare
 
 SECTION = "data"
+ROOT = harness.ROOT
 QWEN2 = ROOT / "tests" / "data" / "qwen2"
-
-
-def best(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main() -> None:
@@ -57,7 +42,7 @@ def main() -> None:
         mb = src.stat().st_size / 1e6
         for spec in ("bytes", "bpe:8192", str(QWEN2)):
             out = Path(tmp) / "ds"
-            seconds = best(lambda: prepare([src], out, spec, overwrite=True), args.reps)
+            seconds = harness.best_seconds(lambda: prepare([src], out, spec, overwrite=True), args.reps)
             tokens = Dataset(out).meta["num_tokens"]
             name = "qwen2 tokenizer.json" if spec == str(QWEN2) else spec
             rows.append((f"prepare, {name}", f"{mb / seconds:.1f} MB/s", f"{tokens / seconds / 1e6:.2f} M tokens/s"))
@@ -65,22 +50,20 @@ def main() -> None:
         ds = Dataset(Path(tmp) / "bytes")
         batches = 50
         loader = Loader(ds, "train", 2048, 8, 1, seed=0)
-        t_loader = best(lambda: [loader.next() for _ in range(batches)], args.reps)
+        t_loader = harness.best_seconds(lambda: [loader.next() for _ in range(batches)], args.reps)
         flat = ds.tokens(*ds.split("train"))
         starts = np.random.default_rng(0).integers(0, flat.size - 2048, (batches, 8))
-        t_floor = best(lambda: [np.stack([flat[s:s + 2048] for s in row]) for row in starts], args.reps)
+        t_floor = harness.best_seconds(lambda: [np.stack([flat[s:s + 2048] for s in row]) for row in starts], args.reps)
         n = batches * 8 * 2048
         rows.append(("loader, [1, 8, 2048] batches", f"{n / t_loader / 1e6:.0f} M tokens/s",
                      f"{t_loader / t_floor:.1f}x the in-memory slice floor ({n / t_floor / 1e6:.0f} M tokens/s)"))
-    lines = [f"## Data pipeline ({mb:.1f} MB of text; `experiments/bench_data.py`, best of {args.reps})", "",
+    lines = [f"## Data pipeline ({mb:.1f} MB of text; `experiments/bench/data.py`, best of {args.reps})", "",
              "| what | throughput | also |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     lines += ["", "The default run consumes ~2-4 thousand tokens/s on 2 CPU cores, so neither preparing nor "
                   "loading is on its critical path."]
     table = "\n".join(lines)
-    print(table)
-    if not args.no_doc:
-        write_section(SECTION, table)
+    harness.publish(SECTION, table, write=not args.no_doc)
 
 
 if __name__ == "__main__":

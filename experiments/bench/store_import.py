@@ -1,10 +1,10 @@
 """Peak host memory of `mtjax import` on a generated checkpoint of more than 2 GB.
 
-    .venv/bin/python experiments/bench_store_import.py [--layers 8] [--dir /tmp] [--no-doc]
+    .venv/bin/python experiments/bench/store_import.py [--layers 8] [--dir /tmp] [--no-doc]
 
 Writes a random fp32 Llama checkpoint (d_model 2048, 8 blocks: 2.2 GB in 5 safetensors
 shards) with numpy and safetensors directly, then runs `python -m mtjax import` on it in
-a subprocess and reports that process's peak RSS (ru_maxrss from wait4) next to the
+a subprocess and reports that process's peak RSS (its VmHWM) next to the
 checkpoint size and the largest part's state. A second subprocess that only imports the
 same modules gives the interpreter + JAX baseline. The table goes to stdout and to this
 script's section of docs/benchmarks.md.
@@ -14,26 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness  # first: the checkout on sys.path, JAX on the CPU
 
-import numpy as np  # noqa: E402
-from safetensors.numpy import save_file  # noqa: E402
+import numpy as np
+from safetensors.numpy import save_file
 
-from mtjax import hf, parts  # noqa: E402
-from mtjax.model_config import ModelConfig, to_hf_dict  # noqa: E402
-from mtjax.optim import OptimConfig, make_optimizer  # noqa: E402
-
-from benchdoc import write_section  # noqa: E402
+from mtjax import hf, parts
+from mtjax.model_config import ModelConfig, to_hf_dict
+from mtjax.optim import OptimConfig, make_optimizer
 
 SECTION = "store-import"
 SHARD_BYTES = 500 * 10**6
@@ -68,16 +61,6 @@ def generate(cfg: ModelConfig, out: Path) -> tuple[int, int]:
     return sum(f.stat().st_size for f in out.glob("*.safetensors")), n
 
 
-def peak_rss(cmd: list[str]) -> tuple[int, float]:
-    """(peak RSS in bytes, wall seconds) of a child process."""
-    t = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    if status != 0:
-        raise SystemExit(f"{cmd} failed with status {status}")
-    return usage.ru_maxrss * 1024, time.perf_counter() - t
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8, help="blocks of the d_model 2048 Llama (205 MB each in fp32)")
@@ -85,8 +68,7 @@ def main() -> None:
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
     args = ap.parse_args()
 
-    cfg = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=args.layers,
-                      num_attention_heads=16, num_key_value_heads=16, head_dim=128, rms_norm_eps=1e-5)
+    cfg = harness.llama(args.layers, 2048, vocab=32000, ffn=5632, head_dim=128, rms_norm_eps=1e-5)
     tx = make_optimizer(OptimConfig())
     state = {p.name: sum(parts.nbytes(parts.schema(cfg, p.name, k, tx)) for k in ("master", "opt"))
              + parts.nbytes(parts.schema(cfg, p.name, "master")) // 2 for p in parts.parts(cfg)}  # + bf16 compute
@@ -96,9 +78,9 @@ def main() -> None:
         t = time.perf_counter()
         ckpt_bytes, shards = generate(cfg, base / "ckpt")
         print(f"generated {ckpt_bytes / 1e9:.2f} GB checkpoint in {time.perf_counter() - t:.0f} s at {base / 'ckpt'}")
-        python = sys.executable
-        baseline, _ = peak_rss([python, "-c", "import jax.numpy as jnp, mtjax.store.hf_import; jnp.zeros(8).block_until_ready()"])
-        rss, secs = peak_rss([python, "-m", "mtjax", "import", str(base / "ckpt"), str(base / "store")])
+        baseline, _ = harness.peak_rss_of(["-c", "import jax.numpy as jnp, mtjax.store.hf_import; "
+                                                  "jnp.zeros(8).block_until_ready()"])
+        rss, secs = harness.peak_rss_of(["-m", "mtjax", "import", str(base / "ckpt"), str(base / "store")])
         store_bytes = sum(f.stat().st_size for f in (base / "store").rglob("*") if f.is_file())
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -111,14 +93,12 @@ def main() -> None:
         f"| peak RSS of `mtjax import` | {rss / gb:.2f} |\n"
         f"| peak RSS of the interpreter + JAX + mtjax alone | {baseline / gb:.2f} |\n"
     )
-    print(table)
-    print(f"import took {secs:.0f} s")
-    if not args.no_doc:
-        write_section(SECTION, (
-            "## Layer store import memory (experiments/bench_store_import.py)\n\n"
-            f"`mtjax import` of a generated random fp32 Llama checkpoint (d_model 2048, {args.layers} blocks, "
-            f"vocab 32000), peak RSS of the import process from wait4; import took {secs:.0f} s on a shared machine.\n\n"
-            f"Command: `.venv/bin/python experiments/bench_store_import.py --layers {args.layers}`\n\n" + table))
+    harness.publish(SECTION, (
+        "## Layer store import memory (experiments/bench/store_import.py)\n\n"
+        f"`mtjax import` of a generated random fp32 Llama checkpoint (d_model 2048, {args.layers} blocks, "
+        f"vocab 32000), peak RSS (VmHWM) of the import process; import took {secs:.0f} s on a shared machine.\n\n"
+        f"Command: `.venv/bin/python experiments/bench/store_import.py --layers {args.layers}`\n\n" + table),
+        write=not args.no_doc)
 
 
 if __name__ == "__main__":

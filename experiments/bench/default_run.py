@@ -1,6 +1,6 @@
 """The embedded default run (`mtjax train` with no arguments), timed end to end.
 
-    .venv/bin/python experiments/bench_default_run.py [--no-doc] [--group.key=value ...]
+    .venv/bin/python experiments/bench/default_run.py [--no-doc] [--group.key=value ...]
 
 Runs the default experiment (plus any overrides) in a temporary run directory and
 reports wall time from the call to the summary (compilation, data preparation, the
@@ -13,20 +13,15 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness  # first: the checkout on sys.path, JAX on the CPU
 
-from mtjax import config  # noqa: E402
-from mtjax import run as run_lib  # noqa: E402
-
-from benchdoc import write_section  # noqa: E402
+from mtjax import config
+from mtjax import run as run_lib
 
 SECTION = "default-run"
 
@@ -45,7 +40,7 @@ def main() -> None:
     steps = [r for r in records if "loss" in r]
     timed = steps[-1]["time_s"] - steps[0]["time_s"] if len(steps) > 1 else 0
     rates = [(steps[-1]["step"] - steps[0]["step"]) * summary["tokens"] / summary["steps"] / timed] if timed else []
-    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in KiB on Linux
+    peak_gb = harness.peak_rss() / 1e9
     load = os.getloadavg()[0]
     rows = [
         ("steps x tokens per step", f"{summary['steps']} x {summary['tokens'] // max(summary['steps'], 1):,}"),
@@ -56,16 +51,14 @@ def main() -> None:
         ("peak RSS", f"{peak_gb:.2f} GB"),
     ]
     shown = " ".join(overrides) or "no overrides"
-    lines = [f"## Embedded default run (`experiments/bench_default_run.py`, {shown})", "",
+    lines = [f"## Embedded default run (`experiments/bench/default_run.py`, {shown})", "",
              f"{platform.machine()}, {os.cpu_count()} cores, load average {load:.1f} at the end "
              "(the machine is shared: compare ratios within one run, not absolute times across runs).", "",
              "| quantity | value |", "|---|---|"]
     lines += [f"| {a} | {b} |" for a, b in rows]
     lines += ["", "Sample after training:", "", "```", summary["sample"].strip(), "```"]
     table = "\n".join(lines)
-    print(table)
-    if not no_doc:
-        write_section(SECTION, table)
+    harness.publish(SECTION, table, write=not no_doc)
 
 
 if __name__ == "__main__":

@@ -6,56 +6,41 @@ and reports the subprocess's peak RSS. Beyond the kept activations (one hidden s
 per kept block input) it should grow < 10% from 4 to 64 blocks. Prints a table and
 writes its section of docs/benchmarks.md.
 
-    .venv/bin/python experiments/bench_stream_memory.py          # a few minutes; ~6 GB of disk at 64 blocks
-    .venv/bin/python experiments/bench_stream_memory.py --layers 2 4 --width 128 --no-doc   # smoke
+    .venv/bin/python experiments/bench/stream_memory.py          # a few minutes; ~6 GB of disk at 64 blocks
+    .venv/bin/python experiments/bench/stream_memory.py --layers 2 4 --width 128 --no-doc   # smoke
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
+import harness  # first: the checkout on sys.path, JAX on the CPU
 
-from procmem import peak_rss  # noqa: E402
+import numpy as np
+
+import mtjax.store
+from mtjax import model
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.store.fresh import init_store
+from mtjax.stream import StreamEngine
 
 
 def model_config(layers: int, width: int):
-    from mtjax.model_config import ModelConfig
-
-    heads = max(width // 64, 1)
-    return ModelConfig(vocab_size=2048, hidden_size=width, intermediate_size=int(width * 2.75),
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                       head_dim=width // heads, compute_dtype="bfloat16")
+    return harness.llama(layers, width, vocab=2048, dtype="bfloat16")
 
 
 def child_init(args) -> None:
     """Fill a store (holds the whole model once, so it runs in its own process)."""
-    from mtjax.optim import OptimConfig, make_optimizer
-    from mtjax.store.fresh import init_store
-
     init_store(model_config(args.layers, args.width), args.dir, seed=0, tx=make_optimizer(OptimConfig()))
 
 
 def child_train(args) -> None:
-    """Open the store and train; print peak RSS as JSON."""
-    import numpy as np
-
-    import mtjax.store
-    from mtjax.config import StoreConfig, StreamConfig
-    from mtjax.optim import OptimConfig
-    from mtjax.stream import StreamEngine
-
+    """Open the store and train; report peak RSS."""
     cfg = model_config(args.layers, args.width)
     store = mtjax.store.open(args.dir, writable=True)
     engine = StreamEngine(cfg, optim=OptimConfig(lr=1e-4), stream=StreamConfig(keep_every=1, prefetch_depth=2),
@@ -70,18 +55,14 @@ def child_train(args) -> None:
     engine.close()
     store.close()
     kept = len(engine.groups) * args.batch * args.seq * args.width * np.dtype(cfg.compute_dtype).itemsize
-    peak = peak_rss()
-    print(json.dumps({"layers": args.layers, "params": cfg.num_params(), "peak_rss": peak, "kept": kept,
-                      "step_s": min(times), "slots": engine.pool.allocated}))
+    harness.report(layers=args.layers, params=model.num_params(cfg), peak_rss=harness.peak_rss(), kept=kept,
+                   step_s=min(times), slots=engine.pool.allocated)
 
 
-def run_child(mode: str, args, layers: int, store_dir: Path) -> str:
-    cmd = [sys.executable, __file__, "--child", mode, "--layers", str(layers), "--width", str(args.width),
-           "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps), "--dir", str(store_dir)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode:
-        sys.exit(f"{mode} of the {layers}-block model failed:\n{out.stderr[-3000:]}")
-    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+def run_child(mode: str, args, layers: int, store_dir: Path) -> dict:
+    return harness.run_child(__file__, mode, "--layers", str(layers), "--width", str(args.width), "--seq",
+                             str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps), "--dir",
+                             str(store_dir))
 
 
 def main() -> None:
@@ -108,7 +89,7 @@ def main() -> None:
         for layers in args.layers:
             store_dir = scratch / f"store-{layers}"
             run_child("init", args, layers, store_dir)
-            rows.append(json.loads(run_child("train", args, layers, store_dir)))
+            rows.append(run_child("train", args, layers, store_dir))
             shutil.rmtree(store_dir)
             print(rows[-1], flush=True)
     finally:
@@ -118,7 +99,7 @@ def main() -> None:
     lines = [
         f"Llama blocks of width {args.width} (bf16 compute, fp32 master + AdamW), batch {args.batch} x seq "
         f"{args.seq}; compute, master and optimizer state all in the store on disk; k = 1, prefetch depth 2; "
-        f"{args.steps} steps, each model in a fresh process (peak RSS = VmHWM, experiments/procmem.py).",
+        f"{args.steps} steps, each model in a fresh process (peak RSS = VmHWM, experiments/bench/harness.py).",
         "",
         "| blocks | params | state on disk | peak RSS | kept activations | RSS - kept vs first | step (s) |",
         "|---|---|---|---|---|---|---|",
@@ -130,14 +111,10 @@ def main() -> None:
     last = (rows[-1]["peak_rss"] - rows[-1]["kept"]) / base - 1
     lines += ["", f"**Growth beyond kept activations, {rows[0]['layers']} -> {rows[-1]['layers']} blocks: "
               f"{last:+.1%}** (goal < 10%)"]
-    body = ("## Streaming memory vs depth (experiments/bench_stream_memory.py)\n\n" + "\n".join(lines)
-            + f"\n\nCommand: `.venv/bin/python experiments/bench_stream_memory.py --layers "
+    body = ("## Streaming memory vs depth (experiments/bench/stream_memory.py)\n\n" + "\n".join(lines)
+            + f"\n\nCommand: `.venv/bin/python experiments/bench/stream_memory.py --layers "
               f"{' '.join(map(str, args.layers))} --width {args.width}`")
-    print(body)
-    if not args.no_doc:
-        from benchdoc import write_section
-
-        write_section("stream-memory", body)
+    harness.publish("stream-memory", body, write=not args.no_doc)
 
 
 if __name__ == "__main__":

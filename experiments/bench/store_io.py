@@ -1,6 +1,6 @@
 """Layer-store read and write throughput against plain sequential file I/O of the same bytes.
 
-    .venv/bin/python experiments/bench_store_io.py [--layers 4] [--reps 3] [--dir /tmp] [--no-doc]
+    .venv/bin/python experiments/bench/store_io.py [--layers 4] [--reps 3] [--dir /tmp] [--no-doc]
 
 A Llama-shaped model's fp32 master weights (one array per leaf, ~1.3 GB at the default
 size) are written and read back in one run, alternating plain and store rounds:
@@ -20,34 +20,20 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import harness  # first: the checkout on sys.path, JAX on the CPU
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import mtjax.store  # noqa: E402
-from mtjax.hostmem import aligned_empty  # noqa: E402
-from mtjax.model_config import ModelConfig  # noqa: E402
-from mtjax.store import layout  # noqa: E402
-
-from benchdoc import write_section  # noqa: E402
+import mtjax.store
+from mtjax.hostmem import aligned_empty
+from mtjax.model_config import ModelConfig
+from mtjax.store import layout
 
 SECTION = "store-io"
-
-
-def drop_cache(root: Path) -> None:
-    """Evict every file under `root` from the page cache (after making it durable)."""
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
 
 
 def plain_round(root: Path, data: dict, bufs: dict) -> tuple[float, float]:
@@ -58,7 +44,7 @@ def plain_round(root: Path, data: dict, bufs: dict) -> tuple[float, float]:
             f.write(memoryview(array).cast("B"))
             os.fsync(f.fileno())
     write_s = time.perf_counter() - t
-    drop_cache(root)
+    harness.drop_page_cache(root, sync=True)
     t = time.perf_counter()
     for (part, leaf), array in bufs.items():
         with open(root / f"{part}.{leaf}", "rb", buffering=0) as f:
@@ -79,7 +65,7 @@ def store_round(root: Path, cfg: ModelConfig, data: dict, bufs: dict) -> tuple[f
     store.commit(1)
     write_s = time.perf_counter() - t
     store.close()
-    drop_cache(root)
+    harness.drop_page_cache(root, sync=True)
     store = mtjax.store.open(root)
     t = time.perf_counter()
     futures = [store.read(p, "master", out=out[p]) for p in store.parts]
@@ -99,8 +85,7 @@ def main() -> None:
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
     args = ap.parse_args()
 
-    cfg = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=args.layers,
-                      num_attention_heads=16, num_key_value_heads=16, head_dim=128)
+    cfg = harness.llama(args.layers, 2048, vocab=32000, ffn=5632, head_dim=128)
     base = Path(tempfile.mkdtemp(prefix="bench-store-", dir=args.dir))
     probe = mtjax.store.create(base / "probe", cfg)
     schema = {(p, leaf): s for p in probe.parts for leaf, s in probe.schema(p, "master").items()}
@@ -135,20 +120,18 @@ def main() -> None:
         f"| write (+fsync, commit) | {total / med[0] / 1e9:.2f} | {total / med[2] / 1e9:.2f} | {ratio_w:.0%} |\n"
         f"| read, cold cache | {total / med[1] / 1e9:.2f} | {total / med[3] / 1e9:.2f} | {ratio_r:.0%} |\n"
     )
-    print(table)
-    if not args.no_doc:
-        body = (
-            "## Layer store I/O (experiments/bench_store_io.py)\n\n"
-            f"fp32 master weights of a d_model 2048 Llama with {args.layers} blocks: {len(data)} arrays, "
-            f"{total / 1e9:.2f} GB per round, {layout.CHUNK_BYTES >> 20} MiB zarr3 chunks with crc32c; "
-            f"median of {args.reps} alternating rounds in one run on a shared 2-core machine (load average "
-            f"{os.getloadavg()[0]:.1f} at the end: absolute GB/s are low and noisy, compare the ratios); reads after fsync + "
-            "posix_fadvise(DONTNEED) of every file (cold page cache). Plain = one file per array, "
-            "`write` + fsync, `readinto` a preallocated buffer. Ratios are per round, then the median.\n\n"
-            f"Command: `.venv/bin/python experiments/bench_store_io.py --layers {args.layers} --reps {args.reps}`\n\n"
-            + table
-        )
-        write_section(SECTION, body)
+    body = (
+        "## Layer store I/O (experiments/bench/store_io.py)\n\n"
+        f"fp32 master weights of a d_model 2048 Llama with {args.layers} blocks: {len(data)} arrays, "
+        f"{total / 1e9:.2f} GB per round, {layout.CHUNK_BYTES >> 20} MiB zarr3 chunks with crc32c; "
+        f"median of {args.reps} alternating rounds in one run on a shared 2-core machine (load average "
+        f"{os.getloadavg()[0]:.1f} at the end: absolute GB/s are low and noisy, compare the ratios); reads after fsync + "
+        "posix_fadvise(DONTNEED) of every file (cold page cache). Plain = one file per array, "
+        "`write` + fsync, `readinto` a preallocated buffer. Ratios are per round, then the median.\n\n"
+        f"Command: `.venv/bin/python experiments/bench/store_io.py --layers {args.layers} --reps {args.reps}`\n\n"
+        + table
+    )
+    harness.publish(SECTION, body, write=not args.no_doc)
 
 
 if __name__ == "__main__":

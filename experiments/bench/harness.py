@@ -1,0 +1,183 @@
+"""What the benchmarks under experiments/bench/ share: the model they build, child
+processes, peak memory, the page cache, timing, and their sections of docs/benchmarks.md.
+
+A script imports this module before jax or mtjax: importing it puts the checkout on
+sys.path and defaults JAX to the CPU backend.
+
+    python experiments/bench/harness.py section NAME FILE   # FILE's text as section NAME of docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "benchmarks.md"
+HEADER = "# Benchmarks\n\nMeasured numbers, each section written by the script it names.\n"
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from mtjax.model_config import ModelConfig  # noqa: E402  (imports no jax)
+
+
+def llama(layers: int, width: int, *, vocab: int = 8192, ffn: int | None = None, head_dim: int = 64,
+          dtype: str = "float32", **fields) -> ModelConfig:
+    """A Llama of `layers` blocks: as many heads of `head_dim` as the width holds (one at
+    least), as many K/V heads, SwiGLU `ffn` wide (2.75 x width unless given)."""
+    head_dim = min(head_dim, width)
+    heads = max(width // head_dim, 1)
+    return ModelConfig(vocab_size=vocab, hidden_size=width, intermediate_size=ffn or int(width * 2.75),
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                       head_dim=head_dim, compute_dtype=dtype, **fields)
+
+
+# --- child processes ---------------------------------------------------------------------------
+
+
+def run_child(script: str | Path, mode: str, *args: str, show_stderr: bool = False) -> dict:
+    """Run `script --child MODE ARGS` in a fresh interpreter (each measurement in a
+    process of its own) and return the JSON object on the last line of its stdout ({}
+    when it prints none). A failed child ends the benchmark with its stderr's tail;
+    `show_stderr` lets the child's stderr through as it runs instead."""
+    cmd = [sys.executable, str(script), "--child", mode, *args]
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if show_stderr else subprocess.PIPE, text=True)
+    if out.returncode:
+        sys.exit(f"{Path(script).name} --child {mode} {' '.join(args)} failed (exit {out.returncode})"
+                 + (f":\n{out.stderr[-3000:]}" if out.stderr else ""))
+    lines = out.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines else {}
+
+
+def report(**record) -> None:
+    """A child's result: one JSON line on stdout, what `run_child` returns."""
+    print(json.dumps(record), flush=True)
+
+
+# --- peak memory -------------------------------------------------------------------------------
+
+
+def peak_rss() -> int:
+    """This process's peak resident set in bytes: VmHWM of /proc/self/status (Linux).
+
+    Not ru_maxrss: Linux carries the peak of the image a process was exec'd from into it,
+    and `subprocess` starts children with vfork, so a child of a large parent reported at
+    least the parent's RSS (a 1,077 MiB training child read as 1,223 MiB after the parent
+    had run the planner's probe).
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
+def peak_rss_of(python_args: list[str]) -> tuple[int, float]:
+    """(peak RSS in bytes, wall seconds) of `python -m MODULE ...` or `python -c CODE` in a
+    fresh process that reports its own VmHWM as it exits (see `peak_rss`)."""
+    with tempfile.NamedTemporaryFile("r", suffix=".peak") as peak:
+        t = time.perf_counter()
+        r = subprocess.run([sys.executable, __file__, "measure", peak.name, *python_args], cwd=ROOT,
+                           stdout=subprocess.DEVNULL)
+        seconds = time.perf_counter() - t
+        if r.returncode:
+            sys.exit(f"{' '.join(python_args)} failed (exit {r.returncode})")
+        return int(Path(peak.name).read_text()), seconds
+
+
+def _measure(peak_file: str, how: str, what: str, *args: str) -> None:
+    """Run a module (`-m`) or code (`-c`) as `python` would, then write this process's peak RSS."""
+    try:
+        if how == "-m":
+            sys.argv = [what, *args]
+            runpy.run_module(what, run_name="__main__", alter_sys=True)
+        elif how == "-c":
+            sys.argv = ["-c", *args]
+            exec(compile(what, "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            raise SystemExit(f"measure takes -m MODULE or -c CODE, not {how}")
+    finally:
+        Path(peak_file).write_text(str(peak_rss()))
+
+
+# --- the page cache ----------------------------------------------------------------------------
+
+
+def drop_page_cache(root: Path, sync: bool = False) -> None:
+    """Evict every file under `root` from the page cache, as a store larger than RAM would
+    be; `sync` first makes each file durable (dirty pages cannot be dropped). Files that
+    vanish meanwhile (a deferred update renaming chunks) are skipped."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                if sync:
+                    os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+# --- timing --------------------------------------------------------------------------------------
+
+
+def best_seconds(fn, reps: int, warmup: int = 0) -> float:
+    """The fastest of `reps` timed calls after `warmup` untimed ones; `fn` must return only
+    when its work is done."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+# --- docs/benchmarks.md ------------------------------------------------------------------------
+
+
+def write_section(name: str, body: str, doc: Path = DOC) -> None:
+    """Replace the section `name` (between its two markers), or append it; others stay."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = doc.read_text() if doc.exists() else HEADER
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+
+
+def publish(name: str, body: str, write: bool = True) -> None:
+    """Print a benchmark's section and, unless told not to (`--no-doc`), write it to docs/benchmarks.md."""
+    print(body)
+    if write:
+        write_section(name, body)
+        print(f"\nwrote section {name} of {DOC.relative_to(ROOT)}")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) == 3 and argv[0] == "section":
+        write_section(argv[1], Path(argv[2]).read_text())
+        print(f"wrote section {argv[1]} of {DOC.relative_to(ROOT)}")
+    elif len(argv) >= 3 and argv[0] == "measure":
+        _measure(*argv[1:])
+    else:
+        sys.exit("usage: python experiments/bench/harness.py section NAME FILE")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
