@@ -22,6 +22,9 @@ from typing import TextIO
 import psutil
 from tqdm import tqdm
 
+from mtjax.config import ConfigError
+from mtjax.plan import hardware
+
 GiB = 2**30
 RATE_WINDOW = 10  # steps over which tokens/s is measured
 
@@ -156,8 +159,6 @@ def peak_flops(device, dtype: str, profile: str | None = None) -> tuple[float | 
     `profile` names a built-in profile or a `mtjax probe` JSON; else the built-in
     profile matching the device kind is used (cpu-2core for the CPU backend), else None.
     """
-    from mtjax.plan import hardware
-
     if profile is None:
         kind = getattr(device, "device_kind", "").lower()
         if device.platform == "cpu":
@@ -180,7 +181,6 @@ def device_memory_in_use() -> int | None:
 
 
 def _tensorboard_writer(run_dir: Path):
-    from mtjax.config import ConfigError
 
     try:
         from tensorboardX import SummaryWriter  # a declared dependency: the maintained writer

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from mtjax import writable
+from mtjax.data import Dataset, prepare
 
 
 def register(subparsers) -> None:
@@ -33,7 +34,6 @@ def register(subparsers) -> None:
 
 
 def run_prepare(args) -> int:
-    from mtjax.data import prepare
 
     writable.check(args.out, "--out")
     meta = prepare(args.inputs, args.out, args.tokenizer, args.text_field, args.val_fraction,
@@ -45,7 +45,6 @@ def run_prepare(args) -> int:
 
 
 def run_info(args) -> int:
-    from mtjax.data import Dataset
 
     print(json.dumps(Dataset(args.dataset).meta, indent=2))
     return 0

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import math
 
+import mtjax.store
+from mtjax import data
+from mtjax.commands.generate import check_source, is_store, tokenizer_of
 from mtjax.errors import MtjaxError
+from mtjax.model_config import load_hf_config
+from mtjax.run import evaluate_checkpoint
 
 
 def register(subparsers) -> None:
@@ -27,10 +32,6 @@ _FLAGS = {"data.seq_len / data.batch_size / data.grad_accum": "--seq-len / --bat
 
 def model_config(path):
     """The model config of a layer store or an HF checkpoint directory (no weights read)."""
-    import mtjax.store
-    from mtjax.commands.generate import is_store
-    from mtjax.model_config import load_hf_config
-
     if is_store(path):
         with mtjax.store.open(path) as store:
             return store.config
@@ -38,9 +39,6 @@ def model_config(path):
 
 
 def run(args) -> int:
-    from mtjax import data
-    from mtjax.commands.generate import check_source, is_store, tokenizer_of
-    from mtjax.run import evaluate_checkpoint
 
     if args.seq_len < 2:
         raise MtjaxError(f"--seq-len must be at least 2 (a row predicts its next tokens), got {args.seq_len}")

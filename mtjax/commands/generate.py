@@ -7,7 +7,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import mtjax.store
+from mtjax import data, generate
 from mtjax.errors import MtjaxError
+from mtjax.run import checkpoint_tokenizer, load_weights
+from mtjax.store import tokenizer
+from mtjax.stream.sample import StreamSampler
 
 
 def register(subparsers) -> None:
@@ -38,13 +43,7 @@ def check_source(path) -> None:
 
 def tokenizer_of(path, spec: str | None):
     """The tokenizer to use with the checkpoint or store at `path` (`spec` wins)."""
-    from mtjax import data
-    from mtjax.run import checkpoint_tokenizer
-
     if spec is None and is_store(path):
-        import mtjax.store
-        from mtjax.store import tokenizer
-
         with mtjax.store.open(path) as store:
             spec = tokenizer.spec(store)
         if spec is None:
@@ -71,15 +70,9 @@ def run(args) -> int:
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     tokenizer = tokenizer_of(args.checkpoint, args.tokenizer)
     if is_store(args.checkpoint):
-        import mtjax.store
-        from mtjax.stream.sample import StreamSampler
-
         with mtjax.store.open(args.checkpoint) as store:  # read-only: a trainer may hold the writer lock
             text = StreamSampler(store).complete(tokenizer, args.prompt, args.tokens, **kwargs)
     else:
-        from mtjax import generate
-        from mtjax.run import load_weights
-
         cfg, params = load_weights(args.checkpoint)
         text = generate.complete(cfg, params, tokenizer, args.prompt, args.tokens, **kwargs)
     print(args.prompt + text)

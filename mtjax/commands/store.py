@@ -8,6 +8,10 @@ from pathlib import Path
 
 from mtjax import writable
 from mtjax.errors import MtjaxError
+from mtjax.model_config import load_hf_config
+from mtjax.store.fresh import init_store, load_config
+from mtjax.store.hf_export import export_hf
+from mtjax.store.hf_import import import_hf
 
 DTYPES = ("bfloat16", "float32", "float16")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -76,8 +80,6 @@ def _progress(total: int, live: bool):
 
 
 def run_import(args) -> int:
-    from mtjax.model_config import load_hf_config
-    from mtjax.store.hf_import import import_hf
 
     writable.check(args.store_dir, "store directory")
     total = load_hf_config(args.hf_dir).num_hidden_layers + 2
@@ -91,7 +93,6 @@ def run_import(args) -> int:
 
 
 def run_export(args) -> int:
-    from mtjax.store.hf_export import export_hf
 
     writable.check(args.out_dir, "output directory")
     out = export_hf(args.store_dir, args.out_dir, parse_size(args.max_shard_size))
@@ -100,7 +101,6 @@ def run_export(args) -> int:
 
 
 def run_init(args) -> int:
-    from mtjax.store.fresh import init_store, load_config
 
     writable.check(args.store_dir, "store directory")
     cfg, tx = load_config(Path(args.config), args.compute_dtype)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from mtjax import config, writable
+from mtjax import run as run_lib
 
 _GROUP_TITLES = {
     "model": "model (a preset, an HF config.json or checkpoint, and inline architecture overrides)",
@@ -78,7 +79,6 @@ def run(args) -> int:
     if args.print_config:
         print(config.to_yaml(exp), end="")
         return 0
-    from mtjax import run as run_lib  # imports JAX: keep `--help` fast
 
     check_outputs(exp, run_lib.store_dir(exp))
     run_dir = Path(exp.run.dir)
