@@ -2,9 +2,9 @@
 
     .venv/bin/python experiments/fault_suite.py [--kills 50] [--out docs/reliability.md]
 
-Faults: kill -9 of `mtjax train` (streaming engine, all state on disk, a store commit
-every step) at random moments, then the same command again until it finishes, whose
-final weights must equal an uninterrupted run's bit for bit; kill -9 of `mtjax import`
+Faults: kill -9 of `mtjax train` (a store commit every step; all state on disk, all
+state in RAM, and the reference engine) at random moments, then the same command again
+until it finishes, whose final weights must equal an uninterrupted run's bit for bit; kill -9 of `mtjax import`
 and `mtjax export`, rerun, output equal to a clean one; damaged stores (a flipped byte,
 a truncated chunk, a deleted chunk, another store's manifest) refused with an error
 naming the damage. tests/test_faults.py runs the same trials with fewer kills in CI.
@@ -29,12 +29,18 @@ TINY = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_h
         "--data.seq_len=32", "--data.batch_size=4", "--data.grad_accum=2", "--optim.lr=1e-2",
         "--optim.warmup_steps=0", "--optim.decay_steps=8", "--run.eval_every=0", "--run.sample_prompt=",
         "--run.log_every=1"]
-STREAM = ["--stream.engine=stream", "--store.compute=disk", "--store.master=disk", "--store.opt=disk",
-          "--run.checkpoint_every=1", "--run.resume=true"]
+# Where the state lives between steps; every run commits its store every step, and
+# `--run.resume=auto` makes the same command start the run or resume it.
+STATE = {
+    "disk": ["--stream.engine=stream", "--store.compute=disk", "--store.master=disk", "--store.opt=disk"],
+    "ram": ["--stream.engine=stream", "--store.compute=ram", "--store.master=ram", "--store.opt=ram"],
+    "reference": ["--stream.engine=reference"],
+}
 
 
-def train_args(run_dir: Path, steps: int) -> list[str]:
-    return ["train", *TINY, *STREAM, f"--run.steps={steps}", f"--run.dir={run_dir}"]
+def train_args(run_dir: Path, steps: int, state: str = "disk") -> list[str]:
+    return ["train", *TINY, *STATE[state], "--run.checkpoint_every=1", "--run.resume=auto", f"--run.steps={steps}",
+            f"--run.dir={run_dir}"]
 
 
 def _env() -> dict:
@@ -93,18 +99,19 @@ def same_files(a: Path, b: Path, names: list[str]) -> bool:
 
 
 def kill_train_trials(work: Path, kills: int, steps: int, rng: random.Random, window=(0.1, 1.0),
-                      extra: tuple[str, ...] = ()) -> dict:
-    """One scripted run killed `kills` times, rerun after each kill; its final weights
-    against an uninterrupted run's (without `extra`, e.g. a one-copy store against the
-    default two copies). Half the kills come at a random moment (`window`, a share of the
-    clean run's duration), half just after a random store commit."""
+                      extra: tuple[str, ...] = (), state: str = "disk") -> dict:
+    """One scripted run (`state`: a key of STATE) killed `kills` times, rerun after each
+    kill; its final weights against an uninterrupted run's (without `extra`, e.g. a
+    one-copy store against the default two copies). Half the kills come at a random
+    moment (`window`, a share of the clean run's duration), half just after a random
+    store commit."""
     clean = work / "clean"
     t = time.perf_counter()
-    r = mtjax(train_args(clean, steps))
+    r = mtjax(train_args(clean, steps, state))
     assert r.returncode == 0, r.stderr
     seconds = time.perf_counter() - t  # kill times scale with how fast this machine runs
     run = work / "killed"
-    args = train_args(run, steps) + list(extra)
+    args = train_args(run, steps, state) + list(extra)
     done, at_steps, reruns = 0, [], 0
     while done < kills:
         before = store_step(run)
@@ -243,6 +250,8 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=50, help="kill -9 trials of mtjax train")
     ap.add_argument("--ie-kills", type=int, default=10, help="kill -9 trials of mtjax import / export")
     ap.add_argument("--one-copy-kills", type=int, default=30, help="kill -9 trials of mtjax train on a one-copy store")
+    ap.add_argument("--ram-kills", type=int, default=30, help="kill -9 trials of mtjax train with all state in RAM")
+    ap.add_argument("--reference-kills", type=int, default=10, help="kill -9 trials of mtjax train, reference engine")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default="/dev/shm/mtjax-fault-suite" if Path("/dev/shm").is_dir() else "/tmp/mtjax-fault-suite")
@@ -267,6 +276,15 @@ def main() -> None:
                      f"{k['launches']} launches",
                      "final weights bit-identical to an uninterrupted two-copy run" if k["ok"] else f"FAILED {k['error']}"))
         print(rows[-1], f"{time.time() - t:.0f} s", flush=True)
+    for state, kills, what in [("ram", a.ram_kills, "stream engine, all state in RAM"),
+                               ("reference", a.reference_kills, "reference engine")]:
+        if kills:
+            k = kill_train_trials(work / state, kills, a.steps, rng, state=state)
+            rows.append((f"kill -9 of `mtjax train` ({what}, commit every step), rerun until done",
+                         f"{k['kills']} kills ({k['before_store']} before the first commit, {k['mid_store']} after), "
+                         f"{k['launches']} launches",
+                         "final weights bit-identical to an uninterrupted run" if k["ok"] else f"FAILED {k['error']}"))
+            print(rows[-1], f"{time.time() - t:.0f} s", flush=True)
     ie = kill_import_export_trials(work, a.ie_kills, rng)
     for cmd, (landed, equal, finished) in ie.items():
         rows.append((f"kill -9 of `mtjax {cmd}`, rerun", f"{landed} kills ({finished} after the output was in place)",

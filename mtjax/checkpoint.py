@@ -28,8 +28,7 @@ from mtjax import parts, treepath
 from mtjax.config import ConfigError, ExperimentConfig
 from mtjax.model_config import ModelConfig
 from mtjax.optim import make_optimizer
-from mtjax.store import fill, hf_export
-from mtjax.store.lock import WriterLock
+from mtjax.store import fill, hf_export, lock
 from mtjax.stream.update import full_opt_state, split_opt_state
 
 EXPORT_NOTE = "mtjax-state.json"  # in final/: the step it holds and its tokenizer (for eval and generate)
@@ -67,6 +66,11 @@ def open_run_store(exp: ExperimentConfig, cfg: ModelConfig):
     """
     path = store_path(exp)
     if (path / "manifest.json").exists():
+        # Every refusal comes before the writer lock is taken, so it changes no byte there.
+        lock.check_free(path)
+        with mtjax.store.open(path, config=cfg) as reader:
+            if not reader.never_written:
+                _check(exp, reader, reader.load_train_state())
         store = mtjax.store.open(path, writable=True, config=cfg)  # the writer lock: one trainer per store
         if not store.never_written:
             try:
@@ -88,11 +92,11 @@ def open_run_store(exp: ExperimentConfig, cfg: ModelConfig):
 
 def _remove_unlocked(path: Path) -> None:
     """Delete the leftover of a killed run's store creation, unless a live run holds it."""
-    lock = WriterLock(path)  # refused in one line while its creator is still at work
+    held = lock.WriterLock(path)  # refused in one line while its creator is still at work
     try:
         shutil.rmtree(path)
     finally:
-        lock.release()
+        held.release()
 
 
 def discard(store) -> None:
