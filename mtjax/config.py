@@ -147,7 +147,7 @@ class RunConfig:
     sample_prompt: str = "CLEOPATRA.\n"  # closing sample's prompt ("" skips); on non-Shakespeare data: its first words
     sample_tokens: int = 200  # tokens generated for that sample
     tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard package)
-    resume: bool | str = False  # true: continue the store's last commit; auto: continue it if there is one, else start; false: start (refused where a trained run is)
+    resume: bool | str = False  # true: continue the last commit; auto: only if there is one; false: start
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient: stop (naming the block) | skip (the step, no state change)
 
     def __post_init__(self):

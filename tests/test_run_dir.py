@@ -131,7 +131,8 @@ def test_a_killed_ram_tier_run_resumes_with_the_same_per_step_losses(tmp_path):
     assert clean.wait(timeout=300) == 0, clean.stderr.read()[-3000:]
     got, want = per_step_loss(killed), per_step_loss(straight)
     assert sorted(got) == list(range(1, 7)) and got == want  # bit-identical per-step losses
-    assert (killed / "final" / "model.safetensors").read_bytes() == (straight / "final" / "model.safetensors").read_bytes()
+    weights = [(d / "final" / "model.safetensors").read_bytes() for d in (killed, straight)]
+    assert weights[0] == weights[1]
 
 
 def test_eval_and_generate_work_on_the_run_outputs(tmp_path, capsys):

@@ -82,7 +82,8 @@ def load(root: Path, name: str) -> dict:
     try:
         return _decode(json.loads(target.read_text()))
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise StoreError(f"the committed train state {target} is unreadable ({e}); restore the store from a backup") from None
+        raise StoreError(f"the committed train state {target} is unreadable ({e}); "
+                         "restore the store from a backup") from None
 
 
 def clean(root: Path, keep: str | None) -> None:
