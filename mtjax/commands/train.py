@@ -78,9 +78,10 @@ def run(args) -> int:
     if args.print_config:
         print(config.to_yaml(exp), end="")
         return 0
-    from mtjax import run as run_lib  # imports JAX: keep `--help` fast
+    from mtjax import checkpoint  # imports JAX: keep `--help` fast
+    from mtjax import run as run_lib
 
-    check_outputs(exp, run_lib.store_dir(exp))
+    check_outputs(exp, checkpoint.store_path(exp))
     run_dir = Path(exp.run.dir)
     new = not run_dir.exists()
     try:
