@@ -2,9 +2,9 @@
 
     .venv/bin/python experiments/fault_suite.py [--kills 50] [--out docs/reliability.md]
 
-Faults: kill -9 of `mtjax train` (streaming engine, all state on disk, a store commit
-every step) at random moments, then the same command again until it finishes, whose
-final weights must equal an uninterrupted run's bit for bit; kill -9 of `mtjax import`
+Faults: kill -9 of `mtjax train` (a store commit every step; all state on disk, all
+state in RAM, and the reference engine) at random moments, then the same command again
+until it finishes, whose final weights must equal an uninterrupted run's bit for bit; kill -9 of `mtjax import`
 and `mtjax export`, rerun, output equal to a clean one; damaged stores (a flipped byte,
 a truncated chunk, a deleted chunk, another store's manifest) refused with an error
 naming the damage. The trials live in tests/fault_trials.py, which tests/test_faults.py
@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=50, help="kill -9 trials of mtjax train")
     ap.add_argument("--ie-kills", type=int, default=10, help="kill -9 trials of mtjax import / export")
     ap.add_argument("--one-copy-kills", type=int, default=30, help="kill -9 trials of mtjax train on a one-copy store")
+    ap.add_argument("--ram-kills", type=int, default=30, help="kill -9 trials of mtjax train with all state in RAM")
+    ap.add_argument("--reference-kills", type=int, default=10, help="kill -9 trials of mtjax train, reference engine")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default="/dev/shm/mtjax-fault-suite" if Path("/dev/shm").is_dir() else "/tmp/mtjax-fault-suite")
@@ -69,6 +71,15 @@ def main() -> None:
                      f"{k['launches']} launches",
                      "final weights bit-identical to an uninterrupted two-copy run" if k["ok"] else f"FAILED {k['error']}"))
         print(rows[-1], f"{time.time() - t:.0f} s", flush=True)
+    for state, kills, what in [("ram", a.ram_kills, "stream engine, all state in RAM"),
+                               ("reference", a.reference_kills, "reference engine")]:
+        if kills:
+            k = kill_train_trials(work / state, kills, a.steps, rng, state=state)
+            rows.append((f"kill -9 of `mtjax train` ({what}, commit every step), rerun until done",
+                         f"{k['kills']} kills ({k['before_store']} before the first commit, {k['mid_store']} after), "
+                         f"{k['launches']} launches",
+                         "final weights bit-identical to an uninterrupted run" if k["ok"] else f"FAILED {k['error']}"))
+            print(rows[-1], f"{time.time() - t:.0f} s", flush=True)
     ie = kill_import_export_trials(work, a.ie_kills, rng)
     for cmd, (landed, equal, finished) in ie.items():
         rows.append((f"kill -9 of `mtjax {cmd}`, rerun", f"{landed} kills ({finished} after the output was in place)",

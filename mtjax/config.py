@@ -142,16 +142,18 @@ class RunConfig:
     log_every: int = 10  # steps between log lines when not on a terminal
     eval_every: int = 100  # steps between validation losses; 0 disables
     eval_batches: int = 4  # micro-batches per validation loss
-    checkpoint_every: int = 0  # steps between checkpoints in <dir>/checkpoint; 0 saves only at the end
+    checkpoint_every: int = 0  # steps between commits of the run's store; 0 commits only at the start and the end
     seed: int = 0  # seed of parameter initialisation and sampling
     sample_prompt: str = "CLEOPATRA.\n"  # closing sample's prompt ("" skips); on non-Shakespeare data: its first words
     sample_tokens: int = 200  # tokens generated for that sample
     tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard package)
-    resume: bool = False  # continue from the latest checkpoint in <dir> (its weights, optimizer, data cursor)
+    resume: bool | str = False  # true: continue the last commit; auto: only if there is one; false: start
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient: stop (naming the block) | skip (the step, no state change)
 
     def __post_init__(self):
         _check_choice("run.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        if self.resume not in (True, False, "auto"):
+            raise ConfigError(f"run.resume must be true, false or auto, got {self.resume!r}")
         if self.steps < 0 or self.log_every < 1 or self.eval_every < 0 or self.eval_batches < 1:
             raise ConfigError("run.steps, run.eval_every must be >= 0 and run.log_every, run.eval_batches >= 1")
 

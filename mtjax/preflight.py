@@ -12,7 +12,7 @@ What each check covers (the others live where the thing is opened):
   data                the train split holds at least one step of windows (mtjax.data also
                       checks format, emptiness and token ids against the vocabulary)
   store and config    mtjax.store.open(config=...) refuses a store of another model, and
-                      mtjax.run.resume_from_store one trained with other settings
+                      mtjax.checkpoint.open_run_store one trained with other settings
 """
 
 from __future__ import annotations

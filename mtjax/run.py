@@ -1,4 +1,4 @@
-"""A training run: config -> model, data and engine -> steps -> checkpoint and a sample.
+"""A training run: config -> model, data and engine -> steps -> store commits, an export and a sample.
 
     summary = mtjax.run.train(mtjax.config.load("experiments/default.yaml"))
 
@@ -7,21 +7,20 @@ by `stream.engine` in `make_engine`; any object with the `Engine` protocol plugs
 
     engine.step(tokens)   int32 [accum, batch, seq] -> {"loss", "grad_norm", ...} (floats)
     engine.params()       fp32 params pytree on the host, every pending update applied
-    engine.opt_state()    optimizer state shaped as optax's init(params); saved with
-                          checkpoints so that `--run.resume=true` continues exactly
+    engine.opt_state()    optimizer state shaped as optax's init(params)
     engine.eval_loss(t)   mean loss over int32 [n, batch, seq], no update
     engine.stage_seconds()   seconds per stage of the last step (may be empty)
     engine.commits_every_step   whether each step must be committed before its update runs
-    engine.commit(step, train_state, flush=False)   engines with a store (`store_dir`)
-    engine.close()        release threads and files (and the store) at the end of the run
+    engine.commit(step, train_state, flush=False)   write the whole state into the run's
+                          store and commit it (mtjax.checkpoint): `--run.resume=true`
+                          continues from the last commit exactly
+    engine.close()        release threads and files at the end of the run
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -31,17 +30,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import mtjax.store
+from mtjax import checkpoint
 from mtjax import config as config_lib
-from mtjax import data, generate, hf, model, preflight, treepath
-from mtjax.config import ConfigError, ExperimentConfig, RunConfig
+from mtjax import data, generate, hf, model, preflight
+from mtjax.config import ExperimentConfig, RunConfig
 from mtjax.errors import NonFiniteStep
 from mtjax.model_config import ModelConfig
 from mtjax.optim import lr_at, make_optimizer, schedule_warnings
 from mtjax.progress import Progress, model_flops_per_token, peak_flops
 from mtjax.reference import ReferenceTrainer, loss_fn
-
-STATE_FILE = "mtjax-state.json"  # next to a saved checkpoint: step, data cursor, tokenizer
-OPT_FILE = "optimizer.npz"  # the optimizer state of a checkpoint, one array per leaf path
+from mtjax.stream import StreamEngine
 
 
 class Engine(Protocol):
@@ -57,16 +56,18 @@ class Engine(Protocol):
 
     def stage_seconds(self) -> dict[str, float]: ...
 
+    def commit(self, step: int, train_state: dict, flush: bool = False) -> None: ...
+
     def close(self) -> None: ...
 
 
 class ReferenceEngine:
     """The whole model in device memory (mtjax.reference), behind the engine protocol."""
 
-    commits_every_step = False  # no store: its checkpoints are written whole
+    commits_every_step = False  # each commit writes the whole state
 
-    def __init__(self, exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None):
-        self.cfg = cfg
+    def __init__(self, exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None, store=None):
+        self.cfg, self.store = cfg, store
         self.trainer = ReferenceTrainer(cfg, params, exp.optim, opt_state=opt_state)
         self._loss = jax.jit(lambda p, t: loss_fn(cfg, p, t, remat=False))
 
@@ -79,6 +80,11 @@ class ReferenceEngine:
     def opt_state(self):
         return jax.device_get(self.trainer.opt_state)
 
+    def commit(self, step: int, train_state: dict, flush: bool = False) -> None:
+        """Write the whole state into the store, one part at a time, and commit it."""
+        checkpoint.write_model(self.store, self.params(), self.opt_state(), self.trainer.tx)
+        self.store.commit(step, train_state)
+
     def eval_loss(self, tokens: np.ndarray) -> float:
         losses = [self._loss(self.trainer.params, jnp.asarray(t)) for t in tokens]
         return float(jnp.mean(jnp.stack(losses)))  # one host sync for all micro-batches
@@ -87,85 +93,19 @@ class ReferenceEngine:
         return {}  # one program per step: no stages to time
 
     def close(self) -> None:
-        pass  # nothing held beyond device arrays
+        pass  # nothing held beyond device arrays (the run closes the store)
 
 
-def make_engine(exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None) -> Engine:
-    """The engine `exp.stream.engine` names, starting from fp32 `params` (and `opt_state`)."""
+def make_engine(exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None, *, store=None,
+                step: int = 0) -> Engine:
+    """The engine `exp.stream.engine` names, starting from fp32 `params` (and `opt_state`),
+    or from the last commit of `store` (at `step`) when `params` is None; it commits into
+    `store`."""
     if exp.stream.engine == "reference":
-        return ReferenceEngine(exp, cfg, params, opt_state)
-    from mtjax.stream import StreamEngine  # imported on use: reference runs need none of it
-
-    return StreamEngine.from_experiment(exp, cfg, params, opt_state)
-
-
-def store_dir(exp: ExperimentConfig) -> Path | None:
-    """The layer store of a streaming run that keeps some state on disk, else None."""
-    if exp.stream.engine != "stream" or "disk" not in exp.store.tiers.values():
-        return None
-    return Path(exp.store.path or Path(exp.run.dir) / "store")
-
-
-def train_state(exp: ExperimentConfig, step: int, cursor: dict) -> dict:
-    """What a store commit records beside the weights so that a resume continues exactly:
-    the step, the data cursor, the seed, and the settings that must not change (the LR
-    schedule's position is the optimizer state's step count, which the store holds)."""
-    return {"step": step, "loader": dict(cursor), "seed": exp.run.seed, "fixed": _fixed_settings(exp)}
-
-
-def _fixed_settings(exp: ExperimentConfig) -> dict:
-    d = exp.data
-    fixed = {"optim": dataclasses.asdict(exp.optim), "data": dict(dataset=d.dataset, tokenizer=d.tokenizer,
-             seq_len=d.seq_len, batch_size=d.batch_size, grad_accum=d.grad_accum, seed=d.seed)}
-    return json.loads(json.dumps(fixed))  # as the store gives it back (tuples become lists)
-
-
-_PARTIAL_STORE = {"parts", "train_state", "schema.json", "STORE_ID", "STORE_ID.tmp", "LOCK", "manifest.json.tmp"}
-
-
-def _creating_marker(path: Path) -> Path:
-    """Exists beside a store from its creation by a run until that run's first commit."""
-    return path.with_name(path.name + ".creating")
-
-
-def resume_from_store(exp: ExperimentConfig, cfg: ModelConfig, path: Path):
-    """(engine, first step, data cursor) from the last commit of the store at `path`, or
-    (None, 0, None) when there is nothing committed yet (the caller starts afresh).
-
-    A store without train state was filled by `mtjax import` or `mtjax init`: the run
-    trains from its weights, from step 0.
-    """
-    import mtjax.store
-    from mtjax.stream import StreamEngine
-
-    if _creating_marker(path).exists():  # a run was killed before its store's first commit
-        mtjax.store.store.remove(path) if (path / "manifest.json").exists() else shutil.rmtree(path, ignore_errors=True)
-        _creating_marker(path).unlink()
-    if not (path / "manifest.json").exists():
-        if path.is_dir() and set(os.listdir(path)) - _PARTIAL_STORE:
-            raise ConfigError(f"store.path {path} exists but holds no mtjax store; choose another store.path")
-        shutil.rmtree(path, ignore_errors=True)  # the leftovers of a run killed while creating its store
-        return None, 0, None
-    store = mtjax.store.open(path, writable=True, config=cfg)  # the writer lock: one trainer per store
-    try:
-        if store.copies != exp.store.copies:
-            raise ConfigError(f"store {path} keeps {store.copies} cop{'y' if store.copies == 1 else 'ies'} of the "
-                              f"state; set --store.copies={store.copies} to train it")
-        state = store.load_train_state()
-        if state is not None and not exp.run.resume:
-            raise ConfigError(f"store.path {path} holds a run trained to step {state['step']}; pass "
-                              "--run.resume=true to continue it, or choose another store.path")
-        if state is not None and state.get("fixed") != _fixed_settings(exp):
-            saved, now = state.get("fixed", {}), _fixed_settings(exp)
-            diff = [f"{g}.{k}" for g in now for k in now[g] if saved.get(g, {}).get(k) != now[g][k]]
-            raise ConfigError(f"store {path} was trained with other settings ({', '.join(diff) or 'unknown'}); "
-                              "resume with the same ones, or use a new run.dir")
-        step = 0 if state is None else int(state["step"])
-        engine = StreamEngine.from_experiment(exp, cfg, store=store, step=step)  # it owns the store now
-    except BaseException:
-        store.close()
-        raise
-    return engine, step, None if state is None else state["loader"]
+        if params is None:
+            params, opt_state = checkpoint.read_model(store, make_optimizer(exp.optim))
+        return ReferenceEngine(exp, cfg, params, opt_state, store=store)
+    return StreamEngine.from_experiment(exp, cfg, params, opt_state, store=store, step=step)
 
 
 def initial_params(exp: ExperimentConfig, cfg: ModelConfig):
@@ -189,52 +129,11 @@ def weights_provenance(exp: ExperimentConfig, resumed: Path | None = None, step:
         return [f"mtjax: weights: the Hugging Face checkpoint {exp.model.checkpoint}"]
     lines = [f"mtjax: weights: a fresh random initialisation (run.seed {exp.run.seed})"]
     if exp.model.hf_config:
-        where = f" and no layer store at {store_dir(exp)}" if store_dir(exp) is not None else ""
+        where = f" and no layer store at {checkpoint.store_path(exp)}"
         lines.append(f"mtjax: warning: model.hf_config={exp.model.hf_config} gives the architecture only; no "
                      f"model.checkpoint{where}, so training starts from random weights; to fine-tune, pass "
                      f"--model.checkpoint={exp.model.hf_config} or `mtjax import` it into the store first")
     return lines
-
-
-def save_checkpoint(cfg: ModelConfig, params, out_dir: Path, tokenizer, state: dict, opt_state=None) -> None:
-    """An HF checkpoint (fp32) plus tokenizer, optimizer and run state, swapped in whole."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    # fp32 whatever the model's param_dtype: these are the master weights a resume needs.
-    hf.save_params(dataclasses.replace(cfg, param_dtype="float32"), params, tmp)
-    if opt_state is not None:
-        np.savez(tmp / OPT_FILE, **{k: np.asarray(v) for k, v in treepath.flatten(opt_state).items()})
-    tokenizer.save(tmp)
-    (tmp / STATE_FILE).write_text(json.dumps({**state, "tokenizer": tokenizer.spec if tokenizer.spec == "bytes"
-                                                 else "tokenizer.json", "eos_id": tokenizer.eos_id}, indent=2))
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    if out_dir.exists():
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint of `run_dir` with the highest step (periodic or final), if any."""
-    found = [(json.loads((d / STATE_FILE).read_text())["step"], d) for d in (run_dir / "checkpoint", run_dir / "final")
-             if (d / STATE_FILE).exists()]
-    return max(found)[1] if found else None
-
-
-def load_checkpoint(exp: ExperimentConfig, cfg: ModelConfig, ckpt_dir: Path):
-    """(params, opt_state, state) of a checkpoint written by `save_checkpoint`."""
-    state = json.loads((ckpt_dir / STATE_FILE).read_text())
-    _, params = hf.load_params(ckpt_dir, cfg)
-    if not (ckpt_dir / OPT_FILE).exists():
-        raise hf.CheckpointError(f"{ckpt_dir} has no {OPT_FILE}: this engine saved no optimizer state to resume")
-    template = jax.eval_shape(make_optimizer(exp.optim).init, model.abstract_params(cfg))
-    with np.load(ckpt_dir / OPT_FILE) as saved:
-        try:
-            opt_state = treepath.unflatten(template, dict(saved))
-        except KeyError as e:
-            raise hf.CheckpointError(f"{ckpt_dir / OPT_FILE} does not fit optimizer {exp.optim} ({e.args[0]})") from None
-    return params, opt_state, state
 
 
 def checkpoint_tokenizer(ckpt_dir: str | Path, spec: str | None = None):
@@ -244,7 +143,7 @@ def checkpoint_tokenizer(ckpt_dir: str | Path, spec: str | None = None):
         return data.load_tokenizer(spec)
     if (ckpt_dir / "tokenizer.json").exists():
         return data.load_tokenizer(str(ckpt_dir / "tokenizer.json"))
-    state = ckpt_dir / STATE_FILE
+    state = ckpt_dir / checkpoint.EXPORT_NOTE
     if state.exists() and json.loads(state.read_text()).get("tokenizer") == "bytes":
         return data.ByteTokenizer()
     raise data.DataError(f"{ckpt_dir} holds no tokenizer; pass --tokenizer bytes or a tokenizer.json")
@@ -252,22 +151,13 @@ def checkpoint_tokenizer(ckpt_dir: str | Path, spec: str | None = None):
 
 def load_weights(path: str | Path):
     """(model config, fp32 params) of an HF checkpoint dir or of a layer store (its last
-    written master weights, read without taking the writer lock)."""
-    from mtjax import parts
-
+    committed master weights, read without taking the writer lock)."""
     path = Path(path)
     if not (path / "manifest.json").exists():
         return hf.load_params(path)
-    import mtjax.store
-
     with mtjax.store.open(path) as store:
         store.check_complete("read its weights")
-        cfg = store.config
-        named = {p.name: store.read(p.name, "master").result() for p in parts.parts(cfg)}
-    params = {name: treepath.unflatten(parts.abstract_part(cfg, name), named[name]) for name in ("embed", "head")}
-    params["blocks"] = [treepath.unflatten(parts.abstract_part(cfg, f"block.{i}"), named[f"block.{i}"])
-                        for i in range(cfg.num_hidden_layers)]
-    return cfg, params
+        return store.config, checkpoint.read_params(store)
 
 
 def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int = 128, batch_size: int = 8,
@@ -313,7 +203,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = config_lib.model_config(exp)
     cfg.check_context(exp.data.seq_len, "data.seq_len")
-    dataset = data.resolve(exp.data, run_dir / "data")
+    dataset = data.resolve(exp.data, run_dir / "data")  # a cache: prepared again when the inputs change
     dataset.check_vocab(cfg.vocab_size)
     preflight.check(exp, cfg, dataset)  # before any weight is made: RAM, disk, data length
     tokenizer = dataset.tokenizer()
@@ -321,51 +211,44 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     if exp.model.checkpoint and tokenizer.spec == "bytes" and (Path(exp.model.checkpoint) / "tokenizer.json").exists():
         print(f"mtjax: warning: the data is byte-tokenized but {exp.model.checkpoint} has its own tokenizer.json; "
               f"--data.tokenizer={exp.model.checkpoint} trains on the ids the model knows", file=out, flush=True)
-    val = _eval_batches(dataset, exp) if exp.run.eval_every else None
-    first, opt_state, cursor, engine = 0, None, None, None
-    origin = {}  # where the weights come from, for weights_provenance
-    store_path = store_dir(exp)
-    if store_path is not None and (exp.run.resume or (store_path / "manifest.json").exists()):
-        # Streaming with state on disk: the store's last commit is the checkpoint (or an
-        # imported store is the starting point).
-        engine, first, cursor = resume_from_store(exp, cfg, store_path)
-        if engine is not None:
-            origin = dict(store=store_path) if cursor is None else dict(resumed=store_path, step=first)
-    elif exp.run.resume:
-        resumed = latest_checkpoint(run_dir)
-        if resumed is None:
-            raise ConfigError(f"run.resume: {run_dir} has no checkpoint to resume from; drop --run.resume")
-        params, opt_state, state = load_checkpoint(exp, cfg, resumed)
-        first, cursor = state["step"], state["loader"]
-        origin = dict(resumed=resumed, step=first)
-    loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,
-                         exp.data.seed, cursor=cursor)
-    if engine is None:
-        if store_path is not None:
-            store_path.parent.mkdir(parents=True, exist_ok=True)
-            _creating_marker(store_path).touch()  # until the first commit: a kill here leaves no half store
-        engine = make_engine(exp, cfg, initial_params(exp, cfg) if opt_state is None else params, opt_state)
-        if store_path is not None:
-            engine.commit(0, train_state(exp, 0, loader.cursor))  # resumable from the first moment
-            _creating_marker(store_path).unlink()
-    # Only now that everything checked out: a run that fails to start leaves the previous one.
-    config_lib.dump(exp, run_dir / "config.yaml")
-    if not exp.run.resume:
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
-    tokens_per_step = exp.data.grad_accum * exp.data.batch_size * exp.data.seq_len
-    print(f"mtjax: {model.num_params(cfg) / 1e6:.2f}M-parameter {cfg.model_type} ({cfg.num_hidden_layers} blocks, "
-          f"width {cfg.hidden_size}), {exp.stream.engine} engine on {jax.devices()[0].platform}; "
-          f"{dataset.meta['num_tokens']:,} tokens ({dataset.meta['tokenizer_source']}); "
-          f"{_steps_text(first, exp.run.steps)} of {tokens_per_step:,} tokens; run dir {run_dir}", file=out, flush=True)
-    for line in weights_provenance(exp, **origin):
-        print(line, file=out, flush=True)
-    for warning in schedule_warnings(exp.optim, exp.run.steps):
-        print(f"mtjax: warning: {warning}", file=out, flush=True)
+    # The run's store: its writer lock, and its refusals (a trained run without run.resume,
+    # other fixed settings), before anything else under run.dir is written.
+    store, state, created = checkpoint.open_run_store(exp, cfg)
+    engine = None
     try:
-        summary = _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
+        val = _eval_batches(dataset, exp) if exp.run.eval_every else None
+        first, cursor = (int(state["step"]), state["loader"]) if state is not None else (0, None)
+        loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,
+                             exp.data.seed, cursor=cursor)
+        if created:
+            engine = make_engine(exp, cfg, initial_params(exp, cfg), store=store)
+            engine.commit(0, checkpoint.train_state(exp, 0, loader.cursor))  # resumable from the first moment
+            created, origin = False, {}
+        else:  # the store's last commit (or the weights `mtjax import` put there) is the start
+            engine = make_engine(exp, cfg, None, store=store, step=first)
+            origin = dict(store=store.root) if state is None else dict(resumed=store.root, step=first)
+        # Only now that everything checked out: a run that fails to start leaves the previous one.
+        config_lib.dump(exp, run_dir / "config.yaml")
+        if state is None:
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
+        tokens_per_step = exp.data.grad_accum * exp.data.batch_size * exp.data.seq_len
+        print(f"mtjax: {model.num_params(cfg) / 1e6:.2f}M-parameter {cfg.model_type} ({cfg.num_hidden_layers} blocks, "
+              f"width {cfg.hidden_size}), {exp.stream.engine} engine on {jax.devices()[0].platform}; "
+              f"{dataset.meta['num_tokens']:,} tokens ({dataset.meta['tokenizer_source']}); "
+              f"{_steps_text(first, exp.run.steps)} of {tokens_per_step:,} tokens; run dir {run_dir}",
+              file=out, flush=True)
+        for line in weights_provenance(exp, **origin):
+            print(line, file=out, flush=True)
+        for warning in schedule_warnings(exp.optim, exp.run.steps):
+            print(f"mtjax: warning: {warning}", file=out, flush=True)
+        return _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
     finally:
-        engine.close()
-    return summary
+        if engine is not None:
+            engine.close()
+        if created:  # the run failed before its first commit: leave no store behind
+            checkpoint.discard(store)
+        else:
+            store.close()
 
 
 def _as_run(exp: ExperimentConfig, dataset, tokenizer, run_dir: Path) -> ExperimentConfig:
@@ -415,23 +298,19 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
             if engine.commits_every_step:
                 # One copy of the state on disk: an update may only overwrite it once this
                 # step (state + pending gradients) is committed. Cheap: nothing is flushed.
-                engine.commit(step, train_state(exp, step, loader.cursor))
+                engine.commit(step, checkpoint.train_state(exp, step, loader.cursor))
             if val is not None and (step % exp.run.eval_every == 0 or step == exp.run.steps):
                 val_loss = engine.eval_loss(val)
                 progress.record(step, {"val_loss": val_loss})
             if (exp.run.checkpoint_every and step % exp.run.checkpoint_every == 0 and step < exp.run.steps
                     and not engine.commits_every_step):
-                _checkpoint(exp, cfg, engine, loader, tokenizer, step)
+                engine.commit(step, checkpoint.train_state(exp, step, loader.cursor))
         seconds = time.perf_counter() - start
-        if store_dir(exp) is not None:
-            engine.commit(exp.run.steps, train_state(exp, exp.run.steps, loader.cursor), flush=True)
-        params = engine.params()
-        final = run_dir / "final"
-        save_checkpoint(cfg, params, final, tokenizer, {"step": exp.run.steps, "loader": loader.cursor},
-                        engine.opt_state())
+        engine.commit(exp.run.steps, checkpoint.train_state(exp, exp.run.steps, loader.cursor), flush=True)
+        final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps)
         sample = ""
         if exp.run.sample_prompt and exp.run.sample_tokens:
-            sample = generate.complete(cfg, params, tokenizer, exp.run.sample_prompt, exp.run.sample_tokens,
+            sample = generate.complete(cfg, engine.params(), tokenizer, exp.run.sample_prompt, exp.run.sample_tokens,
                                        seed=exp.run.seed)
     last = list(losses)[-10:]  # the final loss is the mean over (up to) the last 10 trained steps
     summary = {
@@ -450,15 +329,6 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def _checkpoint(exp, cfg, engine, loader, tokenizer, step: int) -> None:
-    """A store commit (streaming with state on disk) or an HF checkpoint (otherwise)."""
-    if store_dir(exp) is not None:
-        engine.commit(step, train_state(exp, step, loader.cursor))
-    else:
-        save_checkpoint(cfg, engine.params(), Path(exp.run.dir) / "checkpoint", tokenizer,
-                        {"step": step, "loader": loader.cursor}, engine.opt_state())
 
 
 def describe(summary: dict) -> str:

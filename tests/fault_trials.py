@@ -23,12 +23,18 @@ TINY = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_h
         "--data.seq_len=32", "--data.batch_size=4", "--data.grad_accum=2", "--optim.lr=1e-2",
         "--optim.warmup_steps=0", "--optim.decay_steps=8", "--run.eval_every=0", "--run.sample_prompt=",
         "--run.log_every=1"]
-STREAM = ["--stream.engine=stream", "--store.compute=disk", "--store.master=disk", "--store.opt=disk",
-          "--run.checkpoint_every=1", "--run.resume=true"]
+# Where the state lives between steps; every run commits its store every step, and
+# `--run.resume=auto` makes the same command start the run or resume it.
+STATE = {
+    "disk": ["--stream.engine=stream", "--store.compute=disk", "--store.master=disk", "--store.opt=disk"],
+    "ram": ["--stream.engine=stream", "--store.compute=ram", "--store.master=ram", "--store.opt=ram"],
+    "reference": ["--stream.engine=reference"],
+}
 
 
-def train_args(run_dir: Path, steps: int) -> list[str]:
-    return ["train", *TINY, *STREAM, f"--run.steps={steps}", f"--run.dir={run_dir}"]
+def train_args(run_dir: Path, steps: int, state: str = "disk") -> list[str]:
+    return ["train", *TINY, *STATE[state], "--run.checkpoint_every=1", "--run.resume=auto", f"--run.steps={steps}",
+            f"--run.dir={run_dir}"]
 
 
 def env() -> dict:
@@ -85,18 +91,19 @@ def same_files(a: Path, b: Path, names: list[str]) -> bool:
 
 
 def kill_train_trials(work: Path, kills: int, steps: int, rng: random.Random, window=(0.1, 1.0),
-                      extra: tuple[str, ...] = ()) -> dict:
-    """One scripted run killed `kills` times, rerun after each kill; its final weights
-    against an uninterrupted run's (without `extra`, e.g. a one-copy store against the
-    default two copies). Half the kills come at a random moment (`window`, a share of the
-    clean run's duration), half just after a random store commit."""
+                      extra: tuple[str, ...] = (), state: str = "disk") -> dict:
+    """One scripted run (`state`: a key of STATE) killed `kills` times, rerun after each
+    kill; its final weights against an uninterrupted run's (without `extra`, e.g. a
+    one-copy store against the default two copies). Half the kills come at a random
+    moment (`window`, a share of the clean run's duration), half just after a random
+    store commit."""
     clean = work / "clean"
     t = time.perf_counter()
-    r = mtjax(train_args(clean, steps))
+    r = mtjax(train_args(clean, steps, state))
     assert r.returncode == 0, r.stderr
     seconds = time.perf_counter() - t  # kill times scale with how fast this machine runs
     run = work / "killed"
-    args = train_args(run, steps) + list(extra)
+    args = train_args(run, steps, state) + list(extra)
     done, at_steps, reruns = 0, [], 0
     while done < kills:
         before = store_step(run)

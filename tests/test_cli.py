@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from mtjax import cli, config, data, hf, model
+import mtjax.store as store_lib
+from mtjax import checkpoint, cli, config, data, hf, model
 from mtjax import run as run_lib
 from mtjax.reference import ReferenceTrainer
 
@@ -106,9 +107,10 @@ def test_train_end_to_end(trained):
     assert [r["step"] for r in records if "val_loss" in r] == [4, 8]
     assert "step      8/8" in result.stderr and "tok/s" in result.stderr  # plain log lines off a terminal
     assert "--- sample ---" in result.stdout and "loss " in result.stdout
-    state = json.loads((run_dir / "checkpoint" / run_lib.STATE_FILE).read_text())
-    assert state["step"] == 4 and state["loader"] == {"epoch": 0, "position": 32}
-    assert json.loads((run_dir / "final" / run_lib.STATE_FILE).read_text())["step"] == 8
+    with store_lib.open(run_dir / "store") as store:  # the run's checkpoint: its store's last commit
+        state = store.load_train_state()
+    assert store.step == state["step"] == 8 and state["loader"] == {"epoch": 0, "position": 64}
+    assert json.loads((run_dir / "final" / checkpoint.EXPORT_NOTE).read_text())["step"] == 8
     assert config.load(run_dir / "config.yaml") == config.load(None, [*TINY, f"--run.dir={run_dir}"])
 
 

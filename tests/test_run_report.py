@@ -96,7 +96,7 @@ def test_summary_wording_fits_a_short_run_and_its_resumptions(tmp_path):
     summary, log = train([*args, "--run.steps=8", "--run.resume=true"])
     logged = losses(run_dir)
     assert "; steps 7-8 of 64 tokens;" in log.splitlines()[0]
-    assert f"mtjax: weights: resumed from {run_dir / 'final'} at step 6\n" in log
+    assert f"mtjax: weights: resumed from {run_dir / 'store'} at step 6\n" in log
     assert "the cosine decay ends at step 6 of 8" in log  # decay_steps=6 stopped fitting at 8 steps
     assert run_lib.describe(summary).startswith(f"resumed from step 6: loss {logged[7]:.3f} at step 7 -> "
                                                 f"{(logged[7] + logged[8]) / 2:.3f} (mean of steps 7-8) in ")

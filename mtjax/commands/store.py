@@ -9,9 +9,7 @@ from pathlib import Path
 from mtjax import writable
 from mtjax.errors import MtjaxError
 from mtjax.model_config import load_hf_config
-from mtjax.store.fresh import init_store, load_config
-from mtjax.store.hf_export import export_hf
-from mtjax.store.hf_import import import_hf
+from mtjax.store import fresh, hf_export, hf_import
 
 DTYPES = ("bfloat16", "float32", "float16")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -84,7 +82,7 @@ def run_import(args) -> int:
     writable.check(args.store_dir, "store directory")
     total = load_hf_config(args.hf_dir).num_hidden_layers + 2
     live = sys.stdout.isatty()
-    out = import_hf(args.hf_dir, args.store_dir, compute_dtype=args.compute_dtype, progress=_progress(total, live),
+    out = hf_import.import_hf(args.hf_dir, args.store_dir, compute_dtype=args.compute_dtype, progress=_progress(total, live),
                      copies=args.copies)
     if live:
         print()  # ends the line the progress rewrote
@@ -95,7 +93,7 @@ def run_import(args) -> int:
 def run_export(args) -> int:
 
     writable.check(args.out_dir, "output directory")
-    out = export_hf(args.store_dir, args.out_dir, parse_size(args.max_shard_size))
+    out = hf_export.export_hf(args.store_dir, args.out_dir, parse_size(args.max_shard_size))
     print(f"exported {args.store_dir} to {out}")
     return 0
 
@@ -103,7 +101,7 @@ def run_export(args) -> int:
 def run_init(args) -> int:
 
     writable.check(args.store_dir, "store directory")
-    cfg, tx = load_config(Path(args.config), args.compute_dtype)
-    out = init_store(cfg, args.store_dir, seed=args.seed, tx=tx, copies=args.copies)
+    cfg, tx = fresh.load_config(Path(args.config), args.compute_dtype)
+    out = fresh.init_store(cfg, args.store_dir, seed=args.seed, tx=tx, copies=args.copies)
     print(f"initialised {out}")
     return 0

@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from mtjax import config, writable
+from mtjax import checkpoint, config, writable
 from mtjax import run as run_lib
 
 _GROUP_TITLES = {
@@ -80,7 +80,7 @@ def run(args) -> int:
         print(config.to_yaml(exp), end="")
         return 0
 
-    check_outputs(exp, run_lib.store_dir(exp))
+    check_outputs(exp, checkpoint.store_path(exp))
     run_dir = Path(exp.run.dir)
     new = not run_dir.exists()
     try:

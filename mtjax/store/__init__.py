@@ -11,8 +11,9 @@
 
 Modules: layout (directory and chunking), arrays (tensorstore arrays), chunks (reads
 straight into buffers), manifest (the commit point), lock (one writer), pending
-(checksummed gradient files of updates still to apply), train_state (orbax), store (the
-Store class), fill / hf_import / hf_export / fresh (filling a new store and exporting one).
+(checksummed gradient files of updates still to apply), train_state (a JSON file per
+commit), store (the Store class), fill / hf_import / hf_export / fresh (filling a new
+store and exporting one).
 """
 
 from mtjax.store.errors import StoreError

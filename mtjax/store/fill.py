@@ -19,8 +19,9 @@ from mtjax.store import store as store_mod
 from mtjax.store.errors import StoreError
 
 
-def write_part(store, part: str, master: dict[str, np.ndarray], tx) -> None:
-    """Write master, compute (a cast of master) and fresh optimizer state (tx.init).
+def write_part(store, part: str, master: dict[str, np.ndarray], tx=None, opt: dict | None = None) -> None:
+    """Write master, compute (a cast of master) and optimizer state: `opt` ({leaf:
+    array}), else fresh state (tx.init).
 
     One kind at a time, waiting for each, so host memory holds about one part.
     """
@@ -30,8 +31,9 @@ def write_part(store, part: str, master: dict[str, np.ndarray], tx) -> None:
     compute = {k: v.astype(schema[k].dtype) for k, v in master.items()}
     store.write(part, "compute", compute).result()  # waits: the writer reads `compute` until then
     del compute
-    # numpy leaves: optax allocates its state (zeros_like) without a device copy of the weights
-    opt = treepath.flatten(tx.init(treepath.unflatten(parts.abstract_part(cfg, part), master)))
+    if opt is None:
+        # numpy leaves: optax allocates its state (zeros_like) without a device copy of the weights
+        opt = treepath.flatten(tx.init(treepath.unflatten(parts.abstract_part(cfg, part), master)))
     store.write(part, "opt", {k: np.asarray(v) for k, v in opt.items()}).result()
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import gzip
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
+from safetensors import SafetensorError
 
 from mtjax import hf
 from mtjax.data import tokenizer as toklib
@@ -44,27 +45,48 @@ def _write_tokenizer(source: Path | None, out: Path) -> None:
     (out / toklib.TOKENIZER_FILE).write_bytes(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
 
 
-def export_hf(store_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 10**9) -> Path:
+def export_hf(store_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 10**9, replace: bool = False,
+              extra: Callable[[Path], None] | None = None) -> Path:
     """Write the store's committed master weights, and its model's tokenizer (see
-    mtjax.store.tokenizer; none for a byte-level one), as a checkpoint at `out_dir`."""
+    mtjax.store.tokenizer; none for a byte-level one), as a checkpoint at `out_dir`.
+
+    `out_dir` must not exist or be empty, unless `replace` (a run's final/ export, which a
+    longer resumed run writes again). `extra(dir)` adds files (a run's tokenizer) to the
+    checkpoint before it is put in place.
+    """
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if not replace and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise StoreError(f"{out} already exists and is not empty; choose a new output directory")
     # Written in a hidden sibling and renamed into place: an export killed at any moment
-    # leaves no partial checkpoint under `out`, and rerunning it starts afresh.
-    tmp = out.with_name(f".{out.name}.export-tmp")
+    # leaves no partial checkpoint under `out`, and rerunning it starts afresh. A failed
+    # one (a full disk) removes its sibling and leaves `out` as it was.
+    tmp, old = out.with_name(f".{out.name}.export-tmp"), out.with_name(f".{out.name}.export-old")
     store_mod.remove(tmp)
+    if old.exists() and not out.exists():
+        old.rename(out)  # a replacing export was killed between its two renames
+    store_mod.remove(old)
     with store_mod.open(store_dir) as store:
         store.check_complete("export it")
         try:
             hf.save_checkpoint(store.config, hf_tensors(store), tmp, max_shard_bytes)
             _write_tokenizer(tokenizer.export_source(store), tmp)
-            if out.exists():
+            if extra is not None:
+                extra(tmp)
+            if out.exists() and replace:
+                out.rename(old)
+            elif out.exists():
                 out.rmdir()  # checked empty above
             tmp.rename(out)
+            store_mod.remove(old)
         except BaseException as e:
             store_mod.remove(tmp)
-            if isinstance(e, OSError):
-                raise StoreError(f"cannot write the checkpoint to {out} ({e.strerror or e})") from None
+            if old.exists() and not out.exists():
+                old.rename(out)
+            # hf.save_checkpoint reports safetensors' own write errors as CheckpointError.
+            if isinstance(e, (OSError, SafetensorError, hf.CheckpointError)):
+                full = any(s in str(e) for s in ("StorageFull", "No space left"))
+                reason = "No space left on device" if full else getattr(e, "strerror", None) or e
+                raise StoreError(f"cannot write the checkpoint to {out} ({reason}); nothing was left behind: free "
+                                 f"disk space, then export {store_dir} again (`mtjax export`)") from None
             raise
     return out

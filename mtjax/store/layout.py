@@ -7,7 +7,7 @@
                                            from another store is refused
       LOCK                                 held (fcntl) by the one writer
       parts/<part>/<kind>.<slot>/<leaf>/   one zarr3 array per leaf; slot "a" or "b"
-      train_state/<name>/                  orbax checkpoint of the committed step's train state
+      train_state/<name>.json              the committed step's train state (atomically written JSON)
       pending/<part>.<tag>--<leaf>.bin     one-copy stores: gradient sums whose update is pending
       tokenizer/                           the imported checkpoint's tokenizer files (mtjax.store.tokenizer)
 

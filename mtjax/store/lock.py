@@ -25,12 +25,8 @@ class WriterLock:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self._fd)
-            raise StoreError(
-                f"store {root} is already open for writing (by process {holder}); "
-                "close that writer first, or open the store read-only"
-            ) from None
+            fd, self._fd = self._fd, None
+            _refuse(root, fd)
         try:  # the holder's pid, only for the message above; a full disk must not stop us
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, str(os.getpid()).encode(), 0)
@@ -42,3 +38,24 @@ class WriterLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def check_free(root: Path) -> None:
+    """Raise the StoreError a second writer gets if one holds the store now; changes nothing."""
+    try:
+        fd = os.open(root / layout.LOCK, os.O_RDONLY)
+    except FileNotFoundError:
+        return  # no writer ever opened it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        _refuse(root, fd)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def _refuse(root: Path, fd: int) -> None:
+    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+    os.close(fd)
+    raise StoreError(f"store {root} is already open for writing (by process {holder}); "
+                     "close that writer first, or open the store read-only") from None

@@ -1,7 +1,7 @@
 """The manifest: the single file whose atomic replacement commits a step.
 
 Everything a committed step consists of is named by the manifest (the slot of every
-(part, kind), the train-state directory), so replacing the manifest atomically is the
+(part, kind), the train-state file), so replacing the manifest atomically is the
 commit: write a temporary file, fsync it, rename it over the old one, fsync the
 directory. A crash before the rename leaves the old step; after it, the new one.
 """
@@ -20,10 +20,10 @@ from mtjax.store.errors import StoreError
 @dataclasses.dataclass(frozen=True)
 class Manifest:
     step: int  # the committed training step
-    generation: int  # +1 per commit; names train-state directories uniquely
+    generation: int  # +1 per commit; names train-state files uniquely
     config: dict  # layout.config_to_json(ModelConfig)
     slots: dict  # {part: {kind: "a" | "b" | None}}; None = never written
-    train_state: str | None = None  # directory under train_state/, or None
+    train_state: str | None = None  # file under train_state/, or None
     dtypes: dict | None = None  # {"compute", "master", "checkpoint"}: for people reading the file
     layout_version: int = layout.LAYOUT_VERSION
     store_id: str | None = None  # equals the store's STORE_ID file; None in stores made before it

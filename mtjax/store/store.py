@@ -93,7 +93,7 @@ class Store:
             self._part_commits: list[concurrent.futures.Future] = []
             self._check_copies()
             named = self._manifest.train_state
-            if named is not None and not (self.root / layout.TRAIN_STATE_DIR / named).is_dir():
+            if named is not None and not (self.root / layout.TRAIN_STATE_DIR / named).exists():
                 # Checked before `clean`, which would otherwise delete this store's real train state.
                 raise StoreError(f"{self.root / layout.MANIFEST} names train state {named}, which this store does "
                                  "not hold: the manifest comes from another store (or was damaged); put back this "
@@ -185,6 +185,11 @@ class Store:
     def step(self) -> int:
         """The last committed step."""
         return self._manifest.step
+
+    @property
+    def never_written(self) -> bool:
+        """No state was ever committed: a store created and left before its first commit."""
+        return all(slot is None for kinds in self._manifest.slots.values() for slot in kinds.values())
 
     def _read_schema(self) -> dict:
         path = self.root / layout.SCHEMA
@@ -443,7 +448,7 @@ class Store:
         generation = self._manifest.generation + 1
         ts_name = None
         if train_state is not None:
-            ts_name = saved_state.save(self.root, f"g{generation:08d}-step{step:08d}", train_state)
+            ts_name = saved_state.save(self.root, f"g{generation:08d}-step{step:08d}.json", train_state)
         self._on_phase("train_state")
         with self._commit_mutex:
             new = dataclasses.replace(self._manifest, step=step, generation=generation, slots=slots,

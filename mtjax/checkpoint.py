@@ -1,0 +1,164 @@
+"""A run's checkpoint: the last commit of its layer store, <run.dir>/store unless
+store.path is set. Every run checkpoints this one way, whichever engine and tiers it uses.
+
+    store, state, created = checkpoint.open_run_store(exp, cfg)  # the writer lock, held
+    store.commit(step, checkpoint.train_state(exp, step, loader.cursor))
+    checkpoint.write_model(store, params, opt_state, tx)        # whole-model state -> parts
+    params, opt_state = checkpoint.read_model(store, tx)
+    checkpoint.export_final(exp, run_dir / "final", tokenizer, step)   # HF export, not a resume format
+
+`open_run_store` refuses, in one line each and before anything is written: a second
+trainer (the store's lock), a store holding a trained run without `run.resume`, a resume
+whose fixed settings (data, tokenizer, batch shape, optimizer) differ from the commit's,
+and `run.resume=true` with nothing to resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+import mtjax.store
+from mtjax import parts, treepath
+from mtjax.config import ConfigError, ExperimentConfig
+from mtjax.model_config import ModelConfig
+from mtjax.optim import make_optimizer
+from mtjax.store import fill, hf_export, lock
+from mtjax.stream.update import full_opt_state, split_opt_state
+
+EXPORT_NOTE = "mtjax-state.json"  # in final/: the step it holds and its tokenizer (for eval and generate)
+
+# What `mtjax.store.create` writes before its manifest: a directory holding only these is
+# the leftover of a run killed while creating its store.
+_PARTIAL_STORE = {"parts", "train_state", "pending", "schema.json", "schema.json.tmp", "STORE_ID", "STORE_ID.tmp",
+                  "LOCK", "manifest.json.tmp"}
+
+
+def store_path(exp: ExperimentConfig) -> Path:
+    return Path(exp.store.path or Path(exp.run.dir) / "store")
+
+
+def train_state(exp: ExperimentConfig, step: int, cursor: dict) -> dict:
+    """What a commit records beside the weights so that a resume continues exactly: the
+    step, the data cursor, the seed, and the settings that must not change (the LR
+    schedule's position is the optimizer state's step count, which the store holds)."""
+    return {"step": step, "loader": dict(cursor), "seed": exp.run.seed, "fixed": fixed_settings(exp)}
+
+
+def fixed_settings(exp: ExperimentConfig) -> dict:
+    d = exp.data
+    fixed = {"optim": dataclasses.asdict(exp.optim), "data": dict(dataset=d.dataset, tokenizer=d.tokenizer,
+             seq_len=d.seq_len, batch_size=d.batch_size, grad_accum=d.grad_accum, seed=d.seed)}
+    return json.loads(json.dumps(fixed))  # as the store gives it back (tuples become lists)
+
+
+def open_run_store(exp: ExperimentConfig, cfg: ModelConfig):
+    """(store open for writing, train state of its last commit or None, created).
+
+    created: the run found no store and made an empty one (the caller fills it and
+    commits step 0, or `discard`s it if the run fails before). A store without train
+    state was filled by `mtjax import` or `mtjax init`: the run trains from its weights.
+    """
+    path = store_path(exp)
+    if (path / "manifest.json").exists():
+        # Every refusal comes before the writer lock is taken, so it changes no byte there.
+        lock.check_free(path)
+        with mtjax.store.open(path, config=cfg) as reader:
+            if not reader.never_written:
+                _check(exp, reader, reader.load_train_state())
+        store = mtjax.store.open(path, writable=True, config=cfg)  # the writer lock: one trainer per store
+        if not store.never_written:
+            try:
+                return store, _check(exp, store, store.load_train_state()), False
+            except BaseException:
+                store.close()
+                raise
+        store.close()  # created by a run killed before its first commit: start over
+    elif path.exists() and (not path.is_dir() or set(os.listdir(path)) - _PARTIAL_STORE):
+        raise ConfigError(f"store.path {path} exists but holds no mtjax store; choose another store.path")
+    if path.exists():
+        _remove_unlocked(path)
+    elif exp.run.resume is True:
+        raise ConfigError(f"run.resume: {exp.run.dir} has no checkpoint to resume from; drop --run.resume "
+                          "(or pass --run.resume=auto to resume only when there is one)")
+    store = mtjax.store.create(path, cfg, make_optimizer(exp.optim), copies=exp.store.copies)
+    return store, None, True
+
+
+def _remove_unlocked(path: Path) -> None:
+    """Delete the leftover of a killed run's store creation, unless a live run holds it."""
+    held = lock.WriterLock(path)  # refused in one line while its creator is still at work
+    try:
+        shutil.rmtree(path)
+    finally:
+        held.release()
+
+
+def discard(store) -> None:
+    """Remove a store this run created and never committed (its start failed)."""
+    root = store.root
+    store.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _check(exp: ExperimentConfig, store, state: dict | None) -> dict | None:
+    path = store.root
+    if store.copies != exp.store.copies:
+        raise ConfigError(f"store {path} keeps {store.copies} cop{'y' if store.copies == 1 else 'ies'} of the "
+                          f"state; set --store.copies={store.copies} to train it")
+    if state is None:
+        return None
+    if exp.run.resume is False:
+        where = "store.path" if exp.store.path else "run.dir"
+        raise ConfigError(f"{path} holds a run trained to step {state['step']}; pass --run.resume=true to "
+                          f"continue it, or choose another {where}")
+    saved, now = state.get("fixed", {}), fixed_settings(exp)
+    diff = [f"{g}.{k} {saved.get(g, {}).get(k)!r} (now {now[g][k]!r})" for g in now for k in now[g]
+            if saved.get(g, {}).get(k) != now[g][k]]
+    if diff:
+        raise ConfigError(f"run.resume: store {path} was trained with other settings: {', '.join(diff)}; "
+                          "resume with the same ones, or use a new run.dir")
+    return state
+
+
+# --- whole-model state in and out of a store (the reference engine keeps it whole) --------
+
+
+def write_model(store, params, opt_state, tx) -> None:
+    """Write every part's master weights, compute copy and optimizer state (not committed)."""
+    opt = split_opt_state(store.config, tx, opt_state)
+    for p in parts.parts(store.config):
+        master = {n: np.asarray(a, np.float32) for n, a in treepath.flatten(parts.part_params(params, p.name)).items()}
+        fill.write_part(store, p.name, master, opt=opt[p.name])
+
+
+def read_params(store):
+    """The fp32 params pytree of the store's committed master weights."""
+    cfg = store.config
+    named = {p.name: store.read(p.name, "master").result() for p in parts.parts(cfg)}
+    tree = {name: treepath.unflatten(parts.abstract_part(cfg, name), named[name]) for name in named}
+    return {"embed": tree["embed"], "blocks": [tree[f"block.{i}"] for i in range(cfg.num_hidden_layers)],
+            "head": tree["head"]}
+
+
+def read_model(store, tx):
+    """(params, opt_state) of the store's commit, shaped as the reference trainer holds them."""
+    opt = {p: store.read(p, "opt").result() for p in store.parts}
+    return read_params(store), full_opt_state(store.config, tx, opt)
+
+
+def export_final(exp: ExperimentConfig, out: Path, tokenizer, step: int) -> Path:
+    """The run's last commit as a Hugging Face checkpoint in `out`, with its tokenizer."""
+
+    def extra(tmp: Path) -> None:
+        tokenizer.save(tmp)
+        spec = tokenizer.spec if tokenizer.spec == "bytes" else "tokenizer.json"
+        (tmp / EXPORT_NOTE).write_text(json.dumps({"step": step, "tokenizer": spec, "eos_id": tokenizer.eos_id},
+                                                  indent=2))
+
+    return hf_export.export_hf(store_path(exp), out, replace=True, extra=extra)
