@@ -67,13 +67,13 @@ def check(exp, cfg, dataset, available_ram: int | None = None, free_disk: int | 
         except DeviceBudgetError as e:
             raise PreflightError(str(e)) from None
     store = Path(exp.store.path or Path(exp.run.dir) / "store")
-    uses_store = exp.stream.engine == "stream" and "disk" in exp.store.tiers.values()
     ram = psutil.virtual_memory().available if available_ram is None else available_ram
     if free_disk is None:
         free_disk = shutil.disk_usage(_disk_root(store)).free
-    disk = free_disk + (_existing_bytes(store) if uses_store else 0)
-    # Without a store only the final checkpoint goes to disk, which the plan does not count.
-    problem = fit.check(plan, int(ram * RAM_MARGIN), int(disk * DISK_MARGIN) if uses_store else 1 << 62)
+    # Every run commits its state into its store (RAM-tier kinds at each checkpoint); a
+    # resumed store's own bytes are reused, so they count as free.
+    disk = free_disk + _existing_bytes(store)
+    problem = fit.check(plan, int(ram * RAM_MARGIN), int(disk * DISK_MARGIN))
     if problem:
         raise PreflightError(f"this run does not fit the machine: {problem}")
     return plan

@@ -73,13 +73,14 @@ def test_disk_tier_moves_its_bytes_from_ram_to_disk():
     opt_disk = plan_of(shape=shape, opt="disk")
     assert base.host.state - opt_disk.host.state == opt
     assert opt_disk.traffic.disk_read == opt_disk.traffic.disk_write == opt
-    # Two copies on disk (crash-safe commit); RAM-resident master and opt are checkpointed instead.
-    assert opt_disk.disk_bytes == base.disk_bytes == 2 * (master + opt)
+    # Two copies on disk (crash-safe commit); a checkpoint writes every RAM-resident kind into
+    # the run's store, the compute copy included.
+    compute = schema_total(CFG, "compute")
+    assert opt_disk.disk_bytes == base.disk_bytes == 2 * (compute + master + opt)
     # Master weights on disk: the engine spills each part's fp32 gradient sum (master-sized)
     # once per step, and reads it back for the update.
     both = plan_of(shape=shape, master="disk", opt="disk")
     # Beside RAM master weights no compute copy is kept (fused update); beside disk ones it is.
-    compute = schema_total(CFG, "compute")
     kept = 0 if base.schedule.derived_compute else compute
     assert base.host.state - both.host.state == master + opt + kept - compute
     assert base.host.grads == master and both.host.grads == 0

@@ -102,7 +102,11 @@ def test_gradient_accumulation_equals_one_big_batch(params):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     errors = rel_errors(accumulated.params, whole.params)
-    assert max(errors.values()) <= 1e-5, errors
+    # fp32 sums in another order, through two AdamW steps (whose normalisation magnifies the
+    # smallest gradient entries): 1.04e-5 on one kernel with jax 0.10.2, optax 0.2.8, numpy
+    # 2.4.6, also on the commit before the one-design change. A wrong accumulation (a sum
+    # instead of a mean, a dropped micro-batch) is off by far more than 1e-3.
+    assert max(errors.values()) <= 2e-5, errors
     # ... and the two steps really moved every tensor far more than that.
     moved = rel_errors(whole.params, params)
     assert min(moved.values()) > 1e-3, moved

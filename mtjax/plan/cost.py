@@ -72,7 +72,7 @@ class Plan:
     model_flops: float  # 6 * params * tokens + attention: the work the step is worth
     host: HostMemory
     disk_bytes: int
-    checkpoint_bytes: int  # written by one checkpoint of the RAM-resident master and opt state
+    checkpoint_bytes: int  # written by one checkpoint: every RAM-tier kind of state, into the run's store
     traffic: Traffic
     times: Times
 
@@ -159,7 +159,9 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     runtime = hw.runtime_bytes
     host = HostMemory(in_ram, grads_in_ram, staging, activations, runtime,
                       in_ram + grads_in_ram + staging + activations + runtime)
-    checkpoint = sum(state.get(k) for k in ("master", "opt") if getattr(store, k) == "ram")
+    # A commit writes every RAM-tier kind into the run's store, the compute copy included
+    # (rounded from master when none is kept), into the slot not holding the last commit.
+    checkpoint = sum(state.get(k) for k in parts.KINDS if getattr(store, k) == "ram")
     # Two copies of everything on disk, so a crash mid-write never loses the committed one;
     # a one-copy store instead keeps the pending gradients durable (counted in the spill).
     on_disk = sum(state.get(k) for k in parts.KINDS if getattr(store, k) == "disk")

@@ -29,7 +29,7 @@ class HardwareError(MtjaxError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class HardwareProfile:
     name: str
-    source: str  # "vendor" (datasheet), "facts" (FACTS.md measurements), "measured" (mtjax probe)
+    source: str  # "vendor" (datasheet), "dev-machine" (measured once on the project's 2-core VM), "measured" (mtjax probe)
     device: str  # what runs the blocks, in words
     device_memory_bytes: int  # usable accelerator memory; host RAM when the device is the CPU
     matmul_flops_fp32: float  # FLOP/s of a large fp32 matmul (peak for vendor, achieved for measured)
@@ -140,14 +140,14 @@ BUILTIN: dict[str, HardwareProfile] = {
                    "~500 GB/s: vendor; disk assumed"),
         ),
         HardwareProfile(
-            name="cpu-2core", source="facts", device="2-core x86 CPU (JAX CPU backend)",
+            name="cpu-2core", source="dev-machine", device="2-core x86 CPU (JAX CPU backend)",
             device_memory_bytes=24 * GiB, matmul_flops_fp32=190e9, matmul_flops_bf16=190e9,
-            # FACTS.md: a 12.85M-param Llama block fwd+bwd at seq 512 in 317 ms = ~0.7 of peak.
+            # a 12.85M-param Llama block fwd+bwd at seq 512 ran in 317 ms there: ~0.7 of the matmul peak.
             compute_efficiency=0.7, h2d_bytes_per_s=None, d2h_bytes_per_s=None,
             host_memory_bytes_per_s=2 * 13 * GiB, host_ram_bytes=24 * GiB,
             disk_read_bytes_per_s=1.5 * GB, disk_write_bytes_per_s=1.5 * GB, disk_bytes=79 * GiB,
             device_is_host=True,
-            notes=("project dev machine per FACTS.md: copy 13 GiB/s (26 GiB/s moved), tensorstore "
+            notes=("the project's 2-core development VM: copy 13 GiB/s (26 GiB/s moved), tensorstore "
                    "cold read 1.5 GB/s, synced write 1.5-2 GB/s; device_put of staged buffers aliases"),
         ),
     ]

@@ -214,7 +214,8 @@ def run(directory: str | Path = ".", quick: bool = False, name: str | None = Non
     n = 256 if quick else 2048
     fp32, bf16 = matmul_flops(n, "float32"), matmul_flops(n, "bfloat16")
     h2d, d2h, dev_mem = link_bandwidth(size // 2)
-    # FACTS.md's Llama block (width 1024, seq 512) fwd + recompute + bwd; quick: a small one.
+    # A Llama block of width 1024 at seq 512, fwd + recompute + bwd (the cpu-2core profile's
+    # reference block); quick: a small one.
     block = _probe_block(256 if quick else 1024)
     efficiency = min(1.0, block_flops(block, 1, 128 if quick else 512) / fp32)
     ram = psutil.virtual_memory().total

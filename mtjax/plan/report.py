@@ -78,7 +78,7 @@ def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None 
             f"  keep_every       {a.plan.stream.keep_every}, activations on the {a.plan.stream.activations}",
             (f"  checkpoint_every {a.checkpoint_every} steps (one checkpoint writes "
              f"{size(a.plan.checkpoint_bytes)} in {seconds(a.checkpoint_seconds)})" if a.plan.checkpoint_bytes else
-             "  checkpoint_every 1 step: master and opt live in the disk store, which commits every step"),
+             "  checkpoint_every 1 step: every kind of state lives in the disk store, so a commit writes nothing more"),
             f"  predicted        {seconds(a.plan.times.step)} per step, {a.plan.tokens_per_s:,.0f} tokens/s, "
             f"bound by {a.plan.times.bound}" + ("" if a.fits else "  -- DOES NOT FIT"),
         ]

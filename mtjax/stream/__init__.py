@@ -4,7 +4,7 @@ Stages, one module each, in the order data flows through them:
 
     tiers     where state lives: host RAM or the layer store on disk
     prefetch  bounded background loading, ahead of use
-    staging   host staging buffers and every host<->device transfer
+    staging   host staging buffers and the transfers of streamed parts and activations
     blockfns  the compiled per-kind functions (forward, recompute, backward, head)
     grads     gradients to host memory, summed over micro-batches
     update    one part's update: the fused AdamW loop, or an optax transformation's XLA program

@@ -216,7 +216,7 @@ class StreamEngine:
                     arrays = self.updater.round_master(p.name)
                 else:
                     arrays = {n: np.asarray(a) for n, a in self.updater.read(p.name, kind).items()}
-                # One part at a time: np.asarray joins the optimizer's RowChunks into copies.
+                # One part at a time: its host copies are freed before the next part's are made.
                 self.store.write(p.name, kind, arrays).result()
         self.updater.wait_writes()
         self.store.commit(step, train_state)
