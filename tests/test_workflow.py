@@ -54,7 +54,7 @@ def test_each_step_records_rss_mfu_and_stage_times(streamed):
     peak, _ = peak_flops(__import__("jax").devices()[0], "float32")
     for r in steps[1:]:  # the first step pays compilation: no rate yet
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / peak, rel=1e-2, abs=1e-4)
-    assert "MFU against 0.19 TFLOP/s float32 (cpu-2core, facts)" in log
+    assert "MFU against 0.19 TFLOP/s float32 (cpu-2core, dev-machine)" in log
     step_lines = [line for line in log.splitlines() if line.startswith("step ") and "loss" in line
                   and "val_loss" not in line]
     assert len(step_lines) == 2 and all("mfu " in line and "rss " in line for line in step_lines)
