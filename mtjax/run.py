@@ -96,7 +96,7 @@ class ReferenceEngine:
         pass  # nothing held beyond device arrays (the run closes the store)
 
 
-def make_engine(exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None, *, store=None,
+def make_engine(exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None, *, store,
                 step: int = 0) -> Engine:
     """The engine `exp.stream.engine` names, starting from fp32 `params` (and `opt_state`),
     or from the last commit of `store` (at `step`) when `params` is None; it commits into

@@ -24,14 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import mtjax.store
 from mtjax import parts as parts_mod
 from mtjax import treepath
 from mtjax.config import ExperimentConfig, StoreConfig, StreamConfig
 from mtjax.errors import MtjaxError, NonFiniteStep
 from mtjax.hostmem import fix_mmap_threshold
 from mtjax.model_config import ModelConfig
-from mtjax.optim import OptimConfig, clip_scale, make_optimizer
+from mtjax.optim import OptimConfig, clip_scale
 from mtjax.store.pending import PendingFiles
 from mtjax.stream import budget as budget_mod
 from mtjax.stream import schedule as schedule_mod
@@ -117,23 +116,14 @@ class StreamEngine:
             self.check_budget(*batch_shape)
 
     @classmethod
-    def from_experiment(cls, exp: ExperimentConfig, cfg: ModelConfig, params=None, opt_state=None, *, store=None,
+    def from_experiment(cls, exp: ExperimentConfig, cfg: ModelConfig, params=None, opt_state=None, *, store,
                         step: int = 0) -> StreamEngine:
-        """A run's engine, as the experiment config asks, owning its store (if any): from
-        fp32 `params` (and `opt_state`), with a new store at `store.path` (default
-        <run.dir>/store) when some state is on disk; or resumed from `store`, an open
-        layer store whose last commit is `step`."""
-        created = store is None and "disk" in exp.store.tiers.values()
-        if created:
-            path = exp.store.path or str(Path(exp.run.dir) / "store")
-            store = mtjax.store.create(path, cfg, make_optimizer(exp.optim), copies=exp.store.copies)
-        try:
-            return cls(cfg, params, exp.optim, exp.stream, exp.store, store=store, opt_state=opt_state, step=step,
-                       batch_shape=(exp.data.batch_size, exp.data.seq_len), owns_store=store is not None)
-        except BaseException:
-            if created:
-                store.close()
-            raise
+        """A run's engine, as the experiment config asks, committing into the run's open
+        layer `store` (mtjax.checkpoint opens it; every run has one): from fp32 `params`
+        (and `opt_state`), or resumed from the store's last commit, `step`, when `params`
+        is None. The engine owns the store from here on."""
+        return cls(cfg, params, exp.optim, exp.stream, exp.store, store=store, opt_state=opt_state, step=step,
+                   batch_shape=(exp.data.batch_size, exp.data.seq_len), owns_store=True)
 
     @property
     def commits_every_step(self) -> bool:
