@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 
+from mtjax import checkpoint
 from mtjax.errors import MtjaxError
 from mtjax.plan import estimate, fit, inputs
 from mtjax.plan.hardware import BUILTIN
@@ -66,7 +67,7 @@ def check(exp, cfg, dataset, available_ram: int | None = None, free_disk: int | 
             schedule.check_budget(plan.device, exp.stream.device_budget_bytes)
         except DeviceBudgetError as e:
             raise PreflightError(str(e)) from None
-    store = Path(exp.store.path or Path(exp.run.dir) / "store")
+    store = checkpoint.store_path(exp)
     ram = psutil.virtual_memory().available if available_ram is None else available_ram
     if free_disk is None:
         free_disk = shutil.disk_usage(_disk_root(store)).free
