@@ -122,6 +122,11 @@ def test_numbers_out_of_range(work):
         (["eval", "run/final", "ds", "--seq-len", "5000"],
          "--seq-len (5000) exceeds the model's context (model.max_position_embeddings = 1024); lower --seq-len"),
         (["eval", "store", "ds", "--seq-len", "129"], "--seq-len (129) exceeds the model's context"),
+        (["plan", "run/final", "--hardware", "h200", "--steps", "0"], "--steps must be >= 1, got 0"),
+        (["plan", "run/final", "--hardware", "h200", "--price-per-hour", "-1"],
+         "--price-per-hour must be a finite number >= 0"),
+        (["plan", "run/final", "--hardware", "h200", "--reprobe"], "pass one of them"),
+        (["train", *TINY, "--run.dir=r2", "--run.resume=sometimes"], "run.resume must be true, false or auto"),
     ])
 
 
