@@ -80,6 +80,13 @@ def peak_rss() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
+def reset_peak_rss() -> None:
+    """Start `peak_rss` again from the current resident set (Linux's clear_refs 5), so a
+    measurement taken between two timed phases does not count as their peak."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def peak_rss_of(python_args: list[str]) -> tuple[int, float]:
     """(peak RSS in bytes, wall seconds) of `python -m MODULE ...` or `python -c CODE` in a
     fresh process that reports its own VmHWM as it exits (see `peak_rss`)."""

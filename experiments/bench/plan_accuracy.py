@@ -2,10 +2,11 @@
 
 `mtjax.plan.probe.run` measures this machine once (disk, memory, matmul and one Llama
 block's forward + backward, the generic `compute_efficiency`). For each model, a fresh
-subprocess fills a layer store and calibrates compute on one block of that model
-(`probe.calibrate`); another fresh subprocess opens the store and trains a few steps
-with the StreamEngine under the planned placement, reporting the median step and its
-peak RSS (VmHWM). Disk-tier models have the store's files dropped from the page
+subprocess fills a layer store (and probes the disk again for a disk tier); another
+fresh subprocess opens the store and trains a few steps with the StreamEngine under the
+planned placement, reporting the median step and its peak RSS (VmHWM). Between its steps
+it calibrates compute on one block of that model (`probe.block_flops`, as
+`probe.calibrate` does), so the calibration sees the load the steps see. Disk-tier models have the store's files dropped from the page
 cache before every step (as a store larger than RAM would be). The prediction is
 `mtjax.plan.estimate(...).times.step` and `.ram_needed`. Writes its section of
 docs/benchmarks.md.
@@ -62,11 +63,11 @@ def optimizer():
 
 
 def child_init(a) -> None:
-    """Fill the store, then calibrate compute on one block of this model and, for a disk
-    tier, the disk right before the run (its rates drift with other jobs on the machine)."""
+    """Fill the store and, for a disk tier, probe the disk right before the run (its
+    rates drift with other jobs on the machine)."""
     cfg = model_config(a.width, a.layers, a.dtype)
     init_store(cfg, a.dir, seed=0, tx=make_optimizer(optimizer()))
-    out = {"block_flops": probe.block_flops(cfg, a.batch, a.seq)}
+    out = {}
     if a.tier == "disk":
         out["disk_read"], out["disk_write"], _ = probe.disk_bandwidth(Path(a.dir).parent, 512 << 20)
     harness.report(**out)
@@ -78,18 +79,22 @@ def child_train(a) -> None:
     engine = StreamEngine(cfg, optim=optimizer(), stream=StreamConfig(keep_every=1, prefetch_depth=2),
                           store_config=StoreConfig(compute=a.tier, master=a.tier, opt=a.tier), store=store)
     rng = np.random.default_rng(0)
-    times = []
+    times, rates, peak = [], [], 0
     for i in range(a.steps + 1):
         tokens = rng.integers(0, cfg.vocab_size, (a.accum, a.batch, a.seq), dtype=np.int32)
+        if i:  # calibrate on one block of this model between the steps, under the same load
+            rates.append(probe.block_flops(cfg, a.batch, a.seq, repeats=1))
+            harness.reset_peak_rss()  # the probe's own buffers are not the engine's peak
         if a.tier == "disk":
             harness.drop_page_cache(Path(a.dir))
         t0 = time.perf_counter()
         engine.step(tokens)  # returns floats: the step has finished
         if i:  # step 0 compiles
             times.append(time.perf_counter() - t0)
+        peak = max(peak, harness.peak_rss())
     engine.close()
     store.close()
-    harness.report(step_s=statistics.median(times), peak_rss=harness.peak_rss())
+    harness.report(step_s=statistics.median(times), peak_rss=peak, block_flops=statistics.median(rates))
 
 
 def run_child(mode: str, case, steps: int, store_dir: Path) -> dict:
@@ -100,7 +105,7 @@ def run_child(mode: str, case, steps: int, store_dir: Path) -> dict:
 def predict(case, hw, block_flops: float | None, disk: tuple[float, float] | None = None):
     layers, width, batch, seq, accum, dtype, tier = case
     cfg = model_config(width, layers, dtype)
-    if block_flops is not None:  # probe.calibrate's figure, measured in the init child
+    if block_flops is not None:  # probe.calibrate's figure, measured between the run's steps
         hw = dataclasses.replace(hw, compute_efficiency=min(1.0, block_flops / (hw.matmul_flops(dtype) / hw.compute_efficiency)))
     if disk is not None:  # the disk as probed right before this model's run
         hw = dataclasses.replace(hw, disk_read_bytes_per_s=disk[0], disk_write_bytes_per_s=disk[1])
@@ -135,7 +140,7 @@ def main() -> None:
             meas = run_child("train", case, args.steps, store_dir)
             shutil.rmtree(store_dir)
             disk = (init["disk_read"], init["disk_write"]) if "disk_read" in init else None
-            generic, calibrated = predict(case, hw, None), predict(case, hw, init["block_flops"], disk)
+            generic, calibrated = predict(case, hw, None), predict(case, hw, meas["block_flops"], disk)
             rows.append((case, generic, calibrated, init, meas))
             print(case, f"generic {generic.times.step:.2f} s, calibrated {calibrated.times.step:.2f} s, measured "
                   f"{meas['step_s']:.2f} s; RSS predicted {calibrated.ram_needed / 2**20:.0f} MiB, measured "
@@ -156,7 +161,9 @@ def main() -> None:
         f"fwd + bwd at {hw.compute_efficiency:.2f} of the fp32 matmul (generic), memory "
         f"{hw.host_memory_bytes_per_s / 1e9:.1f} GB/s moved, disk {hw.disk_read_bytes_per_s / 1e9:.2f} GB/s cold read, "
         f"{hw.disk_write_bytes_per_s / 1e9:.2f} GB/s synced write. Calibrated: `compute_efficiency` from one block of "
-        f"the model itself (`probe.calibrate`) and, for disk-tier models, the disk probed again right before the "
+        f"the model itself (`probe.block_flops`, as `probe.calibrate` does), measured once between every two timed "
+        f"steps in the training process and the median taken, so the calibration runs under the steps' own load "
+        f"(run minutes apart in another process, the same block measured 117 and 180 GFLOP/s), and, for disk-tier models, the disk probed again right before the "
         f"run (`probe.disk_bandwidth`, 512 MiB; the rates drift 2x with other jobs). Runtime RSS: a fresh process "
         f"after one tiny engine step (`probe.runtime_rss`), {hw.runtime_bytes / 2**20:.0f} MiB. StreamEngine: k = 1, prefetch depth 2, every kind of state in the "
         f"tier shown (disk: page cache dropped before each step), vocab 8192, median of {args.steps} steps after one "
@@ -169,7 +176,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case, generic, cal, init, m in rows:
-        bf = init["block_flops"]
+        bf = m["block_flops"]
         disk = f"{init['disk_read'] / 1e9:.2f} / {init['disk_write'] / 1e9:.2f}" if "disk_read" in init else ""
         lines.append(f"| {name(case, cal)} | {bf / 1e9:.0f} | {disk} | {generic.times.step:.2f} | {cal.times.step:.2f} | "
                      f"{m['step_s']:.2f} | {m['step_s'] / cal.times.step:.2f} | {cal.ram_needed / 2**20:.0f} | "
@@ -179,7 +186,9 @@ def main() -> None:
               "it (the fused loop's 28-30 bytes/param; XLA's four passes, 46, without numba); compute uses the probe's "
               "measured forward + recompute + backward of a real block instead of 0.7 of a square matmul; the "
               "runtime's RSS is measured instead of an assumed 2 GiB; the disk is probed again before each disk-tier "
-              "run, since one probe at the start of the benchmark was off by up to 2x by the time a model ran.", "",
+              "run, since one probe at the start of the benchmark was off by up to 2x by the time a model ran; the "
+              "compute calibration is measured between the run's own steps (the median), where it was once taken in "
+              "a separate process before the run and, as a best of three, priced steps 1.2-1.5x too fast.", "",
               "Earlier versions of this script took peak RSS from ru_maxrss, which Linux carries from the parent "
               "into a vfork+exec'd child: the smallest model read as the benchmark's own 1,223 MiB (1.09-1.12x) "
               "where the training process peaked at ~1,060 MiB. VmHWM is the child's own peak.", "",
