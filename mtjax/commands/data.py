@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from mtjax import writable
-from mtjax.data import Dataset, prepare
+from mtjax.data import Dataset, prepare, supervised
+from mtjax.data.prepare import PACKING
 
 
 def register(subparsers) -> None:
@@ -14,7 +15,10 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     prep = sub.add_parser("prepare", help="tokenize text/JSONL files (.gz accepted) into token shards",
                           description="Tokenize plain-text files (one document each) or JSONL files (one "
-                                      "document per line) into memory-mapped token shards plus meta.json.")
+                                      "document per line) into memory-mapped token shards plus meta.json. "
+                                      "--format chat / prompt-completion reads JSONL records, renders "
+                                      "conversations with the tokenizer's chat template, and writes rows of "
+                                      "--seq-len tokens with a loss mask and document ids.")
     prep.add_argument("inputs", nargs="+", help="files or directories (.txt, .md, .jsonl, optionally .gz), "
                                                 "or builtin:shakespeare")
     prep.add_argument("--out", required=True, help="output dataset directory")
@@ -24,6 +28,18 @@ def register(subparsers) -> None:
     prep.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
     prep.add_argument("--val-fraction", type=float, default=0.01,
                       help="share of tokens held out for validation (default: 0.01)")
+    prep.add_argument("--format", default="text", choices=("text",) + supervised.FORMATS,
+                      help="text: plain documents; chat: JSONL `messages` (role, content); prompt-completion: "
+                           "JSONL `prompt` and `completion` (default: text)")
+    prep.add_argument("--seq-len", type=int, default=None,
+                      help="tokens per row for chat / prompt-completion: the data.seq_len you train with; "
+                           "longer conversations are dropped and counted")
+    prep.add_argument("--packing", default="pack", choices=PACKING,
+                      help="pack: several documents per row, each seeing only itself; pad: one per row "
+                           "(default: pack)")
+    prep.add_argument("--train-on", default="answers", choices=supervised.TRAIN_ON,
+                      help="answers: the loss counts assistant turns / completions only; all: every token "
+                           "(default: answers)")
     prep.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --out")
     prep.set_defaults(func=run_prepare)
     info = sub.add_parser("info", help="print a prepared dataset's metadata",
@@ -37,10 +53,18 @@ def run_prepare(args) -> int:
 
     writable.check(args.out, "--out")
     meta = prepare(args.inputs, args.out, args.tokenizer, args.text_field, args.val_fraction,
-                   overwrite=args.overwrite)
+                   overwrite=args.overwrite, format=args.format, seq_len=args.seq_len, packing=args.packing,
+                   train_on=args.train_on)
     train, val = (b - a for a, b in meta["splits"].values())
     print(f"{args.out}: {meta['num_tokens']:,} tokens ({train:,} train, {val:,} validation) from "
           f"{meta['num_documents']:,} documents; vocabulary {meta['vocab_size']:,} ({meta['dtype']})")
+    if args.format != "text":
+        skipped = meta["skipped"]
+        print(f"{meta['num_rows']:,} rows of {meta['seq_len']} ({meta['packing']}, "
+              f"{meta['num_padding'] / meta['num_tokens']:.1%} padding): "
+              f"{meta['num_targets'] / meta['num_tokens']:.1%} of tokens are targets (--train-on "
+              f"{meta['train_on']}); skipped {skipped['too_long']:,} longer than --seq-len and "
+              f"{skipped['no_targets']:,} with nothing to train on")
     return 0
 
 

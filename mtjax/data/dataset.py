@@ -1,8 +1,10 @@
 """Reading a prepared dataset: memory-mapped shards and a resumable, shuffled loader.
 
 A split is cut into non-overlapping windows of `seq_len` tokens; one row of a batch is
-one window, and the loss predicts each token from those before it within the row. The
-loader visits the windows of each epoch in a seeded random order, so its whole state
+one window, and the loss predicts each token from those before it within the row. A chat
+or prompt-completion dataset is stored as rows already (its meta `seq_len`): a window is
+one of them, read with its loss mask and segment ids, and batches are mtjax.batch.Batch.
+The loader visits the windows of each epoch in a seeded random order, so its whole state
 is a cursor `{"epoch": e, "position": p}` that is saved with a checkpoint and restored.
 """
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mtjax.batch import Batch
 from mtjax.data import format as fmt
 from mtjax.data import prepare as prep
 from mtjax.data import tokenizer as toklib
@@ -26,16 +29,18 @@ class Dataset:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.meta = fmt.read_meta(self.path)
-        dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
-        self._shards = []
+        streams = {"tokens": self.meta["dtype"], **self.meta.get("streams", {})}
+        self._shards = {name: [] for name in streams}  # stream -> its memory-mapped shards
         for shard in self.meta["shards"]:
-            file = self.path / shard["file"]
-            expected = shard["tokens"] * dtype.itemsize
-            if not file.exists() or file.stat().st_size != expected:
-                raise DataError(f"{file} is missing or truncated (expected {expected} bytes); "
-                                "prepare the dataset again")
-            self._shards.append(np.memmap(file, dtype=dtype, mode="r", shape=(shard["tokens"],)))
-        self._starts = np.cumsum([0] + [s.size for s in self._shards])
+            for name, dtype in streams.items():
+                dtype = np.dtype(dtype).newbyteorder("<")
+                file = self.path / shard["file" if name == "tokens" else name]
+                expected = shard["tokens"] * dtype.itemsize
+                if not file.exists() or file.stat().st_size != expected:
+                    raise DataError(f"{file} is missing or truncated (expected {expected} bytes); "
+                                    "prepare the dataset again")
+                self._shards[name].append(np.memmap(file, dtype=dtype, mode="r", shape=(shard["tokens"],)))
+        self._starts = np.cumsum([0] + [s["tokens"] for s in self.meta["shards"]])
 
     @property
     def vocab_size(self) -> int:
@@ -44,6 +49,11 @@ class Dataset:
     @property
     def eos_id(self) -> int:
         return self.meta["eos_id"]
+
+    @property
+    def rows(self) -> int | None:
+        """The length of the stored rows of a chat / prompt-completion dataset (None: a text stream)."""
+        return self.meta.get("seq_len")
 
     def tokenizer(self) -> toklib.Tokenizer:
         spec = self.meta["tokenizer"]
@@ -60,15 +70,22 @@ class Dataset:
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the stream as int32, read across shard boundaries."""
+        return self.read("tokens", start, stop)
+
+    def read(self, stream: str, start: int, stop: int) -> np.ndarray:
+        """Values [start, stop) of a stream (tokens, loss_mask, segments) as int32."""
+        if stream not in self._shards:
+            raise DataError(f"dataset {self.path} has no {stream} (it is a {self.meta.get('format', 'text')} dataset)")
+        shards = self._shards[stream]
         out = np.empty(stop - start, np.int32)
         first = int(np.searchsorted(self._starts, start, side="right")) - 1
         done = 0
-        for i in range(first, len(self._shards)):
+        for i in range(first, len(shards)):
             if done == out.size:
                 break
             lo = start + done - self._starts[i]
-            take = min(out.size - done, self._shards[i].size - lo)
-            out[done:done + take] = self._shards[i][lo:lo + take]
+            take = min(out.size - done, shards[i].size - lo)
+            out[done:done + take] = shards[i][lo:lo + take]
             done += take
         return out
 
@@ -81,7 +98,9 @@ class Dataset:
 
 
 class Loader:
-    """Packed [accum, batch, seq] int32 batches over one split, resumable from a cursor.
+    """[accum, batch, seq] batches over one split, resumable from a cursor: int32 token
+    windows of a text dataset, mtjax.batch.Batch (tokens, loss_mask, segments) of a chat
+    or prompt-completion one (mtjax.batch.as_batch takes either).
 
     >>> loader = Loader(ds, "train", seq_len=128, batch_size=16, grad_accum=2, seed=0)
     >>> tokens = loader.next()   # int32 [2, 16, 128]
@@ -91,6 +110,9 @@ class Loader:
 
     def __init__(self, dataset: Dataset, split: str, seq_len: int, batch_size: int, grad_accum: int = 1,
                  seed: int = 0, shuffle: bool = True, cursor: dict | None = None):
+        if dataset.rows is not None and seq_len != dataset.rows:
+            raise DataError(f"dataset {dataset.path} holds rows of {dataset.rows} tokens; set data.seq_len to "
+                            f"{dataset.rows}, or prepare the data again with --seq-len {seq_len}")
         self.ds, self.seq_len, self.seed, self.shuffle = dataset, seq_len, seed, shuffle
         self.shape = (grad_accum, batch_size, seq_len)
         self.start, stop = dataset.split(split)
@@ -132,11 +154,16 @@ class Loader:
             count -= take
         return np.concatenate(picked)
 
-    def next(self) -> np.ndarray:
+    def next(self) -> np.ndarray | Batch:
         accum, batch, seq = self.shape
         windows = self.next_windows(accum * batch)
-        rows = [self.ds.tokens(self.start + w * seq, self.start + (w + 1) * seq) for w in windows]
-        return np.stack(rows).reshape(accum, batch, seq)
+        streams = ("tokens",) if self.ds.rows is None else ("tokens", "loss_mask", "segments")
+        arrays = [np.stack([self.ds.read(name, self.start + w * seq, self.start + (w + 1) * seq) for w in windows])
+                  .reshape(self.shape) for name in streams]
+        if self.ds.rows is None:
+            return arrays[0]
+        tokens, mask, segments = arrays
+        return Batch(tokens, mask.astype(bool), segments)
 
     def __iter__(self):
         while True:

@@ -4,8 +4,15 @@
     DIR/tokens-00000.bin      raw little-endian token ids (uint16, or uint32 for vocab > 65536)
     DIR/tokenizer.json        a copy of the tokenizer, when it is not `bytes`
 
-The shards hold one stream of documents, each followed by EOS. The splits are token
-ranges of that stream: validation is its tail, so the two never share a window.
+A text dataset's shards hold one stream of documents, each followed by EOS. A chat or
+prompt-completion dataset (format version 2, meta "seq_len") holds rows of seq_len
+tokens, and beside each token shard, with the same length:
+
+    DIR/loss_mask-00000.bin   uint8, 1 where the token is a target of the loss
+    DIR/segments-00000.bin    document number of each token within its row (1, 2, ...; 0: padding)
+
+The splits are token ranges of the stream (whole rows for version 2): validation is its
+tail, so the two never share a window.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import numpy as np
 from mtjax.errors import MtjaxError
 
 META_FILE = "meta.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # a text stream
+ROWS_FORMAT_VERSION = 2  # rows with a loss mask and segment ids (mtjax before it refuses them)
 
 
 class DataError(MtjaxError, ValueError):
@@ -30,8 +38,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def shard_name(index: int) -> str:
-    return f"tokens-{index:05d}.bin"
+def shard_name(index: int, stream: str = "tokens") -> str:
+    return f"{stream}-{index:05d}.bin"
 
 
 def read_meta(path: Path) -> dict:
@@ -43,9 +51,9 @@ def read_meta(path: Path) -> dict:
         meta = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise DataError(f"{file} is corrupt ({e}); prepare the dataset again") from None
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in (FORMAT_VERSION, ROWS_FORMAT_VERSION):
         raise DataError(f"{file} has format version {meta.get('format_version')}, this mtjax reads "
-                        f"{FORMAT_VERSION}; prepare the dataset again")
+                        f"{FORMAT_VERSION} and {ROWS_FORMAT_VERSION}; prepare the dataset again")
     return meta
 
 

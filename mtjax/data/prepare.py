@@ -22,6 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mtjax import writable
+from mtjax.data import chat, pack, supervised
 from mtjax.data import format as fmt
 from mtjax.data import tokenizer as toklib
 from mtjax.data.format import DataError
@@ -32,6 +33,7 @@ CHUNK_CHARS = 1 << 20  # plain text is tokenized in ~1 MiB pieces cut at line en
 PROGRESS_BYTES = 16 << 20  # show a progress bar for inputs larger than this
 BUILTIN = "builtin:"
 LOCAL_TOKENIZER = "./" + toklib.TOKENIZER_FILE  # meta.json's name for the copy in the dataset dir
+PACKING = ("pack", "pad")  # several documents to a row, or one
 
 
 def builtin_path(name: str) -> Path:
@@ -86,21 +88,35 @@ def documents(files: list[Path], text_field: str = "text", on_bytes=None) -> Ite
     """(text piece, ends a document) pairs over all files; `on_bytes(n)` reports progress."""
     for path in files:
         kind = _kind(path) or "text"
-        with open(path, "rb") as raw:
-            stream = _open_text(path, io.BufferedReader(raw))
-            last = 0
-            try:
-                pieces = _jsonl(path, stream, text_field) if kind == "jsonl" else _text(stream)
-                for piece, end in pieces:
-                    yield piece, end
-                    if on_bytes:
-                        now = raw.tell()
-                        on_bytes(now - last)
-                        last = now
-            except UnicodeDecodeError:
-                raise DataError(f"{path} is not UTF-8 text; convert it or pass a .txt/.jsonl file") from None
-            except (OSError, EOFError) as e:
-                raise DataError(f"{path} could not be read ({e}); is it a truncated .gz?") from None
+        yield from _read(path, lambda stream: _jsonl(path, stream, text_field) if kind == "jsonl" else _text(stream),
+                         on_bytes)
+
+
+def records(files: list[Path], on_bytes=None) -> Iterator[tuple[str, dict]]:
+    """("path:line", object) for every JSON object line of JSONL files."""
+    for path in files:
+        if _kind(path) != "jsonl":
+            raise DataError(f"{path} is not JSONL; chat and prompt-completion data is one JSON object per line "
+                            "in a .jsonl file")
+        yield from _read(path, lambda stream: ((f"{path}:{n}", r) for n, r in _objects(path, stream)), on_bytes)
+
+
+def _read(path: Path, items, on_bytes) -> Iterator:
+    """What `items(text stream)` yields from `path`, with read errors as one DataError."""
+    with open(path, "rb") as raw:
+        stream = _open_text(path, io.BufferedReader(raw))
+        last = 0
+        try:
+            for item in items(stream):
+                yield item
+                if on_bytes:
+                    now = raw.tell()
+                    on_bytes(now - last)
+                    last = now
+        except UnicodeDecodeError:
+            raise DataError(f"{path} is not UTF-8 text; convert it or pass a .txt/.jsonl file") from None
+        except (OSError, EOFError) as e:
+            raise DataError(f"{path} could not be read ({e}); is it a truncated .gz?") from None
 
 
 def _text(stream) -> Iterator[tuple[str, bool]]:
@@ -114,16 +130,23 @@ def _text(stream) -> Iterator[tuple[str, bool]]:
     yield "".join(buffer), True
 
 
-def _jsonl(path: Path, stream, text_field: str) -> Iterator[tuple[str, bool]]:
+def _objects(path: Path, stream) -> Iterator[tuple[int, dict]]:
     for number, line in enumerate(stream, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            raise DataError(f"{path}:{number} is not a JSON object; JSONL needs one object per line") from None
-        if not isinstance(record, dict) or text_field not in record:
-            fields = ", ".join(list(record)[:8]) if isinstance(record, dict) else type(record).__name__
+            record = None
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{number} is not a JSON object; JSONL needs one object per line")
+        yield number, record
+
+
+def _jsonl(path: Path, stream, text_field: str) -> Iterator[tuple[str, bool]]:
+    for number, record in _objects(path, stream):
+        if text_field not in record:
+            fields = ", ".join(list(record)[:8])
             raise DataError(f"{path}:{number} has no {text_field!r} field (has: {fields}); "
                             "choose the field with --text-field")
         text = record[text_field]
@@ -133,10 +156,10 @@ def _jsonl(path: Path, stream, text_field: str) -> Iterator[tuple[str, bool]]:
 
 
 class _ShardWriter:
-    """Appends token ids to fixed-size shard files."""
+    """Appends values of one stream (token ids, loss mask, segment ids) to fixed-size shard files."""
 
-    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int):
-        self.out, self.dtype, self.shard_tokens = out, dtype, shard_tokens
+    def __init__(self, out: Path, dtype: np.dtype, shard_tokens: int, stream: str = "tokens"):
+        self.out, self.dtype, self.shard_tokens, self.stream = out, dtype, shard_tokens, stream
         self.shards: list[dict] = []
         self._file, self._in_shard, self.total = None, 0, 0
 
@@ -154,7 +177,7 @@ class _ShardWriter:
 
     def _next_shard(self) -> None:
         self.close()
-        name = fmt.shard_name(len(self.shards))
+        name = fmt.shard_name(len(self.shards), self.stream)
         self._file, self._in_shard = open(self.out / name, "wb"), 0
         self.shards.append({"file": name, "tokens": 0})
 
@@ -176,8 +199,17 @@ class _ShardWriter:
 
 
 def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
-            val_fraction: float = 0.01, shard_tokens: int = 1 << 28, overwrite: bool = False) -> dict:
-    """Tokenize `inputs` into a dataset at `out_dir`; returns its metadata."""
+            val_fraction: float = 0.01, shard_tokens: int = 1 << 28, overwrite: bool = False,
+            format: str = "text", seq_len: int | None = None, packing: str = "pack",
+            train_on: str = "answers") -> dict:
+    """Tokenize `inputs` into a dataset at `out_dir`; returns its metadata.
+
+    format="text": one stream of documents, each followed by EOS. "chat" /
+    "prompt-completion" (JSONL records, see mtjax.data.supervised): rows of `seq_len`
+    tokens with a loss mask (`train_on` "answers" or "all") and segment ids, documents
+    packed several to a row (`packing="pack"`) or one to a row (`"pad"`); a document longer
+    than `seq_len`, or with no target token, is skipped and counted in meta["skipped"].
+    """
     files = expand_inputs(inputs)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -186,62 +218,163 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
         raise DataError(f"{out} already exists and is not empty; choose another output or pass --overwrite")
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if format == "text":
+        if seq_len is not None:
+            raise DataError("--seq-len cuts chat or prompt-completion data into rows; text is cut at training time")
+    else:
+        _check_rows(format, seq_len, packing, train_on, tokenizer)
     total_bytes = sum(f.stat().st_size for f in files)
     if tokenizer.startswith("bpe:"):
         tok = toklib.train_bpe(tokenizer, (text for text, _ in documents(files, text_field)))
     else:
         tok = toklib.load(tokenizer)
+    template = None if tok.spec == "bytes" else chat.find(tokenizer)
+    if format == "chat" and template is None:
+        raise DataError(f"--format chat renders conversations with the tokenizer's chat template, and {tokenizer!r} "
+                        f"has none (no {chat.TEMPLATE_FILE}, no chat_template in {chat.CONFIG_FILE}); pass "
+                        "--tokenizer a checkpoint directory that has one")
     dtype = fmt.token_dtype(tok.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    writer = _ShardWriter(tmp, dtype, shard_tokens)
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
+               disable=total_bytes < PROGRESS_BYTES or not sys.stderr.isatty(), leave=False)  # no \r in logs
     try:
         tmp.mkdir()
-        docs, max_id = 0, -1
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
-                   disable=total_bytes < PROGRESS_BYTES or not sys.stderr.isatty(), leave=False)  # no \r in logs
         with bar:
-            for text, end in documents(files, text_field, on_bytes=bar.update):
-                ids = tok.encode(text) if text else []
-                if end:
-                    ids.append(tok.eos_id)
-                    docs += 1
-                if ids:
-                    max_id = max(max_id, max(ids))
-                writer.write(ids)
-        writer.close()
-        if writer.total <= docs:  # nothing but EOS tokens
-            raise DataError(f"no text found in {', '.join(str(f) for f in files[:3])}; the input is empty")
-        n_val = int(round(writer.total * val_fraction))
+            if format == "text":
+                meta = _write_text(tmp, files, tok, dtype, text_field, val_fraction, shard_tokens, bar.update)
+            else:
+                encode = supervised.Encoder(tok, template, format, train_on)
+                meta = _write_rows(tmp, files, encode, dtype, seq_len, packing, val_fraction, shard_tokens, bar.update)
         meta = {
-            "format_version": fmt.FORMAT_VERSION,
+            "format_version": fmt.FORMAT_VERSION if format == "text" else fmt.ROWS_FORMAT_VERSION,
+            "format": format,
             # A non-byte tokenizer is read back from the copy saved next to the shards.
             "tokenizer": "bytes" if tok.spec == "bytes" else LOCAL_TOKENIZER,
             "tokenizer_source": tok.spec,
             "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id,
             "dtype": dtype.name,
-            "num_tokens": writer.total,
-            "num_documents": docs,
-            "max_token_id": int(max_id),
-            "shards": writer.shards,
-            "splits": {"train": [0, writer.total - n_val], "val": [writer.total - n_val, writer.total]},
+            **meta,
             "inputs": [str(f) for f in files],
-            "text_field": text_field,
         }
+        if format == "text":
+            meta["text_field"] = text_field
+        if template is not None:
+            meta["chat_template"] = template.to_json()
         tok.save(tmp)
         fmt.write_meta(tmp, meta)
         _replace(tmp, out)
     except OSError as e:  # e.g. a full disk: nothing of this attempt stays behind
-        writer.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise DataError(f"cannot write the dataset {out}: {writable.describe(e)}") from None
     except BaseException:
-        writer.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return meta
+
+
+def _check_rows(format: str, seq_len: int | None, packing: str, train_on: str, tokenizer: str) -> None:
+    if format not in supervised.FORMATS:
+        raise DataError(f"--format {format!r} is not one of text, {', '.join(supervised.FORMATS)}")
+    if seq_len is None or seq_len < 2:
+        raise DataError(f"--format {format} writes rows of --seq-len tokens (the data.seq_len you train with); "
+                        f"give --seq-len of at least 2" + ("" if seq_len is None else f", not {seq_len}"))
+    if packing not in PACKING:
+        raise DataError(f"--packing {packing!r} is not one of {', '.join(PACKING)}")
+    if train_on not in supervised.TRAIN_ON:
+        raise DataError(f"--train-on {train_on!r} is not one of {', '.join(supervised.TRAIN_ON)}")
+    if tokenizer.startswith("bpe:"):
+        raise DataError(f"--format {format} needs the model's tokenizer; a {tokenizer} would be trained on the "
+                        "rendered text: prepare with --tokenizer CHECKPOINT_DIR")
+
+
+def _write_text(tmp: Path, files, tok, dtype, text_field, val_fraction, shard_tokens, on_bytes) -> dict:
+    writer = _ShardWriter(tmp, dtype, shard_tokens)
+    try:
+        docs, max_id = 0, -1
+        for text, end in documents(files, text_field, on_bytes=on_bytes):
+            ids = tok.encode(text) if text else []
+            if end:
+                ids.append(tok.eos_id)
+                docs += 1
+            if ids:
+                max_id = max(max_id, max(ids))
+            writer.write(ids)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    if writer.total <= docs:  # nothing but EOS tokens
+        raise DataError(f"no text found in {', '.join(str(f) for f in files[:3])}; the input is empty")
+    n_val = int(round(writer.total * val_fraction))
+    return {
+        "num_tokens": writer.total,
+        "num_documents": docs,
+        "max_token_id": int(max_id),
+        "shards": writer.shards,
+        "splits": {"train": [0, writer.total - n_val], "val": [writer.total - n_val, writer.total]},
+    }
+
+
+def _write_rows(tmp: Path, files, encode, dtype, seq_len, packing, val_fraction, shard_tokens, on_bytes) -> dict:
+    streams = {"loss_mask": np.dtype(np.uint8), "segments": pack.segment_dtype(seq_len)}
+    writers = {"tokens": _ShardWriter(tmp, dtype, shard_tokens),
+               **{name: _ShardWriter(tmp, d, shard_tokens, name) for name, d in streams.items()}}
+    packer = pack.Packer(seq_len, encode.tok.eos_id, one_per_row=packing == "pad")
+    docs, used, targets, max_id, skipped = 0, 0, 0, -1, {"too_long": 0, "no_targets": 0}
+
+    def write(rows):
+        for row in rows:
+            for writer, values in zip(writers.values(), row):
+                writer.write(values)
+
+    try:
+        for where, record in records(files, on_bytes=on_bytes):
+            try:
+                ids, mask = encode(record)
+            except DataError as e:
+                raise DataError(f"{where}: {e}") from None
+            if not mask.any():
+                skipped["no_targets"] += 1
+            elif ids.size > seq_len:
+                skipped["too_long"] += 1
+            else:
+                docs, used, targets = docs + 1, used + ids.size, targets + int(mask.sum())
+                max_id = max(max_id, int(ids.max()))
+                write(packer.add(ids, mask))
+        write(packer.finish())
+        for writer in writers.values():
+            writer.close()
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    if not docs:
+        raise DataError(f"no {encode.format} record of {', '.join(str(f) for f in files[:3])} is usable: "
+                        f"{skipped['no_targets']} have no token to train on (--train-on {encode.train_on}), "
+                        f"{skipped['too_long']} are longer than --seq-len {seq_len}")
+    total = writers["tokens"].total
+    rows = total // seq_len
+    n_val = int(round(rows * val_fraction)) * seq_len
+    shards = [{**shard, **{name: w.shards[i]["file"] for name, w in writers.items() if name != "tokens"}}
+              for i, shard in enumerate(writers["tokens"].shards)]
+    return {
+        "num_tokens": total,
+        "num_documents": docs,
+        "max_token_id": max_id,
+        "seq_len": seq_len,
+        "num_rows": rows,
+        "num_targets": targets,
+        "num_padding": total - used,
+        "packing": packing,
+        "train_on": encode.train_on,
+        "skipped": skipped,
+        "streams": {name: d.name for name, d in streams.items()},
+        "shards": shards,
+        "splits": {"train": [0, total - n_val], "val": [total - n_val, total]},
+    }
 
 
 def _replace(tmp: Path, out: Path) -> None:

@@ -39,6 +39,8 @@ class Tokenizer(Protocol):
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...
+
     def decode(self, ids: Iterable[int]) -> str: ...
 
     def save(self, out_dir: Path) -> None: ...
@@ -54,6 +56,15 @@ class ByteTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of `text` and, per id, the [start, end) characters it came from."""
+        ids, offsets = [], []
+        for i, char in enumerate(text):
+            raw = char.encode("utf-8")
+            ids += raw
+            offsets += [(i, i + 1)] * len(raw)
+        return ids, offsets
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -83,6 +94,11 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of `text` (encoded whole) and, per id, the [start, end) characters it came from."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
