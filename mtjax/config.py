@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from mtjax.data.format import FORMATS, PACKING, TRAIN_ON
 from mtjax.model_config import ConfigError, ModelConfig, RopeScaling, load_hf_config
 from mtjax.optim import OptimConfig
 
@@ -120,6 +121,9 @@ class DataConfig:
     dataset: str = "builtin:shakespeare"  # prepared dataset dir, raw text/JSONL file, or builtin:NAME
     tokenizer: str = "bytes"  # bytes | bpe:VOCAB | tokenizer.json | checkpoint dir (raw text; datasets bring their own)
     text_field: str = "text"  # JSONL field holding the text
+    format: str = "text"  # raw input: text | chat (JSONL messages) | prompt-completion (see docs/data.md)
+    train_on: str = "answers"  # chat / prompt-completion: answers (assistant turns, completions) | all tokens
+    packing: str = "pack"  # chat / prompt-completion: pack documents into rows of seq_len | pad (one per row)
     val_fraction: float = 0.01  # share of tokens held out for validation when preparing
     seq_len: int = 128  # tokens per row; position t predicts t + 1 within the row
     batch_size: int = 16  # rows per micro-batch
@@ -131,6 +135,9 @@ class DataConfig:
             raise ConfigError("data.seq_len must be >= 2 and data.batch_size, data.grad_accum >= 1")
         if not 0 <= self.val_fraction < 1:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        _check_choice("data.format", self.format, FORMATS)
+        _check_choice("data.train_on", self.train_on, TRAIN_ON)
+        _check_choice("data.packing", self.packing, PACKING)
 
 
 @dataclasses.dataclass(frozen=True)

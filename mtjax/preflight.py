@@ -9,7 +9,8 @@ What each check covers (the others live where the thing is opened):
                       machine has now, with RAM_MARGIN and DISK_MARGIN left over
   device budget       the step's device plan (mtjax.stream.schedule, the one the engine's
                       ledger enforces) against stream.device_budget_bytes
-  data                the train split holds at least one step of windows (mtjax.data also
+  data                windows of data.seq_len are the rows of a chat dataset, and the
+                      train split holds at least one step of them (mtjax.data also
                       checks format, emptiness and token ids against the vocabulary)
   store and config    mtjax.store.open(config=...) refuses a store of another model, and
                       mtjax.checkpoint.open_run_store one trained with other settings
@@ -52,6 +53,7 @@ def _disk_root(path: Path) -> Path:
 def check(exp, cfg, dataset, available_ram: int | None = None, free_disk: int | None = None):
     """Raise PreflightError if the run does not fit; returns the plan it was checked against.
     `available_ram` and `free_disk` default to what the machine has now."""
+    dataset.check_seq_len(exp.data.seq_len)
     start, stop = dataset.split("train")
     windows = (stop - start) // exp.data.seq_len
     need = exp.data.batch_size  # one micro-batch of whole windows (the loader wraps around after)

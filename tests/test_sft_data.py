@@ -7,6 +7,7 @@ against the ChatML form written out by hand and against the input records.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 
 from mtjax import data
 from mtjax.batch import Batch
+from mtjax.config import DataConfig
 from mtjax.data import DataError, Dataset, Loader, chat, pack, prepare
 
 DATA = Path(__file__).parent / "data"
@@ -305,3 +307,13 @@ def test_ids_and_mask_equal_apply_chat_template_with_generation_markers(hf_token
                                                return_assistant_tokens_mask=True)
         assert ids.tolist() == out["input_ids"]
         assert targets.tolist() == [bool(a) for a in out["assistant_masks"]]  # its labels: -100 elsewhere
+
+
+def test_resolve_prepares_raw_chat_into_rows_of_the_training_length(tmp_path):
+    cfg = DataConfig(dataset=str(KJV_CHAT), tokenizer=str(QWEN2), format="chat", seq_len=160, val_fraction=0.2)
+    ds = data.resolve(cfg, tmp_path / "cache")
+    assert ds.rows == 160 and ds.meta["num_documents"] == len(CONVERSATIONS) and ds.meta["packing"] == "pack"
+    again = data.resolve(cfg, tmp_path / "cache")
+    assert again.meta == ds.meta
+    padded = data.resolve(dataclasses.replace(cfg, packing="pad", seq_len=128), tmp_path / "cache")
+    assert padded.rows == 128 and padded.meta["num_rows"] == padded.meta["num_documents"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from mtjax import writable
-from mtjax.data import Dataset, prepare, supervised
-from mtjax.data.prepare import PACKING
+from mtjax.data import Dataset, prepare
+from mtjax.data.format import FORMATS, PACKING, TRAIN_ON
 
 
 def register(subparsers) -> None:
@@ -28,7 +28,7 @@ def register(subparsers) -> None:
     prep.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
     prep.add_argument("--val-fraction", type=float, default=0.01,
                       help="share of tokens held out for validation (default: 0.01)")
-    prep.add_argument("--format", default="text", choices=("text",) + supervised.FORMATS,
+    prep.add_argument("--format", default="text", choices=FORMATS,
                       help="text: plain documents; chat: JSONL `messages` (role, content); prompt-completion: "
                            "JSONL `prompt` and `completion` (default: text)")
     prep.add_argument("--seq-len", type=int, default=None,
@@ -37,7 +37,7 @@ def register(subparsers) -> None:
     prep.add_argument("--packing", default="pack", choices=PACKING,
                       help="pack: several documents per row, each seeing only itself; pad: one per row "
                            "(default: pack)")
-    prep.add_argument("--train-on", default="answers", choices=supervised.TRAIN_ON,
+    prep.add_argument("--train-on", default="answers", choices=TRAIN_ON,
                       help="answers: the loss counts assistant turns / completions only; all: every token "
                            "(default: answers)")
     prep.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --out")

@@ -61,6 +61,12 @@ class Dataset:
             spec = str(self.path / toklib.TOKENIZER_FILE)
         return toklib.load(spec)
 
+    def check_seq_len(self, seq_len: int) -> None:
+        """Raise unless windows of `seq_len` are this dataset's rows (any length cuts a text stream)."""
+        if self.rows is not None and seq_len != self.rows:
+            raise DataError(f"dataset {self.path} holds rows of {self.rows} tokens; set data.seq_len to "
+                            f"{self.rows}, or prepare the data again with --seq-len {seq_len}")
+
     def split(self, name: str) -> tuple[int, int]:
         """[start, stop) of a split in the token stream."""
         if name not in self.meta["splits"]:
@@ -110,9 +116,7 @@ class Loader:
 
     def __init__(self, dataset: Dataset, split: str, seq_len: int, batch_size: int, grad_accum: int = 1,
                  seed: int = 0, shuffle: bool = True, cursor: dict | None = None):
-        if dataset.rows is not None and seq_len != dataset.rows:
-            raise DataError(f"dataset {dataset.path} holds rows of {dataset.rows} tokens; set data.seq_len to "
-                            f"{dataset.rows}, or prepare the data again with --seq-len {seq_len}")
+        dataset.check_seq_len(seq_len)
         self.ds, self.seq_len, self.seed, self.shuffle = dataset, seq_len, seed, shuffle
         self.shape = (grad_accum, batch_size, seq_len)
         self.start, stop = dataset.split(split)
@@ -173,8 +177,9 @@ class Loader:
 def resolve(data_cfg, cache_dir: str | Path) -> Dataset:
     """The dataset `data_cfg.dataset` names, preparing raw or built-in text into `cache_dir`.
 
-    A prepared dataset directory is used as it is. Raw files are tokenized once; the
-    cache is reused while the inputs, tokenizer and split are unchanged.
+    A prepared dataset directory is used as it is. Raw files are tokenized once (as
+    `data_cfg.format`; chat and prompt-completion into rows of data.seq_len); the cache is
+    reused while the inputs, tokenizer, split and, for rows, their settings are unchanged.
     """
     source = data_cfg.dataset
     if not source.startswith(prep.BUILTIN) and (Path(source) / fmt.META_FILE).exists():
@@ -189,13 +194,18 @@ def resolve(data_cfg, cache_dir: str | Path) -> Dataset:
                 return Dataset(cache)
         except json.JSONDecodeError:
             pass  # an unreadable stamp means prepare again
-    prep.prepare(files, cache, data_cfg.tokenizer, data_cfg.text_field, data_cfg.val_fraction, overwrite=True)
+    rows = data_cfg.format != "text"
+    prep.prepare(files, cache, data_cfg.tokenizer, data_cfg.text_field, data_cfg.val_fraction, overwrite=True,
+                 format=data_cfg.format, seq_len=data_cfg.seq_len if rows else None, packing=data_cfg.packing,
+                 train_on=data_cfg.train_on)
     stamp.write_text(json.dumps({"key": key, "dataset": source}) + "\n")
     return Dataset(cache)
 
 
 def _fingerprint(files: list[Path], data_cfg) -> str:
     parts = [data_cfg.tokenizer, data_cfg.text_field, repr(data_cfg.val_fraction)]
+    if data_cfg.format != "text":  # rows are cut, masked and packed while preparing
+        parts += [data_cfg.format, str(data_cfg.seq_len), data_cfg.train_on, data_cfg.packing]
     for f in files:
         st = f.stat()
         parts += [str(f.resolve()), str(st.st_size), str(st.st_mtime_ns)]

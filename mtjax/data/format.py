@@ -25,6 +25,10 @@ import numpy as np
 from mtjax.errors import MtjaxError
 
 META_FILE = "meta.json"
+ROW_FORMATS = ("chat", "prompt-completion")  # stored as rows with a loss mask and segment ids
+FORMATS = ("text",) + ROW_FORMATS
+TRAIN_ON = ("answers", "all")  # which tokens of a row format count in the loss
+PACKING = ("pack", "pad")  # several documents to a row, or one
 FORMAT_VERSION = 1  # a text stream
 ROWS_FORMAT_VERSION = 2  # rows with a loss mask and segment ids (mtjax before it refuses them)
 

@@ -33,7 +33,6 @@ CHUNK_CHARS = 1 << 20  # plain text is tokenized in ~1 MiB pieces cut at line en
 PROGRESS_BYTES = 16 << 20  # show a progress bar for inputs larger than this
 BUILTIN = "builtin:"
 LOCAL_TOKENIZER = "./" + toklib.TOKENIZER_FILE  # meta.json's name for the copy in the dataset dir
-PACKING = ("pack", "pad")  # several documents to a row, or one
 
 
 def builtin_path(name: str) -> Path:
@@ -276,15 +275,15 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
 
 
 def _check_rows(format: str, seq_len: int | None, packing: str, train_on: str, tokenizer: str) -> None:
-    if format not in supervised.FORMATS:
-        raise DataError(f"--format {format!r} is not one of text, {', '.join(supervised.FORMATS)}")
+    if format not in fmt.ROW_FORMATS:
+        raise DataError(f"--format {format!r} is not one of {', '.join(fmt.FORMATS)}")
     if seq_len is None or seq_len < 2:
         raise DataError(f"--format {format} writes rows of --seq-len tokens (the data.seq_len you train with); "
                         f"give --seq-len of at least 2" + ("" if seq_len is None else f", not {seq_len}"))
-    if packing not in PACKING:
-        raise DataError(f"--packing {packing!r} is not one of {', '.join(PACKING)}")
-    if train_on not in supervised.TRAIN_ON:
-        raise DataError(f"--train-on {train_on!r} is not one of {', '.join(supervised.TRAIN_ON)}")
+    if packing not in fmt.PACKING:
+        raise DataError(f"--packing {packing!r} is not one of {', '.join(fmt.PACKING)}")
+    if train_on not in fmt.TRAIN_ON:
+        raise DataError(f"--train-on {train_on!r} is not one of {', '.join(fmt.TRAIN_ON)}")
     if tokenizer.startswith("bpe:"):
         raise DataError(f"--format {format} needs the model's tokenizer; a {tokenizer} would be trained on the "
                         "rendered text: prepare with --tokenizer CHECKPOINT_DIR")

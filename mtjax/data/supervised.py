@@ -21,16 +21,14 @@ from __future__ import annotations
 import numpy as np
 
 from mtjax.data import chat
-from mtjax.data.format import DataError
+from mtjax.data.format import ROW_FORMATS, TRAIN_ON, DataError
 
-FORMATS = ("chat", "prompt-completion")
-TRAIN_ON = ("answers", "all")
 
 
 class Encoder:
     def __init__(self, tokenizer, template: chat.Template | None, format: str, train_on: str = "answers"):
-        if format not in FORMATS:
-            raise DataError(f"format {format!r} is not one of text, {', '.join(FORMATS)}")
+        if format not in ROW_FORMATS:
+            raise DataError(f"format {format!r} is not one of {', '.join(ROW_FORMATS)}")
         if train_on not in TRAIN_ON:
             raise DataError(f"train-on {train_on!r} is not one of {', '.join(TRAIN_ON)}")
         self.tok, self.template, self.format, self.train_on = tokenizer, template, format, train_on
