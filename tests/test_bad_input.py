@@ -11,7 +11,9 @@ docs/reliability.md has the table of classes and cases.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,6 +152,36 @@ def test_messages_point_the_right_way(work):
         (["eval", "run/final", "ds", "--tokenizer", "nothing.json"], "tokenizer 'nothing.json' is neither"),
         (["eval", "run/final", "ds", "--split", "test"], "has no split 'test'"),
     ])
+
+
+def test_chat_data_mistakes(work):
+    """`data prepare --format chat / prompt-completion` refusals, and a run on rows of another length."""
+    def chat_file(name, *conversations):
+        lines = [json.dumps({"messages": [{"role": r, "content": c} for r, c in conv]}) for conv in conversations]
+        (work / name).write_text("".join(line + "\n" for line in lines))
+
+    good = [("user", "hi"), ("assistant", "hello")]
+    chat_file("robot.jsonl", good, [("robot", "beep")])
+    chat_file("blank.jsonl", [("user", "hi"), ("assistant", "")])
+    chat_file("unanswered.jsonl", [("user", "hi")], [("system", "terse"), ("user", "ok?")])
+    (work / "notemplate").mkdir(exist_ok=True)
+    shutil.copy(QWEN_TOKENIZER, work / "notemplate")
+    (work / "pc.jsonl").write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    rows = ["data", "prepare", str(work / "pc.jsonl"), "--out", str(work / "pc"), "--format", "prompt-completion",
+            "--seq-len", "64", "--val-fraction", "0"]
+    if not (work / "pc").exists():
+        assert cli.main(rows) == 0
+    chat = ["--format", "chat", "--tokenizer", str(Path(QWEN_TOKENIZER).parent), "--seq-len", "64"]
+    run_cases(work, [
+        (["data", "prepare", "robot.jsonl", "--out", "d", *chat], "robot.jsonl:2: message 0 has role 'robot'; "
+                                                                  "roles are system, user, assistant, tool"),
+        (["data", "prepare", "blank.jsonl", "--out", "d", *chat], "blank.jsonl:1: message 1 (assistant) has empty "
+                                                                  "content; remove the message or fill it"),
+        (["data", "prepare", "unanswered.jsonl", "--out", "d", *chat], "2 have no token to train on"),
+        (["data", "prepare", "robot.jsonl", "--out", "d", *chat[:2], "--tokenizer", "notemplate", "--seq-len", "64"],
+         "renders conversations with the tokenizer's chat template, and 'notemplate' has none"),
+        (["train", *TINY, "--run.dir=r3", "--data.dataset=pc"], "holds rows of 64 tokens; set data.seq_len to 64"),
+    ], parallel=5)
 
 
 def test_eval_errors_name_its_own_flags_only(work):
