@@ -317,3 +317,15 @@ def test_resolve_prepares_raw_chat_into_rows_of_the_training_length(tmp_path):
     assert again.meta == ds.meta
     padded = data.resolve(dataclasses.replace(cfg, packing="pad", seq_len=128), tmp_path / "cache")
     assert padded.rows == 128 and padded.meta["num_rows"] == padded.meta["num_documents"]
+
+
+def test_conversational_prompt_completion_trains_on_the_completion_turns_only(qwen):
+    encode = data.supervised.Encoder(qwen, chat.find(QWEN2), "prompt-completion")
+    shot = [{"role": "user", "content": "Genesis 1:1?"}, {"role": "assistant", "content": "In the beginning"}]
+    prompt = shot + [{"role": "user", "content": "Genesis 1:2?"}]
+    completion = [{"role": "assistant", "content": "And the earth was without form"}]
+    ids, targets = encode({"prompt": prompt, "completion": completion})
+    assert qwen.decode(ids.tolist()) == chatml(prompt + completion)
+    assert qwen.decode(ids[targets].tolist()) == "And the earth was without form<|im_end|>\n"  # not the shot
+    with pytest.raises(DataError, match="both be text or both lists"):
+        encode({"prompt": "text", "completion": completion})

@@ -1,9 +1,13 @@
 """Training data: tokenizers, preparing token shards, and the resumable batch loader.
 
     prepare(inputs, out_dir, tokenizer)  raw text/JSONL (.gz ok) -> token shards + meta.json
+                                         (format="chat" / "prompt-completion": rows with a loss
+                                         mask and segment ids; docs/data.md)
     Dataset(dir)                         a prepared dataset (memory-mapped)
-    Loader(dataset, split, ...)          packed [accum, batch, seq] int32 batches; .cursor
+    Loader(dataset, split, ...)          [accum, batch, seq] int32 windows, or mtjax.batch.Batch
+                                         for chat / prompt-completion rows; .cursor
     resolve(data_cfg, cache_dir)         the dataset a DataConfig names, prepared on demand
+    chat                                 a checkpoint's chat template, rendered as transformers does
 """
 
 from mtjax.data.dataset import Dataset, Loader, resolve
