@@ -173,10 +173,10 @@ def test_chat_data_mistakes(work):
         assert cli.main(rows) == 0
     chat = ["--format", "chat", "--tokenizer", str(Path(QWEN_TOKENIZER).parent), "--seq-len", "64"]
     run_cases(work, [
-        (["data", "prepare", "robot.jsonl", "--out", "d", *chat], "robot.jsonl:2: message 0 has role 'robot'; "
-                                                                  "roles are system, user, assistant, tool"),
-        (["data", "prepare", "blank.jsonl", "--out", "d", *chat], "blank.jsonl:1: message 1 (assistant) has empty "
-                                                                  "content; remove the message or fill it"),
+        (["data", "prepare", "robot.jsonl", "--out", "d", *chat],
+         "robot.jsonl:2: message 0 has role 'robot'; roles are system, user, assistant, tool"),
+        (["data", "prepare", "blank.jsonl", "--out", "d", *chat],
+         "blank.jsonl:1: message 1 (assistant) has empty content; remove the message or fill it"),
         (["data", "prepare", "unanswered.jsonl", "--out", "d", *chat], "2 have no token to train on"),
         (["data", "prepare", "robot.jsonl", "--out", "d", *chat[:2], "--tokenizer", "notemplate", "--seq-len", "64"],
          "renders conversations with the tokenizer's chat template, and 'notemplate' has none"),

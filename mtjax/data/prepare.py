@@ -8,6 +8,7 @@ end, so a failure never leaves a half-written dataset where a good one was.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import io
 import json
@@ -86,9 +87,8 @@ def _open_text(path: Path, raw) -> io.TextIOBase:
 def documents(files: list[Path], text_field: str = "text", on_bytes=None) -> Iterator[tuple[str, bool]]:
     """(text piece, ends a document) pairs over all files; `on_bytes(n)` reports progress."""
     for path in files:
-        kind = _kind(path) or "text"
-        yield from _read(path, lambda stream: _jsonl(path, stream, text_field) if kind == "jsonl" else _text(stream),
-                         on_bytes)
+        items = functools.partial(_jsonl, path, text_field=text_field) if _kind(path) == "jsonl" else _text
+        yield from _read(path, items, on_bytes)
 
 
 def records(files: list[Path], on_bytes=None) -> Iterator[tuple[str, dict]]:
@@ -97,7 +97,7 @@ def records(files: list[Path], on_bytes=None) -> Iterator[tuple[str, dict]]:
         if _kind(path) != "jsonl":
             raise DataError(f"{path} is not JSONL; chat and prompt-completion data is one JSON object per line "
                             "in a .jsonl file")
-        yield from _read(path, lambda stream: ((f"{path}:{n}", r) for n, r in _objects(path, stream)), on_bytes)
+        yield from _read(path, functools.partial(_located, path), on_bytes)
 
 
 def _read(path: Path, items, on_bytes) -> Iterator:
@@ -140,6 +140,11 @@ def _objects(path: Path, stream) -> Iterator[tuple[int, dict]]:
         if not isinstance(record, dict):
             raise DataError(f"{path}:{number} is not a JSON object; JSONL needs one object per line")
         yield number, record
+
+
+def _located(path: Path, stream) -> Iterator[tuple[str, dict]]:
+    for number, record in _objects(path, stream):
+        yield f"{path}:{number}", record
 
 
 def _jsonl(path: Path, stream, text_field: str) -> Iterator[tuple[str, bool]]:

@@ -24,7 +24,6 @@ from mtjax.data import chat
 from mtjax.data.format import ROW_FORMATS, TRAIN_ON, DataError
 
 
-
 class Encoder:
     def __init__(self, tokenizer, template: chat.Template | None, format: str, train_on: str = "answers"):
         if format not in ROW_FORMATS:
