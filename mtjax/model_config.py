@@ -206,7 +206,7 @@ _HF_KNOWN = {
     "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
     "rope_scaling", "rope_parameters", "max_position_embeddings", "attention_bias",
     "mlp_bias", "tie_word_embeddings", "sliding_window", "use_sliding_window",
-    "max_window_layers", "layer_types", "initializer_range", "torch_dtype", "dtype",
+    "max_window_layers", "layer_types", "initializer_range", "torch_dtype", "dtype", "partial_rotary_factor",
     "architectures",  # rewritten from model_type on export
 }
 
@@ -240,6 +240,8 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
         if hf.get("hidden_act", "silu") not in ("silu", "swish"):
             raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported; these families use silu")
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        # Phi-3's top-level pre-training context is the rope scaling's, when there is one.
+        known = _HF_KNOWN | ({"original_max_position_embeddings"} if model_type == "phi3" and scaling else set())
         kwargs = dict(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -266,7 +268,7 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
             layer_types=layer_types,
             initializer_range=float(hf.get("initializer_range", 0.02)),
             param_dtype=str(dtype).removeprefix("torch."),
-            extra_hf=tuple(sorted((k, _freeze(v)) for k, v in hf.items() if k not in _HF_KNOWN)),
+            extra_hf=tuple(sorted((k, _freeze(v)) for k, v in hf.items() if k not in known)),
         )
     except KeyError as e:
         raise ConfigError(f"config.json lacks the required key {e.args[0]!r}") from None
