@@ -49,7 +49,9 @@ class Dataset:
         spec = self.meta["tokenizer"]
         if spec == prep.LOCAL_TOKENIZER:
             spec = str(self.path / toklib.TOKENIZER_FILE)
-        return toklib.load(spec)
+        tok = toklib.load(spec)
+        tok.bos_id = self.meta.get("bos_id")  # what its documents start with (older datasets: none)
+        return tok
 
     def split(self, name: str) -> tuple[int, int]:
         """[start, stop) of a split in the token stream."""

@@ -2,7 +2,8 @@
 
 Inputs are plain-text files (one document per file) or JSONL files (one document per
 line, its text under `text_field`), optionally gzipped. Each document is followed by
-EOS. The dataset is written to a temporary directory and renamed into place at the
+EOS, and starts with BOS where the tokenizer adds one (`Tokenizer.bos_id`: Llama 3,
+Gemma). The dataset is written to a temporary directory and renamed into place at the
 end, so a failure never leaves a half-written dataset where a good one was.
 """
 
@@ -202,8 +203,12 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
         bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
                    disable=total_bytes < PROGRESS_BYTES or not sys.stderr.isatty(), leave=False)  # no \r in logs
         with bar:
+            starts = True  # the next piece begins a document
             for text, end in documents(files, text_field, on_bytes=bar.update):
                 ids = tok.encode(text) if text else []
+                if starts and tok.bos_id is not None:
+                    ids.insert(0, tok.bos_id)
+                starts = end
                 if end:
                     ids.append(tok.eos_id)
                     docs += 1
@@ -211,7 +216,7 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
                     max_id = max(max_id, max(ids))
                 writer.write(ids)
         writer.close()
-        if writer.total <= docs:  # nothing but EOS tokens
+        if writer.total <= docs * (1 if tok.bos_id is None else 2):  # nothing but EOS (and BOS) tokens
             raise DataError(f"no text found in {', '.join(str(f) for f in files[:3])}; the input is empty")
         n_val = int(round(writer.total * val_fraction))
         meta = {
@@ -221,6 +226,7 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
             "tokenizer_source": tok.spec,
             "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id,
+            "bos_id": tok.bos_id,
             "dtype": dtype.name,
             "num_tokens": writer.total,
             "num_documents": docs,
