@@ -76,7 +76,6 @@ class ModelConfig:
     o_proj_bias: bool = False  # bias on the attention output (Llama's attention_bias)
     mlp_bias: bool = False  # biases on gate, up and down (Llama's mlp_bias)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
-    fused_projections: bool = False  # one qkv_proj and one gate_up_proj tensor (Phi-3)
     partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim features of each head (Phi-4-mini)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # W keys visible, the query's own included
@@ -112,6 +111,9 @@ class ModelConfig:
             raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} turns {self.rotary_dim} of "
                               f"{self.head_dim} head features; it must give an even number in 2..head_dim")
         self._validate_rope_scaling()
+        if self.model_type == "phi3" and (self.attention_bias or self.o_proj_bias or self.mlp_bias or self.qk_norm):
+            raise ConfigError("phi3 models have no biases and no q/k norm (transformers' Phi-3 has none to load); "
+                              "set attention_bias, o_proj_bias, mlp_bias and qk_norm to false")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries for "
@@ -137,6 +139,11 @@ class ModelConfig:
                 if len(getattr(scaling, name)) != self.rotary_dim // 2:
                     raise ConfigError(f"longrope {name} has {len(getattr(scaling, name))} entries; it needs one "
                                       f"per rotated feature pair ({self.rotary_dim // 2})")
+
+    @property
+    def fused_projections(self) -> bool:
+        """One qkv_proj and one gate_up_proj tensor per block, as Phi-3 checkpoints hold them."""
+        return self.model_type == "phi3"
 
     @property
     def rotary_dim(self) -> int:
@@ -261,7 +268,6 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
             o_proj_bias=attention_bias and model_type in ("llama", "qwen3"),
             mlp_bias=bool(hf.get("mlp_bias", False)) and model_type != "phi3",
             qk_norm=model_type == "qwen3",
-            fused_projections=model_type == "phi3",
             partial_rotary_factor=_partial_rotary_factor(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=int(window) if window else None,

@@ -147,10 +147,10 @@ ROUND_TRIP = {
     "qwen3-biases": ModelConfig(model_type="qwen3", qk_norm=True, attention_bias=True, o_proj_bias=True),
     "qwen2-yarn": ModelConfig(model_type="qwen2", attention_bias=True, rope_scaling=RopeScaling(
         "yarn", 4.0, original_max_position_embeddings=512, truncate=False, mscale=1.1, mscale_all_dim=0.9)),
-    "phi3-tied": ModelConfig(model_type="phi3", fused_projections=True, tie_word_embeddings=True),
-    "phi3-window": ModelConfig(model_type="phi3", fused_projections=True, sliding_window=7, layer_types=(SLIDING, SLIDING)),
+    "phi3-tied": ModelConfig(model_type="phi3", tie_word_embeddings=True),
+    "phi3-window": ModelConfig(model_type="phi3", sliding_window=7, layer_types=(SLIDING, SLIDING)),
     "phi4-mini-longrope-partial": ModelConfig(
-        model_type="phi3", fused_projections=True, partial_rotary_factor=0.75, rope_scaling=RopeScaling(
+        model_type="phi3", partial_rotary_factor=0.75, rope_scaling=RopeScaling(
             "longrope", 32.0, original_max_position_embeddings=64, short_factor=(1.0, 1.5, 2.0, 2.5, 3.0, 4.0),
             long_factor=(2.0, 3.0, 4.0, 6.0, 8.0, 9.0))),
 }

@@ -75,8 +75,9 @@ def test_partial_rotary_turns_only_the_first_features():
 
 @pytest.mark.parametrize("change, match", [
     (dict(partial_rotary_factor=0.1), "even number"),
+    (dict(model_type="phi3", mlp_bias=True), "no biases"),
     (dict(rope_scaling=mtjax.model_config.RopeScaling("longrope", short_factor=(1.0,), long_factor=(1.0,))), "short_factor"),
 ])
-def test_inconsistent_rotary_settings_are_config_errors(change, match):
+def test_inconsistent_settings_are_config_errors(change, match):
     with pytest.raises(mtjax.model_config.ConfigError, match=match):
         dataclasses.replace(mtjax.ModelConfig(head_dim=16), **change)
