@@ -81,6 +81,8 @@ def generate(cfg: ModelConfig, params, prompt: list[int], max_new_tokens: int, t
 
 
 def complete(cfg: ModelConfig, params, tokenizer, prompt: str, max_new_tokens: int, **kwargs) -> str:
-    """Text continuation of `prompt` using `tokenizer` (see mtjax.data.tokenizer)."""
-    ids = generate(cfg, params, tokenizer.encode(prompt), max_new_tokens, eos_id=tokenizer.eos_id, **kwargs)
+    """Text continuation of `prompt` using `tokenizer` (see mtjax.data.tokenizer); the prompt
+    starts with BOS where the tokenizer's documents do."""
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    ids = generate(cfg, params, bos + tokenizer.encode(prompt), max_new_tokens, eos_id=tokenizer.eos_id, **kwargs)
     return tokenizer.decode(ids)

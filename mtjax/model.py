@@ -11,6 +11,8 @@ buffers are derived without allocating anything.
 
 Parameter names mirror Hugging Face's (`self_attn.q_proj`, `mlp.down_proj`, ...), so the
 name mapping in `mtjax.hf` stays a table. Kernels are stored [in, out] (y = x @ kernel).
+Families whose checkpoints fuse projections (Phi-3's `qkv_proj`, `gate_up_proj`) keep them
+fused here too: one matmul, its output split for compute.
 """
 
 from __future__ import annotations
@@ -73,9 +75,13 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, window: int | None, rngs: nnx.Rngs):
         d, hd = cfg.hidden_size, cfg.head_dim
         self.cfg, self.window = cfg, window
-        self.q_proj = Dense(d, cfg.num_attention_heads * hd, cfg.attention_bias, cfg, rngs)
-        self.k_proj = Dense(d, cfg.num_key_value_heads * hd, cfg.attention_bias, cfg, rngs)
-        self.v_proj = Dense(d, cfg.num_key_value_heads * hd, cfg.attention_bias, cfg, rngs)
+        q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        if cfg.fused_projections:  # one [d, q + 2 kv] kernel, split after the matmul
+            self.qkv_proj = Dense(d, q + 2 * kv, cfg.attention_bias, cfg, rngs)
+        else:
+            self.q_proj = Dense(d, q, cfg.attention_bias, cfg, rngs)
+            self.k_proj = Dense(d, kv, cfg.attention_bias, cfg, rngs)
+            self.v_proj = Dense(d, kv, cfg.attention_bias, cfg, rngs)
         self.o_proj = Dense(cfg.num_attention_heads * hd, d, cfg.o_proj_bias, cfg, rngs)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -84,9 +90,14 @@ class Attention(nnx.Module):
         """Queries [b, t, heads, hd] and keys and values [b, t, kv heads, hd], rotated."""
         cfg = self.cfg
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)  # btnh
-        k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
-        v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
+        if cfg.fused_projections:
+            q_end = cfg.num_attention_heads * cfg.head_dim
+            q, k, v = jnp.split(self.qkv_proj(x), [q_end, q_end + cfg.num_key_value_heads * cfg.head_dim], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)  # btnh
+        k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
+        v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v
@@ -102,16 +113,24 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up one [d, 2f] kernel when fused."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Dense(d, f, cfg.mlp_bias, cfg, rngs)
-        self.up_proj = Dense(d, f, cfg.mlp_bias, cfg, rngs)
+        if cfg.fused_projections:
+            self.gate_up_proj = Dense(d, 2 * f, cfg.mlp_bias, cfg, rngs)
+        else:
+            self.gate_proj = Dense(d, f, cfg.mlp_bias, cfg, rngs)
+            self.up_proj = Dense(d, f, cfg.mlp_bias, cfg, rngs)
         self.down_proj = Dense(f, d, cfg.mlp_bias, cfg, rngs)
+        self.fused = cfg.fused_projections
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class Block(nnx.Module):

@@ -1,8 +1,8 @@
 """The architecture of a decoder-only model, read from a Hugging Face ``config.json``.
 
 One frozen dataclass describes every supported family (Llama 2/3, Qwen2/2.5, Qwen3,
-Mistral). Family differences are flags (q/k/v bias, q/k norm, sliding windows, rope
-scaling), so the model code has no per-family branches.
+Mistral, Phi-3/3.5/4). Family differences are flags (q/k/v bias, q/k norm, sliding
+windows, rope scaling, fused projections), so the model code has no per-family branches.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from mtjax.errors import MtjaxError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -22,15 +22,38 @@ class ConfigError(MtjaxError, ValueError):
     """A model configuration mtjax cannot use; the message says what to change."""
 
 
+ROPE_TYPES = ("linear", "llama3", "longrope", "yarn")
+# The keys of each rope type in a config.json's rope_parameters (besides rope_type and rope_theta).
+ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("factor", "short_factor", "long_factor", "attention_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate",
+             "original_max_position_embeddings"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Rotary-frequency rescaling (`linear` or `llama3`)."""
+    """Rotary-frequency rescaling, one of ROPE_TYPES (formulas in mtjax.rope)."""
 
     rope_type: str
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3, longrope, yarn: the pre-training context
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors for rows up to that context
+    long_factor: tuple[float, ...] = ()  # longrope: ... for longer rows
+    attention_factor: float | None = None  # longrope, yarn: cos/sin multiplier; None: derived from factor
+    beta_fast: float = 32.0  # yarn: ramp bounds, in rotations over the pre-training context
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn: with mscale_all_dim, derives attention_factor
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: round the ramp bounds to whole dimensions
+
+    def __post_init__(self):
+        for name in ("short_factor", "long_factor"):  # hashable, also when read back from JSON lists
+            object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +76,7 @@ class ModelConfig:
     o_proj_bias: bool = False  # bias on the attention output (Llama's attention_bias)
     mlp_bias: bool = False  # biases on gate, up and down (Llama's mlp_bias)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim features of each head (Phi-4-mini)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # W keys visible, the query's own included
     layer_types: tuple[str, ...] = ()  # per layer FULL or SLIDING; () means all FULL
@@ -83,6 +107,13 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rotary_dim <= 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} turns {self.rotary_dim} of "
+                              f"{self.head_dim} head features; it must give an even number in 2..head_dim")
+        self._validate_rope_scaling()
+        if self.model_type == "phi3" and (self.attention_bias or self.o_proj_bias or self.mlp_bias or self.qk_norm):
+            raise ConfigError("phi3 models have no biases and no q/k norm (transformers' Phi-3 has none to load); "
+                              "set attention_bias, o_proj_bias, mlp_bias and qk_norm to false")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries for "
@@ -96,6 +127,28 @@ class ModelConfig:
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ConfigError(f"model.{name} must be float32, bfloat16 or float16")
+
+    def _validate_rope_scaling(self) -> None:
+        scaling = self.rope_scaling
+        if scaling is None:
+            return
+        if scaling.rope_type not in ROPE_TYPES:
+            raise ConfigError(f"rope_scaling type {scaling.rope_type!r} is not supported; use {', '.join(ROPE_TYPES)}")
+        if scaling.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(scaling, name)) != self.rotary_dim // 2:
+                    raise ConfigError(f"longrope {name} has {len(getattr(scaling, name))} entries; it needs one "
+                                      f"per rotated feature pair ({self.rotary_dim // 2})")
+
+    @property
+    def fused_projections(self) -> bool:
+        """One qkv_proj and one gate_up_proj tensor per block, as Phi-3 checkpoints hold them."""
+        return self.model_type == "phi3"
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each head that RoPE turns (the first ones; the rest pass unchanged)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def block_kinds(self) -> tuple[str, ...]:
@@ -125,13 +178,34 @@ def _rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:
     theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
     merged = {**scaling, **params}
     rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if hf.get("model_type") == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # transformers' Phi-3 reads these older names as longrope
     if rope_type == "default":
         return float(theta), None
-    if rope_type not in ("linear", "llama3"):
-        raise ConfigError(f"rope_scaling type {rope_type!r} is not supported; use linear or llama3")
-    fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type"}
-    kwargs = {k: merged[k] for k in fields if merged.get(k) is not None}
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"rope_scaling type {rope_type!r} is not supported; use {', '.join(ROPE_TYPES)}")
+    kwargs = {k: merged[k] for k in ROPE_KEYS[rope_type] if merged.get(k) is not None}
+    if rope_type != "linear":
+        kwargs["original_max_position_embeddings"] = _pretraining_context(hf, kwargs)
+    if rope_type in ("longrope", "yarn"):
+        kwargs.setdefault("factor", hf.get("max_position_embeddings", 2048) / kwargs["original_max_position_embeddings"])
     return float(theta), RopeScaling(rope_type=rope_type, **kwargs)
+
+
+def _pretraining_context(hf: dict, rope: dict) -> int:
+    """original_max_position_embeddings as transformers resolves it: Phi-3's top-level key
+    (4096 when absent) wins; elsewhere rope_parameters' key, else max_position_embeddings."""
+    if hf.get("model_type") == "phi3":
+        return int(hf.get("original_max_position_embeddings") or 4096)
+    return int(rope.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 2048))
+
+
+def _partial_rotary_factor(hf: dict) -> float:
+    """Phi-3's share of each head that RoPE turns (other families' transformers code ignores the key)."""
+    if hf.get("model_type") != "phi3":
+        return 1.0
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    return float(rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0)
 
 
 _HF_KNOWN = {
@@ -139,7 +213,7 @@ _HF_KNOWN = {
     "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
     "rope_scaling", "rope_parameters", "max_position_embeddings", "attention_bias",
     "mlp_bias", "tie_word_embeddings", "sliding_window", "use_sliding_window",
-    "max_window_layers", "layer_types", "initializer_range", "torch_dtype", "dtype",
+    "max_window_layers", "layer_types", "initializer_range", "torch_dtype", "dtype", "partial_rotary_factor",
     "architectures",  # rewritten from model_type on export
 }
 
@@ -158,7 +232,7 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
         layers = int(hf["num_hidden_layers"])
         theta, scaling = _rope_from_hf(hf)
         window = hf.get("sliding_window")
-        if model_type == "mistral":
+        if model_type in ("mistral", "phi3"):  # one window for every layer, when set
             layer_types = (SLIDING if window else FULL,) * layers
         elif hf.get("layer_types"):
             layer_types = tuple(hf["layer_types"])
@@ -173,6 +247,8 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
         if hf.get("hidden_act", "silu") not in ("silu", "swish"):
             raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported; these families use silu")
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        # Phi-3's top-level pre-training context is the rope scaling's, when there is one.
+        known = _HF_KNOWN | ({"original_max_position_embeddings"} if model_type == "phi3" and scaling else set())
         kwargs = dict(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -187,17 +263,18 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            # Qwen2 always has q/k/v biases and no attention_bias key.
-            attention_bias=True if model_type == "qwen2" else attention_bias,
+            # Qwen2 always has q/k/v biases and no attention_bias key; Phi-3 never has biases.
+            attention_bias=True if model_type == "qwen2" else attention_bias and model_type != "phi3",
             o_proj_bias=attention_bias and model_type in ("llama", "qwen3"),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)) and model_type != "phi3",
             qk_norm=model_type == "qwen3",
+            partial_rotary_factor=_partial_rotary_factor(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=int(window) if window else None,
             layer_types=layer_types,
             initializer_range=float(hf.get("initializer_range", 0.02)),
             param_dtype=str(dtype).removeprefix("torch."),
-            extra_hf=tuple(sorted((k, _freeze(v)) for k, v in hf.items() if k not in _HF_KNOWN)),
+            extra_hf=tuple(sorted((k, _freeze(v)) for k, v in hf.items() if k not in known)),
         )
     except KeyError as e:
         raise ConfigError(f"config.json lacks the required key {e.args[0]!r}") from None
@@ -237,11 +314,9 @@ def load_hf_config(path: str | Path, **overrides) -> ModelConfig:
 def to_hf_dict(cfg: ModelConfig) -> dict:
     """The inverse of `from_hf_dict`: a ``config.json`` transformers can load."""
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[cfg.model_type]
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}[cfg.model_type]
     hf = {k: _thaw(v) for k, v in cfg.extra_hf}
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling:
-        rope.update(dataclasses.asdict(cfg.rope_scaling))
+    rope = _rope_to_hf(cfg)
     hf.update(
         architectures=[arch],
         model_type=cfg.model_type,
@@ -267,15 +342,31 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
         hf["mlp_bias"] = cfg.mlp_bias
     if cfg.rope_scaling:
         hf["rope_scaling"] = dict(rope)
+    if cfg.model_type == "phi3":  # transformers' Phi-3 reads these top-level keys first
+        hf["partial_rotary_factor"] = cfg.partial_rotary_factor
+        if cfg.rope_scaling:
+            hf["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings
     if cfg.sliding_window:
         hf["sliding_window"] = cfg.sliding_window
-        if cfg.model_type != "mistral":
+        if cfg.model_type not in ("mistral", "phi3"):
             hf["use_sliding_window"] = True
             hf["layer_types"] = list(cfg.layer_types)
             full = cfg.layer_types.index(SLIDING)
             if set(cfg.layer_types[full:]) == {SLIDING}:
                 # Readers older than `layer_types` slide layers >= max_window_layers.
                 hf["max_window_layers"] = full
-    elif cfg.model_type == "mistral":
+    elif cfg.model_type in ("mistral", "phi3"):
         hf["sliding_window"] = None
     return hf
+
+
+def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """rope_parameters as transformers 5 writes them: the keys of the rope type only."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        scaling = dataclasses.asdict(cfg.rope_scaling)
+        rope.update({k: scaling[k] for k in ROPE_KEYS[cfg.rope_scaling.rope_type] if scaling[k] is not None})
+        rope.update({k: list(rope[k]) for k in ("short_factor", "long_factor") if k in rope}, rope_type=scaling["rope_type"])
+    if cfg.partial_rotary_factor != 1.0:
+        rope["partial_rotary_factor"] = cfg.partial_rotary_factor
+    return rope

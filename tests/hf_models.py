@@ -16,6 +16,7 @@ FAMILIES = {
     "mistral": transformers.MistralConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    "phi3": transformers.Phi3Config,
 }
 
 BASE = dict(
@@ -35,6 +36,8 @@ def hf_config(family: str, **overrides):
     kwargs = {**BASE, **overrides}
     if family == "qwen3":
         kwargs.setdefault("head_dim", 8)
+    if family == "phi3":  # its defaults name token ids beyond this vocabulary
+        kwargs = dict(bos_token_id=1, eos_token_id=2, pad_token_id=None, **kwargs)
     return FAMILIES[family](**kwargs)
 
 

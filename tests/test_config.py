@@ -122,6 +122,7 @@ KNOWN_SIZES = {  # parameters of the real models the shipped shapes copy
     "llama-3.2-1b-finetune.yaml": 1_235_814_400,
     "qwen2.5-7b-1gpu.yaml": 7_615_616_512,
     "llama-70b-plan.yaml": 70_553_706_496,
+    "phi-4-plan.yaml": 14_659_507_200,
 }
 
 

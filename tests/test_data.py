@@ -244,3 +244,54 @@ def test_long_texts_encode_exactly_as_a_whole(tmp_path):
     whole = meta.encode(text, add_special_tokens=False).ids
     assert tok.encode(text) == whole and tok.encode(text) == whole
     assert tok._pieces_exact is False
+
+
+DOCS = ["hello world, said the quick fox", "a second document\nover two lines", "zz"]
+
+
+def _offline_tokenizer(folder: Path, bos_template: bool, tokenizer_config: dict | None) -> Path:
+    """A real byte-level BPE tokenizer.json (Llama 3 and Gemma style when `bos_template`: its
+    post-processor puts <bos> before every text), trained here, and an optional tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(DOCS * 5, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<bos>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    if bos_template:
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                           special_tokens=[("<bos>", tok.token_to_id("<bos>"))])
+    folder.mkdir(parents=True)
+    tok.save(str(folder / "tokenizer.json"))
+    if tokenizer_config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"bos_token": "<bos>", "eos_token": "<eos>", "tokenizer_class": "PreTrainedTokenizerFast", **tokenizer_config}))
+    return folder
+
+
+@pytest.mark.parametrize("bos_template, tokenizer_config, starts_with_bos", [
+    (True, None, True),  # Llama 3 / Gemma tokenizer.json: the post-processor adds BOS
+    (False, None, False),  # GPT-2 / Qwen2 style: nothing before a text
+    (False, {"add_bos_token": True}, True),  # the config asks for BOS the file's template lacks
+    (True, {"add_bos_token": False}, False),  # ... or turns the template's off
+], ids=["template", "no-template", "config-adds", "config-removes"])
+def test_documents_start_with_bos_where_the_tokenizer_adds_one(tmp_path, bos_template, tokenizer_config,
+                                                              starts_with_bos):
+    from tokenizers import Tokenizer
+
+    folder = _offline_tokenizer(tmp_path / "tok", bos_template, tokenizer_config)
+    jsonl = "".join(json.dumps({"text": t}) + "\n" for t in DOCS)
+    meta = prepare([write(tmp_path / "docs.jsonl", jsonl)], tmp_path / "ds", str(folder), val_fraction=0)
+    reference = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    bos, eos = reference.token_to_id("<bos>"), reference.token_to_id("<eos>")
+    assert meta["eos_id"] == eos and meta["bos_id"] == (bos if starts_with_bos else None)
+    expected = [i for t in DOCS for i in [bos] * starts_with_bos + reference.encode(t, add_special_tokens=False).ids + [eos]]
+    assert Dataset(tmp_path / "ds").tokens(0, meta["num_tokens"]).tolist() == expected
+    assert Dataset(tmp_path / "ds").tokenizer().bos_id == meta["bos_id"]  # generate's prompts start alike
+    if tokenizer_config is None:  # transformers' own encoding, where its rule is the file's post-processor alone
+        import transformers
+
+        hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+        assert expected == [i for t in DOCS for i in hf(t)["input_ids"] + [eos]]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 from mtjax import generate, model
 from mtjax.data import ByteTokenizer
-from mtjax.model_config import ModelConfig
+from mtjax.model_config import SLIDING, ModelConfig, RopeScaling
 
 # Large initial weights make greedy decoding of a random model varied rather than constant.
 CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -36,6 +38,23 @@ def test_greedy_matches_a_step_by_step_loop(params):
     got = generate.generate(CFG, params, prompt, 8, temperature=0)
     assert got == greedy_reference(params, prompt, 8)
     assert len(set(got)) > 1  # not a degenerate constant output
+
+
+@pytest.mark.slow  # compiles a decode loop
+def test_cached_decoding_of_a_phi3_model_matches_a_step_by_step_loop():
+    """Fused projections, partial rotary, a window shorter than the output and longrope
+    (rows within its pre-training context: the short factors throughout) through the KV cache."""
+    phi = dataclasses.replace(CFG, model_type="phi3", partial_rotary_factor=0.5,
+                              sliding_window=4, layer_types=(SLIDING,) * 2, rope_scaling=RopeScaling(
+                                  "longrope", 4.0, original_max_position_embeddings=24,
+                                  short_factor=(1.5, 2.0), long_factor=(3.0, 5.0)))
+    params = model.init_params(phi, seed=1)
+    forward = jax.jit(lambda p, t: model.forward(phi, p, t))
+    ids = prompt = [3, 14, 15, 9, 2]
+    got = generate.generate(phi, params, prompt, 8, temperature=0)
+    for _ in range(8):
+        ids = ids + [int(np.argmax(forward(params, np.asarray([ids], np.int32))[0, -1]))]
+    assert got == ids[len(prompt):] and len(set(got)) > 1
 
 
 @pytest.mark.slow  # compiles a decode loop per case

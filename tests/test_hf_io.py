@@ -28,6 +28,9 @@ SAVE_CASES = {
     "qwen2-mixed-sliding": ("qwen2", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=4, max_window_layers=1)),
     "qwen3": ("qwen3", {}),
     "mistral-window": ("mistral", dict(sliding_window=5)),
+    "phi4-mini-longrope-window": ("phi3", dict(
+        partial_rotary_factor=0.75, sliding_window=5, original_max_position_embeddings=8,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 4.0, 8.0]})),
 }
 
 

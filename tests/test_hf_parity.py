@@ -36,6 +36,19 @@ LLAMA3_ROPE = {
 }
 
 
+
+
+def longrope(original: int, pairs: int = 4) -> dict:
+    """Phi-3.5-style longrope: rows of SEQ tokens take the short factors when SEQ <= `original`,
+    the long ones beyond; max_position_embeddings / original sets the attention factor."""
+    return dict(original_max_position_embeddings=original, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0, 1.3, 1.9, 2.6][:pairs], "long_factor": [1.2, 2.5, 5.0, 9.0][:pairs]})
+
+
+# YaRN over a pre-training context of 32: one pair kept, the others ramped or slowed by `factor`.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     id: str
@@ -54,6 +67,12 @@ CASES = [
     Case("qwen2-mixed-sliding", "qwen2", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=4, max_window_layers=1)),
     Case("qwen3-qk-norm", "qwen3", {}),
     Case("mistral-window5", "mistral", dict(sliding_window=5)),
+    Case("llama-yarn-untruncated", "llama", dict(rope_scaling={**YARN, "truncate": False})),
+    # Phi-3 variants, few to keep compiles few: default RoPE untied with a window; longrope in
+    # the short regime, tied; Phi-4-mini's partial rotary with longrope in the long regime.
+    Case("phi3-window5", "phi3", dict(sliding_window=5)),
+    Case("phi3-longrope-short-tied", "phi3", dict(longrope(16), tie_word_embeddings=True)),
+    Case("phi4-mini-partial-rotary-longrope-long", "phi3", dict(longrope(8, pairs=3), partial_rotary_factor=0.75)),
 ]
 
 
@@ -100,7 +119,7 @@ def test_checkpoint_is_the_case_asked_for(case):
     if "tie_word_embeddings" in c.overrides:
         assert cfg.tie_word_embeddings and "lm_head" not in r.params["head"]
         assert "lm_head.weight" not in hf.SafetensorsReader(r.ckpt).names()
-    if c.family == "mistral" or c.overrides.get("use_sliding_window"):
+    if c.family == "mistral" or c.overrides.get("use_sliding_window") or "sliding_window" in c.overrides:
         assert SLIDING in cfg.layer_types and cfg.sliding_window < SEQ
     if c.id == "qwen2-mixed-sliding":
         assert cfg.layer_types[0] != SLIDING and cfg.layer_types[1:] == (SLIDING, SLIDING)
@@ -110,6 +129,15 @@ def test_checkpoint_is_the_case_asked_for(case):
         assert cfg.attention_bias
     if c.family == "qwen3":
         assert cfg.qk_norm
+    if c.family == "phi3":
+        names = hf.SafetensorsReader(r.ckpt).names()
+        assert cfg.fused_projections and "model.layers.0.self_attn.qkv_proj.weight" in names
+        assert "model.layers.0.mlp.gate_up_proj.weight" in names and not any("q_proj" in n for n in names)
+        assert (cfg.sliding_window is not None) == ("sliding_window" in c.overrides)
+    if "longrope" in c.id:
+        assert (SEQ > cfg.rope_scaling.original_max_position_embeddings) == ("long" in c.id.replace("longrope", ""))
+    if "partial_rotary_factor" in c.overrides:
+        assert cfg.rotary_dim < cfg.head_dim
     assert cfg.num_attention_heads // cfg.num_key_value_heads > 1
 
 
@@ -130,10 +158,26 @@ def test_loss_matches(case):
 def _without_feature(cfg: mtjax.ModelConfig) -> mtjax.ModelConfig:
     if SLIDING in cfg.layer_types:
         return dataclasses.replace(cfg, layer_types=(), sliding_window=None)
+    if cfg.partial_rotary_factor != 1.0:  # longrope factors shortened to the rotated pairs
+        return dataclasses.replace(cfg, partial_rotary_factor=1.0, rope_scaling=None)
     return dataclasses.replace(cfg, rope_scaling=None)
 
 
-FEATURE_CASES = [c for c in CASES if "rope_scaling" in c.overrides or "sliding_window" in c.overrides]
+FEATURE_CASES = [c for c in CASES if {"rope_scaling", "sliding_window", "partial_rotary_factor"} & set(c.overrides)]
+
+
+LONG_REGIME = [c for c in CASES if c.id == "phi4-mini-partial-rotary-longrope-long"]
+
+
+@pytest.mark.parametrize("case", LONG_REGIME, ids=[c.id for c in LONG_REGIME], indirect=True)
+def test_long_rows_take_the_long_factors(case):
+    """The regime choice is exercised: the long-regime case computed with its short factors
+    (the choice a by-max_position_embeddings rule would make) misses Hugging Face's logits."""
+    _, r = case
+    s = r.cfg.rope_scaling
+    short_only = dataclasses.replace(r.cfg, rope_scaling=dataclasses.replace(s, long_factor=s.short_factor))
+    logits = np.asarray(mtjax.forward(short_only, r.params, jnp.asarray(r.tokens)))
+    assert np.abs(logits - r.hf_logits).max() > 1e-4 * np.abs(r.hf_logits).max()
 
 
 @pytest.mark.parametrize("case", FEATURE_CASES, ids=[c.id for c in FEATURE_CASES], indirect=True)

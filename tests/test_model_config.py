@@ -58,15 +58,22 @@ def test_default_rope_in_either_dialect_means_no_scaling():
         assert cfg.rope_scaling is None and cfg.rope_theta == 10000.0
 
 
+# transformers' Phi-3 takes no other scaling than longrope (and reads its factor from the contexts' ratio).
+PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5], "long_factor": [2.0, 3.0, 4.0, 6.0]}
+
+
 @pytest.mark.parametrize("family", sorted(hf_models.FAMILIES))
 def test_transformers_written_config_json_loads(family, tmp_path):
-    hf_cfg = hf_models.hf_config(family, rope_parameters={"rope_type": "linear", "factor": 3.0, "rope_theta": 1234.0})
+    scaling = {"rope_type": "linear", "factor": 3.0} if family != "phi3" else dict(PHI3_LONGROPE)
+    extra = dict(original_max_position_embeddings=32, max_position_embeddings=96) if family == "phi3" else {}
+    hf_cfg = hf_models.hf_config(family, rope_parameters={**scaling, "rope_theta": 1234.0}, **extra)
     hf_cfg.save_pretrained(tmp_path)
     cfg = mtjax.load_hf_config(tmp_path)
     assert cfg.model_type == family
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (32, 4, 2)
     assert cfg.head_dim == 8
     assert cfg.rope_theta == 1234.0 and cfg.rope_scaling.factor == 3.0
+    assert cfg.rope_scaling.rope_type == scaling["rope_type"]
     assert cfg == mtjax.load_hf_config(tmp_path / "config.json")
 
 
@@ -88,7 +95,7 @@ def test_heads_not_divisible_by_kv_heads_is_a_config_error():
 
 
 @pytest.mark.parametrize("change, match", [
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "dynamic"),
     (dict(hidden_act="gelu"), "gelu"),
     (dict(hidden_size=None), "hidden_size"),
 ])
@@ -138,6 +145,14 @@ ROUND_TRIP = {
         layer_types=(FULL, SLIDING, SLIDING)),
     "qwen3": ModelConfig(model_type="qwen3", qk_norm=True, head_dim=32),
     "qwen3-biases": ModelConfig(model_type="qwen3", qk_norm=True, attention_bias=True, o_proj_bias=True),
+    "qwen2-yarn": ModelConfig(model_type="qwen2", attention_bias=True, rope_scaling=RopeScaling(
+        "yarn", 4.0, original_max_position_embeddings=512, truncate=False, mscale=1.1, mscale_all_dim=0.9)),
+    "phi3-tied": ModelConfig(model_type="phi3", tie_word_embeddings=True),
+    "phi3-window": ModelConfig(model_type="phi3", sliding_window=7, layer_types=(SLIDING, SLIDING)),
+    "phi4-mini-longrope-partial": ModelConfig(
+        model_type="phi3", partial_rotary_factor=0.75, rope_scaling=RopeScaling(
+            "longrope", 32.0, original_max_position_embeddings=64, short_factor=(1.0, 1.5, 2.0, 2.5, 3.0, 4.0),
+            long_factor=(2.0, 3.0, 4.0, 6.0, 8.0, 9.0))),
 }
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import psutil
 import pytest
 
-from mtjax import cli, model, parts, treepath
+from mtjax import cli, hf, model, parts, treepath
 from mtjax.model_config import ModelConfig, load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.config import StoreConfig, StreamConfig
@@ -22,7 +22,9 @@ from mtjax.stream import fused_adamw
 from mtjax.stream.schedule import residual_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
-BIG = [ROOT / "experiments/hf_configs/llama-3-70b.json", ROOT / "experiments/hf_configs/llama-175b.json"]
+BIG = [ROOT / "experiments/hf_configs/llama-3-70b.json", ROOT / "experiments/hf_configs/llama-175b.json",
+       ROOT / "experiments/hf_configs/phi-4.json"]
+BIG_PARAMS = {"llama-3-70b": 70.6e9, "llama-175b": 175.2e9, "phi-4": 14.66e9}
 CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, compute_dtype="bfloat16")
 TX = make_optimizer(OptimConfig())
@@ -139,8 +141,8 @@ def test_big_configs_plan_without_allocating(path):
     cfg = load_hf_config(path, compute_dtype="bfloat16")
     plan = estimate(cfg, StreamConfig(), StoreConfig(), StepShape(1, 2048), HW)
     advice = recommend(plan)
-    assert psutil.Process().memory_info().rss - rss < 512 * 2**20  # the bf16 weights alone are > 100 GiB
-    assert plan.num_params == pytest.approx(70.6e9 if "70b" in path.stem else 175.2e9, rel=0.01)
+    assert psutil.Process().memory_info().rss - rss < 512 * 2**20  # the bf16 weights alone are > 25 GiB
+    assert plan.num_params == pytest.approx(BIG_PARAMS[path.stem], rel=0.01)
     assert plan.state.master == 4 * plan.num_params
     assert plan.times.step > 0 and plan.times.bound in ("device compute", "host<->device link", "disk", "host memory")
     assert advice.fits and advice.plan.host.total <= HW.host_ram_bytes
@@ -223,11 +225,15 @@ def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     assert len(err) == 3 and all(line.startswith("mtjax plan: error:") for line in err)
 
 
-@pytest.mark.parametrize("name", ["llama-70b-plan.yaml", "llama-175b-plan.yaml"])
-def test_shipped_plan_experiments_plan(name, capsys):
+@pytest.mark.parametrize("name, placement", [
+    ("llama-70b-plan.yaml", "compute=ram,master=disk,opt=disk"),
+    ("llama-175b-plan.yaml", "compute=ram,master=disk,opt=disk"),
+    ("phi-4-plan.yaml", "compute=ram,master=ram,opt=disk"),
+])
+def test_shipped_plan_experiments_plan(name, placement, capsys):
     assert cli.main(["plan", str(ROOT / "experiments" / name), "--hardware", "h200"]) == 0
     out = capsys.readouterr().out
-    assert "placement compute=ram,master=disk,opt=disk" in out and "recommended" in out
+    assert f"placement {placement}" in out and "recommended" in out
 
 
 def test_preflight_from_an_experiment_config():
@@ -241,3 +247,18 @@ def test_preflight_from_an_experiment_config():
     assert plan.state.opt == schema_total(run.cfg, "opt") and plan.traffic.disk_read == plan.state.opt
     assert check(plan, available_ram=plan.ram_needed, free_disk=plan.disk_bytes) is None
     assert "short by 1 B" in check(plan, available_ram=plan.ram_needed, free_disk=plan.disk_bytes - 1)
+
+
+def test_fused_and_partial_rotary_models_count_as_their_unfused_twins():
+    """Phi-3's fused qkv_proj / gate_up_proj hold the same parameters as separate q, k, v,
+    gate and up, and partial rotary adds no matmul: parameter counts (which the MFU line's
+    FLOPs use), the HF layout and the plan's FLOPs agree with the Llama-shaped twin."""
+
+    phi = dataclasses.replace(CFG, model_type="phi3", partial_rotary_factor=0.5)
+    n = model.num_params(phi)
+    assert n == model.num_params(CFG) == sum(math.prod(s.shape) for s in hf.layout(phi))
+    assert {s.hf_name for s in hf.layout(phi)} >= {"model.layers.0.self_attn.qkv_proj.weight",
+                                                    "model.layers.0.mlp.gate_up_proj.weight"}
+    ours, twin = plan_of(phi), plan_of(CFG)
+    assert (ours.num_params, ours.flops, ours.model_flops) == (twin.num_params, twin.flops, twin.model_flops)
+    assert ours.num_params == n

@@ -51,6 +51,7 @@ def logits(torch_model, seed=0) -> np.ndarray:
     ("qwen2", torch.bfloat16, True, True),
     ("qwen3", torch.float32, True, False),
     ("mistral", torch.bfloat16, False, False),
+    ("phi3", torch.bfloat16, True, False),
 ])
 def test_import_export_is_bit_exact_and_transformers_agrees(tmp_path, family, dtype, sharded, tied):
     import transformers

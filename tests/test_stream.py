@@ -4,7 +4,8 @@ Each case runs 5 AdamW steps of both engines on a tiny model (4 blocks, width 32
 seq 16) with clipping active, and compares every parameter and optimizer-state tensor
 (||a - b|| / ||b|| <= 1e-5 in fp32). The cases together cover every value of: keep
 every k in {1, 2, 3, all}, prefetch depth {1, 2, 3}, RAM / disk / mixed tiers, gradient
-accumulation {1, 4}, tied and untied embeddings, activations on device and on host.
+accumulation {1, 4}, tied and untied embeddings, activations on device and on host;
+and a Phi-3-shaped model (fused projections, partial rotary, longrope, a window) in RAM and on disk.
 """
 
 import copy
@@ -20,13 +21,19 @@ import pytest
 import mtjax.store
 from mtjax import model
 from mtjax.config import StoreConfig, StreamConfig
-from mtjax.model_config import ModelConfig
+from mtjax.model_config import SLIDING, ModelConfig, RopeScaling
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.reference import ReferenceTrainer
 from mtjax.stream import DeviceBudgetError, StreamEngine
 
 CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+# Phi-3's fused projections with Phi-4-mini's partial rotary, longrope in its long regime
+# (rows of 16 past a context of 8) and a window of 5.
+PHI3 = dataclasses.replace(
+    CFG, model_type="phi3", partial_rotary_factor=0.75, sliding_window=5,
+    layer_types=(SLIDING,) * 4, rope_scaling=RopeScaling(
+        "longrope", 16.0, original_max_position_embeddings=8, short_factor=(1.0, 1.4, 2.0), long_factor=(1.5, 3.0, 7.0)))
 # clip_norm far below the gradient norm (~1.2), so every step is clipped.
 OPT = OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=2, decay_steps=10, clip_norm=0.05, weight_decay=0.1)
 STEPS = 5
@@ -39,8 +46,8 @@ def batches(accum: int, seed: int = 0):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(tied: bool, accum: int, compute_dtype: str = "float32"):
-    cfg = dataclasses.replace(CFG, tie_word_embeddings=tied, compute_dtype=compute_dtype)
+def reference(tied: bool, accum: int, compute_dtype: str = "float32", base: ModelConfig = CFG):
+    cfg = dataclasses.replace(base, tie_word_embeddings=tied, compute_dtype=compute_dtype)
     trainer = ReferenceTrainer(cfg, model.init_params(cfg, seed=1), OPT)
     metrics = [trainer.step(b) for b in batches(accum)]
     return cfg, trainer.params, trainer.opt_state, metrics
@@ -71,8 +78,8 @@ class ForwardCounter:
         return counted
 
 
-def run_case(tmp_path, *, keep_every, depth, tiers, accum, tied, activations="device", fused=True):
-    cfg, ref_params, ref_opt, ref_metrics = reference(tied, accum)
+def run_case(tmp_path, *, keep_every, depth, tiers, accum, tied, activations="device", fused=True, base=CFG):
+    cfg, ref_params, ref_opt, ref_metrics = reference(tied, accum, base=base)
     store = mtjax.store.create(tmp_path / "store", cfg, make_optimizer(OPT)) if "disk" in tiers.values() else None
     # An OptimConfig alone gets the fused host AdamW; the same optax transformation passed
     # as `tx` runs as an XLA program on the CPU backend.
@@ -115,6 +122,12 @@ def run_case(tmp_path, *, keep_every, depth, tiers, accum, tied, activations="de
 def test_streamed_equals_reference(tmp_path, keep_every, depth, tiers, accum, tied, activations):
     run_case(tmp_path, keep_every=keep_every, depth=depth, tiers=tiers, accum=accum, tied=tied,
              activations=activations)
+
+
+@pytest.mark.slow  # a second model's compiles; the fast tier keeps the first case above
+@pytest.mark.parametrize("tiers", [{}, DISK.tiers], ids=["ram", "disk"])
+def test_phi3_streamed_equals_reference(tmp_path, tiers):
+    run_case(tmp_path, keep_every=2, depth=2, tiers=tiers, accum=1, tied=False, base=PHI3)
 
 
 @pytest.mark.parametrize("tiers", [{}, {"master": "disk", "opt": "disk"}], ids=["ram", "mixed"])

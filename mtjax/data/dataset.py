@@ -59,7 +59,9 @@ class Dataset:
         spec = self.meta["tokenizer"]
         if spec == prep.LOCAL_TOKENIZER:
             spec = str(self.path / toklib.TOKENIZER_FILE)
-        return toklib.load(spec)
+        tok = toklib.load(spec)
+        tok.bos_id = self.meta.get("bos_id")  # what its documents start with (older datasets: none)
+        return tok
 
     def check_seq_len(self, seq_len: int) -> None:
         """Raise unless windows of `seq_len` are this dataset's rows (any length cuts a text stream)."""

@@ -2,7 +2,10 @@
 
 Inputs are plain-text files (one document per file) or JSONL files (one document per
 line, its text under `text_field`), optionally gzipped. Each document is followed by
-EOS. The dataset is written to a temporary directory and renamed into place at the
+EOS, and starts with BOS where the tokenizer adds one (`Tokenizer.bos_id`: Llama 3,
+Gemma). Chat and prompt-completion JSONL (`format`) become rows of `seq_len` tokens with
+a loss mask and document ids instead (`mtjax.data.supervised`, `mtjax.data.pack`; the
+chat template writes its own BOS). The dataset is written to a temporary directory and renamed into place at the
 end, so a failure never leaves a half-written dataset where a good one was.
 """
 
@@ -259,6 +262,7 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
             "tokenizer_source": tok.spec,
             "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id,
+            "bos_id": tok.bos_id,
             "dtype": dtype.name,
             **meta,
             "inputs": [str(f) for f in files],
@@ -298,8 +302,12 @@ def _write_text(tmp: Path, files, tok, dtype, text_field, val_fraction, shard_to
     writer = _ShardWriter(tmp, dtype, shard_tokens)
     try:
         docs, max_id = 0, -1
+        starts = True  # the next piece begins a document
         for text, end in documents(files, text_field, on_bytes=on_bytes):
             ids = tok.encode(text) if text else []
+            if starts and tok.bos_id is not None:
+                ids.insert(0, tok.bos_id)
+            starts = end
             if end:
                 ids.append(tok.eos_id)
                 docs += 1
@@ -310,7 +318,7 @@ def _write_text(tmp: Path, files, tok, dtype, text_field, val_fraction, shard_to
     except BaseException:
         writer.abort()
         raise
-    if writer.total <= docs:  # nothing but EOS tokens
+    if writer.total <= docs * (1 if tok.bos_id is None else 2):  # nothing but EOS (and BOS) tokens
         raise DataError(f"no text found in {', '.join(str(f) for f in files[:3])}; the input is empty")
     n_val = int(round(writer.total * val_fraction))
     return {

@@ -34,6 +34,7 @@ class Tokenizer(Protocol):
     spec: str  # how to rebuild it (recorded in the dataset metadata)
     vocab_size: int
     eos_id: int
+    bos_id: int | None  # the token every document starts with, where the tokenizer adds one
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -49,7 +50,7 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """UTF-8 bytes; decoding replaces invalid byte sequences rather than failing."""
 
-    spec, vocab_size, eos_id = "bytes", 257, 256
+    spec, vocab_size, eos_id, bos_id = "bytes", 257, 256, None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -76,8 +77,8 @@ class ByteTokenizer:
 class HFTokenizer:
     """A `tokenizers.Tokenizer` (byte-level BPE, WordPiece, ...) from a tokenizer.json."""
 
-    def __init__(self, tok, spec: str, eos_id: int):
-        self._tok, self.spec, self.eos_id = tok, spec, eos_id
+    def __init__(self, tok, spec: str, eos_id: int, bos_id: int | None = None):
+        self._tok, self.spec, self.eos_id, self.bos_id = tok, spec, eos_id, bos_id
         self.vocab_size = max(tok.get_vocab_size(with_added_tokens=True), eos_id + 1)
         self._pieces_exact: bool | None = None  # does piecewise encoding equal whole-text encoding?
 
@@ -151,22 +152,47 @@ def _load_file(spec: str) -> HFTokenizer:
         tok = HFTok.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
         raise DataError(f"{path} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0]})") from None
-    return HFTokenizer(tok, str(path.resolve()), _eos_id(tok, path.parent))
+    config = _tokenizer_config(path.parent)
+    return HFTokenizer(tok, str(path.resolve()), _eos_id(tok, config), _bos_id(tok, config))
 
 
-def _eos_id(tok, folder: Path) -> int:
+def _tokenizer_config(folder: Path) -> dict:
+    """The neighbouring tokenizer_config.json, or {} when there is none (or it is unreadable)."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _token_name(config: dict, key: str) -> str | None:
+    name = config.get(key)
+    name = name.get("content") if isinstance(name, dict) else name
+    return name if isinstance(name, str) else None
+
+
+def _bos_id(tok, config: dict) -> int | None:
+    """The BOS a document starts with, as the tokenizer's own configuration says: an explicit
+    `add_bos_token` in tokenizer_config.json (what the Llama and Gemma tokenizer classes of
+    transformers follow) with its `bos_token`; otherwise the one token the tokenizer.json's
+    post-processor puts before a text (Llama 3's and Gemma's templates), if any."""
+    if config.get("add_bos_token") is False:
+        return None
+    if config.get("add_bos_token") is True and _token_name(config, "bos_token"):
+        token_id = tok.token_to_id(_token_name(config, "bos_token"))
+        if token_id is not None:
+            return token_id
+    plain = tok.encode("a", add_special_tokens=False).ids
+    special = tok.encode("a", add_special_tokens=True).ids
+    before = next((special[:i] for i in range(len(special) - len(plain) + 1) if special[i:i + len(plain)] == plain), [])
+    return before[0] if len(before) == 1 else None
+
+
+def _eos_id(tok, config: dict) -> int:
     """EOS from a neighbouring tokenizer_config.json, else a well-known name, else a new id."""
     names = list(_EOS_NAMES)
-    config = folder / "tokenizer_config.json"
-    if config.exists():
-        try:
-            eos = json.loads(config.read_text()).get("eos_token")
-        except json.JSONDecodeError:
-            eos = None
-        if isinstance(eos, dict):
-            eos = eos.get("content")
-        if isinstance(eos, str):
-            names.insert(0, eos)
+    if _token_name(config, "eos_token"):
+        names.insert(0, _token_name(config, "eos_token"))
     for name in names:
         token_id = tok.token_to_id(name)
         if token_id is not None:
