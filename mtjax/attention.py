@@ -107,13 +107,46 @@ def _bwd(scale, window, rows, res, dout):
 causal_attention.defvjp(_fwd, _bwd)
 
 
-def attend(q, k, v, scale: float, window: int | None = None):
-    """Causal attention by the fastest exact path of the backend being traced for.
+FUSED_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes (fp8 aside)
 
-    On the CPU, `causal_attention`; elsewhere `jax.nn.dot_product_attention`, which can
-    pick a fused GPU kernel that this chunked XLA formulation would not beat.
+
+def kernel(backend: str, dtype, head_dim: int, window: int | None = None, softcap: float | None = None,
+           segments: bool = False, capability: float | None = None) -> str:
+    """Which implementation `attend` uses: "chunked" (`causal_attention`), "cudnn"
+    (`jax.nn.dot_product_attention`'s fused flash-attention kernel) or "xla" (the same
+    function's XLA implementation). A pure function of what is traced and where, so that
+    the choice is tested without a GPU.
+
+    `backend` is "cpu", "cuda" (an NVIDIA GPU, `capability` its compute capability, e.g.
+    9.0) or any other platform. cuDNN takes fp16/bf16 with a head dim that is a multiple
+    of 8, at most 256 from Hopper (9.0) on and 128 before, and a causal sliding window;
+    `jax.nn.dot_product_attention` has no logit soft-cap and no document (segment) ids,
+    so those stay on the chunked path, which computes them exactly.
     """
-    if jax.default_backend() == "cpu":
+    if backend == "cpu" or softcap or segments:
+        return "chunked"
+    fits = (backend == "cuda" and capability is not None and jnp.dtype(dtype).name in FUSED_DTYPES
+            and head_dim % 8 == 0 and head_dim <= (256 if capability >= 9.0 else 128))
+    return "cudnn" if fits else "xla"
+
+
+def _platform() -> tuple[str, float | None]:
+    """(backend as `kernel` names it, CUDA compute capability or None) of the default device."""
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return backend, None
+    try:  # CUDA devices report e.g. "9.0"; other GPUs report none or an architecture name
+        return "cuda", float(jax.devices()[0].compute_capability)
+    except (AttributeError, TypeError, ValueError):
+        return backend, None
+
+
+def attend(q, k, v, scale: float, window: int | None = None):
+    """Causal attention by the fastest exact path of the backend being traced for (`kernel`)."""
+    backend, capability = _platform()
+    which = kernel(backend, q.dtype, q.shape[-1], window, capability=capability)
+    if which == "chunked":
         return causal_attention(q, k, v, scale, window)
     local = (window - 1, 0) if window else None  # W keys including the query itself
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
+                                        implementation=which)

@@ -1,0 +1,61 @@
+"""The one place attention picks its implementation: `mtjax.attention.kernel`, tested without a GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtjax import attention
+from mtjax.attention import causal_attention, kernel
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+
+
+@pytest.mark.parametrize("args, kw, want", [
+    (("cpu", BF16, 64), {}, "chunked"),                                   # the CPU: always the chunked path
+    (("cpu", F32, 128), {"window": 16}, "chunked"),
+    (("cuda", BF16, 128), {"capability": 8.0}, "cudnn"),                  # A100, bf16
+    (("cuda", F16, 64), {"window": 4096, "capability": 9.0}, "cudnn"),    # a causal sliding window fits
+    (("cuda", BF16, 256), {"capability": 9.0}, "cudnn"),                  # head dim 256 from Hopper on
+    (("cuda", BF16, 256), {"capability": 8.6}, "xla"),                    # ... not before
+    (("cuda", BF16, 288), {"capability": 9.0}, "xla"),                    # beyond any cuDNN head dim
+    (("cuda", BF16, 100), {"capability": 9.0}, "xla"),                    # not a multiple of 8
+    (("cuda", F32, 128), {"capability": 9.0}, "xla"),                     # fp32: no fused kernel
+    (("cuda", BF16, 128), {"softcap": 50.0, "capability": 9.0}, "chunked"),   # soft-cap: not in jax.nn
+    (("cuda", BF16, 128), {"segments": True, "capability": 9.0}, "chunked"),  # document ids: not in jax.nn
+    (("cuda", BF16, 128), {"capability": None}, "xla"),                   # capability unknown
+    (("gpu", BF16, 128), {}, "xla"),                                      # a GPU without cuDNN
+    (("tpu", BF16, 128), {}, "xla"),
+])
+def test_kernel_choice(args, kw, want):
+    assert kernel(*args, **kw) == want
+
+
+def test_attend_passes_the_window_and_scale_to_the_kernel_it_picks(monkeypatch):
+    """With the choice forced to cuDNN, `attend` calls jax.nn.dot_product_attention with
+    implementation="cudnn" and arguments that compute what the chunked path does (run
+    here by the XLA implementation of the same call)."""
+    calls = []
+    real = jax.nn.dot_product_attention
+
+    def recording(*a, implementation=None, **kw):
+        calls.append(implementation)
+        return real(*a, implementation="xla", **kw)
+
+    monkeypatch.setattr(attention, "_platform", lambda: ("cuda", 9.0))
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+    kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(kq, (1, 12, 4, 8), BF16)
+    k, v = jax.random.normal(kk, (1, 12, 2, 8), BF16), jax.random.normal(kv, (1, 12, 2, 8), BF16)
+    got = jax.jit(lambda q, k, v: attention.attend(q, k, v, 0.4, 5))(q, k, v)  # jitted: one compile, no eager ops
+    assert calls == ["cudnn"]
+    want = jax.jit(lambda q, k, v: causal_attention(q, k, v, 0.4, 5))(*(x.astype(F32) for x in (q, k, v)))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
+
+
+def test_platform_on_this_machine_is_named_as_kernel_expects():
+    backend, capability = attention._platform()
+    assert backend == jax.default_backend() or backend == "cuda"
+    assert (capability is None) == (backend != "cuda")
