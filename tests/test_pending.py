@@ -39,7 +39,7 @@ def test_round_trip_rename_and_the_chunk_format(tmp_path):
 
 def test_durable_files_stay_until_forgotten_and_are_adopted(tmp_path):
     files = PendingFiles(directory=tmp_path)
-    files.put("head.g3", SUM, sync=True)
+    files.put("head.g3", SUM)
     assert all(np.array_equal(files.take("head.g3", keep=True)[n], SUM[n]) for n in SUM)
     files.close()  # a durable directory outlives its process
     again = PendingFiles(directory=tmp_path)

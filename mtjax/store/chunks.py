@@ -25,6 +25,8 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from mtjax.store.durable import start_writeback
+
 assert sys.byteorder == "little", "stored arrays are little-endian; moving them in place needs a little-endian host"
 
 TMP_SUFFIX = ".__mtjax_writing"  # a chunk being written; renamed over the chunk when complete
@@ -115,10 +117,12 @@ def check_chunk(path: Path, nbytes: int, block: int = 16 << 20) -> None:
         raise ChunkError(path, "has a checksum mismatch")
 
 
-def write_chunk(path: Path, src: memoryview, padding: int, sync: bool = True) -> None:
-    """Write a temporary file, fsync it (unless not `sync`), rename it over the chunk.
+def write_chunk(path: Path, src: memoryview, padding: int, writeback: bool = True) -> None:
+    """Write a temporary file, start its writeback (unless not `writeback`: a scratch
+    file that may never need the disk), rename it over the chunk.
 
-    The rename becomes durable when the commit fsyncs the array's directory.
+    Nothing waits for the disk here: the commit that names the chunk fsyncs it and the
+    array's directory first (mtjax.store.durable), which makes both durable.
     """
     pad = bytes(padding)
     crc = crc32c.crc32c(pad, crc32c.crc32c(src)) if padding else crc32c.crc32c(src)
@@ -127,8 +131,8 @@ def write_chunk(path: Path, src: memoryview, padding: int, sync: bool = True) ->
     try:
         try:
             _vectored(os.pwritev, fd, [src, memoryview(pad), memoryview(struct.pack("<I", crc))])
-            if sync:
-                os.fsync(fd)
+            if writeback:
+                start_writeback(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -148,6 +152,11 @@ def read_into(pool: concurrent.futures.Executor, array_dir: Path, rows: int,
     view = flat(out)
     return [pool.submit(read_chunk, path, view[start:stop], pad)
             for path, start, stop, pad in plan(array_dir, out.shape, out.dtype.itemsize, rows)]
+
+
+def files(array_dir: Path, shape: tuple[int, ...], itemsize: int, rows: int) -> list[Path]:
+    """The chunk files of an array (what a commit must make durable)."""
+    return [path for path, *_ in plan(array_dir, shape, itemsize, rows)]
 
 
 def write_from(pool: concurrent.futures.Executor, array_dir: Path, rows: int,

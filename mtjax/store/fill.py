@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from mtjax import parts, treepath
-from mtjax.store import manifest
+from mtjax.store.durable import fsync_path
 from mtjax.store import store as store_mod
 from mtjax.store.errors import StoreError
 
@@ -74,7 +74,7 @@ def staged(dest: str | Path, cfg, tx, copies: int = 2):
         if dest.exists():
             dest.rmdir()  # empty (checked above)
         os.replace(tmp, dest)
-        manifest.fsync_dir(dest.parent)  # the store's name is durable, not just its contents
+        fsync_path(dest.parent)  # the store's name is durable, not just its contents
     except OSError as e:
         raise StoreError(f"cannot write the store at {dest} ({e.strerror or e}); nothing was created there") from None
     finally:

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from mtjax.store import layout
+from mtjax.store.durable import fsync_path
 from mtjax.store.errors import StoreError
 
 
@@ -59,26 +60,6 @@ def read(root: Path) -> Manifest:
         raise StoreError(f"{path} lacks a valid {e} entry; restore the store from a backup") from None
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    """fsync every file and directory under `path` (and `path` itself)."""
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(dirpath))
-
-
 def write_atomic(path: Path, text: str) -> None:
     """Replace `path` with `text` so that readers see either the old or the new file."""
     tmp = path.with_name(path.name + ".tmp")
@@ -93,7 +74,7 @@ def write_atomic(path: Path, text: str) -> None:
         raise StoreError(f"could not write {path} ({e.strerror or e}); the previous commit is intact. "
                          "Free disk space or fix permissions, then commit again") from None
     try:
-        fsync_dir(path.parent)  # the rename itself is durable
+        fsync_path(path.parent)  # the rename itself is durable
     except OSError as e:
         raise StoreError(f"wrote {path} but could not fsync its directory ({e.strerror or e}); "
                          "after a power loss the store may open at the previous commit") from None

@@ -29,9 +29,10 @@ from mtjax.store.layout import pending_file
 class PendingFiles:
     """Flat {leaf: array} dicts in files, by key (a part's sum: `layout.pending_key`).
 
-    `directory` (a one-copy store's pending_dir) makes them durable: `put(..., sync=True)`
-    fsyncs, `take(key, keep=True)` leaves the files until `forget(key)`, and `close`
-    leaves the directory; without it a temporary directory next to `parent` is used.
+    `directory` (a one-copy store's pending_dir) makes them durable: `put` starts their
+    writeback (the store's commit that names them fsyncs them), `take(key, keep=True)`
+    leaves the files until `forget(key)`, and `close` leaves the directory; without it
+    a temporary directory next to `parent` is used, whose files need not reach the disk.
     """
 
     def __init__(self, parent: str | None = None, directory=None):
@@ -51,13 +52,13 @@ class PendingFiles:
         return StoreError(f"scratch gradient file {e.path} {e.reason} (a disk or memory fault); "
                           "rerun to resume from the last committed step")
 
-    def put(self, key: str, arrays: Mapping, sync: bool = False) -> None:
+    def put(self, key: str, arrays: Mapping) -> None:
         meta = {}
         try:
             for leaf, a in arrays.items():
                 a = np.asarray(a, order="C")  # (np.ascontiguousarray would make a scalar 1-d)
-                # Durable: the sum must survive a crash once a commit names it.
-                chunks.write_chunk(self._path(key, leaf), chunks.flat(a), 0, sync=sync and self.durable)
+                # Durable: on disk by the time a commit names the sum (Store.commit fsyncs it).
+                chunks.write_chunk(self._path(key, leaf), chunks.flat(a), 0, writeback=self.durable)
                 meta[leaf] = (a.shape, a.dtype)
                 self.io_bytes[1] += a.nbytes
         except OSError as e:

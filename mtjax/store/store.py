@@ -31,7 +31,7 @@ from mtjax import model_config
 from mtjax import parts as model_parts
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
-from mtjax.store import arrays, chunks, layout, manifest
+from mtjax.store import arrays, chunks, durable, layout, manifest
 from mtjax.store import train_state as saved_state
 from mtjax.store.errors import StoreError
 from mtjax.store.lock import WriterLock
@@ -327,7 +327,8 @@ class Store:
             self._latest = {(p, k): s for p, kinds in self._manifest.slots.items() for k, s in kinds.items()}
 
     def write(self, part, kind: str, values: dict) -> concurrent.futures.Future:
-        """Future that resolves once every chunk is written and fsynced to the uncommitted slot.
+        """Future that resolves once every chunk is written to the uncommitted slot (durable
+        at the commit that names it).
 
         `values` must hold every leaf of `schema(part, kind)` with its exact shape and
         dtype; keep the arrays unchanged until the future resolves.
@@ -432,18 +433,22 @@ class Store:
         self._check_usable()  # a failed write marked the store broken: never commit a partial step
         for f in part_commits:
             f.result()  # a failed part commit: its error, not a commit that skips it
+        files, dirs = [], set()
         if pending is not None:
             pending = {"tag": str(pending["tag"]), "parts": list(pending["parts"]), "scale": float(pending["scale"])}
-            self._sync_dirs([self.pending_dir])  # the sums' names are durable before the manifest needs them
+            # The sums the manifest will name, and their names, are durable before it does.
+            files += [self.pending_dir / layout.pending_file(layout.pending_key(part, pending["tag"]), leaf)
+                      for part in pending["parts"] for leaf in self.schema(part, "master")]
+            dirs.add(self.pending_dir)
         self._on_phase("written")
         slots = {p: dict(kinds) for p, kinds in self._manifest.slots.items()}
-        dirs = set()
         with self._mutex:
             written = sorted(self._dirty)
         for part, kind in written:
             slot = slots[part][kind] = self._latest[(part, kind)]
+            files += self._slot_files(part, kind, slot)
             dirs.update(_slot_dirs(layout.slot_dir(self.root, part, kind, slot), self.schema(part, kind)))
-        self._sync_dirs(sorted(dirs))
+        self._sync(files, sorted(dirs))
         self._on_phase("synced")
         generation = self._manifest.generation + 1
         ts_name = None
@@ -482,10 +487,11 @@ class Store:
             with self._mutex:
                 kinds = [k for k in model_parts.KINDS if (part, k) in self._dirty]
             slots = {k: self._latest[(part, k)] for k in kinds}
-            dirs = set()
+            files, dirs = [], set()
             for kind, slot in slots.items():
+                files += self._slot_files(part, kind, slot)
                 dirs.update(_slot_dirs(layout.slot_dir(self.root, part, kind, slot), self.schema(part, kind)))
-            self._sync_dirs(sorted(dirs))
+            self._sync(files, sorted(dirs))
             with self._commit_mutex:
                 m = self._manifest
                 table = {p: dict(ks) for p, ks in m.slots.items()}
@@ -508,10 +514,18 @@ class Store:
             self._part_commits = [f for f in self._part_commits if not f.done() or f.exception()] + [fut]
         return fut
 
-    def _sync_dirs(self, dirs: list[Path]) -> None:
-        """fsync directories in parallel: each call waits for the disk, not for the CPU."""
+    def _slot_files(self, part: str, kind: str, slot: str) -> list[Path]:
+        """Every chunk file of one (part, kind)'s slot."""
+        base, schema = layout.slot_dir(self.root, part, kind, slot), self.schema(part, kind)
+        return [f for leaf, h in self._handles(part, kind, slot, create=False).items()
+                for f in chunks.files(base / leaf, tuple(schema[leaf].shape), np.dtype(schema[leaf].dtype).itemsize,
+                                      _rows(h))]
+
+    def _sync(self, files: list[Path], dirs: list[Path]) -> None:
+        """Make what a commit is about to name durable: its files' data and their names
+        (writes only started their writeback; mtjax.store.durable)."""
         try:
-            list(self._io.map(manifest.fsync_dir, dirs))
+            durable.sync(self._io, files, dirs)
         except OSError as e:
             raise StoreError(f"could not make the writes to store {self.root} durable ({e}); "
                              f"the committed step {self.step} is intact, commit again") from None

@@ -56,7 +56,7 @@ class GradSink:
         self._sq[part] = self._sq_fn(acc)
         if self.spill:
             # np.asarray inside waits for the sum (host sync on this worker thread).
-            self.spill.put(part + ".sum", acc, sync=True)
+            self.spill.put(part + ".sum", acc)
         else:
             self._sums[part] = acc
 

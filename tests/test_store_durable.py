@@ -1,0 +1,104 @@
+"""Writes wait for no fsync; every commit makes durable exactly what its manifest names first.
+
+A recorder follows every chunk and gradient file written (dirty until fsynced) and every
+directory a rename changed; at each manifest write it checks that every file the new
+manifest names, in the slots and the pending update, and every directory holding them,
+was fsynced after its last change. Two-copy stores with several steps per commit and a
+one-copy engine (its step commits and its per-part commits) are followed.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mtjax.store
+from mtjax import model
+from mtjax.config import StoreConfig
+from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.store import chunks, durable, layout, manifest
+from mtjax.stream import StreamEngine
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16)
+OPT = OptimConfig(lr=1e-2, clip_norm=0.5, warmup_steps=0)
+
+
+class Recorder:
+    def __init__(self, monkeypatch, root: Path):
+        self.root, self.dirty, self.lock, self.checked = root, set(), threading.Lock(), 0
+        write_chunk, fsync_path, write = chunks.write_chunk, durable.fsync_path, manifest.write
+
+        def recording_write(path, *args, **kw):
+            write_chunk(path, *args, **kw)
+            with self.lock:
+                self.dirty.update({Path(path), Path(path).parent})
+
+        def recording_fsync(path):
+            with self.lock:
+                self.dirty.discard(Path(path))
+            fsync_path(path)  # after: a write racing the fsync stays dirty
+
+        def checking_write(root, new):
+            self.check(new)
+            write(root, new)
+
+        monkeypatch.setattr(chunks, "write_chunk", recording_write)
+        monkeypatch.setattr(durable, "fsync_path", recording_fsync)
+        monkeypatch.setattr(manifest, "write", checking_write)
+
+    def check(self, m) -> None:
+        named = []
+        for part, kinds in m.slots.items():
+            for kind, slot in kinds.items():
+                if slot is not None:
+                    base = layout.slot_dir(self.root, part, kind, slot)
+                    named += [f for f in base.rglob("c*") if chunks.TMP_SUFFIX not in f.name]
+        if m.pending and m.pending["parts"]:
+            tag = m.pending["tag"]
+            named += [f for f in (self.root / layout.PENDING_DIR).iterdir() if f"{tag}--" in f.name
+                      and any(f.name.startswith(layout.pending_key(p, tag)) for p in m.pending["parts"])]
+            assert named, "the manifest names pending gradients that are not there"
+        with self.lock:
+            missing = [str(f.relative_to(self.root)) for f in named if f in self.dirty or f.parent in self.dirty]
+        assert not missing, f"the manifest names files (or directories) not fsynced since their last write: {missing[:4]}"
+        self.checked += 1
+
+
+def test_two_copy_commits_sync_what_they_name(tmp_path, monkeypatch):
+    root = tmp_path / "s"
+    rec = Recorder(monkeypatch, root)
+    store = mtjax.store.create(root, CFG, make_optimizer(OPT))
+    rng = np.random.default_rng(0)
+    for commit in range(3):
+        for _ in range(2):  # two writes of every part between commits: the last one is named
+            futs = [store.write(p, k, {leaf: rng.standard_normal(s.shape).astype(s.dtype)
+                                       for leaf, s in store.schema(p, k).items()})
+                    for p in store.parts for k in ("compute", "master", "opt")]
+            [f.result() for f in futs]
+        assert rec.dirty  # writes returned without fsyncing
+        store.commit(commit + 1)
+    assert rec.checked == 3 + 1  # create's empty manifest, then each commit
+    store.close()
+
+
+@pytest.mark.parametrize("copies", [1, 2])
+def test_engine_commits_sync_what_they_name(tmp_path, monkeypatch, copies):
+    root = tmp_path / "s"
+    rec = Recorder(monkeypatch, root)
+    store = mtjax.store.create(root, CFG, make_optimizer(OPT), copies=copies)
+    engine = StreamEngine(CFG, model.init_params(CFG, 0), OPT,
+                          store_config=StoreConfig(compute="disk", master="disk", opt="disk"), store=store)
+    tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (1, 2, 8)).astype(np.int32)
+    engine.commit(0)
+    for i in range(2):
+        engine.step(tokens)
+        engine.commit(i + 1)
+    engine.close()
+    store.close()
+    # one-copy: each step's commit plus one commit per updated part
+    assert rec.checked >= (3 if copies == 2 else 3 + len(store.parts))
