@@ -2,7 +2,8 @@
 
 Each figure is measured the way the streaming engine uses the resource:
 
-    disk     the store's pattern: chunk files (16 MiB) each written and fsynced, then read
+    disk     the store's pattern: chunk files (16 MiB) written with their writeback
+             started, all fsynced at the end as a commit does (mtjax.store.durable), then read
              cold (page cache dropped with posix_fadvise DONTNEED) into pre-touched
              buffers, on the store's number of I/O threads
     memory   copies between pre-touched buffers on every core (fresh buffers would
@@ -40,6 +41,7 @@ from mtjax import parts
 from mtjax.model_config import ModelConfig
 from mtjax.plan.cost import block_forward_flops
 from mtjax.plan.hardware import HardwareProfile
+from mtjax.store import durable
 from mtjax.store.layout import CHUNK_BYTES
 from mtjax.store.store import IO_THREADS
 from mtjax.stream.blockfns import block_fns
@@ -73,7 +75,7 @@ def disk_bandwidth(directory: str | Path, nbytes: int) -> tuple[float, float, bo
         fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(fd, bufs[i % IO_THREADS])
-            os.fsync(fd)  # a chunk is written when it is on disk
+            durable.start_writeback(fd)
         finally:
             os.close(fd)
 
@@ -90,6 +92,7 @@ def disk_bandwidth(directory: str | Path, nbytes: int) -> tuple[float, float, bo
         with concurrent.futures.ThreadPoolExecutor(IO_THREADS) as pool:
             t0 = time.perf_counter()
             list(pool.map(write, range(count)))
+            durable.sync(pool, paths, [root])  # written when on disk, as a commit makes them
             write_rate = count * size / (time.perf_counter() - t0)
             t0 = time.perf_counter()
             total = sum(pool.map(read, range(count)))
