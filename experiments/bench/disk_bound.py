@@ -1,0 +1,196 @@
+"""The disk tier's step against its disk bound: the bytes the step must move over the probed disk rate.
+
+A fp32 Llama's compute, master and optimizer state all live in the store on disk
+(StreamEngine, k = 1, prefetch depth 2). Its step description (mtjax.stream.schedule,
+`traffic.disk_read` / `disk_write`) says how many bytes one step reads and writes; the
+disk is probed right before the run the way the store uses it (`probe.disk_bandwidth`:
+chunk files, reads cold, writes fsynced as a commit does). The bound is the time those
+bytes take at those rates, read and write after one another (one disk):
+
+    bound = disk_read_bytes / read rate + disk_write_bytes / write rate
+
+A timed step is `step` + `commit` (which applies the step's update and makes it durable),
+the store's page cache dropped before it (harness.drop_page_cache, as the store benchmark
+does) and, with --evict (default on), again every few milliseconds while it runs, so
+that reads come from the disk as for a store many times the page cache (dirty pages
+cannot be dropped: writes still reach the disk at its own pace). The bytes this process
+read from and wrote to the block device (/proc/self/io) are reported beside the
+description's. The in-memory reference trainer's step on the same model is timed too,
+alternating. Prints a table; `--doc` also writes its section of docs/benchmarks.md.
+
+    .venv/bin/python experiments/bench/disk_bound.py --quick          # ~1 minute: shows it works
+    .venv/bin/python experiments/bench/disk_bound.py --doc            # 4 x 1024, seq 256, 3 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import harness  # first: the checkout on sys.path, JAX on the CPU
+
+import jax
+import numpy as np
+import psutil
+
+import mtjax.store
+from mtjax import model
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.plan import probe
+from mtjax.reference import ReferenceTrainer
+from mtjax.store.fresh import init_store
+from mtjax.stream import StreamEngine
+
+SECTION = "disk-bound"
+DISK = StoreConfig(compute="disk", master="disk", opt="disk")
+
+
+def io_bytes() -> tuple[int, int]:
+    """(bytes read from, bytes written to) the block device by this process so far."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+class Evictor:
+    """Drops the store's clean pages from the page cache every `every` seconds while active."""
+
+    def __init__(self, root: Path, every: float):
+        self.root, self.every, self._stop = root, every, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            harness.drop_page_cache(self.root)
+
+    def __enter__(self):
+        if self.every > 0:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def measure(args, work: Path) -> dict:
+    cfg = harness.llama(args.layers, args.width, vocab=args.vocab)
+    opt = OptimConfig(lr=1e-4, clip_norm=1.0)
+    store_dir = work / "store"
+    init_store(cfg, store_dir, seed=0, tx=make_optimizer(opt), copies=args.copies)
+    disk_read, disk_write, cold = probe.disk_bandwidth(work, args.probe_mib << 20)
+    store = mtjax.store.open(store_dir, writable=True)
+    stream = StreamEngine(cfg, optim=opt, stream=StreamConfig(keep_every=1, prefetch_depth=2), store_config=DISK,
+                          store=store)
+    ref = ReferenceTrainer(cfg, model.init_params(cfg, seed=0), opt) if args.reference else None
+    rng = np.random.default_rng(0)
+    times = {"stream": [], "reference": []}
+    moved = []
+    for i in range(args.steps + 1):
+        tokens = rng.integers(0, cfg.vocab_size, (1, args.batch, args.seq), dtype=np.int32)
+        if ref is not None:
+            t0 = time.perf_counter()
+            ref.step(tokens)
+            if i:
+                times["reference"].append(time.perf_counter() - t0)
+        harness.drop_page_cache(store_dir)
+        with Evictor(store_dir, args.evict_ms / 1e3 if args.evict else 0):
+            r0, w0 = io_bytes()
+            t0 = time.perf_counter()
+            stream.step(tokens)
+            stream.commit(i + 1)  # two copies: applies the update, then makes it durable
+            stream.flush()  # one copy: the commit started the update; it is part of the step
+            dt = time.perf_counter() - t0
+            r1, w1 = io_bytes()
+        if i:  # step 0 compiles
+            times["stream"].append(dt)
+            moved.append((r1 - r0, w1 - w0))
+    traffic = stream.schedule.traffic
+    stages = stream.stage_seconds()
+    stream.close()
+    store.close()
+    bound = traffic.disk_read_bytes / disk_read + traffic.disk_write_bytes / disk_write
+    return dict(
+        params=model.num_params(cfg),
+        read=traffic.disk_read_bytes, write=traffic.disk_write_bytes, read_rate=disk_read, write_rate=disk_write,
+        cold=cold, bound=bound, stream=statistics.median(times["stream"]),
+        reference=statistics.median(times["reference"]) if times["reference"] else None,
+        measured_read=statistics.median(m[0] for m in moved), measured_write=statistics.median(m[1] for m in moved),
+        stages=stages)
+
+
+def table(args, r: dict) -> str:
+    gb = 1e9
+    ratio_ref = f"{r['stream'] / r['reference']:.2f}" if r["reference"] else "-"
+    ref = f"{r['reference']:.2f}" if r["reference"] else "-"
+    ram = psutil.virtual_memory()
+    lines = [
+        f"{time.strftime('%Y-%m-%d')}, {platform.node() or 'this machine'} ({os.cpu_count()} cores, RAM "
+        f"{ram.total / gb:.1f} GB), jax {jax.__version__}, load average {os.getloadavg()[0]:.1f} at the end. "
+        f"fp32 Llama {args.layers} blocks x width {args.width}, vocab {args.vocab}, {r['params'] / 1e6:.1f}M params, "
+        f"batch {args.batch} x seq {args.seq}; AdamW + clip 1.0; StreamEngine k = 1, prefetch depth 2, compute, "
+        f"master and optimizer state on the disk tier, a {args.copies}-copy store, a commit every step. Disk probed "
+        f"right before the run ({args.probe_mib} MiB, `probe.disk_bandwidth`"
+        f"{'' if r['cold'] else ', read possibly warm'}). Page cache of the store dropped before each step"
+        + (f" and every {args.evict_ms} ms during it" if args.evict else "")
+        + f". Median of {args.steps} steps after one warm-up.",
+        "",
+        "| | read (GB) | written (GB) | time (s) |",
+        "|---|---|---|---|",
+        f"| step description (bytes the step must move) | {r['read'] / gb:.3f} | {r['write'] / gb:.3f} | |",
+        f"| probed disk (GB/s) | {r['read_rate'] / gb:.2f} | {r['write_rate'] / gb:.2f} | |",
+        f"| disk bound = read / read rate + written / write rate | | | {r['bound']:.2f} |",
+        f"| measured streamed step (step + commit), block-device bytes | {r['measured_read'] / gb:.3f} | "
+        f"{r['measured_write'] / gb:.3f} | {r['stream']:.2f} |",
+        f"| in-memory reference step | | | {ref} |",
+        "",
+        f"**streamed step / disk bound = {r['stream'] / r['bound']:.2f}** (goal <= 1.3); "
+        f"streamed / reference = {ratio_ref}.",
+        "",
+        "Stream stage seconds in the last step (summed over parts; stages overlap): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in r["stages"].items()),
+    ]
+    cmd = "experiments/bench/disk_bound.py" + (" --quick" if args.quick else "")
+    return "## Disk tier against its disk bound (experiments/bench/disk_bound.py)\n\n" + "\n".join(lines) + (
+        f"\n\nCommand: `.venv/bin/python {cmd}`")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a small model and 2 steps: shows the script works")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    ap.add_argument("--copies", type=int, choices=[1, 2], default=2, help="store copies")
+    ap.add_argument("--probe-mib", type=int, default=512, help="MiB the disk probe writes and reads")
+    ap.add_argument("--evict", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep dropping the store's pages during each step")
+    ap.add_argument("--evict-ms", type=int, default=20)
+    ap.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the in-memory reference trainer")
+    ap.add_argument("--dir", type=Path, default=None, help="scratch directory for the store (on the disk to test)")
+    ap.add_argument("--doc", action="store_true", help="write the section of docs/benchmarks.md")
+    args = ap.parse_args()
+    if args.quick:
+        args.layers, args.width, args.seq, args.vocab, args.steps, args.probe_mib = 2, 512, 64, 2048, 2, 128
+    work = Path(tempfile.mkdtemp(prefix="mtjax-disk-bound-", dir=args.dir))
+    try:
+        r = measure(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    harness.publish(SECTION, table(args, r), write=args.doc)
+
+
+if __name__ == "__main__":
+    main()
