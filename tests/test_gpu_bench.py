@@ -26,12 +26,18 @@ def test_gpu_bench_dry_run_measures_every_section(tmp_path):
     assert {"device", "link", "throughput", "summary"} <= sections
     link = next(rec for rec in records if rec["section"] == "link")
     assert link["h2d_pageable"] > 0 and link["d2h_pageable"] > 0 and link["h2d_engine_path"] > 0
+    assert link["h2d_engine_block"] > 0
     engines = {rec["engine"]: rec for rec in records if rec["section"] == "throughput"}
     assert set(engines) == {"reference", "stream"}
     for rec in engines.values():
         assert rec["tokens_per_s"] > 0 and 0 < rec["mfu"] < 1
+    stream = engines["stream"]  # the trace's figures: every forward part waited for, the h2d lane busy
+    assert stream["h2d_effective_gbps"] > 0 and stream["h2d_weight_bytes"] > 0
+    assert list(stream["forward_wait_s"]) == ["embed", "block.0", "block.1", "head"]
+    assert stream["forward_wait_per_block_s"] >= 0
     summary = next(rec for rec in records if rec["section"] == "summary")
     assert summary["stream_vs_reference"] > 0
     md = (tmp_path / "bench.md").read_text()
     assert "| stream |" in md and "| reference |" in md and "MFU formula" in md
+    assert "effective host-to-device rate" in md and "per block" in md
     assert (tmp_path / "stream_trace.json").exists()

@@ -168,11 +168,15 @@ def test_trace_has_every_stage(tmp_path):
     for b in batches(1)[:2]:
         engine.step(b)
     seconds = engine.stage_seconds()
-    assert set(seconds) == {"read", "h2d", "compute", "d2h", "optimizer", "write"}
+    assert set(seconds) == {"read", "h2d", "compute", "d2h", "optimizer", "write", "wait"}
     assert all(v > 0 for v in seconds.values()), seconds
     engine.write_trace(tmp_path / "trace.json")
     events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
     assert {"compute block.3", "optimizer block.0", "read head"} <= {e["name"] for e in events}
+    step = engine.step_count - 1
+    forward = ["embed", *(f"block.{i}" for i in range(CFG.num_hidden_layers)), "head"]
+    assert [p for p, _ in engine.tracer.per_part(step, "wait")][:len(forward)] == forward  # the loop's waits, in order
+    assert sorted(p for p, _ in engine.tracer.per_part(step, "h2d")) == sorted(engine.schedule.transfers)
     engine.close()
 
 

@@ -134,3 +134,30 @@ def test_trace_times_device_work_and_writes_chrome_json(tmp_path):
     assert names == {"read block.0", "compute block.0"}
     assert tracer.step_totals(0)["read"] >= 0.01
     tracer.close()
+
+
+def test_pinned_staging_copies_each_leaf_on_its_own_thread(monkeypatch):
+    """The GPU path (host buffer -> pinned -> device), forced on the CPU backend: every
+    leaf arrives intact, on the device's memory, staged by the placement's threads."""
+    place = staging.Placement(jax.devices("cpu")[0], pinned=True)
+    assert place.pinned
+    threads = set()
+    stage = place._stage
+
+    def recording(buffer):
+        threads.add(__import__("threading").current_thread().name)
+        time.sleep(0.05)  # long enough that the leaves overlap
+        return stage(buffer)
+
+    monkeypatch.setattr(place, "_stage", recording)
+    rng = np.random.default_rng(0)
+    buffers = {f"w{i}": hostmem.aligned_empty((64, 48), np.float32) for i in range(4)}
+    for b in buffers.values():
+        b[:] = rng.standard_normal(b.shape)
+    out = place.to_device(buffers)
+    assert set(out) == set(buffers)
+    for name, b in buffers.items():
+        assert out[name].sharding.memory_kind == "device" and np.array_equal(np.asarray(out[name]), b)
+    assert len(threads) > 1 and all(t.startswith("mtjax-stage") for t in threads)
+    place.close()
+

@@ -1,11 +1,17 @@
 """The GPU benchmark of issue 5, one command on one accelerator (run by bench.sh):
 
 1. host<->device bandwidth: pageable numpy, pinned host arrays, and the engine's own
-   staging path (host buffer -> pinned -> device), both directions;
+   staging path (host buffer -> pinned -> device), both directions, for one large array
+   and for one block's compute weights as the engine stages them (each leaf on its own
+   thread, mtjax.stream.staging);
 2. streamed vs in-memory throughput on one model that fits on the device: the
    reference trainer (whole model resident) against the streaming engine;
 3. MFU of that streamed run, whose engine is given a device budget of a quarter of the
-   model's persistent training state (bf16 weights + fp32 master + AdamW m and v).
+   model's persistent training state (bf16 weights + fp32 master + AdamW m and v);
+4. from that run's trace (last timed step): the effective host-to-device rate (weight
+   bytes staged over the seconds from staging each part until its device copy was
+   ready, the h2d lane) and the forward's wait per part (the training loop waiting for
+   the next part to arrive).
 
 MFU counts model FLOPs of real tokens only: 6 x params + 12 x layers x seq x width per
 token (mtjax.progress.model_flops_per_token; the recompute's extra forward is not
@@ -32,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from mtjax import model  # noqa: E402
+from mtjax import model, parts  # noqa: E402
 from mtjax.config import StreamConfig  # noqa: E402
 from mtjax.hostmem import aligned_empty  # noqa: E402
 from mtjax.model_config import ModelConfig  # noqa: E402
@@ -54,14 +60,24 @@ def median_seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def link_bandwidth(nbytes: int, reps: int) -> dict:
-    """GB/s of each transfer path for one array of `nbytes`."""
+def part_bandwidth(place: Placement, cfg: ModelConfig, reps: int) -> float:
+    """GB/s of the engine's staging of one block's compute weights (all leaves, to ready)."""
+    buffers = {n: aligned_empty(s.shape, s.dtype) for n, s in parts.schema(cfg, "block.0", "compute").items()}
+    for b in buffers.values():
+        b.fill(1)  # touched: page faults are not a link cost
+    nbytes = sum(b.nbytes for b in buffers.values())
+    return nbytes / median_seconds(lambda: place.to_device(buffers), reps) / 1e9
+
+
+def link_bandwidth(nbytes: int, reps: int, cfg: ModelConfig) -> dict:
+    """GB/s of each transfer path for one array of `nbytes`, and for one block of `cfg`."""
     place = Placement()
     host = aligned_empty((nbytes // 4,), np.float32)
     host.fill(1.0)  # touched: page faults are not a link cost
     gbps = {"pinned_staging": place.pinned}
     gbps["h2d_pageable"] = nbytes / median_seconds(lambda: jax.device_put(host, place.on_device), reps) / 1e9
     gbps["h2d_engine_path"] = nbytes / median_seconds(lambda: place.to_device({"x": host})["x"], reps) / 1e9
+    gbps["h2d_engine_block"] = part_bandwidth(place, cfg, reps)
     on_device = jax.block_until_ready(jax.device_put(host, place.on_device))
     if place.pinned:
         gbps["host_to_pinned"] = nbytes / median_seconds(lambda: jax.device_put(host, place.on_host), reps) / 1e9
@@ -78,7 +94,22 @@ def link_bandwidth(nbytes: int, reps: int) -> dict:
         np.asarray(x)
         times.append(time.perf_counter() - t0)
     gbps["d2h_pageable"] = nbytes / statistics.median(times) / 1e9
+    place.close()
     return gbps
+
+
+def trace_figures(eng) -> dict:
+    """The effective host-to-device rate and the forward's wait per part, from the trace
+    of the engine's last step."""
+    step = eng.step_count - 1
+    h2d = eng.tracer.per_part(step, "h2d")
+    waits = eng.tracer.per_part(step, "wait")[:len(eng.schedule.forward)]  # the forward takes its parts first
+    busy = sum(s for _, s in h2d)
+    blocks = [s for p, s in waits if p.startswith("block.")]
+    return {"h2d_weight_bytes": eng.schedule.traffic.h2d_weights, "h2d_lane_s": busy,
+            "h2d_effective_gbps": eng.schedule.traffic.h2d_weights / busy / 1e9 if busy else None,
+            "forward_wait_s": {p: round(s, 4) for p, s in waits},
+            "forward_wait_per_block_s": statistics.mean(blocks) if blocks else None}
 
 
 def model_config(a) -> ModelConfig:
@@ -126,7 +157,7 @@ def throughput(a, cfg: ModelConfig, emit) -> None:
         times = timed_steps(eng, batches)
         stages = {k: round(v, 3) for k, v in eng.stage_seconds().items()}
         summarise("stream", times, {"device_budget": budget, "device_peak": eng.ledger.peak, "stages_s": stages,
-                                    "pinned": eng.placement.pinned})
+                                    "pinned": eng.placement.pinned, **trace_figures(eng)})
         if a.out:
             eng.write_trace(Path(a.out) / "stream_trace.json")
         eng.close()
@@ -182,6 +213,13 @@ def markdown(a, cfg, link, tp) -> str:
                   f"MFU formula: {tp['flops_per_token'] / 1e9:.1f} GFLOP per token (6 x params + 12 x layers x seq x "
                   f"width), real tokens only; {tp['peak_note']}; target >= 45%.",
                   f"Streamed stage seconds per step (summed over parts): {tp['stream'].get('stages_s')}"]
+        st = tp["stream"]
+        if st.get("h2d_effective_gbps"):
+            lines += ["", f"From the streamed run's trace (last step): effective host-to-device rate "
+                      f"{st['h2d_effective_gbps']:.1f} GB/s ({st['h2d_weight_bytes'] / 1e9:.2f} GB of weights over "
+                      f"{st['h2d_lane_s']:.3f} s from staging each part until its device copy was ready); the "
+                      f"forward's wait for its next part {st['forward_wait_per_block_s'] or 0:.4f} s per block "
+                      f"(per part: {st['forward_wait_s']})."]
     return "\n".join(lines)
 
 
@@ -227,7 +265,7 @@ def main() -> int:
     link = tp = None
     failed = False
     try:
-        link = link_bandwidth(a.link_mib << 20, a.reps)
+        link = link_bandwidth(a.link_mib << 20, a.reps, cfg)
         emit({"section": "link", **link})
     except Exception:  # noqa: BLE001  each section reports on its own
         traceback.print_exc()

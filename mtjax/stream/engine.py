@@ -246,8 +246,10 @@ class StreamEngine:
         slot = self.pool.acquire(self.schemas[part])
         with self.tracer.span("read", part):
             self.updater.compute_into(part, slot.buffers, fresh)
-        with self.tracer.span("h2d", part):
-            return slot, self.pool.put(slot, part)
+        start = self.tracer.now()
+        weights = self.pool.put(slot, part)
+        self.tracer.watch("h2d", part, weights, since=start)  # until the device copy is ready
+        return slot, weights
 
     def _tokens(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, np.int32)
@@ -321,7 +323,8 @@ class StreamEngine:
         return metrics
 
     def _take(self, feed: Prefetcher, part: str):
-        item, loaded = feed.get()
+        with self.tracer.span("wait", part):
+            item, loaded = feed.get()
         assert item == part, f"prefetch order broken: expected {part}, got {item}"
         return loaded
 
@@ -466,5 +469,6 @@ class StreamEngine:
         self.grads.close()
         self.tracer.close()
         self.tiers.close()
+        self.placement.close()
         if self._owns_store:
             self.store.close()

@@ -8,11 +8,17 @@ staging pool also counts staged weights against the device budget.
 
 Where the backend has a `pinned_host` memory kind and is not the CPU itself, weights go
 host buffer -> pinned host array -> device, the fast DMA path, and kept activations and
-gradients come back through pinned host memory.
+gradients come back through pinned host memory. The first leg is a host memcpy and the
+slow one (9.7 GB/s on the H200 host against 52 GB/s for the DMA, docs/benchmarks.md),
+and staging a part as one `device_put` ran the two legs one after the other (8.1 GB/s).
+So each leaf of a part is staged on a thread of its own: the leaves' copies into pinned
+memory run in parallel, and each leaf's DMA starts as soon as its own copy is done,
+under the copies of the others.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 
@@ -23,6 +29,8 @@ from jax.sharding import SingleDeviceSharding
 from mtjax.hostmem import BufferPool
 from mtjax.stream.budget import DeviceLedger
 from mtjax.stream.tiers import host_device
+
+STAGE_THREADS = 4  # leaves of a part copied into pinned memory at once (a block has 7 large ones)
 
 
 def raise_host_memory_limit(nbytes: int) -> None:
@@ -49,11 +57,13 @@ class Slot:
 class Placement:
     """Moves arrays between host memory and one device."""
 
-    def __init__(self, device: jax.Device | None = None):
+    def __init__(self, device: jax.Device | None = None, pinned: bool | None = None,
+                 threads: int = STAGE_THREADS):
         self.device = device or jax.devices()[0]
         kinds = {m.kind for m in self.device.addressable_memories()}
-        # On the CPU backend the device memory is host memory: a pinned copy adds nothing.
-        self.pinned = self.device.platform != "cpu" and "pinned_host" in kinds
+        # On the CPU backend the device memory is host memory: a pinned copy adds nothing
+        # (`pinned=True` forces the path anyway, for tests of the GPU path on the CPU).
+        self.pinned = (self.device.platform != "cpu" if pinned is None else pinned) and "pinned_host" in kinds
         self.on_device = SingleDeviceSharding(self.device)
         self.host_kind = "pinned_host" if "pinned_host" in kinds else None
         self.on_host = SingleDeviceSharding(self.device, memory_kind=self.host_kind) if self.host_kind else None
@@ -63,12 +73,31 @@ class Placement:
                 jax.block_until_ready(jax.device_put(jax.device_put(np.zeros(8, np.float32), self.on_host), self.on_device))
             except Exception as e:  # noqa: BLE001  fall back to plain transfers, and say why
                 self.pinned, self.pinned_error = False, f"{type(e).__name__}: {e}"
+        # Threads start on first use: none on the CPU path, which never stages through pinned memory.
+        self._stagers = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="mtjax-stage") \
+            if threads > 1 else None
+
+    def _stage(self, buffer: np.ndarray) -> jax.Array:
+        pinned = jax.device_put(buffer, self.on_host)  # host buffer -> pinned: a host memcpy
+        return jax.device_put(pinned, self.on_device)  # pinned -> device: a DMA, asynchronous
 
     def to_device(self, buffers: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Staged host buffers -> device arrays (asynchronous; may alias the buffers)."""
-        if self.pinned:
-            buffers = jax.device_put(buffers, self.on_host)  # host buffer -> pinned: a host memcpy
-        return jax.device_put(buffers, self.on_device)
+        """Staged host buffers -> device arrays (the DMAs asynchronous; may alias the buffers).
+
+        Returns once every leaf's bytes are out of `buffers` or owned by its device copy's
+        pending transfer: the caller's fence (the readers of the device copy) covers them.
+        """
+        if not self.pinned:
+            return jax.device_put(buffers, self.on_device)
+        if self._stagers is None or len(buffers) < 2:
+            return {n: self._stage(b) for n, b in buffers.items()}
+        futures = {n: self._stagers.submit(self._stage, b) for n, b in buffers.items()}
+        return {n: f.result() for n, f in futures.items()}
+
+    def close(self) -> None:
+        if self._stagers is not None:
+            self._stagers.shutdown(wait=True)
+            self._stagers = None
 
     def tokens(self, tokens: np.ndarray) -> jax.Array:
         return jax.device_put(tokens, self.on_device)

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import jax
 
-STAGES = ("read", "h2d", "compute", "d2h", "optimizer", "write")
+# "h2d": from staging a part until its device copy is ready; "wait": the training loop
+# waiting for the next part to arrive (the stall a slower store or link causes).
+STAGES = ("read", "h2d", "compute", "d2h", "optimizer", "write", "wait")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +71,10 @@ class Tracer:
         finally:
             self._record(stage, part, start, self.now(), step)
 
-    def watch(self, stage: str, part: str, arrays) -> None:
-        """Time asynchronous device work from now until `arrays` are ready."""
-        self._pending.put((stage, part, self.now(), self.step, jax.tree.leaves(arrays)))
+    def watch(self, stage: str, part: str, arrays, since: float | None = None) -> None:
+        """Time asynchronous device work from now (or `since`, a `now()` taken when it
+        began) until `arrays` are ready."""
+        self._pending.put((stage, part, self.now() if since is None else since, self.step, jax.tree.leaves(arrays)))
 
     def _watch_loop(self) -> None:
         while True:
@@ -103,6 +106,12 @@ class Tracer:
                 if e.step == step:
                     out[e.stage] = out.get(e.stage, 0.0) + e.end - e.start
         return out
+
+    def per_part(self, step: int, stage: str) -> list[tuple[str, float]]:
+        """(part, seconds) of every event of one stage in one step, in the order they began."""
+        with self._lock:
+            events = sorted((e for e in self.events if e.step == step and e.stage == stage), key=lambda e: e.start)
+        return [(e.part, e.end - e.start) for e in events]
 
     def chrome_trace(self) -> dict:
         """The events as Chrome trace JSON (open in https://ui.perfetto.dev)."""
