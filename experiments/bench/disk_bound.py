@@ -115,6 +115,8 @@ def measure(args, work: Path) -> dict:
             moved.append((r1 - r0, w1 - w0))
     traffic = stream.schedule.traffic
     stages = stream.stage_seconds()
+    if args.trace:
+        stream.write_trace(args.trace)
     stream.close()
     store.close()
     bound = traffic.disk_read_bytes / disk_read + traffic.disk_write_bytes / disk_write
@@ -180,6 +182,7 @@ def main() -> None:
     ap.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the in-memory reference trainer")
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory for the store (on the disk to test)")
+    ap.add_argument("--trace", type=Path, help="also write the streamed engine's Chrome trace here")
     ap.add_argument("--doc", action="store_true", help="write the section of docs/benchmarks.md")
     args = ap.parse_args()
     if args.quick:

@@ -81,14 +81,13 @@ class Updater:
             fut.result()
         self.tiers.wait()  # also lets the store drop the results of finished reads
 
-    def _read_for_update(self, part: str, kind: str):
-        """(arrays, buffers to hand back or None): disk reads land in reused buffers."""
+    def _start_read_for_update(self, part: str, kind: str):
+        """(future of the arrays, buffers to hand back or None): disk reads land in reused
+        buffers. Returns at once, so that a part's reads run together."""
         if self.tiers.placement[kind] == "ram":
-            return self.read(part, kind), None
-        schema = self.tiers.schema(part, kind)
-        buffers = self.read_buffers.acquire(schema)
-        with self.tracer.span("read", part):
-            return self.tiers.read(part, kind, out=buffers).result(), buffers
+            return self.tiers.read(part, kind), None
+        buffers = self.read_buffers.acquire(self.tiers.schema(part, kind))
+        return self.tiers.read(part, kind, out=buffers), buffers
 
     # --- the compute copy -----------------------------------------------------------
 
@@ -119,10 +118,21 @@ class Updater:
         """The deferred optimizer update of `part`, if one is pending; returns the new compute copy."""
         if self.one_copy is not None:
             self.one_copy.check_may_update(part, self.grads)
-        grads = self.grads.take(part)
-        if grads is None:
+        if part not in self.grads.pending():
             return None
-        (master, m_bufs), (opt, o_bufs) = self._read_for_update(part, "master"), self._read_for_update(part, "opt")
+        # Master and optimizer state are read at once (on disk: the store's I/O threads
+        # keep both in flight), while the gradient sum comes back from its spill file.
+        (master, m_bufs), (opt, o_bufs) = (self._start_read_for_update(part, k) for k in ("master", "opt"))
+        try:
+            grads = self.grads.take(part)
+        except BaseException:  # a damaged spill file: the reads' buffers go back once they are done
+            cf.wait([master, opt])
+            for bufs in (m_bufs, o_bufs):
+                if bufs is not None:
+                    self.read_buffers.release(bufs)
+            raise
+        with self.tracer.span("read", part):
+            master, opt = master.result(), opt.result()
         # The old compute copy receives the new one (RAM tier only), and RAM-tier state is
         # updated in place: nothing else reads it while its part's update is pending.
         old = self.read(part, "compute") if "compute" in self.kept_in_ram() else None
