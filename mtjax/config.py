@@ -106,12 +106,29 @@ class StreamConfig:
     keep_every: int = 1  # keep block inputs every k blocks; 0 keeps only the embedding output
     activations: str = "device"  # where kept block inputs wait for the backward: device | host
     device_budget_bytes: int | None = None  # cap on device memory use, checked before step 1; None: no cap
+    # Parts whose whole state (weights, fp32 master, AdamW state) stays on the device across
+    # steps, updated there: auto (the planner's choice for the budget, made at a run's
+    # preflight; an engine built directly takes it as none) | none | all | a count (the parts
+    # whose streaming costs most, schedule.residency_order) | a list of part names.
+    resident: int | str | tuple[str, ...] = "auto"
 
     def __post_init__(self):
         _check_choice("stream.engine", self.engine, ("reference", "stream"))
         _check_choice("stream.activations", self.activations, ("device", "host"))
         if self.prefetch_depth < 1 or self.keep_every < 0:
             raise ConfigError("stream.prefetch_depth must be >= 1 and stream.keep_every >= 0")
+        r = self.resident
+        if isinstance(r, str) and r not in ("auto", "none", "all"):
+            r = tuple(p.strip() for p in r.split(",") if p.strip())  # "embed,block.0" from a command line
+        if isinstance(r, list):
+            r = tuple(r)  # hashable, as a frozen config must be
+        object.__setattr__(self, "resident", r)
+        ok = (r in ("auto", "none", "all") if isinstance(r, str) else
+              isinstance(r, int) and not isinstance(r, bool) and r >= 0 if not isinstance(r, tuple) else
+              all(isinstance(p, str) for p in r))
+        if not ok:
+            raise ConfigError(f"stream.resident must be auto, none, all, a count >= 0 or a list of part names "
+                              f"(embed, block.N, head), got {self.resident!r}")
 
 
 @dataclasses.dataclass(frozen=True)

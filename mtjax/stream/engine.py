@@ -38,6 +38,7 @@ from mtjax.stream.blockfns import block_fns
 from mtjax.stream.commit import OneCopy
 from mtjax.stream.grads import GradSink
 from mtjax.stream.prefetch import Prefetcher
+from mtjax.stream.resident import Resident
 from mtjax.stream.staging import Placement, StagingPool, raise_host_memory_limit
 from mtjax.stream.tiers import Tiers, host_device
 from mtjax.stream.trace import Tracer
@@ -112,6 +113,9 @@ class StreamEngine:
             self._load_ram_kinds()
         else:
             self._init_state(params, opt_state)
+        self.resident = Resident(schedule_mod.resident_parts(cfg, stream.resident, self.groups), self.update,
+                                 self.placement)
+        self._load_resident()
         if batch_shape is not None:
             self.check_budget(*batch_shape)
 
@@ -160,6 +164,28 @@ class StreamEngine:
                 arrays = self.store.read(p.name, kind).result()
                 self.tiers.write(p.name, kind, jax.device_put(arrays, host_device()))
 
+    def _load_resident(self) -> None:
+        """Resident parts' state onto the device, from the tiers (a resumed one-copy store's
+        pending update of such a part is applied first, on the host)."""
+        for p in self.resident.names:
+            self.updater.updated(p)
+        self.updater.wait_writes()
+        for p in self.resident.names:
+            self.resident.load(p, self.updater.read(p, "master"), self.updater.read(p, "opt"))
+
+    def _resident_to_tiers(self) -> None:
+        """A commit brings the resident state to the host: into the tiers, from where the
+        commit writes it like any other (no compute copy where none is kept)."""
+        for p in self.resident.names:
+            for kind in parts_mod.KINDS:
+                if not (kind == "compute" and self.derived_compute):
+                    self.updater.write(p, kind, self.resident.to_host(p, kind))
+        self.updater.wait_writes()
+
+    def _read_state(self, part: str, kind: str) -> dict:
+        """One kind of a part's current state, as host arrays, wherever it lives."""
+        return self.resident.to_host(part, kind) if part in self.resident else self.updater.read(part, kind)
+
     def flush(self) -> None:
         """Apply every pending update (before reading state, a checkpoint or the end)."""
         self.updater.flush()
@@ -169,7 +195,7 @@ class StreamEngine:
         self.flush()
         out = {}
         for p in self.parts:
-            tree = treepath.unflatten(parts_mod.abstract_part(self.cfg, p.name), self.updater.read(p.name, "master"))
+            tree = treepath.unflatten(parts_mod.abstract_part(self.cfg, p.name), self._read_state(p.name, "master"))
             # Copies: the next update overwrites RAM-tier arrays in place.
             out[p.name] = jax.tree.map(lambda a: jnp.asarray(np.array(a)), tree)
         n = self.cfg.num_hidden_layers
@@ -178,7 +204,7 @@ class StreamEngine:
     def opt_state(self):
         """The optimizer state shaped as the reference trainer's `tx.init(params)`."""
         self.flush()
-        per_part = {p.name: {n: jnp.asarray(np.array(a)) for n, a in self.updater.read(p.name, "opt").items()}
+        per_part = {p.name: {n: jnp.asarray(np.array(a)) for n, a in self._read_state(p.name, "opt").items()}
                     for p in self.parts}
         return full_opt_state(self.cfg, self.tx, per_part)
 
@@ -195,11 +221,14 @@ class StreamEngine:
             # Updates already started (by an earlier commit of this step) must finish first:
             # a commit changes which slot each part's next write goes to.
             self.updater.settle()
+            self._resident_to_tiers()  # resident parts' updated state, named by this commit
             self.one_copy.commit(step, train_state, self.grads, self.updater.scale)
             if not flush:
                 self.updater.start()  # only now may they overwrite the one copy
                 return
         self.flush()
+        if self.one_copy is None:  # (a one-copy commit has just written them)
+            self._resident_to_tiers()
         for kind in self.tiers.kinds_in("ram"):
             for p in self.parts:
                 if kind == "compute" and self.derived_compute:
@@ -232,6 +261,8 @@ class StreamEngine:
         self.schedule = s = self.plan(batch, seq, accum)
         self.ledger.enforce(s.device, schedule_mod.check_budget(s.device, self.options.device_budget_bytes))
         self._residual_bytes = s.device.residuals // max(len(g) for g in s.groups)  # one block's
+        if self.ledger.held_by_use["resident"] == 0 and self.resident:
+            self.ledger.hold(self.resident.nbytes, "the resident parts' state", "resident")
         if self.placement.pinned:
             # Pinned host memory in flight: staged parts of each shape (embedding, blocks,
             # head), plus the kept activations when they wait in host memory.
@@ -295,12 +326,17 @@ class StreamEngine:
             losses = self._train_pass(feed, [self.placement.tokens(t) for t in tokens], 1.0 / accum)
         except BaseException:
             self.grads.discard()  # a failed step's partial sums must not reach the next step
+            self.resident.drop()
             raise
         finally:
             for slot, _ in feed.close():
                 self.pool.release(slot, [])
         # Host sync: the clip scale needs every part's gradient norm.
         sq = self.grads.finish(tag=f"g{self.step_count + 1}")
+        if self.resident:  # the resident parts' norms, from the device
+            resident_sq = self.resident.finish()
+            self.grads.last_sq.update(resident_sq)
+            sq = sq + sum(resident_sq.values())
         self.step_count += 1
         # One host sync per step for the metrics, after the last block is enqueued.
         loss, norm_sq = float(np.mean([float(x) for x in losses])), float(sq)
@@ -309,9 +345,12 @@ class StreamEngine:
             order = ["head", *(f"block.{i}" for i in reversed(range(self.cfg.num_hidden_layers))), "embed"]
             bad = [p for p in order if not math.isfinite(float(self.grads.last_sq.get(p, 0.0)))]
             self.grads.drop_ready()
+            self.resident.drop()
             self.updater.wait_writes()
             raise NonFiniteStep(self.step_count, loss, bad)
-        self.updater.ready(clip_scale(sq, self.clip_norm))  # the updates start (one-copy: at the commit)
+        scale = clip_scale(sq, self.clip_norm)
+        self.updater.ready(scale)  # the updates start (one-copy: at the commit)
+        self.resident.update(scale)  # on the device, now: its state is in no store until a commit
         metrics = {"loss": loss, "grad_norm": math.sqrt(norm_sq)}
         if self.tiers.kinds_in("disk"):
             # Disk bandwidth over the step's wall time: state and gradient bytes moved meanwhile.
@@ -321,6 +360,9 @@ class StreamEngine:
         return metrics
 
     def _take(self, feed: Prefetcher, part: str):
+        """(slot, weights) of the next part; a resident part's weights, and no slot."""
+        if part in self.resident:
+            return None, self.resident.weights(part)
         item, loaded = feed.get()
         assert item == part, f"prefetch order broken: expected {part}, got {item}"
         return loaded
@@ -380,11 +422,11 @@ class StreamEngine:
             losses.append(loss)
             dxs.append(dx)
             dhead = self._sum(dhead, dh, len(toks))
-            dembed = self._sum(dembed, de, len(toks)) if tied[0] is not None else None
+            dembed = self._sum(dembed, de, len(toks)) if tied[1] is not None else None
         trace.watch("compute", "head", dxs)
         pool.release(head_slot, dxs)
-        self.grads.add("head", dhead)
-        if tied[0] is not None:
+        self._add_grad("head", dhead)
+        if tied[1] is not None:
             pool.release(tied[0], dxs)  # dembed waits on the device for the lookup's gradient
         del xs, head_w, tied
 
@@ -398,8 +440,12 @@ class StreamEngine:
         if dembed is not None:  # tied: the head's use of the embedding plus the lookup's
             de = fns.grad_add(fns.grad_to_f32(dembed), de)
         trace.watch("compute", "embed", de)
-        self.grads.add("embed", de)
+        self._add_grad("embed", de)
         return losses
+
+    def _add_grad(self, part: str, grads: dict) -> None:
+        """A part's summed gradient of the step: to the host, or kept on the device (resident)."""
+        (self.resident.add_grad if part in self.resident else self.grads.add)(part, grads)
 
     def _sum(self, acc, grads, count: int):
         """Running sum of a part's gradients over the micro-batches, on the device (fp32).
@@ -448,7 +494,7 @@ class StreamEngine:
         self.tracer.watch("compute", f"block.{i}", dxs)
         # The dxs are computed by the programs that last read the slot's weights.
         self.pool.release(slot, dxs)
-        self.grads.add(f"block.{i}", dw)
+        self._add_grad(f"block.{i}", dw)
 
     # --- reporting -----------------------------------------------------------------
 

@@ -21,6 +21,11 @@ block inputs waiting in host memory cross each way once per micro-batch. Disk by
 those of the steady state: one step's streaming plus one deferred update of every part
 (the previous step's), which reads master and optimizer state and writes them back with
 the compute copy where one is kept.
+
+Resident parts (`stream.resident`, `resident`) keep their whole state on the device
+across steps and are updated there: they cross no link and touch no disk in a step; only
+a commit brings their state to the host (every step with a one-copy store, so there it is
+step traffic, `d2h_resident`; otherwise at each checkpoint, `commit_bytes`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import numpy as np
 
 from mtjax import model, parts, treepath
 from mtjax.config import StoreConfig, StreamConfig
+from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig
 from mtjax.stream import fused_adamw
 from mtjax.stream.budget import DeviceBudgetError
@@ -80,10 +86,11 @@ class DevicePlan:
     residuals: int  # vjp residuals of one recompute group (the weights they keep are counted above)
     head: int  # fp32 logits, softmax and their gradient at the LM head
     working: int  # hidden states of every micro-batch between parts, temporaries, gradients in flight
+    resident: int = 0  # resident parts' compute, master and optimizer state and their fp32 gradient sums
 
     @property
     def total(self) -> int:
-        return self.weights + self.activations + self.residuals + self.head + self.working
+        return self.weights + self.activations + self.residuals + self.head + self.working + self.resident
 
     def describe(self) -> str:
         return ", ".join(f"{f.name} {getattr(self, f.name) / 2**20:.1f} MiB" for f in dataclasses.fields(self))
@@ -98,6 +105,7 @@ class Traffic:
     h2d_activations: int  # kept block inputs coming back for the backward (activations=host)
     d2h_grads: int  # each part's summed gradient, once
     d2h_activations: int  # kept block inputs going out to host memory (activations=host)
+    d2h_resident: int  # resident parts' state brought to the host by a one-copy store's commit (every step)
     disk_read: dict  # {"compute" | "master" | "opt" | "grads": bytes}
     disk_write: dict  # same keys; "grads" are the spilled gradient sums
     host_memory: int  # read + written by the host CPU: optimizer, gradients, staging copies, disk I/O
@@ -108,7 +116,7 @@ class Traffic:
 
     @property
     def d2h(self) -> int:
-        return self.d2h_grads + self.d2h_activations
+        return self.d2h_grads + self.d2h_activations + self.d2h_resident
 
     @property
     def disk_read_bytes(self) -> int:
@@ -131,6 +139,7 @@ class Schedule:
     part_bytes: dict  # {part: StateBytes}
     groups: tuple  # recompute groups: block ranges whose first input is kept
     last_stays: bool  # the last block stays on the device from its forward to its backward
+    resident: tuple  # parts that stay on the device with their whole state, updated there
     forward: tuple  # parts a forward-only pass (evaluation) streams, in order
     transfers: tuple  # parts a training step streams, in order
     grad_bytes: dict  # {part: bytes of its gradient leaving the device}
@@ -142,6 +151,17 @@ class Schedule:
     def state(self) -> StateBytes:
         """Totals over all parts."""
         return StateBytes(*(sum(b.get(k) for b in self.part_bytes.values()) for k in parts.KINDS))
+
+    @property
+    def streamed(self) -> tuple[str, ...]:
+        """The parts that are not resident, in model order."""
+        return tuple(p for p in self.part_bytes if p not in self.resident)
+
+    @property
+    def commit_bytes(self) -> int:
+        """Bytes a commit brings from the device to the host: every resident part's
+        compute, master and optimizer state."""
+        return sum(sum(self.part_bytes[p].get(k) for k in parts.KINDS) for p in self.resident)
 
     @property
     def kept_bytes(self) -> int:
@@ -173,6 +193,36 @@ def train_parts(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[str, ...]
     forward order within a group; without the last block when it stays on the device."""
     bwd = [f"block.{i}" for g in reversed(groups_) for i in g]
     return forward_parts(cfg) + tuple(bwd[1:] if last_stays(groups_) else bwd)
+
+
+def residency_order(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[str, ...]:
+    """Every part, those whose streaming costs most first: by how often a step streams it
+    (blocks of multi-block recompute groups and a tied embedding twice, the rest once),
+    then in model order. `stream.resident: N` keeps the first N resident."""
+    crossings = {}
+    for p in train_parts(cfg, groups_):
+        crossings[p] = crossings.get(p, 0) + 1
+    names = [p.name for p in parts.parts(cfg)]
+    return tuple(sorted(names, key=lambda p: -crossings.get(p, 0)))
+
+
+def resident_parts(cfg: ModelConfig, spec, groups_: tuple[range, ...]) -> tuple[str, ...]:
+    """The resident parts `stream.resident` names, in model order. "auto" is the planner's
+    to resolve (mtjax.plan.residency); unresolved, nothing is resident."""
+    names = [p.name for p in parts.parts(cfg)]
+    if spec in ("auto", "none"):
+        chosen = ()
+    elif spec == "all":
+        chosen = tuple(names)
+    elif isinstance(spec, int):
+        chosen = residency_order(cfg, groups_)[:spec]
+    else:
+        unknown = [p for p in spec if p not in names]
+        if unknown:
+            raise MtjaxError(f"stream.resident names {unknown}, which this model does not have; its parts are "
+                             f"embed, block.0 ... block.{cfg.num_hidden_layers - 1}, head")
+        chosen = tuple(spec)
+    return tuple(p for p in names if p in chosen)
 
 
 def derives_compute(fused: bool, store: StoreConfig) -> bool:
@@ -240,7 +290,9 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     fused = fused_adamw.supports(cfg.compute_dtype) if fused is None else fused
     pb = part_bytes(cfg, tx) if part_bytes_ is None else part_bytes_
     grps = groups(cfg.num_hidden_layers, stream.keep_every)
-    transfers = train_parts(cfg, grps)
+    resident = resident_parts(cfg, stream.resident, grps)
+    transfers = tuple(p for p in train_parts(cfg, grps) if p not in resident)
+    streamed = {p: b for p, b in pb.items() if p not in resident}  # state that lives on the host
     derived = derives_compute(fused, store)
     where = spill(store)
     hidden = shape.batch * shape.seq * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize
@@ -257,32 +309,40 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
         reads["compute"] = h2d_weights  # every transfer reads its part from the store
     for kind in ("master", "opt"):  # the update reads them and writes them back
         if getattr(store, kind) == "disk":
-            reads[kind] = writes[kind] = sum(b.get(kind) for b in pb.values())
+            reads[kind] = writes[kind] = sum(b.get(kind) for b in streamed.values())
     if store.compute == "disk":  # the update writes the new copy; the next step reads it back
-        writes["compute"] = sum(b.compute for b in pb.values())
-    grad32 = sum(b.master for b in pb.values())
+        writes["compute"] = sum(b.compute for b in streamed.values())
+    grad32 = sum(b.master for b in streamed.values())
     if where is not None:  # each fp32 sum goes to its file once and comes back for the update
         reads["grads"] = writes["grads"] = grad32
+    d2h_resident = 0
+    if store.copies == 1 and resident:  # each step's commit writes the resident state into the store
+        d2h_resident = sum(sum(pb[p].get(k) for k in parts.KINDS) for p in resident)
+        for kind in parts.KINDS:
+            writes[kind] += sum(pb[p].get(kind) for p in resident)
 
     traffic = Traffic(
         h2d_weights=h2d_weights,
         h2d_tokens=shape.accum * shape.batch * shape.seq * TOKEN_BYTES,
         h2d_activations=kept if on_host else 0,
-        d2h_grads=sum(grad.values()),
+        d2h_grads=sum(g for p, g in grad.items() if p in streamed),
         d2h_activations=kept if on_host else 0,
+        d2h_resident=d2h_resident,
         disk_read=reads, disk_write=writes,
-        host_memory=_host_memory(pb, transfers, grad, fused, derived, store,
-                                 sum(reads.values()) + sum(writes.values())),
+        host_memory=_host_memory(streamed, transfers, {p: g for p, g in grad.items() if p in streamed}, fused,
+                                 derived, store, sum(reads.values()) + sum(writes.values())),
     )
-    return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps), forward_parts(cfg),
-                    transfers, grad, hidden, traffic, _device_plan(cfg, stream, shape, pb, grps, grad, hidden))
+    forward = tuple(p for p in forward_parts(cfg) if p not in resident)
+    return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps), resident, forward,
+                    transfers, grad, hidden, traffic,
+                    _device_plan(cfg, stream, shape, pb, grps, grad, hidden, resident))
 
 
 def _host_memory(pb: dict[str, StateBytes], transfers, grad: dict, fused: bool, derived: bool, store: StoreConfig,
                  disk_io: int) -> int:
     """Bytes the host CPU reads and writes in one step (DMA is the link's: the planner
     adds it where the device is not the host)."""
-    m = sum(b.master for b in pb.values())
+    m = sum(b.master for b in pb.values())  # of the parts updated on the host
     o = sum(b.opt for b in pb.values())
     c = sum(b.compute for b in pb.values())
     if fused:  # one loop: reads master, both moments, gradient; writes master, moments (+ copy)
@@ -308,12 +368,14 @@ def _host_memory(pb: dict[str, StateBytes], transfers, grad: dict, fused: bool, 
 
 
 def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: dict[str, StateBytes],
-                 grps: tuple[range, ...], grad: dict, hidden: int) -> DevicePlan:
+                 grps: tuple[range, ...], grad: dict, hidden: int, resident: tuple = ()) -> DevicePlan:
     """Device bytes of the step; every term comes from abstract shapes. Every micro-batch
     runs through a part before the next part (their hidden states wait between parts),
-    and each part's gradient is summed on the device in fp32."""
+    and each part's gradient is summed on the device in fp32. Resident parts hold their
+    state and an fp32 gradient sum (their update's input) for the whole run."""
     group = max(len(g) for g in grps)
-    max_part = max(b.compute for b in pb.values())
+    # Staging slots hold streamed parts only; none when everything is resident.
+    max_part = max((b.compute for p, b in pb.items() if p not in resident), default=0)
     residual = max(residual_bytes(cfg, kind, shape.batch, shape.seq) for kind in cfg.block_kinds)
     # Several micro-batches: the fp32 sums in progress, a group's blocks' or the head's
     # (with the tied embedding's).
@@ -328,6 +390,7 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
         residuals=group * residual,
         head=3 * shape.batch * shape.seq * cfg.vocab_size * 4,
         working=(3 + shape.accum) * hidden + 2 * max(grad.values()) + sums,
+        resident=sum(pb[p].compute + 2 * pb[p].master + pb[p].opt for p in resident),
     )
 
 
@@ -339,6 +402,6 @@ def check_budget(plan: DevicePlan, budget: int | None) -> int:
         raise DeviceBudgetError(
             f"this run needs {plan.total / 2**20:.1f} MiB on the device ({plan.describe()}) but "
             f"stream.device_budget_bytes is {budget / 2**20:.1f} MiB: raise the budget, lower "
-            f"stream.prefetch_depth or stream.keep_every, or set stream.activations=host"
+            f"stream.prefetch_depth, stream.keep_every or stream.resident, or set stream.activations=host"
         )
     return budget
