@@ -106,11 +106,10 @@ class StreamConfig:
     keep_every: int = 1  # keep block inputs every k blocks; 0 keeps only the embedding output
     activations: str = "device"  # where kept block inputs wait for the backward: device | host
     device_budget_bytes: int | None = None  # cap on device memory use, checked before step 1; None: no cap
-    # Parts whose whole state (weights, fp32 master, AdamW state) stays on the device across
-    # steps, updated there: auto (the planner's choice for the budget, made at a run's
-    # preflight; an engine built directly takes it as none) | none | all | a count (the parts
-    # whose streaming costs most, schedule.residency_order) | a list of part names.
-    resident: int | str | tuple[str, ...] = "auto"
+    # auto: the planner's choice for the device budget, made when a run starts (an engine
+    # built directly, and `mtjax plan`, take auto as none); a count: the parts whose
+    # streaming costs most (schedule.residency_order); a list: those parts.
+    resident: int | str | tuple[str, ...] = "auto"  # parts whose whole state stays on the device, updated there: auto | none | all | N | embed,block.0,...
 
     def __post_init__(self):
         _check_choice("stream.engine", self.engine, ("reference", "stream"))

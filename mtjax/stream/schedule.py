@@ -109,6 +109,7 @@ class Traffic:
     disk_read: dict  # {"compute" | "master" | "opt" | "grads": bytes}
     disk_write: dict  # same keys; "grads" are the spilled gradient sums
     host_memory: int  # read + written by the host CPU: optimizer, gradients, staging copies, disk I/O
+    device_update: int = 0  # read + written on the device by the resident parts' update (the optax program)
 
     @property
     def h2d(self) -> int:
@@ -331,6 +332,8 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
         disk_read=reads, disk_write=writes,
         host_memory=_host_memory(streamed, transfers, {p: g for p, g in grad.items() if p in streamed}, fused,
                                  derived, store, sum(reads.values()) + sum(writes.values())),
+        # As the host's XLA program: mu, nu, master and the compute copy in four passes.
+        device_update=sum(3 * pb[p].opt + 5 * pb[p].master + pb[p].compute for p in resident),
     )
     forward = tuple(p for p in forward_parts(cfg) if p not in resident)
     return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps), resident, forward,
