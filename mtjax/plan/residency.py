@@ -51,8 +51,9 @@ def candidates(cfg: ModelConfig, stream: StreamConfig) -> list[tuple[str, ...]]:
 
 def choose(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
            budget: int | None, tx=None) -> Plan:
-    """The plan of the fastest resident set whose device plan fits `budget` (ties: the
-    fewer device bytes); with no budget, or none that fits, nothing is resident."""
+    """The plan of the fastest resident set whose device plan fits `budget`; among equally
+    fast ones (streaming hidden behind compute), the one that moves fewest bytes over the
+    link, then the fewest device bytes. With no budget, or none that fits, nothing is resident."""
     pb = schedule.part_bytes(cfg, make_optimizer(OptimConfig()) if tx is None else tx)
 
     def at(resident) -> Plan:
@@ -65,7 +66,7 @@ def choose(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: St
     fitting = [p for p in plans if p.device.total <= budget]
     if not fitting:
         return at(())
-    return min(fitting, key=lambda p: (p.times.step, p.device.total))
+    return min(fitting, key=lambda p: (p.times.step, p.traffic.h2d + p.traffic.d2h, p.device.total))
 
 
 def budget_for(stream: StreamConfig, hardware: HardwareProfile) -> int | None:
