@@ -7,7 +7,7 @@ budget, the one the cost model prices fastest.
 Parts that the schedule streams equally often and that hold the same bytes are
 interchangeable in the step's price (traffic, device plan and fixed costs depend only on
 how many of them are resident), so the candidates are every combination of a count per
-such class (`classes`): (L + 1) x 4 sets for L identical blocks, not 2^(L + 2).
+such class (`classes`): at most 8 (L + 1) sets for L identical blocks, not 2^(L + 2).
 """
 
 from __future__ import annotations

@@ -319,7 +319,7 @@ class StreamEngine:
         start, (read0, written0) = time.perf_counter(), self._io_bytes()
         accum = len(tokens)
         self.tracer.begin_step(self.step_count)
-        self.ledger.reset()  # nothing stays on the device between steps (even after a failed one)
+        self.ledger.reset()  # only resident state stays on the device between steps (even after a failed one)
         self.updater.wait_writes()
         feed = Prefetcher(self.schedule.transfers, self._load, self.options.prefetch_depth)
         try:
