@@ -110,10 +110,16 @@ class StreamConfig:
     # built directly, and `mtjax plan`, take auto as none); a count: the parts whose
     # streaming costs most (schedule.residency_order); a list: those parts.
     resident: int | str | tuple[str, ...] = "auto"  # parts whose whole state stays on the device, updated there: auto | none | all | N | embed,block.0,...
+    # What the backward keeps of a recompute group whose blocks are all resident: full
+    # (recompute each block from the group's input, as streamed ones are), dots (keep the
+    # forward's projections, model.REMAT_POLICIES) or none (keep every residual: no
+    # recompute). auto: the planner's choice with stream.resident (an engine built directly: full).
+    remat: str = "auto"  # what resident blocks keep for the backward: auto | full | dots | none
 
     def __post_init__(self):
         _check_choice("stream.engine", self.engine, ("reference", "stream"))
         _check_choice("stream.activations", self.activations, ("device", "host"))
+        _check_choice("stream.remat", self.remat, ("auto", "full", "dots", "none"))
         if self.prefetch_depth < 1 or self.keep_every < 0:
             raise ConfigError("stream.prefetch_depth must be >= 1 and stream.keep_every >= 0")
         r = self.resident

@@ -136,7 +136,14 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
 
     head_fwd = 2.0 * cfg.hidden_size * cfg.vocab_size * tokens
     # Blocks: forward, recompute forward, backward (2x) = 4 forwards; head: forward + backward.
-    flops = shape.accum * (4 * forward(True) + 3 * head_fwd)
+    # A saved group's blocks are not recomputed: remat none skips the whole second forward,
+    # dots all but its attention (the projections are kept; the elementwise rest is not counted).
+    saved = 0.0
+    for i in (i for g in s.saved for i in g):
+        params_i = pb[f"block.{i}"].compute // c_item
+        whole = block_forward_flops(cfg, cfg.layer_types[i], params_i, shape.batch, shape.seq)
+        saved += whole if s.remat == "none" else 2.0 * params_i * tokens
+    flops = shape.accum * (4 * forward(True) - saved + 3 * head_fwd)
     model_flops = shape.accum * (3 * forward(False) + 3 * head_fwd)
 
     # --- the links: the schedule's bytes; the device reads and writes host RAM by DMA.

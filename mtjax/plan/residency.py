@@ -51,18 +51,22 @@ def candidates(cfg: ModelConfig, stream: StreamConfig) -> list[tuple[str, ...]]:
 
 def choose(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
            budget: int | None, tx=None) -> Plan:
-    """The plan of the fastest resident set whose device plan fits `budget`; among equally
+    """The plan of the fastest resident set and remat policy (stream.remat, or each when
+    auto) whose device plan fits `budget`; among equally
     fast ones (streaming hidden behind compute), the one that moves fewest bytes over the
     link, then the fewest device bytes. With no budget, or none that fits, nothing is resident."""
     pb = schedule.part_bytes(cfg, make_optimizer(OptimConfig()) if tx is None else tx)
 
     def at(resident) -> Plan:
-        return estimate(cfg, dataclasses.replace(stream, resident=tuple(resident)), store, shape, hardware,
-                        part_bytes_=pb)
+        return estimate(cfg, dataclasses.replace(stream, resident=tuple(resident), remat=schedule.remat_of(stream)),
+                        store, shape, hardware, part_bytes_=pb)
 
     if budget is None:
         return at(())
-    plans = [at(r) for r in candidates(cfg, stream)]
+    # With room left after residency, the backward may keep more instead of recomputing.
+    remats = ("full", "dots", "none") if stream.remat == "auto" else (stream.remat,)
+    plans = [estimate(cfg, dataclasses.replace(stream, resident=r, remat=m), store, shape, hardware, part_bytes_=pb)
+             for r in candidates(cfg, stream) for m in remats]
     fitting = [p for p in plans if p.device.total <= budget]
     if not fitting:
         return at(())
@@ -80,11 +84,18 @@ def budget_for(stream: StreamConfig, hardware: HardwareProfile) -> int | None:
 def resolve(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
             tx=None) -> StreamConfig:
     """`stream` with resident=auto replaced by the parts `choose` keeps resident (as a list
-    of names); any other setting is returned as it is."""
-    if stream.resident != "auto":
-        return stream
-    plan = choose(cfg, stream, store, shape, hardware, budget_for(stream, hardware), tx)
-    return dataclasses.replace(stream, resident=plan.schedule.resident)
+    of names) and remat=auto by its policy; settings given are kept (an explicit resident
+    with remat=auto gets the fastest policy that fits for those parts)."""
+    if stream.resident == "auto":
+        plan = choose(cfg, stream, store, shape, hardware, budget_for(stream, hardware), tx)
+        return dataclasses.replace(stream, resident=plan.schedule.resident, remat=plan.schedule.remat)
+    if stream.remat == "auto":
+        budget = budget_for(stream, hardware)
+        plans = [estimate(cfg, dataclasses.replace(stream, remat=m), store, shape, hardware, tx=tx)
+                 for m in ("full", "dots", "none")]
+        fitting = [p for p in plans if budget is None or p.device.total <= budget] or plans[:1]
+        return dataclasses.replace(stream, remat=min(fitting, key=lambda p: (p.times.step, p.device.total)).stream.remat)
+    return stream
 
 
 def profile_of(device: jax.Device) -> HardwareProfile:
@@ -96,9 +107,9 @@ def profile_of(device: jax.Device) -> HardwareProfile:
 
 
 def for_run(exp):
-    """The experiment config with stream.resident=auto resolved for this process's
-    device (the trainer calls it before its preflight, which then checks the choice)."""
-    if exp.stream.engine != "stream" or exp.stream.resident != "auto":
+    """The experiment config with stream.resident and stream.remat=auto resolved for this
+    process's device (the trainer calls it before its preflight, which then checks the choice)."""
+    if exp.stream.engine != "stream" or "auto" not in (exp.stream.resident, exp.stream.remat):
         return exp
     run = inputs.from_experiment(exp)
     stream = resolve(run.cfg, run.stream, run.store, run.shape, profile_of(jax.devices()[0]), run.tx)

@@ -261,6 +261,8 @@ class StreamEngine:
         self.schedule = s = self.plan(batch, seq, accum)
         self.ledger.enforce(s.device, schedule_mod.check_budget(s.device, self.options.device_budget_bytes))
         self._residual_bytes = s.device.residuals // max(len(g) for g in s.groups)  # one block's
+        self._saved_bytes = {kind: schedule_mod.residual_bytes(self.cfg, kind, batch, seq, s.remat)
+                             for kind in self.cfg.block_kinds} if s.saved else {}
         if self.ledger.held_by_use["resident"] == 0 and self.resident:
             self.ledger.hold(self.resident.nbytes, "the resident parts' state", "resident")
         if self.placement.pinned:
@@ -381,19 +383,28 @@ class StreamEngine:
 
     def _forward(self, feed: Prefetcher, toks: list, keep: bool):
         """Embedding and blocks over every micro-batch, part by part; for training when
-        `keep`: (last hidden states, per micro-batch {block index: kept input}, resident
-        (slot, weights) or None)."""
-        fns, pool, trace = self.fns, self.pool, self.tracer
-        starts = {g.start for g in self.groups} if keep else set()
+        `keep`: (last hidden states, per micro-batch {block index: kept input, ("vjp", block
+        index): vjp kept by a saved group}, resident (slot, weights) or None)."""
+        fns, pool, trace, s = self.fns, self.pool, self.tracer, self.schedule
+        starts = {g.start for g in self.groups if g not in s.saved} if keep else set()
+        saved = {i for g in s.saved for i in g} if keep else set()
         resident = None
         slot, w = self._take(feed, "embed")
         xs = [fns.embed_forward(w, t) for t in toks]
         trace.watch("compute", "embed", xs)
         pool.release(slot, xs)  # weights dropped as soon as the part is done
-        kept = [{0: self._keep(x)} if keep else {} for x in xs]
+        kept = [{0: self._keep(x)} if 0 in starts else {} for x in xs]
         for i, kind in enumerate(self.cfg.layer_types):
             slot, w = self._take(feed, f"block.{i}")
-            xs = [fns.forward[kind](w, x) for x in xs]
+            if i in saved:  # its one forward, keeping what the backward needs
+                outs = [fns.save[s.remat][kind](w, x) for x in xs]
+                xs = [y for y, _ in outs]
+                for k, (_, vjp) in zip(kept, outs):
+                    self.ledger.hold(self._saved_bytes[kind], "residuals kept from the forward", "saved")
+                    k["vjp", i] = vjp
+                del outs
+            else:
+                xs = [fns.forward[kind](w, x) for x in xs]
             trace.watch("compute", f"block.{i}", xs)
             if keep and self.schedule.last_stays and i == self.cfg.num_hidden_layers - 1:
                 resident = slot, w  # the backward starts with this block
@@ -431,8 +442,11 @@ class StreamEngine:
         del xs, head_w, tied
 
         for group in reversed(self.groups):
-            xs = [self._unkeep(k.pop(group.start)) for k in kept]
-            dxs = self._backward_group(feed, group, xs, dxs, resident)
+            if group in self.schedule.saved:
+                dxs = self._backward_saved(group, kept, dxs)
+            else:
+                xs = [self._unkeep(k.pop(group.start)) for k in kept]
+                dxs = self._backward_group(feed, group, xs, dxs, resident)
             resident = None
         de = None
         for t, dx in zip(toks, dxs):
@@ -488,6 +502,21 @@ class StreamEngine:
         del x
         for i, slot, _ in reversed(held):
             self._finish_block(i, slot, accs[i], out)
+        return out
+
+    def _backward_saved(self, group: range, kept: list, dxs: list) -> list:
+        """A saved group's backward from the vjps its forward kept (resident blocks: no
+        weights to fetch, nothing recomputed beyond what the remat policy dropped)."""
+        kinds, count = self.cfg.layer_types, len(dxs)
+        accs, out = dict.fromkeys(group), []
+        for k, dx in zip(kept, dxs):
+            for i in reversed(group):
+                dw, dx = self.fns.backward(k.pop(("vjp", i)), dx)
+                self.ledger.free(self._saved_bytes[kinds[i]], "saved")
+                accs[i] = self._sum(accs[i], dw, count)
+            out.append(dx)
+        for i in reversed(group):
+            self._finish_block(i, None, accs[i], out)
         return out
 
     def _finish_block(self, i: int, slot, dw, dxs: list) -> None:

@@ -87,10 +87,12 @@ class DevicePlan:
     head: int  # fp32 logits, softmax and their gradient at the LM head
     working: int  # hidden states of every micro-batch between parts, temporaries, gradients in flight
     resident: int = 0  # resident parts' compute, master and optimizer state and their fp32 gradient sums
+    saved: int = 0  # vjp residuals that saved groups keep from the forward to the backward (every micro-batch)
 
     @property
     def total(self) -> int:
-        return self.weights + self.activations + self.residuals + self.head + self.working + self.resident
+        return (self.weights + self.activations + self.residuals + self.head + self.working + self.resident
+                + self.saved)
 
     def describe(self) -> str:
         return ", ".join(f"{f.name} {getattr(self, f.name) / 2**20:.1f} MiB" for f in dataclasses.fields(self))
@@ -141,6 +143,8 @@ class Schedule:
     groups: tuple  # recompute groups: block ranges whose first input is kept
     last_stays: bool  # the last block stays on the device from its forward to its backward
     resident: tuple  # parts that stay on the device with their whole state, updated there
+    remat: str  # what saved groups keep from the forward: "full" (none saved), "dots" or "none"
+    saved: tuple  # recompute groups of resident blocks whose vjps are kept from the forward: not recomputed
     forward: tuple  # parts a forward-only pass (evaluation) streams, in order
     transfers: tuple  # parts a training step streams, in order
     grad_bytes: dict  # {part: bytes of its gradient leaving the device}
@@ -168,7 +172,7 @@ class Schedule:
     def kept_bytes(self) -> int:
         """Kept block inputs of every micro-batch (the embedding output and each group's
         input), all held at once between the forward and the backward."""
-        return len(self.groups) * self.shape.accum * self.hidden_bytes
+        return (len(self.groups) - len(self.saved)) * self.shape.accum * self.hidden_bytes
 
 
 def groups(num_blocks: int, keep_every: int) -> tuple[range, ...]:
@@ -226,6 +230,20 @@ def resident_parts(cfg: ModelConfig, spec, groups_: tuple[range, ...]) -> tuple[
     return tuple(p for p in names if p in chosen)
 
 
+def remat_of(stream: StreamConfig) -> str:
+    """The remat policy of saved groups: "auto" unresolved by the planner is "full"."""
+    return "full" if stream.remat == "auto" else stream.remat
+
+
+def saved_groups(groups_: tuple[range, ...], resident: tuple[str, ...], remat: str) -> tuple[range, ...]:
+    """The recompute groups whose blocks are all resident, when the policy keeps their
+    vjps from the forward (remat dots or none): their backward needs no kept input and
+    their weights never leave, so nothing is recomputed beyond what the policy drops."""
+    if remat == "full":
+        return ()
+    return tuple(g for g in groups_ if all(f"block.{i}" in resident for i in g))
+
+
 def derives_compute(fused: bool, store: StoreConfig) -> bool:
     """Whether no compute copy is kept: with the fused update and both master and compute
     weights in RAM, the prefetcher rounds master straight into the staging slot
@@ -255,10 +273,12 @@ def part_bytes(cfg: ModelConfig, tx) -> dict[str, StateBytes]:
 
 
 @functools.lru_cache(maxsize=64)
-def residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int) -> int:
+def residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int, policy: str = "none") -> int:
     """Bytes a block's vjp keeps beyond its own weights, traced from the real block
     (`jax.eval_shape` of `jax.vjp`: nothing runs, nothing is allocated). Includes
-    whatever the attention implementation saves, e.g. [batch, heads, seq, seq] scores."""
+    whatever the attention implementation saves, e.g. [batch, heads, seq, seq] scores.
+    `policy`: the block under that model.REMAT_POLICIES entry ("none": the plain block,
+    as a recompute keeps it; "dots": its projections and inputs)."""
     name = f"block.{cfg.layer_types.index(kind)}"
     weights = parts.schema(cfg, name, "compute")
     template = parts.abstract_part(cfg, name)
@@ -267,7 +287,8 @@ def residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int) -> int:
     def forward(w, x):
         return model.block_forward(cfg, kind, treepath.unflatten(template, w), x)
 
-    saved = jax.tree.leaves(jax.eval_shape(lambda w, x: jax.vjp(forward, w, x)[1], weights, x))
+    block = model.remat_block(forward, policy)
+    saved = jax.tree.leaves(jax.eval_shape(lambda w, x: jax.vjp(block, w, x)[1], weights, x))
     # The weights appear among the residuals but are already counted as staged weights.
     unmatched = [(tuple(v.shape), np.dtype(v.dtype)) for v in weights.values()]
     total = 0
@@ -294,13 +315,15 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     resident = resident_parts(cfg, stream.resident, grps)
     transfers = tuple(p for p in train_parts(cfg, grps) if p not in resident)
     streamed = {p: b for p, b in pb.items() if p not in resident}  # state that lives on the host
+    remat = remat_of(stream)
+    saved = saved_groups(grps, resident, remat)
     derived = derives_compute(fused, store)
     where = spill(store)
     hidden = shape.batch * shape.seq * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize
     # Summed over several micro-batches a gradient is fp32; alone it leaves as computed,
     # in the compute dtype, except the embedding's (a dense fp32 table, also when tied).
     grad = {p: b.master if shape.accum > 1 or p == "embed" else b.compute for p, b in pb.items()}
-    kept = len(grps) * shape.accum * hidden
+    kept = (len(grps) - len(saved)) * shape.accum * hidden
     on_host = stream.activations == "host"
 
     h2d_weights = sum(pb[p].compute for p in transfers)
@@ -336,9 +359,9 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
         device_update=sum(3 * pb[p].opt + 5 * pb[p].master + pb[p].compute for p in resident),
     )
     forward = tuple(p for p in forward_parts(cfg) if p not in resident)
-    return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps), resident, forward,
-                    transfers, grad, hidden, traffic,
-                    _device_plan(cfg, stream, shape, pb, grps, grad, hidden, resident))
+    device = _device_plan(cfg, stream, shape, pb, grps, grad, hidden, resident, saved, remat)
+    return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps), resident, remat,
+                    saved, forward, transfers, grad, hidden, traffic, device)
 
 
 def _host_memory(pb: dict[str, StateBytes], transfers, grad: dict, fused: bool, derived: bool, store: StoreConfig,
@@ -371,7 +394,8 @@ def _host_memory(pb: dict[str, StateBytes], transfers, grad: dict, fused: bool, 
 
 
 def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: dict[str, StateBytes],
-                 grps: tuple[range, ...], grad: dict, hidden: int, resident: tuple = ()) -> DevicePlan:
+                 grps: tuple[range, ...], grad: dict, hidden: int, resident: tuple = (), saved: tuple = (),
+                 remat: str = "full") -> DevicePlan:
     """Device bytes of the step; every term comes from abstract shapes. Every micro-batch
     runs through a part before the next part (their hidden states wait between parts),
     and each part's gradient is summed on the device in fp32. Resident parts hold their
@@ -389,11 +413,14 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
         # depth parts staged ahead, plus the parts in use: a recompute group, or the head,
         # the tied embedding and the last block (resident from its forward to its backward).
         weights=(stream.prefetch_depth + max(group, 3)) * max_part,
-        activations=len(grps) * shape.accum * hidden if stream.activations == "device" else 0,
-        residuals=group * residual,
+        activations=(len(grps) - len(saved)) * shape.accum * hidden if stream.activations == "device" else 0,
+        # A recompute group's (saved groups recompute nothing).
+        residuals=max((len(g) for g in grps if g not in saved), default=0) * residual,
         head=3 * shape.batch * shape.seq * cfg.vocab_size * 4,
         working=(3 + shape.accum) * hidden + 2 * max(grad.values()) + sums,
         resident=sum(pb[p].compute + 2 * pb[p].master + pb[p].opt for p in resident),
+        saved=shape.accum * sum(residual_bytes(cfg, cfg.layer_types[i], shape.batch, shape.seq, remat)
+                                for g in saved for i in g),
     )
 
 
