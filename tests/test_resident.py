@@ -23,7 +23,7 @@ from mtjax.optim import make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate, residency
 from mtjax.stream import StreamEngine
 
-from test_stream import OPT, batches, reference, rel_errors
+from test_stream import OPT, ForwardCounter, batches, reference, rel_errors
 
 PLACEMENTS = {"ram": (StoreConfig(), 2), "disk": (StoreConfig(compute="disk", master="disk", opt="disk"), 2),
               "one-copy": (StoreConfig(compute="disk", master="disk", opt="disk", copies=1), 1)}
@@ -31,14 +31,19 @@ SHAPE = (2, 16)
 
 
 def budget_for(cfg, store: StoreConfig, accum: int, which: str) -> int:
-    """A device budget under which the planner keeps none, some or all parts resident."""
+    """A device budget under which the planner keeps none, some or all parts resident
+    ("all-saved": and room to keep every residual instead of recomputing)."""
     stream, shape = StreamConfig(), StepShape(*SHAPE, accum)
-    total = lambda resident: estimate(cfg, dataclasses.replace(stream, resident=resident), store, shape,  # noqa: E731
-                                      BUILTIN["h200"]).device.total
-    return {"none": total(()), "some": total(("block.3", "head")), "all": total("all")}[which]
+
+    def total(resident, remat="full"):
+        return estimate(cfg, dataclasses.replace(stream, resident=resident, remat=remat), store, shape,
+                        BUILTIN["h200"]).device.total
+
+    return {"none": total(()), "some": total(("block.3", "head")), "all": total("all"),
+            "all-saved": total("all", "none")}[which]
 
 
-CASES = [("ram", 1, "some"), ("ram", 4, "all"), ("disk", 4, "some"), ("disk", 1, "none"),
+CASES = [("ram", 1, "some"), ("ram", 4, "all"), ("disk", 4, "some"), ("disk", 1, "none"), ("disk", 4, "all-saved"),
          ("one-copy", 1, "all"), ("one-copy", 4, "some")]
 
 
@@ -51,10 +56,12 @@ def test_resident_equals_reference(tmp_path, where, accum, which):
                                BUILTIN["h200"])
     names = [p.name for p in parts.parts(cfg)]
     assert {"none": len(stream.resident) == 0, "some": 0 < len(stream.resident) < len(names),
-            "all": len(stream.resident) == len(names)}[which], stream.resident
+            "all": len(stream.resident) == len(names) and stream.remat == "full",
+            "all-saved": len(stream.resident) == len(names) and stream.remat != "full"}[which], stream
     store = mtjax.store.create(tmp_path / "store", cfg, make_optimizer(OPT), copies=copies)
     engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, stream, store_config, store=store,
                           batch_shape=SHAPE)
+    counter = ForwardCounter(engine)  # streamed and recomputed forwards; a saved group's blocks run once, uncounted
     if copies == 1:
         engine.commit(0)
     for i, b in enumerate(batches(accum)):
@@ -64,6 +71,8 @@ def test_resident_equals_reference(tmp_path, where, accum, which):
         assert metrics["grad_norm"] > OPT.clip_norm  # clipping is active
         np.testing.assert_allclose(metrics["loss"], ref_metrics[i]["loss"], rtol=1e-5)
     assert engine.ledger.peak <= budget
+    s = engine.schedule
+    assert counter.count == 2 * (cfg.num_hidden_layers - sum(len(g) for g in s.saved)) * accum * len(ref_metrics)
     assert max(rel_errors(engine.params(), ref_params)) <= 1e-5
     assert max(rel_errors(engine.opt_state(), ref_opt)) <= 1e-5
     # The resident state reaches the store at a commit: reopened, nothing resident, it is there.
@@ -90,7 +99,8 @@ def test_planner_picks_the_fastest_resident_set_that_fits(hardware, tied, keep_e
     stream, shape, hw = StreamConfig(keep_every=keep_every), StepShape(2, 8, 2), BUILTIN[hardware]
     names = [p.name for p in parts.parts(cfg)]
     subsets = [c for n in range(len(names) + 1) for c in itertools.combinations(names, n)]
-    plans = [estimate(cfg, dataclasses.replace(stream, resident=r), store, shape, hw) for r in subsets]
+    plans = [estimate(cfg, dataclasses.replace(stream, resident=r, remat=m), store, shape, hw)
+             for r in subsets for m in ("full", "dots", "none")]
     lo, hi = min(p.device.total for p in plans), max(p.device.total for p in plans)
     for budget in np.linspace(lo, hi, 5).astype(int):
         chosen = residency.choose(cfg, stream, store, shape, hw, int(budget))

@@ -106,6 +106,7 @@ CASES = [  # (placement, accum, keep_every, tied, activations, resident)
     ("one-copy", 4, 2, True, "host", "none"),
     # Some or all parts resident: the last block (a group of its own) and the tied embedding included.
     ("ram", 1, 2, True, "device", 2),
+    ("ram", 4, 1, False, "device", "3-dots"),  # blocks 0-2 keep their projections: not recomputed
     ("disk", 4, 2, False, "host", ("block.2", "head")),
     ("master-disk", 1, 1, True, "device", 3),
     ("one-copy", 4, 0, True, "device", "all"),
@@ -119,7 +120,11 @@ def test_engine_moves_what_the_schedule_says(tmp_path, where, accum, keep_every,
     cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
     tiers, copies = PLACEMENTS[where]
     store = mtjax.store.create(tmp_path / "store", cfg, TX, copies=copies) if tiers else None
-    stream = StreamConfig(keep_every=keep_every, activations=activations, resident=resident)
+    remat = "full"
+    if isinstance(resident, str) and "-" in resident:  # "N-policy": N parts resident, their groups saved
+        count, remat = resident.split("-")
+        resident = int(count)
+    stream = StreamConfig(keep_every=keep_every, activations=activations, resident=resident, remat=remat)
     placement = StoreConfig(**{k: tiers.get(k, "ram") for k in parts.KINDS}, copies=copies)
     engine = StreamEngine(cfg, model.init_params(cfg, seed=0), OPT, stream, placement, store=store,
                           batch_shape=(BATCH, SEQ))
@@ -171,8 +176,9 @@ def test_engine_moves_what_the_schedule_says(tmp_path, where, accum, keep_every,
     # residuals exactly (a group of one runs fused and holds none), staged weights within.
     peak = engine.ledger.peak_by_use
     assert peak["activations"] == (s.kept_bytes if activations == "device" else 0)
-    grouped = max(len(g) for g in s.groups) > 1
+    grouped = max((len(g) for g in s.groups if g not in s.saved), default=0) > 1
     assert peak["residuals"] == (s.device.residuals if grouped else 0)
+    assert peak["saved"] == s.device.saved and (s.device.saved > 0) == bool(s.saved) == (remat == "dots")
     assert peak["weights"] <= s.device.weights and (peak["weights"] > 0) == bool(s.transfers)
     assert peak["resident"] == s.device.resident and (s.device.resident > 0) == bool(s.resident)
     engine.close()
