@@ -9,7 +9,9 @@ streams the blocks back in reverse, one recompute group (k blocks) at a time, ea
 block's forward recomputed once from the group's kept input. The optimizer update is
 deferred to the next step's prefetch (mtjax.stream.updater), so that global-norm
 clipping stays exact: every part's gradient is in before the clip scale is known. A
-one-copy store's commit protocol is mtjax.stream.commit.
+one-copy store's commit protocol is mtjax.stream.commit. Resident parts
+(mtjax.stream.resident) are not streamed and are updated on the device at the end of
+the step; a saved group of them keeps its forward's vjps instead of recomputing.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def _beside(store) -> str | None:
 
 
 class StreamEngine:
-    """Streams one part at a time through the device; state stays in host RAM or on disk.
+    """Streams one part at a time through the device; state stays in host RAM or on disk,
+    except resident parts' (`stream.resident`), which stays on the device between commits.
 
     >>> engine = StreamEngine(cfg, params, OptimConfig(lr=1e-3), StreamConfig(keep_every=2))
     >>> metrics = engine.step(tokens)   # int [accum, batch, seq] or [batch, seq]
