@@ -38,6 +38,7 @@ from mtjax.config import ExperimentConfig, RunConfig
 from mtjax.errors import NonFiniteStep
 from mtjax.model_config import ModelConfig
 from mtjax.optim import lr_at, make_optimizer, schedule_warnings
+from mtjax.plan import residency
 from mtjax.progress import Progress, model_flops_per_token, peak_flops
 from mtjax.reference import ReferenceTrainer, loss_fn
 from mtjax.stream import StreamEngine
@@ -205,6 +206,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     cfg.check_context(exp.data.seq_len, "data.seq_len")
     dataset = data.resolve(exp.data, run_dir / "data")  # a cache: prepared again when the inputs change
     dataset.check_vocab(cfg.vocab_size)
+    exp = residency.for_run(exp)  # stream.resident=auto: the planner's parts for this device's memory
     preflight.check(exp, cfg, dataset)  # before any weight is made: RAM, disk, data length
     tokenizer = dataset.tokenizer()
     exp = _as_run(exp, dataset, tokenizer, run_dir)

@@ -32,6 +32,10 @@ class BlockFns:
         self.recompute = {k: jax.jit(functools.partial(_recompute, cfg, k)) for k in cfg.block_kinds}
         self.grad = {k: jax.jit(functools.partial(_grad, cfg, k)) for k in cfg.block_kinds}
         self.backward = jax.jit(_backward)
+        # The forward of a saved group's block: (output, vjp) under a remat policy, the
+        # vjp kept for the backward (no recompute beyond what the policy drops).
+        self.save = {policy: {k: jax.jit(functools.partial(_save, cfg, k, policy)) for k in cfg.block_kinds}
+                     for policy in ("dots", "none")}
         self.head = jax.jit(functools.partial(_head, cfg))
         self.head_loss = jax.jit(functools.partial(_head_loss, cfg))
         self.embed_backward = jax.jit(functools.partial(_embed_backward, cfg))
@@ -73,6 +77,13 @@ def _recompute(cfg: ModelConfig, kind: str, w: dict, x):
     """The second forward: (output, vjp) where vjp(dy) -> (dw, dx)."""
     with jax.named_scope(f"recompute_{kind}"):
         return jax.vjp(_flat_forward(cfg, kind), w, x)
+
+
+def _save(cfg: ModelConfig, kind: str, policy: str, w: dict, x):
+    """The one forward of a block whose vjp is kept: (output, vjp) keeping what `policy`
+    (model.REMAT_POLICIES) saves."""
+    with jax.named_scope(f"save_{kind}"):
+        return jax.vjp(model.remat_block(_flat_forward(cfg, kind), policy), w, x)
 
 
 def _backward(vjp, dy):
