@@ -316,7 +316,8 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
                 engine.commit(step, checkpoint.train_state(exp, step, loader.cursor))
         seconds = time.perf_counter() - start
         engine.commit(exp.run.steps, checkpoint.train_state(exp, exp.run.steps, loader.cursor), flush=True)
-        final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps)
+        final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps,
+                                        loader.ds.meta.get("chat_template"))
         sample = ""
         if exp.run.sample_prompt and exp.run.sample_tokens:
             sample = generate.complete(cfg, engine.params(), tokenizer, exp.run.sample_prompt, exp.run.sample_tokens,
