@@ -201,3 +201,10 @@ def test_a_step_with_no_counted_target_is_one_clear_error():
         trainer.step(batch)
     assert "\n" not in str(e.value) and "masked" in str(e.value)
     assert trainer.steps == 0
+    engine = StreamEngine(CFG, params(), OPT)
+    try:
+        with pytest.raises(documents.NothingToTrain):
+            engine.step(batch)
+        assert engine.step_count == 0
+    finally:
+        engine.close()
