@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mtjax import documents, model, parts, treepath
-from mtjax.attention import causal_attention
+from mtjax.attention import attend, causal_attention
 from mtjax.batch import Batch
 from mtjax.model_config import FULL, SLIDING, ModelConfig
 from mtjax.optim import OptimConfig
@@ -109,9 +109,10 @@ def test_plain_batches_trace_no_document_machinery():
     assert "cummax" not in plain and "cummax" in packed
 
 
-def test_the_kernel_confines_attention_to_documents():
+def test_the_kernel_confines_attention_to_documents(monkeypatch):
     """causal_attention with segments (chunked, windowed) equals dot_product_attention
-    given the same-document mask, outputs and gradients."""
+    given the same-document mask, outputs and gradients; so does attend()'s path for
+    other backends (traced here with the backend reported as a GPU)."""
     _, segments, _ = packed_row()
     seg = jnp.asarray(np.concatenate([segments[0], segments[0][:, ::-1]]))  # two rows, padding first in one
     kq, kk, kv, kd = jax.random.split(jax.random.key(3), 4)
@@ -127,6 +128,9 @@ def test_the_kernel_confines_attention_to_documents():
         q, k, v, mask=mask, is_causal=True, local_window_size=(3, 0), scale=0.3))
     got = value_and_vjp(lambda q, k, v: causal_attention(q, k, v, 0.3, 4, 5, seg))
     for a, b in zip(got, want):
+        assert rel(a, b) <= 1e-6
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for a, b in zip(value_and_vjp(lambda q, k, v: attend(q, k, v, 0.3, 4, seg)), got):
         assert rel(a, b) <= 1e-6
 
 
