@@ -101,12 +101,11 @@ def test_positions_restart_at_each_document():
 
 def test_plain_batches_trace_no_document_machinery():
     """Plain batches keep today's program: no same-document mask, no derived positions."""
-    tokens = jnp.zeros((1, SEQ), jnp.int32)
-    plain = str(jax.make_jaxpr(lambda p: loss_fn(CFG, p, tokens, False))(params()))
+    x, block = jnp.ones((1, SEQ, CFG.hidden_size)), params()["blocks"][1]
+    plain = str(jax.make_jaxpr(lambda b, x: model.block_forward(CFG, SLIDING, b, x))(block, x))
     _, segments, _ = packed_row()
-    packed = str(jax.make_jaxpr(lambda p: loss_fn(CFG, p, tokens, False, jnp.asarray(segments[0]),
-                                                  jnp.ones((1, SEQ), bool)))(params()))
-    assert "cummax" not in plain and "cummax" in packed
+    packed = str(jax.make_jaxpr(lambda b, x, s: model.block_forward(CFG, SLIDING, b, x, s))(block, x, segments[0]))
+    assert "cummax" not in plain and "cummax" in packed and "custom_vjp_call" in plain
 
 
 def test_the_kernel_confines_attention_to_documents(monkeypatch):
