@@ -10,14 +10,18 @@ steps of 4 micro-batches whose counts differ, so the loss is normalised over the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import gzip
+import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtjax import documents, model, parts, treepath
+from mtjax import cli, data, documents, hf, model, parts, run, treepath
 from mtjax.attention import attend, causal_attention
 from mtjax.batch import Batch
 from mtjax.model_config import FULL, SLIDING, ModelConfig
@@ -211,3 +215,27 @@ def test_a_step_with_no_counted_target_is_one_clear_error():
         assert engine.step_count == 0
     finally:
         engine.close()
+
+
+def test_eval_reports_the_masked_loss_of_chat_data(tmp_path, capsys):
+    """`mtjax eval` on a prepared chat dataset: the loss over the answers only (as
+    training counts it), not over every token of the rows."""
+    data_dir = Path(__file__).parent / "data"
+    cfg = dataclasses.replace(CFG, vocab_size=151936, hidden_size=16, intermediate_size=32,
+                              num_attention_heads=2, num_key_value_heads=1, layer_types=(), sliding_window=None)
+    ckpt = tmp_path / "ckpt"
+    hf.save_params(cfg, model.init_params(cfg, seed=0), ckpt)
+    (ckpt / "tokenizer.json").write_bytes(gzip.decompress((data_dir / "qwen2" / "tokenizer.json.gz").read_bytes()))
+    shutil.copy(data_dir / "qwen2" / "tokenizer_config.json", ckpt)
+    assert cli.main(["data", "prepare", str(data_dir / "kjv-chat-24.jsonl"), "--format", "chat", "--tokenizer",
+                     str(ckpt), "--seq-len", "64", "--out", str(tmp_path / "chat"), "--val-fraction", "0.25"]) == 0
+    capsys.readouterr()
+    assert cli.main(["eval", str(ckpt), str(tmp_path / "chat"), "--seq-len", "64", "--batch-size", "2",
+                     "--batches", "1"]) == 0
+    line = capsys.readouterr().out.strip()
+    batch = data.Loader(data.Dataset(tmp_path / "chat"), "val", 64, 2, 1, shuffle=False).next()
+    _, params_ = run.load_weights(ckpt)
+    masked, every = eval_loss(cfg, params_, batch), eval_loss(cfg, params_, batch.tokens)
+    assert abs(masked - every) > 1e-3  # the mask changes the number: the test can tell them apart
+    assert line.startswith(f"val loss {masked:.4f}  ")
+    assert line.endswith(f"over the {documents.trained_tokens(batch):,} tokens the loss mask keeps")
