@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from mtjax import cli, data, documents, hf, model, parts, run, treepath
-from mtjax.attention import attend, causal_attention
+from mtjax.attention import causal_attention
 from mtjax.batch import Batch
 from mtjax.model_config import FULL, SLIDING, ModelConfig
 from mtjax.optim import OptimConfig
@@ -97,12 +97,6 @@ def test_targets_fold_in_padding_and_document_starts():
     assert documents.trained_tokens(Batch(tokens)) == SEQ
 
 
-def test_positions_restart_at_each_document():
-    _, segments, _ = packed_row()
-    got = np.asarray(documents.positions(jnp.asarray(segments[0])))[0]
-    np.testing.assert_array_equal(got, [0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0])
-
-
 def test_plain_batches_trace_no_document_machinery():
     """Plain batches keep today's program: no same-document mask, no derived positions."""
     x, block = jnp.ones((1, SEQ, CFG.hidden_size)), params()["blocks"][1]
@@ -112,10 +106,10 @@ def test_plain_batches_trace_no_document_machinery():
     assert "cummax" not in plain and "cummax" in packed and "custom_vjp_call" in plain
 
 
-def test_the_kernel_confines_attention_to_documents(monkeypatch):
+def test_the_kernel_confines_attention_to_documents():
     """causal_attention with segments (chunked, windowed) equals dot_product_attention
-    given the same-document mask, outputs and gradients; so does attend()'s path for
-    other backends (traced here with the backend reported as a GPU)."""
+    given the same-document mask, outputs and gradients (attend() takes it for packed
+    rows on every backend: tests/test_attention_kernel.py)."""
     _, segments, _ = packed_row()
     seg = jnp.asarray(np.concatenate([segments[0], segments[0][:, ::-1]]))  # two rows, padding first in one
     kq, kk, kv, kd = jax.random.split(jax.random.key(3), 4)
@@ -131,9 +125,6 @@ def test_the_kernel_confines_attention_to_documents(monkeypatch):
         q, k, v, mask=mask, is_causal=True, local_window_size=(3, 0), scale=0.3))
     got = value_and_vjp(lambda q, k, v: causal_attention(q, k, v, 0.3, 4, 5, seg))
     for a, b in zip(got, want):
-        assert rel(a, b) <= 1e-6
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    for a, b in zip(value_and_vjp(lambda q, k, v: attend(q, k, v, 0.3, 4, seg)), got):
         assert rel(a, b) <= 1e-6
 
 
