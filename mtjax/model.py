@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtjax import rope
+from mtjax import documents, rope
 from mtjax.attention import attend
 from mtjax.model_config import FULL, SLIDING, ModelConfig
 
@@ -102,13 +102,13 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v
 
-    def __call__(self, x, cos, sin):
+    def __call__(self, x, cos, sin, segments=None):
         cfg = self.cfg
         b, t, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
         # A window of W keys includes the query itself. On the CPU not jax.nn.dot_product_attention:
         # attention.py skips the masked score blocks, ~20% faster there.
-        out = attend(q, k, v, cfg.head_dim**-0.5, self.window)  # btnh
+        out = attend(q, k, v, cfg.head_dim**-0.5, self.window, segments)  # btnh
         return self.o_proj(out.reshape(b, t, -1))
 
 
@@ -143,9 +143,9 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, cos, sin):
+    def __call__(self, x, cos, sin, segments=None):
         with jax.named_scope("attention"):
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments)
         with jax.named_scope("mlp"):
             return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -237,11 +237,16 @@ def embed_forward(cfg: ModelConfig, embed: dict, tokens: jnp.ndarray) -> jnp.nda
     return jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype)
 
 
-def block_forward(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray) -> jnp.ndarray:
-    """One block as a pure function: (block params, hidden [b, t, d]) -> hidden [b, t, d]."""
+def block_forward(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray, segments=None) -> jnp.ndarray:
+    """One block as a pure function: (block params, hidden [b, t, d]) -> hidden [b, t, d].
+
+    `segments` [b, t] (document ids of packed rows, mtjax.batch): positions restart at each
+    document and attention stays inside it; None: each row is one document.
+    """
     block = cast(block, x.dtype)
-    cos, sin = rope.cos_sin(cfg, positions_for(x[..., 0]), x.dtype)
-    return _merge(cfg, "block:" + kind, block)(x, cos, sin)
+    positions = positions_for(x[..., 0]) if segments is None else documents.positions(segments)
+    cos, sin = rope.cos_sin(cfg, positions, x.dtype)
+    return _merge(cfg, "block:" + kind, block)(x, cos, sin, segments)
 
 
 def head_kernel(cfg: ModelConfig, head: dict, embed: dict | None):
@@ -270,7 +275,7 @@ REMAT_POLICIES = ("none", "full", "dots")
 
 
 def remat_block(fn, policy: str):
-    """`fn(block, x)` wrapped by the named remat policy (see REMAT_POLICIES)."""
+    """`fn(block, x, ...)` wrapped by the named remat policy (see REMAT_POLICIES)."""
     if policy == "none":
         return fn
     if policy == "full":
@@ -280,12 +285,14 @@ def remat_block(fn, policy: str):
     raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {policy!r}")
 
 
-def forward(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False) -> jnp.ndarray:
-    """Whole-model logits, fp32 [b, t, vocab]. `remat`: a REMAT_POLICIES name (True = "full")."""
+def forward(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False,
+            segments=None) -> jnp.ndarray:
+    """Whole-model logits, fp32 [b, t, vocab]. `remat`: a REMAT_POLICIES name (True = "full");
+    `segments`: document ids of packed rows (see `block_forward`)."""
     policy = {True: "full", False: "none"}.get(remat, remat)
     x = embed_forward(cfg, params["embed"], tokens)
     for kind, block in zip(cfg.layer_types, params["blocks"]):
-        x = remat_block(functools.partial(block_forward, cfg, kind), policy)(block, x)
+        x = remat_block(functools.partial(block_forward, cfg, kind), policy)(block, x, segments)
     return head_forward(cfg, params["head"], params["embed"], x)
 
 

@@ -3,7 +3,9 @@
 It is what users run when a model fits, and the baseline the streaming engine must
 equal. One step: value_and_grad over micro-batches (each block under `jax.checkpoint`),
 gradient accumulation and per-part squared norms; then, if all are finite, exact
-global-norm clipping and one optax update of the fp32 master parameters.
+global-norm clipping and one optax update of the fp32 master parameters. The step's loss
+is the mean over its counted targets (mtjax.documents: each micro-batch weighted by its
+share of them; equal weights for plain batches).
 """
 
 from __future__ import annotations
@@ -15,40 +17,77 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mtjax import model
+from mtjax import documents, model
+from mtjax.documents import Inputs
 from mtjax.errors import NonFiniteStep
 from mtjax.loss import cross_entropy
 from mtjax.model_config import ConfigError, ModelConfig
 from mtjax.optim import OptimConfig, clip_scale, make_optimizer, sum_of_squares
 
 
-def loss_fn(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str = True) -> jnp.ndarray:
-    """Mean next-token loss of fp32 master `params` on tokens [batch, seq] (remat: model.REMAT_POLICIES)."""
-    return cross_entropy(model.forward(cfg, params, tokens, remat=remat), tokens)
+def loss_fn(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str = True, segments=None,
+            targets=None) -> jnp.ndarray:
+    """Mean next-token loss of fp32 master `params` on tokens [batch, seq] (remat: model.REMAT_POLICIES);
+    `segments` and `targets` as mtjax.documents.Inputs has them (None: a plain batch)."""
+    return cross_entropy(model.forward(cfg, params, tokens, remat=remat, segments=segments), tokens, targets)
 
 
-def _accumulated_grads(cfg: ModelConfig, params, micro_batches: jnp.ndarray, remat: str = "full"):
-    """Mean loss and gradient over micro-batches [accum, batch, seq], summed in fp32."""
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, cfg, remat=remat))
-    if micro_batches.shape[0] == 1:  # no accumulator: saves three passes over every gradient
-        return grad_fn(params, micro_batches[0])
+def _inputs_loss(cfg: ModelConfig, params, inputs: Inputs, remat: bool | str):
+    return loss_fn(cfg, params, inputs.tokens, remat, inputs.segments, inputs.targets)
 
-    def body(carry, tokens):
+
+def _accumulated_grads(cfg: ModelConfig, params, inputs: Inputs, weights, remat: str = "full"):
+    """Mean loss and gradient over micro-batches [accum, batch, seq], summed in fp32: each
+    micro-batch's weighted by `weights` [accum], or all alike when the batch is plain."""
+    if inputs.targets is None:  # plain: the mean of equal means (`weights` are all 1 / accum)
+        grad_fn = jax.value_and_grad(functools.partial(loss_fn, cfg, remat=remat))
+        micro_batches = inputs.tokens
+        if micro_batches.shape[0] == 1:  # no accumulator: saves three passes over every gradient
+            return grad_fn(params, micro_batches[0])
+
+        def body(carry, tokens):
+            loss_sum, grad_sum = carry
+            loss, grads = grad_fn(params, tokens)
+            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zeros), micro_batches)
+        n = micro_batches.shape[0]
+        return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum)
+
+    # Weighting the loss weights the gradient through the backward's first cotangent: no pass over it.
+    grad_fn = jax.value_and_grad(lambda p, mb, w: w * _inputs_loss(cfg, p, mb, remat))
+    if inputs.tokens.shape[0] == 1:
+        return grad_fn(params, inputs.micro(0), weights[0])
+
+    def weighted(carry, xs):
         loss_sum, grad_sum = carry
-        loss, grads = grad_fn(params, tokens)
+        loss, grads = grad_fn(params, *xs)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zeros), micro_batches)
-    n = micro_batches.shape[0]
-    return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum)
+    (loss, grads), _ = jax.lax.scan(weighted, (jnp.float32(0), zeros), (inputs, weights))
+    return loss, grads
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _eval_loss(cfg: ModelConfig, params, inputs: Inputs):
+    return _inputs_loss(cfg, params, inputs, remat=False)
+
+
+def eval_loss(cfg: ModelConfig, params, batch) -> float:
+    """Mean loss of `params` over the counted targets of a batch [n, batch, seq] (its n
+    micro-batches weighted as a step's are), one micro-batch at a time; no update."""
+    inputs, weights = documents.step_inputs(batch, "evaluation")
+    losses = jnp.stack([_eval_loss(cfg, params, inputs.micro(i)) for i in range(len(weights))])
+    return float(jnp.sum(losses * jnp.asarray(weights, jnp.float32)))  # one host sync for all of them
 
 
 class ReferenceTrainer:
     """Whole-model AdamW training.
 
     >>> trainer = ReferenceTrainer(cfg, params, OptimConfig(lr=1e-3))
-    >>> metrics = trainer.step(tokens)  # tokens: int [accum, batch, seq] or [batch, seq]
+    >>> metrics = trainer.step(tokens)  # a mtjax.batch.Batch, or int tokens [accum, batch, seq] / [batch, seq]
     >>> trainer.params                   # fp32 master parameters
 
     `optimizer` is an `OptimConfig` or any optax transformation (which must not clip by
@@ -72,7 +111,7 @@ class ReferenceTrainer:
         self.opt_state = self.tx.init(self.params) if opt_state is None else jax.tree.map(jnp.array, opt_state)
         # Two programs with a host check between them: the update runs only on a finite
         # step, so it needs no select over the whole state (which made XLA copy m and v).
-        self._grads = jax.jit(self._grad_step, donate_argnums=(2,), keep_unused=True)
+        self._grads = jax.jit(self._grad_step, donate_argnums=(3,), keep_unused=True)
         self._update = jax.jit(self._apply, donate_argnums=(0, 1))
         # The last step's gradients, donated to the next gradient program so that XLA writes
         # into pages already mapped: fresh ones cost ~0.2 s per GiB of page faults, 3-5% of a
@@ -80,9 +119,9 @@ class ReferenceTrainer:
         self._spent = jax.tree.map(jnp.zeros_like, self.params)
         self.steps = self.skipped = 0  # applied and skipped (non-finite) steps
 
-    def _grad_step(self, params, micro_batches, spent):
+    def _grad_step(self, params, inputs, weights, spent):
         del spent  # only its buffers are wanted
-        loss, grads = _accumulated_grads(self.cfg, params, micro_batches, self.remat)
+        loss, grads = _accumulated_grads(self.cfg, params, inputs, weights, self.remat)
         part_sq = jnp.stack([sum_of_squares(grads["head"]), *(sum_of_squares(b) for b in reversed(grads["blocks"])),
                              sum_of_squares(grads["embed"])])  # in backward order, for NonFiniteStep
         return loss, grads, part_sq
@@ -92,11 +131,10 @@ class ReferenceTrainer:
         updates, opt_state = self.tx.update(jax.tree.map(lambda g: g * scale, grads), opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    def step(self, tokens) -> dict[str, float]:
-        tokens = jnp.asarray(np.asarray(tokens), jnp.int32)
-        if tokens.ndim == 2:
-            tokens = tokens[None]
-        loss, grads, part_sq = self._grads(self.params, tokens, self._spent)
+    def step(self, batch) -> dict[str, float]:
+        inputs, weights = documents.step_inputs(batch)
+        weights = jnp.asarray(weights, jnp.float32)
+        loss, grads, part_sq = self._grads(self.params, jax.device_put(inputs), weights, self._spent)
         self._spent = grads
         part_sq = np.asarray(part_sq)  # host sync: the update may run only on a finite step
         sq = np.float32(np.sum(part_sq, dtype=np.float32))

@@ -64,7 +64,7 @@ def instrument(engine: StreamEngine, counts: Counts) -> None:
         counts.add("h2d_weights", slot.nbytes)
 
     wrap(pool, "put", staged)
-    wrap(place, "tokens", lambda t: counts.add("h2d_tokens", np.asarray(t).nbytes))
+    wrap(place, "tokens", lambda inputs: counts.add("h2d_tokens", tree_bytes(inputs)))  # tokens (+ documents)
     wrap(place, "stash", lambda x: counts.add("d2h_activations", x.nbytes))
     wrap(place, "unstash", lambda x: counts.add("h2d_activations", x.nbytes))
     wrap(place, "start_to_host", lambda tree: counts.add("d2h_grads", tree_bytes(tree)))

@@ -4,6 +4,8 @@ Every block of a kind shares one compiled forward, one recompute (forward that k
 the vjp residuals) and one backward; the embedding and the LM head have their own.
 The vjp residuals come back from the recompute as a pytree (`jax.vjp`'s function is
 one), so a recompute group can hold k blocks' residuals and walk them in reverse.
+Block functions take the micro-batch's document ids last (`segments`, None for plain
+rows: the same programs as without them); the head takes its counted targets.
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ def _flat_forward(cfg: ModelConfig, kind: str):
     """block_forward over the flat {leaf name: array} dicts that the stream moves."""
     template = model.abstract_block(cfg, kind)
 
-    def fn(flat, x):
-        return model.block_forward(cfg, kind, treepath.unflatten(template, flat), x)
+    def fn(flat, x, segments=None):
+        return model.block_forward(cfg, kind, treepath.unflatten(template, flat), x, segments)
 
     return fn
 
@@ -67,32 +69,35 @@ def _embed(cfg: ModelConfig, w: dict, tokens):
     return model.embed_forward(cfg, treepath.unflatten(parts.abstract_part(cfg, "embed"), w), tokens)
 
 
-def _block(cfg: ModelConfig, kind: str, w: dict, x):
+def _block(cfg: ModelConfig, kind: str, w: dict, x, segments=None):
     """hidden [b, t, d] -> hidden [b, t, d]: the first forward, nothing kept."""
     with jax.named_scope(f"block_{kind}"):
-        return _flat_forward(cfg, kind)(w, x)
+        return _flat_forward(cfg, kind)(w, x, segments)
 
 
-def _recompute(cfg: ModelConfig, kind: str, w: dict, x):
+def _recompute(cfg: ModelConfig, kind: str, w: dict, x, segments=None):
     """The second forward: (output, vjp) where vjp(dy) -> (dw, dx)."""
+    fn = _flat_forward(cfg, kind)
     with jax.named_scope(f"recompute_{kind}"):
-        return jax.vjp(_flat_forward(cfg, kind), w, x)
+        return jax.vjp(lambda w, x: fn(w, x, segments), w, x)
 
 
-def _save(cfg: ModelConfig, kind: str, policy: str, w: dict, x):
+def _save(cfg: ModelConfig, kind: str, policy: str, w: dict, x, segments=None):
     """The one forward of a block whose vjp is kept: (output, vjp) keeping what `policy`
     (model.REMAT_POLICIES) saves."""
+    fn = model.remat_block(_flat_forward(cfg, kind), policy)
     with jax.named_scope(f"save_{kind}"):
-        return jax.vjp(model.remat_block(_flat_forward(cfg, kind), policy), w, x)
+        return jax.vjp(lambda w, x: fn(w, x, segments), w, x)
 
 
 def _backward(vjp, dy):
     return vjp(dy)
 
 
-def _grad(cfg: ModelConfig, kind: str, w: dict, x, dy):
+def _grad(cfg: ModelConfig, kind: str, w: dict, x, dy, segments=None):
     """Recompute and backward of one block in one program (a recompute group of 1)."""
-    _, vjp = jax.vjp(_flat_forward(cfg, kind), w, x)
+    fn = _flat_forward(cfg, kind)
+    _, vjp = jax.vjp(lambda w, x: fn(w, x, segments), w, x)
     return vjp(dy)
 
 
@@ -102,22 +107,24 @@ def _head_trees(cfg: ModelConfig, head: dict, embed: dict | None):
     return head_t, embed_t
 
 
-def _head_loss(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens):
+def _head_loss(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, targets=None):
     """Loss of one micro-batch, for evaluation."""
     head_t, embed_t = _head_trees(cfg, head, embed)
-    return cross_entropy(model.head_forward(cfg, head_t, embed_t, x), tokens)
+    return cross_entropy(model.head_forward(cfg, head_t, embed_t, x), tokens, targets)
 
 
-def _head(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, weight):
+def _head(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, weight, targets=None):
     """Loss of one micro-batch and its gradients: (loss, dhead, dembed | None, dx).
 
-    `weight` (1 / micro-batches) scales the gradients, so their sum over micro-batches
-    is the mean. With tied embeddings the head kernel is the embedding's transpose.
+    `weight` (the micro-batch's share of the step's counted targets, mtjax.documents;
+    1 / micro-batches for plain batches) scales the gradients, so their sum over
+    micro-batches is the gradient of the step's mean. With tied embeddings the head
+    kernel is the embedding's transpose.
     """
     head_t, embed_t = _head_trees(cfg, head, embed)
 
     def loss_fn(h, e, x):
-        return cross_entropy(model.head_forward(cfg, h, e, x), tokens)
+        return cross_entropy(model.head_forward(cfg, h, e, x), tokens, targets)
 
     with jax.named_scope("head"):
         loss, vjp = jax.vjp(loss_fn, head_t, embed_t, x)

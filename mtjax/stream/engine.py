@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mtjax import documents, treepath
 from mtjax import parts as parts_mod
-from mtjax import treepath
 from mtjax.config import ExperimentConfig, StoreConfig, StreamConfig
 from mtjax.errors import MtjaxError, NonFiniteStep
 from mtjax.hostmem import fix_mmap_threshold
@@ -58,7 +58,7 @@ class StreamEngine:
     except resident parts' (`stream.resident`), which stays on the device between commits.
 
     >>> engine = StreamEngine(cfg, params, OptimConfig(lr=1e-3), StreamConfig(keep_every=2))
-    >>> metrics = engine.step(tokens)   # int [accum, batch, seq] or [batch, seq]
+    >>> metrics = engine.step(batch)    # a mtjax.batch.Batch, or int tokens [accum, batch, seq] / [batch, seq]
     >>> engine.params()                 # fp32 master params, pending updates applied
 
     This constructor is for tests and scripts; `from_experiment` builds a run's engine.
@@ -287,31 +287,29 @@ class StreamEngine:
         self.tracer.watch("h2d", part, weights, since=start)  # until the device copy is ready
         return slot, weights
 
-    def _tokens(self, tokens) -> np.ndarray:
-        tokens = np.asarray(tokens, np.int32)
-        if tokens.ndim == 2:
-            tokens = tokens[None]
-        if tokens.ndim != 3:
-            raise MtjaxError(f"tokens must be [accum, batch, seq] or [batch, seq], got shape {tokens.shape}")
-        self.check_budget(*tokens.shape[1:], accum=len(tokens))  # before anything changes
-        return tokens
+    def _inputs(self, batch, what: str = "step") -> tuple[list[documents.Inputs], np.ndarray]:
+        """The micro-batches' device inputs (each put on the device once, tokens with their
+        document ids and counted targets) and their weights in the loss."""
+        inputs, weights = documents.step_inputs(batch, what)
+        self.check_budget(*inputs.tokens.shape[1:], accum=len(weights))  # before anything changes
+        return [self.placement.tokens(inputs.micro(i)) for i in range(len(weights))], weights
 
-    def eval_loss(self, tokens) -> float:
-        """Mean loss over int32 [n, batch, seq] with the current weights; no update."""
-        tokens = self._tokens(tokens)
+    def eval_loss(self, batch) -> float:
+        """Mean loss over the counted targets of a batch [n, batch, seq] (mtjax.batch.Batch
+        or int32 tokens) with the current weights; no update."""
+        mbs, weights = self._inputs(batch, "evaluation")
         feed = Prefetcher(self.schedule.forward, self._load, self.options.prefetch_depth)
         try:
-            toks = [self.placement.tokens(t) for t in tokens]
-            xs, _, _ = self._forward(feed, toks, keep=False)
+            xs, _, _ = self._forward(feed, mbs, keep=False)
             (head_slot, head_w), tied = self._take_head(feed)
-            losses = [self.fns.head_loss(head_w, tied[1], x, t) for x, t in zip(xs, toks)]
+            losses = [self.fns.head_loss(head_w, tied[1], x, mb.tokens, mb.targets) for x, mb in zip(xs, mbs)]
             for slot in (head_slot, tied[0]):
                 if slot is not None:
                     self.pool.release(slot, losses)
         finally:
             for slot, _ in feed.close():
                 self.pool.release(slot, [])
-        return float(jnp.mean(jnp.stack(losses)))  # one host sync for all batches
+        return float(jnp.sum(jnp.stack(losses) * jnp.asarray(weights, jnp.float32)))  # one host sync for all
 
     def _io_bytes(self) -> tuple[int, int]:
         """(read, written) bytes of disk-tier state and parked gradients so far."""
@@ -321,16 +319,15 @@ class StreamEngine:
                 r, w = r + source.io_bytes[0], w + source.io_bytes[1]
         return r, w
 
-    def step(self, tokens) -> dict[str, float]:
-        tokens = self._tokens(tokens)
+    def step(self, batch) -> dict[str, float]:
+        mbs, weights = self._inputs(batch)
         start, (read0, written0) = time.perf_counter(), self._io_bytes()
-        accum = len(tokens)
         self.tracer.begin_step(self.step_count)
         self.ledger.reset()  # only resident state stays on the device between steps (even after a failed one)
         self.updater.wait_writes()
         feed = Prefetcher(self.schedule.transfers, self._load, self.options.prefetch_depth)
         try:
-            losses = self._train_pass(feed, [self.placement.tokens(t) for t in tokens], 1.0 / accum)
+            losses = self._train_pass(feed, mbs, [float(w) for w in weights])
         except BaseException:
             self.grads.discard()  # a failed step's partial sums must not reach the next step
             self.resident.drop()
@@ -346,7 +343,7 @@ class StreamEngine:
             sq = sq + sum(resident_sq.values())
         self.step_count += 1
         # One host sync per step for the metrics, after the last block is enqueued.
-        loss, norm_sq = float(np.mean([float(x) for x in losses])), float(sq)
+        loss, norm_sq = float(np.dot([float(x) for x in losses], weights)), float(sq)
         if not (math.isfinite(loss) and math.isfinite(norm_sq)):
             # Checked before any of this step's deferred updates can run: drop them all.
             order = ["head", *(f"block.{i}" for i in reversed(range(self.cfg.num_hidden_layers))), "embed"]
@@ -387,30 +384,31 @@ class StreamEngine:
         self.ledger.free(x.nbytes, "activations")
         return x
 
-    def _forward(self, feed: Prefetcher, toks: list, keep: bool):
-        """Embedding and blocks over every micro-batch, part by part; for training when
-        `keep`: (last hidden states, per micro-batch {block index: kept input, ("vjp", block
-        index): vjp kept by a saved group}, resident (slot, weights) or None)."""
+    def _forward(self, feed: Prefetcher, mbs: list, keep: bool):
+        """Embedding and blocks over every micro-batch (documents.Inputs on the device),
+        part by part; for training when `keep`: (last hidden states, per micro-batch
+        {block index: kept input, ("vjp", block index): vjp kept by a saved group},
+        resident (slot, weights) or None)."""
         fns, pool, trace, s = self.fns, self.pool, self.tracer, self.schedule
         starts = {g.start for g in self.groups if g not in s.saved} if keep else set()
         saved = {i for g in s.saved for i in g} if keep else set()
         resident = None
         slot, w = self._take(feed, "embed")
-        xs = [fns.embed_forward(w, t) for t in toks]
+        xs = [fns.embed_forward(w, mb.tokens) for mb in mbs]
         trace.watch("compute", "embed", xs)
         pool.release(slot, xs)  # weights dropped as soon as the part is done
         kept = [{0: self._keep(x)} if 0 in starts else {} for x in xs]
         for i, kind in enumerate(self.cfg.layer_types):
             slot, w = self._take(feed, f"block.{i}")
             if i in saved:  # its one forward, keeping what the backward needs
-                outs = [fns.save[s.remat][kind](w, x) for x in xs]
+                outs = [fns.save[s.remat][kind](w, x, mb.segments) for x, mb in zip(xs, mbs)]
                 xs = [y for y, _ in outs]
                 for k, (_, vjp) in zip(kept, outs):
                     self.ledger.hold(self._saved_bytes[kind], "residuals kept from the forward", "saved")
                     k["vjp", i] = vjp
                 del outs
             else:
-                xs = [fns.forward[kind](w, x) for x in xs]
+                xs = [fns.forward[kind](w, x, mb.segments) for x, mb in zip(xs, mbs)]
             trace.watch("compute", f"block.{i}", xs)
             if keep and self.schedule.last_stays and i == self.cfg.num_hidden_layers - 1:
                 resident = slot, w  # the backward starts with this block
@@ -426,20 +424,21 @@ class StreamEngine:
         head = self._take(feed, "head")
         return head, self._take(feed, "embed") if self.cfg.tie_word_embeddings else (None, None)
 
-    def _train_pass(self, feed: Prefetcher, toks: list, weight: float) -> list:
+    def _train_pass(self, feed: Prefetcher, mbs: list, weights: list[float]) -> list:
         """Forward and backward of every micro-batch, one part at a time: each part's
         weights cross to the device once per step, and its gradient is summed over the
-        micro-batches on the device, then leaves once. Returns the micro-batch losses."""
+        micro-batches on the device, then leaves once. Micro-batch i's loss gradient is
+        scaled by weights[i] (its share of the step's loss). Returns the micro-batch losses."""
         fns, pool, trace = self.fns, self.pool, self.tracer
-        xs, kept, resident = self._forward(feed, toks, keep=True)
+        xs, kept, resident = self._forward(feed, mbs, keep=True)
         (head_slot, head_w), tied = self._take_head(feed)
         losses, dxs, dhead, dembed = [], [], None, None
-        for x, t in zip(xs, toks):
-            loss, dh, de, dx = fns.head(head_w, tied[1], x, t, weight)
+        for x, mb, weight in zip(xs, mbs, weights):
+            loss, dh, de, dx = fns.head(head_w, tied[1], x, mb.tokens, weight, mb.targets)
             losses.append(loss)
             dxs.append(dx)
-            dhead = self._sum(dhead, dh, len(toks))
-            dembed = self._sum(dembed, de, len(toks)) if tied[1] is not None else None
+            dhead = self._sum(dhead, dh, len(mbs))
+            dembed = self._sum(dembed, de, len(mbs)) if tied[1] is not None else None
         trace.watch("compute", "head", dxs)
         pool.release(head_slot, dxs)
         self._add_grad("head", dhead)
@@ -452,11 +451,11 @@ class StreamEngine:
                 dxs = self._backward_saved(group, kept, dxs)
             else:
                 xs = [self._unkeep(k.pop(group.start)) for k in kept]
-                dxs = self._backward_group(feed, group, xs, dxs, resident)
+                dxs = self._backward_group(feed, group, xs, dxs, [mb.segments for mb in mbs], resident)
             resident = None
         de = None
-        for t, dx in zip(toks, dxs):
-            de = self._sum(de, fns.embed_backward(t, dx), len(toks))
+        for mb, dx in zip(mbs, dxs):
+            de = self._sum(de, fns.embed_backward(mb.tokens, dx), len(mbs))
         if dembed is not None:  # tied: the head's use of the embedding plus the lookup's
             de = fns.grad_add(fns.grad_to_f32(dembed), de)
         trace.watch("compute", "embed", de)
@@ -474,28 +473,29 @@ class StreamEngine:
             return grads
         return self.fns.grad_to_f32(grads) if acc is None else self.fns.grad_add(acc, grads)
 
-    def _backward_group(self, feed: Prefetcher, group: range, xs: list, dxs: list, resident=None) -> list:
+    def _backward_group(self, feed: Prefetcher, group: range, xs: list, dxs: list, segments: list,
+                        resident=None) -> list:
         """Recompute the group's blocks from their kept inputs, then walk them back, one
         micro-batch at a time with the group's weights on the device; returns the
-        gradients w.r.t. the group's inputs. `resident`: the group's (one) block is still
-        on the device from the forward."""
+        gradients w.r.t. the group's inputs. `segments`: each micro-batch's document ids
+        (or None). `resident`: the group's (one) block is still on the device from the forward."""
         fns, kinds, count = self.fns, self.cfg.layer_types, len(xs)
         if len(group) == 1:  # recompute and backward fused in one program
             i = group.start
             slot, w = resident or self._take(feed, f"block.{i}")
             acc, out = None, []
-            for x, dx in zip(xs, dxs):
-                dw, dx = fns.grad[kinds[i]](w, x, dx)
+            for x, dx, seg in zip(xs, dxs, segments):
+                dw, dx = fns.grad[kinds[i]](w, x, dx, seg)
                 acc = self._sum(acc, dw, count)
                 out.append(dx)
             self._finish_block(i, slot, acc, out)
             return out
         held = [(i, *self._take(feed, f"block.{i}")) for i in group]
         accs, out = dict.fromkeys(group), []
-        for x, dx in zip(xs, dxs):
+        for x, dx, seg in zip(xs, dxs, segments):
             vjps = []
             for i, _, w in held:
-                x, vjp = fns.recompute[kinds[i]](w, x)
+                x, vjp = fns.recompute[kinds[i]](w, x, seg)
                 self.ledger.hold(self._residual_bytes, "recompute residuals", "residuals")
                 vjps.append((i, vjp))
             while vjps:
