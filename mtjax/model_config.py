@@ -262,7 +262,8 @@ _GEMMA3_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}  # transformers' defaults
 def _language_model(hf: dict) -> dict:
     """The text_config of a multimodal Gemma 3 config, with the top-level keys that govern it."""
     text = dict(hf.get("text_config") or {})
-    for key in ("tie_word_embeddings", "dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id"):
+    for key in ("tie_word_embeddings", "dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+                "transformers_version"):
         if key in hf:
             text[key] = hf[key]  # transformers ties and sets dtype by the top-level config
     return dict(text, model_type="gemma3_text")
