@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 import hf_models
 import mtjax
+from mtjax import model
 from mtjax.model_config import FULL, SLIDING, SUPPORTED_MODEL_TYPES, ConfigError, ModelConfig, RopeScaling
 
 LLAMA3_SCALING = {
@@ -264,3 +267,17 @@ def test_unusable_gemma_config_is_one_clear_config_error(change, match):
     with pytest.raises(ConfigError, match=match) as err:
         mtjax.from_hf_dict({**GEMMA3_OLD, **change})
     assert "\n" not in str(err.value)
+
+
+HF_CONFIGS = sorted((Path(__file__).parent.parent / "experiments" / "hf_configs").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", HF_CONFIGS, ids=lambda p: p.stem)
+def test_shipped_hf_configs_count_the_parameters_transformers_does(path):
+    """Every shipped config.json: mtjax's parameter count (what MFU and the planner use) is
+    transformers' own, counted on the meta device (nothing allocated); a multimodal config
+    counts its language model."""
+    hf_cfg = transformers.AutoConfig.from_pretrained(path).get_text_config()
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    assert model.num_params(mtjax.load_hf_config(path)) == sum(p.numel() for p in theirs.parameters())
