@@ -87,10 +87,10 @@ def _capped_reference(q, k, v, scale, window, softcap):
     return jnp.einsum("bnqk,bknh->bqnh", p, v)
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_soft_capped_scores_forward_and_backward_equal_autodiff(window):
+def test_soft_capped_scores_forward_and_backward_equal_autodiff(window=5):
     """Gemma 2's cap * tanh(s / cap): the custom backward's extra factor is exact, and the
-    sampling path's masked_attention caps the same way. Scores reach ~4x the cap here."""
+    sampling path's masked_attention caps the same way. Scores reach ~4x the cap here; one
+    windowed case (the cap is the same code with or without a window)."""
     kq, kk, kv, kd = jax.random.split(jax.random.key(3), 4)
     t, cap = 13, 2.0
     q = 3 * jax.random.normal(kq, (2, t, 4, 8))
