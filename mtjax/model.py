@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtjax import documents, rope
-from mtjax.attention import attend
+from mtjax.attention import attend, masked_attention
 from mtjax.model_config import FULL, SLIDING, ModelConfig
 
 Params = dict  # {"embed": ..., "blocks": [...], "head": ...}
@@ -54,20 +54,26 @@ class Dense(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm with fp32 statistics, scaled after casting back (as transformers does)."""
+    """RMSNorm with fp32 statistics, as transformers computes it (see `rms_norm`)."""
 
-    def __init__(self, dim: int, eps: float):
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
-        self.eps = eps
+    def __init__(self, dim: int, cfg: ModelConfig):
+        # Gemma's (1 + w) norms start at w = 0, the others' w at 1: both the identity scale.
+        self.weight = nnx.Param(jnp.full((dim,), 0.0 if cfg.rms_norm_offset else 1.0, jnp.float32))
+        self.eps, self.offset = cfg.rms_norm_eps, cfg.rms_norm_offset
 
     def __call__(self, x):
-        return rms_norm(x, self.weight[...], self.eps)
+        return rms_norm(x, self.weight[...], self.eps, self.offset)
 
 
-def rms_norm(x, weight, eps: float):
-    """Over the last axis; computed on a flat [rows, d] matrix (see `_dot`: 10x faster backward)."""
+def rms_norm(x, weight, eps: float, offset: bool = False):
+    """Over the last axis; computed on a flat [rows, d] matrix (see `_dot`: 10x faster backward).
+
+    Llama's scales by w after casting back to x's dtype; with `offset` (Gemma's) it scales
+    by (1 + w) in fp32 and casts afterwards."""
     x32 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype).reshape(x.shape)
     return (weight.astype(x.dtype) * normed.astype(x.dtype)).reshape(x.shape)
 
 
@@ -83,8 +89,8 @@ class Attention(nnx.Module):
             self.k_proj = Dense(d, kv, cfg.attention_bias, cfg, rngs)
             self.v_proj = Dense(d, kv, cfg.attention_bias, cfg, rngs)
         self.o_proj = Dense(cfg.num_attention_heads * hd, d, cfg.o_proj_bias, cfg, rngs)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(hd, cfg) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg) if cfg.qk_norm else None
 
     def qkv(self, x, cos, sin):
         """Queries [b, t, heads, hd] and keys and values [b, t, kv heads, hd], rotated."""
@@ -108,15 +114,20 @@ class Attention(nnx.Module):
         q, k, v = self.qkv(x, cos, sin)
         # A window of W keys includes the query itself. On the CPU not jax.nn.dot_product_attention:
         # attention.py skips the masked score blocks, ~20% faster there.
-        out = attend(q, k, v, cfg.head_dim**-0.5, self.window, segments)  # btnh
+        out = attend(q, k, v, cfg.attn_scale, self.window, cfg.attn_logit_softcapping, segments)  # btnh
         return self.o_proj(out.reshape(b, t, -1))
 
 
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up one [d, 2f] kernel when fused."""
+    """Gated: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with the tanh GELU (Gemma);
+    gate and up one [d, 2f] kernel when fused."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
+        self.act = ACTIVATIONS[cfg.hidden_act]
         if cfg.fused_projections:
             self.gate_up_proj = Dense(d, 2 * f, cfg.mlp_bias, cfg, rngs)
         else:
@@ -130,24 +141,43 @@ class MLP(nnx.Module):
             gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    With `sandwich_norms` (Gemma) the attention and MLP outputs are normed too before their
+    residual adds; post_attention_layernorm is then the attention output's norm and
+    pre_feedforward_layernorm the MLP input's (Hugging Face's names for both layouts).
+    """
 
     def __init__(self, cfg: ModelConfig, kind: str, rngs: nnx.Rngs):
         window = cfg.sliding_window if kind == SLIDING else None
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg)
         self.self_attn = Attention(cfg, window, rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
         self.mlp = MLP(cfg, rngs)
+        sandwich = cfg.sandwich_norms
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg) if sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg) if sandwich else None
+
+    def attention_residual(self, x, attn_out):
+        """x plus the attention's output (normed first with sandwich norms)."""
+        if self.pre_feedforward_layernorm is not None:
+            attn_out = self.post_attention_layernorm(attn_out)
+        return x + attn_out
+
+    def mlp_residual(self, x):
+        if self.pre_feedforward_layernorm is None:
+            return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
     def __call__(self, x, cos, sin, segments=None):
         with jax.named_scope("attention"):
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments)
+            x = self.attention_residual(x, self.self_attn(self.input_layernorm(x), cos, sin, segments))
         with jax.named_scope("mlp"):
-            return x + self.mlp(self.post_attention_layernorm(x))
+            return self.mlp_residual(x)
 
 
 class Embed(nnx.Module):
@@ -160,7 +190,7 @@ class Head(nnx.Module):
     """Final norm and (when untied) the LM head kernel [hidden, vocab]."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, False, cfg, rngs)
 
 
@@ -234,7 +264,14 @@ def positions_for(tokens: jnp.ndarray) -> jnp.ndarray:
 def embed_forward(cfg: ModelConfig, embed: dict, tokens: jnp.ndarray) -> jnp.ndarray:
     """Token ids [b, t] -> hidden states [b, t, d] in the compute dtype."""
     table = embed["embedding"]
-    return jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype)
+    x = jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype)
+    return x * embed_multiplier(cfg) if cfg.embed_scale else x
+
+
+def embed_multiplier(cfg: ModelConfig):
+    """What embeddings are multiplied by: sqrt(hidden_size) rounded to the compute dtype, as
+    transformers' Gemma rounds it to the weights' dtype; 1 without `embed_scale`."""
+    return jnp.asarray(cfg.hidden_size**0.5 if cfg.embed_scale else 1.0, jnp.float32).astype(cfg.compute_dtype)
 
 
 def block_forward(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray, segments=None) -> jnp.ndarray:
@@ -245,7 +282,7 @@ def block_forward(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray, segm
     """
     block = cast(block, x.dtype)
     positions = positions_for(x[..., 0]) if segments is None else documents.positions(segments)
-    cos, sin = rope.cos_sin(cfg, positions, x.dtype)
+    cos, sin = rope.cos_sin(rope.for_layer(cfg, kind), positions, x.dtype)
     return _merge(cfg, "block:" + kind, block)(x, cos, sin, segments)
 
 
@@ -257,10 +294,14 @@ def head_kernel(cfg: ModelConfig, head: dict, embed: dict | None):
 
 
 def head_forward(cfg: ModelConfig, head: dict, embed: dict | None, x: jnp.ndarray) -> jnp.ndarray:
-    """Final norm and LM head: hidden [b, t, d] -> fp32 logits [b, t, vocab]."""
-    h = rms_norm(x, head["norm"]["weight"], cfg.rms_norm_eps)
+    """Final norm and LM head: hidden [b, t, d] -> fp32 logits [b, t, vocab] (soft-capped
+    by final_logit_softcapping where set)."""
+    h = rms_norm(x, head["norm"]["weight"], cfg.rms_norm_eps, cfg.rms_norm_offset)
     kernel = head_kernel(cfg, head, embed).astype(x.dtype)
     logits = jnp.einsum("td,dv->tv", h.reshape(-1, x.shape[-1]), kernel, preferred_element_type=jnp.float32)
+    cap = cfg.final_logit_softcapping
+    if cap:
+        logits = jnp.tanh(logits / cap) * cap
     return logits.reshape(*x.shape[:-1], kernel.shape[-1])  # flat for the CPU, as in `_dot`
 
 
@@ -307,7 +348,7 @@ def block_forward_cached(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarra
     attn = m.self_attn
     b, t, _ = x.shape
     positions = start + jnp.arange(t, dtype=jnp.int32)  # [t]
-    cos, sin = rope.cos_sin(cfg, positions[None], x.dtype)
+    cos, sin = rope.cos_sin(rope.for_layer(cfg, kind), positions[None], x.dtype)
     q, k, v = attn.qkv(m.input_layernorm(x), cos, sin)
     keys = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)  # bLkh
     values = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
@@ -315,6 +356,6 @@ def block_forward_cached(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarra
     visible = key_pos[None, :] <= positions[:, None]  # [t, L]: causal; unwritten slots lie in the future
     if attn.window:
         visible &= key_pos[None, :] > positions[:, None] - attn.window  # W keys, the query's own included
-    out = jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None], scale=cfg.head_dim**-0.5)
-    x = x + attn.o_proj(out.reshape(b, t, -1))
-    return x + m.mlp(m.post_attention_layernorm(x)), {"k": keys, "v": values}
+    out = masked_attention(q, keys, values, visible[None, None], cfg.attn_scale, cfg.attn_logit_softcapping)
+    x = m.attention_residual(x, attn.o_proj(out.reshape(b, t, -1)))
+    return m.mlp_residual(x), {"k": keys, "v": values}

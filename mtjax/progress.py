@@ -148,10 +148,11 @@ def _duration(seconds: float) -> str:
         else f"{seconds // 60}:{seconds % 60:02d}"
 
 
-def model_flops_per_token(num_params: int, num_layers: int, seq_len: int, hidden: int) -> float:
+def model_flops_per_token(num_params: int, num_layers: int, seq_len: int, attention_width: int) -> float:
     """Training FLOPs per token: 6 per parameter (fwd + bwd matmuls) plus attention's
-    score and value products, 12 x layers x seq x hidden (the usual MFU convention)."""
-    return 6.0 * num_params + 12.0 * num_layers * seq_len * hidden
+    score and value products, 12 x layers x seq x attention width (the usual MFU convention;
+    the width is heads x head_dim, which is not hidden_size in Gemma)."""
+    return 6.0 * num_params + 12.0 * num_layers * seq_len * attention_width
 
 
 # Built-in hardware profiles by the device kind JAX reports (substring, lower case).

@@ -124,6 +124,9 @@ KNOWN_SIZES = {  # parameters of the real models the shipped shapes copy
     "qwen2-chat-finetune.yaml": 494_032_768,  # Qwen2.5-0.5B-Instruct
     "llama-70b-plan.yaml": 70_553_706_496,
     "phi-4-plan.yaml": 14_659_507_200,
+    "gemma-2-27b-plan.yaml": 27_227_128_320,
+    "gemma-3-27b-plan.yaml": 27_009_346_304,  # the language model; the vision tower is left out
+    "gemma-3-1b-finetune.yaml": 999_885_952,
 }
 
 

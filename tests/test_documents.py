@@ -123,7 +123,7 @@ def test_the_kernel_confines_attention_to_documents():
 
     want = value_and_vjp(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, mask=mask, is_causal=True, local_window_size=(3, 0), scale=0.3))
-    got = value_and_vjp(lambda q, k, v: causal_attention(q, k, v, 0.3, 4, 5, seg))
+    got = value_and_vjp(lambda q, k, v: causal_attention(q, k, v, 0.3, 4, 5, segments=seg))
     for a, b in zip(got, want):
         assert rel(a, b) <= 1e-6
 

@@ -106,6 +106,15 @@ SLIDING_TIED = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, 
                            layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"))
 
 
+# Gemma 2's block on the cached path: sandwich norms, (1 + w) norms, GeGLU, scaled
+# embeddings, query_pre_attn_scalar, and both soft-caps, set below the scores and logits of
+# these small weights so that both bite (large weights make Gemma's greedy output constant).
+GEMMA2_CAPPED = dataclasses.replace(
+    SLIDING_TIED, model_type="gemma2", hidden_act="gelu_pytorch_tanh", rms_norm_offset=True, embed_scale=True,
+    sandwich_norms=True, query_pre_attn_scalar=5.0, attn_logit_softcapping=0.005, final_logit_softcapping=0.1,
+    rms_norm_eps=1e-6, initializer_range=0.02)
+
+
 @pytest.fixture(scope="module", params=["untied-full", "tied-sliding"])
 def store_model(request, tmp_path_factory):
     """(store dir, config, the store's master weights) of a fresh 4-block fp32 store."""
@@ -115,7 +124,7 @@ def store_model(request, tmp_path_factory):
     from mtjax.run import load_weights
 
     untied_full = dataclasses.replace(CFG, num_hidden_layers=4, layer_types=())
-    cfg = untied_full if request.param == "untied-full" else SLIDING_TIED
+    cfg = {"untied-full": untied_full, "tied-sliding": SLIDING_TIED, "gemma2-capped": GEMMA2_CAPPED}[request.param]
     path = mtjax.store.init_store(cfg, tmp_path_factory.mktemp("sample") / "store", seed=3)
     loaded_cfg, params = load_weights(path)
     assert loaded_cfg == cfg
@@ -130,6 +139,7 @@ def _sampler(path):
 
 
 @pytest.mark.slow  # compiles a decode loop per case
+@pytest.mark.parametrize("store_model", ["untied-full", "tied-sliding", "gemma2-capped"], indirect=True)
 def test_streamed_greedy_equals_in_memory_generate(store_model):
     path, cfg, params = store_model
     sampler = _sampler(path)

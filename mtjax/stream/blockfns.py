@@ -134,6 +134,8 @@ def _head(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, weight, t
 
 
 def _embed_backward(cfg: ModelConfig, tokens, dx):
-    """d(loss)/d(embedding) of the lookup: rows of dx summed per token id, fp32."""
+    """d(loss)/d(embedding) of the lookup (times its scale, Gemma's): rows of dx summed per
+    token id, fp32."""
     table = jnp.zeros((cfg.vocab_size, cfg.hidden_size), jnp.float32)
-    return {"embedding": table.at[tokens].add(dx.astype(jnp.float32))}
+    scale = model.embed_multiplier(cfg).astype(jnp.float32)
+    return {"embedding": table.at[tokens].add(dx.astype(jnp.float32) * scale)}
