@@ -213,6 +213,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     cfg.check_context(exp.data.seq_len, "data.seq_len")
     dataset = data.resolve(exp.data, run_dir / "data")  # a cache: prepared again when the inputs change
     dataset.check_vocab(cfg.vocab_size)
+    asked = exp.stream  # config.yaml keeps `auto`: another machine's memory resolves it anew
     exp = residency.for_run(exp)  # stream.resident=auto: the planner's parts for this device's memory
     preflight.check(exp, cfg, dataset)  # before any weight is made: RAM, disk, data length
     tokenizer = dataset.tokenizer()
@@ -237,7 +238,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
             engine = make_engine(exp, cfg, None, store=store, step=first)
             origin = dict(store=store.root) if state is None else dict(resumed=store.root, step=first)
         # Only now that everything checked out: a run that fails to start leaves the previous one.
-        config_lib.dump(exp, run_dir / "config.yaml")
+        config_lib.dump(dataclasses.replace(exp, stream=asked), run_dir / "config.yaml")
         if state is None:
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
         tokens_per_step = exp.data.grad_accum * exp.data.batch_size * exp.data.seq_len
@@ -246,6 +247,9 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
               f"{dataset.meta['num_tokens']:,} tokens ({dataset.meta['tokenizer_source']}); "
               f"{_steps_text(first, exp.run.steps)} of {tokens_per_step:,} tokens; run dir {run_dir}",
               file=out, flush=True)
+        if exp.stream.resident and exp.stream.resident != asked.resident:  # what auto chose
+            print(f"mtjax: resident on the device (stream.resident={asked.resident}): "
+                  f"{', '.join(exp.stream.resident)}; remat {exp.stream.remat}", file=out, flush=True)
         for line in weights_provenance(exp, **origin):
             print(line, file=out, flush=True)
         for warning in schedule_warnings(exp.optim, exp.run.steps):
