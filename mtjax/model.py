@@ -5,7 +5,10 @@ Modules are Flax NNX, but everything outside this file sees plain pytrees:
     params = {"embed": {...}, "blocks": [block_0, ..., block_{N-1}], "head": {...}}
 
 One block is a pure function of (block params, hidden states): `block_forward`. That
-list of per-block pytrees is the streaming unit of mtjax. `abstract_block` describes one
+list of per-block pytrees is the streaming unit of mtjax. A MoE block's MLP is a
+`SparseMoE` (routing and expert dispatch in mtjax.moe), whose router statistics
+`block_forward_stats` returns for the load-balancing loss; each expert is a module of
+its own, so the store holds every expert's weights as separate arrays. `abstract_block` describes one
 block's parameters as ShapeDtypeStructs, from which stores, byte budgets and staging
 buffers are derived without allocating anything.
 
@@ -24,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtjax import rope
+from mtjax import moe, rope
 from mtjax.attention import attend
-from mtjax.model_config import FULL, SLIDING, ModelConfig
+from mtjax.model_config import FULL, MOE, SLIDING, ModelConfig
 
 Params = dict  # {"embed": ..., "blocks": [...], "head": ...}
 
@@ -83,8 +86,10 @@ class Attention(nnx.Module):
             self.k_proj = Dense(d, kv, cfg.attention_bias, cfg, rngs)
             self.v_proj = Dense(d, kv, cfg.attention_bias, cfg, rngs)
         self.o_proj = Dense(cfg.num_attention_heads * hd, d, cfg.o_proj_bias, cfg, rngs)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Per head (Qwen3), or over all heads of the projection at once (OLMoE).
+        q_dim, k_dim = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd) if cfg.qk_norm_full else (hd, hd)
+        self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps) if cfg.qk_norm or cfg.qk_norm_full else None
+        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if cfg.qk_norm or cfg.qk_norm_full else None
 
     def qkv(self, x, cos, sin):
         """Queries [b, t, heads, hd] and keys and values [b, t, kv heads, hd], rotated."""
@@ -95,10 +100,12 @@ class Attention(nnx.Module):
             q, k, v = jnp.split(self.qkv_proj(x), [q_end, q_end + cfg.num_key_value_heads * cfg.head_dim], axis=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if cfg.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)  # btnh
         k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
         v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
-        if self.q_norm is not None:
+        if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v
 
@@ -113,10 +120,11 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up one [d, 2f] kernel when fused."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), `width` wide (default: the dense intermediate_size);
+    gate and up one [d, 2f] kernel when fused."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, f = cfg.hidden_size, cfg.intermediate_size
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
+        d, f = cfg.hidden_size, width or cfg.intermediate_size
         if cfg.fused_projections:
             self.gate_up_proj = Dense(d, 2 * f, cfg.mlp_bias, cfg, rngs)
         else:
@@ -133,21 +141,47 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(gate) * up)
 
 
+class SparseMoE(nnx.Module):
+    """Router (`gate`), the experts (each a SwiGLU MLP of its own) and, for Qwen2-MoE, a
+    shared expert scaled by a sigmoid gate. Returns (output, router statistics)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.gate = Dense(cfg.hidden_size, cfg.num_experts, False, cfg, rngs)
+        self.experts = nnx.List([MLP(cfg, rngs, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)])
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_expert = MLP(cfg, rngs, shared) if shared else None
+        self.shared_expert_gate = Dense(cfg.hidden_size, 1, False, cfg, rngs) if shared else None
+
+    def __call__(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen, probs = moe.route(self.gate(flat), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        # The experts' kernels stacked [E, in, out] inside the program: the store keeps one array each.
+        gate, up, down = ([getattr(e, n).kernel[...] for e in self.experts] for n in ("gate_proj", "up_proj", "down_proj"))
+        y = moe.experts_forward(flat, weights, chosen, jnp.stack(gate), jnp.stack(up), jnp.stack(down))
+        if self.shared_expert is not None:
+            y = y + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return y.reshape(x.shape), moe.router_stats(probs, chosen)
+
+
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). Returns (hidden,
+    router statistics: {} unless the MLP is a SparseMoE)."""
 
     def __init__(self, cfg: ModelConfig, kind: str, rngs: nnx.Rngs):
-        window = cfg.sliding_window if kind == SLIDING else None
+        window = cfg.sliding_window if kind.removesuffix(MOE) == SLIDING else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, window, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = SparseMoE(cfg, rngs) if kind.endswith(MOE) else MLP(cfg, rngs)
 
     def __call__(self, x, cos, sin):
         with jax.named_scope("attention"):
             x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         with jax.named_scope("mlp"):
-            return x + self.mlp(self.post_attention_layernorm(x))
+            y = self.mlp(self.post_attention_layernorm(x))
+            y, stats = y if isinstance(self.mlp, SparseMoE) else (y, {})
+            return x + y, stats
 
 
 class Embed(nnx.Module):
@@ -201,7 +235,7 @@ def abstract_params(cfg: ModelConfig) -> Params:
     """The whole model's parameters as ShapeDtypeStructs (no allocation)."""
     return {
         "embed": _abstract(cfg, "embed"),
-        "blocks": [abstract_block(cfg, kind) for kind in cfg.layer_types],
+        "blocks": [abstract_block(cfg, kind) for kind in cfg.layer_kinds],
         "head": _abstract(cfg, "head"),
     }
 
@@ -215,7 +249,7 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
     """Freshly initialised float32 parameters (normal(initializer_range), unit norms)."""
     rngs = nnx.Rngs(seed)
     parts = {"embed": _module_factory(cfg, "embed")(rngs)}
-    blocks = [_module_factory(cfg, "block:" + kind)(rngs) for kind in cfg.layer_types]
+    blocks = [_module_factory(cfg, "block:" + kind)(rngs) for kind in cfg.layer_kinds]
     parts["head"] = _module_factory(cfg, "head")(rngs)
     out = {k: nnx.to_pure_dict(nnx.state(m)) for k, m in parts.items()}
     out["blocks"] = [nnx.to_pure_dict(nnx.state(b)) for b in blocks]
@@ -237,11 +271,17 @@ def embed_forward(cfg: ModelConfig, embed: dict, tokens: jnp.ndarray) -> jnp.nda
     return jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype)
 
 
-def block_forward(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray) -> jnp.ndarray:
-    """One block as a pure function: (block params, hidden [b, t, d]) -> hidden [b, t, d]."""
+def block_forward_stats(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray) -> tuple[jnp.ndarray, dict]:
+    """One block as a pure function: (block params, hidden [b, t, d]) -> (hidden [b, t, d],
+    router statistics: {} for a dense block, mtjax.moe.router_stats for a MoE block)."""
     block = cast(block, x.dtype)
     cos, sin = rope.cos_sin(cfg, positions_for(x[..., 0]), x.dtype)
     return _merge(cfg, "block:" + kind, block)(x, cos, sin)
+
+
+def block_forward(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray) -> jnp.ndarray:
+    """`block_forward_stats` without the router statistics."""
+    return block_forward_stats(cfg, kind, block, x)[0]
 
 
 def head_kernel(cfg: ModelConfig, head: dict, embed: dict | None):
@@ -280,13 +320,20 @@ def remat_block(fn, policy: str):
     raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {policy!r}")
 
 
+def forward_stats(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False):
+    """(whole-model logits fp32 [b, t, vocab], router statistics of each MoE layer in order).
+    `remat`: a REMAT_POLICIES name (True = "full")."""
+    policy = {True: "full", False: "none"}.get(remat, remat)
+    x, stats = embed_forward(cfg, params["embed"], tokens), []
+    for kind, block in zip(cfg.layer_kinds, params["blocks"]):
+        x, s = remat_block(functools.partial(block_forward_stats, cfg, kind), policy)(block, x)
+        stats += [s] if s else []
+    return head_forward(cfg, params["head"], params["embed"], x), stats
+
+
 def forward(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False) -> jnp.ndarray:
     """Whole-model logits, fp32 [b, t, vocab]. `remat`: a REMAT_POLICIES name (True = "full")."""
-    policy = {True: "full", False: "none"}.get(remat, remat)
-    x = embed_forward(cfg, params["embed"], tokens)
-    for kind, block in zip(cfg.layer_types, params["blocks"]):
-        x = remat_block(functools.partial(block_forward, cfg, kind), policy)(block, x)
-    return head_forward(cfg, params["head"], params["embed"], x)
+    return forward_stats(cfg, params, tokens, remat)[0]
 
 
 def block_forward_cached(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray, cache: dict, start):
@@ -310,4 +357,5 @@ def block_forward_cached(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarra
         visible &= key_pos[None, :] > positions[:, None] - attn.window  # W keys, the query's own included
     out = jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None], scale=cfg.head_dim**-0.5)
     x = x + attn.o_proj(out.reshape(b, t, -1))
-    return x + m.mlp(m.post_attention_layernorm(x)), {"k": keys, "v": values}
+    y = m.mlp(m.post_attention_layernorm(x))
+    return x + (y[0] if isinstance(m.mlp, SparseMoE) else y), {"k": keys, "v": values}

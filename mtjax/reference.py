@@ -15,33 +15,43 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mtjax import model
+from mtjax import model, moe
 from mtjax.errors import NonFiniteStep
 from mtjax.loss import cross_entropy
 from mtjax.model_config import ConfigError, ModelConfig
 from mtjax.optim import OptimConfig, clip_scale, make_optimizer, sum_of_squares
 
 
+def loss_terms(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str = True):
+    """(training loss, load-balancing loss) of fp32 master `params` on tokens [batch, seq]:
+    the mean next-token loss plus router_aux_loss_coef times the load-balancing loss of
+    the MoE layers (mtjax.moe; 0 for a dense model), as transformers computes with
+    output_router_logits=True. remat: model.REMAT_POLICIES."""
+    logits, stats = model.forward_stats(cfg, params, tokens, remat=remat)
+    aux = moe.aux_loss(stats, tokens.size) if stats else jnp.float32(0)
+    return cross_entropy(logits, tokens) + cfg.router_aux_loss_coef * aux, aux
+
+
 def loss_fn(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str = True) -> jnp.ndarray:
-    """Mean next-token loss of fp32 master `params` on tokens [batch, seq] (remat: model.REMAT_POLICIES)."""
-    return cross_entropy(model.forward(cfg, params, tokens, remat=remat), tokens)
+    """The training loss of `loss_terms`."""
+    return loss_terms(cfg, params, tokens, remat)[0]
 
 
 def _accumulated_grads(cfg: ModelConfig, params, micro_batches: jnp.ndarray, remat: str = "full"):
-    """Mean loss and gradient over micro-batches [accum, batch, seq], summed in fp32."""
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, cfg, remat=remat))
+    """Mean (loss, load-balancing loss) and gradient over micro-batches [accum, batch, seq], summed in fp32."""
+    grad_fn = jax.value_and_grad(functools.partial(loss_terms, cfg, remat=remat), has_aux=True)
     if micro_batches.shape[0] == 1:  # no accumulator: saves three passes over every gradient
         return grad_fn(params, micro_batches[0])
 
     def body(carry, tokens):
-        loss_sum, grad_sum = carry
-        loss, grads = grad_fn(params, tokens)
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+        loss_sum, aux_sum, grad_sum = carry
+        (loss, aux), grads = grad_fn(params, tokens)
+        return (loss_sum + loss, aux_sum + aux, jax.tree.map(jnp.add, grad_sum, grads)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zeros), micro_batches)
+    (loss_sum, aux_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0), zeros), micro_batches)
     n = micro_batches.shape[0]
-    return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum)
+    return (loss_sum / n, aux_sum / n), jax.tree.map(lambda g: g / n, grad_sum)
 
 
 class ReferenceTrainer:
@@ -82,10 +92,10 @@ class ReferenceTrainer:
 
     def _grad_step(self, params, micro_batches, spent):
         del spent  # only its buffers are wanted
-        loss, grads = _accumulated_grads(self.cfg, params, micro_batches, self.remat)
+        (loss, aux), grads = _accumulated_grads(self.cfg, params, micro_batches, self.remat)
         part_sq = jnp.stack([sum_of_squares(grads["head"]), *(sum_of_squares(b) for b in reversed(grads["blocks"])),
                              sum_of_squares(grads["embed"])])  # in backward order, for NonFiniteStep
-        return loss, grads, part_sq
+        return (loss, aux), grads, part_sq
 
     def _apply(self, params, opt_state, grads, sq):
         scale = clip_scale(sq, self.clip_norm)
@@ -96,11 +106,13 @@ class ReferenceTrainer:
         tokens = jnp.asarray(np.asarray(tokens), jnp.int32)
         if tokens.ndim == 2:
             tokens = tokens[None]
-        loss, grads, part_sq = self._grads(self.params, tokens, self._spent)
+        (loss, aux), grads, part_sq = self._grads(self.params, tokens, self._spent)
         self._spent = grads
         part_sq = np.asarray(part_sq)  # host sync: the update may run only on a finite step
         sq = np.float32(np.sum(part_sq, dtype=np.float32))
         out = {"loss": float(loss), "grad_norm": float(np.sqrt(sq))}
+        if self.cfg.moe_layers:
+            out["aux_loss"] = float(aux)  # included in "loss", times router_aux_loss_coef
         if not (np.isfinite(out["loss"]) and np.isfinite(out["grad_norm"])):
             n = self.cfg.num_hidden_layers
             names = ["head", *(f"block.{i}" for i in reversed(range(n))), "embed"]

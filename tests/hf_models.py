@@ -32,6 +32,28 @@ BASE = dict(
 )
 
 
+def hub_names(family: str, tensors: dict) -> dict:
+    """transformers 5's in-memory tensors (experts fused [E, ...]) under the names its
+    save_pretrained writes: one tensor per expert, Mixtral's MoE as block_sparse_moe.w1/w2/w3."""
+    out = {}
+    for name, t in tensors.items():
+        prefix, _, leaf = name.rpartition(".experts.")
+        if not prefix:
+            out[name.replace(".mlp.", ".block_sparse_moe.") if family == "mixtral" else name] = t
+            continue
+        if family == "mixtral":
+            prefix = prefix.replace(".mlp", ".block_sparse_moe")
+        gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        for e in range(t.shape[0]):
+            if leaf == "gate_up_proj":
+                half = t.shape[1] // 2
+                out[f"{prefix}.experts.{e}.{gate}.weight"] = t[e, :half]
+                out[f"{prefix}.experts.{e}.{up}.weight"] = t[e, half:]
+            else:
+                out[f"{prefix}.experts.{e}.{down}.weight"] = t[e]
+    return out
+
+
 def hf_config(family: str, **overrides):
     kwargs = {**BASE, **overrides}
     if family == "qwen3":

@@ -132,7 +132,7 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
 
     def forward(executed):
         return sum(block_forward_flops(cfg, kind, pb[f"block.{i}"].compute // c_item, shape.batch, shape.seq, executed)
-                   for i, kind in enumerate(cfg.layer_types))
+                   for i, kind in enumerate(cfg.layer_kinds))
 
     head_fwd = 2.0 * cfg.hidden_size * cfg.vocab_size * tokens
     # Blocks: forward, recompute forward, backward (2x) = 4 forwards; head: forward + backward.

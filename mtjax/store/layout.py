@@ -94,6 +94,7 @@ def config_from_json(d: dict) -> ModelConfig:
     if d.get("rope_scaling") is not None:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
     d["layer_types"] = tuple(d.get("layer_types", ()))
+    d["moe_layers"] = tuple(d.get("moe_layers", ()))
     d["extra_hf"] = _tuples(d.get("extra_hf", []))
     return ModelConfig(**d)
 

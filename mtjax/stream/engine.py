@@ -266,7 +266,7 @@ class StreamEngine:
         feed = Prefetcher(self.schedule.forward, self._load, self.options.prefetch_depth)
         try:
             toks = [self.placement.tokens(t) for t in tokens]
-            xs, _, _ = self._forward(feed, toks, keep=False)
+            xs, _, _, _ = self._forward(feed, toks, keep=False)
             (head_slot, head_w), tied = self._take_head(feed)
             losses = [self.fns.head_loss(head_w, tied[1], x, t) for x, t in zip(xs, toks)]
             for slot in (head_slot, tied[0]):
@@ -294,7 +294,7 @@ class StreamEngine:
         self.updater.wait_writes()
         feed = Prefetcher(self.schedule.transfers, self._load, self.options.prefetch_depth)
         try:
-            losses = self._train_pass(feed, [self.placement.tokens(t) for t in tokens], 1.0 / accum)
+            losses, auxes = self._train_pass(feed, [self.placement.tokens(t) for t in tokens], 1.0 / accum)
         except BaseException:
             self.grads.discard()  # a failed step's partial sums must not reach the next step
             raise
@@ -315,6 +315,8 @@ class StreamEngine:
             raise NonFiniteStep(self.step_count, loss, bad)
         self.updater.ready(clip_scale(sq, self.clip_norm))  # the updates start (one-copy: at the commit)
         metrics = {"loss": loss, "grad_norm": math.sqrt(norm_sq)}
+        if self.cfg.moe_layers:  # the load-balancing loss, in "loss" times router_aux_loss_coef
+            metrics["aux_loss"] = float(np.mean([float(a) for a in auxes]))
         if self.tiers.kinds_in("disk"):
             # Disk bandwidth over the step's wall time: state and gradient bytes moved meanwhile.
             seconds, (read1, written1) = time.perf_counter() - start, self._io_bytes()
@@ -341,9 +343,9 @@ class StreamEngine:
         return x
 
     def _forward(self, feed: Prefetcher, toks: list, keep: bool):
-        """Embedding and blocks over every micro-batch, part by part; for training when
-        `keep`: (last hidden states, per micro-batch {block index: kept input}, resident
-        (slot, weights) or None)."""
+        """Embedding and blocks over every micro-batch, part by part: (last hidden states,
+        per micro-batch the router stats of each MoE block, and for training when `keep`:
+        per micro-batch {block index: kept input}, resident (slot, weights) or None)."""
         fns, pool, trace = self.fns, self.pool, self.tracer
         starts = {g.start for g in self.groups} if keep else set()
         resident = None
@@ -352,9 +354,13 @@ class StreamEngine:
         trace.watch("compute", "embed", xs)
         pool.release(slot, xs)  # weights dropped as soon as the part is done
         kept = [{0: self._keep(x)} if keep else {} for x in xs]
-        for i, kind in enumerate(self.cfg.layer_types):
+        stats = [[] for _ in xs]
+        for i, kind in enumerate(self.cfg.layer_kinds):
             slot, w = self._take(feed, f"block.{i}")
-            xs = [fns.forward[kind](w, x) for x in xs]
+            outs = [fns.forward[kind](w, x) for x in xs]
+            xs = [y for y, _ in outs]
+            for per_batch, (_, s) in zip(stats, outs):
+                per_batch += [s] if s else []
             trace.watch("compute", f"block.{i}", xs)
             if keep and self.schedule.last_stays and i == self.cfg.num_hidden_layers - 1:
                 resident = slot, w  # the backward starts with this block
@@ -363,7 +369,7 @@ class StreamEngine:
             if i + 1 in starts:
                 for k, x in zip(kept, xs):
                     k[i + 1] = self._keep(x)
-        return xs, kept, resident
+        return xs, stats, kept, resident
 
     def _take_head(self, feed: Prefetcher):
         """The head's (slot, weights), and the embedding's when tied (else (None, None))."""
@@ -373,14 +379,17 @@ class StreamEngine:
     def _train_pass(self, feed: Prefetcher, toks: list, weight: float) -> list:
         """Forward and backward of every micro-batch, one part at a time: each part's
         weights cross to the device once per step, and its gradient is summed over the
-        micro-batches on the device, then leaves once. Returns the micro-batch losses."""
+        micro-batches on the device, then leaves once. Returns the micro-batch training
+        losses and load-balancing losses (mtjax.moe: the latter's gradient enters each MoE
+        block's backward as the cotangent of its router stats)."""
         fns, pool, trace = self.fns, self.pool, self.tracer
-        xs, kept, resident = self._forward(feed, toks, keep=True)
+        xs, stats, kept, resident = self._forward(feed, toks, keep=True)
+        auxes, dstats = zip(*(fns.aux(s, t, weight) if s else (0.0, {}) for s, t in zip(stats, toks)))
         (head_slot, head_w), tied = self._take_head(feed)
         losses, dxs, dhead, dembed = [], [], None, None
-        for x, t in zip(xs, toks):
+        for x, t, aux in zip(xs, toks, auxes):
             loss, dh, de, dx = fns.head(head_w, tied[1], x, t, weight)
-            losses.append(loss)
+            losses.append(loss + self.cfg.router_aux_loss_coef * aux if self.cfg.moe_layers else loss)
             dxs.append(dx)
             dhead = self._sum(dhead, dh, len(toks))
             dembed = self._sum(dembed, de, len(toks)) if tied[0] is not None else None
@@ -393,7 +402,7 @@ class StreamEngine:
 
         for group in reversed(self.groups):
             xs = [self._unkeep(k.pop(group.start)) for k in kept]
-            dxs = self._backward_group(feed, group, xs, dxs, resident)
+            dxs = self._backward_group(feed, group, xs, dxs, dstats, resident)
             resident = None
         de = None
         for t, dx in zip(toks, dxs):
@@ -402,7 +411,7 @@ class StreamEngine:
             de = fns.grad_add(fns.grad_to_f32(dembed), de)
         trace.watch("compute", "embed", de)
         self.grads.add("embed", de)
-        return losses
+        return losses, auxes
 
     def _sum(self, acc, grads, count: int):
         """Running sum of a part's gradients over the micro-batches, on the device (fp32).
@@ -411,33 +420,36 @@ class StreamEngine:
             return grads
         return self.fns.grad_to_f32(grads) if acc is None else self.fns.grad_add(acc, grads)
 
-    def _backward_group(self, feed: Prefetcher, group: range, xs: list, dxs: list, resident=None) -> list:
+    def _backward_group(self, feed: Prefetcher, group: range, xs: list, dxs: list, dstats: list,
+                        resident=None) -> list:
         """Recompute the group's blocks from their kept inputs, then walk them back, one
         micro-batch at a time with the group's weights on the device; returns the
-        gradients w.r.t. the group's inputs. `resident`: the group's (one) block is still
-        on the device from the forward."""
-        fns, kinds, count = self.fns, self.cfg.layer_types, len(xs)
+        gradients w.r.t. the group's inputs. `dstats`: per micro-batch, the cotangent of
+        every MoE block's router stats. `resident`: the group's (one) block is still on
+        the device from the forward."""
+        fns, kinds, count = self.fns, self.cfg.layer_kinds, len(xs)
+        moe = set(self.cfg.moe_layers)
         if len(group) == 1:  # recompute and backward fused in one program
             i = group.start
             slot, w = resident or self._take(feed, f"block.{i}")
             acc, out = None, []
-            for x, dx in zip(xs, dxs):
-                dw, dx = fns.grad[kinds[i]](w, x, dx)
+            for x, dx, ds in zip(xs, dxs, dstats):
+                dw, dx = fns.grad[kinds[i]](w, x, dx, ds if i in moe else {})
                 acc = self._sum(acc, dw, count)
                 out.append(dx)
             self._finish_block(i, slot, acc, out)
             return out
         held = [(i, *self._take(feed, f"block.{i}")) for i in group]
         accs, out = dict.fromkeys(group), []
-        for x, dx in zip(xs, dxs):
+        for x, dx, ds in zip(xs, dxs, dstats):
             vjps = []
             for i, _, w in held:
-                x, vjp = fns.recompute[kinds[i]](w, x)
+                (x, _), vjp = fns.recompute[kinds[i]](w, x)
                 self.ledger.hold(self._residual_bytes, "recompute residuals", "residuals")
                 vjps.append((i, vjp))
             while vjps:
                 i, vjp = vjps.pop()
-                dw, dx = fns.backward(vjp, dx)
+                dw, dx = fns.backward(vjp, (dx, ds if i in moe else {}))
                 del vjp
                 self.ledger.free(self._residual_bytes, "residuals")
                 accs[i] = self._sum(accs[i], dw, count)

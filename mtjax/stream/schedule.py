@@ -208,7 +208,7 @@ def residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int) -> int:
     """Bytes a block's vjp keeps beyond its own weights, traced from the real block
     (`jax.eval_shape` of `jax.vjp`: nothing runs, nothing is allocated). Includes
     whatever the attention implementation saves, e.g. [batch, heads, seq, seq] scores."""
-    name = f"block.{cfg.layer_types.index(kind)}"
+    name = f"block.{cfg.layer_kinds.index(kind)}"
     weights = parts.schema(cfg, name, "compute")
     template = parts.abstract_part(cfg, name)
     x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype))

@@ -1,0 +1,135 @@
+"""Mixture-of-experts: the grouped dispatch, the load-balancing loss's block-by-block
+decomposition, and the streaming engine against the reference trainer on MoE models.
+
+The torch comparisons (mtjax == transformers per MoE family, import -> export) are in
+tests/test_hf_moe.py under the slow marker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtjax.store
+from mtjax import model, moe
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.reference import ReferenceTrainer, loss_terms
+from mtjax.stream import StreamEngine
+
+# Qwen3-MoE-like: a dense layer between two MoE layers, 7 experts of which 2 are picked.
+CFG = ModelConfig(model_type="qwen3_moe", vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True, num_experts=7,
+                  num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False, router_aux_loss_coef=0.5,
+                  moe_layers=(0, 2))
+OPT = OptimConfig(lr=1e-3, clip_norm=0.05, weight_decay=0.1)
+STEPS = 5
+
+
+def _dense_experts(x, weights, chosen, gate, up, down):
+    """The obvious form: every token through each of its k experts' gathered kernels."""
+    g, u, d = gate[chosen], up[chosen], down[chosen]  # [T, k, ...]
+    h = jax.nn.silu(jnp.einsum("td,tkdf->tkf", x, g)) * jnp.einsum("td,tkdf->tkf", x, u)
+    return jnp.einsum("tk,tkd->td", weights, jnp.einsum("tkf,tkfd->tkd", h, d))
+
+
+def test_grouped_dispatch_equals_the_dense_form_with_unrouted_experts():
+    rng = np.random.default_rng(0)
+    t, d, f, e, k = 9, 6, 5, 6, 2
+    x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+    gate, up = (jnp.asarray(rng.normal(size=(e, d, f)), jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.normal(size=(e, f, d)), jnp.float32)
+    # The router never picks experts 1 and 4.
+    logits = jnp.asarray(rng.normal(size=(t, e)), jnp.float32).at[:, jnp.array([1, 4])].set(-30.0)
+    weights, chosen, _ = moe.route(logits, k, True)
+    assert not set(np.asarray(chosen).ravel()) & {1, 4}
+
+    def both(fn):
+        out, vjp = jax.vjp(fn, x, weights, gate, up, down)
+        return out, vjp(jnp.cos(out))
+
+    ours, dours = jax.jit(both, static_argnums=0)(lambda *a: moe.experts_forward(a[0], a[1], chosen, *a[2:]))
+    dense, ddense = jax.jit(both, static_argnums=0)(lambda *a: _dense_experts(a[0], a[1], chosen, *a[2:]))
+    np.testing.assert_allclose(ours, dense, rtol=1e-5, atol=1e-5)
+    for a, b in zip(dours, ddense):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert not np.any(dours[2][np.array([1, 4])])  # unrouted experts: exactly zero gradient
+
+
+def _switch_loss(logits_per_layer, k):
+    """transformers' load_balancing_loss_func, written from its definition: all layers'
+    router logits concatenated, one fraction of picks and one mean probability per expert."""
+    logits = jnp.concatenate(logits_per_layer)
+    probs = jax.nn.softmax(logits, axis=-1)
+    picks = jax.nn.one_hot(jax.lax.top_k(probs, k)[1], logits.shape[-1]).sum(1)
+    return logits.shape[-1] * jnp.sum(jnp.mean(picks, 0) * jnp.mean(probs, 0))
+
+
+def test_aux_loss_decomposes_by_layer_with_the_gradient_of_the_whole():
+    rng = np.random.default_rng(1)
+    layers = [jnp.asarray(rng.normal(size=(10, 5)), jnp.float32) for _ in range(3)]
+
+    def per_layer_stats(ls):
+        out = []
+        for lg in ls:
+            _, chosen, probs = moe.route(lg, 2, False)
+            out.append(moe.router_stats(probs, chosen))
+        return out
+
+    whole, dwhole = jax.jit(jax.value_and_grad(lambda ls: _switch_loss(ls, 2)))(layers)
+    ours = jax.jit(lambda ls: moe.aux_loss(per_layer_stats(ls), 10))(layers)
+    np.testing.assert_allclose(ours, whole, rtol=1e-6)
+    # The streamed form: each layer's vjp fed the one shared cotangent of its probs.
+    _, shared = moe.aux_loss_and_cotangent(per_layer_stats(layers), 10)
+    for lg, expected in zip(layers, dwhole):
+        _, vjp = jax.vjp(lambda l: per_layer_stats([l])[0]["probs"], lg)
+        np.testing.assert_allclose(vjp(shared)[0], expected, rtol=1e-5, atol=1e-7)
+
+
+def test_aux_loss_reaches_every_router():
+    """The load-balancing term changes every router's gradient (it is not dropped)."""
+    params = model.init_params(CFG, seed=3)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 16)))
+    grad = jax.jit(lambda cfg, p: jax.grad(lambda q: loss_terms(cfg, q, tokens)[0])(p), static_argnums=0)
+    with_aux, without = grad(CFG, params), grad(dataclasses.replace(CFG, router_aux_loss_coef=0.0), params)
+    for i in CFG.moe_layers:
+        a, b = with_aux["blocks"][i]["mlp"]["gate"]["kernel"], without["blocks"][i]["mlp"]["gate"]["kernel"]
+        assert np.linalg.norm(a - b) > 1e-3 * np.linalg.norm(b)
+
+
+def _batches(accum: int):
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, CFG.vocab_size, (accum, 2, 16), dtype=np.int32) for _ in range(STEPS)]
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("keep_every,tiers,accum", [
+    (1, {}, 1),
+    (2, dict(compute="disk", master="disk", opt="disk"), 2),
+], ids=["ram-keep1", "disk-keep2-accum2"])
+def test_streamed_moe_steps_equal_the_reference(tmp_path, keep_every, tiers, accum):
+    reference = ReferenceTrainer(CFG, model.init_params(CFG, seed=1), OPT)
+    store = mtjax.store.create(tmp_path / "store", CFG, make_optimizer(OPT)) if tiers else None
+    engine = StreamEngine(CFG, model.init_params(CFG, seed=1), OPT, StreamConfig(keep_every=keep_every),
+                          StoreConfig(**tiers), store=store, batch_shape=(2, 16))
+    for b in _batches(accum):
+        ref, ours = reference.step(b), engine.step(b)
+        np.testing.assert_allclose(ours["loss"], ref["loss"], rtol=1e-5)
+        np.testing.assert_allclose(ours["aux_loss"], ref["aux_loss"], rtol=1e-5)
+        np.testing.assert_allclose(ours["grad_norm"], ref["grad_norm"], rtol=1e-4)
+        assert ref["grad_norm"] > OPT.clip_norm  # clipping is active
+    errors = jax.tree.leaves(jax.tree.map(_rel, engine.params(), reference.params))
+    errors += jax.tree.leaves(jax.tree.map(_rel, engine.opt_state(), reference.opt_state))
+    assert max(errors) <= 1e-5
+    engine.close()
+    if store is not None:
+        store.close()
