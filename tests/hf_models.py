@@ -17,6 +17,10 @@ FAMILIES = {
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
     "phi3": transformers.Phi3Config,
+    "mixtral": transformers.MixtralConfig,
+    "qwen2_moe": transformers.Qwen2MoeConfig,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
+    "olmoe": transformers.OlmoeConfig,
 }
 
 BASE = dict(
@@ -56,7 +60,7 @@ def hub_names(family: str, tensors: dict) -> dict:
 
 def hf_config(family: str, **overrides):
     kwargs = {**BASE, **overrides}
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         kwargs.setdefault("head_dim", 8)
     if family == "phi3":  # its defaults name token ids beyond this vocabulary
         kwargs = dict(bos_token_id=1, eos_token_id=2, pad_token_id=None, **kwargs)
