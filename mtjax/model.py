@@ -245,6 +245,20 @@ def num_params(cfg: ModelConfig) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
 
 
+def inactive_params(cfg: ModelConfig, kind: str) -> int:
+    """Parameters of a block of `kind` that one token does not use: the experts beyond its
+    k (0 for a dense block). FLOPs and MFU count a block's parameters minus these."""
+    if not kind.endswith(MOE):
+        return 0
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size  # gate, up, down; no biases
+    return (cfg.num_experts - cfg.num_experts_per_tok) * expert
+
+
+def num_active_params(cfg: ModelConfig) -> int:
+    """Parameters one token's forward uses: `num_params` less every layer's `inactive_params`."""
+    return num_params(cfg) - sum(inactive_params(cfg, kind) for kind in cfg.layer_kinds)
+
+
 def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
     """Freshly initialised float32 parameters (normal(initializer_range), unit norms)."""
     rngs = nnx.Rngs(seed)
