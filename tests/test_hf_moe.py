@@ -25,6 +25,8 @@ import hf_models
 import mtjax
 from mtjax import hf
 from mtjax.reference import loss_terms
+from mtjax.store.hf_export import export_hf
+from mtjax.store.hf_import import import_hf
 
 pytestmark = pytest.mark.slow  # transformers + torch models side by side
 
@@ -131,12 +133,17 @@ def test_every_gradient_matches(case):
 
 
 def test_export_is_bit_exact_and_reloads_in_transformers(case, tmp_path):
+    """From params and through a layer store (one array per expert): the same files."""
     c, r = case
     mtjax.save_params(r.cfg, r.params, tmp_path / "out")
-    source, ours = load_file(str(r.ckpt / hf.SINGLE_FILE)), load_file(str(tmp_path / "out" / hf.SINGLE_FILE))
-    assert set(ours) == set(source)
-    for name, array in source.items():
-        assert ours[name].dtype == array.dtype and ours[name].tobytes() == array.tobytes(), name
+    import_hf(r.ckpt, tmp_path / "store", compute_dtype="float32")
+    export_hf(tmp_path / "store", tmp_path / "via-store")
+    source = load_file(str(r.ckpt / hf.SINGLE_FILE))
+    for out in ("out", "via-store"):
+        ours = load_file(str(tmp_path / out / hf.SINGLE_FILE))
+        assert set(ours) == set(source)
+        for name, array in source.items():
+            assert ours[name].dtype == array.dtype and ours[name].tobytes() == array.tobytes(), (out, name)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager",
                                                                  dtype=torch.float32)
     ids = torch.as_tensor(r.tokens)
