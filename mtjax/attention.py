@@ -11,6 +11,14 @@ keys at once (no online rescaling), so results match the XLA path to fp32 roundi
 
 Layouts: q [b, t, heads, hd], k and v [b, t, kv_heads, hd] (grouped-query attention when
 kv_heads < heads); scores are [b, kv_heads, group, t_q, t_k], fp32.
+
+Soft-capping (Gemma 2) replaces the scaled scores s by cap * tanh(s / cap) before the mask
+and softmax; the backward multiplies dS by its derivative, 1 - tanh^2.
+
+Packed documents: `segments` [b, t] (int document ids, mtjax.batch) confines each query to
+the keys of its own document, on top of the causal (and window) mask; a padding token
+(segment 0) sees only padding, so every query still sees itself and each softmax row
+stays finite. None (plain windows) adds nothing to the traced program.
 """
 
 from __future__ import annotations
@@ -30,14 +38,20 @@ def _chunks(t: int, window: int | None, rows: int) -> list[tuple[int, int, int]]
     return [(a, b, max(0, a - window + 1) if window else 0) for a, b in zip(bounds, bounds[1:])]
 
 
-def _scores(q, k, r0: int, k0: int, scale: float, window: int | None):
-    """Scaled fp32 scores [b, kv, g, tq, tk] and the visibility mask of query rows r0.. on keys k0.."""
+def _scores(q, k, r0: int, k0: int, scale: float, window: int | None, softcap: float | None, segments):
+    """Scaled (and capped) fp32 scores [b, kv, g, tq, tk] and the visibility mask of query
+    rows r0.. on keys k0.."""
     s = jnp.einsum("bkgth,bksh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    qpos = r0 + jnp.arange(q.shape[3])[:, None]
-    kpos = k0 + jnp.arange(k.shape[2])[None, :]
+    if softcap:
+        s = jnp.tanh(s / softcap) * softcap
+    tq, tk = q.shape[3], k.shape[2]
+    qpos = r0 + jnp.arange(tq)[:, None]
+    kpos = k0 + jnp.arange(tk)[None, :]
     mask = kpos <= qpos
     if window:
         mask &= kpos > qpos - window  # W keys including the query itself
+    if segments is not None:  # [b, tq, tk] -> [b, 1, 1, tq, tk]
+        mask = mask & (segments[:, r0:r0 + tq, None] == segments[:, None, k0:k0 + tk])[:, None, None]
     return s, mask
 
 
@@ -53,12 +67,12 @@ def _token_major(x):
     return x.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, h)
 
 
-def _forward(q, k, v, scale, window, rows):
+def _forward(q, k, v, segments, scale, window, softcap, rows):
     kv = k.shape[2]
     qh, kh, vh = _heads_major(q, kv), _heads_major(k, kv)[:, :, 0], _heads_major(v, kv)[:, :, 0]
     outs, lses = [], []
     for r0, r1, k0 in _chunks(q.shape[1], window, rows):
-        s, mask = _scores(qh[:, :, :, r0:r1], kh[:, :, k0:r1], r0, k0, scale, window)
+        s, mask = _scores(qh[:, :, :, r0:r1], kh[:, :, k0:r1], r0, k0, scale, window, softcap, segments)
         s = jnp.where(mask, s, -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)  # finite: every query sees itself
         e = jnp.exp(s - m)
@@ -70,19 +84,21 @@ def _forward(q, k, v, scale, window, rows):
     return out, lses
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def causal_attention(q, k, v, scale: float, window: int | None = None, rows: int = CHUNK_ROWS):
-    """softmax(q k^T * scale, causal [and sliding-window] mask) v: [b, t, heads, hd]."""
-    return _token_major(_forward(q, k, v, scale, window, rows)[0])
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def causal_attention(q, k, v, scale: float, window: int | None = None, rows: int = CHUNK_ROWS,
+                     softcap: float | None = None, segments=None):
+    """softmax(cap(q k^T * scale), causal [and sliding-window] [and same-document] mask) v:
+    [b, t, heads, hd]."""
+    return _token_major(_forward(q, k, v, segments, scale, window, softcap, rows)[0])
 
 
-def _fwd(q, k, v, scale, window, rows):
-    out, lses = _forward(q, k, v, scale, window, rows)
-    return _token_major(out), (q, k, v, out, lses)
+def _fwd(q, k, v, scale, window, rows, softcap, segments):
+    out, lses = _forward(q, k, v, segments, scale, window, softcap, rows)
+    return _token_major(out), (q, k, v, segments, out, lses)
 
 
-def _bwd(scale, window, rows, res, dout):
-    q, k, v, out, lses = res
+def _bwd(scale, window, rows, softcap, res, dout):
+    q, k, v, segments, out, lses = res
     kv = k.shape[2]
     qh, kh, vh, doh = _heads_major(q, kv), _heads_major(k, kv)[:, :, 0], _heads_major(v, kv)[:, :, 0], \
         _heads_major(dout, kv)
@@ -91,17 +107,20 @@ def _bwd(scale, window, rows, res, dout):
     dq, dk, dv = [], jnp.zeros(kh.shape, jnp.float32), jnp.zeros(vh.shape, jnp.float32)
     for (r0, r1, k0), lse in zip(_chunks(q.shape[1], window, rows), lses):
         q_i, do_i, k_i, v_i = qh[:, :, :, r0:r1], doh[:, :, :, r0:r1], kh[:, :, k0:r1], vh[:, :, k0:r1]
-        s, mask = _scores(q_i, k_i, r0, k0, scale, window)
+        s, mask = _scores(q_i, k_i, r0, k0, scale, window, softcap, segments)
         p = jnp.where(mask, jnp.exp(s - lse), 0.0)
         dv = dv.at[:, :, k0:r1].add(jnp.einsum("bkgts,bkgth->bksh", p.astype(v.dtype), do_i,
                                                preferred_element_type=jnp.float32))
         dp = jnp.einsum("bkgth,bksh->bkgts", do_i, v_i, preferred_element_type=jnp.float32)
-        ds = (p * (dp - delta[:, :, :, r0:r1]) * scale).astype(q.dtype)
+        ds = p * (dp - delta[:, :, :, r0:r1])
+        if softcap:
+            ds = ds * (1.0 - jnp.square(s / softcap))  # d cap(z) / dz = 1 - tanh^2, with s = cap(z)
+        ds = (ds * scale).astype(q.dtype)
         dq.append(jnp.einsum("bkgts,bksh->bkgth", ds, k_i, preferred_element_type=jnp.float32))
         dk = dk.at[:, :, k0:r1].add(jnp.einsum("bkgts,bkgth->bksh", ds, q_i, preferred_element_type=jnp.float32))
     dq = _token_major(jnp.concatenate(dq, axis=3))
     dk, dv = (_token_major(d[:, :, None]) for d in (dk, dv))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None  # no cotangent for document ids
 
 
 causal_attention.defvjp(_fwd, _bwd)
@@ -141,12 +160,28 @@ def _platform() -> tuple[str, float | None]:
         return backend, None
 
 
-def attend(q, k, v, scale: float, window: int | None = None):
-    """Causal attention by the fastest exact path of the backend being traced for (`kernel`)."""
+def attend(q, k, v, scale: float, window: int | None = None, softcap: float | None = None, segments=None):
+    """Causal attention by the fastest exact path of the backend being traced for (`kernel`);
+    `softcap`: soft-capped scores (Gemma 2); `segments` [b, t]: document ids of packed rows,
+    which confine attention to each document. Both take the chunked path on every backend."""
     backend, capability = _platform()
-    which = kernel(backend, q.dtype, q.shape[-1], window, capability=capability)
+    which = kernel(backend, q.dtype, q.shape[-1], window, softcap, segments=segments is not None,
+                   capability=capability)
     if which == "chunked":
-        return causal_attention(q, k, v, scale, window)
+        return causal_attention(q, k, v, scale, window, CHUNK_ROWS, softcap, segments)
     local = (window - 1, 0) if window else None  # W keys including the query itself
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
                                         implementation=which)
+
+
+def masked_attention(q, k, v, mask, scale: float, softcap: float | None = None):
+    """softmax(cap(q k^T * scale) where `mask`) v for an explicit boolean mask [b|1, 1, tq, tk]
+    (the sampling path's cache); q [b, tq, heads, hd], k and v [b, tk, kv heads, hd]."""
+    if not softcap:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+    kv = k.shape[2]
+    qh, kh, vh = _heads_major(q, kv), _heads_major(k, kv)[:, :, 0], _heads_major(v, kv)[:, :, 0]
+    s = jnp.einsum("bkgth,bksh->bkgts", qh, kh, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, :, None], jnp.tanh(s / softcap) * softcap, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return _token_major(jnp.einsum("bkgts,bksh->bkgth", p, vh, preferred_element_type=jnp.float32).astype(q.dtype))

@@ -49,3 +49,11 @@ def as_batch(x) -> Batch:
     if batch.tokens.ndim != 3:
         raise MtjaxError(f"tokens must be [accum, batch, seq] or [batch, seq], got shape {batch.tokens.shape}")
     return batch
+
+
+def concat(batches) -> Batch:
+    """One Batch of several along the micro-batch axis (Batches or token arrays, all alike:
+    every one with a loss mask and document ids, or none)."""
+    batches = [as_batch(b) for b in batches]
+    fields = [[getattr(b, name) for b in batches] for name in ("tokens", "loss_mask", "segments")]
+    return Batch(*(None if all(a is None for a in arrays) else np.concatenate(arrays) for arrays in fields))

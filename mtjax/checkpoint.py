@@ -26,6 +26,7 @@ import numpy as np
 import mtjax.store
 from mtjax import parts, treepath
 from mtjax.config import ConfigError, ExperimentConfig
+from mtjax.data import chat
 from mtjax.model_config import ModelConfig
 from mtjax.optim import make_optimizer
 from mtjax.store import fill, hf_export, lock
@@ -152,11 +153,17 @@ def read_model(store, tx):
     return read_params(store), full_opt_state(store.config, tx, opt)
 
 
-def export_final(exp: ExperimentConfig, out: Path, tokenizer, step: int) -> Path:
-    """The run's last commit as a Hugging Face checkpoint in `out`, with its tokenizer."""
+def export_final(exp: ExperimentConfig, out: Path, tokenizer, step: int, chat_template: dict | None = None) -> Path:
+    """The run's last commit as a Hugging Face checkpoint in `out`, with its tokenizer, and
+    the chat template its data was rendered with ({"source", "special_tokens"} of a chat
+    dataset's meta.json), so that transformers and `mtjax generate --chat` prompt it alike."""
 
     def extra(tmp: Path) -> None:
         tokenizer.save(tmp)
+        if chat_template:
+            (tmp / chat.TEMPLATE_FILE).write_text(chat_template["source"])
+            if chat_template.get("special_tokens"):
+                (tmp / chat.CONFIG_FILE).write_text(json.dumps(chat_template["special_tokens"], indent=2))
         spec = tokenizer.spec if tokenizer.spec == "bytes" else "tokenizer.json"
         (tmp / EXPORT_NOTE).write_text(json.dumps({"step": step, "tokenizer": spec, "eos_id": tokenizer.eos_id},
                                                   indent=2))

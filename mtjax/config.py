@@ -106,12 +106,34 @@ class StreamConfig:
     keep_every: int = 1  # keep block inputs every k blocks; 0 keeps only the embedding output
     activations: str = "device"  # where kept block inputs wait for the backward: device | host
     device_budget_bytes: int | None = None  # cap on device memory use, checked before step 1; None: no cap
+    # auto: the planner's choice for the device budget, made when a run starts (an engine
+    # built directly, and `mtjax plan`, take auto as none); a count: the parts whose
+    # streaming costs most (schedule.residency_order); a list: those parts.
+    resident: int | str | tuple[str, ...] = "auto"  # parts whose whole state stays on the device, updated there: auto | none | all | N | embed,block.0,...
+    # What the backward keeps of a recompute group whose blocks are all resident: full
+    # (recompute each block from the group's input, as streamed ones are), dots (keep the
+    # forward's projections, model.REMAT_POLICIES) or none (keep every residual: no
+    # recompute). auto: the planner's choice with stream.resident (an engine built directly: full).
+    remat: str = "auto"  # what resident blocks keep for the backward: auto | full | dots | none
 
     def __post_init__(self):
         _check_choice("stream.engine", self.engine, ("reference", "stream"))
         _check_choice("stream.activations", self.activations, ("device", "host"))
+        _check_choice("stream.remat", self.remat, ("auto", "full", "dots", "none"))
         if self.prefetch_depth < 1 or self.keep_every < 0:
             raise ConfigError("stream.prefetch_depth must be >= 1 and stream.keep_every >= 0")
+        r = self.resident
+        if isinstance(r, str) and r not in ("auto", "none", "all"):
+            r = tuple(p.strip() for p in r.split(",") if p.strip())  # "embed,block.0" from a command line
+        if isinstance(r, list):
+            r = tuple(r)  # hashable, as a frozen config must be
+        object.__setattr__(self, "resident", r)
+        ok = (r in ("auto", "none", "all") if isinstance(r, str) else
+              isinstance(r, int) and not isinstance(r, bool) and r >= 0 if not isinstance(r, tuple) else
+              all(isinstance(p, str) for p in r))
+        if not ok:
+            raise ConfigError(f"stream.resident must be auto, none, all, a count >= 0 or a list of part names "
+                              f"(embed, block.N, head), got {self.resident!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,9 +80,12 @@ def generate(cfg: ModelConfig, params, prompt: list[int], max_new_tokens: int, t
     return cut_at_eos(new, eos_id)
 
 
-def complete(cfg: ModelConfig, params, tokenizer, prompt: str, max_new_tokens: int, **kwargs) -> str:
-    """Text continuation of `prompt` using `tokenizer` (see mtjax.data.tokenizer); the prompt
-    starts with BOS where the tokenizer's documents do."""
-    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    ids = generate(cfg, params, bos + tokenizer.encode(prompt), max_new_tokens, eos_id=tokenizer.eos_id, **kwargs)
+def complete(cfg: ModelConfig, params, tokenizer, prompt: str, max_new_tokens: int, eos_id: int | None = None,
+             add_bos: bool = True, **kwargs) -> str:
+    """Text continuation of `prompt` using `tokenizer` (see mtjax.data.tokenizer), cut at
+    `eos_id` (default: the tokenizer's EOS); the prompt starts with BOS where the
+    tokenizer's documents do, unless `add_bos` is off (a chat template writes its own)."""
+    bos = [] if tokenizer.bos_id is None or not add_bos else [tokenizer.bos_id]
+    eos_id = tokenizer.eos_id if eos_id is None else eos_id
+    ids = generate(cfg, params, bos + tokenizer.encode(prompt), max_new_tokens, eos_id=eos_id, **kwargs)
     return tokenizer.decode(ids)

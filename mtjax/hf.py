@@ -26,6 +26,10 @@ from mtjax.model_config import ModelConfig, differences, load_hf_config, to_hf_d
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# A multimodal checkpoint's language model (Gemma3ForConditionalGeneration) under either
+# naming in the wild: transformers 5 saves the first, its in-memory modules use the second.
+LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                           "language_model.lm_head.": "lm_head."}
 
 
 class CheckpointError(MtjaxError, ValueError):
@@ -108,7 +112,7 @@ class SafetensorsReader:
             files = [SINGLE_FILE]
         else:
             raise CheckpointError(f"{self.dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-        self._handles, self._where = {}, {}
+        self._handles, self._where = {}, {}  # _where: name -> (file, the tensor's name in it)
         for name in files:
             try:
                 handle = safe_open(str(self.dir / name), framework="np")
@@ -116,22 +120,52 @@ class SafetensorsReader:
                 raise CheckpointError(f"{self.dir / name} is unreadable or truncated ({e}); re-download it") from None
             self._handles[name] = handle
             for key in handle.keys():
-                self._where[key] = name
+                self._where[key] = (name, key)
+        self.left_out = self._language_model_only()
+
+    def _language_model_only(self) -> list[str]:
+        """In a multimodal checkpoint, name the language model's tensors as a text-only
+        checkpoint does and set the others (vision tower, projector) aside; returns those."""
+        if not any(n.startswith(tuple(LANGUAGE_MODEL_PREFIXES)) for n in self._where):
+            return []
+        text, left_out = {}, []
+        for name, where in self._where.items():
+            prefix = next((p for p in LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
+            if prefix is not None:
+                text[LANGUAGE_MODEL_PREFIXES[prefix] + name[len(prefix):]] = where
+            elif name == "lm_head.weight":
+                text[name] = where
+            else:
+                left_out.append(name)
+        self._where = text
+        return sorted(left_out)
 
     def names(self) -> list[str]:
         return list(self._where)
 
+    def _slice(self, name: str):
+        file, key = self._where[name]
+        return self._handles[file].get_slice(key)
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+        return tuple(self._slice(name).get_shape())
 
     def dtype(self, name: str) -> str:
-        return self._handles[self._where[name]].get_slice(name).get_dtype()
+        return self._slice(name).get_dtype()
 
     def read(self, name: str) -> np.ndarray:
+        file, key = self._where[name]
         try:
-            return self._handles[self._where[name]].get_tensor(name)
+            return self._handles[file].get_tensor(key)
         except SafetensorError as e:
             raise CheckpointError(f"tensor {name} in {self.dir} is unreadable ({e}); the file may be truncated") from None
+
+
+def say_left_out(reader: SafetensorsReader) -> None:
+    """One line when a multimodal checkpoint's non-language tensors are not imported."""
+    if reader.left_out:
+        print(f"mtjax: {reader.dir} is multimodal: its language model is used, its vision tower and projector "
+              f"({len(reader.left_out)} tensors) are left out")
 
 
 def check(cfg: ModelConfig, reader: SafetensorsReader) -> list[TensorSpec]:
@@ -173,6 +207,7 @@ def load_params(ckpt_dir: str | Path, cfg: ModelConfig | None = None, dtype=np.f
     """(cfg, params) from a checkpoint directory, params as numpy arrays in `dtype`."""
     cfg = cfg or load_hf_config(ckpt_dir)
     reader = SafetensorsReader(ckpt_dir)
+    say_left_out(reader)
     try:
         specs = check(cfg, reader)
     except CheckpointError:

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtjax import moe, rope
-from mtjax.attention import attend
+from mtjax import documents, moe, rope
+from mtjax.attention import attend, masked_attention
 from mtjax.model_config import FULL, MOE, SLIDING, ModelConfig
 
 Params = dict  # {"embed": ..., "blocks": [...], "head": ...}
@@ -57,20 +57,26 @@ class Dense(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm with fp32 statistics, scaled after casting back (as transformers does)."""
+    """RMSNorm with fp32 statistics, as transformers computes it (see `rms_norm`)."""
 
-    def __init__(self, dim: int, eps: float):
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
-        self.eps = eps
+    def __init__(self, dim: int, cfg: ModelConfig):
+        # Gemma's (1 + w) norms start at w = 0, the others' w at 1: both the identity scale.
+        self.weight = nnx.Param(jnp.full((dim,), 0.0 if cfg.rms_norm_offset else 1.0, jnp.float32))
+        self.eps, self.offset = cfg.rms_norm_eps, cfg.rms_norm_offset
 
     def __call__(self, x):
-        return rms_norm(x, self.weight[...], self.eps)
+        return rms_norm(x, self.weight[...], self.eps, self.offset)
 
 
-def rms_norm(x, weight, eps: float):
-    """Over the last axis; computed on a flat [rows, d] matrix (see `_dot`: 10x faster backward)."""
+def rms_norm(x, weight, eps: float, offset: bool = False):
+    """Over the last axis; computed on a flat [rows, d] matrix (see `_dot`: 10x faster backward).
+
+    Llama's scales by w after casting back to x's dtype; with `offset` (Gemma's) it scales
+    by (1 + w) in fp32 and casts afterwards."""
     x32 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype).reshape(x.shape)
     return (weight.astype(x.dtype) * normed.astype(x.dtype)).reshape(x.shape)
 
 
@@ -86,10 +92,10 @@ class Attention(nnx.Module):
             self.k_proj = Dense(d, kv, cfg.attention_bias, cfg, rngs)
             self.v_proj = Dense(d, kv, cfg.attention_bias, cfg, rngs)
         self.o_proj = Dense(cfg.num_attention_heads * hd, d, cfg.o_proj_bias, cfg, rngs)
-        # Per head (Qwen3), or over all heads of the projection at once (OLMoE).
+        # Per head (Qwen3, Gemma 3), or over all heads of the projection at once (OLMoE).
         q_dim, k_dim = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd) if cfg.qk_norm_full else (hd, hd)
-        self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps) if cfg.qk_norm or cfg.qk_norm_full else None
-        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if cfg.qk_norm or cfg.qk_norm_full else None
+        self.q_norm = RMSNorm(q_dim, cfg) if cfg.qk_norm or cfg.qk_norm_full else None
+        self.k_norm = RMSNorm(k_dim, cfg) if cfg.qk_norm or cfg.qk_norm_full else None
 
     def qkv(self, x, cos, sin):
         """Queries [b, t, heads, hd] and keys and values [b, t, kv heads, hd], rotated."""
@@ -109,22 +115,26 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v
 
-    def __call__(self, x, cos, sin):
+    def __call__(self, x, cos, sin, segments=None):
         cfg = self.cfg
         b, t, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
         # A window of W keys includes the query itself. On the CPU not jax.nn.dot_product_attention:
         # attention.py skips the masked score blocks, ~20% faster there.
-        out = attend(q, k, v, cfg.head_dim**-0.5, self.window)  # btnh
+        out = attend(q, k, v, cfg.attn_scale, self.window, cfg.attn_logit_softcapping, segments)  # btnh
         return self.o_proj(out.reshape(b, t, -1))
 
 
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), `width` wide (default: the dense intermediate_size);
-    gate and up one [d, 2f] kernel when fused."""
+    """Gated: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with the tanh GELU (Gemma);
+    `width` wide (default: the dense intermediate_size); gate and up one [d, 2f] kernel when fused."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
         d, f = cfg.hidden_size, width or cfg.intermediate_size
+        self.act = ACTIVATIONS[cfg.hidden_act]
         if cfg.fused_projections:
             self.gate_up_proj = Dense(d, 2 * f, cfg.mlp_bias, cfg, rngs)
         else:
@@ -138,7 +148,7 @@ class MLP(nnx.Module):
             gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class SparseMoE(nnx.Module):
@@ -166,22 +176,41 @@ class SparseMoE(nnx.Module):
 
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). Returns (hidden,
-    router statistics: {} unless the MLP is a SparseMoE)."""
+    router statistics: {} unless the MLP is a SparseMoE).
+
+    With `sandwich_norms` (Gemma) the attention and MLP outputs are normed too before their
+    residual adds; post_attention_layernorm is then the attention output's norm and
+    pre_feedforward_layernorm the MLP input's (Hugging Face's names for both layouts).
+    """
 
     def __init__(self, cfg: ModelConfig, kind: str, rngs: nnx.Rngs):
         window = cfg.sliding_window if kind.removesuffix(MOE) == SLIDING else None
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg)
         self.self_attn = Attention(cfg, window, rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
         self.mlp = SparseMoE(cfg, rngs) if kind.endswith(MOE) else MLP(cfg, rngs)
+        sandwich = cfg.sandwich_norms
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg) if sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg) if sandwich else None
 
-    def __call__(self, x, cos, sin):
+    def attention_residual(self, x, attn_out):
+        """x plus the attention's output (normed first with sandwich norms)."""
+        if self.pre_feedforward_layernorm is not None:
+            attn_out = self.post_attention_layernorm(attn_out)
+        return x + attn_out
+
+    def mlp_residual(self, x):
+        """(x plus the MLP's output, router statistics: {} for a dense MLP)."""
+        sandwich = self.pre_feedforward_layernorm is not None
+        y = self.mlp(self.pre_feedforward_layernorm(x) if sandwich else self.post_attention_layernorm(x))
+        y, stats = y if isinstance(self.mlp, SparseMoE) else (y, {})
+        return x + (self.post_feedforward_layernorm(y) if sandwich else y), stats
+
+    def __call__(self, x, cos, sin, segments=None):
         with jax.named_scope("attention"):
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+            x = self.attention_residual(x, self.self_attn(self.input_layernorm(x), cos, sin, segments))
         with jax.named_scope("mlp"):
-            y = self.mlp(self.post_attention_layernorm(x))
-            y, stats = y if isinstance(self.mlp, SparseMoE) else (y, {})
-            return x + y, stats
+            return self.mlp_residual(x)
 
 
 class Embed(nnx.Module):
@@ -194,7 +223,7 @@ class Head(nnx.Module):
     """Final norm and (when untied) the LM head kernel [hidden, vocab]."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, False, cfg, rngs)
 
 
@@ -282,20 +311,32 @@ def positions_for(tokens: jnp.ndarray) -> jnp.ndarray:
 def embed_forward(cfg: ModelConfig, embed: dict, tokens: jnp.ndarray) -> jnp.ndarray:
     """Token ids [b, t] -> hidden states [b, t, d] in the compute dtype."""
     table = embed["embedding"]
-    return jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype)
+    x = jnp.take(table, tokens, axis=0).astype(cfg.compute_dtype)
+    return x * embed_multiplier(cfg) if cfg.embed_scale else x
 
 
-def block_forward_stats(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray) -> tuple[jnp.ndarray, dict]:
+def embed_multiplier(cfg: ModelConfig):
+    """What embeddings are multiplied by: sqrt(hidden_size) rounded to the compute dtype, as
+    transformers' Gemma rounds it to the weights' dtype; 1 without `embed_scale`."""
+    return jnp.asarray(cfg.hidden_size**0.5 if cfg.embed_scale else 1.0, jnp.float32).astype(cfg.compute_dtype)
+
+
+def block_forward_stats(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray, segments=None):
     """One block as a pure function: (block params, hidden [b, t, d]) -> (hidden [b, t, d],
-    router statistics: {} for a dense block, mtjax.moe.router_stats for a MoE block)."""
+    router statistics: {} for a dense block, mtjax.moe.router_stats for a MoE block).
+
+    `segments` [b, t] (document ids of packed rows, mtjax.batch): positions restart at each
+    document and attention stays inside it; None: each row is one document.
+    """
     block = cast(block, x.dtype)
-    cos, sin = rope.cos_sin(cfg, positions_for(x[..., 0]), x.dtype)
-    return _merge(cfg, "block:" + kind, block)(x, cos, sin)
+    positions = positions_for(x[..., 0]) if segments is None else documents.positions(segments)
+    cos, sin = rope.cos_sin(rope.for_layer(cfg, kind), positions, x.dtype)
+    return _merge(cfg, "block:" + kind, block)(x, cos, sin, segments)
 
 
-def block_forward(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray) -> jnp.ndarray:
+def block_forward(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray, segments=None) -> jnp.ndarray:
     """`block_forward_stats` without the router statistics."""
-    return block_forward_stats(cfg, kind, block, x)[0]
+    return block_forward_stats(cfg, kind, block, x, segments)[0]
 
 
 def head_kernel(cfg: ModelConfig, head: dict, embed: dict | None):
@@ -306,10 +347,14 @@ def head_kernel(cfg: ModelConfig, head: dict, embed: dict | None):
 
 
 def head_forward(cfg: ModelConfig, head: dict, embed: dict | None, x: jnp.ndarray) -> jnp.ndarray:
-    """Final norm and LM head: hidden [b, t, d] -> fp32 logits [b, t, vocab]."""
-    h = rms_norm(x, head["norm"]["weight"], cfg.rms_norm_eps)
+    """Final norm and LM head: hidden [b, t, d] -> fp32 logits [b, t, vocab] (soft-capped
+    by final_logit_softcapping where set)."""
+    h = rms_norm(x, head["norm"]["weight"], cfg.rms_norm_eps, cfg.rms_norm_offset)
     kernel = head_kernel(cfg, head, embed).astype(x.dtype)
     logits = jnp.einsum("td,dv->tv", h.reshape(-1, x.shape[-1]), kernel, preferred_element_type=jnp.float32)
+    cap = cfg.final_logit_softcapping
+    if cap:
+        logits = jnp.tanh(logits / cap) * cap
     return logits.reshape(*x.shape[:-1], kernel.shape[-1])  # flat for the CPU, as in `_dot`
 
 
@@ -324,7 +369,7 @@ REMAT_POLICIES = ("none", "full", "dots")
 
 
 def remat_block(fn, policy: str):
-    """`fn(block, x)` wrapped by the named remat policy (see REMAT_POLICIES)."""
+    """`fn(block, x, ...)` wrapped by the named remat policy (see REMAT_POLICIES)."""
     if policy == "none":
         return fn
     if policy == "full":
@@ -334,20 +379,23 @@ def remat_block(fn, policy: str):
     raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {policy!r}")
 
 
-def forward_stats(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False):
+def forward_stats(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False,
+                  segments=None):
     """(whole-model logits fp32 [b, t, vocab], router statistics of each MoE layer in order).
-    `remat`: a REMAT_POLICIES name (True = "full")."""
+    `remat`: a REMAT_POLICIES name (True = "full"); `segments`: document ids of packed rows
+    (see `block_forward_stats`)."""
     policy = {True: "full", False: "none"}.get(remat, remat)
     x, stats = embed_forward(cfg, params["embed"], tokens), []
     for kind, block in zip(cfg.layer_kinds, params["blocks"]):
-        x, s = remat_block(functools.partial(block_forward_stats, cfg, kind), policy)(block, x)
+        x, s = remat_block(functools.partial(block_forward_stats, cfg, kind), policy)(block, x, segments)
         stats += [s] if s else []
     return head_forward(cfg, params["head"], params["embed"], x), stats
 
 
-def forward(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False) -> jnp.ndarray:
-    """Whole-model logits, fp32 [b, t, vocab]. `remat`: a REMAT_POLICIES name (True = "full")."""
-    return forward_stats(cfg, params, tokens, remat)[0]
+def forward(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False,
+            segments=None) -> jnp.ndarray:
+    """Whole-model logits, fp32 [b, t, vocab]: `forward_stats` without the router statistics."""
+    return forward_stats(cfg, params, tokens, remat, segments)[0]
 
 
 def block_forward_cached(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray, cache: dict, start):
@@ -361,7 +409,7 @@ def block_forward_cached(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarra
     attn = m.self_attn
     b, t, _ = x.shape
     positions = start + jnp.arange(t, dtype=jnp.int32)  # [t]
-    cos, sin = rope.cos_sin(cfg, positions[None], x.dtype)
+    cos, sin = rope.cos_sin(rope.for_layer(cfg, kind), positions[None], x.dtype)
     q, k, v = attn.qkv(m.input_layernorm(x), cos, sin)
     keys = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)  # bLkh
     values = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
@@ -369,7 +417,6 @@ def block_forward_cached(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarra
     visible = key_pos[None, :] <= positions[:, None]  # [t, L]: causal; unwritten slots lie in the future
     if attn.window:
         visible &= key_pos[None, :] > positions[:, None] - attn.window  # W keys, the query's own included
-    out = jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None], scale=cfg.head_dim**-0.5)
-    x = x + attn.o_proj(out.reshape(b, t, -1))
-    y = m.mlp(m.post_attention_layernorm(x))
-    return x + (y[0] if isinstance(m.mlp, SparseMoE) else y), {"k": keys, "v": values}
+    out = masked_attention(q, keys, values, visible[None, None], cfg.attn_scale, cfg.attn_logit_softcapping)
+    x = m.attention_residual(x, attn.o_proj(out.reshape(b, t, -1)))
+    return m.mlp_residual(x)[0], {"k": keys, "v": values}

@@ -1,9 +1,10 @@
 """The architecture of a decoder-only model, read from a Hugging Face ``config.json``.
 
 One frozen dataclass describes every supported family (Llama 2/3, Qwen2/2.5, Qwen3,
-Mistral, Phi-3/3.5/4, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE).
-Family differences are flags (q/k/v bias, q/k norm, sliding windows, rope scaling, fused
-projections, experts), so the model code has no per-family branches.
+Mistral, Phi-3/3.5/4, Gemma 2, Gemma 3, and the mixtures of experts Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE). Family differences are flags (q/k/v bias, q/k norm, sliding windows,
+rope scaling, fused projections, Gemma's norms, GeGLU and soft-capping, experts), so the
+model code has no per-family branches.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from typing import Any
 from mtjax.errors import MtjaxError
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", *MOE_MODEL_TYPES)
+GEMMA = ("gemma2", "gemma3_text")
+MULTIMODAL_GEMMA3 = "gemma3"  # Gemma3ForConditionalGeneration: its text_config is imported
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 FULL, SLIDING = "full_attention", "sliding_attention"
 MOE = ":moe"  # a block kind's suffix when its MLP is a mixture of experts
 
@@ -85,6 +89,15 @@ class ModelConfig:
     sliding_window: int | None = None  # W keys visible, the query's own included
     layer_types: tuple[str, ...] = ()  # per layer FULL or SLIDING; () means all FULL
     initializer_range: float = 0.02
+    hidden_act: str = "silu"  # MLP gate activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, Gemma)
+    rms_norm_offset: bool = False  # every norm scales by (1 + weight), in fp32 (Gemma)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) in the compute dtype (Gemma)
+    sandwich_norms: bool = False  # norms on the attention and MLP outputs and before the MLP (Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power; None: head_dim's
+    attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    local_rope_theta: float | None = None  # RoPE base of sliding layers where not rope_theta's (Gemma 3)
+    local_rope_scaling: RopeScaling | None = None  # their rescaling, with local_rope_theta set
     param_dtype: str = "float32"  # dtype of the checkpoint's tensors (export writes it)
     compute_dtype: str = "float32"  # dtype of activations and streamed weights
     extra_hf: tuple[tuple[str, Any], ...] = ()  # other config.json keys, kept for export
@@ -136,6 +149,12 @@ class ModelConfig:
             raise ConfigError(f"unknown layer type(s) {bad}; use {FULL!r} or {SLIDING!r}")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ConfigError("sliding_attention layers need a positive sliding_window")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"model.hidden_act must be one of {', '.join(ACTIVATIONS)}, got {self.hidden_act!r}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "local_rope_theta"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ConfigError(f"model.{name} must be positive or null, got {getattr(self, name)}")
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ConfigError(f"model.{name} must be float32, bfloat16 or float16")
@@ -174,6 +193,11 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Features of each head that RoPE turns (the first ones; the rest pass unchanged)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attn_scale(self) -> float:
+        """What q k^T is multiplied by before the softmax."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def block_kinds(self) -> tuple[str, ...]:
@@ -243,7 +267,81 @@ _HF_KNOWN = {
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
     "shared_expert_intermediate_size", "router_aux_loss_coef", "decoder_sparse_step", "mlp_only_layers",
     "qkv_bias",
+    "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+    "rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern", "use_bidirectional_attention",
 }
+
+# transformers' defaults for the keys a Gemma config.json may leave out (the multimodal
+# Gemma 3 checkpoints write a text_config of only the keys that differ from these).
+_GEMMA_DEFAULTS = {
+    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+                   rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                   final_logit_softcapping=30.0, attn_logit_softcapping=50.0, hidden_activation="gelu_pytorch_tanh"),
+    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                        rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                        final_logit_softcapping=None, attn_logit_softcapping=None,
+                        hidden_activation="gelu_pytorch_tanh"),
+}
+_GEMMA3_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}  # transformers' defaults, global and local
+
+
+def _language_model(hf: dict) -> dict:
+    """The text_config of a multimodal Gemma 3 config, with the top-level keys that govern it."""
+    text = dict(hf.get("text_config") or {})
+    for key in ("tie_word_embeddings", "dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+                "transformers_version"):
+        if key in hf:
+            text[key] = hf[key]  # transformers ties and sets dtype by the top-level config
+    return dict(text, model_type="gemma3_text")
+
+
+def _gemma_layer_types(hf: dict, model_type: str, layers: int) -> tuple[str, ...]:
+    """transformers' default: Gemma 2 alternates sliding and global; Gemma 3 slides all but every 6th."""
+    if hf.get("layer_types"):
+        return tuple(hf["layer_types"])
+    every = 2 if model_type == "gemma2" else int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern")
+                                                  or 6)
+    return tuple(SLIDING if (i + 1) % every else FULL for i in range(layers))
+
+
+def _gemma3_rope(hf: dict) -> dict:
+    """Global and local RoPE of Gemma 3: transformers 5's per-layer-type `rope_parameters`
+    ({"full_attention": {...}, "sliding_attention": {...}}), or the older `rope_theta`,
+    `rope_local_base_freq` and `rope_scaling` (which applies to the global layers only)."""
+    params = hf.get("rope_parameters") or {}
+    if params and set(params) <= {FULL, SLIDING}:
+        per_type = {kind: dict(params.get(kind) or {}) for kind in (FULL, SLIDING)}
+    else:
+        per_type = {FULL: {**(hf.get("rope_scaling") or {}), **params},
+                    SLIDING: {"rope_theta": hf.get("rope_local_base_freq", _GEMMA3_THETA[SLIDING])}}
+        per_type[FULL].setdefault("rope_theta", hf.get("rope_theta", _GEMMA3_THETA[FULL]))
+    out = {}
+    for kind, prefix in ((FULL, ""), (SLIDING, "local_")):
+        rope = {"rope_theta": _GEMMA3_THETA[kind], **per_type[kind]}
+        context = {"max_position_embeddings": hf.get("max_position_embeddings", 2048)}
+        out[prefix + "rope_theta"], out[prefix + "rope_scaling"] = _rope_from_hf({"rope_parameters": rope, **context})
+    return out
+
+
+def _gemma_fields(hf: dict, model_type: str) -> dict:
+    """The ModelConfig fields that Gemma 2 and 3 set beyond the Llama-shaped ones."""
+    act = hf.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ConfigError(f"hidden_activation {act!r} is not supported; Gemma uses gelu_pytorch_tanh")
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention is not supported: mtjax trains causal language models")
+    fields = dict(hidden_act=act, rms_norm_offset=True, embed_scale=True, sandwich_norms=True,
+                  query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
+                  qk_norm=model_type == "gemma3_text",
+                  o_proj_bias=bool(hf.get("attention_bias", False)))
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        fields[key] = float(hf[key]) if hf.get(key) is not None else None
+    if model_type == "gemma3_text":
+        fields.update(_gemma3_rope(hf))
+        fields["attn_logit_softcapping"] = None  # transformers' Gemma 3 attention never caps
+    return fields
 
 
 def _moe_from_hf(model_type: str, hf: dict, layers: int) -> dict:
@@ -274,13 +372,19 @@ def _moe_from_hf(model_type: str, hf: dict, layers: int) -> dict:
 
 
 def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
-    """Build a ModelConfig from the contents of a Hugging Face ``config.json``."""
+    """Build a ModelConfig from the contents of a Hugging Face ``config.json``.
+
+    A multimodal Gemma 3 config (model_type gemma3) gives its language model's config."""
+    if hf.get("model_type") == MULTIMODAL_GEMMA3:
+        hf = _language_model(hf)
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"model_type {model_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}, {MULTIMODAL_GEMMA3} (its language model)"
         )
+    if model_type in GEMMA:
+        hf = {**_GEMMA_DEFAULTS[model_type], **hf}
     try:
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
@@ -293,6 +397,8 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
             layer_types = (SLIDING if window else FULL,) * layers
         elif model_type in ("qwen2_moe", "qwen3_moe"):
             layer_types = (FULL,) * layers
+        elif model_type in GEMMA:
+            layer_types = _gemma_layer_types(hf, model_type, layers)
         elif hf.get("layer_types"):
             layer_types = tuple(hf["layer_types"])
         elif model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window") and window:
@@ -303,7 +409,7 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
         if SLIDING not in layer_types:
             window = None
         attention_bias = bool(hf.get("attention_bias", False))
-        if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        if model_type not in GEMMA and hf.get("hidden_act", "silu") not in ("silu", "swish"):
             raise ConfigError(f"hidden_act {hf['hidden_act']!r} is not supported; these families use silu")
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         # Phi-3's top-level pre-training context is the rope scaling's, when there is one.
@@ -339,6 +445,8 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
             extra_hf=tuple(sorted((k, _freeze(v)) for k, v in hf.items() if k not in known)),
             **_moe_from_hf(model_type, hf, layers),
         )
+        if model_type in GEMMA:
+            kwargs.update(_gemma_fields(hf, model_type))
     except KeyError as e:
         raise ConfigError(f"config.json lacks the required key {e.args[0]!r}") from None
     kwargs.update(overrides)
@@ -378,6 +486,7 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
     """The inverse of `from_hf_dict`: a ``config.json`` transformers can load."""
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+            "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
             "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
             "olmoe": "OlmoeForCausalLM"}[cfg.model_type]
     hf = {k: _thaw(v) for k, v in cfg.extra_hf}
@@ -414,7 +523,9 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
         hf["partial_rotary_factor"] = cfg.partial_rotary_factor
         if cfg.rope_scaling:
             hf["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings
-    if cfg.sliding_window:
+    if cfg.model_type in GEMMA:
+        hf.update(_gemma_to_hf(cfg, rope))
+    elif cfg.sliding_window:
         hf["sliding_window"] = cfg.sliding_window
         if cfg.model_type not in ("mistral", "phi3"):
             hf["use_sliding_window"] = True
@@ -458,3 +569,17 @@ def _moe_to_hf(cfg: ModelConfig) -> dict:
         out.update(decoder_sparse_step=1,
                    mlp_only_layers=[i for i in range(cfg.num_hidden_layers) if i not in cfg.moe_layers])
     return out
+
+
+def _gemma_to_hf(cfg: ModelConfig, rope: dict) -> dict:
+    """The Gemma keys of config.json; Gemma 3's RoPE both per layer type (transformers 5)
+    and as rope_theta, rope_local_base_freq and rope_scaling (older readers)."""
+    scalar = cfg.query_pre_attn_scalar
+    hf = dict(hidden_activation=cfg.hidden_act, query_pre_attn_scalar=int(scalar) if scalar.is_integer() else scalar,
+              attn_logit_softcapping=cfg.attn_logit_softcapping, final_logit_softcapping=cfg.final_logit_softcapping,
+              attention_bias=cfg.o_proj_bias, sliding_window=cfg.sliding_window, layer_types=list(cfg.layer_types))
+    if cfg.model_type == "gemma3_text":
+        local = _rope_to_hf(dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta or cfg.rope_theta,
+                                                rope_scaling=cfg.local_rope_scaling))
+        hf.update(rope_parameters={FULL: rope, SLIDING: local}, rope_local_base_freq=local["rope_theta"])
+    return hf

@@ -6,7 +6,9 @@ columns) one plain line with the same fields is printed every `log_every` steps,
 carriage returns. Every step's metrics (plus host RSS, device memory where the backend
 reports it, MFU against a named peak, and per-stage seconds when the engine records them)
 are appended to <run dir>/metrics.jsonl, one JSON object per line. tokens/s (and MFU) is
-the rate over the last `RATE_WINDOW` steps, the first step excluded (it pays compilation).
+the rate over the last `RATE_WINDOW` steps, the first step excluded (it pays compilation),
+of the tokens the steps trained on (mtjax.documents.trained_tokens: every token of plain
+text windows; only the counted targets of chat data, not the prompts and padding it masks).
 """
 
 from __future__ import annotations
@@ -45,19 +47,22 @@ class Progress:
         self._bar = tqdm(total=total_steps, initial=first_step, file=self.stream, unit="step",
                          dynamic_ncols=True) if self._live else None
         self._start = time.perf_counter()
-        # (step, time) of the last steps; the first entry is the end of the first step,
-        # which pays compilation, so rates start from there.
+        # (step, time, tokens trained until then) of the last steps; the first entry is the
+        # end of the first step, which pays compilation, so rates start from there.
         self._recent = collections.deque(maxlen=RATE_WINDOW + 1)
+        self._tokens = 0
 
-    def update(self, step: int, metrics: dict) -> None:
-        """Record the metrics of finished step `step` (1-based) and refresh the display."""
+    def update(self, step: int, metrics: dict, tokens: int | None = None) -> None:
+        """Record the metrics of finished step `step` (1-based), which trained on `tokens`
+        (default: tokens_per_step), and refresh the display."""
         now = time.perf_counter()
-        self._recent.append((step, now))
-        first, then = self._recent[0]
+        self._tokens += self.tokens_per_step if tokens is None else tokens
+        self._recent.append((step, now, self._tokens))
+        first, then, before = self._recent[0]
         rate = (step - first) / (now - then) if step > first else 0.0  # steps/s over the window
         record = {"step": step, **metrics, "time_s": round(now - self._start, 3)}
         if rate:
-            record["tokens_per_s"] = round(rate * self.tokens_per_step, 1)
+            record["tokens_per_s"] = round((self._tokens - before) / (now - then), 1)
             record["rate_steps"] = step - first  # the steps that rate is measured over
             if self.flops_per_token and self.peak_flops:
                 record["mfu"] = round(record["tokens_per_s"] * self.flops_per_token / self.peak_flops, 4)
@@ -145,10 +150,11 @@ def _duration(seconds: float) -> str:
         else f"{seconds // 60}:{seconds % 60:02d}"
 
 
-def model_flops_per_token(num_params: int, num_layers: int, seq_len: int, hidden: int) -> float:
+def model_flops_per_token(num_params: int, num_layers: int, seq_len: int, attention_width: int) -> float:
     """Training FLOPs per token: 6 per parameter (fwd + bwd matmuls) plus attention's
-    score and value products, 12 x layers x seq x hidden (the usual MFU convention)."""
-    return 6.0 * num_params + 12.0 * num_layers * seq_len * hidden
+    score and value products, 12 x layers x seq x attention width (the usual MFU convention;
+    the width is heads x head_dim, which is not hidden_size in Gemma)."""
+    return 6.0 * num_params + 12.0 * num_layers * seq_len * attention_width
 
 
 # Built-in hardware profiles by the device kind JAX reports (substring, lower case).

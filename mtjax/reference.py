@@ -3,7 +3,9 @@
 It is what users run when a model fits, and the baseline the streaming engine must
 equal. One step: value_and_grad over micro-batches (each block under `jax.checkpoint`),
 gradient accumulation and per-part squared norms; then, if all are finite, exact
-global-norm clipping and one optax update of the fp32 master parameters.
+global-norm clipping and one optax update of the fp32 master parameters. The step's loss
+is the mean over its counted targets (mtjax.documents: each micro-batch weighted by its
+share of them; equal weights for plain batches).
 """
 
 from __future__ import annotations
@@ -15,50 +17,93 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mtjax import model, moe
+from mtjax import documents, model, moe
+from mtjax.documents import Inputs
 from mtjax.errors import NonFiniteStep
 from mtjax.loss import cross_entropy
 from mtjax.model_config import ConfigError, ModelConfig
 from mtjax.optim import OptimConfig, clip_scale, make_optimizer, sum_of_squares
 
 
-def loss_terms(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str = True):
+def loss_terms(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str = True, segments=None,
+               targets=None):
     """(training loss, load-balancing loss) of fp32 master `params` on tokens [batch, seq]:
     the mean next-token loss plus router_aux_loss_coef times the load-balancing loss of
-    the MoE layers (mtjax.moe; 0 for a dense model), as transformers computes with
-    output_router_logits=True. remat: model.REMAT_POLICIES."""
-    logits, stats = model.forward_stats(cfg, params, tokens, remat=remat)
+    the MoE layers over all the batch's tokens (mtjax.moe; 0 for a dense model), as
+    transformers computes with output_router_logits=True. remat: model.REMAT_POLICIES;
+    `segments` and `targets` as mtjax.documents.Inputs has them (None: a plain batch)."""
+    logits, stats = model.forward_stats(cfg, params, tokens, remat=remat, segments=segments)
     aux = moe.aux_loss(stats, tokens.size) if stats else jnp.float32(0)
-    return cross_entropy(logits, tokens) + cfg.router_aux_loss_coef * aux, aux
+    return cross_entropy(logits, tokens, targets) + cfg.router_aux_loss_coef * aux, aux
 
 
-def loss_fn(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str = True) -> jnp.ndarray:
+def loss_fn(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str = True, segments=None,
+            targets=None) -> jnp.ndarray:
     """The training loss of `loss_terms`."""
-    return loss_terms(cfg, params, tokens, remat)[0]
+    return loss_terms(cfg, params, tokens, remat, segments, targets)[0]
 
 
-def _accumulated_grads(cfg: ModelConfig, params, micro_batches: jnp.ndarray, remat: str = "full"):
-    """Mean (loss, load-balancing loss) and gradient over micro-batches [accum, batch, seq], summed in fp32."""
-    grad_fn = jax.value_and_grad(functools.partial(loss_terms, cfg, remat=remat), has_aux=True)
-    if micro_batches.shape[0] == 1:  # no accumulator: saves three passes over every gradient
-        return grad_fn(params, micro_batches[0])
+def _inputs_terms(cfg: ModelConfig, params, inputs: Inputs, remat: bool | str):
+    return loss_terms(cfg, params, inputs.tokens, remat, inputs.segments, inputs.targets)
 
-    def body(carry, tokens):
+
+def _accumulated_grads(cfg: ModelConfig, params, inputs: Inputs, weights, remat: str = "full"):
+    """Mean (loss, load-balancing loss) and gradient over micro-batches [accum, batch, seq],
+    summed in fp32: each micro-batch's weighted by `weights` [accum], or all alike when the
+    batch is plain."""
+    if inputs.targets is None:  # plain: the mean of equal means (`weights` are all 1 / accum)
+        grad_fn = jax.value_and_grad(functools.partial(loss_terms, cfg, remat=remat), has_aux=True)
+        micro_batches = inputs.tokens
+        if micro_batches.shape[0] == 1:  # no accumulator: saves three passes over every gradient
+            return grad_fn(params, micro_batches[0])
+
+        def body(carry, tokens):
+            loss_sum, aux_sum, grad_sum = carry
+            (loss, aux), grads = grad_fn(params, tokens)
+            return (loss_sum + loss, aux_sum + aux, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (loss_sum, aux_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0), zeros), micro_batches)
+        n = micro_batches.shape[0]
+        return (loss_sum / n, aux_sum / n), jax.tree.map(lambda g: g / n, grad_sum)
+
+    # Weighting the loss weights the gradient through the backward's first cotangent: no pass over it.
+    def weighted_terms(p, mb, w):
+        loss, aux = _inputs_terms(cfg, p, mb, remat)
+        return w * loss, w * aux
+
+    grad_fn = jax.value_and_grad(weighted_terms, has_aux=True)
+    if inputs.tokens.shape[0] == 1:
+        return grad_fn(params, inputs.micro(0), weights[0])
+
+    def weighted(carry, xs):
         loss_sum, aux_sum, grad_sum = carry
-        (loss, aux), grads = grad_fn(params, tokens)
+        (loss, aux), grads = grad_fn(params, *xs)
         return (loss_sum + loss, aux_sum + aux, jax.tree.map(jnp.add, grad_sum, grads)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss_sum, aux_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0), zeros), micro_batches)
-    n = micro_batches.shape[0]
-    return (loss_sum / n, aux_sum / n), jax.tree.map(lambda g: g / n, grad_sum)
+    (loss, aux, grads), _ = jax.lax.scan(weighted, (jnp.float32(0), jnp.float32(0), zeros), (inputs, weights))
+    return (loss, aux), grads
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _eval_loss(cfg: ModelConfig, params, inputs: Inputs):
+    return _inputs_terms(cfg, params, inputs, remat=False)[0]
+
+
+def eval_loss(cfg: ModelConfig, params, batch) -> float:
+    """Mean loss of `params` over the counted targets of a batch [n, batch, seq] (its n
+    micro-batches weighted as a step's are), one micro-batch at a time; no update."""
+    inputs, weights = documents.step_inputs(batch, "evaluation")
+    losses = jnp.stack([_eval_loss(cfg, params, inputs.micro(i)) for i in range(len(weights))])
+    return float(jnp.sum(losses * jnp.asarray(weights, jnp.float32)))  # one host sync for all of them
 
 
 class ReferenceTrainer:
     """Whole-model AdamW training.
 
     >>> trainer = ReferenceTrainer(cfg, params, OptimConfig(lr=1e-3))
-    >>> metrics = trainer.step(tokens)  # tokens: int [accum, batch, seq] or [batch, seq]
+    >>> metrics = trainer.step(tokens)  # a mtjax.batch.Batch, or int tokens [accum, batch, seq] / [batch, seq]
     >>> trainer.params                   # fp32 master parameters
 
     `optimizer` is an `OptimConfig` or any optax transformation (which must not clip by
@@ -82,7 +127,7 @@ class ReferenceTrainer:
         self.opt_state = self.tx.init(self.params) if opt_state is None else jax.tree.map(jnp.array, opt_state)
         # Two programs with a host check between them: the update runs only on a finite
         # step, so it needs no select over the whole state (which made XLA copy m and v).
-        self._grads = jax.jit(self._grad_step, donate_argnums=(2,), keep_unused=True)
+        self._grads = jax.jit(self._grad_step, donate_argnums=(3,), keep_unused=True)
         self._update = jax.jit(self._apply, donate_argnums=(0, 1))
         # The last step's gradients, donated to the next gradient program so that XLA writes
         # into pages already mapped: fresh ones cost ~0.2 s per GiB of page faults, 3-5% of a
@@ -90,9 +135,9 @@ class ReferenceTrainer:
         self._spent = jax.tree.map(jnp.zeros_like, self.params)
         self.steps = self.skipped = 0  # applied and skipped (non-finite) steps
 
-    def _grad_step(self, params, micro_batches, spent):
+    def _grad_step(self, params, inputs, weights, spent):
         del spent  # only its buffers are wanted
-        (loss, aux), grads = _accumulated_grads(self.cfg, params, micro_batches, self.remat)
+        (loss, aux), grads = _accumulated_grads(self.cfg, params, inputs, weights, self.remat)
         part_sq = jnp.stack([sum_of_squares(grads["head"]), *(sum_of_squares(b) for b in reversed(grads["blocks"])),
                              sum_of_squares(grads["embed"])])  # in backward order, for NonFiniteStep
         return (loss, aux), grads, part_sq
@@ -102,11 +147,10 @@ class ReferenceTrainer:
         updates, opt_state = self.tx.update(jax.tree.map(lambda g: g * scale, grads), opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    def step(self, tokens) -> dict[str, float]:
-        tokens = jnp.asarray(np.asarray(tokens), jnp.int32)
-        if tokens.ndim == 2:
-            tokens = tokens[None]
-        (loss, aux), grads, part_sq = self._grads(self.params, tokens, self._spent)
+    def step(self, batch) -> dict[str, float]:
+        inputs, weights = documents.step_inputs(batch)
+        weights = jnp.asarray(weights, jnp.float32)
+        (loss, aux), grads, part_sq = self._grads(self.params, jax.device_put(inputs), weights, self._spent)
         self._spent = grads
         part_sq = np.asarray(part_sq)  # host sync: the update may run only on a finite step
         sq = np.float32(np.sum(part_sq, dtype=np.float32))

@@ -5,10 +5,11 @@
 `mtjax train` is a thin wrapper around `train`. The engine that runs a step is chosen
 by `stream.engine` in `make_engine`; any object with the `Engine` protocol plugs in:
 
-    engine.step(tokens)   int32 [accum, batch, seq] -> {"loss", "grad_norm", ...} (floats)
+    engine.step(batch)    a mtjax.batch.Batch (or int32 tokens) [accum, batch, seq] -> {"loss", "grad_norm",
+                          ...} (floats); the loss is the mean over the step's counted targets
     engine.params()       fp32 params pytree on the host, every pending update applied
     engine.opt_state()    optimizer state shaped as optax's init(params)
-    engine.eval_loss(t)   mean loss over int32 [n, batch, seq], no update
+    engine.eval_loss(b)   mean loss over the counted targets of a batch [n, batch, seq], no update
     engine.stage_seconds()   seconds per stage of the last step (may be empty)
     engine.commits_every_step   whether each step must be committed before its update runs
     engine.commit(step, train_state, flush=False)   write the whole state into the run's
@@ -24,35 +25,37 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import mtjax.store
 from mtjax import checkpoint
 from mtjax import config as config_lib
-from mtjax import data, generate, hf, model, preflight
+from mtjax import data, documents, generate, hf, model, preflight
+from mtjax import reference as reference_mod
+from mtjax.batch import Batch, concat
 from mtjax.config import ExperimentConfig, RunConfig
 from mtjax.errors import NonFiniteStep
 from mtjax.model_config import ModelConfig
 from mtjax.optim import lr_at, make_optimizer, schedule_warnings
+from mtjax.plan import residency
 from mtjax.progress import Progress, model_flops_per_token, peak_flops
-from mtjax.reference import ReferenceTrainer, loss_fn
+from mtjax.reference import ReferenceTrainer
 from mtjax.stream import StreamEngine
 
 
 class Engine(Protocol):
     commits_every_step: bool
 
-    def step(self, tokens: np.ndarray) -> dict[str, float]: ...
+    def step(self, batch: Batch | np.ndarray) -> dict[str, float]: ...
 
     def params(self): ...
 
     def opt_state(self): ...
 
-    def eval_loss(self, tokens: np.ndarray) -> float: ...
+    def eval_loss(self, batch: Batch | np.ndarray) -> float: ...
 
     def stage_seconds(self) -> dict[str, float]: ...
 
@@ -69,10 +72,9 @@ class ReferenceEngine:
     def __init__(self, exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None, store=None):
         self.cfg, self.store = cfg, store
         self.trainer = ReferenceTrainer(cfg, params, exp.optim, opt_state=opt_state)
-        self._loss = jax.jit(lambda p, t: loss_fn(cfg, p, t, remat=False))
 
-    def step(self, tokens: np.ndarray) -> dict[str, float]:
-        return self.trainer.step(tokens)
+    def step(self, batch) -> dict[str, float]:
+        return self.trainer.step(batch)
 
     def params(self):
         return jax.device_get(self.trainer.params)
@@ -85,9 +87,8 @@ class ReferenceEngine:
         checkpoint.write_model(self.store, self.params(), self.opt_state(), self.trainer.tx)
         self.store.commit(step, train_state)
 
-    def eval_loss(self, tokens: np.ndarray) -> float:
-        losses = [self._loss(self.trainer.params, jnp.asarray(t)) for t in tokens]
-        return float(jnp.mean(jnp.stack(losses)))  # one host sync for all micro-batches
+    def eval_loss(self, batch) -> float:
+        return reference_mod.eval_loss(self.cfg, self.trainer.params, batch)
 
     def stage_seconds(self) -> dict[str, float]:
         return {}  # one program per step: no stages to time
@@ -160,9 +161,16 @@ def load_weights(path: str | Path):
         return store.config, checkpoint.read_params(store)
 
 
+class Evaluation(NamedTuple):
+    loss: float  # mean over the counted targets
+    targets: int  # how many targets counted
+    masked: bool  # whether the data's loss mask or documents left some out (chat data)
+
+
 def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int = 128, batch_size: int = 8,
-                        batches: int = 8, tokenizer: str | None = None) -> float:
-    """Mean loss of a saved checkpoint over the first `batches` batches of a dataset split."""
+                        batches: int = 8, tokenizer: str | None = None) -> Evaluation:
+    """Mean loss of a saved checkpoint over the first `batches` batches of a dataset split:
+    over their counted targets (the answers of a chat dataset), as training counts them."""
     tok = checkpoint_tokenizer(ckpt_dir, tokenizer)
     cfg, params = load_weights(ckpt_dir)
     import tempfile
@@ -173,9 +181,9 @@ def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int
         ds = data.resolve(data_cfg, cache)
         ds.check_vocab(cfg.vocab_size)
         loader = data.Loader(ds, split, seq_len, batch_size, 1, shuffle=False)
-        fn = jax.jit(lambda p, t: loss_fn(cfg, p, t, remat=False))
-        losses = [fn(params, jnp.asarray(loader.next()[0])) for _ in range(batches)]
-        return float(np.mean(losses))  # one host sync for all batches
+        batch = concat(loader.next() for _ in range(batches))
+        return Evaluation(reference_mod.eval_loss(cfg, params, batch), documents.trained_tokens(batch),
+                          not batch.plain)
 
 
 def _spec_file(tok, ckpt_dir: Path, spec: str | None) -> str:
@@ -185,7 +193,7 @@ def _spec_file(tok, ckpt_dir: Path, spec: str | None) -> str:
     return str(Path(ckpt_dir) / "tokenizer.json")
 
 
-def _eval_batches(dataset, exp: ExperimentConfig) -> np.ndarray | None:
+def _eval_batches(dataset, exp: ExperimentConfig) -> Batch | None:
     """The same validation micro-batches at every evaluation (None: split too small)."""
     start, stop = dataset.split("val")
     windows = (stop - start) // exp.data.seq_len
@@ -193,7 +201,7 @@ def _eval_batches(dataset, exp: ExperimentConfig) -> np.ndarray | None:
         return None
     rows = min(exp.data.batch_size, windows)
     loader = data.Loader(dataset, "val", exp.data.seq_len, rows, 1, shuffle=False)
-    return np.concatenate([loader.next() for _ in range(exp.run.eval_batches)])
+    return concat(loader.next() for _ in range(exp.run.eval_batches))
 
 
 def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
@@ -205,6 +213,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     cfg.check_context(exp.data.seq_len, "data.seq_len")
     dataset = data.resolve(exp.data, run_dir / "data")  # a cache: prepared again when the inputs change
     dataset.check_vocab(cfg.vocab_size)
+    exp = residency.for_run(exp)  # stream.resident=auto: the planner's parts for this device's memory
     preflight.check(exp, cfg, dataset)  # before any weight is made: RAM, disk, data length
     tokenizer = dataset.tokenizer()
     exp = _as_run(exp, dataset, tokenizer, run_dir)
@@ -275,15 +284,18 @@ def _steps_text(first: int, steps: int) -> str:
 
 def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out) -> dict:
     run_dir = Path(exp.run.dir)
-    losses, val_loss, start = {}, None, time.perf_counter()  # losses by step
+    losses, val_loss, start, trained = {}, None, time.perf_counter(), 0  # losses by step, tokens trained on
     peak, peak_note = peak_flops(jax.devices()[0], cfg.compute_dtype)
     print(f"mtjax: {peak_note}; per-step records in {run_dir / 'metrics.jsonl'}", file=out, flush=True)
-    flops = model_flops_per_token(model.num_active_params(cfg), cfg.num_hidden_layers, exp.data.seq_len, cfg.hidden_size)
+    flops = model_flops_per_token(model.num_active_params(cfg), cfg.num_hidden_layers, exp.data.seq_len,
+                                  cfg.num_attention_heads * cfg.head_dim)
     with Progress(run_dir, exp.run.steps, tokens_per_step, exp.run.log_every, first_step=first, stream=out,
                   tensorboard=exp.run.tensorboard, flops_per_token=flops, peak_flops=peak) as progress:
         for step in range(first + 1, exp.run.steps + 1):
             try:
-                metrics = engine.step(loader.next())
+                batch = loader.next()
+                trained += documents.trained_tokens(batch)  # a skipped step's too, as it always was
+                metrics = engine.step(batch)
                 # Waits for the tracer's watchers; the step's own host sync already
                 # finished its compute, so this costs little.
                 metrics = {**metrics, **{f"stage_{k}_s": round(v, 4) for k, v in engine.stage_seconds().items()}}
@@ -294,7 +306,7 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
                 progress.record(step, {"skipped_nonfinite": 1.0})
             if metrics is not None:
                 losses[step] = metrics["loss"]
-                progress.update(step, {**metrics, "lr": lr_at(exp.optim, step)})
+                progress.update(step, {**metrics, "lr": lr_at(exp.optim, step)}, documents.trained_tokens(batch))
             if engine.commits_every_step:
                 # One copy of the state on disk: an update may only overwrite it once this
                 # step (state + pending gradients) is committed. Cheap: nothing is flushed.
@@ -307,7 +319,8 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
                 engine.commit(step, checkpoint.train_state(exp, step, loader.cursor))
         seconds = time.perf_counter() - start
         engine.commit(exp.run.steps, checkpoint.train_state(exp, exp.run.steps, loader.cursor), flush=True)
-        final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps)
+        final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps,
+                                        loader.ds.meta.get("chat_template"))
         sample = ""
         if exp.run.sample_prompt and exp.run.sample_tokens:
             sample = generate.complete(cfg, engine.params(), tokenizer, exp.run.sample_prompt, exp.run.sample_tokens,
@@ -321,7 +334,7 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
         "final_loss": float(np.mean([losses[s] for s in last])) if losses else None,
         "final_loss_steps": last,
         "val_loss": val_loss,
-        "tokens": (exp.run.steps - first) * tokens_per_step,
+        "tokens": trained,
         "seconds": round(seconds, 2),
         "run_dir": str(run_dir),
         "checkpoint": str(final),

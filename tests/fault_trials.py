@@ -29,6 +29,9 @@ STATE = {
     "disk": ["--stream.engine=stream", "--store.compute=disk", "--store.master=disk", "--store.opt=disk"],
     "ram": ["--stream.engine=stream", "--store.compute=ram", "--store.master=ram", "--store.opt=ram"],
     "reference": ["--stream.engine=reference"],
+    # Half the parts stay on the device with their state (updated there), half stream from disk.
+    "resident": ["--stream.engine=stream", "--store.compute=disk", "--store.master=disk", "--store.opt=disk",
+                 "--stream.resident=2"],
 }
 
 

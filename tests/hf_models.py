@@ -11,6 +11,18 @@ from pathlib import Path
 import torch
 import transformers
 
+# A vision tower as small as SigLIP allows: the multimodal Gemma 3's import leaves it out.
+TINY_VISION = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                   num_attention_heads=2, image_size=28, patch_size=14)
+
+
+def _gemma3_multimodal(**text):
+    """Gemma3ForConditionalGeneration's config: the text model's keys, a tiny vision tower;
+    transformers ties the embeddings by the top-level flag."""
+    return transformers.Gemma3Config(text_config=text, vision_config=TINY_VISION, mm_tokens_per_image=4,
+                                     tie_word_embeddings=text.get("tie_word_embeddings", True))
+
+
 FAMILIES = {
     "llama": transformers.LlamaConfig,
     "mistral": transformers.MistralConfig,
@@ -21,7 +33,12 @@ FAMILIES = {
     "qwen2_moe": transformers.Qwen2MoeConfig,
     "qwen3_moe": transformers.Qwen3MoeConfig,
     "olmoe": transformers.OlmoeConfig,
+    "gemma2": transformers.Gemma2Config,
+    "gemma3_text": transformers.Gemma3TextConfig,
+    "gemma3": _gemma3_multimodal,
 }
+# What mtjax calls each family's model (a multimodal Gemma 3 is imported as its text model).
+MODEL_TYPE = {**{f: f for f in FAMILIES}, "gemma3": "gemma3_text"}
 
 BASE = dict(
     vocab_size=97,
@@ -60,8 +77,12 @@ def hub_names(family: str, tensors: dict) -> dict:
 
 def hf_config(family: str, **overrides):
     kwargs = {**BASE, **overrides}
-    if family in ("qwen3", "qwen3_moe"):
-        kwargs.setdefault("head_dim", 8)
+    if family in ("qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gemma3"):
+        kwargs.setdefault("head_dim", 8)  # transformers' defaults are 128 and 256
+    if family.startswith("gemma"):
+        # Odd on purpose: a scale of head_dim ** -0.5 or a window of 4096 would pass unseen.
+        kwargs.setdefault("query_pre_attn_scalar", 5)
+        kwargs.setdefault("sliding_window", 5)
     if family == "phi3":  # its defaults name token ids beyond this vocabulary
         kwargs = dict(bos_token_id=1, eos_token_id=2, pad_token_id=None, **kwargs)
     return FAMILIES[family](**kwargs)

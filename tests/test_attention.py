@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtjax.attention import _chunks, causal_attention
+from mtjax.attention import _chunks, causal_attention, masked_attention
 
 
 def reference(q, k, v, scale, window):
@@ -73,3 +73,41 @@ def test_the_model_uses_the_chunked_path_on_the_cpu():
     x = jnp.ones((1, 8, 32))
     jaxpr = str(jax.make_jaxpr(lambda b, x: model.block_forward(cfg, "full", b, x))(block, x))
     assert jax.default_backend() == "cpu" and "custom_vjp_call" in jaxpr
+
+
+def _capped_reference(q, k, v, scale, window, softcap):
+    """Soft-capped causal attention written out, differentiated by autodiff."""
+    kv, t = k.shape[2], q.shape[1]
+    k, v = (jnp.repeat(x, q.shape[2] // kv, axis=2) for x in (k, v))
+    s = jnp.einsum("bqnh,bknh->bnqk", q, k) * scale
+    s = jnp.tanh(s / softcap) * softcap
+    qpos, kpos = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    mask = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+    return jnp.einsum("bnqk,bknh->bqnh", p, v)
+
+
+def test_soft_capped_scores_forward_and_backward_equal_autodiff(window=5):
+    """Gemma 2's cap * tanh(s / cap): the custom backward's extra factor is exact, and the
+    sampling path's masked_attention caps the same way. Scores reach ~4x the cap here; one
+    windowed case (the cap is the same code with or without a window)."""
+    kq, kk, kv, kd = jax.random.split(jax.random.key(3), 4)
+    t, cap = 13, 2.0
+    q = 3 * jax.random.normal(kq, (2, t, 4, 8))
+    k, v = 3 * jax.random.normal(kk, (2, t, 2, 8)), jax.random.normal(kv, (2, t, 2, 8))
+    dout = jax.random.normal(kd, q.shape)
+
+    def value_and_vjp(fn):
+        return jax.jit(lambda q, k, v, d: (lambda out, vjp: (out, *vjp(d)))(*jax.vjp(fn, q, k, v)))(q, k, v, dout)
+
+    want = value_and_vjp(lambda *a: _capped_reference(*a, 0.35, window, cap))
+    got = value_and_vjp(lambda *a: causal_attention(*a, 0.35, window, 4, softcap=cap))
+    uncapped = value_and_vjp(lambda *a: causal_attention(*a, 0.35, window, 4))
+    for a, b, c in zip(got, want, uncapped):
+        a, b, c = (np.asarray(x, np.float64) for x in (a, b, c))
+        assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b)
+        assert np.linalg.norm(c - b) > 1e-2 * np.linalg.norm(b)  # the cap is not vacuous here
+    qpos, kpos = np.arange(t)[:, None], np.arange(t)[None, :]
+    mask = jnp.asarray((kpos <= qpos) & ((kpos > qpos - window) if window else True))[None, None]
+    cached = masked_attention(q, k, v, mask, 0.35, cap)
+    np.testing.assert_allclose(np.asarray(cached), np.asarray(want[0]), rtol=1e-5, atol=1e-5)

@@ -121,8 +121,12 @@ def test_every_key_has_help_text():
 KNOWN_SIZES = {  # parameters of the real models the shipped shapes copy
     "llama-3.2-1b-finetune.yaml": 1_235_814_400,
     "qwen2.5-7b-1gpu.yaml": 7_615_616_512,
+    "qwen2-chat-finetune.yaml": 494_032_768,  # Qwen2.5-0.5B-Instruct
     "llama-70b-plan.yaml": 70_553_706_496,
     "phi-4-plan.yaml": 14_659_507_200,
+    "gemma-2-27b-plan.yaml": 27_227_128_320,
+    "gemma-3-27b-plan.yaml": 27_009_346_304,  # the language model; the vision tower is left out
+    "gemma-3-1b-finetune.yaml": 999_885_952,
 }
 
 

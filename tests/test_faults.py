@@ -82,6 +82,15 @@ def test_kill_minus_9_then_rerun_ends_bit_identical(work, clean):
     assert (work / "kills" / "clean" / "final" / "model.safetensors").read_bytes() == final_bytes(clean)
 
 
+def test_kill_minus_9_with_resident_parts_ends_bit_identical(work):
+    """Kills of a run whose resident parts' state lives on the device between commits, in a
+    one-copy store (each step commits it), against the same run uninterrupted with two copies."""
+    k = fault_trials.kill_train_trials(work / "resident", 2, STEPS, random.Random(2), extra=("--store.copies=1",),
+                                       state="resident")
+    assert k["kills"] == 2 and k["mid_store"] >= 1  # one lands just after a commit by construction
+    assert k["ok"], k["error"]
+
+
 # --- damaged stores -----------------------------------------------------------------------------
 
 

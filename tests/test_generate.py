@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import json
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from mtjax import generate, model
-from mtjax.data import ByteTokenizer
+from mtjax import cli, generate, hf, model
+from mtjax.commands import generate as generate_command
+from mtjax.data import ByteTokenizer, load_tokenizer
 from mtjax.model_config import SLIDING, ModelConfig, RopeScaling
 
 # Large initial weights make greedy decoding of a random model varied rather than constant.
@@ -102,6 +106,15 @@ SLIDING_TIED = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, 
                            layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"))
 
 
+# Gemma 2's block on the cached path: sandwich norms, (1 + w) norms, GeGLU, scaled
+# embeddings, query_pre_attn_scalar, and both soft-caps, set below the scores and logits of
+# these small weights so that both bite (large weights make Gemma's greedy output constant).
+GEMMA2_CAPPED = dataclasses.replace(
+    SLIDING_TIED, model_type="gemma2", hidden_act="gelu_pytorch_tanh", rms_norm_offset=True, embed_scale=True,
+    sandwich_norms=True, query_pre_attn_scalar=5.0, attn_logit_softcapping=0.005, final_logit_softcapping=0.1,
+    rms_norm_eps=1e-6, initializer_range=0.02)
+
+
 @pytest.fixture(scope="module", params=["untied-full", "tied-sliding"])
 def store_model(request, tmp_path_factory):
     """(store dir, config, the store's master weights) of a fresh 4-block fp32 store."""
@@ -111,7 +124,7 @@ def store_model(request, tmp_path_factory):
     from mtjax.run import load_weights
 
     untied_full = dataclasses.replace(CFG, num_hidden_layers=4, layer_types=())
-    cfg = untied_full if request.param == "untied-full" else SLIDING_TIED
+    cfg = {"untied-full": untied_full, "tied-sliding": SLIDING_TIED, "gemma2-capped": GEMMA2_CAPPED}[request.param]
     path = mtjax.store.init_store(cfg, tmp_path_factory.mktemp("sample") / "store", seed=3)
     loaded_cfg, params = load_weights(path)
     assert loaded_cfg == cfg
@@ -126,6 +139,7 @@ def _sampler(path):
 
 
 @pytest.mark.slow  # compiles a decode loop per case
+@pytest.mark.parametrize("store_model", ["untied-full", "tied-sliding", "gemma2-capped"], indirect=True)
 def test_streamed_greedy_equals_in_memory_generate(store_model):
     path, cfg, params = store_model
     sampler = _sampler(path)
@@ -175,7 +189,39 @@ def test_generate_command_streams_a_store(tmp_path, monkeypatch, capsys):
                       initializer_range=0.5)
     path = mtjax.store.init_store(cfg, tmp_path / "store", seed=0)
     want = generate.complete(cfg, run_lib.load_weights(path)[1], ByteTokenizer(), "Hi", 6, temperature=0)
-    monkeypatch.setattr(run_lib, "load_weights", lambda *a: pytest.fail("loaded the whole model"))
+    for where in (run_lib, generate_command):  # the command holds its own name for it
+        monkeypatch.setattr(where, "load_weights", lambda *a: pytest.fail("loaded the whole model"))
     assert cli.main(["generate", str(path), "--tokenizer", "bytes", "--prompt", "Hi", "--tokens", "6",
                      "--temperature", "0"]) == 0
     assert capsys.readouterr().out == "Hi" + want + "\n"
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_chat_renders_the_template_and_stops_at_its_end_of_turn(tmp_path, monkeypatch, capsys):
+    """`generate --chat`: the model is given the user's message as the checkpoint's template
+    renders it, and the answer is cut at the template's end of turn, <|im_end|>."""
+    ckpt = tmp_path / "ckpt"
+    hf.save_params(CFG, model.init_params(CFG, seed=1), ckpt)
+    qwen = Path(__file__).parent / "data" / "qwen2"
+    (ckpt / "tokenizer.json").write_bytes(gzip.decompress((qwen / "tokenizer.json.gz").read_bytes()))
+    config = json.loads((qwen / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    tok = load_tokenizer(str(ckpt / "tokenizer.json"))
+    want_prompt = tok.encode("<|im_start|>user\nIn the beginning?<|im_end|>\n<|im_start|>assistant\n")
+    answer, end = tok.encode(" God created"), tok.encode("<|im_end|>")[0]
+    seen = {}
+
+    def sample_loop(cfg, params, buffer, prompt_len, *args):  # the model's answer, then an end of turn
+        seen["prompt"] = np.asarray(buffer)[0, :prompt_len].tolist()
+        out = np.asarray(buffer).copy()
+        new = (answer + [end] + answer)[:out.shape[1] - prompt_len]
+        out[0, prompt_len:prompt_len + len(new)] = new
+        return out
+
+    monkeypatch.setattr(generate, "_sample_loop", sample_loop)
+    assert cli.main(["generate", str(ckpt), "--chat", "--prompt", "In the beginning?", "--tokens", "6"]) == 0
+    assert seen["prompt"] == want_prompt[-(CFG.max_position_embeddings - 6):]
+    assert capsys.readouterr().out == " God created\n"

@@ -31,6 +31,13 @@ SAVE_CASES = {
     "phi4-mini-longrope-window": ("phi3", dict(
         partial_rotary_factor=0.75, sliding_window=5, original_max_position_embeddings=8,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 4.0, 8.0]})),
+    "gemma2-softcap": ("gemma2", dict(num_hidden_layers=3, attn_logit_softcapping=1.0, final_logit_softcapping=3.0)),
+    "gemma3-tied": ("gemma3_text", dict(num_hidden_layers=3, tie_word_embeddings=True,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                            "rope_theta": 2000.0},
+                                                         "sliding_attention": {"rope_theta": 50.0,
+                                                                               "rope_type": "default"}})),
 }
 
 

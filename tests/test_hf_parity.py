@@ -20,7 +20,7 @@ import torch
 import hf_models
 import mtjax
 from mtjax import hf
-from mtjax.model_config import SLIDING
+from mtjax.model_config import FULL, SLIDING
 
 pytestmark = pytest.mark.slow  # transformers + torch models side by side
 
@@ -36,8 +36,6 @@ LLAMA3_ROPE = {
 }
 
 
-
-
 def longrope(original: int, pairs: int = 4) -> dict:
     """Phi-3.5-style longrope: rows of SEQ tokens take the short factors when SEQ <= `original`,
     the long ones beyond; max_position_embeddings / original sets the attention factor."""
@@ -47,6 +45,11 @@ def longrope(original: int, pairs: int = 4) -> dict:
 
 # YaRN over a pre-training context of 32: one pair kept, the others ramped or slowed by `factor`.
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+# Gemma 3's global layers: their own base and linear scaling; the sliding ones another base.
+GEMMA3_ROPE = {FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 2000.0},
+               SLIDING: {"rope_type": "default", "rope_theta": 50.0}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,12 @@ CASES = [
     Case("phi3-window5", "phi3", dict(sliding_window=5)),
     Case("phi3-longrope-short-tied", "phi3", dict(longrope(16), tie_word_embeddings=True)),
     Case("phi4-mini-partial-rotary-longrope-long", "phi3", dict(longrope(8, pairs=3), partial_rotary_factor=0.75)),
+    # Larger weights so that both caps bite (scores and logits beyond cap / 2).
+    Case("gemma2-softcap-tied", "gemma2", dict(num_hidden_layers=3, initializer_range=0.2, attn_logit_softcapping=1.0,
+                                               final_logit_softcapping=3.0, tie_word_embeddings=True)),
+    Case("gemma3-local-global-rope", "gemma3_text", dict(num_hidden_layers=3, layer_types=[SLIDING, SLIDING, FULL],
+                                                         rope_parameters=GEMMA3_ROPE)),
+    Case("gemma3-multimodal-tied", "gemma3", dict(layer_types=[SLIDING, FULL], tie_word_embeddings=True)),
 ]
 
 
@@ -96,9 +105,18 @@ def _run_case(c: Case, tmp_dir: Path) -> Result:
     ids = torch.as_tensor(tokens)
     out = torch_model(input_ids=ids, labels=ids)
     out.loss.backward()
-    grads = {n: p.grad.detach().numpy().copy() for n, p in torch_model.named_parameters()}
+    grads = {_text_name(n): p.grad.detach().numpy().copy() for n, p in torch_model.named_parameters()
+             if not n.startswith(("model.vision_tower.", "model.multi_modal_projector."))}
     cfg, params = mtjax.load_params(ckpt)
     return Result(cfg, params, tokens, out.logits.detach().numpy(), out.loss.item(), grads, ckpt)
+
+
+def _text_name(name: str) -> str:
+    """A multimodal Gemma 3's parameter under its text-only checkpoint name."""
+    for prefix, text in hf.LANGUAGE_MODEL_PREFIXES.items():
+        if name.startswith(prefix):
+            return text + name[len(prefix):]
+    return name
 
 
 @pytest.fixture(params=CASES, ids=[c.id for c in CASES])
@@ -113,13 +131,14 @@ def test_checkpoint_is_the_case_asked_for(case):
     """Guards the other tests: the features each case claims are really in the config."""
     c, r = case
     cfg = r.cfg
-    assert cfg.model_type == c.family
+    assert cfg.model_type == hf_models.MODEL_TYPE[c.family]
     if c.sharded:
         assert (r.ckpt / hf.INDEX_FILE).exists() and len(list(r.ckpt.glob("*.safetensors"))) > 1
     if "tie_word_embeddings" in c.overrides:
         assert cfg.tie_word_embeddings and "lm_head" not in r.params["head"]
         assert "lm_head.weight" not in hf.SafetensorsReader(r.ckpt).names()
-    if c.family == "mistral" or c.overrides.get("use_sliding_window") or "sliding_window" in c.overrides:
+    if c.family in ("mistral", "gemma2", "gemma3_text", "gemma3") or c.overrides.get("use_sliding_window") \
+            or "sliding_window" in c.overrides:
         assert SLIDING in cfg.layer_types and cfg.sliding_window < SEQ
     if c.id == "qwen2-mixed-sliding":
         assert cfg.layer_types[0] != SLIDING and cfg.layer_types[1:] == (SLIDING, SLIDING)
@@ -138,6 +157,17 @@ def test_checkpoint_is_the_case_asked_for(case):
         assert (SEQ > cfg.rope_scaling.original_max_position_embeddings) == ("long" in c.id.replace("longrope", ""))
     if "partial_rotary_factor" in c.overrides:
         assert cfg.rotary_dim < cfg.head_dim
+    if c.family.startswith("gemma"):
+        assert cfg.rms_norm_offset and cfg.sandwich_norms and cfg.embed_scale and cfg.hidden_act == "gelu_pytorch_tanh"
+        assert cfg.attn_scale != cfg.head_dim**-0.5 and SLIDING in cfg.layer_types and FULL in cfg.layer_types
+        assert cfg.qk_norm == (c.family != "gemma2")
+    if c.family == "gemma2":
+        caps = (cfg.attn_logit_softcapping, cfg.final_logit_softcapping)
+        assert caps == (c.overrides["attn_logit_softcapping"], c.overrides["final_logit_softcapping"])
+    if c.family == "gemma3":
+        assert hf.SafetensorsReader(r.ckpt).left_out  # a vision tower was there and was set aside
+    if "rope_parameters" in c.overrides:
+        assert cfg.rope_scaling.rope_type == "linear" and (cfg.rope_theta, cfg.local_rope_theta) == (2000.0, 50.0)
     assert cfg.num_attention_heads // cfg.num_key_value_heads > 1
 
 
@@ -155,15 +185,33 @@ def test_loss_matches(case):
     assert abs(loss - r.hf_loss) <= 1e-6 * abs(r.hf_loss), (loss, r.hf_loss)
 
 
-def _without_feature(cfg: mtjax.ModelConfig) -> mtjax.ModelConfig:
-    if SLIDING in cfg.layer_types:
+def _without_feature(cfg: mtjax.ModelConfig, feature: str) -> mtjax.ModelConfig:
+    if feature == "sliding":
         return dataclasses.replace(cfg, layer_types=(), sliding_window=None)
-    if cfg.partial_rotary_factor != 1.0:  # longrope factors shortened to the rotated pairs
+    if feature in ("attn_logit_softcapping", "final_logit_softcapping"):
+        return dataclasses.replace(cfg, **{feature: None})
+    if feature == "local_rope":
+        return dataclasses.replace(cfg, local_rope_theta=None)
+    if feature == "partial_rotary":  # longrope factors shortened to the rotated pairs
         return dataclasses.replace(cfg, partial_rotary_factor=1.0, rope_scaling=None)
     return dataclasses.replace(cfg, rope_scaling=None)
 
 
-FEATURE_CASES = [c for c in CASES if {"rope_scaling", "sliding_window", "partial_rotary_factor"} & set(c.overrides)]
+def _features(c: Case) -> list[str]:
+    if "partial_rotary_factor" in c.overrides:
+        return ["partial_rotary"]
+    if "rope_scaling" in c.overrides:
+        return ["rope_scaling"]
+    if c.family.startswith("gemma"):
+        caps = [k for k in ("attn_logit_softcapping", "final_logit_softcapping") if c.overrides.get(k)]
+        rope = ["local_rope", "rope_scaling"] if "rope_parameters" in c.overrides else []
+        return ["sliding", *caps, *rope]
+    if "sliding_window" in c.overrides:
+        return ["sliding"]
+    return []
+
+
+FEATURE_CASES = [c for c in CASES if _features(c)]
 
 
 LONG_REGIME = [c for c in CASES if c.id == "phi4-mini-partial-rotary-longrope-long"]
@@ -182,11 +230,12 @@ def test_long_rows_take_the_long_factors(case):
 
 @pytest.mark.parametrize("case", FEATURE_CASES, ids=[c.id for c in FEATURE_CASES], indirect=True)
 def test_the_feature_under_test_changes_the_logits(case):
-    """Sliding windows and rope scaling are not vacuous here: without them the logits
-    miss Hugging Face's by at least 10x the parity tolerance."""
-    _, r = case
-    logits = np.asarray(mtjax.forward(_without_feature(r.cfg), r.params, jnp.asarray(r.tokens)))
-    assert np.abs(logits - r.hf_logits).max() > 1e-4 * np.abs(r.hf_logits).max()
+    """Sliding windows, rope scaling, local RoPE bases and soft-capping are not vacuous
+    here: without each, the logits miss Hugging Face's by at least 10x the parity tolerance."""
+    c, r = case
+    for feature in _features(c):
+        logits = np.asarray(mtjax.forward(_without_feature(r.cfg, feature), r.params, jnp.asarray(r.tokens)))
+        assert np.abs(logits - r.hf_logits).max() > 1e-4 * np.abs(r.hf_logits).max(), feature
 
 
 def test_every_gradient_matches(case):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 import hf_models
 import mtjax
+from mtjax import model
 from mtjax.model_config import FULL, SLIDING, SUPPORTED_MODEL_TYPES, ConfigError, ModelConfig, RopeScaling
 
 LLAMA3_SCALING = {
@@ -69,7 +72,7 @@ def test_transformers_written_config_json_loads(family, tmp_path):
     hf_cfg = hf_models.hf_config(family, rope_parameters={**scaling, "rope_theta": 1234.0}, **extra)
     hf_cfg.save_pretrained(tmp_path)
     cfg = mtjax.load_hf_config(tmp_path)
-    assert cfg.model_type == family
+    assert cfg.model_type == hf_models.MODEL_TYPE[family]
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (32, 4, 2)
     assert cfg.head_dim == 8
     assert cfg.rope_theta == 1234.0 and cfg.rope_scaling.factor == 3.0
@@ -131,6 +134,9 @@ def test_sliding_window_layer_types_per_family():
     assert on.layer_types == (FULL, SLIDING, SLIDING, SLIDING) and on.sliding_window == 16
 
 
+GEMMA = dict(hidden_act="gelu_pytorch_tanh", rms_norm_offset=True, embed_scale=True, sandwich_norms=True,
+             rms_norm_eps=1e-6, tie_word_embeddings=True)
+
 # Consistent configs of every family and feature (Qwen2 always has q/k/v biases and
 # Qwen3 always q/k norm, so those flags are part of the family).
 ROUND_TRIP = {
@@ -166,6 +172,12 @@ ROUND_TRIP = {
                                      router_aux_loss_coef=0.001, moe_layers=(0, 2)),
     "olmoe": ModelConfig(model_type="olmoe", qk_norm_full=True, intermediate_size=24, num_experts=6,
                          num_experts_per_tok=2, moe_intermediate_size=24, router_aux_loss_coef=0.01, moe_layers=(0, 1)),
+    "gemma2": ModelConfig(model_type="gemma2", **GEMMA, query_pre_attn_scalar=5.0, attn_logit_softcapping=50.0,
+                          final_logit_softcapping=30.0, sliding_window=4, layer_types=(SLIDING, FULL)),
+    "gemma2-no-caps-all-global": ModelConfig(model_type="gemma2", **GEMMA, query_pre_attn_scalar=16.0),
+    "gemma3": ModelConfig(model_type="gemma3_text", **GEMMA, qk_norm=True, query_pre_attn_scalar=16.0,
+                          rope_theta=1e6, rope_scaling=RopeScaling("linear", 8.0), local_rope_theta=1e4,
+                          num_hidden_layers=6, sliding_window=512, layer_types=(SLIDING,) * 5 + (FULL,)),
 }
 
 
@@ -192,6 +204,8 @@ def test_round_trip_keeps_the_other_keys_of_a_transformers_config(family):
     cfg = mtjax.from_hf_dict(hf)
     again = mtjax.to_hf_dict(cfg)
     assert mtjax.from_hf_dict(again) == cfg
+    if family == "gemma3":  # multimodal: the other keys are its language model's
+        hf = dict(hf["text_config"], transformers_version=hf["transformers_version"])
     for key in ("bos_token_id", "eos_token_id", "hidden_act", "transformers_version"):
         assert again.get(key) == hf.get(key), key
 
@@ -202,3 +216,81 @@ def test_mixed_sliding_config_also_states_max_window_layers():
     assert hf["max_window_layers"] == 1 and hf["use_sliding_window"]
     legacy = {k: v for k, v in hf.items() if k != "layer_types"}
     assert mtjax.from_hf_dict(legacy) == ROUND_TRIP["qwen2-mixed-sliding"]
+
+
+GEMMA3_OLD = {  # a gemma-3 text config.json as transformers 4.x wrote it
+    "model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+    "query_pre_attn_scalar": 32, "sliding_window": 512, "sliding_window_pattern": 6,
+    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+}
+
+
+def test_gemma3_old_and_per_layer_type_rope_dialects_agree():
+    new = {k: v for k, v in GEMMA3_OLD.items() if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling",
+                                                             "sliding_window_pattern")}
+    new["rope_parameters"] = {FULL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                              SLIDING: {"rope_type": "default", "rope_theta": 10000.0}}
+    new["layer_types"] = ([SLIDING] * 5 + [FULL]) * 2
+    old_cfg, new_cfg = mtjax.from_hf_dict(GEMMA3_OLD), mtjax.from_hf_dict(new)
+    assert old_cfg == dataclasses.replace(new_cfg, extra_hf=old_cfg.extra_hf)
+    assert old_cfg.layer_types == ((SLIDING,) * 5 + (FULL,)) * 2  # five sliding to one global
+    assert (old_cfg.rope_theta, old_cfg.rope_scaling) == (1e6, RopeScaling("linear", 8.0))
+    assert (old_cfg.local_rope_theta, old_cfg.local_rope_scaling) == (1e4, None)
+    assert old_cfg.qk_norm and old_cfg.attn_scale == 32**-0.5 and old_cfg.final_logit_softcapping is None
+    # What transformers 5 makes of the old dialect is what mtjax makes of it.
+    hf5 = transformers.Gemma3TextConfig(**GEMMA3_OLD).to_dict()
+    assert dataclasses.replace(mtjax.from_hf_dict(hf5), extra_hf=()) == dataclasses.replace(old_cfg, extra_hf=())
+
+
+def test_multimodal_gemma3_config_gives_its_language_model_with_transformers_defaults():
+    """The 4B-27B checkpoints' text_config lists only what differs from transformers' defaults."""
+    hf = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "torch_dtype": "bfloat16",
+          "eos_token_id": [1, 106], "text_config": {"model_type": "gemma3_text", "hidden_size": 2560,
+                                                     "intermediate_size": 10240, "num_hidden_layers": 34,
+                                                     "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                                     "sliding_window": 1024},
+          "vision_config": {"model_type": "siglip_vision_model"}}
+    cfg = mtjax.from_hf_dict(hf)
+    assert cfg.model_type == "gemma3_text" and cfg.param_dtype == "bfloat16"
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (8, 4, 256, 262208)
+    assert cfg.tie_word_embeddings and cfg.attn_scale == 256**-0.5
+    assert cfg.layer_types.count(FULL) == 5 and cfg.layer_types[5] == FULL and cfg.sliding_window == 1024
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling.factor) == (1e6, 1e4, 8.0)
+    assert dict(cfg.extra_hf)["eos_token_id"] == (1, 106)
+    assert "vision_config" not in mtjax.to_hf_dict(cfg)
+
+
+def test_gemma2_defaults_alternate_layers_and_cap_unless_null():
+    hf = {"model_type": "gemma2", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+          "head_dim": 16, "vocab_size": 128, "intermediate_size": 96}
+    cfg = mtjax.from_hf_dict(hf)
+    assert cfg.layer_types == (SLIDING, FULL, SLIDING, FULL) and cfg.sliding_window == 4096
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (50.0, 30.0)
+    off = mtjax.from_hf_dict(dict(hf, attn_logit_softcapping=None, final_logit_softcapping=None))
+    assert (off.attn_logit_softcapping, off.final_logit_softcapping) == (None, None)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (dict(hidden_activation="gelu"), "gelu"),
+    (dict(final_logit_softcapping=-1.0), "final_logit_softcapping"),
+])
+def test_unusable_gemma_config_is_one_clear_config_error(change, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        mtjax.from_hf_dict({**GEMMA3_OLD, **change})
+    assert "\n" not in str(err.value)
+
+
+HF_CONFIGS = sorted((Path(__file__).parent.parent / "experiments" / "hf_configs").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", HF_CONFIGS, ids=lambda p: p.stem)
+def test_shipped_hf_configs_count_the_parameters_transformers_does(path):
+    """Every shipped config.json: mtjax's parameter count (what MFU and the planner use) is
+    transformers' own, counted on the meta device (nothing allocated); a multimodal config
+    counts its language model."""
+    hf_cfg = transformers.AutoConfig.from_pretrained(path).get_text_config()
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    assert model.num_params(mtjax.load_hf_config(path)) == sum(p.numel() for p in theirs.parameters())

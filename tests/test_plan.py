@@ -18,6 +18,7 @@ from mtjax.config import StoreConfig, StreamConfig
 from mtjax.plan import BUILTIN, HardwareError, StepShape, check, estimate, load, recommend
 from mtjax.plan.cost import block_forward_flops
 from mtjax.plan.report import size
+from mtjax.progress import model_flops_per_token
 from mtjax.stream import fused_adamw
 from mtjax.stream.schedule import residual_bytes
 
@@ -229,6 +230,8 @@ def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     ("llama-70b-plan.yaml", "compute=ram,master=disk,opt=disk"),
     ("llama-175b-plan.yaml", "compute=ram,master=disk,opt=disk"),
     ("phi-4-plan.yaml", "compute=ram,master=ram,opt=disk"),
+    ("gemma-2-27b-plan.yaml", "compute=ram,master=disk,opt=disk"),
+    ("gemma-3-27b-plan.yaml", "compute=ram,master=disk,opt=disk"),
 ])
 def test_shipped_plan_experiments_plan(name, placement, capsys):
     assert cli.main(["plan", str(ROOT / "experiments" / name), "--hardware", "h200"]) == 0
@@ -262,3 +265,18 @@ def test_fused_and_partial_rotary_models_count_as_their_unfused_twins():
     ours, twin = plan_of(phi), plan_of(CFG)
     assert (ours.num_params, ours.flops, ours.model_flops) == (twin.num_params, twin.flops, twin.model_flops)
     assert ours.num_params == n
+
+
+def test_mfu_and_planner_count_attention_by_heads_times_head_dim():
+    """Gemma's attention width (32 x 128 = 4096) is not its hidden size (4608): the MFU
+    formula's attention term is the planner's (full score matrix, forward + backward = 3
+    forwards), and both grow with head_dim, not hidden_size."""
+    cfg = load_hf_config(ROOT / "experiments/hf_configs/gemma-2-27b.json")
+    assert cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size
+    seq = 4096
+    mfu_attention = model_flops_per_token(0, 1, seq, cfg.num_attention_heads * cfg.head_dim)
+    planner_attention = 3 * block_forward_flops(cfg, cfg.layer_types[1], 0, 1, seq, executed=True) / seq
+    assert mfu_attention == planner_attention
+    wider = dataclasses.replace(cfg, head_dim=2 * cfg.head_dim)
+    assert block_forward_flops(wider, wider.layer_types[1], 0, 1, seq) == 2 * block_forward_flops(
+        cfg, cfg.layer_types[1], 0, 1, seq)

@@ -1,7 +1,9 @@
 """The step's schedule is what the engine does: real engine steps, counted at every
 transfer (weights staged, tokens, kept activations each way, gradients to the host),
 every disk read and write of the store by kind, and every gradient spill, equal the
-description of mtjax.stream.schedule exactly; so does the planner's, which prices it."""
+description of mtjax.stream.schedule exactly; so does the planner's, which prices it.
+Resident parts cross nothing in a step; a one-copy store's commit of every step brings
+their state to the host, and that too is counted."""
 
 from __future__ import annotations
 
@@ -62,10 +64,11 @@ def instrument(engine: StreamEngine, counts: Counts) -> None:
         counts.add("h2d_weights", slot.nbytes)
 
     wrap(pool, "put", staged)
-    wrap(place, "tokens", lambda t: counts.add("h2d_tokens", np.asarray(t).nbytes))
+    wrap(place, "tokens", lambda inputs: counts.add("h2d_tokens", tree_bytes(inputs)))  # tokens (+ documents)
     wrap(place, "stash", lambda x: counts.add("d2h_activations", x.nbytes))
     wrap(place, "unstash", lambda x: counts.add("h2d_activations", x.nbytes))
     wrap(place, "start_to_host", lambda tree: counts.add("d2h_grads", tree_bytes(tree)))
+    wrap(place, "to_host", lambda flat: counts.add("d2h_resident", tree_bytes(flat)))
     if engine.store is not None:
         store = engine.store
 
@@ -89,28 +92,39 @@ def instrument(engine: StreamEngine, counts: Counts) -> None:
         spill.take = take
 
 
-CASES = [  # (placement, accum, keep_every, tied, activations)
-    *[("ram", a, k, t, "device") for a in (1, 4) for k in (1, 2, 0) for t in (False, True)],
-    ("ram", 4, 2, False, "host"),
-    ("ram", 1, 0, True, "host"),
-    ("disk", 1, 1, False, "device"),
-    ("disk", 4, 2, True, "host"),
-    ("disk", 4, 0, False, "device"),
-    ("master-disk", 4, 1, True, "device"),
-    ("master-disk", 1, 2, False, "host"),
-    ("one-copy", 1, 0, True, "device"),
-    ("one-copy", 4, 1, False, "device"),
-    ("one-copy", 4, 2, True, "host"),
+CASES = [  # (placement, accum, keep_every, tied, activations, resident)
+    *[("ram", a, k, t, "device", "none") for a in (1, 4) for k in (1, 2, 0) for t in (False, True)],
+    ("ram", 4, 2, False, "host", "none"),
+    ("ram", 1, 0, True, "host", "none"),
+    ("disk", 1, 1, False, "device", "none"),
+    ("disk", 4, 2, True, "host", "none"),
+    ("disk", 4, 0, False, "device", "none"),
+    ("master-disk", 4, 1, True, "device", "none"),
+    ("master-disk", 1, 2, False, "host", "none"),
+    ("one-copy", 1, 0, True, "device", "none"),
+    ("one-copy", 4, 1, False, "device", "none"),
+    ("one-copy", 4, 2, True, "host", "none"),
+    # Some or all parts resident: the last block (a group of its own) and the tied embedding included.
+    ("ram", 1, 2, True, "device", 2),
+    ("ram", 4, 1, False, "device", "3-dots"),  # blocks 0-2 keep their projections: not recomputed
+    ("disk", 4, 2, False, "host", ("block.2", "head")),
+    ("master-disk", 1, 1, True, "device", 3),
+    ("one-copy", 4, 0, True, "device", "all"),
 ]
 
 
-@pytest.mark.parametrize("where,accum,keep_every,tied,activations", CASES,
-                         ids=[f"{w}-accum{a}-k{k}-{'tied' if t else 'untied'}-{x}" for w, a, k, t, x in CASES])
-def test_engine_moves_what_the_schedule_says(tmp_path, where, accum, keep_every, tied, activations):
+@pytest.mark.parametrize("where,accum,keep_every,tied,activations,resident", CASES,
+                         ids=[f"{w}-accum{a}-k{k}-{'tied' if t else 'untied'}-{x}-resident{r}"
+                              for w, a, k, t, x, r in CASES])
+def test_engine_moves_what_the_schedule_says(tmp_path, where, accum, keep_every, tied, activations, resident):
     cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
     tiers, copies = PLACEMENTS[where]
     store = mtjax.store.create(tmp_path / "store", cfg, TX, copies=copies) if tiers else None
-    stream = StreamConfig(keep_every=keep_every, activations=activations)
+    remat = "full"
+    if isinstance(resident, str) and "-" in resident:  # "N-policy": N parts resident, their groups saved
+        count, remat = resident.split("-")
+        resident = int(count)
+    stream = StreamConfig(keep_every=keep_every, activations=activations, resident=resident, remat=remat)
     placement = StoreConfig(**{k: tiers.get(k, "ram") for k in parts.KINDS}, copies=copies)
     engine = StreamEngine(cfg, model.init_params(cfg, seed=0), OPT, stream, placement, store=store,
                           batch_shape=(BATCH, SEQ))
@@ -122,12 +136,12 @@ def test_engine_moves_what_the_schedule_says(tmp_path, where, accum, keep_every,
     assert (plan.traffic.h2d, plan.traffic.d2h) == (s.traffic.h2d, s.traffic.d2h)
     assert plan.traffic.disk_read == s.traffic.disk_read_bytes and plan.traffic.disk_write == s.traffic.disk_write_bytes
 
+    if copies == 1:
+        engine.commit(0)
     counts = Counts()
     instrument(engine, counts)
     io0 = store.io_bytes if store is not None else (0, 0)
     rng = np.random.default_rng(0)
-    if copies == 1:
-        engine.commit(0)
     for step in range(STEPS):
         counts.order.append([])
         engine.step(rng.integers(0, cfg.vocab_size, (accum, BATCH, SEQ), dtype=np.int32))
@@ -136,10 +150,14 @@ def test_engine_moves_what_the_schedule_says(tmp_path, where, accum, keep_every,
     engine.flush()  # the last step's deferred update: every step streams once and updates once
     t = s.traffic
 
-    # Each step stages its parts in the schedule's order, once whatever the accum.
+    # Each step stages its parts in the schedule's order, once whatever the accum; resident
+    # parts never.
     assert counts.order == [list(s.transfers)] * STEPS
+    assert s.resident == engine.resident.names and not set(s.transfers) & set(s.resident)
+    if resident != "none":
+        assert s.resident and (resident != "all" or not s.transfers)
     expected = {"h2d_weights": t.h2d_weights, "h2d_tokens": t.h2d_tokens, "h2d_activations": t.h2d_activations,
-                "d2h_grads": t.d2h_grads, "d2h_activations": t.d2h_activations,
+                "d2h_grads": t.d2h_grads, "d2h_activations": t.d2h_activations, "d2h_resident": t.d2h_resident,
                 **{f"disk_read.{k}": b for k, b in t.disk_read.items()},
                 **{f"disk_write.{k}": b for k, b in t.disk_write.items()}}
     assert dict(counts.bytes) == {k: STEPS * b for k, b in expected.items() if b}
@@ -158,9 +176,11 @@ def test_engine_moves_what_the_schedule_says(tmp_path, where, accum, keep_every,
     # residuals exactly (a group of one runs fused and holds none), staged weights within.
     peak = engine.ledger.peak_by_use
     assert peak["activations"] == (s.kept_bytes if activations == "device" else 0)
-    grouped = max(len(g) for g in s.groups) > 1
+    grouped = max((len(g) for g in s.groups if g not in s.saved), default=0) > 1
     assert peak["residuals"] == (s.device.residuals if grouped else 0)
-    assert 0 < peak["weights"] <= s.device.weights
+    assert peak["saved"] == s.device.saved and (s.device.saved > 0) == bool(s.saved) == (remat == "dots")
+    assert peak["weights"] <= s.device.weights and (peak["weights"] > 0) == bool(s.transfers)
+    assert peak["resident"] == s.device.resident and (s.device.resident > 0) == bool(s.resident)
     engine.close()
     if store is not None:
         store.close()

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import mtjax.documents
 from mtjax import data
 from mtjax.batch import Batch
 from mtjax.config import DataConfig
@@ -49,7 +50,7 @@ def documents(ds: Dataset, split: str = "train") -> list[tuple[np.ndarray, np.nd
         assert (segments[:used] > 0).all() and (segments[used:] == 0).all()  # padding only at the end
         assert (np.diff(segments[:used]) >= 0).all() and (np.diff(segments[:used]) <= 1).all()
         assert not mask[used:].any() and (tokens[used:] == ds.eos_id).all()
-        positions = pack.positions(segments)
+        positions = np.asarray(mtjax.documents.positions(segments))
         for s in range(1, int(segments.max()) + 1):
             where = segments == s
             np.testing.assert_array_equal(positions[where], np.arange(where.sum()))  # restart per document
@@ -137,7 +138,7 @@ def test_packer_fills_rows_first_fit_and_pads_one_per_row():
 
 def test_positions_restart_at_every_document():
     segments = np.array([[1, 1, 1, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
-    np.testing.assert_array_equal(pack.positions(segments), [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))])
+    np.testing.assert_array_equal(mtjax.documents.positions(segments), [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))])
 
 
 def test_prompt_completion_trains_on_the_completion_and_its_eos(tmp_path):

@@ -355,6 +355,10 @@ def test_resumed_run_continues_exactly(tmp_path):
     CFG,
     ModelConfig(model_type="qwen2", attention_bias=True, sliding_window=8, layer_types=("full_attention", "sliding_attention"),
                 num_hidden_layers=2, rope_scaling=RopeScaling("llama3", 8.0), extra_hf=(("bos_token_id", 1), ("nested", (("a", (1, 2)),)))),
+    ModelConfig(model_type="gemma3_text", hidden_act="gelu_pytorch_tanh", rms_norm_offset=True, embed_scale=True,
+                sandwich_norms=True, qk_norm=True, query_pre_attn_scalar=5.0, final_logit_softcapping=3.0,
+                sliding_window=4, layer_types=("sliding_attention", "full_attention"), num_hidden_layers=2,
+                rope_scaling=RopeScaling("linear", 8.0), local_rope_theta=50.0, local_rope_scaling=RopeScaling("linear", 2.0)),
 ])
 def test_config_round_trips_through_the_manifest(cfg):
     assert layout.config_from_json(json.loads(json.dumps(layout.config_to_json(cfg)))) == cfg

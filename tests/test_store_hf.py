@@ -52,6 +52,8 @@ def logits(torch_model, seed=0) -> np.ndarray:
     ("qwen3", torch.float32, True, False),
     ("mistral", torch.bfloat16, False, False),
     ("phi3", torch.bfloat16, True, False),
+    ("gemma2", torch.bfloat16, False, True),
+    ("gemma3_text", torch.float32, True, False),
 ])
 def test_import_export_is_bit_exact_and_transformers_agrees(tmp_path, family, dtype, sharded, tied):
     import transformers
@@ -84,6 +86,31 @@ def test_import_export_is_bit_exact_and_transformers_agrees(tmp_path, family, dt
     load = transformers.AutoModelForCausalLM.from_pretrained
     original, exported = (load(d, attn_implementation="eager", dtype=dtype) for d in (src, out))
     np.testing.assert_array_equal(logits(exported), logits(original))
+
+
+def test_multimodal_gemma3_imports_its_language_model_and_exports_a_text_model(tmp_path, capsys):
+    """Gemma3ForConditionalGeneration in, Gemma3ForCausalLM out: the language model's
+    tensors bit for bit under text-only names, the vision tower left out with one line."""
+    import transformers
+
+    torch_model = hf_models.build("gemma3", tie_word_embeddings=False, layer_types=["sliding_attention", "full_attention"])
+    src = hf_models.save(torch_model, tmp_path / "src")
+    import_hf(src, tmp_path / "store")
+    said = [line for line in capsys.readouterr().out.splitlines() if "multimodal" in line]
+    assert len(said) == 1 and "vision tower" in said[0] and "left out" in said[0]
+    out = export_hf(tmp_path / "store", tmp_path / "out")
+    exported, original = tensors(out), tensors(src)
+    text = {}
+    for name, value in original.items():
+        prefix = next((p for p in hf.LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
+        if prefix:
+            text[hf.LANGUAGE_MODEL_PREFIXES[prefix] + name[len(prefix):]] = value
+    assert "lm_head.weight" in text and len(text) < len(original)  # untied; the vision tower was there
+    assert exported == text
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager",
+                                                                  dtype=torch.float32)
+    assert type(reloaded).__name__ == "Gemma3ForCausalLM"
+    np.testing.assert_array_equal(logits(reloaded), logits(torch_model))
 
 
 def test_cli_import_export_init(tmp_path, capsys):

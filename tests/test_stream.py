@@ -5,7 +5,9 @@ seq 16) with clipping active, and compares every parameter and optimizer-state t
 (||a - b|| / ||b|| <= 1e-5 in fp32). The cases together cover every value of: keep
 every k in {1, 2, 3, all}, prefetch depth {1, 2, 3}, RAM / disk / mixed tiers, gradient
 accumulation {1, 4}, tied and untied embeddings, activations on device and on host;
-and a Phi-3-shaped model (fused projections, partial rotary, longrope, a window) in RAM and on disk.
+and a Phi-3-shaped model (fused projections, partial rotary, longrope, a window) in RAM and on disk;
+and Gemma 2 and Gemma 3 shapes (soft-capping, sliding and global layers, local RoPE) on
+RAM and disk tiers.
 """
 
 import copy
@@ -21,7 +23,7 @@ import pytest
 import mtjax.store
 from mtjax import model
 from mtjax.config import StoreConfig, StreamConfig
-from mtjax.model_config import SLIDING, ModelConfig, RopeScaling
+from mtjax.model_config import FULL, SLIDING, ModelConfig, RopeScaling
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.reference import ReferenceTrainer
 from mtjax.stream import DeviceBudgetError, StreamEngine
@@ -37,6 +39,14 @@ PHI3 = dataclasses.replace(
 # clip_norm far below the gradient norm (~1.2), so every step is clipped.
 OPT = OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=2, decay_steps=10, clip_norm=0.05, weight_decay=0.1)
 STEPS = 5
+_GEMMA = dict(hidden_act="gelu_pytorch_tanh", rms_norm_offset=True, embed_scale=True, sandwich_norms=True,
+              query_pre_attn_scalar=5.0, sliding_window=5, rms_norm_eps=1e-6)  # window < seq 16
+FAMILY_CFGS = {
+    "gemma2": dataclasses.replace(CFG, model_type="gemma2", **_GEMMA, attn_logit_softcapping=0.5,
+                                  final_logit_softcapping=1.0, layer_types=(SLIDING, FULL) * 2),
+    "gemma3": dataclasses.replace(CFG, model_type="gemma3_text", **_GEMMA, qk_norm=True, local_rope_theta=50.0,
+                                  rope_scaling=RopeScaling("linear", 4.0), layer_types=(SLIDING,) * 3 + (FULL,)),
+}
 DISK = StoreConfig(compute="disk", master="disk", opt="disk")
 
 
@@ -128,6 +138,16 @@ def test_streamed_equals_reference(tmp_path, keep_every, depth, tiers, accum, ti
 @pytest.mark.parametrize("tiers", [{}, DISK.tiers], ids=["ram", "disk"])
 def test_phi3_streamed_equals_reference(tmp_path, tiers):
     run_case(tmp_path, keep_every=2, depth=2, tiers=tiers, accum=1, tied=False, base=PHI3)
+
+
+@pytest.mark.parametrize("family,tiers,tied,keep_every", [
+    ("gemma2", {}, True, 1),
+    pytest.param("gemma3", DISK.tiers, False, 2, marks=pytest.mark.slow),
+    pytest.param("gemma2", DISK.tiers, False, 0, marks=pytest.mark.slow),
+    pytest.param("gemma3", {}, True, 3, marks=pytest.mark.slow),
+], ids=["gemma2-ram-tied", "gemma3-disk-untied", "gemma2-disk-untied", "gemma3-ram-tied"])
+def test_gemma_streamed_equals_reference(tmp_path, family, tiers, tied, keep_every):
+    run_case(tmp_path, keep_every=keep_every, depth=2, tiers=tiers, accum=1, tied=tied, base=FAMILY_CFGS[family])
 
 
 @pytest.mark.parametrize("tiers", [{}, {"master": "disk", "opt": "disk"}], ids=["ram", "mixed"])

@@ -144,6 +144,18 @@ def test_tokens_per_s_is_the_rate_over_the_last_steps(monkeypatch, tmp_path):
     assert last["tokens_per_s"] == 200.0 and last["rate_steps"] == 10
 
 
+def test_tokens_per_s_counts_only_the_tokens_trained_on(monkeypatch, tmp_path):
+    """Chat steps train on their counted targets only: the rate is of those, not of
+    tokens_per_step (which would give 100 tok/s here)."""
+    _clocked(monkeypatch, [0.0, 1, 2, 3, 4, 5])
+    with Progress(tmp_path, 5, tokens_per_step=100, stream=io.StringIO(), flops_per_token=10.0,
+                  peak_flops=1e3) as p:
+        for step, trained in enumerate([999, 10, 20, 30, 40], start=1):
+            p.update(step, {"loss": 2.0}, trained)
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["tokens_per_s"] == 25.0 and last["mfu"] == 0.25  # steps 2-5: 100 tokens in 4 s
+
+
 def _on_pty(tmp_path, columns: int) -> bytes:
     """What Progress writes for 4 steps to a raw pseudo-terminal `columns` wide."""
     master, slave = os.openpty()

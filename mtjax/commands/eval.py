@@ -1,5 +1,6 @@
 """`mtjax eval CHECKPOINT DATASET`: mean next-token loss of a checkpoint (an HF checkpoint
-directory or a layer store, whose master weights are used) on a dataset split."""
+directory or a layer store, whose master weights are used) on a dataset split; on chat or
+prompt-completion data, over the tokens its loss mask keeps (the answers), as training."""
 
 from __future__ import annotations
 
@@ -51,12 +52,13 @@ def run(args) -> int:
     if spec is None and is_store(args.checkpoint):
         spec = tokenizer_of(args.checkpoint, None).spec  # the data it was trained on, or the imported one
     try:
-        loss = evaluate_checkpoint(args.checkpoint, args.dataset, args.split, args.seq_len, args.batch_size,
+        result = evaluate_checkpoint(args.checkpoint, args.dataset, args.split, args.seq_len, args.batch_size,
                                    args.batches, spec)
     except data.DataError as e:  # mtjax.data words its advice in the keys of `mtjax train`
         message = str(e)
         for key, flag in _FLAGS.items():
             message = message.replace(key, flag)
         raise data.DataError(message) from None
-    print(f"{args.split} loss {loss:.4f}  perplexity {math.exp(min(loss, 50)):.2f}")
+    over = f"  over the {result.targets:,} tokens the loss mask keeps" if result.masked else ""
+    print(f"{args.split} loss {result.loss:.4f}  perplexity {math.exp(min(result.loss, 50)):.2f}{over}")
     return 0

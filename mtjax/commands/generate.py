@@ -1,6 +1,8 @@
 """`mtjax generate CHECKPOINT`: sample text from a saved model. A layer store is sampled
 one part at a time, its compute weights streamed through the device as in training (the
-whole model never needs to fit); an HF checkpoint directory is loaded whole."""
+whole model never needs to fit); an HF checkpoint directory is loaded whole. With --chat
+the prompt is a user's message, rendered through the checkpoint's chat template (as the
+model was fine-tuned on it), and the answer stops at the template's end of turn."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import mtjax.store
 from mtjax import data, generate
+from mtjax.data import chat
 from mtjax.errors import MtjaxError
 from mtjax.run import checkpoint_tokenizer, load_weights
 from mtjax.store import tokenizer
@@ -23,6 +26,9 @@ def register(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding (default: 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0: all (default: 40)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--chat", action="store_true",
+                   help="--prompt is a user's message: render it through the checkpoint's chat template and "
+                        "stop at the template's end of turn (e.g. <|im_end|>)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer spec (bytes or a tokenizer.json) when the checkpoint has none; a store "
                         "uses the tokenizer of its training data, or the one `mtjax import` kept")
@@ -53,6 +59,22 @@ def tokenizer_of(path, spec: str | None):
     return data.load_tokenizer(spec) if spec else checkpoint_tokenizer(path)
 
 
+def chat_prompt(path, tok, message: str) -> tuple[str, int]:
+    """(the text the model answers, the id its answer stops at): `message` as a user's turn
+    under the chat template kept with the checkpoint (or store) at `path` or its tokenizer."""
+    places = [tokenizer.kept(path) if is_store(path) else Path(path)]
+    if tok.spec != "bytes":
+        places.append(Path(tok.spec))
+    template = next((t for t in (chat.find(p) for p in places if p is not None and p.exists()) if t), None)
+    if template is None:
+        raise MtjaxError(f"--chat renders the prompt through the model's chat template, and {path} has none (no "
+                         f"{chat.TEMPLATE_FILE}, no chat_template in {chat.CONFIG_FILE}); drop --chat")
+    stop = tok.encode(template.turn_end())
+    if not stop:
+        raise MtjaxError(f"the chat template of {path} ends a turn with nothing; drop --chat")
+    return template.render([{"role": "user", "content": message}], add_generation_prompt=True), stop[0]
+
+
 def check_sampling(args) -> None:
     if args.tokens < 1:
         raise MtjaxError(f"--tokens must be at least 1, got {args.tokens}")
@@ -69,11 +91,15 @@ def run(args) -> int:
     check_source(args.checkpoint)
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     tokenizer = tokenizer_of(args.checkpoint, args.tokenizer)
+    prompt = args.prompt
+    if args.chat:
+        prompt, kwargs["eos_id"] = chat_prompt(args.checkpoint, tokenizer, args.prompt)
+        kwargs["add_bos"] = False  # the template writes what the conversation starts with
     if is_store(args.checkpoint):
         with mtjax.store.open(args.checkpoint) as store:  # read-only: a trainer may hold the writer lock
-            text = StreamSampler(store).complete(tokenizer, args.prompt, args.tokens, **kwargs)
+            text = StreamSampler(store).complete(tokenizer, prompt, args.tokens, **kwargs)
     else:
         cfg, params = load_weights(args.checkpoint)
-        text = generate.complete(cfg, params, tokenizer, args.prompt, args.tokens, **kwargs)
-    print(args.prompt + text)
+        text = generate.complete(cfg, params, tokenizer, prompt, args.tokens, **kwargs)
+    print(text if args.chat else args.prompt + text)  # a chat prints the answer alone
     return 0

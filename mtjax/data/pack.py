@@ -7,7 +7,7 @@
 
 A row is (tokens, loss_mask, segments), each [seq_len]: segments numbers the row's
 documents 1, 2, ... and marks padding 0 (padding tokens are `pad_id`, never targets);
-positions restart at every document, so they follow from the segments (`positions`).
+positions restart at every document, so they follow from the segments (mtjax.documents).
 Packing is greedy first fit: a document goes into the oldest open row with room for it,
 else opens a row; at most OPEN_ROWS rows stay open, the oldest is closed beyond that. No
 document is split: one longer than seq_len is refused by `add` (the caller drops it).
@@ -23,14 +23,6 @@ OPEN_ROWS = 64
 def segment_dtype(seq_len: int) -> np.dtype:
     """Holds every document number of a row (at most seq_len documents)."""
     return np.dtype(np.uint16) if seq_len < 1 << 16 else np.dtype(np.uint32)
-
-
-def positions(segments: np.ndarray) -> np.ndarray:
-    """Position of each token within its document, from a row's (or rows') segment ids [..., seq]."""
-    segments = np.asarray(segments)
-    index = np.broadcast_to(np.arange(segments.shape[-1]), segments.shape)
-    starts = np.concatenate([np.ones_like(segments[..., :1], bool), segments[..., 1:] != segments[..., :-1]], -1)
-    return index - np.maximum.accumulate(np.where(starts, index, 0), axis=-1)
 
 
 class _Row:

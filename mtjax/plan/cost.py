@@ -116,8 +116,6 @@ def block_forward_flops(cfg: ModelConfig, kind: str, block_params: int, batch: i
     return matmuls + attention
 
 
-
-
 def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
              tx=None, part_bytes_: dict[str, StateBytes] | None = None) -> Plan:
     """Price one training step of `cfg` of `shape` under `stream` and `store` on `hardware`.
@@ -139,13 +137,25 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
 
     head_fwd = 2.0 * cfg.hidden_size * cfg.vocab_size * tokens
     # Blocks: forward, recompute forward, backward (2x) = 4 forwards; head: forward + backward.
-    flops = shape.accum * (4 * forward(True) + 3 * head_fwd)
+    # A saved group's blocks are not recomputed: remat none skips the whole second forward,
+    # dots all but its attention (the projections are kept; the elementwise rest is not counted).
+    saved = 0.0
+    for i in (i for g in s.saved for i in g):
+        kind = cfg.layer_kinds[i]
+        params_i = pb[f"block.{i}"].compute // c_item - model.inactive_params(cfg, kind)
+        whole = block_forward_flops(cfg, kind, params_i, shape.batch, shape.seq)
+        saved += whole if s.remat == "none" else 2.0 * params_i * tokens
+    flops = shape.accum * (4 * forward(True) - saved + 3 * head_fwd)
     model_flops = shape.accum * (3 * forward(False) + 3 * head_fwd)
 
     # --- the links: the schedule's bytes; the device reads and writes host RAM by DMA.
     t = s.traffic
     dma = 0 if hw.h2d_bytes_per_s is None else t.h2d + t.d2h
-    traffic = Traffic(t.h2d, t.d2h, t.disk_read_bytes, t.disk_write_bytes, t.host_memory + dma)
+    # The resident parts' update: host memory traffic where the device is the host; on an
+    # accelerator it runs at device-memory bandwidth (TB/s), which the profiles do not hold,
+    # and is priced as free.
+    resident_update = t.device_update if hw.device_is_host else 0
+    traffic = Traffic(t.h2d, t.d2h, t.disk_read_bytes, t.disk_write_bytes, t.host_memory + dma + resident_update)
 
     # --- memory and disk footprints -------------------------------------------------------
     biggest = max(pb.values(), key=lambda b: b.compute + b.master + b.opt)
@@ -158,17 +168,19 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     staging += sum(b.get(k) for b in shapes.values() for k in ("master", "opt") if getattr(store, k) == "disk")
     staging += 2 * biggest.master if s.spill else 0  # a part's gradient sum on its way to and from disk
     activations = s.kept_bytes if stream.activations == "host" else 0
-    grads_in_ram = 0 if s.spill else state.master
+    grads_in_ram = 0 if s.spill else sum(pb[p].master for p in s.streamed)  # resident parts' stay on the device
     runtime = hw.runtime_bytes
     host = HostMemory(in_ram, grads_in_ram, staging, activations, runtime,
                       in_ram + grads_in_ram + staging + activations + runtime)
     # A commit writes every RAM-tier kind into the run's store, the compute copy included
-    # (rounded from master when none is kept), into the slot not holding the last commit.
-    checkpoint = sum(state.get(k) for k in parts.KINDS if getattr(store, k) == "ram")
+    # (rounded from master when none is kept), into the slot not holding the last commit,
+    # and the disk-tier kinds of resident parts (their state is in no store between commits).
+    in_store = sum(state.get(k) for k in parts.KINDS if getattr(store, k) == "ram")
+    checkpoint = in_store + sum(pb[p].get(k) for p in s.resident for k in parts.KINDS if getattr(store, k) == "disk")
     # Two copies of everything on disk, so a crash mid-write never loses the committed one;
     # a one-copy store instead keeps the pending gradients durable (counted in the spill).
     on_disk = sum(state.get(k) for k in parts.KINDS if getattr(store, k) == "disk")
-    disk_bytes = store.copies * (on_disk + checkpoint) + (state.master if s.spill else 0)
+    disk_bytes = store.copies * (on_disk + in_store) + (state.master if s.spill else 0)
 
     times = _times(s, hw, flops, traffic)
     return Plan(s, hw, num_params, flops, model_flops, host, disk_bytes, checkpoint, traffic, times)
@@ -190,6 +202,9 @@ def _times(s: Schedule, hw: HardwareProfile, flops: float, t: Traffic) -> Times:
         # cost per part streamed (`part_overhead_s`, measured per transfer of a step).
         fixed = hw.part_overhead_s * len(s.transfers)
         return Times(device, link, disk, host_mem, fixed, sum(stages.values()) + fixed, max(stages, key=stages.get))
+    if "embed" in s.resident:  # the first part needed is already there, updated
+        bound = max(stages, key=stages.get)
+        return Times(device, link, disk, host_mem, 0.0, stages[bound], bound)
     # The embedding's gradient leaves the device last and its new weights are needed first.
     e = s.part_bytes["embed"]
     startup = s.grad_bytes["embed"] / d2h_rate + e.compute / h2d_rate  # its gradient is a dense fp32 table

@@ -72,6 +72,7 @@ def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "b
     try:
         cfg = load_hf_config(hf_dir, compute_dtype=compute_dtype)
         reader = hf.SafetensorsReader(hf_dir)
+        hf.say_left_out(reader)
         specs = hf.check(cfg, reader)
         cfg = _dtype_from_tensors(cfg, hf_dir, reader, specs)
         _check_dtypes(cfg, reader, specs)

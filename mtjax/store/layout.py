@@ -91,8 +91,9 @@ def config_from_json(d: dict) -> ModelConfig:
     unknown = sorted(set(d) - known)
     if unknown:
         raise StoreError(f"the store's model config has fields this mtjax does not know: {unknown}; upgrade mtjax")
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    for key in ("rope_scaling", "local_rope_scaling"):
+        if d.get(key) is not None:
+            d[key] = RopeScaling(**d[key])
     d["layer_types"] = tuple(d.get("layer_types", ()))
     d["moe_layers"] = tuple(d.get("moe_layers", ()))
     d["extra_hf"] = _tuples(d.get("extra_hf", []))

@@ -10,6 +10,7 @@ Stages, one module each, in the order data flows through them:
     update    one part's update: the fused AdamW loop, or an optax transformation's XLA program
     updater   the deferred updates: started once the clip scale is known, awaited per part
     commit    a one-copy store's commit protocol (state before the update + pending gradients)
+    resident  parts kept on the device with their state, updated there
     schedule  one step described: transfers in order, bytes per link, device plan
     budget    the device ledger, which holds a step to its plan
     trace     per-part stage timings, Chrome trace JSON

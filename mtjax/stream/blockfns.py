@@ -8,6 +8,8 @@ one), so a recompute group can hold k blocks' residuals and walk them in reverse
 A block's functions return (hidden, router statistics) and its backward takes the
 cotangents of both: the statistics are {} for a dense block; for a MoE block their
 cotangent carries the load-balancing loss's gradient (mtjax.moe, `aux`).
+Block functions take the micro-batch's document ids last (`segments`, None for plain
+rows: the same programs as without them); the head takes its counted targets.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class BlockFns:
         self.recompute = {k: jax.jit(functools.partial(_recompute, cfg, k)) for k in cfg.block_kinds}
         self.grad = {k: jax.jit(functools.partial(_grad, cfg, k)) for k in cfg.block_kinds}
         self.backward = jax.jit(_backward)
+        # The forward of a saved group's block: (output, vjp) under a remat policy, the
+        # vjp kept for the backward (no recompute beyond what the policy drops).
+        self.save = {policy: {k: jax.jit(functools.partial(_save, cfg, k, policy)) for k in cfg.block_kinds}
+                     for policy in ("dots", "none")}
         self.head = jax.jit(functools.partial(_head, cfg))
         self.head_loss = jax.jit(functools.partial(_head_loss, cfg))
         self.embed_backward = jax.jit(functools.partial(_embed_backward, cfg))
@@ -57,8 +63,8 @@ def _flat_forward(cfg: ModelConfig, kind: str):
     """block_forward_stats over the flat {leaf name: array} dicts that the stream moves."""
     template = model.abstract_block(cfg, kind)
 
-    def fn(flat, x):
-        return model.block_forward_stats(cfg, kind, treepath.unflatten(template, flat), x)
+    def fn(flat, x, segments=None):
+        return model.block_forward_stats(cfg, kind, treepath.unflatten(template, flat), x, segments)
 
     return fn
 
@@ -68,25 +74,35 @@ def _embed(cfg: ModelConfig, w: dict, tokens):
     return model.embed_forward(cfg, treepath.unflatten(parts.abstract_part(cfg, "embed"), w), tokens)
 
 
-def _block(cfg: ModelConfig, kind: str, w: dict, x):
+def _block(cfg: ModelConfig, kind: str, w: dict, x, segments=None):
     """hidden [b, t, d] -> (hidden [b, t, d], router stats): the first forward, nothing kept."""
     with jax.named_scope(f"block_{kind}"):
-        return _flat_forward(cfg, kind)(w, x)
+        return _flat_forward(cfg, kind)(w, x, segments)
 
 
-def _recompute(cfg: ModelConfig, kind: str, w: dict, x):
+def _recompute(cfg: ModelConfig, kind: str, w: dict, x, segments=None):
     """The second forward: ((hidden, router stats), vjp) where vjp((dy, dstats)) -> (dw, dx)."""
+    fn = _flat_forward(cfg, kind)
     with jax.named_scope(f"recompute_{kind}"):
-        return jax.vjp(_flat_forward(cfg, kind), w, x)
+        return jax.vjp(lambda w, x: fn(w, x, segments), w, x)
+
+
+def _save(cfg: ModelConfig, kind: str, policy: str, w: dict, x, segments=None):
+    """The one forward of a block whose vjp is kept: ((hidden, router stats), vjp) keeping
+    what `policy` (model.REMAT_POLICIES) saves; vjp((dy, dstats)) -> (dw, dx)."""
+    fn = model.remat_block(_flat_forward(cfg, kind), policy)
+    with jax.named_scope(f"save_{kind}"):
+        return jax.vjp(lambda w, x: fn(w, x, segments), w, x)
 
 
 def _backward(vjp, dy):
     return vjp(dy)
 
 
-def _grad(cfg: ModelConfig, kind: str, w: dict, x, dy, dstats):
+def _grad(cfg: ModelConfig, kind: str, w: dict, x, dy, dstats, segments=None):
     """Recompute and backward of one block in one program (a recompute group of 1)."""
-    _, vjp = jax.vjp(_flat_forward(cfg, kind), w, x)
+    fn = _flat_forward(cfg, kind)
+    _, vjp = jax.vjp(lambda w, x: fn(w, x, segments), w, x)
     return vjp((dy, dstats))
 
 
@@ -105,22 +121,24 @@ def _head_trees(cfg: ModelConfig, head: dict, embed: dict | None):
     return head_t, embed_t
 
 
-def _head_loss(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens):
+def _head_loss(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, targets=None):
     """Loss of one micro-batch, for evaluation."""
     head_t, embed_t = _head_trees(cfg, head, embed)
-    return cross_entropy(model.head_forward(cfg, head_t, embed_t, x), tokens)
+    return cross_entropy(model.head_forward(cfg, head_t, embed_t, x), tokens, targets)
 
 
-def _head(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, weight):
+def _head(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, weight, targets=None):
     """Loss of one micro-batch and its gradients: (loss, dhead, dembed | None, dx).
 
-    `weight` (1 / micro-batches) scales the gradients, so their sum over micro-batches
-    is the mean. With tied embeddings the head kernel is the embedding's transpose.
+    `weight` (the micro-batch's share of the step's counted targets, mtjax.documents;
+    1 / micro-batches for plain batches) scales the gradients, so their sum over
+    micro-batches is the gradient of the step's mean. With tied embeddings the head
+    kernel is the embedding's transpose.
     """
     head_t, embed_t = _head_trees(cfg, head, embed)
 
     def loss_fn(h, e, x):
-        return cross_entropy(model.head_forward(cfg, h, e, x), tokens)
+        return cross_entropy(model.head_forward(cfg, h, e, x), tokens, targets)
 
     with jax.named_scope("head"):
         loss, vjp = jax.vjp(loss_fn, head_t, embed_t, x)
@@ -130,6 +148,8 @@ def _head(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, weight):
 
 
 def _embed_backward(cfg: ModelConfig, tokens, dx):
-    """d(loss)/d(embedding) of the lookup: rows of dx summed per token id, fp32."""
+    """d(loss)/d(embedding) of the lookup (times its scale, Gemma's): rows of dx summed per
+    token id, fp32."""
     table = jnp.zeros((cfg.vocab_size, cfg.hidden_size), jnp.float32)
-    return {"embedding": table.at[tokens].add(dx.astype(jnp.float32))}
+    scale = model.embed_multiplier(cfg).astype(jnp.float32)
+    return {"embedding": table.at[tokens].add(dx.astype(jnp.float32) * scale)}

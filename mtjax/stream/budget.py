@@ -2,7 +2,8 @@
 
 The step's schedule (mtjax.stream.schedule) plans the device bytes of a run from
 abstract shapes, so a run that cannot fit stops before step 1. `DeviceLedger` counts the
-bytes the running engine holds (staged weights, kept activations, recompute residuals),
+bytes the running engine holds (staged weights, kept activations, recompute residuals,
+the state of resident parts, the residuals kept from the forward),
 by use, and refuses a hold past the budget or past the plan's bytes for that use; it
 records the peaks.
 """
@@ -17,7 +18,7 @@ import numpy as np
 
 from mtjax.errors import MtjaxError
 
-USES = ("weights", "activations", "residuals")  # what the ledger counts; the plan's other terms are XLA's
+USES = ("weights", "activations", "residuals", "resident", "saved")  # what the ledger counts; the plan's other terms are XLA's
 
 
 class DeviceBudgetError(MtjaxError):
@@ -72,7 +73,7 @@ class DeviceLedger:
                 self.held_by_use[use] -= nbytes
 
     def reset(self) -> None:
-        """Nothing is held (between steps, even after a failed one)."""
+        """Nothing but resident state is held (between steps, even after a failed one)."""
         with self._lock:
-            self.held = 0
-            self.held_by_use = dict.fromkeys(USES, 0)
+            self.held = self.held_by_use["resident"]
+            self.held_by_use = {use: self.held if use == "resident" else 0 for use in USES}

@@ -9,7 +9,9 @@ streams the blocks back in reverse, one recompute group (k blocks) at a time, ea
 block's forward recomputed once from the group's kept input. The optimizer update is
 deferred to the next step's prefetch (mtjax.stream.updater), so that global-norm
 clipping stays exact: every part's gradient is in before the clip scale is known. A
-one-copy store's commit protocol is mtjax.stream.commit.
+one-copy store's commit protocol is mtjax.stream.commit. Resident parts
+(mtjax.stream.resident) are not streamed and are updated on the device at the end of
+the step; a saved group of them keeps its forward's vjps instead of recomputing.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mtjax import documents, treepath
 from mtjax import parts as parts_mod
-from mtjax import treepath
 from mtjax.config import ExperimentConfig, StoreConfig, StreamConfig
 from mtjax.errors import MtjaxError, NonFiniteStep
 from mtjax.hostmem import fix_mmap_threshold
@@ -38,6 +40,7 @@ from mtjax.stream.blockfns import block_fns
 from mtjax.stream.commit import OneCopy
 from mtjax.stream.grads import GradSink
 from mtjax.stream.prefetch import Prefetcher
+from mtjax.stream.resident import Resident
 from mtjax.stream.staging import Placement, StagingPool, raise_host_memory_limit
 from mtjax.stream.tiers import Tiers, host_device
 from mtjax.stream.trace import Tracer
@@ -51,10 +54,11 @@ def _beside(store) -> str | None:
 
 
 class StreamEngine:
-    """Streams one part at a time through the device; state stays in host RAM or on disk.
+    """Streams one part at a time through the device; state stays in host RAM or on disk,
+    except resident parts' (`stream.resident`), which stays on the device between commits.
 
     >>> engine = StreamEngine(cfg, params, OptimConfig(lr=1e-3), StreamConfig(keep_every=2))
-    >>> metrics = engine.step(tokens)   # int [accum, batch, seq] or [batch, seq]
+    >>> metrics = engine.step(batch)    # a mtjax.batch.Batch, or int tokens [accum, batch, seq] / [batch, seq]
     >>> engine.params()                 # fp32 master params, pending updates applied
 
     This constructor is for tests and scripts; `from_experiment` builds a run's engine.
@@ -112,6 +116,9 @@ class StreamEngine:
             self._load_ram_kinds()
         else:
             self._init_state(params, opt_state)
+        self.resident = Resident(schedule_mod.resident_parts(cfg, stream.resident, self.groups), self.update,
+                                 self.placement)
+        self._load_resident()
         if batch_shape is not None:
             self.check_budget(*batch_shape)
 
@@ -160,6 +167,28 @@ class StreamEngine:
                 arrays = self.store.read(p.name, kind).result()
                 self.tiers.write(p.name, kind, jax.device_put(arrays, host_device()))
 
+    def _load_resident(self) -> None:
+        """Resident parts' state onto the device, from the tiers (a resumed one-copy store's
+        pending update of such a part is applied first, on the host)."""
+        for p in self.resident.names:
+            self.updater.updated(p)
+        self.updater.wait_writes()
+        for p in self.resident.names:
+            self.resident.load(p, self.updater.read(p, "master"), self.updater.read(p, "opt"))
+
+    def _resident_to_tiers(self) -> None:
+        """A commit brings the resident state to the host: into the tiers, from where the
+        commit writes it like any other (no compute copy where none is kept)."""
+        for p in self.resident.names:
+            for kind in parts_mod.KINDS:
+                if not (kind == "compute" and self.derived_compute):
+                    self.updater.write(p, kind, self.resident.to_host(p, kind))
+        self.updater.wait_writes()
+
+    def _read_state(self, part: str, kind: str) -> dict:
+        """One kind of a part's current state, as host arrays, wherever it lives."""
+        return self.resident.to_host(part, kind) if part in self.resident else self.updater.read(part, kind)
+
     def flush(self) -> None:
         """Apply every pending update (before reading state, a checkpoint or the end)."""
         self.updater.flush()
@@ -169,7 +198,7 @@ class StreamEngine:
         self.flush()
         out = {}
         for p in self.parts:
-            tree = treepath.unflatten(parts_mod.abstract_part(self.cfg, p.name), self.updater.read(p.name, "master"))
+            tree = treepath.unflatten(parts_mod.abstract_part(self.cfg, p.name), self._read_state(p.name, "master"))
             # Copies: the next update overwrites RAM-tier arrays in place.
             out[p.name] = jax.tree.map(lambda a: jnp.asarray(np.array(a)), tree)
         n = self.cfg.num_hidden_layers
@@ -178,7 +207,7 @@ class StreamEngine:
     def opt_state(self):
         """The optimizer state shaped as the reference trainer's `tx.init(params)`."""
         self.flush()
-        per_part = {p.name: {n: jnp.asarray(np.array(a)) for n, a in self.updater.read(p.name, "opt").items()}
+        per_part = {p.name: {n: jnp.asarray(np.array(a)) for n, a in self._read_state(p.name, "opt").items()}
                     for p in self.parts}
         return full_opt_state(self.cfg, self.tx, per_part)
 
@@ -195,11 +224,14 @@ class StreamEngine:
             # Updates already started (by an earlier commit of this step) must finish first:
             # a commit changes which slot each part's next write goes to.
             self.updater.settle()
+            self._resident_to_tiers()  # resident parts' updated state, named by this commit
             self.one_copy.commit(step, train_state, self.grads, self.updater.scale)
             if not flush:
                 self.updater.start()  # only now may they overwrite the one copy
                 return
         self.flush()
+        if self.one_copy is None:  # (a one-copy commit has just written them)
+            self._resident_to_tiers()
         for kind in self.tiers.kinds_in("ram"):
             for p in self.parts:
                 if kind == "compute" and self.derived_compute:
@@ -232,6 +264,10 @@ class StreamEngine:
         self.schedule = s = self.plan(batch, seq, accum)
         self.ledger.enforce(s.device, schedule_mod.check_budget(s.device, self.options.device_budget_bytes))
         self._residual_bytes = s.device.residuals // max(len(g) for g in s.groups)  # one block's
+        self._saved_bytes = {kind: schedule_mod.residual_bytes(self.cfg, kind, batch, seq, s.remat)
+                             for kind in self.cfg.block_kinds} if s.saved else {}
+        if self.ledger.held_by_use["resident"] == 0 and self.resident:
+            self.ledger.hold(self.resident.nbytes, "the resident parts' state", "resident")
         if self.placement.pinned:
             # Pinned host memory in flight: staged parts of each shape (embedding, blocks,
             # head), plus the kept activations when they wait in host memory.
@@ -251,31 +287,29 @@ class StreamEngine:
         self.tracer.watch("h2d", part, weights, since=start)  # until the device copy is ready
         return slot, weights
 
-    def _tokens(self, tokens) -> np.ndarray:
-        tokens = np.asarray(tokens, np.int32)
-        if tokens.ndim == 2:
-            tokens = tokens[None]
-        if tokens.ndim != 3:
-            raise MtjaxError(f"tokens must be [accum, batch, seq] or [batch, seq], got shape {tokens.shape}")
-        self.check_budget(*tokens.shape[1:], accum=len(tokens))  # before anything changes
-        return tokens
+    def _inputs(self, batch, what: str = "step") -> tuple[list[documents.Inputs], np.ndarray]:
+        """The micro-batches' device inputs (each put on the device once, tokens with their
+        document ids and counted targets) and their weights in the loss."""
+        inputs, weights = documents.step_inputs(batch, what)
+        self.check_budget(*inputs.tokens.shape[1:], accum=len(weights))  # before anything changes
+        return [self.placement.tokens(inputs.micro(i)) for i in range(len(weights))], weights
 
-    def eval_loss(self, tokens) -> float:
-        """Mean loss over int32 [n, batch, seq] with the current weights; no update."""
-        tokens = self._tokens(tokens)
+    def eval_loss(self, batch) -> float:
+        """Mean loss over the counted targets of a batch [n, batch, seq] (mtjax.batch.Batch
+        or int32 tokens) with the current weights; no update."""
+        mbs, weights = self._inputs(batch, "evaluation")
         feed = Prefetcher(self.schedule.forward, self._load, self.options.prefetch_depth)
         try:
-            toks = [self.placement.tokens(t) for t in tokens]
-            xs, _, _, _ = self._forward(feed, toks, keep=False)
+            xs, _, _, _ = self._forward(feed, mbs, keep=False)
             (head_slot, head_w), tied = self._take_head(feed)
-            losses = [self.fns.head_loss(head_w, tied[1], x, t) for x, t in zip(xs, toks)]
+            losses = [self.fns.head_loss(head_w, tied[1], x, mb.tokens, mb.targets) for x, mb in zip(xs, mbs)]
             for slot in (head_slot, tied[0]):
                 if slot is not None:
                     self.pool.release(slot, losses)
         finally:
             for slot, _ in feed.close():
                 self.pool.release(slot, [])
-        return float(jnp.mean(jnp.stack(losses)))  # one host sync for all batches
+        return float(jnp.sum(jnp.stack(losses) * jnp.asarray(weights, jnp.float32)))  # one host sync for all
 
     def _io_bytes(self) -> tuple[int, int]:
         """(read, written) bytes of disk-tier state and parked gradients so far."""
@@ -285,38 +319,45 @@ class StreamEngine:
                 r, w = r + source.io_bytes[0], w + source.io_bytes[1]
         return r, w
 
-    def step(self, tokens) -> dict[str, float]:
-        tokens = self._tokens(tokens)
+    def step(self, batch) -> dict[str, float]:
+        mbs, weights = self._inputs(batch)
         start, (read0, written0) = time.perf_counter(), self._io_bytes()
-        accum = len(tokens)
         self.tracer.begin_step(self.step_count)
-        self.ledger.reset()  # nothing stays on the device between steps (even after a failed one)
+        self.ledger.reset()  # only resident state stays on the device between steps (even after a failed one)
         self.updater.wait_writes()
         feed = Prefetcher(self.schedule.transfers, self._load, self.options.prefetch_depth)
         try:
-            losses, auxes = self._train_pass(feed, [self.placement.tokens(t) for t in tokens], 1.0 / accum)
+            losses, auxes = self._train_pass(feed, mbs, [float(w) for w in weights])
         except BaseException:
             self.grads.discard()  # a failed step's partial sums must not reach the next step
+            self.resident.drop()
             raise
         finally:
             for slot, _ in feed.close():
                 self.pool.release(slot, [])
         # Host sync: the clip scale needs every part's gradient norm.
         sq = self.grads.finish(tag=f"g{self.step_count + 1}")
+        if self.resident:  # the resident parts' norms, from the device
+            resident_sq = self.resident.finish()
+            self.grads.last_sq.update(resident_sq)
+            sq = sq + sum(resident_sq.values())
         self.step_count += 1
         # One host sync per step for the metrics, after the last block is enqueued.
-        loss, norm_sq = float(np.mean([float(x) for x in losses])), float(sq)
+        loss, norm_sq = float(np.dot([float(x) for x in losses], weights)), float(sq)
         if not (math.isfinite(loss) and math.isfinite(norm_sq)):
             # Checked before any of this step's deferred updates can run: drop them all.
             order = ["head", *(f"block.{i}" for i in reversed(range(self.cfg.num_hidden_layers))), "embed"]
             bad = [p for p in order if not math.isfinite(float(self.grads.last_sq.get(p, 0.0)))]
             self.grads.drop_ready()
+            self.resident.drop()
             self.updater.wait_writes()
             raise NonFiniteStep(self.step_count, loss, bad)
-        self.updater.ready(clip_scale(sq, self.clip_norm))  # the updates start (one-copy: at the commit)
+        scale = clip_scale(sq, self.clip_norm)
+        self.updater.ready(scale)  # the updates start (one-copy: at the commit)
+        self.resident.update(scale)  # on the device, now: its state is in no store until a commit
         metrics = {"loss": loss, "grad_norm": math.sqrt(norm_sq)}
         if self.cfg.moe_layers:  # the load-balancing loss, in "loss" times router_aux_loss_coef
-            metrics["aux_loss"] = float(np.mean([float(a) for a in auxes]))
+            metrics["aux_loss"] = float(np.dot([float(a) for a in auxes], weights))  # weighted as "loss" is
         if self.tiers.kinds_in("disk"):
             # Disk bandwidth over the step's wall time: state and gradient bytes moved meanwhile.
             seconds, (read1, written1) = time.perf_counter() - start, self._io_bytes()
@@ -325,6 +366,9 @@ class StreamEngine:
         return metrics
 
     def _take(self, feed: Prefetcher, part: str):
+        """(slot, weights) of the next part; a resident part's weights, and no slot."""
+        if part in self.resident:
+            return None, self.resident.weights(part)
         with self.tracer.span("wait", part):
             item, loaded = feed.get()
         assert item == part, f"prefetch order broken: expected {part}, got {item}"
@@ -342,25 +386,35 @@ class StreamEngine:
         self.ledger.free(x.nbytes, "activations")
         return x
 
-    def _forward(self, feed: Prefetcher, toks: list, keep: bool):
-        """Embedding and blocks over every micro-batch, part by part: (last hidden states,
-        per micro-batch the router stats of each MoE block, and for training when `keep`:
-        per micro-batch {block index: kept input}, resident (slot, weights) or None)."""
-        fns, pool, trace = self.fns, self.pool, self.tracer
-        starts = {g.start for g in self.groups} if keep else set()
+    def _forward(self, feed: Prefetcher, mbs: list, keep: bool):
+        """Embedding and blocks over every micro-batch (documents.Inputs on the device),
+        part by part: (last hidden states, per micro-batch the router stats of each MoE
+        block, and for training when `keep`: per micro-batch {block index: kept input,
+        ("vjp", block index): vjp kept by a saved group}, resident (slot, weights) or None)."""
+        fns, pool, trace, s = self.fns, self.pool, self.tracer, self.schedule
+        starts = {g.start for g in self.groups if g not in s.saved} if keep else set()
+        saved = {i for g in s.saved for i in g} if keep else set()
         resident = None
         slot, w = self._take(feed, "embed")
-        xs = [fns.embed_forward(w, t) for t in toks]
+        xs = [fns.embed_forward(w, mb.tokens) for mb in mbs]
         trace.watch("compute", "embed", xs)
         pool.release(slot, xs)  # weights dropped as soon as the part is done
-        kept = [{0: self._keep(x)} if keep else {} for x in xs]
+        kept = [{0: self._keep(x)} if 0 in starts else {} for x in xs]
         stats = [[] for _ in xs]
         for i, kind in enumerate(self.cfg.layer_kinds):
             slot, w = self._take(feed, f"block.{i}")
-            outs = [fns.forward[kind](w, x) for x in xs]
+            if i in saved:  # its one forward, keeping what the backward needs
+                outs = [fns.save[s.remat][kind](w, x, mb.segments) for x, mb in zip(xs, mbs)]
+                for k, (_, vjp) in zip(kept, outs):
+                    self.ledger.hold(self._saved_bytes[kind], "residuals kept from the forward", "saved")
+                    k["vjp", i] = vjp
+                outs = [y for y, _ in outs]
+            else:
+                outs = [fns.forward[kind](w, x, mb.segments) for x, mb in zip(xs, mbs)]
             xs = [y for y, _ in outs]
-            for per_batch, (_, s) in zip(stats, outs):
-                per_batch += [s] if s else []
+            for per_batch, (_, st) in zip(stats, outs):
+                per_batch += [st] if st else []
+            del outs
             trace.watch("compute", f"block.{i}", xs)
             if keep and self.schedule.last_stays and i == self.cfg.num_hidden_layers - 1:
                 resident = slot, w  # the backward starts with this block
@@ -376,42 +430,52 @@ class StreamEngine:
         head = self._take(feed, "head")
         return head, self._take(feed, "embed") if self.cfg.tie_word_embeddings else (None, None)
 
-    def _train_pass(self, feed: Prefetcher, toks: list, weight: float) -> list:
+    def _train_pass(self, feed: Prefetcher, mbs: list, weights: list[float]) -> list:
         """Forward and backward of every micro-batch, one part at a time: each part's
         weights cross to the device once per step, and its gradient is summed over the
-        micro-batches on the device, then leaves once. Returns the micro-batch training
-        losses and load-balancing losses (mtjax.moe: the latter's gradient enters each MoE
-        block's backward as the cotangent of its router stats)."""
+        micro-batches on the device, then leaves once. Micro-batch i's loss gradient is
+        scaled by weights[i] (its share of the step's loss), and so is the gradient of its
+        load-balancing loss (mtjax.moe), which enters each MoE block's backward as the
+        cotangent of its router stats. Returns the micro-batch training losses and
+        load-balancing losses."""
         fns, pool, trace = self.fns, self.pool, self.tracer
-        xs, stats, kept, resident = self._forward(feed, toks, keep=True)
-        auxes, dstats = zip(*(fns.aux(s, t, weight) if s else (0.0, {}) for s, t in zip(stats, toks)))
+        xs, stats, kept, resident = self._forward(feed, mbs, keep=True)
+        auxes, dstats = zip(*(fns.aux(st, mb.tokens, weight) if st else (0.0, {})
+                              for st, mb, weight in zip(stats, mbs, weights)))
         (head_slot, head_w), tied = self._take_head(feed)
         losses, dxs, dhead, dembed = [], [], None, None
-        for x, t, aux in zip(xs, toks, auxes):
-            loss, dh, de, dx = fns.head(head_w, tied[1], x, t, weight)
+        for x, mb, weight, aux in zip(xs, mbs, weights, auxes):
+            loss, dh, de, dx = fns.head(head_w, tied[1], x, mb.tokens, weight, mb.targets)
             losses.append(loss + self.cfg.router_aux_loss_coef * aux if self.cfg.moe_layers else loss)
             dxs.append(dx)
-            dhead = self._sum(dhead, dh, len(toks))
-            dembed = self._sum(dembed, de, len(toks)) if tied[0] is not None else None
+            dhead = self._sum(dhead, dh, len(mbs))
+            dembed = self._sum(dembed, de, len(mbs)) if tied[1] is not None else None
         trace.watch("compute", "head", dxs)
         pool.release(head_slot, dxs)
-        self.grads.add("head", dhead)
-        if tied[0] is not None:
+        self._add_grad("head", dhead)
+        if tied[1] is not None:
             pool.release(tied[0], dxs)  # dembed waits on the device for the lookup's gradient
         del xs, head_w, tied
 
         for group in reversed(self.groups):
-            xs = [self._unkeep(k.pop(group.start)) for k in kept]
-            dxs = self._backward_group(feed, group, xs, dxs, dstats, resident)
+            if group in self.schedule.saved:
+                dxs = self._backward_saved(group, kept, dxs, dstats)
+            else:
+                xs = [self._unkeep(k.pop(group.start)) for k in kept]
+                dxs = self._backward_group(feed, group, xs, dxs, dstats, [mb.segments for mb in mbs], resident)
             resident = None
         de = None
-        for t, dx in zip(toks, dxs):
-            de = self._sum(de, fns.embed_backward(t, dx), len(toks))
+        for mb, dx in zip(mbs, dxs):
+            de = self._sum(de, fns.embed_backward(mb.tokens, dx), len(mbs))
         if dembed is not None:  # tied: the head's use of the embedding plus the lookup's
             de = fns.grad_add(fns.grad_to_f32(dembed), de)
         trace.watch("compute", "embed", de)
-        self.grads.add("embed", de)
+        self._add_grad("embed", de)
         return losses, auxes
+
+    def _add_grad(self, part: str, grads: dict) -> None:
+        """A part's summed gradient of the step: to the host, or kept on the device (resident)."""
+        (self.resident.add_grad if part in self.resident else self.grads.add)(part, grads)
 
     def _sum(self, acc, grads, count: int):
         """Running sum of a part's gradients over the micro-batches, on the device (fp32).
@@ -420,31 +484,31 @@ class StreamEngine:
             return grads
         return self.fns.grad_to_f32(grads) if acc is None else self.fns.grad_add(acc, grads)
 
-    def _backward_group(self, feed: Prefetcher, group: range, xs: list, dxs: list, dstats: list,
+    def _backward_group(self, feed: Prefetcher, group: range, xs: list, dxs: list, dstats: list, segments: list,
                         resident=None) -> list:
         """Recompute the group's blocks from their kept inputs, then walk them back, one
         micro-batch at a time with the group's weights on the device; returns the
         gradients w.r.t. the group's inputs. `dstats`: per micro-batch, the cotangent of
-        every MoE block's router stats. `resident`: the group's (one) block is still on
-        the device from the forward."""
+        every MoE block's router stats. `segments`: each micro-batch's document ids (or
+        None). `resident`: the group's (one) block is still on the device from the forward."""
         fns, kinds, count = self.fns, self.cfg.layer_kinds, len(xs)
         moe = set(self.cfg.moe_layers)
         if len(group) == 1:  # recompute and backward fused in one program
             i = group.start
             slot, w = resident or self._take(feed, f"block.{i}")
             acc, out = None, []
-            for x, dx, ds in zip(xs, dxs, dstats):
-                dw, dx = fns.grad[kinds[i]](w, x, dx, ds if i in moe else {})
+            for x, dx, ds, seg in zip(xs, dxs, dstats, segments):
+                dw, dx = fns.grad[kinds[i]](w, x, dx, ds if i in moe else {}, seg)
                 acc = self._sum(acc, dw, count)
                 out.append(dx)
             self._finish_block(i, slot, acc, out)
             return out
         held = [(i, *self._take(feed, f"block.{i}")) for i in group]
         accs, out = dict.fromkeys(group), []
-        for x, dx, ds in zip(xs, dxs, dstats):
+        for x, dx, ds, seg in zip(xs, dxs, dstats, segments):
             vjps = []
             for i, _, w in held:
-                (x, _), vjp = fns.recompute[kinds[i]](w, x)
+                (x, _), vjp = fns.recompute[kinds[i]](w, x, seg)
                 self.ledger.hold(self._residual_bytes, "recompute residuals", "residuals")
                 vjps.append((i, vjp))
             while vjps:
@@ -459,11 +523,28 @@ class StreamEngine:
             self._finish_block(i, slot, accs[i], out)
         return out
 
+    def _backward_saved(self, group: range, kept: list, dxs: list, dstats: list) -> list:
+        """A saved group's backward from the vjps its forward kept (resident blocks: no
+        weights to fetch, nothing recomputed beyond what the remat policy dropped); a MoE
+        block's vjp takes its router stats' cotangent too, as in `_backward_group`."""
+        kinds, count = self.cfg.layer_kinds, len(dxs)
+        moe = set(self.cfg.moe_layers)
+        accs, out = dict.fromkeys(group), []
+        for k, dx, ds in zip(kept, dxs, dstats):
+            for i in reversed(group):
+                dw, dx = self.fns.backward(k.pop(("vjp", i)), (dx, ds if i in moe else {}))
+                self.ledger.free(self._saved_bytes[kinds[i]], "saved")
+                accs[i] = self._sum(accs[i], dw, count)
+            out.append(dx)
+        for i in reversed(group):
+            self._finish_block(i, None, accs[i], out)
+        return out
+
     def _finish_block(self, i: int, slot, dw, dxs: list) -> None:
         self.tracer.watch("compute", f"block.{i}", dxs)
         # The dxs are computed by the programs that last read the slot's weights.
         self.pool.release(slot, dxs)
-        self.grads.add(f"block.{i}", dw)
+        self._add_grad(f"block.{i}", dw)
 
     # --- reporting -----------------------------------------------------------------
 

@@ -122,7 +122,11 @@ class StreamSampler:
             self.pool.release(embed_slot, token)  # the head read the embedding too
         return token, key
 
-    def complete(self, tokenizer, prompt: str, max_new_tokens: int, **kwargs) -> str:
-        """Text continuation of `prompt` using `tokenizer` (see mtjax.data.tokenizer)."""
-        ids = self.generate(tokenizer.encode(prompt), max_new_tokens, eos_id=tokenizer.eos_id, **kwargs)
+    def complete(self, tokenizer, prompt: str, max_new_tokens: int, eos_id: int | None = None, add_bos: bool = True,
+                 **kwargs) -> str:
+        """Like mtjax.generate.complete (the same prompt ids, BOS included), with the weights
+        streamed from the store."""
+        bos = [] if tokenizer.bos_id is None or not add_bos else [tokenizer.bos_id]
+        eos_id = tokenizer.eos_id if eos_id is None else eos_id
+        ids = self.generate(bos + tokenizer.encode(prompt), max_new_tokens, eos_id=eos_id, **kwargs)
         return tokenizer.decode(ids)

@@ -21,6 +21,11 @@ block inputs waiting in host memory cross each way once per micro-batch. Disk by
 those of the steady state: one step's streaming plus one deferred update of every part
 (the previous step's), which reads master and optimizer state and writes them back with
 the compute copy where one is kept.
+
+Resident parts (`stream.resident`, `resident`) keep their whole state on the device
+across steps and are updated there: they cross no link and touch no disk in a step; only
+a commit brings their state to the host (every step with a one-copy store, so there it is
+step traffic, `d2h_resident`; otherwise at each checkpoint, `commit_bytes`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import numpy as np
 
 from mtjax import model, parts, treepath
 from mtjax.config import StoreConfig, StreamConfig
+from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig
 from mtjax.stream import fused_adamw
 from mtjax.stream.budget import DeviceBudgetError
@@ -80,10 +86,13 @@ class DevicePlan:
     residuals: int  # vjp residuals of one recompute group (the weights they keep are counted above)
     head: int  # fp32 logits, softmax and their gradient at the LM head
     working: int  # hidden states of every micro-batch between parts, temporaries, gradients in flight
+    resident: int = 0  # resident parts' compute, master and optimizer state and their fp32 gradient sums
+    saved: int = 0  # vjp residuals that saved groups keep from the forward to the backward (every micro-batch)
 
     @property
     def total(self) -> int:
-        return self.weights + self.activations + self.residuals + self.head + self.working
+        return (self.weights + self.activations + self.residuals + self.head + self.working + self.resident
+                + self.saved)
 
     def describe(self) -> str:
         return ", ".join(f"{f.name} {getattr(self, f.name) / 2**20:.1f} MiB" for f in dataclasses.fields(self))
@@ -98,9 +107,11 @@ class Traffic:
     h2d_activations: int  # kept block inputs coming back for the backward (activations=host)
     d2h_grads: int  # each part's summed gradient, once
     d2h_activations: int  # kept block inputs going out to host memory (activations=host)
+    d2h_resident: int  # resident parts' state brought to the host by a one-copy store's commit (every step)
     disk_read: dict  # {"compute" | "master" | "opt" | "grads": bytes}
     disk_write: dict  # same keys; "grads" are the spilled gradient sums
     host_memory: int  # read + written by the host CPU: optimizer, gradients, staging copies, disk I/O
+    device_update: int = 0  # read + written on the device by the resident parts' update (the optax program)
 
     @property
     def h2d(self) -> int:
@@ -108,7 +119,7 @@ class Traffic:
 
     @property
     def d2h(self) -> int:
-        return self.d2h_grads + self.d2h_activations
+        return self.d2h_grads + self.d2h_activations + self.d2h_resident
 
     @property
     def disk_read_bytes(self) -> int:
@@ -131,6 +142,9 @@ class Schedule:
     part_bytes: dict  # {part: StateBytes}
     groups: tuple  # recompute groups: block ranges whose first input is kept
     last_stays: bool  # the last block stays on the device from its forward to its backward
+    resident: tuple  # parts that stay on the device with their whole state, updated there
+    remat: str  # what saved groups keep from the forward: "full" (none saved), "dots" or "none"
+    saved: tuple  # recompute groups of resident blocks whose vjps are kept from the forward: not recomputed
     forward: tuple  # parts a forward-only pass (evaluation) streams, in order
     transfers: tuple  # parts a training step streams, in order
     grad_bytes: dict  # {part: bytes of its gradient leaving the device}
@@ -144,10 +158,21 @@ class Schedule:
         return StateBytes(*(sum(b.get(k) for b in self.part_bytes.values()) for k in parts.KINDS))
 
     @property
+    def streamed(self) -> tuple[str, ...]:
+        """The parts that are not resident, in model order."""
+        return tuple(p for p in self.part_bytes if p not in self.resident)
+
+    @property
+    def commit_bytes(self) -> int:
+        """Bytes a commit brings from the device to the host: every resident part's
+        compute, master and optimizer state."""
+        return sum(sum(self.part_bytes[p].get(k) for k in parts.KINDS) for p in self.resident)
+
+    @property
     def kept_bytes(self) -> int:
         """Kept block inputs of every micro-batch (the embedding output and each group's
         input), all held at once between the forward and the backward."""
-        return len(self.groups) * self.shape.accum * self.hidden_bytes
+        return (len(self.groups) - len(self.saved)) * self.shape.accum * self.hidden_bytes
 
 
 def groups(num_blocks: int, keep_every: int) -> tuple[range, ...]:
@@ -173,6 +198,50 @@ def train_parts(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[str, ...]
     forward order within a group; without the last block when it stays on the device."""
     bwd = [f"block.{i}" for g in reversed(groups_) for i in g]
     return forward_parts(cfg) + tuple(bwd[1:] if last_stays(groups_) else bwd)
+
+
+def residency_order(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[str, ...]:
+    """Every part, those whose streaming costs most first: by how often a step streams it
+    (blocks of multi-block recompute groups and a tied embedding twice, the rest once),
+    then in model order. `stream.resident: N` keeps the first N resident."""
+    crossings = {}
+    for p in train_parts(cfg, groups_):
+        crossings[p] = crossings.get(p, 0) + 1
+    names = [p.name for p in parts.parts(cfg)]
+    return tuple(sorted(names, key=lambda p: -crossings.get(p, 0)))
+
+
+def resident_parts(cfg: ModelConfig, spec, groups_: tuple[range, ...]) -> tuple[str, ...]:
+    """The resident parts `stream.resident` names, in model order. "auto" is the planner's
+    to resolve (mtjax.plan.residency); unresolved, nothing is resident."""
+    names = [p.name for p in parts.parts(cfg)]
+    if spec in ("auto", "none"):
+        chosen = ()
+    elif spec == "all":
+        chosen = tuple(names)
+    elif isinstance(spec, int):
+        chosen = residency_order(cfg, groups_)[:spec]
+    else:
+        unknown = [p for p in spec if p not in names]
+        if unknown:
+            raise MtjaxError(f"stream.resident names {unknown}, which this model does not have; its parts are "
+                             f"embed, block.0 ... block.{cfg.num_hidden_layers - 1}, head")
+        chosen = tuple(spec)
+    return tuple(p for p in names if p in chosen)
+
+
+def remat_of(stream: StreamConfig) -> str:
+    """The remat policy of saved groups: "auto" unresolved by the planner is "full"."""
+    return "full" if stream.remat == "auto" else stream.remat
+
+
+def saved_groups(groups_: tuple[range, ...], resident: tuple[str, ...], remat: str) -> tuple[range, ...]:
+    """The recompute groups whose blocks are all resident, when the policy keeps their
+    vjps from the forward (remat dots or none): their backward needs no kept input and
+    their weights never leave, so nothing is recomputed beyond what the policy drops."""
+    if remat == "full":
+        return ()
+    return tuple(g for g in groups_ if all(f"block.{i}" in resident for i in g))
 
 
 def derives_compute(fused: bool, store: StoreConfig) -> bool:
@@ -204,10 +273,12 @@ def part_bytes(cfg: ModelConfig, tx) -> dict[str, StateBytes]:
 
 
 @functools.lru_cache(maxsize=64)
-def residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int) -> int:
+def residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int, policy: str = "none") -> int:
     """Bytes a block's vjp keeps beyond its own weights, traced from the real block
     (`jax.eval_shape` of `jax.vjp`: nothing runs, nothing is allocated). Includes
-    whatever the attention implementation saves, e.g. [batch, heads, seq, seq] scores."""
+    whatever the attention implementation saves, e.g. [batch, heads, seq, seq] scores.
+    `policy`: the block under that model.REMAT_POLICIES entry ("none": the plain block,
+    as a recompute keeps it; "dots": its projections and inputs)."""
     name = f"block.{cfg.layer_kinds.index(kind)}"
     weights = parts.schema(cfg, name, "compute")
     template = parts.abstract_part(cfg, name)
@@ -216,7 +287,8 @@ def residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int) -> int:
     def forward(w, x):
         return model.block_forward(cfg, kind, treepath.unflatten(template, w), x)
 
-    saved = jax.tree.leaves(jax.eval_shape(lambda w, x: jax.vjp(forward, w, x)[1], weights, x))
+    block = model.remat_block(forward, policy)
+    saved = jax.tree.leaves(jax.eval_shape(lambda w, x: jax.vjp(block, w, x)[1], weights, x))
     # The weights appear among the residuals but are already counted as staged weights.
     unmatched = [(tuple(v.shape), np.dtype(v.dtype)) for v in weights.values()]
     total = 0
@@ -240,14 +312,18 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     fused = fused_adamw.supports(cfg.compute_dtype) if fused is None else fused
     pb = part_bytes(cfg, tx) if part_bytes_ is None else part_bytes_
     grps = groups(cfg.num_hidden_layers, stream.keep_every)
-    transfers = train_parts(cfg, grps)
+    resident = resident_parts(cfg, stream.resident, grps)
+    transfers = tuple(p for p in train_parts(cfg, grps) if p not in resident)
+    streamed = {p: b for p, b in pb.items() if p not in resident}  # state that lives on the host
+    remat = remat_of(stream)
+    saved = saved_groups(grps, resident, remat)
     derived = derives_compute(fused, store)
     where = spill(store)
     hidden = shape.batch * shape.seq * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize
     # Summed over several micro-batches a gradient is fp32; alone it leaves as computed,
     # in the compute dtype, except the embedding's (a dense fp32 table, also when tied).
     grad = {p: b.master if shape.accum > 1 or p == "embed" else b.compute for p, b in pb.items()}
-    kept = len(grps) * shape.accum * hidden
+    kept = (len(grps) - len(saved)) * shape.accum * hidden
     on_host = stream.activations == "host"
 
     h2d_weights = sum(pb[p].compute for p in transfers)
@@ -257,32 +333,42 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
         reads["compute"] = h2d_weights  # every transfer reads its part from the store
     for kind in ("master", "opt"):  # the update reads them and writes them back
         if getattr(store, kind) == "disk":
-            reads[kind] = writes[kind] = sum(b.get(kind) for b in pb.values())
+            reads[kind] = writes[kind] = sum(b.get(kind) for b in streamed.values())
     if store.compute == "disk":  # the update writes the new copy; the next step reads it back
-        writes["compute"] = sum(b.compute for b in pb.values())
-    grad32 = sum(b.master for b in pb.values())
+        writes["compute"] = sum(b.compute for b in streamed.values())
+    grad32 = sum(b.master for b in streamed.values())
     if where is not None:  # each fp32 sum goes to its file once and comes back for the update
         reads["grads"] = writes["grads"] = grad32
+    d2h_resident = 0
+    if store.copies == 1 and resident:  # each step's commit writes the resident state into the store
+        d2h_resident = sum(sum(pb[p].get(k) for k in parts.KINDS) for p in resident)
+        for kind in parts.KINDS:
+            writes[kind] += sum(pb[p].get(kind) for p in resident)
 
     traffic = Traffic(
         h2d_weights=h2d_weights,
         h2d_tokens=shape.accum * shape.batch * shape.seq * TOKEN_BYTES,
         h2d_activations=kept if on_host else 0,
-        d2h_grads=sum(grad.values()),
+        d2h_grads=sum(g for p, g in grad.items() if p in streamed),
         d2h_activations=kept if on_host else 0,
+        d2h_resident=d2h_resident,
         disk_read=reads, disk_write=writes,
-        host_memory=_host_memory(pb, transfers, grad, fused, derived, store,
-                                 sum(reads.values()) + sum(writes.values())),
+        host_memory=_host_memory(streamed, transfers, {p: g for p, g in grad.items() if p in streamed}, fused,
+                                 derived, store, sum(reads.values()) + sum(writes.values())),
+        # As the host's XLA program: mu, nu, master and the compute copy in four passes.
+        device_update=sum(3 * pb[p].opt + 5 * pb[p].master + pb[p].compute for p in resident),
     )
-    return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps), forward_parts(cfg),
-                    transfers, grad, hidden, traffic, _device_plan(cfg, stream, shape, pb, grps, grad, hidden))
+    forward = tuple(p for p in forward_parts(cfg) if p not in resident)
+    device = _device_plan(cfg, stream, shape, pb, grps, grad, hidden, resident, saved, remat)
+    return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps), resident, remat,
+                    saved, forward, transfers, grad, hidden, traffic, device)
 
 
 def _host_memory(pb: dict[str, StateBytes], transfers, grad: dict, fused: bool, derived: bool, store: StoreConfig,
                  disk_io: int) -> int:
     """Bytes the host CPU reads and writes in one step (DMA is the link's: the planner
     adds it where the device is not the host)."""
-    m = sum(b.master for b in pb.values())
+    m = sum(b.master for b in pb.values())  # of the parts updated on the host
     o = sum(b.opt for b in pb.values())
     c = sum(b.compute for b in pb.values())
     if fused:  # one loop: reads master, both moments, gradient; writes master, moments (+ copy)
@@ -308,12 +394,15 @@ def _host_memory(pb: dict[str, StateBytes], transfers, grad: dict, fused: bool, 
 
 
 def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: dict[str, StateBytes],
-                 grps: tuple[range, ...], grad: dict, hidden: int) -> DevicePlan:
+                 grps: tuple[range, ...], grad: dict, hidden: int, resident: tuple = (), saved: tuple = (),
+                 remat: str = "full") -> DevicePlan:
     """Device bytes of the step; every term comes from abstract shapes. Every micro-batch
     runs through a part before the next part (their hidden states wait between parts),
-    and each part's gradient is summed on the device in fp32."""
+    and each part's gradient is summed on the device in fp32. Resident parts hold their
+    state and an fp32 gradient sum (their update's input) for the whole run."""
     group = max(len(g) for g in grps)
-    max_part = max(b.compute for b in pb.values())
+    # Staging slots hold streamed parts only; none when everything is resident.
+    max_part = max((b.compute for p, b in pb.items() if p not in resident), default=0)
     residual = max(residual_bytes(cfg, kind, shape.batch, shape.seq) for kind in cfg.block_kinds)
     # Several micro-batches: the fp32 sums in progress, a group's blocks' or the head's
     # (with the tied embedding's).
@@ -324,10 +413,14 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
         # depth parts staged ahead, plus the parts in use: a recompute group, or the head,
         # the tied embedding and the last block (resident from its forward to its backward).
         weights=(stream.prefetch_depth + max(group, 3)) * max_part,
-        activations=len(grps) * shape.accum * hidden if stream.activations == "device" else 0,
-        residuals=group * residual,
+        activations=(len(grps) - len(saved)) * shape.accum * hidden if stream.activations == "device" else 0,
+        # A recompute group's (saved groups recompute nothing).
+        residuals=max((len(g) for g in grps if g not in saved), default=0) * residual,
         head=3 * shape.batch * shape.seq * cfg.vocab_size * 4,
         working=(3 + shape.accum) * hidden + 2 * max(grad.values()) + sums,
+        resident=sum(pb[p].compute + 2 * pb[p].master + pb[p].opt for p in resident),
+        saved=shape.accum * sum(residual_bytes(cfg, cfg.layer_kinds[i], shape.batch, shape.seq, remat)
+                                for g in saved for i in g),
     )
 
 
@@ -339,6 +432,6 @@ def check_budget(plan: DevicePlan, budget: int | None) -> int:
         raise DeviceBudgetError(
             f"this run needs {plan.total / 2**20:.1f} MiB on the device ({plan.describe()}) but "
             f"stream.device_budget_bytes is {budget / 2**20:.1f} MiB: raise the budget, lower "
-            f"stream.prefetch_depth or stream.keep_every, or set stream.activations=host"
+            f"stream.prefetch_depth, stream.keep_every or stream.resident, or set stream.activations=host"
         )
     return budget

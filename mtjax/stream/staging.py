@@ -122,6 +122,10 @@ class Placement:
         cpu = host_device()
         return jax.tree.map(lambda a: jax.device_put(np.asarray(a), cpu), tree)
 
+    def to_host(self, flat: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+        """Numpy copies of device arrays (a resident part's state for a commit); waits."""
+        return {n: np.array(a) for n, a in flat.items()}
+
     def stash(self, x: jax.Array) -> jax.Array:
         """A kept activation moved to host memory (activations=host); asynchronous."""
         return jax.device_put(x, self.on_host) if self.on_host else jax.device_put(x, host_device())
@@ -162,7 +166,9 @@ class StagingPool:
 
     def release(self, slot: Slot, fence) -> None:
         """Hand a slot back once its device copy is no longer needed; `fence` are the
-        outputs of the last computations that read it."""
+        outputs of the last computations that read it. None (a resident part's) is no slot."""
+        if slot is None:
+            return
         if slot.on_device:
             self.ledger.free(slot.nbytes, "weights")
             slot.on_device = False

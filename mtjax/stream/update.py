@@ -70,6 +70,11 @@ class PartUpdate:
         """The compute-dtype copy of flat master weights, in XLA buffers the update can donate."""
         return self._convert(jax.device_put(master, self.cpu))
 
+    def in_place(self, master: dict, opt_tree, compute: dict, grads: dict, scale):
+        """(master, opt tree, compute) after one update by the optax program, run where the
+        arrays are (a resident part's, on the device); master, opt and compute are donated."""
+        return self._update(master, opt_tree, compute, grads, scale)
+
     def __call__(self, part: str, master: dict, opt: dict, compute: dict | None, grads: dict, scale,
                  own: Collection[str] = (), copy: bool = True):
         """(master, opt, compute) of `part` after one update; all flat dicts on the host.

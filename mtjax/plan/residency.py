@@ -1,0 +1,116 @@
+"""Which parts stay on the device: of the resident sets whose step fits the device
+budget, the one the cost model prices fastest.
+
+    plan = residency.choose(cfg, stream, store, shape, hardware, budget, tx)
+    plan.schedule.resident        # ("block.0", "block.1", ...): stream.resident for the run
+
+Parts that the schedule streams equally often and that hold the same bytes are
+interchangeable in the step's price (traffic, device plan and fixed costs depend only on
+how many of them are resident), so the candidates are every combination of a count per
+such class (`classes`): at most 8 (L + 1) sets for L identical blocks, not 2^(L + 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+
+from mtjax import parts
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.plan import fit, inputs
+from mtjax.plan.cost import Plan, estimate
+from mtjax.plan.hardware import BUILTIN, HardwareProfile
+from mtjax.stream import schedule
+from mtjax.stream.schedule import StepShape
+
+
+def classes(cfg: ModelConfig, stream: StreamConfig) -> list[tuple[str, ...]]:
+    """The parts in groups the cost model cannot tell apart: same layout (fn_kind, hence
+    the same bytes) and streamed as often in a step; each group in residency order."""
+    grps = schedule.groups(cfg.num_hidden_layers, stream.keep_every)
+    crossings = {}
+    for p in schedule.train_parts(cfg, grps):
+        crossings[p] = crossings.get(p, 0) + 1
+    kind = {p.name: p.fn_kind for p in parts.parts(cfg)}
+    out: dict[tuple, list[str]] = {}
+    for p in schedule.residency_order(cfg, grps):
+        out.setdefault((kind[p], crossings[p]), []).append(p)
+    return [tuple(v) for v in out.values()]
+
+
+def candidates(cfg: ModelConfig, stream: StreamConfig) -> list[tuple[str, ...]]:
+    """Every resident set worth pricing: a count of each class, its first members."""
+    cls = classes(cfg, stream)
+    return [tuple(p for c, n in zip(cls, counts) for p in c[:n])
+            for counts in itertools.product(*(range(len(c) + 1) for c in cls))]
+
+
+def choose(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
+           budget: int | None, tx=None) -> Plan:
+    """The plan of the fastest resident set and remat policy (stream.remat, or each when
+    auto) whose device plan fits `budget`; among equally
+    fast ones (streaming hidden behind compute), the one that moves fewest bytes over the
+    link, then the fewest device bytes. With no budget, or none that fits, nothing is resident."""
+    pb = schedule.part_bytes(cfg, make_optimizer(OptimConfig()) if tx is None else tx)
+
+    def at(resident) -> Plan:
+        return estimate(cfg, dataclasses.replace(stream, resident=tuple(resident), remat=schedule.remat_of(stream)),
+                        store, shape, hardware, part_bytes_=pb)
+
+    if budget is None:
+        return at(())
+    # With room left after residency, the backward may keep more instead of recomputing.
+    remats = ("full", "dots", "none") if stream.remat == "auto" else (stream.remat,)
+    plans = [estimate(cfg, dataclasses.replace(stream, resident=r, remat=m), store, shape, hardware, part_bytes_=pb)
+             for r in candidates(cfg, stream) for m in remats]
+    fitting = [p for p in plans if p.device.total <= budget]
+    if not fitting:
+        return at(())
+    return min(fitting, key=lambda p: (p.times.step, p.traffic.h2d + p.traffic.d2h, p.device.total))
+
+
+def budget_for(stream: StreamConfig, hardware: HardwareProfile) -> int | None:
+    """The device bytes residency may plan against: stream.device_budget_bytes, else the
+    profile's device memory less headroom (None where the device is the host)."""
+    if stream.device_budget_bytes is not None:
+        return stream.device_budget_bytes
+    return fit.limits(hardware).device
+
+
+def resolve(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
+            tx=None) -> StreamConfig:
+    """`stream` with resident=auto replaced by the parts `choose` keeps resident (as a list
+    of names) and remat=auto by its policy; settings given are kept (an explicit resident
+    with remat=auto gets the fastest policy that fits for those parts)."""
+    if stream.resident == "auto":
+        plan = choose(cfg, stream, store, shape, hardware, budget_for(stream, hardware), tx)
+        return dataclasses.replace(stream, resident=plan.schedule.resident, remat=plan.schedule.remat)
+    if stream.remat == "auto":
+        budget = budget_for(stream, hardware)
+        plans = [estimate(cfg, dataclasses.replace(stream, remat=m), store, shape, hardware, tx=tx)
+                 for m in ("full", "dots", "none")]
+        fitting = [p for p in plans if budget is None or p.device.total <= budget] or plans[:1]
+        return dataclasses.replace(stream, remat=min(fitting, key=lambda p: (p.times.step, p.device.total)).stream.remat)
+    return stream
+
+
+def profile_of(device: jax.Device) -> HardwareProfile:
+    """The built-in profile a run prices its residency with: the project's GPU machine
+    for an accelerator, the dev machine's for the CPU (`mtjax plan --hardware` prices any)."""
+    hw = BUILTIN["cpu-2core" if device.platform == "cpu" else "h200-lent"]
+    limit = None if device.platform == "cpu" else (device.memory_stats() or {}).get("bytes_limit")
+    return dataclasses.replace(hw, device_memory_bytes=int(limit)) if limit else hw
+
+
+def for_run(exp):
+    """The experiment config with stream.resident and stream.remat=auto resolved for this
+    process's device (the trainer calls it before its preflight, which then checks the choice)."""
+    if exp.stream.engine != "stream" or "auto" not in (exp.stream.resident, exp.stream.remat):
+        return exp
+    run = inputs.from_experiment(exp)
+    stream = resolve(run.cfg, run.stream, run.store, run.shape, profile_of(jax.devices()[0]), run.tx)
+    return dataclasses.replace(exp, stream=stream)

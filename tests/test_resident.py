@@ -1,0 +1,110 @@
+"""Resident parts: the device as a cache.
+
+The streamed engine equals the in-memory reference within 1e-5 per tensor after 5 AdamW
+steps with clipping whether the device budget makes none, some or all parts resident,
+with state in RAM, on disk and in a one-copy store, accum 1 and 4; what it commits is
+that state (a fresh engine reopened from the store holds it). The planner's residency is
+the one its own cost model prices fastest among all resident sets that fit the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+
+import mtjax.store
+from mtjax import model, parts
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.model_config import ModelConfig
+from mtjax.optim import make_optimizer
+from mtjax.plan import BUILTIN, StepShape, estimate, residency
+from mtjax.stream import StreamEngine
+
+from test_stream import OPT, ForwardCounter, batches, reference, rel_errors
+
+PLACEMENTS = {"ram": (StoreConfig(), 2), "disk": (StoreConfig(compute="disk", master="disk", opt="disk"), 2),
+              "one-copy": (StoreConfig(compute="disk", master="disk", opt="disk", copies=1), 1)}
+SHAPE = (2, 16)
+
+
+def budget_for(cfg, store: StoreConfig, accum: int, which: str) -> int:
+    """A device budget under which the planner keeps none, some or all parts resident
+    ("all-saved": and room to keep every residual instead of recomputing)."""
+    stream, shape = StreamConfig(), StepShape(*SHAPE, accum)
+
+    def total(resident, remat="full"):
+        return estimate(cfg, dataclasses.replace(stream, resident=resident, remat=remat), store, shape,
+                        BUILTIN["h200"]).device.total
+
+    return {"none": total(()), "some": total(("block.3", "head")), "all": total("all"),
+            "all-saved": total("all", "none")}[which]
+
+
+CASES = [("ram", 1, "some"), ("ram", 4, "all"), ("disk", 4, "some"), ("disk", 1, "none"), ("disk", 4, "all-saved"),
+         ("one-copy", 1, "all"), ("one-copy", 4, "some")]
+
+
+@pytest.mark.parametrize("where,accum,which", CASES, ids=[f"{w}-accum{a}-{r}" for w, a, r in CASES])
+def test_resident_equals_reference(tmp_path, where, accum, which):
+    cfg, ref_params, ref_opt, ref_metrics = reference(False, accum)
+    store_config, copies = PLACEMENTS[where]
+    budget = budget_for(cfg, store_config, accum, which)
+    stream = residency.resolve(cfg, StreamConfig(device_budget_bytes=budget), store_config, StepShape(*SHAPE, accum),
+                               BUILTIN["h200"])
+    names = [p.name for p in parts.parts(cfg)]
+    assert {"none": len(stream.resident) == 0, "some": 0 < len(stream.resident) < len(names),
+            "all": len(stream.resident) == len(names) and stream.remat == "full",
+            "all-saved": len(stream.resident) == len(names) and stream.remat != "full"}[which], stream
+    store = mtjax.store.create(tmp_path / "store", cfg, make_optimizer(OPT), copies=copies)
+    engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, stream, store_config, store=store,
+                          batch_shape=SHAPE)
+    counter = ForwardCounter(engine)  # streamed and recomputed forwards; a saved group's blocks run once, uncounted
+    if copies == 1:
+        engine.commit(0)
+    for i, b in enumerate(batches(accum)):
+        metrics = engine.step(b)
+        if copies == 1:
+            engine.commit(i + 1)
+        assert metrics["grad_norm"] > OPT.clip_norm  # clipping is active
+        np.testing.assert_allclose(metrics["loss"], ref_metrics[i]["loss"], rtol=1e-5)
+    assert engine.ledger.peak <= budget
+    s = engine.schedule
+    assert counter.count == 2 * (cfg.num_hidden_layers - sum(len(g) for g in s.saved)) * accum * len(ref_metrics)
+    assert max(rel_errors(engine.params(), ref_params)) <= 1e-5
+    assert max(rel_errors(engine.opt_state(), ref_opt)) <= 1e-5
+    # The resident state reaches the store at a commit: reopened, nothing resident, it is there.
+    engine.commit(len(ref_metrics))
+    engine.close()
+    again = StreamEngine(cfg, None, OPT, StreamConfig(resident="none"), store_config, store=store)
+    assert max(rel_errors(again.params(), ref_params)) <= 1e-5
+    assert max(rel_errors(again.opt_state(), ref_opt)) <= 1e-5
+    again.close()
+    store.close()
+
+
+TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=16, compute_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("hardware", ["h200", "cpu-2core"])
+@pytest.mark.parametrize("tied,keep_every,store", [(False, 1, StoreConfig()), (True, 2, StoreConfig(master="disk")),
+                                                   (False, 0, PLACEMENTS["one-copy"][0])])
+def test_planner_picks_the_fastest_resident_set_that_fits(hardware, tied, keep_every, store):
+    """Against every subset of the parts (not only the planner's candidates), at budgets
+    from nothing-resident to everything-resident."""
+    cfg = dataclasses.replace(TINY, tie_word_embeddings=tied)
+    stream, shape, hw = StreamConfig(keep_every=keep_every), StepShape(2, 8, 2), BUILTIN[hardware]
+    names = [p.name for p in parts.parts(cfg)]
+    subsets = [c for n in range(len(names) + 1) for c in itertools.combinations(names, n)]
+    plans = [estimate(cfg, dataclasses.replace(stream, resident=r, remat=m), store, shape, hw)
+             for r in subsets for m in ("full", "dots", "none")]
+    lo, hi = min(p.device.total for p in plans), max(p.device.total for p in plans)
+    for budget in np.linspace(lo, hi, 5).astype(int):
+        chosen = residency.choose(cfg, stream, store, shape, hw, int(budget))
+        best = min(p.times.step for p in plans if p.device.total <= budget)
+        assert chosen.device.total <= budget
+        assert chosen.times.step == pytest.approx(best, rel=1e-12)
+    assert residency.choose(cfg, stream, store, shape, hw, None).schedule.resident == ()
