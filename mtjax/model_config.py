@@ -162,6 +162,9 @@ class ModelConfig:
             if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
                 raise ConfigError(f"MoE layers need 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= "
                                   f"num_experts ({self.num_experts}) and a positive moe_intermediate_size")
+            if self.hidden_act != "silu":
+                raise ConfigError(f"MoE experts are SwiGLU (silu); model.hidden_act {self.hidden_act!r} is not "
+                                  "supported with moe_layers")
             if not set(self.moe_layers) <= set(range(self.num_hidden_layers)):
                 raise ConfigError(f"moe_layers {list(self.moe_layers)} name layers outside 0.."
                                   f"{self.num_hidden_layers - 1}")

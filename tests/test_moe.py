@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import mtjax.store
-from mtjax import model, moe
+from mtjax import documents, model, moe
+from mtjax.batch import Batch
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
@@ -120,16 +121,22 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-@pytest.mark.parametrize("keep_every,tiers,accum", [
-    (1, {}, 1),
-    (2, dict(compute="disk", master="disk", opt="disk"), 2),
-], ids=["ram-keep1", "disk-keep2-accum2"])
-def test_streamed_moe_steps_equal_the_reference(tmp_path, keep_every, tiers, accum):
+def _packed_batches(accum: int):
+    """Packed rows of 2-3 documents with trailing padding and loss masks that count different
+    numbers of targets per micro-batch (so their weights in the step differ)."""
+    rng, out = np.random.default_rng(3), []
+    for tokens in _batches(accum)[:3]:
+        cuts = np.sort(rng.integers(1, 16, (*tokens.shape[:2], 2)), axis=-1)
+        segments = 1 + (np.arange(16) >= cuts[..., :1]) + (np.arange(16) >= cuts[..., 1:])
+        segments[..., 13:] = 0
+        mask = rng.random(tokens.shape) < np.linspace(0.3, 0.9, accum)[:, None, None]
+        out.append(Batch(tokens, mask, segments.astype(np.int32)))
+    return out
+
+
+def _streamed_equals_reference(engine, batches):
     reference = ReferenceTrainer(CFG, _params(), OPT)
-    store = mtjax.store.create(tmp_path / "store", CFG, make_optimizer(OPT)) if tiers else None
-    engine = StreamEngine(CFG, _params(), OPT, StreamConfig(keep_every=keep_every),
-                          StoreConfig(**tiers), store=store, batch_shape=(2, 16))
-    for b in _batches(accum):
+    for b in batches:
         ref, ours = reference.step(b), engine.step(b)
         np.testing.assert_allclose(ours["loss"], ref["loss"], rtol=1e-5)
         np.testing.assert_allclose(ours["aux_loss"], ref["aux_loss"], rtol=1e-5)
@@ -138,8 +145,40 @@ def test_streamed_moe_steps_equal_the_reference(tmp_path, keep_every, tiers, acc
     errors = jax.tree.leaves(jax.tree.map(_rel, engine.params(), reference.params))
     errors += jax.tree.leaves(jax.tree.map(_rel, engine.opt_state(), reference.opt_state))
     assert max(errors) <= 1e-5
-    engine.close()
-    if store is not None:
+
+
+def test_streamed_moe_steps_equal_the_reference():
+    engine = StreamEngine(CFG, _params(), OPT, StreamConfig(keep_every=1), batch_shape=(2, 16))
+    try:
+        _streamed_equals_reference(engine, _batches(1))
+    finally:
+        engine.close()
+
+
+def test_packed_documents_through_a_recompute_group_and_a_saved_resident_moe_block():
+    """Documents and loss masks over 2 micro-batches; blocks 0 (MoE) and 1 (dense) are one
+    recompute group, block 2 (MoE) is resident and saved: its kept vjp takes the router
+    stats' cotangent as a recompute's does."""
+    engine = StreamEngine(CFG, _params(), OPT, StreamConfig(keep_every=2, resident=("block.2",), remat="dots"),
+                          batch_shape=(2, 16))
+    try:
+        batches = _packed_batches(2)
+        _streamed_equals_reference(engine, batches)
+        assert engine.schedule.saved == (range(2, 3),) and range(0, 2) in engine.schedule.groups
+        assert len(set(documents.targets(batches[0]).sum(axis=(1, 2)).tolist())) > 1
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_streamed_moe_steps_on_the_disk_tier_equal_the_reference(tmp_path):
+    store = mtjax.store.create(tmp_path / "store", CFG, make_optimizer(OPT))
+    tiers = StoreConfig(compute="disk", master="disk", opt="disk")
+    engine = StreamEngine(CFG, _params(), OPT, StreamConfig(keep_every=2), tiers, store=store, batch_shape=(2, 16))
+    try:
+        _streamed_equals_reference(engine, _batches(2))
+    finally:
+        engine.close()
         store.close()
 
 
