@@ -100,6 +100,7 @@ def test_aux_loss_decomposes_by_layer_with_the_gradient_of_the_whole():
         np.testing.assert_allclose(vjp(shared)[0], expected, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # a whole-model gradient's compile; the fast tier checks aux's gradient per layer above
 def test_aux_loss_reaches_every_router():
     """The load-balancing loss has a gradient at every MoE layer's router (and only there
     among the MLPs: the dense layer has no router)."""
