@@ -134,7 +134,7 @@ def test_every_gradient_matches(case):
 
 def test_export_is_bit_exact_and_reloads_in_transformers(case, tmp_path):
     """From params and through a layer store (one array per expert): the same files."""
-    c, r = case
+    _, r = case
     mtjax.save_params(r.cfg, r.params, tmp_path / "out")
     import_hf(r.ckpt, tmp_path / "store", compute_dtype="float32")
     export_hf(tmp_path / "store", tmp_path / "via-store")
