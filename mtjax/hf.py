@@ -52,9 +52,21 @@ def _leaves(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, jax.ShapeDt
             yield prefix + (key,), value
 
 
-def _spec(hf_prefix: str, path: tuple, leaf) -> TensorSpec:
-    local = [p for p in path if not isinstance(p, int) and p not in ("blocks", "embed", "head")]
-    *module, name = local
+# Mixtral's hub names: its MoE MLP is `block_sparse_moe`, an expert's gate, down and up `w1, w2, w3`.
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def _hub_names(cfg: ModelConfig, module: list[str]) -> list[str]:
+    """mtjax module names of a block -> the family's checkpoint names (equal but for Mixtral's)."""
+    if cfg.model_type != "mixtral" or module[:1] != ["mlp"]:
+        return module
+    return ["block_sparse_moe", *(_MIXTRAL_EXPERT.get(m, m) if "experts" in module else m for m in module[1:])]
+
+
+def _spec(cfg: ModelConfig, hf_prefix: str, path: tuple, leaf) -> TensorSpec:
+    """A block's tensor: `path` is ("blocks", i, module names and expert numbers..., leaf name)."""
+    *module, name = [str(p) for p in path[2:]]
+    module = _hub_names(cfg, module)
     transpose = name == "kernel"
     hf_name = ".".join([hf_prefix, *module, "weight" if transpose else name]).strip(".")
     shape = tuple(reversed(leaf.shape)) if transpose else tuple(leaf.shape)
@@ -67,7 +79,7 @@ def layout(cfg: ModelConfig) -> list[TensorSpec]:
     specs = [TensorSpec("model.embed_tokens.weight", ("embed", "embedding"),
                         (cfg.vocab_size, cfg.hidden_size), False)]
     for i, block in enumerate(abstract["blocks"]):
-        specs += [_spec(f"model.layers.{i}", ("blocks", i) + p, leaf) for p, leaf in _leaves(block)]
+        specs += [_spec(cfg, f"model.layers.{i}", ("blocks", i) + p, leaf) for p, leaf in _leaves(block)]
     specs.append(TensorSpec("model.norm.weight", ("head", "norm", "weight"), (cfg.hidden_size,), False))
     if not cfg.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", ("head", "lm_head", "kernel"),

@@ -5,7 +5,10 @@ Modules are Flax NNX, but everything outside this file sees plain pytrees:
     params = {"embed": {...}, "blocks": [block_0, ..., block_{N-1}], "head": {...}}
 
 One block is a pure function of (block params, hidden states): `block_forward`. That
-list of per-block pytrees is the streaming unit of mtjax. `abstract_block` describes one
+list of per-block pytrees is the streaming unit of mtjax. A MoE block's MLP is a
+`SparseMoE` (routing and expert dispatch in mtjax.moe), whose router statistics
+`block_forward_stats` returns for the load-balancing loss; each expert is a module of
+its own, so the store holds every expert's weights as separate arrays. `abstract_block` describes one
 block's parameters as ShapeDtypeStructs, from which stores, byte budgets and staging
 buffers are derived without allocating anything.
 
@@ -24,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtjax import documents, rope
+from mtjax import documents, moe, rope
 from mtjax.attention import attend, masked_attention
-from mtjax.model_config import FULL, SLIDING, ModelConfig
+from mtjax.model_config import FULL, MOE, SLIDING, ModelConfig
 
 Params = dict  # {"embed": ..., "blocks": [...], "head": ...}
 
@@ -89,8 +92,10 @@ class Attention(nnx.Module):
             self.k_proj = Dense(d, kv, cfg.attention_bias, cfg, rngs)
             self.v_proj = Dense(d, kv, cfg.attention_bias, cfg, rngs)
         self.o_proj = Dense(cfg.num_attention_heads * hd, d, cfg.o_proj_bias, cfg, rngs)
-        self.q_norm = RMSNorm(hd, cfg) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg) if cfg.qk_norm else None
+        # Per head (Qwen3, Gemma 3), or over all heads of the projection at once (OLMoE).
+        q_dim, k_dim = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd) if cfg.qk_norm_full else (hd, hd)
+        self.q_norm = RMSNorm(q_dim, cfg) if cfg.qk_norm or cfg.qk_norm_full else None
+        self.k_norm = RMSNorm(k_dim, cfg) if cfg.qk_norm or cfg.qk_norm_full else None
 
     def qkv(self, x, cos, sin):
         """Queries [b, t, heads, hd] and keys and values [b, t, kv heads, hd], rotated."""
@@ -101,10 +106,12 @@ class Attention(nnx.Module):
             q, k, v = jnp.split(self.qkv_proj(x), [q_end, q_end + cfg.num_key_value_heads * cfg.head_dim], axis=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if cfg.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)  # btnh
         k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
         v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
-        if self.q_norm is not None:
+        if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v
 
@@ -123,10 +130,10 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(jax.n
 
 class MLP(nnx.Module):
     """Gated: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with the tanh GELU (Gemma);
-    gate and up one [d, 2f] kernel when fused."""
+    `width` wide (default: the dense intermediate_size); gate and up one [d, 2f] kernel when fused."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, f = cfg.hidden_size, cfg.intermediate_size
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
+        d, f = cfg.hidden_size, width or cfg.intermediate_size
         self.act = ACTIVATIONS[cfg.hidden_act]
         if cfg.fused_projections:
             self.gate_up_proj = Dense(d, 2 * f, cfg.mlp_bias, cfg, rngs)
@@ -144,8 +151,32 @@ class MLP(nnx.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class SparseMoE(nnx.Module):
+    """Router (`gate`), the experts (each a SwiGLU MLP of its own) and, for Qwen2-MoE, a
+    shared expert scaled by a sigmoid gate. Returns (output, router statistics)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.gate = Dense(cfg.hidden_size, cfg.num_experts, False, cfg, rngs)
+        self.experts = nnx.List([MLP(cfg, rngs, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)])
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_expert = MLP(cfg, rngs, shared) if shared else None
+        self.shared_expert_gate = Dense(cfg.hidden_size, 1, False, cfg, rngs) if shared else None
+
+    def __call__(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen, probs = moe.route(self.gate(flat), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        # The experts' kernels stacked [E, in, out] inside the program: the store keeps one array each.
+        gate, up, down = ([getattr(e, n).kernel[...] for e in self.experts] for n in ("gate_proj", "up_proj", "down_proj"))
+        y = moe.experts_forward(flat, weights, chosen, jnp.stack(gate), jnp.stack(up), jnp.stack(down))
+        if self.shared_expert is not None:
+            y = y + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return y.reshape(x.shape), moe.router_stats(probs, chosen)
+
+
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). Returns (hidden,
+    router statistics: {} unless the MLP is a SparseMoE).
 
     With `sandwich_norms` (Gemma) the attention and MLP outputs are normed too before their
     residual adds; post_attention_layernorm is then the attention output's norm and
@@ -153,11 +184,11 @@ class Block(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, kind: str, rngs: nnx.Rngs):
-        window = cfg.sliding_window if kind == SLIDING else None
+        window = cfg.sliding_window if kind.removesuffix(MOE) == SLIDING else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg)
         self.self_attn = Attention(cfg, window, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = SparseMoE(cfg, rngs) if kind.endswith(MOE) else MLP(cfg, rngs)
         sandwich = cfg.sandwich_norms
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg) if sandwich else None
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg) if sandwich else None
@@ -169,9 +200,11 @@ class Block(nnx.Module):
         return x + attn_out
 
     def mlp_residual(self, x):
-        if self.pre_feedforward_layernorm is None:
-            return x + self.mlp(self.post_attention_layernorm(x))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        """(x plus the MLP's output, router statistics: {} for a dense MLP)."""
+        sandwich = self.pre_feedforward_layernorm is not None
+        y = self.mlp(self.pre_feedforward_layernorm(x) if sandwich else self.post_attention_layernorm(x))
+        y, stats = y if isinstance(self.mlp, SparseMoE) else (y, {})
+        return x + (self.post_feedforward_layernorm(y) if sandwich else y), stats
 
     def __call__(self, x, cos, sin, segments=None):
         with jax.named_scope("attention"):
@@ -231,7 +264,7 @@ def abstract_params(cfg: ModelConfig) -> Params:
     """The whole model's parameters as ShapeDtypeStructs (no allocation)."""
     return {
         "embed": _abstract(cfg, "embed"),
-        "blocks": [abstract_block(cfg, kind) for kind in cfg.layer_types],
+        "blocks": [abstract_block(cfg, kind) for kind in cfg.layer_kinds],
         "head": _abstract(cfg, "head"),
     }
 
@@ -241,11 +274,25 @@ def num_params(cfg: ModelConfig) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
 
 
+def inactive_params(cfg: ModelConfig, kind: str) -> int:
+    """Parameters of a block of `kind` that one token does not use: the experts beyond its
+    k (0 for a dense block). FLOPs and MFU count a block's parameters minus these."""
+    if not kind.endswith(MOE):
+        return 0
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size  # gate, up, down; no biases
+    return (cfg.num_experts - cfg.num_experts_per_tok) * expert
+
+
+def num_active_params(cfg: ModelConfig) -> int:
+    """Parameters one token's forward uses: `num_params` less every layer's `inactive_params`."""
+    return num_params(cfg) - sum(inactive_params(cfg, kind) for kind in cfg.layer_kinds)
+
+
 def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
     """Freshly initialised float32 parameters (normal(initializer_range), unit norms)."""
     rngs = nnx.Rngs(seed)
     parts = {"embed": _module_factory(cfg, "embed")(rngs)}
-    blocks = [_module_factory(cfg, "block:" + kind)(rngs) for kind in cfg.layer_types]
+    blocks = [_module_factory(cfg, "block:" + kind)(rngs) for kind in cfg.layer_kinds]
     parts["head"] = _module_factory(cfg, "head")(rngs)
     out = {k: nnx.to_pure_dict(nnx.state(m)) for k, m in parts.items()}
     out["blocks"] = [nnx.to_pure_dict(nnx.state(b)) for b in blocks]
@@ -274,8 +321,9 @@ def embed_multiplier(cfg: ModelConfig):
     return jnp.asarray(cfg.hidden_size**0.5 if cfg.embed_scale else 1.0, jnp.float32).astype(cfg.compute_dtype)
 
 
-def block_forward(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray, segments=None) -> jnp.ndarray:
-    """One block as a pure function: (block params, hidden [b, t, d]) -> hidden [b, t, d].
+def block_forward_stats(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray, segments=None):
+    """One block as a pure function: (block params, hidden [b, t, d]) -> (hidden [b, t, d],
+    router statistics: {} for a dense block, mtjax.moe.router_stats for a MoE block).
 
     `segments` [b, t] (document ids of packed rows, mtjax.batch): positions restart at each
     document and attention stays inside it; None: each row is one document.
@@ -284,6 +332,11 @@ def block_forward(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray, segm
     positions = positions_for(x[..., 0]) if segments is None else documents.positions(segments)
     cos, sin = rope.cos_sin(rope.for_layer(cfg, kind), positions, x.dtype)
     return _merge(cfg, "block:" + kind, block)(x, cos, sin, segments)
+
+
+def block_forward(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray, segments=None) -> jnp.ndarray:
+    """`block_forward_stats` without the router statistics."""
+    return block_forward_stats(cfg, kind, block, x, segments)[0]
 
 
 def head_kernel(cfg: ModelConfig, head: dict, embed: dict | None):
@@ -326,15 +379,23 @@ def remat_block(fn, policy: str):
     raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {policy!r}")
 
 
+def forward_stats(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False,
+                  segments=None):
+    """(whole-model logits fp32 [b, t, vocab], router statistics of each MoE layer in order).
+    `remat`: a REMAT_POLICIES name (True = "full"); `segments`: document ids of packed rows
+    (see `block_forward_stats`)."""
+    policy = {True: "full", False: "none"}.get(remat, remat)
+    x, stats = embed_forward(cfg, params["embed"], tokens), []
+    for kind, block in zip(cfg.layer_kinds, params["blocks"]):
+        x, s = remat_block(functools.partial(block_forward_stats, cfg, kind), policy)(block, x, segments)
+        stats += [s] if s else []
+    return head_forward(cfg, params["head"], params["embed"], x), stats
+
+
 def forward(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False,
             segments=None) -> jnp.ndarray:
-    """Whole-model logits, fp32 [b, t, vocab]. `remat`: a REMAT_POLICIES name (True = "full");
-    `segments`: document ids of packed rows (see `block_forward`)."""
-    policy = {True: "full", False: "none"}.get(remat, remat)
-    x = embed_forward(cfg, params["embed"], tokens)
-    for kind, block in zip(cfg.layer_types, params["blocks"]):
-        x = remat_block(functools.partial(block_forward, cfg, kind), policy)(block, x, segments)
-    return head_forward(cfg, params["head"], params["embed"], x)
+    """Whole-model logits, fp32 [b, t, vocab]: `forward_stats` without the router statistics."""
+    return forward_stats(cfg, params, tokens, remat, segments)[0]
 
 
 def block_forward_cached(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray, cache: dict, start):
@@ -358,4 +419,4 @@ def block_forward_cached(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarra
         visible &= key_pos[None, :] > positions[:, None] - attn.window  # W keys, the query's own included
     out = masked_attention(q, keys, values, visible[None, None], cfg.attn_scale, cfg.attn_logit_softcapping)
     x = m.attention_residual(x, attn.o_proj(out.reshape(b, t, -1)))
-    return m.mlp_residual(x), {"k": keys, "v": values}
+    return m.mlp_residual(x)[0], {"k": keys, "v": values}

@@ -1,9 +1,10 @@
 """The architecture of a decoder-only model, read from a Hugging Face ``config.json``.
 
 One frozen dataclass describes every supported family (Llama 2/3, Qwen2/2.5, Qwen3,
-Mistral, Phi-3/3.5/4, Gemma 2, Gemma 3). Family differences are flags (q/k/v bias, q/k
-norm, sliding windows, rope scaling, fused projections, Gemma's norms, GeGLU and
-soft-capping), so the model code has no per-family branches.
+Mistral, Phi-3/3.5/4, Gemma 2, Gemma 3, and the mixtures of experts Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE). Family differences are flags (q/k/v bias, q/k norm, sliding windows,
+rope scaling, fused projections, Gemma's norms, GeGLU and soft-capping, experts), so the
+model code has no per-family branches.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from typing import Any
 
 from mtjax.errors import MtjaxError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", *MOE_MODEL_TYPES)
 GEMMA = ("gemma2", "gemma3_text")
 MULTIMODAL_GEMMA3 = "gemma3"  # Gemma3ForConditionalGeneration: its text_config is imported
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 FULL, SLIDING = "full_attention", "sliding_attention"
+MOE = ":moe"  # a block kind's suffix when its MLP is a mixture of experts
 
 
 class ConfigError(MtjaxError, ValueError):
@@ -81,6 +84,7 @@ class ModelConfig:
     mlp_bias: bool = False  # biases on gate, up and down (Llama's mlp_bias)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim features of each head (Phi-4-mini)
+    qk_norm_full: bool = False  # RMSNorm over all of q's and all of k's heads at once (OLMoE)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # W keys visible, the query's own included
     layer_types: tuple[str, ...] = ()  # per layer FULL or SLIDING; () means all FULL
@@ -97,6 +101,14 @@ class ModelConfig:
     param_dtype: str = "float32"  # dtype of the checkpoint's tensors (export writes it)
     compute_dtype: str = "float32"  # dtype of activations and streamed weights
     extra_hf: tuple[tuple[str, Any], ...] = ()  # other config.json keys, kept for export
+    # Mixture of experts (mtjax.moe); num_experts 0 means a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # k of the top-k routing
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width
+    norm_topk_prob: bool = False  # renormalise the k kept router weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in the training loss
+    moe_layers: tuple[int, ...] = ()  # indices of the MoE layers; the others are dense
 
     def __post_init__(self):
         if not self.layer_types:
@@ -146,6 +158,22 @@ class ModelConfig:
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ConfigError(f"model.{name} must be float32, bfloat16 or float16")
+        if self.moe_layers:
+            if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
+                raise ConfigError(f"MoE layers need 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= "
+                                  f"num_experts ({self.num_experts}) and a positive moe_intermediate_size")
+            if self.hidden_act != "silu":
+                raise ConfigError(f"MoE experts are SwiGLU (silu); model.hidden_act {self.hidden_act!r} is not "
+                                  "supported with moe_layers")
+            if not set(self.moe_layers) <= set(range(self.num_hidden_layers)):
+                raise ConfigError(f"moe_layers {list(self.moe_layers)} name layers outside 0.."
+                                  f"{self.num_hidden_layers - 1}")
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's block kind: its attention type, with MOE appended for a MoE layer."""
+        moe = set(self.moe_layers)
+        return tuple(t + MOE if i in moe else t for i, t in enumerate(self.layer_types))
 
     def _validate_rope_scaling(self) -> None:
         scaling = self.rope_scaling
@@ -177,7 +205,7 @@ class ModelConfig:
     @property
     def block_kinds(self) -> tuple[str, ...]:
         """Distinct block kinds, in first-use order: one compiled function each."""
-        return tuple(dict.fromkeys(self.layer_types))
+        return tuple(dict.fromkeys(self.layer_kinds))
 
     def check_context(self, seq_len: int, name: str) -> None:
         """Refuse rows longer than the model's context; `name` is the setting that gave them."""
@@ -239,6 +267,9 @@ _HF_KNOWN = {
     "mlp_bias", "tie_word_embeddings", "sliding_window", "use_sliding_window",
     "max_window_layers", "layer_types", "initializer_range", "torch_dtype", "dtype", "partial_rotary_factor",
     "architectures",  # rewritten from model_type on export
+    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "shared_expert_intermediate_size", "router_aux_loss_coef", "decoder_sparse_step", "mlp_only_layers",
+    "qkv_bias",
     "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
     "rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern", "use_bidirectional_attention",
 }
@@ -316,6 +347,33 @@ def _gemma_fields(hf: dict, model_type: str) -> dict:
     return fields
 
 
+def _moe_from_hf(model_type: str, hf: dict, layers: int) -> dict:
+    """The MoE fields of a ModelConfig from a MoE family's config.json ({} for dense ones)."""
+    if model_type not in MOE_MODEL_TYPES:
+        return {}
+    if hf.get("clip_qkv") is not None:
+        raise ConfigError(f"clip_qkv ({hf['clip_qkv']}) is not supported; use a checkpoint with clip_qkv null")
+    if hf.get("router_jitter_noise"):
+        raise ConfigError(f"router_jitter_noise ({hf['router_jitter_noise']}) is not supported; set it to 0")
+    # transformers maps num_experts and num_local_experts onto each other: either may be written.
+    experts = int(hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"])
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        # transformers' rule: a layer is dense when listed in mlp_only_layers or off the sparse step.
+        step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or ())
+        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    else:
+        sparse = tuple(range(layers))
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size" if model_type in ("qwen2_moe", "qwen3_moe") else "intermediate_size"]),
+        norm_topk_prob=True if model_type == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 0)) if model_type == "qwen2_moe" else 0,
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+        moe_layers=sparse,
+    )
+
+
 def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
     """Build a ModelConfig from the contents of a Hugging Face ``config.json``.
 
@@ -336,8 +394,12 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
         layers = int(hf["num_hidden_layers"])
         theta, scaling = _rope_from_hf(hf)
         window = hf.get("sliding_window")
-        if model_type in ("mistral", "phi3"):  # one window for every layer, when set
+        if model_type in ("qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
+            raise ConfigError(f"use_sliding_window is not supported for {model_type}; set it to false")
+        if model_type in ("mistral", "phi3", "mixtral"):  # one window for every layer, when set
             layer_types = (SLIDING if window else FULL,) * layers
+        elif model_type in ("qwen2_moe", "qwen3_moe"):
+            layer_types = (FULL,) * layers
         elif model_type in GEMMA:
             layer_types = _gemma_layer_types(hf, model_type, layers)
         elif hf.get("layer_types"):
@@ -369,11 +431,14 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            # Qwen2 always has q/k/v biases and no attention_bias key; Phi-3 never has biases.
-            attention_bias=True if model_type == "qwen2" else attention_bias and model_type != "phi3",
-            o_proj_bias=attention_bias and model_type in ("llama", "qwen3"),
+            # Qwen2 always has q/k/v biases and no attention_bias key; Qwen2-MoE says qkv_bias;
+            # Phi-3 never has biases.
+            attention_bias={"qwen2": True, "qwen2_moe": bool(hf.get("qkv_bias", True)),
+                            "phi3": False}.get(model_type, attention_bias),
+            o_proj_bias=attention_bias and model_type in ("llama", "qwen3", "qwen3_moe", "olmoe"),
             mlp_bias=bool(hf.get("mlp_bias", False)) and model_type != "phi3",
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm_full=model_type == "olmoe",
             partial_rotary_factor=_partial_rotary_factor(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=int(window) if window else None,
@@ -381,6 +446,7 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
             initializer_range=float(hf.get("initializer_range", 0.02)),
             param_dtype=str(dtype).removeprefix("torch."),
             extra_hf=tuple(sorted((k, _freeze(v)) for k, v in hf.items() if k not in known)),
+            **_moe_from_hf(model_type, hf, layers),
         )
         if model_type in GEMMA:
             kwargs.update(_gemma_fields(hf, model_type))
@@ -423,7 +489,9 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
     """The inverse of `from_hf_dict`: a ``config.json`` transformers can load."""
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-            "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[cfg.model_type]
+            "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+            "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "olmoe": "OlmoeForCausalLM"}[cfg.model_type]
     hf = {k: _thaw(v) for k, v in cfg.extra_hf}
     rope = _rope_to_hf(cfg)
     hf.update(
@@ -445,8 +513,11 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
         dtype=cfg.param_dtype,
         torch_dtype=cfg.param_dtype,
     )
-    if cfg.model_type in ("llama", "qwen3"):
+    if cfg.model_type in ("llama", "qwen3", "qwen3_moe", "olmoe"):
         hf["attention_bias"] = cfg.o_proj_bias
+    if cfg.model_type == "qwen2_moe":
+        hf["qkv_bias"] = cfg.attention_bias
+    hf.update(_moe_to_hf(cfg))
     if cfg.model_type == "llama":
         hf["mlp_bias"] = cfg.mlp_bias
     if cfg.rope_scaling:
@@ -466,7 +537,7 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
             if set(cfg.layer_types[full:]) == {SLIDING}:
                 # Readers older than `layer_types` slide layers >= max_window_layers.
                 hf["max_window_layers"] = full
-    elif cfg.model_type in ("mistral", "phi3"):
+    elif cfg.model_type in ("mistral", "phi3", "mixtral"):
         hf["sliding_window"] = None
     return hf
 
@@ -481,6 +552,26 @@ def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.partial_rotary_factor != 1.0:
         rope["partial_rotary_factor"] = cfg.partial_rotary_factor
     return rope
+
+
+def _moe_to_hf(cfg: ModelConfig) -> dict:
+    """The MoE keys of a MoE family's config.json (the inverse of `_moe_from_hf`)."""
+    if cfg.model_type not in MOE_MODEL_TYPES:
+        return {}
+    out = dict(num_experts_per_tok=cfg.num_experts_per_tok, router_aux_loss_coef=cfg.router_aux_loss_coef)
+    if cfg.model_type in ("mixtral", "olmoe"):  # their experts are intermediate_size wide
+        out["intermediate_size"] = cfg.moe_intermediate_size
+    if cfg.model_type == "mixtral":
+        return {**out, "num_local_experts": cfg.num_experts}
+    out.update(num_experts=cfg.num_experts, norm_topk_prob=cfg.norm_topk_prob)
+    if cfg.model_type != "olmoe":
+        out["moe_intermediate_size"] = cfg.moe_intermediate_size
+    if cfg.model_type == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    if cfg.model_type in ("qwen2_moe", "qwen3_moe"):
+        out.update(decoder_sparse_step=1,
+                   mlp_only_layers=[i for i in range(cfg.num_hidden_layers) if i not in cfg.moe_layers])
+    return out
 
 
 def _gemma_to_hf(cfg: ModelConfig, rope: dict) -> dict:

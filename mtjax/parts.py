@@ -33,7 +33,7 @@ class Part:
 
 def parts(cfg: ModelConfig) -> list[Part]:
     out = [Part("embed", "embed", 0)]
-    out += [Part(f"block.{i}", "block:" + kind, i + 1) for i, kind in enumerate(cfg.layer_types)]
+    out += [Part(f"block.{i}", "block:" + kind, i + 1) for i, kind in enumerate(cfg.layer_kinds)]
     out.append(Part("head", "head", cfg.num_hidden_layers + 1))
     return out
 

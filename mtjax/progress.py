@@ -116,6 +116,8 @@ class Progress:
     @staticmethod
     def _summary(metrics: dict, record: dict) -> str:
         parts = [f"loss {metrics['loss']:.4f}"]
+        if "aux_loss" in metrics:  # a MoE model's load-balancing loss (in "loss" times its coefficient)
+            parts.append(f"aux {metrics['aux_loss']:.4f}")
         if "lr" in metrics:
             parts.append(f"lr {metrics['lr']:.3g}")
         if "grad_norm" in metrics:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mtjax import documents, model
+from mtjax import documents, model, moe
 from mtjax.documents import Inputs
 from mtjax.errors import NonFiniteStep
 from mtjax.loss import cross_entropy
@@ -25,54 +25,70 @@ from mtjax.model_config import ConfigError, ModelConfig
 from mtjax.optim import OptimConfig, clip_scale, make_optimizer, sum_of_squares
 
 
+def loss_terms(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str = True, segments=None,
+               targets=None):
+    """(training loss, load-balancing loss) of fp32 master `params` on tokens [batch, seq]:
+    the mean next-token loss plus router_aux_loss_coef times the load-balancing loss of
+    the MoE layers over all the batch's tokens (mtjax.moe; 0 for a dense model), as
+    transformers computes with output_router_logits=True. remat: model.REMAT_POLICIES;
+    `segments` and `targets` as mtjax.documents.Inputs has them (None: a plain batch)."""
+    logits, stats = model.forward_stats(cfg, params, tokens, remat=remat, segments=segments)
+    aux = moe.aux_loss(stats, tokens.size) if stats else jnp.float32(0)
+    return cross_entropy(logits, tokens, targets) + cfg.router_aux_loss_coef * aux, aux
+
+
 def loss_fn(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str = True, segments=None,
             targets=None) -> jnp.ndarray:
-    """Mean next-token loss of fp32 master `params` on tokens [batch, seq] (remat: model.REMAT_POLICIES);
-    `segments` and `targets` as mtjax.documents.Inputs has them (None: a plain batch)."""
-    return cross_entropy(model.forward(cfg, params, tokens, remat=remat, segments=segments), tokens, targets)
+    """The training loss of `loss_terms`."""
+    return loss_terms(cfg, params, tokens, remat, segments, targets)[0]
 
 
-def _inputs_loss(cfg: ModelConfig, params, inputs: Inputs, remat: bool | str):
-    return loss_fn(cfg, params, inputs.tokens, remat, inputs.segments, inputs.targets)
+def _inputs_terms(cfg: ModelConfig, params, inputs: Inputs, remat: bool | str):
+    return loss_terms(cfg, params, inputs.tokens, remat, inputs.segments, inputs.targets)
 
 
 def _accumulated_grads(cfg: ModelConfig, params, inputs: Inputs, weights, remat: str = "full"):
-    """Mean loss and gradient over micro-batches [accum, batch, seq], summed in fp32: each
-    micro-batch's weighted by `weights` [accum], or all alike when the batch is plain."""
+    """Mean (loss, load-balancing loss) and gradient over micro-batches [accum, batch, seq],
+    summed in fp32: each micro-batch's weighted by `weights` [accum], or all alike when the
+    batch is plain."""
     if inputs.targets is None:  # plain: the mean of equal means (`weights` are all 1 / accum)
-        grad_fn = jax.value_and_grad(functools.partial(loss_fn, cfg, remat=remat))
+        grad_fn = jax.value_and_grad(functools.partial(loss_terms, cfg, remat=remat), has_aux=True)
         micro_batches = inputs.tokens
         if micro_batches.shape[0] == 1:  # no accumulator: saves three passes over every gradient
             return grad_fn(params, micro_batches[0])
 
         def body(carry, tokens):
-            loss_sum, grad_sum = carry
-            loss, grads = grad_fn(params, tokens)
-            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+            loss_sum, aux_sum, grad_sum = carry
+            (loss, aux), grads = grad_fn(params, tokens)
+            return (loss_sum + loss, aux_sum + aux, jax.tree.map(jnp.add, grad_sum, grads)), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), zeros), micro_batches)
+        (loss_sum, aux_sum, grad_sum), _ = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0), zeros), micro_batches)
         n = micro_batches.shape[0]
-        return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum)
+        return (loss_sum / n, aux_sum / n), jax.tree.map(lambda g: g / n, grad_sum)
 
     # Weighting the loss weights the gradient through the backward's first cotangent: no pass over it.
-    grad_fn = jax.value_and_grad(lambda p, mb, w: w * _inputs_loss(cfg, p, mb, remat))
+    def weighted_terms(p, mb, w):
+        loss, aux = _inputs_terms(cfg, p, mb, remat)
+        return w * loss, w * aux
+
+    grad_fn = jax.value_and_grad(weighted_terms, has_aux=True)
     if inputs.tokens.shape[0] == 1:
         return grad_fn(params, inputs.micro(0), weights[0])
 
     def weighted(carry, xs):
-        loss_sum, grad_sum = carry
-        loss, grads = grad_fn(params, *xs)
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+        loss_sum, aux_sum, grad_sum = carry
+        (loss, aux), grads = grad_fn(params, *xs)
+        return (loss_sum + loss, aux_sum + aux, jax.tree.map(jnp.add, grad_sum, grads)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss, grads), _ = jax.lax.scan(weighted, (jnp.float32(0), zeros), (inputs, weights))
-    return loss, grads
+    (loss, aux, grads), _ = jax.lax.scan(weighted, (jnp.float32(0), jnp.float32(0), zeros), (inputs, weights))
+    return (loss, aux), grads
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _eval_loss(cfg: ModelConfig, params, inputs: Inputs):
-    return _inputs_loss(cfg, params, inputs, remat=False)
+    return _inputs_terms(cfg, params, inputs, remat=False)[0]
 
 
 def eval_loss(cfg: ModelConfig, params, batch) -> float:
@@ -121,10 +137,10 @@ class ReferenceTrainer:
 
     def _grad_step(self, params, inputs, weights, spent):
         del spent  # only its buffers are wanted
-        loss, grads = _accumulated_grads(self.cfg, params, inputs, weights, self.remat)
+        (loss, aux), grads = _accumulated_grads(self.cfg, params, inputs, weights, self.remat)
         part_sq = jnp.stack([sum_of_squares(grads["head"]), *(sum_of_squares(b) for b in reversed(grads["blocks"])),
                              sum_of_squares(grads["embed"])])  # in backward order, for NonFiniteStep
-        return loss, grads, part_sq
+        return (loss, aux), grads, part_sq
 
     def _apply(self, params, opt_state, grads, sq):
         scale = clip_scale(sq, self.clip_norm)
@@ -134,11 +150,13 @@ class ReferenceTrainer:
     def step(self, batch) -> dict[str, float]:
         inputs, weights = documents.step_inputs(batch)
         weights = jnp.asarray(weights, jnp.float32)
-        loss, grads, part_sq = self._grads(self.params, jax.device_put(inputs), weights, self._spent)
+        (loss, aux), grads, part_sq = self._grads(self.params, jax.device_put(inputs), weights, self._spent)
         self._spent = grads
         part_sq = np.asarray(part_sq)  # host sync: the update may run only on a finite step
         sq = np.float32(np.sum(part_sq, dtype=np.float32))
         out = {"loss": float(loss), "grad_norm": float(np.sqrt(sq))}
+        if self.cfg.moe_layers:
+            out["aux_loss"] = float(aux)  # included in "loss", times router_aux_loss_coef
         if not (np.isfinite(out["loss"]) and np.isfinite(out["grad_norm"])):
             n = self.cfg.num_hidden_layers
             names = ["head", *(f"block.{i}" for i in reversed(range(n))), "embed"]

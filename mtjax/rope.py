@@ -21,13 +21,13 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax.model_config import SLIDING, ModelConfig
+from mtjax.model_config import MOE, SLIDING, ModelConfig
 
 
 def for_layer(cfg: ModelConfig, kind: str) -> ModelConfig:
     """The config whose rope_theta and rope_scaling rotate layers of `kind`: sliding layers
     take local_rope_theta and local_rope_scaling where the model sets them (Gemma 3)."""
-    if kind == SLIDING and cfg.local_rope_theta is not None:
+    if kind.removesuffix(MOE) == SLIDING and cfg.local_rope_theta is not None:
         return dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=cfg.local_rope_scaling)
     return cfg
 

@@ -291,7 +291,7 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
     losses, val_loss, start, trained = {}, None, time.perf_counter(), 0  # losses by step, tokens trained on
     peak, peak_note = peak_flops(jax.devices()[0], cfg.compute_dtype)
     print(f"mtjax: {peak_note}; per-step records in {run_dir / 'metrics.jsonl'}", file=out, flush=True)
-    flops = model_flops_per_token(model.num_params(cfg), cfg.num_hidden_layers, exp.data.seq_len,
+    flops = model_flops_per_token(model.num_active_params(cfg), cfg.num_hidden_layers, exp.data.seq_len,
                                   cfg.num_attention_heads * cfg.head_dim)
     with Progress(run_dir, exp.run.steps, tokens_per_step, exp.run.log_every, first_step=first, stream=out,
                   tensorboard=exp.run.tensorboard, flops_per_token=flops, peak_flops=peak) as progress:

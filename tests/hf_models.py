@@ -29,6 +29,10 @@ FAMILIES = {
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
     "phi3": transformers.Phi3Config,
+    "mixtral": transformers.MixtralConfig,
+    "qwen2_moe": transformers.Qwen2MoeConfig,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
+    "olmoe": transformers.OlmoeConfig,
     "gemma2": transformers.Gemma2Config,
     "gemma3_text": transformers.Gemma3TextConfig,
     "gemma3": _gemma3_multimodal,
@@ -49,9 +53,31 @@ BASE = dict(
 )
 
 
+def hub_names(family: str, tensors: dict) -> dict:
+    """transformers 5's in-memory tensors (experts fused [E, ...]) under the names its
+    save_pretrained writes: one tensor per expert, Mixtral's MoE as block_sparse_moe.w1/w2/w3."""
+    out = {}
+    for name, t in tensors.items():
+        prefix, _, leaf = name.rpartition(".experts.")
+        if not prefix:
+            out[name.replace(".mlp.", ".block_sparse_moe.") if family == "mixtral" else name] = t
+            continue
+        if family == "mixtral":
+            prefix = prefix.replace(".mlp", ".block_sparse_moe")
+        gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        for e in range(t.shape[0]):
+            if leaf == "gate_up_proj":
+                half = t.shape[1] // 2
+                out[f"{prefix}.experts.{e}.{gate}.weight"] = t[e, :half]
+                out[f"{prefix}.experts.{e}.{up}.weight"] = t[e, half:]
+            else:
+                out[f"{prefix}.experts.{e}.{down}.weight"] = t[e]
+    return out
+
+
 def hf_config(family: str, **overrides):
     kwargs = {**BASE, **overrides}
-    if family in ("qwen3", "gemma2", "gemma3_text", "gemma3"):
+    if family in ("qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gemma3"):
         kwargs.setdefault("head_dim", 8)  # transformers' defaults are 128 and 256
     if family.startswith("gemma"):
         # Odd on purpose: a scale of head_dim ** -0.5 or a window of 4096 would pass unseen.

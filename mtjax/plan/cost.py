@@ -6,7 +6,8 @@ write, host memory) and the device bytes it holds. This module takes those bytes
 they are and prices them with a hardware profile's bandwidths; it adds what is not
 bytes moved: the FLOPs (each block runs forward twice, the pass and the recompute that
 builds its vjp, and backward once: 4 forward-equivalents, ~8 * params * tokens, plus
-attention), the host RAM and disk the run occupies, and the DMA's share of host memory
+attention; a MoE block's params are its active ones, k experts of E, while its bytes are
+all E), the host RAM and disk the run occupies, and the DMA's share of host memory
 traffic where the device is not the host.
 
 Stages run pipelined, so the step takes as long as its busiest resource plus the part
@@ -19,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from mtjax import parts
+from mtjax import model, parts
 from mtjax.config import StoreConfig, StreamConfig
-from mtjax.model_config import SLIDING, ModelConfig
+from mtjax.model_config import MOE, SLIDING, ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan.hardware import GiB, HardwareProfile
 from mtjax.stream.schedule import DevicePlan, Schedule, StateBytes, StepShape, describe
@@ -99,7 +100,7 @@ class Plan:
 
 def _keys_per_query(cfg: ModelConfig, kind: str, seq: int) -> float:
     """Average number of keys a query may see (causal, optionally windowed)."""
-    w = cfg.sliding_window if kind == SLIDING else None
+    w = cfg.sliding_window if kind.removesuffix(MOE) == SLIDING else None
     if not w or w >= seq:
         return (seq + 1) / 2
     return (w * (w + 1) / 2 + (seq - w) * w) / seq
@@ -113,8 +114,6 @@ def block_forward_flops(cfg: ModelConfig, kind: str, block_params: int, batch: i
     keys = seq if executed else _keys_per_query(cfg, kind, seq)
     attention = 4.0 * batch * seq * cfg.num_attention_heads * cfg.head_dim * keys  # QK^T and AV
     return matmuls + attention
-
-
 
 
 def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
@@ -131,8 +130,10 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     c_item = state.compute // num_params
 
     def forward(executed):
-        return sum(block_forward_flops(cfg, kind, pb[f"block.{i}"].compute // c_item, shape.batch, shape.seq, executed)
-                   for i, kind in enumerate(cfg.layer_types))
+        # A MoE block computes with its active parameters (k experts); its bytes are all of them.
+        return sum(block_forward_flops(cfg, kind, pb[f"block.{i}"].compute // c_item - model.inactive_params(cfg, kind),
+                                       shape.batch, shape.seq, executed)
+                   for i, kind in enumerate(cfg.layer_kinds))
 
     head_fwd = 2.0 * cfg.hidden_size * cfg.vocab_size * tokens
     # Blocks: forward, recompute forward, backward (2x) = 4 forwards; head: forward + backward.
@@ -140,8 +141,9 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     # dots all but its attention (the projections are kept; the elementwise rest is not counted).
     saved = 0.0
     for i in (i for g in s.saved for i in g):
-        params_i = pb[f"block.{i}"].compute // c_item
-        whole = block_forward_flops(cfg, cfg.layer_types[i], params_i, shape.batch, shape.seq)
+        kind = cfg.layer_kinds[i]
+        params_i = pb[f"block.{i}"].compute // c_item - model.inactive_params(cfg, kind)
+        whole = block_forward_flops(cfg, kind, params_i, shape.batch, shape.seq)
         saved += whole if s.remat == "none" else 2.0 * params_i * tokens
     flops = shape.accum * (4 * forward(True) - saved + 3 * head_fwd)
     model_flops = shape.accum * (3 * forward(False) + 3 * head_fwd)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import psutil
 
-from mtjax import parts
+from mtjax import model, parts
 from mtjax.model_config import ModelConfig
 from mtjax.plan.cost import block_forward_flops
 from mtjax.plan.hardware import HardwareProfile
@@ -129,8 +129,8 @@ def block_flops(cfg, batch: int, seq: int, repeats: int = 5) -> float:
     The median of `repeats` timings, not the best: a training step is disturbed by the
     machine's other work as often as the probe is, and on the shared 2-core machine the
     best of three ran 1.2-1.5x faster than the steps it was meant to price."""
-    kind = cfg.layer_types[0]
-    name = f"block.{cfg.layer_types.index(kind)}"
+    kind = cfg.layer_kinds[0]
+    name = f"block.{cfg.layer_kinds.index(kind)}"
     rng = np.random.default_rng(0)
     schema = parts.schema(cfg, name, "compute")
     w = {k: jnp.asarray(rng.normal(0, 0.02, v.shape).astype(v.dtype)) for k, v in schema.items()}
@@ -138,10 +138,10 @@ def block_flops(cfg, batch: int, seq: int, repeats: int = 5) -> float:
     fns = block_fns(cfg)
 
     def fwd_bwd():
-        jax.block_until_ready(fns.grad[kind](w, x, fns.forward[kind](w, x)))
+        jax.block_until_ready(fns.grad[kind](w, x, *fns.forward[kind](w, x)))  # the outputs as cotangents
 
     fwd_bwd()  # compile outside the timing
-    n = sum(math.prod(v.shape) for v in schema.values())
+    n = sum(math.prod(v.shape) for v in schema.values()) - model.inactive_params(cfg, kind)
     return 4 * block_forward_flops(cfg, kind, n, batch, seq) / statistics.median(_timings(fwd_bwd, repeats))
 
 

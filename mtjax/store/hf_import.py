@@ -27,7 +27,7 @@ SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 def locate(spec: hf.TensorSpec) -> tuple[str, str]:
     """(part name, leaf name) of a tensor, from its path in the params pytree."""
     if spec.path[0] == "blocks":
-        return f"block.{spec.path[1]}", ".".join(spec.path[2:])
+        return f"block.{spec.path[1]}", ".".join(map(str, spec.path[2:]))  # expert numbers are ints
     return spec.path[0], ".".join(spec.path[1:])
 
 

@@ -4,6 +4,10 @@ Every block of a kind shares one compiled forward, one recompute (forward that k
 the vjp residuals) and one backward; the embedding and the LM head have their own.
 The vjp residuals come back from the recompute as a pytree (`jax.vjp`'s function is
 one), so a recompute group can hold k blocks' residuals and walk them in reverse.
+
+A block's functions return (hidden, router statistics) and its backward takes the
+cotangents of both: the statistics are {} for a dense block; for a MoE block their
+cotangent carries the load-balancing loss's gradient (mtjax.moe, `aux`).
 Block functions take the micro-batch's document ids last (`segments`, None for plain
 rows: the same programs as without them); the head takes its counted targets.
 """
@@ -15,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mtjax import model, parts, treepath
+from mtjax import model, moe, parts, treepath
 from mtjax.loss import cross_entropy
 from mtjax.model_config import ModelConfig
 
@@ -41,6 +45,7 @@ class BlockFns:
         self.head = jax.jit(functools.partial(_head, cfg))
         self.head_loss = jax.jit(functools.partial(_head_loss, cfg))
         self.embed_backward = jax.jit(functools.partial(_embed_backward, cfg))
+        self.aux = jax.jit(functools.partial(_aux, cfg))
         # A part's gradient summed over micro-batches on the device, in fp32 (in place).
         self.grad_to_f32 = jax.jit(_to_f32)
         self.grad_add = jax.jit(_add_f32, donate_argnums=0)
@@ -55,11 +60,11 @@ def _add_f32(acc, grads):
 
 
 def _flat_forward(cfg: ModelConfig, kind: str):
-    """block_forward over the flat {leaf name: array} dicts that the stream moves."""
+    """block_forward_stats over the flat {leaf name: array} dicts that the stream moves."""
     template = model.abstract_block(cfg, kind)
 
     def fn(flat, x, segments=None):
-        return model.block_forward(cfg, kind, treepath.unflatten(template, flat), x, segments)
+        return model.block_forward_stats(cfg, kind, treepath.unflatten(template, flat), x, segments)
 
     return fn
 
@@ -70,21 +75,21 @@ def _embed(cfg: ModelConfig, w: dict, tokens):
 
 
 def _block(cfg: ModelConfig, kind: str, w: dict, x, segments=None):
-    """hidden [b, t, d] -> hidden [b, t, d]: the first forward, nothing kept."""
+    """hidden [b, t, d] -> (hidden [b, t, d], router stats): the first forward, nothing kept."""
     with jax.named_scope(f"block_{kind}"):
         return _flat_forward(cfg, kind)(w, x, segments)
 
 
 def _recompute(cfg: ModelConfig, kind: str, w: dict, x, segments=None):
-    """The second forward: (output, vjp) where vjp(dy) -> (dw, dx)."""
+    """The second forward: ((hidden, router stats), vjp) where vjp((dy, dstats)) -> (dw, dx)."""
     fn = _flat_forward(cfg, kind)
     with jax.named_scope(f"recompute_{kind}"):
         return jax.vjp(lambda w, x: fn(w, x, segments), w, x)
 
 
 def _save(cfg: ModelConfig, kind: str, policy: str, w: dict, x, segments=None):
-    """The one forward of a block whose vjp is kept: (output, vjp) keeping what `policy`
-    (model.REMAT_POLICIES) saves."""
+    """The one forward of a block whose vjp is kept: ((hidden, router stats), vjp) keeping
+    what `policy` (model.REMAT_POLICIES) saves; vjp((dy, dstats)) -> (dw, dx)."""
     fn = model.remat_block(_flat_forward(cfg, kind), policy)
     with jax.named_scope(f"save_{kind}"):
         return jax.vjp(lambda w, x: fn(w, x, segments), w, x)
@@ -94,11 +99,20 @@ def _backward(vjp, dy):
     return vjp(dy)
 
 
-def _grad(cfg: ModelConfig, kind: str, w: dict, x, dy, segments=None):
+def _grad(cfg: ModelConfig, kind: str, w: dict, x, dy, dstats, segments=None):
     """Recompute and backward of one block in one program (a recompute group of 1)."""
     fn = _flat_forward(cfg, kind)
     _, vjp = jax.vjp(lambda w, x: fn(w, x, segments), w, x)
-    return vjp(dy)
+    return vjp((dy, dstats))
+
+
+def _aux(cfg: ModelConfig, stats: list, tokens, weight):
+    """One micro-batch's load-balancing loss from its MoE layers' forward stats, and the
+    cotangent of every MoE block's stats: d(weight * coef * aux) / d(probs), the same for
+    all layers (mtjax.moe); counts carry no gradient."""
+    aux, dprobs = moe.aux_loss_and_cotangent(stats, tokens.size)
+    dprobs = dprobs * (weight * cfg.router_aux_loss_coef)
+    return aux, {"probs": dprobs, "counts": jnp.zeros_like(dprobs)}
 
 
 def _head_trees(cfg: ModelConfig, head: dict, embed: dict | None):

@@ -300,7 +300,7 @@ class StreamEngine:
         mbs, weights = self._inputs(batch, "evaluation")
         feed = Prefetcher(self.schedule.forward, self._load, self.options.prefetch_depth)
         try:
-            xs, _, _ = self._forward(feed, mbs, keep=False)
+            xs, _, _, _ = self._forward(feed, mbs, keep=False)
             (head_slot, head_w), tied = self._take_head(feed)
             losses = [self.fns.head_loss(head_w, tied[1], x, mb.tokens, mb.targets) for x, mb in zip(xs, mbs)]
             for slot in (head_slot, tied[0]):
@@ -327,7 +327,7 @@ class StreamEngine:
         self.updater.wait_writes()
         feed = Prefetcher(self.schedule.transfers, self._load, self.options.prefetch_depth)
         try:
-            losses = self._train_pass(feed, mbs, [float(w) for w in weights])
+            losses, auxes = self._train_pass(feed, mbs, [float(w) for w in weights])
         except BaseException:
             self.grads.discard()  # a failed step's partial sums must not reach the next step
             self.resident.drop()
@@ -356,6 +356,8 @@ class StreamEngine:
         self.updater.ready(scale)  # the updates start (one-copy: at the commit)
         self.resident.update(scale)  # on the device, now: its state is in no store until a commit
         metrics = {"loss": loss, "grad_norm": math.sqrt(norm_sq)}
+        if self.cfg.moe_layers:  # the load-balancing loss, in "loss" times router_aux_loss_coef
+            metrics["aux_loss"] = float(np.dot([float(a) for a in auxes], weights))  # weighted as "loss" is
         if self.tiers.kinds_in("disk"):
             # Disk bandwidth over the step's wall time: state and gradient bytes moved meanwhile.
             seconds, (read1, written1) = time.perf_counter() - start, self._io_bytes()
@@ -386,9 +388,9 @@ class StreamEngine:
 
     def _forward(self, feed: Prefetcher, mbs: list, keep: bool):
         """Embedding and blocks over every micro-batch (documents.Inputs on the device),
-        part by part; for training when `keep`: (last hidden states, per micro-batch
-        {block index: kept input, ("vjp", block index): vjp kept by a saved group},
-        resident (slot, weights) or None)."""
+        part by part: (last hidden states, per micro-batch the router stats of each MoE
+        block, and for training when `keep`: per micro-batch {block index: kept input,
+        ("vjp", block index): vjp kept by a saved group}, resident (slot, weights) or None)."""
         fns, pool, trace, s = self.fns, self.pool, self.tracer, self.schedule
         starts = {g.start for g in self.groups if g not in s.saved} if keep else set()
         saved = {i for g in s.saved for i in g} if keep else set()
@@ -398,17 +400,21 @@ class StreamEngine:
         trace.watch("compute", "embed", xs)
         pool.release(slot, xs)  # weights dropped as soon as the part is done
         kept = [{0: self._keep(x)} if 0 in starts else {} for x in xs]
-        for i, kind in enumerate(self.cfg.layer_types):
+        stats = [[] for _ in xs]
+        for i, kind in enumerate(self.cfg.layer_kinds):
             slot, w = self._take(feed, f"block.{i}")
             if i in saved:  # its one forward, keeping what the backward needs
                 outs = [fns.save[s.remat][kind](w, x, mb.segments) for x, mb in zip(xs, mbs)]
-                xs = [y for y, _ in outs]
                 for k, (_, vjp) in zip(kept, outs):
                     self.ledger.hold(self._saved_bytes[kind], "residuals kept from the forward", "saved")
                     k["vjp", i] = vjp
-                del outs
+                outs = [y for y, _ in outs]
             else:
-                xs = [fns.forward[kind](w, x, mb.segments) for x, mb in zip(xs, mbs)]
+                outs = [fns.forward[kind](w, x, mb.segments) for x, mb in zip(xs, mbs)]
+            xs = [y for y, _ in outs]
+            for per_batch, (_, st) in zip(stats, outs):
+                per_batch += [st] if st else []
+            del outs
             trace.watch("compute", f"block.{i}", xs)
             if keep and self.schedule.last_stays and i == self.cfg.num_hidden_layers - 1:
                 resident = slot, w  # the backward starts with this block
@@ -417,7 +423,7 @@ class StreamEngine:
             if i + 1 in starts:
                 for k, x in zip(kept, xs):
                     k[i + 1] = self._keep(x)
-        return xs, kept, resident
+        return xs, stats, kept, resident
 
     def _take_head(self, feed: Prefetcher):
         """The head's (slot, weights), and the embedding's when tied (else (None, None))."""
@@ -428,14 +434,19 @@ class StreamEngine:
         """Forward and backward of every micro-batch, one part at a time: each part's
         weights cross to the device once per step, and its gradient is summed over the
         micro-batches on the device, then leaves once. Micro-batch i's loss gradient is
-        scaled by weights[i] (its share of the step's loss). Returns the micro-batch losses."""
+        scaled by weights[i] (its share of the step's loss), and so is the gradient of its
+        load-balancing loss (mtjax.moe), which enters each MoE block's backward as the
+        cotangent of its router stats. Returns the micro-batch training losses and
+        load-balancing losses."""
         fns, pool, trace = self.fns, self.pool, self.tracer
-        xs, kept, resident = self._forward(feed, mbs, keep=True)
+        xs, stats, kept, resident = self._forward(feed, mbs, keep=True)
+        auxes, dstats = zip(*(fns.aux(st, mb.tokens, weight) if st else (0.0, {})
+                              for st, mb, weight in zip(stats, mbs, weights)))
         (head_slot, head_w), tied = self._take_head(feed)
         losses, dxs, dhead, dembed = [], [], None, None
-        for x, mb, weight in zip(xs, mbs, weights):
+        for x, mb, weight, aux in zip(xs, mbs, weights, auxes):
             loss, dh, de, dx = fns.head(head_w, tied[1], x, mb.tokens, weight, mb.targets)
-            losses.append(loss)
+            losses.append(loss + self.cfg.router_aux_loss_coef * aux if self.cfg.moe_layers else loss)
             dxs.append(dx)
             dhead = self._sum(dhead, dh, len(mbs))
             dembed = self._sum(dembed, de, len(mbs)) if tied[1] is not None else None
@@ -448,10 +459,10 @@ class StreamEngine:
 
         for group in reversed(self.groups):
             if group in self.schedule.saved:
-                dxs = self._backward_saved(group, kept, dxs)
+                dxs = self._backward_saved(group, kept, dxs, dstats)
             else:
                 xs = [self._unkeep(k.pop(group.start)) for k in kept]
-                dxs = self._backward_group(feed, group, xs, dxs, [mb.segments for mb in mbs], resident)
+                dxs = self._backward_group(feed, group, xs, dxs, dstats, [mb.segments for mb in mbs], resident)
             resident = None
         de = None
         for mb, dx in zip(mbs, dxs):
@@ -460,7 +471,7 @@ class StreamEngine:
             de = fns.grad_add(fns.grad_to_f32(dembed), de)
         trace.watch("compute", "embed", de)
         self._add_grad("embed", de)
-        return losses
+        return losses, auxes
 
     def _add_grad(self, part: str, grads: dict) -> None:
         """A part's summed gradient of the step: to the host, or kept on the device (resident)."""
@@ -473,34 +484,36 @@ class StreamEngine:
             return grads
         return self.fns.grad_to_f32(grads) if acc is None else self.fns.grad_add(acc, grads)
 
-    def _backward_group(self, feed: Prefetcher, group: range, xs: list, dxs: list, segments: list,
+    def _backward_group(self, feed: Prefetcher, group: range, xs: list, dxs: list, dstats: list, segments: list,
                         resident=None) -> list:
         """Recompute the group's blocks from their kept inputs, then walk them back, one
         micro-batch at a time with the group's weights on the device; returns the
-        gradients w.r.t. the group's inputs. `segments`: each micro-batch's document ids
-        (or None). `resident`: the group's (one) block is still on the device from the forward."""
-        fns, kinds, count = self.fns, self.cfg.layer_types, len(xs)
+        gradients w.r.t. the group's inputs. `dstats`: per micro-batch, the cotangent of
+        every MoE block's router stats. `segments`: each micro-batch's document ids (or
+        None). `resident`: the group's (one) block is still on the device from the forward."""
+        fns, kinds, count = self.fns, self.cfg.layer_kinds, len(xs)
+        moe = set(self.cfg.moe_layers)
         if len(group) == 1:  # recompute and backward fused in one program
             i = group.start
             slot, w = resident or self._take(feed, f"block.{i}")
             acc, out = None, []
-            for x, dx, seg in zip(xs, dxs, segments):
-                dw, dx = fns.grad[kinds[i]](w, x, dx, seg)
+            for x, dx, ds, seg in zip(xs, dxs, dstats, segments):
+                dw, dx = fns.grad[kinds[i]](w, x, dx, ds if i in moe else {}, seg)
                 acc = self._sum(acc, dw, count)
                 out.append(dx)
             self._finish_block(i, slot, acc, out)
             return out
         held = [(i, *self._take(feed, f"block.{i}")) for i in group]
         accs, out = dict.fromkeys(group), []
-        for x, dx, seg in zip(xs, dxs, segments):
+        for x, dx, ds, seg in zip(xs, dxs, dstats, segments):
             vjps = []
             for i, _, w in held:
-                x, vjp = fns.recompute[kinds[i]](w, x, seg)
+                (x, _), vjp = fns.recompute[kinds[i]](w, x, seg)
                 self.ledger.hold(self._residual_bytes, "recompute residuals", "residuals")
                 vjps.append((i, vjp))
             while vjps:
                 i, vjp = vjps.pop()
-                dw, dx = fns.backward(vjp, dx)
+                dw, dx = fns.backward(vjp, (dx, ds if i in moe else {}))
                 del vjp
                 self.ledger.free(self._residual_bytes, "residuals")
                 accs[i] = self._sum(accs[i], dw, count)
@@ -510,14 +523,16 @@ class StreamEngine:
             self._finish_block(i, slot, accs[i], out)
         return out
 
-    def _backward_saved(self, group: range, kept: list, dxs: list) -> list:
+    def _backward_saved(self, group: range, kept: list, dxs: list, dstats: list) -> list:
         """A saved group's backward from the vjps its forward kept (resident blocks: no
-        weights to fetch, nothing recomputed beyond what the remat policy dropped)."""
-        kinds, count = self.cfg.layer_types, len(dxs)
+        weights to fetch, nothing recomputed beyond what the remat policy dropped); a MoE
+        block's vjp takes its router stats' cotangent too, as in `_backward_group`."""
+        kinds, count = self.cfg.layer_kinds, len(dxs)
+        moe = set(self.cfg.moe_layers)
         accs, out = dict.fromkeys(group), []
-        for k, dx in zip(kept, dxs):
+        for k, dx, ds in zip(kept, dxs, dstats):
             for i in reversed(group):
-                dw, dx = self.fns.backward(k.pop(("vjp", i)), dx)
+                dw, dx = self.fns.backward(k.pop(("vjp", i)), (dx, ds if i in moe else {}))
                 self.ledger.free(self._saved_bytes[kinds[i]], "saved")
                 accs[i] = self._sum(accs[i], dw, count)
             out.append(dx)

@@ -111,7 +111,7 @@ class StreamSampler:
         if not tied:
             self.pool.release(embed_slot, x)
         start = jnp.int32(start)
-        for i, kind in enumerate(self.cfg.layer_types):
+        for i, kind in enumerate(self.cfg.layer_kinds):
             name, slot = prefetch.get()  # waits only if the read of this part is still running
             x, caches[i] = block_fn[kind](self.pool.put(slot, name), x, caches[i], start)
             self.pool.release(slot, x)  # x's program read the slot: its buffer is free once x is ready

@@ -279,7 +279,7 @@ def residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int, policy: st
     whatever the attention implementation saves, e.g. [batch, heads, seq, seq] scores.
     `policy`: the block under that model.REMAT_POLICIES entry ("none": the plain block,
     as a recompute keeps it; "dots": its projections and inputs)."""
-    name = f"block.{cfg.layer_types.index(kind)}"
+    name = f"block.{cfg.layer_kinds.index(kind)}"
     weights = parts.schema(cfg, name, "compute")
     template = parts.abstract_part(cfg, name)
     x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype))
@@ -419,7 +419,7 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
         head=3 * shape.batch * shape.seq * cfg.vocab_size * 4,
         working=(3 + shape.accum) * hidden + 2 * max(grad.values()) + sums,
         resident=sum(pb[p].compute + 2 * pb[p].master + pb[p].opt for p in resident),
-        saved=shape.accum * sum(residual_bytes(cfg, cfg.layer_types[i], shape.batch, shape.seq, remat)
+        saved=shape.accum * sum(residual_bytes(cfg, cfg.layer_kinds[i], shape.batch, shape.seq, remat)
                                 for g in saved for i in g),
     )
 

@@ -1,0 +1,151 @@
+"""mtjax's mixtures of experts equal transformers' on the same weights, and their
+checkpoints go in and out unchanged.
+
+Per MoE family a tiny random transformers model (1-D parameters perturbed, 16 experts of
+which 2 are picked, so some are unrouted in the batch) is saved with `save_pretrained`
+(which writes one tensor per expert), loaded with `mtjax.load_params` and compared in
+fp32: logits, the training loss with the load-balancing term (transformers'
+`output_router_logits=True`), and the gradient of every tensor, routers included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file
+
+import hf_models
+import mtjax
+from mtjax import hf
+from mtjax.reference import loss_terms
+from mtjax.store.hf_export import export_hf
+from mtjax.store.hf_import import import_hf
+
+pytestmark = pytest.mark.slow  # transformers + torch models side by side
+
+BATCH, SEQ = 2, 6
+MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.05)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    family: str
+    overrides: dict
+    moe_layers: tuple[int, ...]
+
+
+CASES = [
+    Case("mixtral", "mixtral", dict(num_local_experts=16, intermediate_size=24, **MOE), (0, 1)),
+    Case("qwen2-moe-shared", "qwen2_moe", dict(num_experts=16, moe_intermediate_size=24,
+                                               shared_expert_intermediate_size=40, **MOE), (0, 1)),
+    Case("qwen3-moe-norm-dense-1", "qwen3_moe", dict(num_experts=16, moe_intermediate_size=24, norm_topk_prob=True,
+                                                     num_hidden_layers=3, mlp_only_layers=[1], **MOE), (0, 2)),
+    Case("qwen3-moe-step2", "qwen3_moe", dict(num_experts=16, moe_intermediate_size=24, norm_topk_prob=False,
+                                              num_hidden_layers=3, decoder_sparse_step=2, **MOE), (1,)),
+    # pad_token_id None: transformers freezes the padding row of the embedding, mtjax does not.
+    Case("olmoe", "olmoe", dict(num_experts=16, pad_token_id=None, **MOE), (0, 1)),
+]
+
+
+@dataclasses.dataclass
+class Result:
+    cfg: mtjax.ModelConfig
+    params: dict
+    tokens: np.ndarray
+    torch_model: object
+    hf_logits: np.ndarray
+    hf_loss: float
+    hf_grads: dict  # hub tensor name -> gradient
+    router_logits: list
+    ckpt: Path
+
+
+_RESULTS: dict[str, Result] = {}
+
+
+@pytest.fixture(params=CASES, ids=[c.id for c in CASES])
+def case(request, tmp_path_factory) -> tuple[Case, Result]:
+    c: Case = request.param
+    if c.id not in _RESULTS:
+        ckpt, torch_model = hf_models.checkpoint(tmp_path_factory.mktemp(c.id), c.family, **c.overrides)
+        tokens = np.random.default_rng(0).integers(0, hf_models.BASE["vocab_size"], (BATCH, SEQ))
+        ids = torch.as_tensor(tokens)
+        out = torch_model(input_ids=ids, labels=ids, output_router_logits=True)
+        out.loss.backward()
+        grads = hf_models.hub_names(c.family, {n: p.grad.numpy().copy() for n, p in torch_model.named_parameters()})
+        cfg, params = mtjax.load_params(ckpt)
+        _RESULTS[c.id] = Result(cfg, params, tokens, torch_model, out.logits.detach().numpy(), out.loss.item(), grads,
+                                [r.detach().numpy() for r in out.router_logits], ckpt)
+    return c, _RESULTS[c.id]
+
+
+def test_checkpoint_is_the_case_asked_for(case):
+    """Guards the other tests: the layers asked to be MoE are, and some experts get no token."""
+    c, r = case
+    assert r.cfg.moe_layers == c.moe_layers and r.cfg.num_experts == 16
+    assert r.cfg.shared_expert_intermediate_size == c.overrides.get("shared_expert_intermediate_size", 0)
+    names = hf.SafetensorsReader(r.ckpt).names()
+    assert any(".experts.15." in n for n in names)  # one tensor per expert on disk
+    assert len(r.router_logits) == len(c.moe_layers)
+    unrouted = [16 - len(set(np.argsort(-lg, axis=-1)[:, :2].ravel())) for lg in r.router_logits]
+    assert all(n > 0 for n in unrouted), unrouted
+
+
+def test_logits_match(case):
+    _, r = case
+    logits = np.asarray(mtjax.forward(r.cfg, r.params, jnp.asarray(r.tokens)))
+    scale = np.abs(r.hf_logits).max()
+    assert np.abs(logits - r.hf_logits).max() <= 1e-5 * scale
+
+
+def test_loss_with_the_load_balancing_term_matches(case):
+    _, r = case
+    loss, aux = loss_terms(r.cfg, r.params, jnp.asarray(r.tokens), remat=False)
+    assert abs(float(loss) - r.hf_loss) <= 1e-6 * abs(r.hf_loss), (float(loss), r.hf_loss)
+    assert r.cfg.router_aux_loss_coef * float(aux) > 1e-3 * r.hf_loss  # the term is not negligible here
+
+
+def test_every_gradient_matches(case):
+    _, r = case
+    grads = jax.jit(jax.grad(lambda p, t: mtjax.loss_fn(r.cfg, p, t, remat=False)))(r.params, jnp.asarray(r.tokens))
+    specs = hf.layout(r.cfg)
+    assert {s.hf_name for s in specs} == set(r.hf_grads)
+    bad = {}
+    for spec in specs:
+        ours = hf.to_hf(spec, np.asarray(hf.get_path(grads, spec.path)))
+        theirs = r.hf_grads[spec.hf_name]
+        if not np.any(theirs):  # an unrouted expert: exactly zero on both sides
+            ok = not np.any(ours)
+        else:
+            ok = np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) <= 1e-4
+        if not ok:
+            bad[spec.hf_name] = float(np.abs(ours - theirs).max())
+    assert not bad, f"gradients off: {bad}"
+    assert any(".gate." in s.hf_name for s in specs)  # the routers are among them
+
+
+def test_export_is_bit_exact_and_reloads_in_transformers(case, tmp_path):
+    """From params and through a layer store (one array per expert): the same files."""
+    _, r = case
+    mtjax.save_params(r.cfg, r.params, tmp_path / "out")
+    import_hf(r.ckpt, tmp_path / "store", compute_dtype="float32")
+    export_hf(tmp_path / "store", tmp_path / "via-store")
+    source = load_file(str(r.ckpt / hf.SINGLE_FILE))
+    for out in ("out", "via-store"):
+        ours = load_file(str(tmp_path / out / hf.SINGLE_FILE))
+        assert set(ours) == set(source)
+        for name, array in source.items():
+            assert ours[name].dtype == array.dtype and ours[name].tobytes() == array.tobytes(), (out, name)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager",
+                                                                 dtype=torch.float32)
+    ids = torch.as_tensor(r.tokens)
+    with torch.no_grad():
+        np.testing.assert_array_equal(reloaded(input_ids=ids).logits.numpy(), r.torch_model(input_ids=ids).logits.numpy())
