@@ -172,9 +172,9 @@ def _batches():
 def _poison_reference(monkeypatch):
     real = reference_mod._accumulated_grads
 
-    def poisoned(cfg, params, micro_batches, *remat):
-        loss, grads = real(cfg, params, micro_batches, *remat)
-        bad = micro_batches[0, 0, 0] == SENTINEL
+    def poisoned(cfg, params, inputs, *rest):
+        loss, grads = real(cfg, params, inputs, *rest)
+        bad = inputs.tokens[0, 0, 0] == SENTINEL
         blocks = list(grads["blocks"])
         blocks[1] = jax.tree.map(lambda g: jnp.where(bad, jnp.inf * g - jnp.inf * g, g), blocks[1])  # NaN
         return loss, {**grads, "blocks": blocks}
