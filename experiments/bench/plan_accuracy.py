@@ -88,7 +88,10 @@ def child_train(a) -> None:
         if a.tier == "disk":
             harness.drop_page_cache(Path(a.dir))
         t0 = time.perf_counter()
-        engine.step(tokens)  # returns floats: the step has finished
+        engine.step(tokens)
+        # The host update of the step's last parts runs on after step() returns; it is part
+        # of the step's cost, and a probe run beside it would measure the update's load.
+        engine.flush()
         if i:  # step 0 compiles
             times.append(time.perf_counter() - t0)
         peak = max(peak, harness.peak_rss())
@@ -167,7 +170,7 @@ def main() -> None:
         f"run (`probe.disk_bandwidth`, 512 MiB; the rates drift 2x with other jobs). Runtime RSS: a fresh process "
         f"after one tiny engine step (`probe.runtime_rss`), {hw.runtime_bytes / 2**20:.0f} MiB. StreamEngine: k = 1, prefetch depth 2, every kind of state in the "
         f"tier shown (disk: page cache dropped before each step), vocab 8192, median of {args.steps} steps after one "
-        f"warm-up; each model in fresh processes, peak RSS = VmHWM of the training process (experiments/bench/harness.py).",
+        f"warm-up, each timed up to the end of its host update (`engine.flush()`, before the probe); each model in fresh processes, peak RSS = VmHWM of the training process (experiments/bench/harness.py).",
         "",
         "| model (blocks x width, batch x seq x micro-batches) | block GFLOP/s | disk read / write at the run (GB/s) "
         "| predicted step, generic (s) | predicted step, "
