@@ -15,7 +15,8 @@ import pytest
 
 import mtjax.store
 from mtjax import model, parts
-from mtjax.config import StoreConfig, StreamConfig
+from mtjax.batch import Batch
+from mtjax.config import DataConfig, StoreConfig, StreamConfig
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate
@@ -184,6 +185,24 @@ def test_engine_moves_what_the_schedule_says(tmp_path, where, accum, keep_every,
     engine.close()
     if store is not None:
         store.close()
+
+
+def test_a_packed_step_sends_its_document_ids_and_targets_as_described():
+    """Chat data's micro-batches carry document ids and counted targets beside the tokens:
+    the description prices them, and the engine sends exactly that."""
+    engine = StreamEngine(CFG, model.init_params(CFG, seed=0), OPT, StreamConfig(keep_every=1))
+    counts = Counts()
+    instrument(engine, counts)
+    accum = 2
+    tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (accum, BATCH, SEQ), dtype=np.int32)
+    segments = np.repeat(np.array([1] * (SEQ // 2) + [2] * (SEQ - SEQ // 2), np.int32)[None, None], accum * BATCH,
+                         axis=0).reshape(accum, BATCH, SEQ)
+    counts.order.append([])
+    engine.step(Batch(tokens, np.ones(tokens.shape, bool), segments))
+    engine.close()
+    s = engine.plan(BATCH, SEQ, accum, documents=True)
+    assert counts.bytes["h2d_tokens"] == s.traffic.h2d_tokens > engine.plan(BATCH, SEQ, accum).traffic.h2d_tokens
+    assert StepShape.of(dataclasses.replace(DataConfig(), format="chat")).documents
 
 
 def test_transfers_and_device_plan_follow_the_knobs():

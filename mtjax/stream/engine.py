@@ -250,18 +250,19 @@ class StreamEngine:
         """Recompute groups: block ranges whose first input is kept."""
         return schedule_mod.groups(self.cfg.num_hidden_layers, self.options.keep_every)
 
-    def plan(self, batch: int, seq: int, accum: int = 1) -> schedule_mod.Schedule:
-        """The schedule of a step of `accum` micro-batches of [batch, seq] (mtjax.stream.schedule)."""
-        shape = schedule_mod.StepShape(batch, seq, accum)
+    def plan(self, batch: int, seq: int, accum: int = 1, documents: bool = False) -> schedule_mod.Schedule:
+        """The schedule of a step of `accum` micro-batches of [batch, seq], packed documents
+        or not (mtjax.stream.schedule)."""
+        shape = schedule_mod.StepShape(batch, seq, accum, documents)
         if shape not in self._schedules:
             self._schedules[shape] = schedule_mod.describe(self.cfg, self.options, self.placement_config, shape,
                                                            self.tx, fused=self.update.fused is not None)
         return self._schedules[shape]
 
-    def check_budget(self, batch: int, seq: int, accum: int = 1) -> None:
+    def check_budget(self, batch: int, seq: int, accum: int = 1, documents: bool = False) -> None:
         """Raise DeviceBudgetError (before anything runs) when the run cannot fit; from
         here on the ledger holds the step to this schedule's device plan."""
-        self.schedule = s = self.plan(batch, seq, accum)
+        self.schedule = s = self.plan(batch, seq, accum, documents)
         self.ledger.enforce(s.device, schedule_mod.check_budget(s.device, self.options.device_budget_bytes))
         self._residual_bytes = s.device.residuals // max(len(g) for g in s.groups)  # one block's
         self._saved_bytes = {kind: schedule_mod.residual_bytes(self.cfg, kind, batch, seq, s.remat)
@@ -291,7 +292,7 @@ class StreamEngine:
         """The micro-batches' device inputs (each put on the device once, tokens with their
         document ids and counted targets) and their weights in the loss."""
         inputs, weights = documents.step_inputs(batch, what)
-        self.check_budget(*inputs.tokens.shape[1:], accum=len(weights))  # before anything changes
+        self.check_budget(*inputs.tokens.shape[1:], accum=len(weights), documents=inputs.segments is not None)
         return [self.placement.tokens(inputs.micro(i)) for i in range(len(weights))], weights
 
     def eval_loss(self, batch) -> float:

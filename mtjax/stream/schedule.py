@@ -45,6 +45,7 @@ from mtjax.stream import fused_adamw
 from mtjax.stream.budget import DeviceBudgetError
 
 TOKEN_BYTES = 4  # int32 token ids
+DOCUMENT_BYTES = 4 + 1  # per token of a packed batch: its int32 document id and bool "counted target"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +55,12 @@ class StepShape:
     batch: int  # sequences per micro-batch
     seq: int  # tokens per sequence
     accum: int = 1  # micro-batches per step
+    documents: bool = False  # micro-batches carry document ids and counted targets (chat data)
 
     @classmethod
     def of(cls, data) -> StepShape:
         """The shape a `mtjax.config.DataConfig` asks for (validated there)."""
-        return cls(data.batch_size, data.seq_len, data.grad_accum)
+        return cls(data.batch_size, data.seq_len, data.grad_accum, documents=data.format != "text")
 
     @property
     def tokens(self) -> int:
@@ -103,7 +105,7 @@ class Traffic:
     """Bytes over each link in one step, by what moves."""
 
     h2d_weights: int  # compute weights of every transfer
-    h2d_tokens: int  # int32 token ids of every micro-batch
+    h2d_tokens: int  # int32 token ids of every micro-batch (with their document ids and targets)
     h2d_activations: int  # kept block inputs coming back for the backward (activations=host)
     d2h_grads: int  # each part's summed gradient, once
     d2h_activations: int  # kept block inputs going out to host memory (activations=host)
@@ -347,7 +349,7 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
 
     traffic = Traffic(
         h2d_weights=h2d_weights,
-        h2d_tokens=shape.accum * shape.batch * shape.seq * TOKEN_BYTES,
+        h2d_tokens=shape.tokens * (TOKEN_BYTES + (DOCUMENT_BYTES if shape.documents else 0)),
         h2d_activations=kept if on_host else 0,
         d2h_grads=sum(g for p, g in grad.items() if p in streamed),
         d2h_activations=kept if on_host else 0,
