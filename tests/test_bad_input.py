@@ -132,6 +132,18 @@ def test_numbers_out_of_range(work):
     ])
 
 
+def test_residency_document_and_chat_choices(work):
+    """The settings this stop added: device residency, the raw data's format, --chat."""
+    stream = ["train", *TINY, "--run.dir=r2", "--stream.engine=stream"]
+    run_cases(work, [
+        ([*stream, "--stream.resident=bogus"], "stream.resident names ['bogus'], which this model does not have"),
+        ([*stream, "--stream.resident=-2"], "stream.resident must be auto, none, all, a count >= 0"),
+        ([*stream, "--stream.remat=most"], "stream.remat must be one of auto, full, dots, none, got 'most'"),
+        (["train", *TINY, "--run.dir=r2", "--data.format=yaml"], "data.format must be one of text, chat"),
+        (["generate", "run/final", "--chat", "--prompt", "hi"], "has none"),
+    ])
+
+
 def test_messages_point_the_right_way(work):
     run_cases(work, [
         (["eval", "/nonexistent", "ds"], "no store or checkpoint at /nonexistent (it does not exist)"),
