@@ -33,6 +33,13 @@ __all__ = [
 
 
 # Used by the dataclasses' own checks, so defined before them.
+def check_batch_split(batch_size: int, devices: int) -> None:
+    """One line when a micro-batch of `batch_size` rows does not split evenly over `devices`."""
+    if batch_size % devices:
+        raise ConfigError(f"data.batch_size {batch_size} does not split over {devices} devices (stream.devices): "
+                          f"use a multiple of {devices}, or set stream.devices to a divisor of {batch_size}")
+
+
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
@@ -115,6 +122,9 @@ class StreamConfig:
     # forward's projections, model.REMAT_POLICIES) or none (keep every residual: no
     # recompute). auto: the planner's choice with stream.resident (an engine built directly: full).
     remat: str = "auto"  # what resident blocks keep for the backward: auto | full | dots | none
+    # Data parallel over this process's devices (mtjax.stream.mesh): weights on every one,
+    # each micro-batch's rows split over them, gradients summed there, one update on the host.
+    devices: int | str = "all"  # devices the step runs on: all (every local device) | N (the first N)
 
     def __post_init__(self):
         _check_choice("stream.engine", self.engine, ("reference", "stream"))
@@ -122,6 +132,9 @@ class StreamConfig:
         _check_choice("stream.remat", self.remat, ("auto", "full", "dots", "none"))
         if self.prefetch_depth < 1 or self.keep_every < 0:
             raise ConfigError("stream.prefetch_depth must be >= 1 and stream.keep_every >= 0")
+        d = self.devices
+        if d != "all" and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ConfigError(f"stream.devices must be all or a device count >= 1, got {d!r}")
         r = self.resident
         if isinstance(r, str) and r not in ("auto", "none", "all"):
             r = tuple(p.strip() for p in r.split(",") if p.strip())  # "embed,block.0" from a command line
@@ -195,6 +208,10 @@ class ExperimentConfig:
     optim: OptimConfig = OptimConfig(lr=4e-3, warmup_steps=20, decay_steps=280, weight_decay=0.1)
     data: DataConfig = DataConfig()
     run: RunConfig = RunConfig()
+
+    def __post_init__(self):
+        if isinstance(self.stream.devices, int):  # "all" is checked once the devices are known
+            check_batch_split(self.data.batch_size, self.stream.devices)
 
     def to_dict(self) -> dict:
         """Plain nested dict (YAML-ready); model overrides appear as model.<field>."""

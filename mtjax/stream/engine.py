@@ -39,6 +39,7 @@ from mtjax.stream import schedule as schedule_mod
 from mtjax.stream.blockfns import block_fns
 from mtjax.stream.commit import OneCopy
 from mtjax.stream.grads import GradSink
+from mtjax.stream.mesh import DeviceMesh
 from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.resident import Resident
 from mtjax.stream.staging import Placement, StagingPool, raise_host_memory_limit
@@ -96,7 +97,8 @@ class StreamEngine:
         self.parts = parts_mod.parts(cfg)
         self.schemas = {p.name: parts_mod.schema(cfg, p.name, "compute") for p in self.parts}
         self.fns = block_fns(cfg)
-        self.placement = Placement(device)
+        # `device`: that one device; otherwise data parallel over `stream.devices`.
+        self.placement = Placement(mesh=DeviceMesh([device]) if device is not None else DeviceMesh.local(stream.devices))
         self.tracer = Tracer(trace_steps)
         self.ledger = budget_mod.DeviceLedger(0)
         # Slots per shape: the parts staged ahead, those in use (a recompute group, or
@@ -256,7 +258,8 @@ class StreamEngine:
         shape = schedule_mod.StepShape(batch, seq, accum, documents)
         if shape not in self._schedules:
             self._schedules[shape] = schedule_mod.describe(self.cfg, self.options, self.placement_config, shape,
-                                                           self.tx, fused=self.update.fused is not None)
+                                                           self.tx, fused=self.update.fused is not None,
+                                                           devices=self.placement.mesh.count)
         return self._schedules[shape]
 
     def check_budget(self, batch: int, seq: int, accum: int = 1, documents: bool = False) -> None:
@@ -265,7 +268,7 @@ class StreamEngine:
         self.schedule = s = self.plan(batch, seq, accum, documents)
         self.ledger.enforce(s.device, schedule_mod.check_budget(s.device, self.options.device_budget_bytes))
         self._residual_bytes = s.device.residuals // max(len(g) for g in s.groups)  # one block's
-        self._saved_bytes = {kind: schedule_mod.residual_bytes(self.cfg, kind, batch, seq, s.remat)
+        self._saved_bytes = {kind: schedule_mod.residual_bytes(self.cfg, kind, s.device_batch, seq, s.remat)
                              for kind in self.cfg.block_kinds} if s.saved else {}
         if self.ledger.held_by_use["resident"] == 0 and self.resident:
             self.ledger.hold(self.resident.nbytes, "the resident parts' state", "resident")
@@ -378,13 +381,13 @@ class StreamEngine:
     def _keep(self, x):
         if self.options.activations == "host":
             return self.placement.stash(x)
-        self.ledger.hold(x.nbytes, "a kept activation", "activations")
+        self.ledger.hold(self.placement.mesh.share(x.nbytes), "a kept activation", "activations")
         return x
 
     def _unkeep(self, x):
         if self.options.activations == "host":
             return self.placement.unstash(x)
-        self.ledger.free(x.nbytes, "activations")
+        self.ledger.free(self.placement.mesh.share(x.nbytes), "activations")
         return x
 
     def _forward(self, feed: Prefetcher, mbs: list, keep: bool):

@@ -4,7 +4,8 @@
     s.transfers          # parts in the order they cross to the device: ("embed", "block.0", ...)
     s.traffic.h2d        # bytes host -> device in one step; also d2h, disk_read, disk_write, host_memory
     s.spill              # where gradients wait for their update: None, "scratch" or "pending"
-    s.device.total       # device bytes at the peak, by use (DevicePlan)
+    s.device.total       # device bytes at the peak on each device, by use (DevicePlan)
+    s.allreduce          # {part: gradient bytes summed across the devices in one step} (several devices)
 
 The engine streams `transfers` and holds what `device` allows (its ledger enforces each
 use), the planner (mtjax.plan.cost) prices `traffic` with a machine's bandwidths, and the
@@ -26,6 +27,15 @@ Resident parts (`stream.resident`, `resident`) keep their whole state on the dev
 across steps and are updated there: they cross no link and touch no disk in a step; only
 a commit brings their state to the host (every step with a one-copy store, so there it is
 step traffic, `d2h_resident`; otherwise at each checkpoint, `commit_bytes`).
+
+Over `devices` devices (data parallel, mtjax.stream.mesh) every transfer puts a whole
+copy of the part on each device (`h2d_weights` counts each copy; on the CPU backend the
+copies alias the staging buffer, like one device's), each micro-batch's rows are split
+over them (tokens and kept activations cross once in all), and every program that makes
+a weight gradient sums it over the devices by an all-reduce before it leaves the program:
+once per micro-batch and part, `allreduce`. The gradient then leaves once, from one
+device, and the host update runs once. The device plan is each device's: its share of
+the rows, all of the weights.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ import jax
 import numpy as np
 
 from mtjax import model, parts, treepath
-from mtjax.config import StoreConfig, StreamConfig
+from mtjax.config import StoreConfig, StreamConfig, check_batch_split
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig
 from mtjax.stream import fused_adamw
@@ -104,7 +114,7 @@ class DevicePlan:
 class Traffic:
     """Bytes over each link in one step, by what moves."""
 
-    h2d_weights: int  # compute weights of every transfer
+    h2d_weights: int  # compute weights of every transfer, a copy to each device
     h2d_tokens: int  # int32 token ids of every micro-batch (with their document ids and targets)
     h2d_activations: int  # kept block inputs coming back for the backward (activations=host)
     d2h_grads: int  # each part's summed gradient, once
@@ -114,6 +124,7 @@ class Traffic:
     disk_write: dict  # same keys; "grads" are the spilled gradient sums
     host_memory: int  # read + written by the host CPU: optimizer, gradients, staging copies, disk I/O
     device_update: int = 0  # read + written on the device by the resident parts' update (the optax program)
+    allreduce: int = 0  # gradient bytes summed across the devices (the size of what is reduced), all parts
 
     @property
     def h2d(self) -> int:
@@ -152,7 +163,14 @@ class Schedule:
     grad_bytes: dict  # {part: bytes of its gradient leaving the device}
     hidden_bytes: int  # one micro-batch's hidden states [batch, seq, hidden]
     traffic: Traffic
-    device: DevicePlan
+    device: DevicePlan  # on each device
+    devices: int = 1  # data parallel over this many devices
+    allreduce: dict = dataclasses.field(default_factory=dict)  # {part: bytes all-reduced per step}; {} on one device
+
+    @property
+    def device_batch(self) -> int:
+        """Rows of a micro-batch on each device."""
+        return self.shape.batch // self.devices
 
     @property
     def state(self) -> StateBytes:
@@ -303,9 +321,23 @@ def residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int, policy: st
     return total
 
 
+def allreduce_bytes(cfg: ModelConfig, pb: dict[str, StateBytes], accum: int, devices: int) -> dict[str, int]:
+    """{part: bytes its gradients all-reduce in one step}: every micro-batch's gradient, as
+    the program that makes it returns it (the compute dtype; the embedding lookup's fp32,
+    plus the head's use of a tied embedding); nothing on one device."""
+    if devices == 1:
+        return {}
+    out = {p: accum * (b.master if p == "embed" else b.compute) for p, b in pb.items()}
+    if cfg.tie_word_embeddings:
+        out["embed"] += accum * pb["embed"].compute
+    return out
+
+
 def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, tx,
-             fused: bool | None = None, part_bytes_: dict[str, StateBytes] | None = None) -> Schedule:
-    """The schedule of one step of `shape` under `stream` and `store`'s placement.
+             fused: bool | None = None, part_bytes_: dict[str, StateBytes] | None = None,
+             devices: int = 1) -> Schedule:
+    """The schedule of one step of `shape` under `stream` and `store`'s placement, data
+    parallel over `devices` devices (shape.batch splits over them: mtjax.config.check_batch_split).
 
     `tx` is the optax transformation (its state's bytes); `fused`: whether the update is
     the fused AdamW loop (default: what an OptimConfig gets, `fused_adamw.supports`).
@@ -321,6 +353,7 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     saved = saved_groups(grps, resident, remat)
     derived = derives_compute(fused, store)
     where = spill(store)
+    check_batch_split(shape.batch, devices)
     hidden = shape.batch * shape.seq * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize
     # Summed over several micro-batches a gradient is fp32; alone it leaves as computed,
     # in the compute dtype, except the embedding's (a dense fp32 table, also when tied).
@@ -328,7 +361,7 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     kept = (len(grps) - len(saved)) * shape.accum * hidden
     on_host = stream.activations == "host"
 
-    h2d_weights = sum(pb[p].compute for p in transfers)
+    h2d_weights = sum(pb[p].compute for p in transfers)  # one device's
     reads = dict.fromkeys(("compute", "master", "opt", "grads"), 0)
     writes = dict(reads)
     if store.compute == "disk":
@@ -347,8 +380,9 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
         for kind in parts.KINDS:
             writes[kind] += sum(pb[p].get(kind) for p in resident)
 
+    allreduce = allreduce_bytes(cfg, pb, shape.accum, devices)
     traffic = Traffic(
-        h2d_weights=h2d_weights,
+        h2d_weights=h2d_weights * devices,
         h2d_tokens=shape.tokens * (TOKEN_BYTES + (DOCUMENT_BYTES if shape.documents else 0)),
         h2d_activations=kept if on_host else 0,
         d2h_grads=sum(g for p, g in grad.items() if p in streamed),
@@ -359,11 +393,14 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
                                  derived, store, sum(reads.values()) + sum(writes.values())),
         # As the host's XLA program: mu, nu, master and the compute copy in four passes.
         device_update=sum(3 * pb[p].opt + 5 * pb[p].master + pb[p].compute for p in resident),
+        allreduce=sum(allreduce.values()),
     )
     forward = tuple(p for p in forward_parts(cfg) if p not in resident)
-    device = _device_plan(cfg, stream, shape, pb, grps, grad, hidden, resident, saved, remat)
+    # Each device holds all of the weights and its share of every micro-batch's rows.
+    local = dataclasses.replace(shape, batch=shape.batch // devices)
+    device = _device_plan(cfg, stream, local, pb, grps, grad, hidden // devices, resident, saved, remat)
     return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps), resident, remat,
-                    saved, forward, transfers, grad, hidden, traffic, device)
+                    saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce)
 
 
 def _host_memory(pb: dict[str, StateBytes], transfers, grad: dict, fused: bool, derived: bool, store: StoreConfig,

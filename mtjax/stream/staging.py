@@ -14,6 +14,12 @@ and staging a part as one `device_put` ran the two legs one after the other (8.1
 So each leaf of a part is staged on a thread of its own: the leaves' copies into pinned
 memory run in parallel, and each leaf's DMA starts as soon as its own copy is done,
 under the copies of the others.
+
+Over several devices (a `mtjax.stream.mesh.DeviceMesh`) weights are replicated, one
+`device_put` putting a whole copy on every device (through one pinned copy where
+pinned), a micro-batch's inputs and kept activations are split along the batch axis,
+and a gradient (replicated: summed over the devices inside the program that made it)
+leaves from the first device only.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from jax.sharding import SingleDeviceSharding
 
 from mtjax.hostmem import BufferPool
 from mtjax.stream.budget import DeviceLedger
+from mtjax.stream.mesh import DeviceMesh
 from mtjax.stream.tiers import host_device
 
 STAGE_THREADS = 4  # leaves of a part copied into pinned memory at once (a block has 7 large ones)
@@ -55,18 +62,23 @@ class Slot:
 
 
 class Placement:
-    """Moves arrays between host memory and one device."""
+    """Moves arrays between host memory and the devices of `mesh` (default: `device` alone,
+    or the first device)."""
 
     def __init__(self, device: jax.Device | None = None, pinned: bool | None = None,
-                 threads: int = STAGE_THREADS):
-        self.device = device or jax.devices()[0]
+                 threads: int = STAGE_THREADS, mesh: DeviceMesh | None = None):
+        self.mesh = mesh or DeviceMesh([device or jax.devices()[0]])
+        self.device = self.mesh.devices[0]
         kinds = {m.kind for m in self.device.addressable_memories()}
         # On the CPU backend the device memory is host memory: a pinned copy adds nothing
         # (`pinned=True` forces the path anyway, for tests of the GPU path on the CPU).
         self.pinned = (self.device.platform != "cpu" if pinned is None else pinned) and "pinned_host" in kinds
-        self.on_device = SingleDeviceSharding(self.device)
+        self.on_device = self.mesh.replicated  # weights: a whole copy on every device
+        self.on_batch = self.mesh.batch  # tokens and hidden states: rows split over the devices
         self.host_kind = "pinned_host" if "pinned_host" in kinds else None
+        # Weights and gradients pass through one pinned copy, the first device's.
         self.on_host = SingleDeviceSharding(self.device, memory_kind=self.host_kind) if self.host_kind else None
+        self.batch_on_host = self.on_batch.with_memory_kind(self.host_kind) if self.host_kind else None
         self.pinned_error = None
         if self.pinned:
             try:  # once, at start: a backend that lists pinned_host but cannot stage through it
@@ -99,13 +111,16 @@ class Placement:
             self._stagers.shutdown(wait=True)
             self._stagers = None
 
-    def tokens(self, tokens: np.ndarray) -> jax.Array:
-        return jax.device_put(tokens, self.on_device)
+    def tokens(self, inputs):
+        """A micro-batch's inputs (arrays [batch, ...]) on the devices, rows split over them."""
+        return jax.device_put(inputs, self.on_batch)
 
     def start_to_host(self, tree):
         """Start copying device arrays to host memory; returns at once, with what to pass
         to `host_arrays`. With pinned staging the copy is one DMA into pinned host memory
-        (the fast path; a plain device->numpy copy is several times slower on GPUs)."""
+        (the fast path; a plain device->numpy copy is several times slower on GPUs).
+        Replicated arrays leave once, from the first device."""
+        tree = self.mesh.one_copy(tree)
         if self.pinned:
             return jax.device_put(tree, self.on_host)
         for leaf in jax.tree.leaves(tree):
@@ -128,10 +143,10 @@ class Placement:
 
     def stash(self, x: jax.Array) -> jax.Array:
         """A kept activation moved to host memory (activations=host); asynchronous."""
-        return jax.device_put(x, self.on_host) if self.on_host else jax.device_put(x, host_device())
+        return jax.device_put(x, self.batch_on_host) if self.on_host else jax.device_put(x, host_device())
 
     def unstash(self, x: jax.Array) -> jax.Array:
-        return jax.device_put(x, self.on_device)
+        return jax.device_put(x, self.on_batch)
 
 
 class StagingPool:
