@@ -27,7 +27,7 @@ from mtjax import checkpoint
 from mtjax.errors import MtjaxError
 from mtjax.plan import estimate, fit, inputs
 from mtjax.plan.hardware import BUILTIN
-from mtjax.stream import DeviceBudgetError, schedule
+from mtjax.stream import DeviceBudgetError, mesh, schedule
 
 RAM_MARGIN = fit.RAM_HEADROOM  # share of available RAM a run may plan to use
 DISK_MARGIN = 0.95  # share of free disk a run may plan to fill
@@ -63,7 +63,9 @@ def check(exp, cfg, dataset, available_ram: int | None = None, free_disk: int | 
                              "use more data or lower data.seq_len / data.batch_size")
     hardware = BUILTIN["cpu-2core"]  # only the bytes of the plan are used here, not its times
     run = inputs.from_experiment(exp)
-    plan = estimate(cfg, run.stream, run.store, run.shape, hardware, tx=run.tx)
+    # The devices the engine will run on (more than this process has: one line, here).
+    devices = len(mesh.local_devices(exp.stream.devices)) if exp.stream.engine == "stream" else 1
+    plan = estimate(cfg, run.stream, run.store, run.shape, hardware, tx=run.tx, devices=devices)
     if exp.stream.engine == "stream":
         try:  # what StreamEngine.check_budget will refuse, before anything is built
             schedule.check_budget(plan.device, exp.stream.device_budget_bytes)

@@ -12,7 +12,11 @@ traffic where the device is not the host.
 
 Stages run pipelined, so the step takes as long as its busiest resource plus the part
 that cannot overlap (the embedding: its gradient arrives last and it is needed first).
-See docs/planner.md.
+Over several devices (data parallel) each device computes its share of the rows, its own
+link carries one copy of the weights and its share of the tokens, the gradients leave
+over one device's link, and the all-reduce is priced as a ring on the device
+interconnect (2 (N-1) / N of the reduced bytes each way per device; host memory traffic
+where the devices are the host). See docs/planner.md.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class Traffic:
     disk_read: int
     disk_write: int
     host_memory: int  # read + written by the CPU (optimizer, gradients, staging copies, disk I/O) and the DMA
+    allreduce: int = 0  # gradient bytes summed across the devices in one step (the schedule's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +67,7 @@ class Times:
     startup: float  # not overlapped: the embedding's gradient -> update -> weights (GPU); the fixed per-transfer cost (CPU)
     step: float
     bound: str  # the resource that sets the step time
+    interconnect: float = 0.0  # the gradients' all-reduce between devices (several devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +96,8 @@ class Plan:
 
     @property
     def ram_needed(self) -> int:
-        """Host RAM the run needs; when the device is the host, its peak is host RAM too."""
-        return self.host.total + (self.device.total if self.hardware.device_is_host else 0)
+        """Host RAM the run needs; when the devices are the host, their peaks are host RAM too."""
+        return self.host.total + (self.device.total * self.schedule.devices if self.hardware.device_is_host else 0)
 
     @property
     def tokens_per_s(self) -> float:
@@ -117,11 +123,14 @@ def block_forward_flops(cfg: ModelConfig, kind: str, block_params: int, batch: i
 
 
 def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
-             tx=None, part_bytes_: dict[str, StateBytes] | None = None) -> Plan:
+             tx=None, part_bytes_: dict[str, StateBytes] | None = None, devices: int | None = None) -> Plan:
     """Price one training step of `cfg` of `shape` under `stream` and `store` on `hardware`.
-    `tx`: the optax transformation (default: mtjax's AdamW)."""
+    `tx`: the optax transformation (default: mtjax's AdamW). `devices`: data parallel over
+    that many (default: stream.devices, "all" being the profile's `devices`)."""
     tx = make_optimizer(OptimConfig()) if tx is None and part_bytes_ is None else tx
-    s = describe(cfg, stream, store, shape, tx, part_bytes_=part_bytes_)
+    if devices is None:
+        devices = stream.devices if isinstance(stream.devices, int) else hardware.devices
+    s = describe(cfg, stream, store, shape, tx, part_bytes_=part_bytes_, devices=devices)
     pb, hw, state = s.part_bytes, hardware, s.state
     num_params = state.master // 4
 
@@ -155,7 +164,11 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     # accelerator it runs at device-memory bandwidth (TB/s), which the profiles do not hold,
     # and is priced as free.
     resident_update = t.device_update if hw.device_is_host else 0
-    traffic = Traffic(t.h2d, t.d2h, t.disk_read_bytes, t.disk_write_bytes, t.host_memory + dma + resident_update)
+    # Where the devices are the host, a ring all-reduce reads and writes host memory:
+    # each of the N devices 2 (N-1) / N of the reduced bytes.
+    ring = 2 * (devices - 1) * t.allreduce if hw.device_is_host else 0
+    traffic = Traffic(t.h2d, t.d2h, t.disk_read_bytes, t.disk_write_bytes,
+                      t.host_memory + dma + resident_update + ring, t.allreduce)
 
     # --- memory and disk footprints -------------------------------------------------------
     biggest = max(pb.values(), key=lambda b: b.compute + b.master + b.opt)
@@ -187,16 +200,22 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
 
 
 def _times(s: Schedule, hw: HardwareProfile, flops: float, t: Traffic) -> Times:
-    device = flops / hw.matmul_flops(s.cfg.compute_dtype)
+    n = s.devices
+    device = flops / n / hw.matmul_flops(s.cfg.compute_dtype)  # each device its share of the rows
+    interconnect = 0.0
     if hw.h2d_bytes_per_s is None:  # the device is the host: a staged buffer is used in place
         link = 0.0
         h2d_rate = d2h_rate = math.inf
     else:
         h2d_rate, d2h_rate = hw.h2d_bytes_per_s, hw.d2h_bytes_per_s
-        link = max(t.h2d / h2d_rate, t.d2h / d2h_rate)
+        # Each device's own link: one copy of the weights and its share of the tokens.
+        link = max(t.h2d / n / h2d_rate, t.d2h / d2h_rate)
+        interconnect = 2 * (n - 1) / n * t.allreduce / (hw.interconnect_bytes_per_s or h2d_rate)
     disk = t.disk_read / hw.disk_read_bytes_per_s + t.disk_write / hw.disk_write_bytes_per_s
     host_mem = t.host_memory / hw.host_memory_bytes_per_s
     stages = {"device compute": device, "host<->device link": link, "disk": disk, "host memory": host_mem}
+    if n > 1 and not hw.device_is_host:
+        stages["device interconnect"] = interconnect
     if hw.device_is_host:
         # One set of cores does everything: nothing overlaps, not even the engine's fixed
         # cost per part streamed (`part_overhead_s`, measured per transfer of a step).
@@ -204,7 +223,7 @@ def _times(s: Schedule, hw: HardwareProfile, flops: float, t: Traffic) -> Times:
         return Times(device, link, disk, host_mem, fixed, sum(stages.values()) + fixed, max(stages, key=stages.get))
     if "embed" in s.resident:  # the first part needed is already there, updated
         bound = max(stages, key=stages.get)
-        return Times(device, link, disk, host_mem, 0.0, stages[bound], bound)
+        return Times(device, link, disk, host_mem, 0.0, stages[bound], bound, interconnect)
     # The embedding's gradient leaves the device last and its new weights are needed first.
     e = s.part_bytes["embed"]
     startup = s.grad_bytes["embed"] / d2h_rate + e.compute / h2d_rate  # its gradient is a dense fp32 table
@@ -213,4 +232,4 @@ def _times(s: Schedule, hw: HardwareProfile, flops: float, t: Traffic) -> Times:
         if getattr(s.store, kind) == "disk":
             startup += e.get(kind) / hw.disk_read_bytes_per_s
     bound = max(stages, key=stages.get)
-    return Times(device, link, disk, host_mem, startup, stages[bound] + startup, bound)
+    return Times(device, link, disk, host_mem, startup, stages[bound] + startup, bound, interconnect)

@@ -24,7 +24,8 @@ MTBF_S = 24 * 3600.0  # assumed mean time between failures of one machine
 
 
 def _with_placement(plan: Plan, placement: StoreConfig) -> Plan:
-    return estimate(plan.cfg, plan.stream, placement, plan.shape, plan.hardware, part_bytes_=plan.part_bytes)
+    return estimate(plan.cfg, plan.stream, placement, plan.shape, plan.hardware, part_bytes_=plan.part_bytes,
+                    devices=plan.schedule.devices)
 
 
 def _placements(current: StoreConfig) -> list[StoreConfig]:
@@ -143,7 +144,7 @@ def _fit_device(plan: Plan, device_bytes: float) -> Plan:
     need the least device memory."""
     def at(**changes) -> Plan:
         return estimate(plan.cfg, dataclasses.replace(plan.stream, **changes), plan.store, plan.shape, plan.hardware,
-                        part_bytes_=plan.part_bytes)
+                        part_bytes_=plan.part_bytes, devices=plan.schedule.devices)
 
     for depth in (2, 1):
         p = at(prefetch_depth=depth)

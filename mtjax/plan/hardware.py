@@ -47,6 +47,8 @@ class HardwareProfile:
     part_overhead_s: float = 0.0  # fixed host time per part streamed (dispatch, Python), measured
     price_per_hour: float | None = None  # USD per hour of the machine; None: unknown
     drive_endurance_bytes: int | None = None  # bytes the store's drive is rated to write (TBW); None: unknown
+    devices: int = 1  # accelerators of this host (what stream.devices "all" plans for)
+    interconnect_bytes_per_s: float | None = None  # device<->device, per direction; None: through the host link
     notes: str = ""
 
     def __post_init__(self):

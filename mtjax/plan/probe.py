@@ -245,5 +245,5 @@ def run(directory: str | Path = ".", quick: bool = False, name: str | None = Non
         host_memory_bytes_per_s=mem, host_ram_bytes=ram, disk_read_bytes_per_s=read,
         disk_write_bytes_per_s=write, disk_bytes=shutil.disk_usage(directory).free,
         device_is_host=on_host, notes=notes,
-        runtime_bytes=runtime_bytes, part_overhead_s=part_overhead,
+        runtime_bytes=runtime_bytes, part_overhead_s=part_overhead, devices=len(jax.local_devices()),
     )

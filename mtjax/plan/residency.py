@@ -100,8 +100,10 @@ def resolve(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: S
 
 def profile_of(device: jax.Device) -> HardwareProfile:
     """The built-in profile a run prices its residency with: the project's GPU machine
-    for an accelerator, the dev machine's for the CPU (`mtjax plan --hardware` prices any)."""
-    hw = BUILTIN["cpu-2core" if device.platform == "cpu" else "h200-lent"]
+    for an accelerator, the dev machine's for the CPU (`mtjax plan --hardware` prices any),
+    with this process's device count."""
+    hw = dataclasses.replace(BUILTIN["cpu-2core" if device.platform == "cpu" else "h200-lent"],
+                             devices=len(jax.local_devices()))
     limit = None if device.platform == "cpu" else (device.memory_stats() or {}).get("bytes_limit")
     return dataclasses.replace(hw, device_memory_bytes=int(limit)) if limit else hw
 

@@ -1,0 +1,70 @@
+"""Data parallel over two CPU devices equals one device and the reference trainer, and
+moves what the step's description says.
+
+One child process with two CPU devices runs every case (tests/multidevice_cases.py:
+5 AdamW steps with clipping, RAM and disk tiers, accum 1 and 4, activations on the
+device and in host memory, a tied embedding and resident parts); this test asserts on
+what it reports. Per tensor ||a - b|| / ||b|| <= 1e-5 in fp32, as tests/test_stream.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import multidevice
+from mtjax.config import ConfigError, DataConfig, ExperimentConfig, StreamConfig
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results():
+    return multidevice.run(["tests/multidevice_cases.py"], devices=2, timeout=600)
+
+
+CASES = ["ram-accum1", "disk-accum4-host-activations", "ram-accum4-tied-resident"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_two_devices_train_as_the_reference_does(results, name):
+    r = results[name]
+    assert r["devices"] == r["schedule_devices"] == 2
+    assert r["clipped"]  # every step's norm is over clip_norm: the clip scale is exercised
+    assert r["vs_reference"] <= TOL, r["vs_reference"]
+    assert r["loss_error"] <= 1e-5 and r["norm_error"] <= 1e-5, (r["loss_error"], r["norm_error"])
+    if "vs_one_device" in r:
+        assert r["one_device"] == 1 and r["vs_one_device"] <= TOL, r["vs_one_device"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_two_devices_move_what_the_schedule_says(results, name):
+    r = results[name]
+    # Every transfer, gradient, all-reduce, disk and spill byte, measured, equals the description.
+    assert r["moved"] == r["described"]
+    # Each device gets a whole copy of each staged part: twice one device's bytes.
+    assert r["moved"]["h2d_weights"] == 2 * r["one_copy_per_device"]
+    if "one_device_h2d_weights" in r:
+        assert 5 * r["one_device_h2d_weights"] == r["one_copy_per_device"]
+    # Hidden states stay split over the devices; gradients come out of their programs
+    # summed over both (replicated) and leave from one device only.
+    assert r["seen"] == {"hidden": ["split"], "grads_made": ["replicated"], "grads_out": ["one"]}
+    assert r["allreduce_parts"] == ["block.0", "block.1", "embed", "head"]
+    # The ledger held each device's share to the per-device plan; the planner prices it.
+    assert r["peak"]["activations"] == r["device_plan"]["activations"]
+    assert r["peak"]["resident"] == r["device_plan"]["resident"]
+    assert r["peak"]["weights"] <= r["device_plan"]["weights"]
+    assert r["planner_agrees"] and r["planner_interconnect_s"] > 0
+
+
+def test_device_count_mistakes_are_one_line(results):
+    bad = results["bad_inputs"]
+    assert bad["too_many"] == ("stream.devices is 3 but this process has 2 cpu device(s): "
+                               "set stream.devices to at most 2, or to all")
+    assert bad["odd_batch"].startswith("data.batch_size 3 does not split over 2 devices (stream.devices)")
+    with pytest.raises(ConfigError, match="data.batch_size 6 does not split over 4 devices"):
+        ExperimentConfig(stream=StreamConfig(devices=4), data=DataConfig(batch_size=6))
+    with pytest.raises(ConfigError, match="stream.devices must be all or a device count >= 1"):
+        StreamConfig(devices=0)
+    assert dataclasses.replace(ExperimentConfig(), stream=StreamConfig(devices=2)).stream.devices == 2
