@@ -1,10 +1,11 @@
 """Child Python processes with several CPU devices, for tests of data parallelism.
 
 JAX fixes its device count when its backend starts, so code that needs N devices runs in
-a child started with XLA_FLAGS=--xla_force_host_platform_device_count=N (and the CPU
-backend only). The child prints its results as one JSON line, its last line of stdout;
-the test asserts on them. One child should run many cases: most of its time is the JAX
-import and the compiles.
+a child started with N CPU devices (the CPU backend only): JAX_NUM_CPU_DEVICES=N (jax's
+`jax_num_cpu_devices`) and, for the same count where that option is not read,
+XLA_FLAGS=--xla_force_host_platform_device_count=N. The child prints its results as one
+JSON line, its last line of stdout; the test asserts on them. One child should run many
+cases: most of its time is the JAX import and the compiles.
 
     results = multidevice.run(["tests/multidevice_cases.py"], devices=2)
     procs = [multidevice.spawn([script, str(i)], devices=2, MTJAX_RANK=str(i)) for i in range(2)]
@@ -28,8 +29,8 @@ def env(devices: int = 2, **extra: str) -> dict[str, str]:
     tests/ first on its path, plus `extra` variables."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(COUNT_FLAG)]
     path = [str(ROOT), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join([*flags, f"{COUNT_FLAG}={devices}"]),
-            "PYTHONPATH": os.pathsep.join(path), **extra}
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices),
+            "XLA_FLAGS": " ".join([*flags, f"{COUNT_FLAG}={devices}"]), "PYTHONPATH": os.pathsep.join(path), **extra}
 
 
 def spawn(args: list[str], devices: int = 2, cwd: str | Path | None = None, **extra: str) -> subprocess.Popen:

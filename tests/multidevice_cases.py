@@ -7,8 +7,9 @@ what the engine moved: bytes that landed on the devices (each device's copy of s
 weights, its rows of tokens and kept activations), gradients that left (one device's
 copy each), gradients summed across the devices (the all-reduced outputs of the
 gradient programs), the store's and the gradient spill's I/O, and the device ledger's
-peaks; and it records the description of the same step. Prints one JSON line of
-{case: results}; tests/test_multidevice.py asserts on it.
+peaks; and it records the description of the same step. Then bad device counts, and
+the pinned staging path over both devices. Prints one JSON line of {case: results};
+tests/test_multidevice.py asserts on it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 
 import mtjax.store
-from mtjax import model
+from mtjax import hostmem, model
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig
@@ -32,8 +33,9 @@ from mtjax.plan import BUILTIN, estimate
 from mtjax.reference import ReferenceTrainer
 from mtjax.stream import StreamEngine
 from mtjax.stream.budget import tree_bytes
-from mtjax.stream.mesh import local_devices
+from mtjax.stream.mesh import DeviceMesh, local_devices
 from mtjax.stream.schedule import StepShape
+from mtjax.stream.staging import Placement
 
 CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=16)
@@ -189,10 +191,29 @@ def bad_inputs() -> dict:
     return out
 
 
+def pinned_path() -> dict:
+    """The GPU's staging path (through pinned host memory), forced on the CPU devices:
+    weights land whole on both, gradients leave from one, kept activations round-trip split."""
+    place = Placement(pinned=True, mesh=DeviceMesh(jax.devices()))
+    buffers = {"w": hostmem.aligned_empty((8, 4), np.float32)}
+    buffers["w"][:] = np.arange(32, dtype=np.float32).reshape(8, 4)
+    w = place.to_device(buffers)["w"]
+    x = jax.device_put(np.arange(64, dtype=np.float32).reshape(4, 16), place.on_batch)
+    back = place.unstash(place.stash(x))
+    grads = place.host_arrays(place.start_to_host({"w": w}))["w"]
+    out = {"pinned": place.pinned, "weights": spread(w), "copies_equal": all(
+        np.array_equal(np.asarray(sh.data), buffers["w"]) for sh in w.addressable_shards),
+           "activations": spread(back), "activations_equal": bool(np.array_equal(np.asarray(back), np.asarray(x))),
+           "grads": spread(grads), "grads_equal": bool(np.array_equal(np.asarray(grads), buffers["w"]))}
+    place.close()
+    return out
+
+
 def main(names: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: case(name, Path(tmp) / name) for name in names or CASES}
     results["bad_inputs"] = bad_inputs()
+    results["pinned_path"] = pinned_path()
     print(json.dumps(results))
 
 

@@ -133,12 +133,15 @@ def test_numbers_out_of_range(work):
 
 
 def test_residency_document_and_chat_choices(work):
-    """The settings this stop added: device residency, the raw data's format, --chat."""
+    """The settings this stop added: device residency, the device count, the raw data's format, --chat."""
     stream = ["train", *TINY, "--run.dir=r2", "--stream.engine=stream"]
     run_cases(work, [
         ([*stream, "--stream.resident=bogus"], "stream.resident names ['bogus'], which this model does not have"),
         ([*stream, "--stream.resident=-2"], "stream.resident must be auto, none, all, a count >= 0"),
         ([*stream, "--stream.remat=most"], "stream.remat must be one of auto, full, dots, none, got 'most'"),
+        ([*stream, "--stream.devices=0"], "stream.devices must be all or a device count >= 1, got 0"),
+        ([*stream, "--stream.devices=4"], "stream.devices is 4 but this process has 1 cpu device(s)"),
+        ([*stream, "--stream.devices=2", "--data.batch_size=3"], "data.batch_size 3 does not split over 2 devices"),
         (["train", *TINY, "--run.dir=r2", "--data.format=yaml"], "data.format must be one of text, chat"),
         (["generate", "run/final", "--chat", "--prompt", "hi"], "has none"),
     ])

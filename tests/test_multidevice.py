@@ -68,3 +68,10 @@ def test_device_count_mistakes_are_one_line(results):
     with pytest.raises(ConfigError, match="stream.devices must be all or a device count >= 1"):
         StreamConfig(devices=0)
     assert dataclasses.replace(ExperimentConfig(), stream=StreamConfig(devices=2)).stream.devices == 2
+
+
+def test_pinned_staging_over_two_devices(results):
+    """The GPU's path through pinned host memory, forced on the CPU devices."""
+    assert results["pinned_path"] == {"pinned": True, "weights": "replicated", "copies_equal": True,
+                                      "activations": "split", "activations_equal": True,
+                                      "grads": "one", "grads_equal": True}

@@ -119,8 +119,9 @@ BUILTIN: dict[str, HardwareProfile] = {
             compute_efficiency=_VENDOR_EFFICIENCY, h2d_bytes_per_s=64 * GB, d2h_bytes_per_s=64 * GB,
             host_memory_bytes_per_s=300 * GB, host_ram_bytes=2048 * GiB,
             disk_read_bytes_per_s=14 * GB, disk_write_bytes_per_s=10 * GB, disk_bytes=8 * TB,
-            price_per_hour=3.5, drive_endurance_bytes=_endurance(8 * TB),
-            notes="139 GiB of HBM visible to JAX; PCIe 5.0 x16: 64 GB/s per direction; " + _SERVER_NOTE,
+            price_per_hour=3.5, drive_endurance_bytes=_endurance(8 * TB), interconnect_bytes_per_s=450 * GB,
+            notes=("139 GiB of HBM visible to JAX; PCIe 5.0 x16: 64 GB/s per direction; NVLink 4 between "
+                   "GPUs of one server: 450 GB/s per direction; " + _SERVER_NOTE),
         ),
         HardwareProfile(
             name="h200-lent", source="vendor", device="NVIDIA H200 SXM 141GB on the project's lent machine",

@@ -28,7 +28,8 @@ def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None 
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, compute dtype {cfg.compute_dtype}",
         f"step         batch {sh.batch} x seq {sh.seq} x accum {sh.accum} = {sh.tokens} tokens; "
         f"keep_every {st.keep_every}, prefetch_depth {st.prefetch_depth}, placement {placement(plan.store)}",
-        f"hardware     {hw.name} ({hw.source}): {hw.device}",
+        f"hardware     {hw.name} ({hw.source}): {hw.device}" + (f"; data parallel over {plan.schedule.devices} devices"
+                                                                  if plan.schedule.devices > 1 else ""),
         *([f"profile      {profile_from}"] if profile_from else []),
         "",
         "memory",
@@ -47,12 +48,15 @@ def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None 
         "",
         f"{'stage':<22}{'bytes/step':>12}{'time':>11}{'rate':>12}",
     ]
-    h2d_t = tr.h2d / hw.h2d_bytes_per_s if hw.h2d_bytes_per_s else 0.0
+    n = plan.schedule.devices  # each device's link carries its share of the host->device bytes
+    h2d_t = tr.h2d / n / hw.h2d_bytes_per_s if hw.h2d_bytes_per_s else 0.0
     d2h_t = tr.d2h / hw.d2h_bytes_per_s if hw.d2h_bytes_per_s else 0.0
     rows = [
         ("device compute", f"{plan.flops / 1e12:.1f} TF", t.device, f"{plan.flops / t.device / 1e12:.1f} TF/s"),
         ("host->device", size(tr.h2d), h2d_t, rate(tr.h2d, h2d_t)),
         ("device->host", size(tr.d2h), d2h_t, rate(tr.d2h, d2h_t)),
+        *([(f"all-reduce ({n} dev)", size(tr.allreduce), t.interconnect, rate(tr.allreduce, t.interconnect))]
+          if n > 1 else []),
         ("disk read+write", size(tr.disk_read + tr.disk_write), t.disk, rate(tr.disk_read + tr.disk_write, t.disk)),
         ("host memory", size(tr.host_memory), t.host_memory, rate(tr.host_memory, t.host_memory)),
         ("startup (serial)", "", t.startup, ""),

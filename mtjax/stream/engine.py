@@ -70,7 +70,8 @@ class StreamEngine:
     `tx` runs the update as that optax transformation's XLA program instead of the fused
     AdamW of `optim`, whose clip_norm applies either way. `step`: the steps already
     trained (a resume). `owns_store`: close() closes the store too. `trace_steps`: how
-    many recent steps keep their stage timings (None: all).
+    many recent steps keep their stage timings (None: all). `device`: run on that device
+    alone; by default the step is data parallel over `stream.devices` (mtjax.stream.mesh).
     """
 
     def __init__(self, cfg: ModelConfig, params=None, optim: OptimConfig = OptimConfig(),
@@ -98,7 +99,8 @@ class StreamEngine:
         self.schemas = {p.name: parts_mod.schema(cfg, p.name, "compute") for p in self.parts}
         self.fns = block_fns(cfg)
         # `device`: that one device; otherwise data parallel over `stream.devices`.
-        self.placement = Placement(mesh=DeviceMesh([device]) if device is not None else DeviceMesh.local(stream.devices))
+        mesh = DeviceMesh([device]) if device is not None else DeviceMesh.local(stream.devices)
+        self.placement = Placement(mesh=mesh)
         self.tracer = Tracer(trace_steps)
         self.ledger = budget_mod.DeviceLedger(0)
         # Slots per shape: the parts staged ahead, those in use (a recompute group, or
