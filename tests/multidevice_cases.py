@@ -30,7 +30,7 @@ from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, estimate
-from mtjax.reference import ReferenceTrainer
+from mtjax.reference import ReferenceTrainer, eval_loss
 from mtjax.stream import StreamEngine
 from mtjax.stream.budget import tree_bytes
 from mtjax.stream.mesh import DeviceMesh, local_devices
@@ -114,7 +114,7 @@ def rel_error(a, b) -> float:
     return max(jax.tree.leaves(jax.tree.map(rel, a, b)))
 
 
-def train(cfg, stream, tiers, accum, root: Path, device=None, measure=False):
+def train(cfg, stream, tiers, accum, root: Path, device=None, measure=False, evaluate=False):
     store = mtjax.store.create(root, cfg, make_optimizer(OPT)) if tiers else None
     engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, stream,
                           StoreConfig(**{k: tiers.get(k, "ram") for k in DISK}), store=store, device=device,
@@ -129,7 +129,9 @@ def train(cfg, stream, tiers, accum, root: Path, device=None, measure=False):
         moved["disk_read"], moved["disk_write"] = (b - a for a, b in zip(io0, store.io_bytes))
     if engine.grads.spill is not None:
         moved["spill_read"], moved["spill_write"] = engine.grads.spill.io_bytes
-    out = {"params": engine.params(), "opt": engine.opt_state(), "metrics": metrics, "moved": moved,
+    moved = dict(moved)  # the steps' (an evaluation streams the forward again)
+    evaluated = engine.eval_loss(batches(accum)[0]) if evaluate else None
+    out = {"eval": evaluated, "params": engine.params(), "opt": engine.opt_state(), "metrics": metrics, "moved": moved,
            "seen": {k: sorted(v) for k, v in seen.items()}, "peak": dict(engine.ledger.peak_by_use),
            "devices": engine.placement.mesh.count, "schedule": engine.plan(BATCH, SEQ, accum)}
     engine.close()
@@ -144,7 +146,7 @@ def case(name: str, root: Path) -> dict:
     stream = StreamConfig(activations=activations, resident=resident, remat="full")
     ref = ReferenceTrainer(cfg, model.init_params(cfg, seed=1), OPT)
     ref_metrics = [ref.step(b) for b in batches(accum)]
-    two = train(cfg, stream, tiers, accum, root / "two", measure=True)
+    two = train(cfg, stream, tiers, accum, root / "two", measure=True, evaluate=one_too)
     s = two["schedule"]
     t = s.traffic
     plan = estimate(cfg, stream, StoreConfig(**{k: tiers.get(k, "ram") for k in DISK}), StepShape(BATCH, SEQ, accum),
@@ -171,6 +173,7 @@ def case(name: str, root: Path) -> dict:
     if one_too:
         one = train(cfg, stream, tiers, accum, root / "one", device=jax.devices()[0])
         out["one_device"] = one["devices"]
+        out["eval_error"] = abs(two["eval"] - eval_loss(cfg, ref.params, batches(accum)[0]))
         out["vs_one_device"] = max(rel_error(two["params"], one["params"]), rel_error(two["opt"], one["opt"]))
         out["one_device_h2d_weights"] = one["schedule"].traffic.h2d_weights
     return out

@@ -36,6 +36,7 @@ def test_two_devices_train_as_the_reference_does(results, name):
     assert r["loss_error"] <= 1e-5 and r["norm_error"] <= 1e-5, (r["loss_error"], r["norm_error"])
     if "vs_one_device" in r:
         assert r["one_device"] == 1 and r["vs_one_device"] <= TOL, r["vs_one_device"]
+        assert r["eval_error"] <= 1e-5, r["eval_error"]  # evaluation over both devices too
 
 
 @pytest.mark.parametrize("name", CASES)
