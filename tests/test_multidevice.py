@@ -14,7 +14,9 @@ import dataclasses
 import pytest
 
 import multidevice
-from mtjax.config import ConfigError, DataConfig, ExperimentConfig, StreamConfig
+import multidevice_cases
+from mtjax.config import ConfigError, DataConfig, ExperimentConfig, StoreConfig, StreamConfig
+from mtjax.plan import BUILTIN, StepShape, estimate
 
 TOL = 1e-5
 
@@ -76,3 +78,20 @@ def test_pinned_staging_over_two_devices(results):
     assert results["pinned_path"] == {"pinned": True, "weights": "replicated", "copies_equal": True,
                                       "activations": "split", "activations_equal": True,
                                       "grads": "one", "grads_equal": True}
+
+
+def test_the_description_and_its_price_scale_with_the_devices():
+    """Two devices: a copy of the weights each, the same gradients out, each device's
+    share of the rows on it and of the FLOPs, and an all-reduce that one device has not."""
+    shape = StepShape(multidevice_cases.BATCH, multidevice_cases.SEQ, 2)
+    one, two = (estimate(multidevice_cases.CFG, StreamConfig(resident="none"), StoreConfig(), shape, BUILTIN["h200"],
+                         devices=n) for n in (1, 2))
+    t1, t2 = one.schedule.traffic, two.schedule.traffic
+    assert (one.schedule.devices, two.schedule.devices) == (1, 2)
+    assert t2.h2d_weights == 2 * t1.h2d_weights and t2.h2d_tokens == t1.h2d_tokens and t2.d2h == t1.d2h
+    assert one.schedule.allreduce == {} and t1.allreduce == 0 and one.times.interconnect == 0
+    assert t2.allreduce == sum(two.schedule.allreduce.values()) == 2 * sum(
+        b.master if p == "embed" else b.compute for p, b in two.part_bytes.items())  # accum 2, fp32 here
+    assert two.times.interconnect == pytest.approx(t2.allreduce / BUILTIN["h200"].interconnect_bytes_per_s)
+    assert two.device.weights == one.device.weights and 2 * two.device.activations == one.device.activations
+    assert two.times.device == pytest.approx(one.times.device / 2)

@@ -46,6 +46,8 @@ def register(subparsers) -> None:
     p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
     p.add_argument("--keep-every", type=int, help="keep every k-th block input on the device")
     p.add_argument("--prefetch-depth", type=int, help="parts fetched ahead of the one computing")
+    p.add_argument("--devices", type=int, metavar="N",
+                   help="devices the step runs on, data parallel (stream.devices; default: the profile's count)")
     p.add_argument("--placement", help="e.g. compute=ram,master=ram,opt=disk (default: all ram)")
     p.add_argument("--store-copies", type=int, choices=(1, 2), help="copies of disk-tier state (store.copies)")
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16", "float16"),
@@ -105,7 +107,7 @@ def run_plan(args) -> int:
         store["copies"] = args.store_copies
     try:  # the config dataclasses check every value
         data = dataclasses.replace(given_run.data, **given("batch_size", "seq_len", "grad_accum"))
-        stream = dataclasses.replace(given_run.stream, **given("keep_every", "prefetch_depth"))
+        stream = dataclasses.replace(given_run.stream, **given("keep_every", "prefetch_depth", "devices"))
         store = dataclasses.replace(given_run.store, **store)
     except ValueError as e:  # ConfigError included
         raise PlanError(str(e)) from None
