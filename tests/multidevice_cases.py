@@ -114,10 +114,10 @@ def rel_error(a, b) -> float:
     return max(jax.tree.leaves(jax.tree.map(rel, a, b)))
 
 
-def train(cfg, stream, tiers, accum, root: Path, device=None, measure=False, evaluate=False):
+def train(cfg, stream, tiers, accum, root: Path, mesh=None, measure=False, evaluate=False):
     store = mtjax.store.create(root, cfg, make_optimizer(OPT)) if tiers else None
     engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, stream,
-                          StoreConfig(**{k: tiers.get(k, "ram") for k in DISK}), store=store, device=device,
+                          StoreConfig(**{k: tiers.get(k, "ram") for k in DISK}), store=store, mesh=mesh,
                           batch_shape=(BATCH, SEQ))
     moved, seen = {}, {}
     if measure:
@@ -171,7 +171,7 @@ def case(name: str, root: Path) -> dict:
         "planner_interconnect_s": plan.times.interconnect,
     }
     if one_too:
-        one = train(cfg, stream, tiers, accum, root / "one", device=jax.devices()[0])
+        one = train(cfg, stream, tiers, accum, root / "one", mesh=DeviceMesh(jax.devices()[:1]))
         out["one_device"] = one["devices"]
         out["eval_error"] = abs(two["eval"] - eval_loss(cfg, ref.params, batches(accum)[0]))
         out["vs_one_device"] = max(rel_error(two["params"], one["params"]), rel_error(two["opt"], one["opt"]))

@@ -70,14 +70,14 @@ class StreamEngine:
     `tx` runs the update as that optax transformation's XLA program instead of the fused
     AdamW of `optim`, whose clip_norm applies either way. `step`: the steps already
     trained (a resume). `owns_store`: close() closes the store too. `trace_steps`: how
-    many recent steps keep their stage timings (None: all). `device`: run on that device
-    alone; by default the step is data parallel over `stream.devices` (mtjax.stream.mesh).
+    many recent steps keep their stage timings (None: all). `mesh`: the devices the step
+    runs on, data parallel (mtjax.stream.mesh); by default this process's `stream.devices`.
     """
 
     def __init__(self, cfg: ModelConfig, params=None, optim: OptimConfig = OptimConfig(),
                  stream: StreamConfig = StreamConfig(), store_config: StoreConfig = StoreConfig(), *, store=None,
                  tx: optax.GradientTransformation | None = None, opt_state=None, step: int = 0,
-                 batch_shape: tuple[int, int] | None = None, device: jax.Device | None = None,
+                 batch_shape: tuple[int, int] | None = None, mesh: DeviceMesh | None = None,
                  trace_steps: int | None = 4, owns_store: bool = False):
         if params is None and store is None:
             raise MtjaxError("StreamEngine needs params or an open layer store to take the state from")
@@ -98,9 +98,7 @@ class StreamEngine:
         self.parts = parts_mod.parts(cfg)
         self.schemas = {p.name: parts_mod.schema(cfg, p.name, "compute") for p in self.parts}
         self.fns = block_fns(cfg)
-        # `device`: that one device; otherwise data parallel over `stream.devices`.
-        mesh = DeviceMesh([device]) if device is not None else DeviceMesh.local(stream.devices)
-        self.placement = Placement(mesh=mesh)
+        self.placement = Placement(mesh=mesh or DeviceMesh.local(stream.devices))
         self.tracer = Tracer(trace_steps)
         self.ledger = budget_mod.DeviceLedger(0)
         # Slots per shape: the parts staged ahead, those in use (a recompute group, or
