@@ -194,6 +194,18 @@ def bad_inputs() -> dict:
     return out
 
 
+def replicated_put() -> dict:
+    """What one replicated device_put of an aligned staging buffer does on the CPU backend:
+    does each device's copy alias the buffer (no bytes copied), as one device's does?"""
+    place = Placement(mesh=DeviceMesh(jax.devices()))
+    buffer = hostmem.aligned_empty((64, 64), np.float32)
+    w = place.to_device({"w": buffer})["w"]
+    out = {"copies": len(w.addressable_shards),
+           "aliased": [s.data.unsafe_buffer_pointer() == buffer.ctypes.data for s in w.addressable_shards]}
+    place.close()
+    return out
+
+
 def pinned_path() -> dict:
     """The GPU's staging path (through pinned host memory), forced on the CPU devices:
     weights land whole on both, gradients leave from one, kept activations round-trip split."""
@@ -217,6 +229,7 @@ def main(names: list[str]) -> None:
         results = {name: case(name, Path(tmp) / name) for name in names or CASES}
     results["bad_inputs"] = bad_inputs()
     results["pinned_path"] = pinned_path()
+    results["replicated_put"] = replicated_put()
     print(json.dumps(results))
 
 

@@ -73,6 +73,12 @@ def test_device_count_mistakes_are_one_line(results):
     assert dataclasses.replace(ExperimentConfig(), stream=StreamConfig(devices=2)).stream.devices == 2
 
 
+def test_a_replicated_put_aliases_the_staging_buffer_on_the_cpu(results):
+    """As the schedule and docs/pipeline.md say: each device's copy is counted, and on the
+    CPU backend each is the staging buffer itself (so the fence rule covers both)."""
+    assert results["replicated_put"] == {"copies": 2, "aliased": [True, True]}
+
+
 def test_pinned_staging_over_two_devices(results):
     """The GPU's path through pinned host memory, forced on the CPU devices."""
     assert results["pinned_path"] == {"pinned": True, "weights": "replicated", "copies_equal": True,
