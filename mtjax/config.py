@@ -125,6 +125,10 @@ class StreamConfig:
     # Data parallel over this process's devices (mtjax.stream.mesh): weights on every one,
     # each micro-batch's rows split over them, gradients summed there, one update on the host.
     devices: int | str = "all"  # devices the step runs on: all (every local device) | N (the first N)
+    # A MoE block streamed as sub-parts: its router part (attention, router, shared
+    # expert), then groups of this many experts, one after another (docs/pipeline.md,
+    # "Expert groups"). Unset: only when the step does not fit device_budget_bytes whole.
+    expert_group_size: int | None = None  # experts per streamed group of a MoE block: unset (as the budget needs) | N >= 1
 
     def __post_init__(self):
         _check_choice("stream.engine", self.engine, ("reference", "stream"))
@@ -135,6 +139,10 @@ class StreamConfig:
         d = self.devices
         if d != "all" and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise ConfigError(f"stream.devices must be all or a device count >= 1, got {d!r}")
+        g = self.expert_group_size
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise ConfigError(f"stream.expert_group_size must be a whole number of experts >= 1, or unset to split "
+                              f"MoE blocks only as the device budget needs; got {g!r}")
         r = self.resident
         if isinstance(r, str) and r not in ("auto", "none", "all"):
             r = tuple(p.strip() for p in r.split(",") if p.strip())  # "embed,block.0" from a command line

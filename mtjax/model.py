@@ -151,6 +151,9 @@ class MLP(nnx.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+EXPERT_KERNELS = ("gate_proj", "up_proj", "down_proj")  # each expert's, in moe.experts_forward's order
+
+
 class SparseMoE(nnx.Module):
     """Router (`gate`), the experts (each a SwiGLU MLP of its own) and, for Qwen2-MoE, a
     shared expert scaled by a sigmoid gate. Returns (output, router statistics)."""
@@ -163,14 +166,30 @@ class SparseMoE(nnx.Module):
         self.shared_expert = MLP(cfg, rngs, shared) if shared else None
         self.shared_expert_gate = Dense(cfg.hidden_size, 1, False, cfg, rngs) if shared else None
 
+    def route(self, flat):
+        """Token rows [T, d] -> (kept weights [T, k], chosen experts [T, k], probabilities [T, E])."""
+        return moe.route(self.gate(flat), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+
+    def routed(self, flat, weights, chosen, kernels=None, ids=None):
+        """The experts' weighted sum over the rows routed to them: this module's experts, or
+        a group's `kernels` (gate, up, down stacked [n, in, out]) of global expert ids `ids`
+        (moe.experts_forward)."""
+        if kernels is None:  # stacked inside the program: the store keeps one array per expert
+            kernels = [jnp.stack([getattr(e, n).kernel[...] for e in self.experts]) for n in EXPERT_KERNELS]
+        return moe.experts_forward(flat, weights, chosen, *kernels, ids)
+
+    def shared(self, flat):
+        """The shared expert's output scaled by its sigmoid gate; 0 without one."""
+        if self.shared_expert is None:
+            return jnp.zeros_like(flat)
+        return jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+
     def __call__(self, x):
         flat = x.reshape(-1, x.shape[-1])
-        weights, chosen, probs = moe.route(self.gate(flat), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
-        # The experts' kernels stacked [E, in, out] inside the program: the store keeps one array each.
-        gate, up, down = ([getattr(e, n).kernel[...] for e in self.experts] for n in ("gate_proj", "up_proj", "down_proj"))
-        y = moe.experts_forward(flat, weights, chosen, jnp.stack(gate), jnp.stack(up), jnp.stack(down))
+        weights, chosen, probs = self.route(flat)
+        y = self.routed(flat, weights, chosen)
         if self.shared_expert is not None:
-            y = y + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            y = y + self.shared(flat)
         return y.reshape(x.shape), moe.router_stats(probs, chosen)
 
 
@@ -328,10 +347,19 @@ def block_forward_stats(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray
     `segments` [b, t] (document ids of packed rows, mtjax.batch): positions restart at each
     document and attention stays inside it; None: each row is one document.
     """
-    block = cast(block, x.dtype)
+    cos, sin = block_rotary(cfg, kind, x, segments)
+    return block_module(cfg, kind, cast(block, x.dtype))(x, cos, sin, segments)
+
+
+def block_module(cfg: ModelConfig, kind: str, block: dict) -> Block:
+    """The Block module holding `block`'s parameters (to call its pieces one by one)."""
+    return _merge(cfg, "block:" + kind, block)
+
+
+def block_rotary(cfg: ModelConfig, kind: str, x: jnp.ndarray, segments=None):
+    """(cos, sin) of a block's rotary embedding at the positions of hidden states x [b, t, d]."""
     positions = positions_for(x[..., 0]) if segments is None else documents.positions(segments)
-    cos, sin = rope.cos_sin(rope.for_layer(cfg, kind), positions, x.dtype)
-    return _merge(cfg, "block:" + kind, block)(x, cos, sin, segments)
+    return rope.cos_sin(rope.for_layer(cfg, kind), positions, x.dtype)
 
 
 def block_forward(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray, segments=None) -> jnp.ndarray:

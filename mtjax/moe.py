@@ -42,18 +42,31 @@ def _grouped(x, kernels, sizes):
     return y.astype(x.dtype)
 
 
-def experts_forward(x, weights, chosen, gate, up, down):
-    """sum over k of weight * SwiGLU expert(x): x [T, d], weights and chosen [T, k], gate
-    and up [E, d, f], down [E, f, d] -> [T, d]."""
+def experts_forward(x, weights, chosen, gate, up, down, ids=None):
+    """sum over k of weight * SwiGLU expert(x) over the experts given: x [T, d], weights
+    and chosen (global expert ids) [T, k], gate and up [n, d, f], down [n, f, d] -> [T, d].
+
+    `ids` [n] (int) names the global expert of each kernel, for a group of the experts
+    (an expert group streamed on its own): assignments to experts outside it add nothing.
+    None: the kernels are all E experts, in order.
+    """
     t, k = chosen.shape
+    n = gate.shape[0]
+    member = None
+    if ids is not None:  # global ids -> positions in the group; n (sorted last) for experts outside it
+        match = chosen[..., None] == jnp.asarray(ids, chosen.dtype)  # [T, k, n]
+        member = jnp.any(match, axis=-1)
+        chosen = jnp.where(member, jnp.argmax(match, axis=-1).astype(chosen.dtype), n)
     flat = chosen.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, tokens in order
-    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=n).astype(jnp.int32)  # outsiders beyond every group: no expert's rows
     rows = x[order // k]
     h = jax.nn.silu(_grouped(rows, gate, sizes)) * _grouped(rows, up, sizes)
     y = _grouped(h, down, sizes)
     back = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))  # the inverse permutation
     y = y[back].reshape(t, k, -1).astype(jnp.float32) * weights[..., None]
+    if member is not None:
+        y = jnp.where(member[..., None], y, 0.0)
     return jnp.sum(y, axis=1).astype(x.dtype)
 
 

@@ -247,9 +247,12 @@ class Store:
                                  f"({_ts_message(e)}); restore the store from a backup") from None
         return handles
 
-    def _check_arrays(self, part: str, kind: str, given: dict, what: str) -> None:
+    def _check_arrays(self, part: str, kind: str, given: dict, what: str, some: bool = False) -> None:
+        """`given` matches the part's schema: every leaf (`some`: a non-empty subset of them)."""
         schema = self.schema(part, kind)
         missing, extra = sorted(set(schema) - set(given)), sorted(set(given) - set(schema))
+        if some and given:
+            schema, missing = {n: schema[n] for n in given if n in schema}, []
         if missing or extra:
             raise StoreError(f"{what} for {part} {kind} does not match the store: missing {missing}, extra {extra}")
         for leaf, s in schema.items():
@@ -274,8 +277,8 @@ class Store:
                              "fill the store with `mtjax init` or `mtjax import`")
         if out is None:
             out = {leaf: np.empty(s.shape, s.dtype) for leaf, s in self.schema(part, kind).items()}
-        else:
-            self._check_arrays(part, kind, out, "read buffers")
+        else:  # every leaf, or some of them (a split MoE block's sub-part)
+            self._check_arrays(part, kind, out, "read buffers", some=True)
             bad = [leaf for leaf, a in out.items() if not (a.flags.c_contiguous and a.flags.writeable)]
             if bad:
                 raise StoreError(f"read buffers for {part} {kind} must be writable and C-contiguous: {bad}")

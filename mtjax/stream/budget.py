@@ -3,7 +3,8 @@
 The step's schedule (mtjax.stream.schedule) plans the device bytes of a run from
 abstract shapes, so a run that cannot fit stops before step 1. `DeviceLedger` counts the
 bytes the running engine holds (staged weights, kept activations, recompute residuals,
-the state of resident parts, the residuals kept from the forward),
+the state of resident parts, the residuals kept from the forward, split MoE blocks'
+kept routing),
 by use, and refuses a hold past the budget or past the plan's bytes for that use; it
 records the peaks.
 """
@@ -18,7 +19,7 @@ import numpy as np
 
 from mtjax.errors import MtjaxError
 
-USES = ("weights", "activations", "residuals", "resident", "saved")  # what the ledger counts; the plan's other terms are XLA's
+USES = ("weights", "activations", "residuals", "resident", "saved", "routing")  # what the ledger counts; the plan's other terms are XLA's
 
 
 class DeviceBudgetError(MtjaxError):

@@ -17,6 +17,7 @@ the step; a saved group of them keeps its forward's vjps instead of recomputing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mtjax import documents, treepath
+from mtjax import documents, expert_groups, treepath
 from mtjax import parts as parts_mod
 from mtjax.config import ExperimentConfig, StoreConfig, StreamConfig
 from mtjax.errors import MtjaxError, NonFiniteStep
@@ -39,9 +40,11 @@ from mtjax.stream import schedule as schedule_mod
 from mtjax.stream.blockfns import block_fns
 from mtjax.stream.commit import OneCopy
 from mtjax.stream.grads import GradSink
+from mtjax.stream.groupfns import group_fns
 from mtjax.stream.mesh import DeviceMesh
 from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.resident import Resident
+from mtjax.stream.splitblock import SplitBlocks
 from mtjax.stream.staging import Placement, StagingPool, raise_host_memory_limit
 from mtjax.stream.tiers import Tiers, host_device
 from mtjax.stream.trace import Tracer
@@ -101,6 +104,7 @@ class StreamEngine:
         self.placement = Placement(mesh=mesh or DeviceMesh.local(stream.devices))
         self.tracer = Tracer(trace_steps)
         self.ledger = budget_mod.DeviceLedger(0)
+        self.split = SplitBlocks(group_fns(cfg), self.ledger, self.placement.mesh)  # split MoE blocks' passes
         # Slots per shape: the parts staged ahead, those in use (a recompute group, or
         # head + tied embedding + the resident last block), one whose readers finish.
         group = max(len(g) for g in self.groups)
@@ -281,15 +285,31 @@ class StreamEngine:
     # --- the step ------------------------------------------------------------------
 
     def _load(self, part: str):
-        """Prefetch worker: pending update, then read into a staging slot, then device_put."""
-        fresh = self.updater.updated(part)
-        slot = self.pool.acquire(self.schemas[part])
+        """Prefetch worker: pending update, then read into a staging slot, then device_put.
+        A split MoE block's sub-part (`part` "block.i/...") stages some of its block's
+        leaves: an expert group only the experts some token reached."""
+        owner, split = expert_groups.owner(part), self.schedule.split
+        fresh = self.updater.updated(owner)
+        schema = self.schemas[owner]
+        if owner == part:
+            slot, leaves = self.pool.acquire(schema), None
+        else:
+            mine = expert_groups.leaves(schema, part, split[expert_groups.block_index(part)])
+            slot, leaves = self.pool.acquire({n: schema[n] for n in mine}), self.split.staged(part, schema, split)
         with self.tracer.span("read", part):
-            self.updater.compute_into(part, slot.buffers, fresh)
+            if leaves is None or leaves:
+                self.updater.compute_into(owner, slot.buffers if leaves is None else
+                                          {n: slot.buffers[n] for n in leaves}, fresh)
         start = self.tracer.now()
-        weights = self.pool.put(slot, part)
+        weights = self.pool.put(slot, part, leaves)
         self.tracer.watch("h2d", part, weights, since=start)  # until the device copy is ready
-        return slot, weights
+        return slot, weights if owner == part else self.split.complete(part, schema, split, weights)
+
+    @property
+    def routed(self) -> dict:
+        """{split block index: bool [E]}: the experts some token of the last pass reached
+        (for `schedule.routed_traffic`)."""
+        return dict(self.split.routing.reached)
 
     def _inputs(self, batch, what: str = "step") -> tuple[list[documents.Inputs], np.ndarray]:
         """The micro-batches' device inputs (each put on the device once, tokens with their
@@ -298,22 +318,31 @@ class StreamEngine:
         self.check_budget(*inputs.tokens.shape[1:], accum=len(weights), documents=inputs.segments is not None)
         return [self.placement.tokens(inputs.micro(i)) for i in range(len(weights))], weights
 
-    def eval_loss(self, batch) -> float:
-        """Mean loss over the counted targets of a batch [n, batch, seq] (mtjax.batch.Batch
-        or int32 tokens) with the current weights; no update."""
+    def eval_loss(self, batch) -> dict[str, float]:
+        """{"loss": the training objective, "aux_loss": the load-balancing loss (MoE
+        models)} over the counted targets of a batch [n, batch, seq] (mtjax.batch.Batch
+        or int32 tokens), its micro-batches weighted as a step's, with the current
+        weights; no update. As mtjax.reference.eval_loss reports them."""
         mbs, weights = self._inputs(batch, "evaluation")
+        self.split.routing.reset()
         feed = Prefetcher(self.schedule.forward, self._load, self.options.prefetch_depth)
         try:
-            xs, _, _, _ = self._forward(feed, mbs, keep=False)
+            xs, stats, _, _ = self._forward(feed, mbs, keep=False)
             (head_slot, head_w), tied = self._take_head(feed)
             losses = [self.fns.head_loss(head_w, tied[1], x, mb.tokens, mb.targets) for x, mb in zip(xs, mbs)]
             for slot in (head_slot, tied[0]):
                 if slot is not None:
                     self.pool.release(slot, losses)
         finally:
+            self.split.routing.cancel()
             for slot, _ in feed.close():
                 self.pool.release(slot, [])
-        return float(jnp.sum(jnp.stack(losses) * jnp.asarray(weights, jnp.float32)))  # one host sync for all
+        w = jnp.asarray(weights, jnp.float32)
+        if not self.cfg.moe_layers:
+            return {"loss": float(jnp.sum(jnp.stack(losses) * w))}  # one host sync for all
+        auxes = jnp.stack([self.fns.aux(st, mb.tokens, 1.0)[0] for st, mb in zip(stats, mbs)])
+        loss = jnp.sum((jnp.stack(losses) + self.cfg.router_aux_loss_coef * auxes) * w)
+        return {"loss": float(loss), "aux_loss": float(jnp.sum(auxes * w))}
 
     def _io_bytes(self) -> tuple[int, int]:
         """(read, written) bytes of disk-tier state and parked gradients so far."""
@@ -329,6 +358,7 @@ class StreamEngine:
         self.tracer.begin_step(self.step_count)
         self.ledger.reset()  # only resident state stays on the device between steps (even after a failed one)
         self.updater.wait_writes()
+        self.split.routing.reset()
         feed = Prefetcher(self.schedule.transfers, self._load, self.options.prefetch_depth)
         try:
             losses, auxes = self._train_pass(feed, mbs, [float(w) for w in weights])
@@ -337,6 +367,7 @@ class StreamEngine:
             self.resident.drop()
             raise
         finally:
+            self.split.routing.cancel()  # a prefetch worker waiting for routing that will not come
             for slot, _ in feed.close():
                 self.pool.release(slot, [])
         # Host sync: the clip scale needs every part's gradient norm.
@@ -396,7 +427,7 @@ class StreamEngine:
         block, and for training when `keep`: per micro-batch {block index: kept input,
         ("vjp", block index): vjp kept by a saved group}, resident (slot, weights) or None)."""
         fns, pool, trace, s = self.fns, self.pool, self.tracer, self.schedule
-        starts = {g.start for g in self.groups if g not in s.saved} if keep else set()
+        starts = {g.start for g in s.groups if g not in s.saved} if keep else set()
         saved = {i for g in s.saved for i in g} if keep else set()
         resident = None
         slot, w = self._take(feed, "embed")
@@ -406,6 +437,18 @@ class StreamEngine:
         kept = [{0: self._keep(x)} if 0 in starts else {} for x in xs]
         stats = [[] for _ in xs]
         for i, kind in enumerate(self.cfg.layer_kinds):
+            if i in s.split:  # sub-part by sub-part (mtjax.stream.splitblock)
+                xs, st, routing = self.split.forward(i, kind, s.split[i], functools.partial(self._take, feed),
+                                                     pool.release, xs, [mb.segments for mb in mbs], keep)
+                for m, one in enumerate(st):
+                    stats[m].append(one)
+                    if keep:
+                        kept[m]["routing", i] = routing[m]
+                trace.watch("compute", f"block.{i}", xs)
+                if i + 1 in starts:
+                    for k, x in zip(kept, xs):
+                        k[i + 1] = self._keep(x)
+                continue
             slot, w = self._take(feed, f"block.{i}")
             if i in saved:  # its one forward, keeping what the backward needs
                 outs = [fns.save[s.remat][kind](w, x, mb.segments) for x, mb in zip(xs, mbs)]
@@ -461,8 +504,17 @@ class StreamEngine:
             pool.release(tied[0], dxs)  # dembed waits on the device for the lookup's gradient
         del xs, head_w, tied
 
-        for group in reversed(self.groups):
-            if group in self.schedule.saved:
+        for group in reversed(self.schedule.groups):
+            if group.start in self.schedule.split:  # a split MoE block: a group of its own
+                i = group.start
+                xs = [self._unkeep(k.pop(i)) for k in kept]
+                dxs, dw = self.split.backward(i, self.cfg.layer_kinds[i], self.schedule.split[i],
+                                              functools.partial(self._take, feed), pool.release,
+                                              lambda acc, g: self._sum(acc, g, len(mbs)), xs,
+                                              [k.pop(("routing", i)) for k in kept], dxs, dstats,
+                                              [mb.segments for mb in mbs])
+                self._finish_block(i, None, dw, dxs)
+            elif group in self.schedule.saved:
                 dxs = self._backward_saved(group, kept, dxs, dstats)
             else:
                 xs = [self._unkeep(k.pop(group.start)) for k in kept]

@@ -47,7 +47,7 @@ import math
 import jax
 import numpy as np
 
-from mtjax import model, parts, treepath
+from mtjax import expert_groups, model, parts, treepath
 from mtjax.config import StoreConfig, StreamConfig, check_batch_split
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig
@@ -100,11 +100,12 @@ class DevicePlan:
     working: int  # hidden states of every micro-batch between parts, temporaries, gradients in flight
     resident: int = 0  # resident parts' compute, master and optimizer state and their fp32 gradient sums
     saved: int = 0  # vjp residuals that saved groups keep from the forward to the backward (every micro-batch)
+    routing: int = 0  # split MoE blocks' kept MLP inputs and routing (every micro-batch), zeros for unrouted experts
 
     @property
     def total(self) -> int:
         return (self.weights + self.activations + self.residuals + self.head + self.working + self.resident
-                + self.saved)
+                + self.saved + self.routing)
 
     def describe(self) -> str:
         return ", ".join(f"{f.name} {getattr(self, f.name) / 2**20:.1f} MiB" for f in dataclasses.fields(self))
@@ -125,6 +126,7 @@ class Traffic:
     host_memory: int  # read + written by the host CPU: optimizer, gradients, staging copies, disk I/O
     device_update: int = 0  # read + written on the device by the resident parts' update (the optax program)
     allreduce: int = 0  # gradient bytes summed across the devices (the size of what is reduced), all parts
+    h2d_unrouted: int = 0  # expert weights no token reached, not staged (`Schedule.routed_traffic`; 0 before a step)
 
     @property
     def h2d(self) -> int:
@@ -166,11 +168,38 @@ class Schedule:
     device: DevicePlan  # on each device
     devices: int = 1  # data parallel over this many devices
     allreduce: dict = dataclasses.field(default_factory=dict)  # {part: bytes all-reduced per step}; {} on one device
+    split: dict = dataclasses.field(default_factory=dict)  # {split block index: its expert groups (tuples of ids)}
+    sub_bytes: dict = dataclasses.field(default_factory=dict)  # {sub-part name: StateBytes} of the split blocks
 
     @property
     def device_batch(self) -> int:
         """Rows of a micro-batch on each device."""
         return self.shape.batch // self.devices
+
+    def unit(self, name: str) -> StateBytes:
+        """The state bytes of a transfer: a part's, or a split block's sub-part's."""
+        return self.sub_bytes[name] if "/" in name else self.part_bytes[name]
+
+    def routed_traffic(self, routed: dict, names: tuple | None = None) -> Traffic:
+        """`traffic` for a step whose split MoE blocks' experts were reached as `routed`
+        says ({block index: bool [E], an expert reached by some token of the step}): an
+        expert group stages only its reached experts, and reads only them from a disk
+        tier; `h2d_unrouted` counts what stayed behind. `names`: the transfers
+        (default: a training step's; `forward` for an evaluation)."""
+        compute = master = 0
+        for p in self.transfers if names is None else names:
+            block = expert_groups.block_index(p)
+            ids = expert_groups.group_ids(p, self.split[block]) if "/" in p else None
+            if ids:  # the experts of a group are alike: each 1/n of its bytes
+                left, b = sum(1 for e in ids if not routed[block][e]), self.sub_bytes[p]
+                compute, master = compute + left * b.compute // len(ids), master + left * b.master // len(ids)
+        t = self.traffic
+        reads = dict(t.disk_read, compute=t.disk_read["compute"] - compute) if self.store.compute == "disk" \
+            else t.disk_read
+        staging = compute if self.store.compute == "disk" else (master + compute if self.derived_compute
+                                                                  else 2 * compute)
+        return dataclasses.replace(t, h2d_weights=t.h2d_weights - compute, h2d_unrouted=compute, disk_read=reads,
+                                   host_memory=t.host_memory - staging)
 
     @property
     def state(self) -> StateBytes:
@@ -195,29 +224,56 @@ class Schedule:
         return (len(self.groups) - len(self.saved)) * self.shape.accum * self.hidden_bytes
 
 
-def groups(num_blocks: int, keep_every: int) -> tuple[range, ...]:
-    """Recompute groups of `keep_every` blocks (0: one group of all of them)."""
-    k = num_blocks if keep_every == 0 else min(keep_every, num_blocks)
-    return tuple(range(s, min(s + k, num_blocks)) for s in range(0, num_blocks, k))
+def groups(num_blocks: int, keep_every: int, alone=()) -> tuple[range, ...]:
+    """Recompute groups of `keep_every` blocks (0: as many as run together); the blocks
+    in `alone` (split MoE blocks) are groups of their own."""
+    out, run = [], []
+
+    def close():
+        k = len(run) if keep_every == 0 else keep_every
+        out.extend(range(s, min(s + k, run[-1] + 1)) for s in range(run[0], run[-1] + 1, k))
+        run.clear()
+
+    for i in range(num_blocks):
+        if i not in alone:
+            run.append(i)
+            continue
+        if run:
+            close()
+        out.append(range(i, i + 1))
+    if run:
+        close()
+    return tuple(out)
 
 
-def last_stays(groups_: tuple[range, ...]) -> bool:
+def last_stays(groups_: tuple[range, ...], split=()) -> bool:
     """Whether the last block's weights stay on the device from its forward to its
-    backward (saves one transfer): when it is a recompute group of its own."""
-    return len(groups_[-1]) == 1
+    backward (saves one transfer): when it is a recompute group of its own, not split."""
+    return len(groups_[-1]) == 1 and groups_[-1].start not in split
 
 
-def forward_parts(cfg: ModelConfig) -> tuple[str, ...]:
-    """embed, the blocks, head, and embed again when tied (the head's kernel)."""
-    fwd = ["embed", *(f"block.{i}" for i in range(cfg.num_hidden_layers)), "head"]
+def _block_units(i: int, split: dict, backward: bool = False) -> list[str]:
+    """What crosses for block i: the block, or a split block's sub-parts (router part,
+    then its expert groups; in the backward the groups in reverse, then the router part)."""
+    if i not in split:
+        return [f"block.{i}"]
+    names = list(expert_groups.names(f"block.{i}", split[i]))
+    return names[:0:-1] + names[:1] if backward else names
+
+
+def forward_parts(cfg: ModelConfig, split=None) -> tuple[str, ...]:
+    """embed, the blocks (split ones as their sub-parts), head, and embed again when tied
+    (the head's kernel)."""
+    fwd = ["embed", *(u for i in range(cfg.num_hidden_layers) for u in _block_units(i, split or {})), "head"]
     return tuple(fwd + (["embed"] if cfg.tie_word_embeddings else []))
 
 
-def train_parts(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[str, ...]:
+def train_parts(cfg: ModelConfig, groups_: tuple[range, ...], split=None) -> tuple[str, ...]:
     """The forward, then the blocks of each recompute group, groups in reverse, blocks in
     forward order within a group; without the last block when it stays on the device."""
-    bwd = [f"block.{i}" for g in reversed(groups_) for i in g]
-    return forward_parts(cfg) + tuple(bwd[1:] if last_stays(groups_) else bwd)
+    split = split or {}
+    bwd = [u for g in reversed(groups_) for i in g for u in _block_units(i, split, backward=True)]
+    return forward_parts(cfg, split) + tuple(bwd[1:] if last_stays(groups_, split) else bwd)
 
 
 def residency_order(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[str, ...]:
@@ -309,8 +365,103 @@ def residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int, policy: st
 
     block = model.remat_block(forward, policy)
     saved = jax.tree.leaves(jax.eval_shape(lambda w, x: jax.vjp(block, w, x)[1], weights, x))
-    # The weights appear among the residuals but are already counted as staged weights.
-    unmatched = [(tuple(v.shape), np.dtype(v.dtype)) for v in weights.values()]
+    return _beyond(saved, list(weights.values()))
+
+
+def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, tx,
+             fused: bool | None = None, part_bytes_: dict[str, StateBytes] | None = None,
+             devices: int = 1) -> Schedule:
+    """The schedule of one step of `shape` under `stream` and `store`'s placement, data
+    parallel over `devices` devices (shape.batch splits over them: mtjax.config.check_batch_split).
+
+    `tx` is the optax transformation (its state's bytes); `fused`: whether the update is
+    the fused AdamW loop (default: what an OptimConfig gets, `fused_adamw.supports`).
+    `part_bytes_` saves recomputing `part_bytes(cfg, tx)` when pricing many variants.
+
+    MoE blocks are split into expert groups (mtjax.expert_groups) of
+    `stream.expert_group_size` experts; unset, only when the step does not fit
+    `stream.device_budget_bytes` whole: then the largest groups (E, E/2, E/4 ... 1
+    experts) that fit, or the smallest plan of them when none does (check_budget says so).
+    """
+    fused = fused_adamw.supports(cfg.compute_dtype) if fused is None else fused
+    pb = part_bytes(cfg, tx) if part_bytes_ is None else part_bytes_
+    size, budget = stream.expert_group_size, stream.device_budget_bytes
+    if size is not None or budget is None or not cfg.moe_layers:
+        return _describe(cfg, stream, store, shape, tx, fused, pb, size, devices)
+    plans, size = [_describe(cfg, stream, store, shape, tx, fused, pb, None, devices)], cfg.num_experts
+    while plans[-1].device.total > budget and size >= 1:  # groups of E, E // 2, ... 1 experts
+        plans.append(_describe(cfg, stream, store, shape, tx, fused, pb, size, devices))
+        size //= 2
+    fits = [p for p in plans if p.device.total <= budget]
+    return fits[0] if fits else min(plans, key=lambda p: p.device.total)
+
+
+def split_blocks(cfg: ModelConfig, size: int | None, resident: tuple) -> dict:
+    """{block index: expert groups} of the streamed MoE blocks split into groups of
+    `size` experts (none when `size` is None; resident blocks stay whole)."""
+    if size is None:
+        return {}
+    if cfg.sandwich_norms:
+        raise MtjaxError("stream.expert_group_size: expert groups need MoE blocks without sandwich norms; "
+                         "unset it for this model")
+    return {i: expert_groups.groups_of(cfg.num_experts, min(size, cfg.num_experts)) for i in cfg.moe_layers
+            if f"block.{i}" not in resident}
+
+
+def sub_part_bytes(cfg: ModelConfig, tx, split: dict) -> dict[str, StateBytes]:
+    """{sub-part name: StateBytes} of the split blocks (leaves of the block's schemas)."""
+    out = {}
+    for i, grps in split.items():
+        block = f"block.{i}"
+        schemas = {k: parts.schema(cfg, block, k, tx) for k in ("compute", "master")}
+        for name in expert_groups.names(block, grps):
+            mine = expert_groups.leaves(schemas["compute"], name, grps)
+            c, m = (parts.nbytes({n: schemas[k][n] for n in mine}) for k in ("compute", "master"))
+            out[name] = StateBytes(c, m, 0)  # no optimizer state of its own: the update is the whole part's
+    return out
+
+
+def expert_bytes(cfg: ModelConfig) -> StateBytes:
+    """One expert's compute and master bytes (every expert of every MoE layer is alike)."""
+    block = f"block.{cfg.moe_layers[0]}"
+    got = [sum(parts.nbytes({n: x}) for n, x in parts.schema(cfg, block, k).items() if expert_groups.expert_of(n) == 0)
+           for k in ("compute", "master")]
+    return StateBytes(*got, 0)
+
+
+@functools.lru_cache(maxsize=64)
+def split_residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int, size: int) -> int:
+    """Bytes the larger of a split block's sub-part programs keeps for its vjp beyond its
+    weights: the router part's (attention included) or a group of `size` experts',
+    traced as `residual_bytes` traces a whole block."""
+    name = f"block.{cfg.layer_kinds.index(kind)}"
+    schema = parts.schema(cfg, name, "compute")
+    router = {n: schema[n] for n in expert_groups.leaves(schema, f"{name}/router", ())}
+    x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype))
+    rows, k = batch * seq, cfg.num_experts_per_tok
+    h = jax.ShapeDtypeStruct((rows, cfg.hidden_size), x.dtype)
+    weights, chosen = jax.ShapeDtypeStruct((rows, k), np.float32), jax.ShapeDtypeStruct((rows, k), np.int32)
+    ids = jax.ShapeDtypeStruct((size,), np.int32)
+    group = expert_groups.kernels(schema, tuple(range(size)))
+
+    def router_vjp(w, x):
+        return jax.vjp(lambda w, x: expert_groups.router_forward(cfg, kind, w, x)[0], w, x)[1]
+
+    def group_vjp(w, h, weights, chosen, ids):
+        return jax.vjp(lambda w, h, p: expert_groups.group_forward(cfg, kind, w, h, p, chosen, ids), w, h,
+                       weights)[1]
+
+    def traced(fn, weights_in, *args):
+        saved = jax.tree.leaves(jax.eval_shape(fn, weights_in, *args))
+        return _beyond(saved, jax.tree.leaves(weights_in))
+
+    return max(traced(router_vjp, router, x), traced(group_vjp, group, h, weights, chosen, ids))
+
+
+def _beyond(saved: list, weights: list) -> int:
+    """Bytes of the `saved` leaves less one leaf per weight of the same shape and dtype
+    (the weights appear among the residuals but are counted as staged weights)."""
+    unmatched = [(tuple(v.shape), np.dtype(v.dtype)) for v in weights]
     total = 0
     for leaf in saved:
         key = (tuple(leaf.shape), np.dtype(leaf.dtype))
@@ -333,21 +484,14 @@ def allreduce_bytes(cfg: ModelConfig, pb: dict[str, StateBytes], accum: int, dev
     return out
 
 
-def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, tx,
-             fused: bool | None = None, part_bytes_: dict[str, StateBytes] | None = None,
-             devices: int = 1) -> Schedule:
-    """The schedule of one step of `shape` under `stream` and `store`'s placement, data
-    parallel over `devices` devices (shape.batch splits over them: mtjax.config.check_batch_split).
-
-    `tx` is the optax transformation (its state's bytes); `fused`: whether the update is
-    the fused AdamW loop (default: what an OptimConfig gets, `fused_adamw.supports`).
-    `part_bytes_` saves recomputing `part_bytes(cfg, tx)` when pricing many variants.
-    """
-    fused = fused_adamw.supports(cfg.compute_dtype) if fused is None else fused
-    pb = part_bytes(cfg, tx) if part_bytes_ is None else part_bytes_
-    grps = groups(cfg.num_hidden_layers, stream.keep_every)
-    resident = resident_parts(cfg, stream.resident, grps)
-    transfers = tuple(p for p in train_parts(cfg, grps) if p not in resident)
+def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, tx, fused: bool,
+              pb: dict[str, StateBytes], size: int | None, devices: int = 1) -> Schedule:
+    resident = resident_parts(cfg, stream.resident, groups(cfg.num_hidden_layers, stream.keep_every))
+    split = split_blocks(cfg, size, resident)
+    grps = groups(cfg.num_hidden_layers, stream.keep_every, alone=split)
+    sub = sub_part_bytes(cfg, tx, split)
+    unit = {**pb, **sub}
+    transfers = tuple(p for p in train_parts(cfg, grps, split) if p not in resident)
     streamed = {p: b for p, b in pb.items() if p not in resident}  # state that lives on the host
     remat = remat_of(stream)
     saved = saved_groups(grps, resident, remat)
@@ -361,7 +505,7 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     kept = (len(grps) - len(saved)) * shape.accum * hidden
     on_host = stream.activations == "host"
 
-    h2d_weights = sum(pb[p].compute for p in transfers)  # one device's
+    h2d_weights = sum(unit[p].compute for p in transfers)  # one device's
     reads = dict.fromkeys(("compute", "master", "opt", "grads"), 0)
     writes = dict(reads)
     if store.compute == "disk":
@@ -389,21 +533,22 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
         d2h_activations=kept if on_host else 0,
         d2h_resident=d2h_resident,
         disk_read=reads, disk_write=writes,
-        host_memory=_host_memory(streamed, transfers, {p: g for p, g in grad.items() if p in streamed}, fused,
-                                 derived, store, sum(reads.values()) + sum(writes.values())),
+        host_memory=_host_memory(streamed, [unit[p] for p in transfers],
+                                 {p: g for p, g in grad.items() if p in streamed}, fused, derived, store,
+                                 sum(reads.values()) + sum(writes.values())),
         # As the host's XLA program: mu, nu, master and the compute copy in four passes.
         device_update=sum(3 * pb[p].opt + 5 * pb[p].master + pb[p].compute for p in resident),
         allreduce=sum(allreduce.values()),
     )
-    forward = tuple(p for p in forward_parts(cfg) if p not in resident)
+    forward = tuple(p for p in forward_parts(cfg, split) if p not in resident)
     # Each device holds all of the weights and its share of every micro-batch's rows.
     local = dataclasses.replace(shape, batch=shape.batch // devices)
-    device = _device_plan(cfg, stream, local, pb, grps, grad, hidden // devices, resident, saved, remat)
-    return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps), resident, remat,
-                    saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce)
+    device = _device_plan(cfg, stream, local, pb, grps, grad, hidden // devices, resident, saved, remat, split, sub)
+    return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps, split), resident,
+                    remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce, split, sub)
 
 
-def _host_memory(pb: dict[str, StateBytes], transfers, grad: dict, fused: bool, derived: bool, store: StoreConfig,
+def _host_memory(pb: dict[str, StateBytes], transfers: list[StateBytes], grad: dict, fused: bool, derived: bool, store: StoreConfig,
                  disk_io: int) -> int:
     """Bytes the host CPU reads and writes in one step (DMA is the link's: the planner
     adds it where the device is not the host)."""
@@ -424,25 +569,34 @@ def _host_memory(pb: dict[str, StateBytes], transfers, grad: dict, fused: bool, 
     # Each transfer fills a staging slot: a copy of the compute weights (read + write),
     # master rounded into it when no copy is kept, or a disk read (counted in disk_io).
     staging = 0
-    for p in transfers:
+    for b in transfers:  # each transfer's bytes (a part's or a split block's sub-part's)
         if derived:
-            staging += pb[p].master + pb[p].compute
+            staging += b.master + b.compute
         elif store.compute == "ram":
-            staging += 2 * pb[p].compute
+            staging += 2 * b.compute
     return optimizer + grads + staging + disk_io  # disk I/O: the kernel copies through the page cache
 
 
 def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: dict[str, StateBytes],
                  grps: tuple[range, ...], grad: dict, hidden: int, resident: tuple = (), saved: tuple = (),
-                 remat: str = "full") -> DevicePlan:
+                 remat: str = "full", split: dict | None = None, sub: dict | None = None) -> DevicePlan:
     """Device bytes of the step; every term comes from abstract shapes. Every micro-batch
     runs through a part before the next part (their hidden states wait between parts),
     and each part's gradient is summed on the device in fp32. Resident parts hold their
     state and an fp32 gradient sum (their update's input) for the whole run."""
+    split, sub = split or {}, sub or {}
     group = max(len(g) for g in grps)
-    # Staging slots hold streamed parts only; none when everything is resident.
-    max_part = max((b.compute for p, b in pb.items() if p not in resident), default=0)
-    residual = max(residual_bytes(cfg, kind, shape.batch, shape.seq) for kind in cfg.block_kinds)
+    # Staging slots hold streamed parts only (a split block's sub-parts); none when everything is resident.
+    units = {**{p: b for p, b in pb.items() if p not in resident and expert_groups.block_index(p) not in split},
+             **sub}
+    max_part = max((b.compute for b in units.values()), default=0)
+    whole = {kind for i, kind in enumerate(cfg.layer_kinds) if i not in split}
+    residual = max((residual_bytes(cfg, kind, shape.batch, shape.seq) for kind in whole), default=0)
+    tokens = shape.batch * shape.seq
+    if split:  # a split block's backward holds one sub-part's residuals at a time
+        size = max(len(g) for grps_ in split.values() for g in grps_)
+        residual = max(residual, *(split_residual_bytes(cfg, cfg.layer_kinds[i], shape.batch, shape.seq, size)
+                                   for i in split))
     # Several micro-batches: the fp32 sums in progress, a group's blocks' or the head's
     # (with the tied embedding's).
     blocks = max(b.master for p, b in pb.items() if p.startswith("block."))
@@ -460,6 +614,11 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
         resident=sum(pb[p].compute + 2 * pb[p].master + pb[p].opt for p in resident),
         saved=shape.accum * sum(residual_bytes(cfg, cfg.layer_kinds[i], shape.batch, shape.seq, remat)
                                 for g in saved for i in g),
+        # Kept from a split block's router part to its backward: the MLP input (compute
+        # dtype), the kept weights (fp32) and chosen experts (int32); and one zero expert
+        # on the device standing in for the experts no token reached.
+        routing=(shape.accum * len(split) * (hidden + tokens * cfg.num_experts_per_tok * 8)
+                 + expert_bytes(cfg).compute) if split else 0,
     )
 
 
@@ -471,6 +630,7 @@ def check_budget(plan: DevicePlan, budget: int | None) -> int:
         raise DeviceBudgetError(
             f"this run needs {plan.total / 2**20:.1f} MiB on the device ({plan.describe()}) but "
             f"stream.device_budget_bytes is {budget / 2**20:.1f} MiB: raise the budget, lower "
-            f"stream.prefetch_depth, stream.keep_every or stream.resident, or set stream.activations=host"
+            f"stream.prefetch_depth, stream.keep_every or stream.resident, set stream.activations=host, or "
+            f"(a MoE model) a smaller stream.expert_group_size"
         )
     return budget

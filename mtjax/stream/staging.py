@@ -173,11 +173,14 @@ class StagingPool:
         buffers = self.buffers.acquire(schema)
         return Slot(buffers, sum(b.nbytes for b in buffers.values()))
 
-    def put(self, slot: Slot, what: str) -> dict[str, jax.Array]:
-        """The slot's weights on the device, counted against the device budget."""
+    def put(self, slot: Slot, what: str, leaves=None) -> dict[str, jax.Array]:
+        """The slot's weights on the device (only `leaves` of them when given), counted
+        against the device budget."""
+        buffers = slot.buffers if leaves is None else {n: slot.buffers[n] for n in leaves}
+        slot.nbytes = sum(b.nbytes for b in buffers.values())
         self.ledger.hold(slot.nbytes, what, "weights")
         slot.on_device = True
-        return self.placement.to_device(slot.buffers)
+        return self.placement.to_device(buffers)
 
     def release(self, slot: Slot, fence) -> None:
         """Hand a slot back once its device copy is no longer needed; `fence` are the

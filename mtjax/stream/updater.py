@@ -96,13 +96,14 @@ class Updater:
         ({leaf: array}; new arrays when None)."""
         master = {n: np.asarray(a) for n, a in self.read(part, "master").items()}
         out = {n: np.empty(a.shape, self.update.dtype) for n, a in master.items()} if out is None else out
-        for n, a in master.items():
-            fused_adamw.round_into(a, out[n])
+        for n, buf in out.items():  # every leaf, or a split MoE block's sub-part's
+            fused_adamw.round_into(master[n], buf)
         return out
 
     def compute_into(self, part: str, out: dict, fresh: dict | None) -> None:
-        """The current compute weights of `part` into `out`; `fresh` is what `updated`
-        returned for it (the new copy, staged without a round trip through the tier)."""
+        """The current compute weights of `part` into `out` (all its leaves, or some: a
+        split MoE block's sub-part); `fresh` is what `updated` returned for it (the new
+        copy, staged without a round trip through the tier)."""
         if self.derived_compute:
             self.round_master(part, out)  # the updated master, straight into the slot
         elif fresh is not None:

@@ -1,0 +1,60 @@
+"""The compiled functions of split MoE blocks (mtjax.expert_groups), one set per MoE kind.
+
+    router_forward(w, x, segments) -> (partial, h, weights, stats, chosen)
+    group_add(w, h, weights, chosen, ids, partial) -> partial + the group's share
+    group_grad(w, h, weights, chosen, ids, dy) -> (dw, dh, dweights)
+    router_grad(w, x, dy, dh, dweights, dstats, segments) -> (dw, dx)
+
+A group's backward recomputes its forward from the kept MLP input and routing, in one
+program with its vjp; the router part's backward recomputes attention and the router
+from the block's kept input and takes the cotangents of everything it handed on: the
+block output's (dy), the MLP input's and kept weights' summed over the groups, and the
+router stats' (the load-balancing loss, mtjax.moe). Group programs take the experts'
+global ids as an argument, so every group of one size shares one compile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from mtjax import expert_groups
+from mtjax.model_config import MOE, ModelConfig
+
+
+@functools.lru_cache(maxsize=8)
+def group_fns(cfg: ModelConfig) -> GroupFns:
+    return GroupFns(cfg)
+
+
+class GroupFns:
+    def __init__(self, cfg: ModelConfig):
+        kinds = [k for k in cfg.block_kinds if k.endswith(MOE)]
+
+        def per_kind(fn):
+            return {k: jax.jit(functools.partial(fn, cfg, k)) for k in kinds}
+
+        self.router_forward = per_kind(_router_forward)
+        self.router_grad = per_kind(_router_grad)
+        self.group_add = per_kind(_group_add)
+        self.group_grad = per_kind(_group_grad)
+
+
+def _router_forward(cfg: ModelConfig, kind: str, w: dict, x, segments=None):
+    (partial, h, weights, stats), chosen = expert_groups.router_forward(cfg, kind, w, x, segments)
+    return partial, h, weights, stats, chosen
+
+
+def _router_grad(cfg: ModelConfig, kind: str, w: dict, x, dy, dh, dweights, dstats, segments=None):
+    _, vjp, _ = jax.vjp(lambda w, x: expert_groups.router_forward(cfg, kind, w, x, segments), w, x, has_aux=True)
+    return vjp((dy, dh, dweights, dstats))
+
+
+def _group_add(cfg: ModelConfig, kind: str, w: dict, h, weights, chosen, ids, partial):
+    return partial + expert_groups.group_forward(cfg, kind, w, h, weights, chosen, ids).reshape(partial.shape)
+
+
+def _group_grad(cfg: ModelConfig, kind: str, w: dict, h, weights, chosen, ids, dy):
+    _, vjp = jax.vjp(lambda w, h, p: expert_groups.group_forward(cfg, kind, w, h, p, chosen, ids), w, h, weights)
+    return vjp(dy.reshape(h.shape))
