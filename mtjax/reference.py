@@ -88,15 +88,17 @@ def _accumulated_grads(cfg: ModelConfig, params, inputs: Inputs, weights, remat:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _eval_loss(cfg: ModelConfig, params, inputs: Inputs):
-    return _inputs_terms(cfg, params, inputs, remat=False)[0]
+    return jnp.stack(_inputs_terms(cfg, params, inputs, remat=False))
 
 
-def eval_loss(cfg: ModelConfig, params, batch) -> float:
-    """Mean loss of `params` over the counted targets of a batch [n, batch, seq] (its n
-    micro-batches weighted as a step's are), one micro-batch at a time; no update."""
+def eval_loss(cfg: ModelConfig, params, batch) -> dict[str, float]:
+    """{"loss": the training objective, "aux_loss": the load-balancing loss (MoE models)}
+    of `params` over the counted targets of a batch [n, batch, seq] (its n micro-batches
+    weighted as a step's are), one micro-batch at a time; no update."""
     inputs, weights = documents.step_inputs(batch, "evaluation")
-    losses = jnp.stack([_eval_loss(cfg, params, inputs.micro(i)) for i in range(len(weights))])
-    return float(jnp.sum(losses * jnp.asarray(weights, jnp.float32)))  # one host sync for all of them
+    terms = jnp.stack([_eval_loss(cfg, params, inputs.micro(i)) for i in range(len(weights))])
+    loss, aux = (float(x) for x in jnp.sum(terms * jnp.asarray(weights, jnp.float32)[:, None], axis=0))
+    return {"loss": loss, "aux_loss": aux} if cfg.moe_layers else {"loss": loss}
 
 
 class ReferenceTrainer:

@@ -9,7 +9,7 @@ by `stream.engine` in `make_engine`; any object with the `Engine` protocol plugs
                           ...} (floats); the loss is the mean over the step's counted targets
     engine.params()       fp32 params pytree on the host, every pending update applied
     engine.opt_state()    optimizer state shaped as optax's init(params)
-    engine.eval_loss(b)   mean loss over the counted targets of a batch [n, batch, seq], no update
+    engine.eval_loss(b)   {"loss", "aux_loss" (MoE)} over the counted targets of a batch [n, batch, seq], no update
     engine.stage_seconds()   seconds per stage of the last step (may be empty)
     engine.commits_every_step   whether each step must be committed before its update runs
     engine.commit(step, train_state, flush=False)   write the whole state into the run's
@@ -55,7 +55,7 @@ class Engine(Protocol):
 
     def opt_state(self): ...
 
-    def eval_loss(self, batch: Batch | np.ndarray) -> float: ...
+    def eval_loss(self, batch: Batch | np.ndarray) -> dict[str, float]: ...
 
     def stage_seconds(self) -> dict[str, float]: ...
 
@@ -87,7 +87,7 @@ class ReferenceEngine:
         checkpoint.write_model(self.store, self.params(), self.opt_state(), self.trainer.tx)
         self.store.commit(step, train_state)
 
-    def eval_loss(self, batch) -> float:
+    def eval_loss(self, batch) -> dict[str, float]:
         return reference_mod.eval_loss(self.cfg, self.trainer.params, batch)
 
     def stage_seconds(self) -> dict[str, float]:
@@ -182,7 +182,7 @@ def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int
         ds.check_vocab(cfg.vocab_size)
         loader = data.Loader(ds, split, seq_len, batch_size, 1, shuffle=False)
         batch = concat(loader.next() for _ in range(batches))
-        return Evaluation(reference_mod.eval_loss(cfg, params, batch), documents.trained_tokens(batch),
+        return Evaluation(reference_mod.eval_loss(cfg, params, batch)["loss"], documents.trained_tokens(batch),
                           not batch.plain)
 
 
@@ -316,8 +316,9 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
                 # step (state + pending gradients) is committed. Cheap: nothing is flushed.
                 engine.commit(step, checkpoint.train_state(exp, step, loader.cursor))
             if val is not None and (step % exp.run.eval_every == 0 or step == exp.run.steps):
-                val_loss = engine.eval_loss(val)
-                progress.record(step, {"val_loss": val_loss})
+                terms = engine.eval_loss(val)  # the training objective; a MoE model's aux loss beside it
+                val_loss = terms["loss"]
+                progress.record(step, {f"val_{k}": v for k, v in terms.items()})
             if (exp.run.checkpoint_every and step % exp.run.checkpoint_every == 0 and step < exp.run.steps
                     and not engine.commits_every_step):
                 engine.commit(step, checkpoint.train_state(exp, step, loader.cursor))

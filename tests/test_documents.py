@@ -182,8 +182,8 @@ def test_streamed_equals_reference_on_masked_packed_steps():
             assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
         got = engine.params()
         assert max(rel(x, y) for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(ref.params))) <= 1e-5
-        want = eval_loss(CFG, ref.params, steps[0])
-        assert abs(engine.eval_loss(steps[0]) - want) <= 1e-6 * want
+        want = eval_loss(CFG, ref.params, steps[0])["loss"]
+        assert abs(engine.eval_loss(steps[0])["loss"] - want) <= 1e-6 * want
     finally:
         engine.close()
     # The step's loss is the mean over all its counted targets, not the mean of the means.
@@ -226,7 +226,7 @@ def test_eval_reports_the_masked_loss_of_chat_data(tmp_path, capsys):
     line = capsys.readouterr().out.strip()
     batch = data.Loader(data.Dataset(tmp_path / "chat"), "val", 64, 2, 1, shuffle=False).next()
     _, params_ = run.load_weights(ckpt)
-    masked, every = eval_loss(cfg, params_, batch), eval_loss(cfg, params_, batch.tokens)
+    masked, every = eval_loss(cfg, params_, batch)["loss"], eval_loss(cfg, params_, batch.tokens)["loss"]
     assert abs(masked - every) > 1e-3  # the mask changes the number: the test can tell them apart
     assert line.startswith(f"val loss {masked:.4f}  ")
     assert line.endswith(f"over the {documents.trained_tokens(batch):,} tokens the loss mask keeps")

@@ -18,12 +18,12 @@ import pytest
 import mtjax.store
 from mtjax import documents, model, moe
 from mtjax.batch import Batch
-from mtjax.config import StoreConfig, StreamConfig
+from mtjax.config import ConfigError, StoreConfig, StreamConfig
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate
-from mtjax.reference import ReferenceTrainer, loss_terms
-from mtjax.stream import StreamEngine
+from mtjax.reference import ReferenceTrainer, eval_loss, loss_terms
+from mtjax.stream import StreamEngine, schedule
 
 # Qwen3-MoE-like: a dense layer between two MoE layers, 7 experts of which 2 are picked.
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
@@ -195,3 +195,134 @@ def test_active_parameters_price_the_compute_and_all_parameters_the_bytes():
     assert ours.model_flops - theirs.model_flops == 3 * 2 * extra * d * layers * shape.tokens
     expert = 3 * d * CFG.moe_intermediate_size
     assert ours.schedule.state.master - theirs.schedule.state.master == 4 * extra * (expert + d) * layers
+
+
+# --- expert groups: a MoE block streamed as its router part, then groups of experts ---------------
+
+
+@pytest.mark.parametrize("tier, accum, keep_every", [("ram", 1, 1), ("disk", 4, 2)])
+def test_streamed_steps_with_the_moe_blocks_split_into_expert_groups_equal_the_reference(tmp_path, tier, accum,
+                                                                                        keep_every):
+    """Groups of 3 of the 7 experts (the last of one), forced; on the disk tier with 4
+    micro-batches the dense block 1 is a recompute group of its own between two split blocks."""
+    store, tiers = None, StoreConfig()
+    if tier == "disk":
+        store = mtjax.store.create(tmp_path / "store", CFG, make_optimizer(OPT))
+        tiers = StoreConfig(compute="disk", master="disk", opt="disk")
+    engine = StreamEngine(CFG, _params(), OPT, StreamConfig(keep_every=keep_every, expert_group_size=3), tiers,
+                          store=store, batch_shape=(2, 16))
+    try:
+        assert engine.schedule.split == {0: ((0, 1, 2), (3, 4, 5), (6,)), 2: ((0, 1, 2), (3, 4, 5), (6,))}
+        assert "block.2/experts.1" in engine.schedule.transfers and "block.2" not in engine.schedule.transfers
+        _streamed_equals_reference(engine, _batches(accum))
+    finally:
+        engine.close()
+        if store is not None:
+            store.close()
+
+
+def _counted(engine):
+    """Bytes the engine hands to the device as weights, and reads of compute state from the store."""
+    counts = {"h2d": 0, "read": 0}
+    to_device = engine.placement.to_device
+
+    def staged(buffers):
+        counts["h2d"] += sum(b.nbytes for b in buffers.values())
+        return to_device(buffers)
+
+    engine.placement.to_device = staged
+    if engine.store is not None:
+        read = engine.store.read
+
+        def counted_read(part, kind, out=None):
+            if kind == "compute":
+                counts["read"] += sum(b.nbytes for b in out.values())
+            return read(part, kind, out)
+
+        engine.store.read = counted_read
+    return counts
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_experts_no_token_reached_stay_on_the_host_as_the_schedule_counts(tmp_path, tier):
+    """One sequence of 3 tokens picks at most 6 (expert, token) pairs of 7 experts per layer:
+    some stay unreached. The bytes staged (and read from a disk tier) equal the schedule's
+    traffic for that routing; the unreached experts still get their AdamW update (weight
+    decay moves them) and every step still equals the reference."""
+    store, tiers = None, StoreConfig()
+    if tier == "disk":
+        store = mtjax.store.create(tmp_path / "store", CFG, make_optimizer(OPT))
+        tiers = StoreConfig(compute="disk", master="disk", opt="disk")
+    engine = StreamEngine(CFG, _params(), OPT, StreamConfig(expert_group_size=3), tiers, store=store,
+                          batch_shape=(1, 3))
+    reference = ReferenceTrainer(CFG, _params(), OPT)
+    batches = np.random.default_rng(5).integers(0, CFG.vocab_size, (2, 1, 1, 3), dtype=np.int32)
+    try:
+        counts, saved = _counted(engine), []
+        for b in batches:
+            counts.update(h2d=0, read=0)
+            ref, ours = reference.step(b), engine.step(b)
+            np.testing.assert_allclose(ours["loss"], ref["loss"], rtol=1e-5)
+            t = engine.schedule.routed_traffic(engine.routed)
+            assert counts["h2d"] == t.h2d_weights < engine.schedule.traffic.h2d_weights
+            assert t.h2d_weights + t.h2d_unrouted == engine.schedule.traffic.h2d_weights
+            if tier == "disk":
+                assert counts["read"] == t.disk_read["compute"] == t.h2d_weights
+            saved.append(t.h2d_unrouted)
+        unreached = [e for i, r in engine.routed.items() for e in np.flatnonzero(~r)]
+        assert unreached and all(saved)
+        print(f"\nexpert bytes not staged per step ({tier}): {saved}")
+        errors = jax.tree.leaves(jax.tree.map(_rel, engine.params(), reference.params))
+        assert max(errors) <= 1e-5
+        i = next(iter(engine.routed))
+        e = int(np.flatnonzero(~engine.routed[i])[0])
+        before, after = (p["blocks"][i]["mlp"]["experts"][e]["up_proj"]["kernel"] for p in (_params(), engine.params()))
+        assert not np.array_equal(before, after)  # updated on the host though it never crossed
+    finally:
+        engine.close()
+        if store is not None:
+            store.close()
+
+
+def test_the_device_budget_decides_the_split_and_the_planner_prices_it():
+    """Over a grid of budgets: a step that fits whole is not split; one that does not is
+    split into the largest expert groups that fit (7, 3, 1 experts; the least device
+    memory of them when none fits), and the planner prices that schedule. Every layer is
+    MoE here, so the largest staged part is a MoE block's and shrinks with the groups."""
+    cfg = dataclasses.replace(CFG, moe_layers=(0, 1, 2))
+    tx, shape, hw = make_optimizer(OPT), StepShape(2, 16, 1), BUILTIN["cpu-2core"]
+    whole = schedule.describe(cfg, StreamConfig(), StoreConfig(), shape, tx)
+    forced = {g: schedule.describe(cfg, StreamConfig(expert_group_size=g), StoreConfig(), shape, tx) for g in (7, 3, 1)}
+    assert not whole.split and all(s.split for s in forced.values())
+    assert whole.device.weights > forced[7].device.weights > forced[3].device.weights > forced[1].device.weights
+    assert forced[1].device.total < whole.device.total
+    candidates = [(None, whole), *forced.items()]
+    for budget in sorted({t for _, s in candidates for t in (s.device.total, s.device.total - 1)}):
+        ours = schedule.describe(cfg, StreamConfig(device_budget_bytes=budget), StoreConfig(), shape, tx)
+        fitting = [s for _, s in candidates if s.device.total <= budget]
+        want = fitting[0] if fitting else min(forced.values(), key=lambda s: s.device.total)
+        assert ours.split == want.split and ours.device == want.device
+        plan = estimate(cfg, StreamConfig(device_budget_bytes=budget), StoreConfig(), shape, hw)
+        assert plan.schedule.device == ours.device and plan.schedule.transfers == ours.transfers
+    # Bytes: what an unsplit step moves, in more and smaller transfers, and the last block
+    # once more: split, it no longer stays on the device from its forward to its backward.
+    assert whole.last_stays and not forced[3].last_stays
+    assert forced[3].traffic.h2d_weights == whole.traffic.h2d_weights + whole.part_bytes["block.2"].compute
+
+
+def test_a_bad_expert_group_size_is_one_clear_error():
+    for bad in (0, -2, 1.5, "four", True):
+        with pytest.raises(ConfigError, match="stream.expert_group_size must be a whole number of experts >= 1"):
+            StreamConfig(expert_group_size=bad)
+
+
+def test_engine_and_reference_evaluate_the_same_objective_and_aux_loss():
+    params, batch = _params(), _batches(2)[0]
+    engine = StreamEngine(CFG, params, OPT, StreamConfig(expert_group_size=3), batch_shape=(2, 16))
+    try:
+        ours, ref = engine.eval_loss(batch), eval_loss(CFG, params, batch)
+    finally:
+        engine.close()
+    assert set(ours) == set(ref) == {"loss", "aux_loss"} and ref["aux_loss"] > 0
+    for key in ours:
+        np.testing.assert_allclose(ours[key], ref[key], rtol=1e-5)

@@ -274,7 +274,7 @@ def test_run_config_builds_the_stream_engine(tmp_path):
     assert engine.tiers.placement == {"compute": "ram", "master": "ram", "opt": "disk"}
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 2, 16), dtype=np.int32)
     expected = np.mean([float(model_loss(cfg, params, t)) for t in tokens])
-    np.testing.assert_allclose(engine.eval_loss(tokens), expected, rtol=1e-5)
+    np.testing.assert_allclose(engine.eval_loss(tokens)["loss"], expected, rtol=1e-5)
     engine.close()
 
 

@@ -174,7 +174,9 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     biggest = max(pb.values(), key=lambda b: b.compute + b.master + b.opt)
     in_ram = sum(state.get(k) for k in parts.KINDS
                  if getattr(store, k) == "ram" and not (k == "compute" and s.derived_compute))
-    staging = (stream.prefetch_depth + 1) * biggest.compute  # compute weights in flight to the device
+    # Compute weights in flight to the device (split MoE blocks: their largest sub-part).
+    staging = (stream.prefetch_depth + 1) * (max(s.unit(p).compute for p in s.transfers) if s.split
+                                             else biggest.compute)
     # The optimizer's disk reads land in reused buffers, one set per part shape and kind
     # (a mtjax.hostmem.BufferPool): the embedding, the head and each block kind.
     shapes = {p.fn_kind: pb[p.name] for p in parts.parts(cfg)}

@@ -290,7 +290,7 @@ class Store:
 
         def start():
             base = layout.slot_dir(self.root, part, kind, slot)
-            futs = [(leaf, f) for leaf, h in handles.items()
+            futs = [(leaf, f) for leaf, h in handles.items() if leaf in out
                     for f in chunks.read_into(self._io, base / leaf, _rows(h), out[leaf])]
             done = arrays.gather(futs, out, on_error)
             return done if self.writable else self._unless_committed_meanwhile(done)
