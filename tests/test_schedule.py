@@ -60,7 +60,7 @@ def instrument(engine: StreamEngine, counts: Counts) -> None:
 
         setattr(obj, name, counted)
 
-    def staged(slot, what):
+    def staged(slot, what, leaves=None):  # (every leaf: these steps split no MoE block)
         counts.order[-1].append(what)
         counts.add("h2d_weights", slot.nbytes)
 
