@@ -245,8 +245,9 @@ def _counted(engine):
 
 @pytest.mark.parametrize("tier", ["ram", "disk"])
 def test_experts_no_token_reached_stay_on_the_host_as_the_schedule_counts(tmp_path, tier):
-    """One sequence of 3 tokens picks at most 6 (expert, token) pairs of 7 experts per layer:
-    some stay unreached. The bytes staged (and read from a disk tier) equal the schedule's
+    """Rows of one repeated token: every position has the same attention output (the same
+    value at every key), so all tokens pick the same k of the 7 experts in each layer and
+    the others stay unreached. The bytes staged (and read from a disk tier) equal the schedule's
     traffic for that routing; the unreached experts still get their AdamW update (weight
     decay moves them) and every step still equals the reference."""
     store, tiers = None, StoreConfig()
@@ -254,9 +255,9 @@ def test_experts_no_token_reached_stay_on_the_host_as_the_schedule_counts(tmp_pa
         store = mtjax.store.create(tmp_path / "store", CFG, make_optimizer(OPT))
         tiers = StoreConfig(compute="disk", master="disk", opt="disk")
     engine = StreamEngine(CFG, _params(), OPT, StreamConfig(expert_group_size=3), tiers, store=store,
-                          batch_shape=(1, 3))
+                          batch_shape=(2, 16))
     reference = ReferenceTrainer(CFG, _params(), OPT)
-    batches = np.random.default_rng(5).integers(0, CFG.vocab_size, (2, 1, 1, 3), dtype=np.int32)
+    batches = [np.full((1, 2, 16), token, np.int32) for token in (3, 50)]
     try:
         counts, saved = _counted(engine), []
         for b in batches:
