@@ -2,9 +2,9 @@
 groups of its experts (for a block whose weights the device budget cannot hold at once).
 
     router part   x -> a = x + attention(norm(x)),  h = norm(a)  (the MLP input),
-                  (weights, chosen, probs) = route(h),  partial = a + shared expert(h)
+                  (weights, chosen, probs) = route(h),  s = shared expert(h) (or 0)
     group j       y_j = its experts' weighted sum over the rows routed to them
-    block output  partial + sum_j y_j
+    block output  a + ((y_0 + y_1 + ...) + s), summed in the order the whole block sums
 
 Routing happens once, in the router part (whatever the router: softmax top-k, sigmoid
 top-1); a group only takes the MLP input, the kept weights and the chosen experts, so
@@ -85,15 +85,14 @@ def _module(cfg: ModelConfig, kind: str, flat: dict, dtype):
 
 
 def router_forward(cfg: ModelConfig, kind: str, flat: dict, x, segments=None):
-    """The router part: ((partial [b, t, d], MLP input h [T, d], weights [T, k] fp32,
-    router stats), chosen experts [T, k]); the first four are differentiable outputs."""
+    """The router part: ((attention residual a [b, t, d], shared expert s [T, d], MLP input
+    h [T, d], weights [T, k] fp32, router stats), chosen experts [T, k])."""
     m = _module(cfg, kind, flat, x.dtype)
     cos, sin = model.block_rotary(cfg, kind, x, segments)
     a = m.attention_residual(x, m.self_attn(m.input_layernorm(x), cos, sin, segments))
     h = m.post_attention_layernorm(a).reshape(-1, x.shape[-1])
     weights, chosen, probs = m.mlp.route(h)
-    partial = a + m.mlp.shared(h).reshape(a.shape)
-    return (partial, h, weights, moe.router_stats(probs, chosen)), chosen
+    return (a, m.mlp.shared(h), h, weights, moe.router_stats(probs, chosen)), chosen
 
 
 def group_forward(cfg: ModelConfig, kind: str, group: dict, h, weights, chosen, ids):

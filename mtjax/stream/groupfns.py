@@ -1,7 +1,8 @@
 """The compiled functions of split MoE blocks (mtjax.expert_groups), one set per MoE kind.
 
-    router_forward(w, x, segments) -> (partial, h, weights, stats, chosen)
-    group_add(w, h, weights, chosen, ids, partial) -> partial + the group's share
+    router_forward(w, x, segments) -> (a, shared, h, weights, stats, chosen)
+    group_add(w, h, weights, chosen, ids, acc) -> acc + the group's share (acc None: zeros)
+    combine(a, acc, shared) -> the block output a + (acc + shared)
     group_grad(w, h, weights, chosen, ids, dy) -> (dw, dh, dweights)
     router_grad(w, x, dy, dh, dweights, dstats, segments) -> (dw, dx)
 
@@ -39,20 +40,26 @@ class GroupFns:
         self.router_grad = per_kind(_router_grad)
         self.group_add = per_kind(_group_add)
         self.group_grad = per_kind(_group_grad)
+        self.combine = jax.jit(_combine)
 
 
 def _router_forward(cfg: ModelConfig, kind: str, w: dict, x, segments=None):
-    (partial, h, weights, stats), chosen = expert_groups.router_forward(cfg, kind, w, x, segments)
-    return partial, h, weights, stats, chosen
+    (a, shared, h, weights, stats), chosen = expert_groups.router_forward(cfg, kind, w, x, segments)
+    return a, shared, h, weights, stats, chosen
 
 
 def _router_grad(cfg: ModelConfig, kind: str, w: dict, x, dy, dh, dweights, dstats, segments=None):
     _, vjp, _ = jax.vjp(lambda w, x: expert_groups.router_forward(cfg, kind, w, x, segments), w, x, has_aux=True)
-    return vjp((dy, dh, dweights, dstats))
+    return vjp((dy, dy.reshape(dh.shape), dh, dweights, dstats))
 
 
-def _group_add(cfg: ModelConfig, kind: str, w: dict, h, weights, chosen, ids, partial):
-    return partial + expert_groups.group_forward(cfg, kind, w, h, weights, chosen, ids).reshape(partial.shape)
+def _group_add(cfg: ModelConfig, kind: str, w: dict, h, weights, chosen, ids, acc):
+    y = expert_groups.group_forward(cfg, kind, w, h, weights, chosen, ids)
+    return y if acc is None else acc + y
+
+
+def _combine(a, acc, shared):
+    return a + (acc + shared).reshape(a.shape)
 
 
 def _group_grad(cfg: ModelConfig, kind: str, w: dict, h, weights, chosen, ids, dy):

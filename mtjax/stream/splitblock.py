@@ -113,19 +113,20 @@ class SplitBlocks:
         slot, w = take(f"block.{i}/router")
         outs = [g.router_forward[kind](w, x, seg) for x, seg in zip(xs, segments)]
         release(slot, [o[0] for o in outs])
-        reached = np.any([np.asarray(o[3]["counts"]) > 0 for o in outs], axis=0)  # host sync: which experts cross
+        reached = np.any([np.asarray(o[4]["counts"]) > 0 for o in outs], axis=0)  # host sync: which experts cross
         self.routing.set(i, reached)
-        ys = [o[0] for o in outs]
+        ys = [None] * len(outs)
         for j, ids in enumerate(groups):
             slot, w = take(f"block.{i}/experts.{j}")
-            ys = [g.group_add[kind](w, h, wt, c, self.ids(ids), y) for (_, h, wt, _, c), y in zip(outs, ys)]
+            ys = [g.group_add[kind](w, h, wt, c, self.ids(ids), y) for (_, _, h, wt, _, c), y in zip(outs, ys)]
             release(slot, ys)
+        ys = [g.combine(a, y, s) for (a, s, *_), y in zip(outs, ys)]
         kept = None
         if keep:
-            kept = [(h, wt, c) for _, h, wt, _, c in outs]
+            kept = [(h, wt, c) for _, _, h, wt, _, c in outs]
             for k in kept:
                 self.ledger.hold(self._bytes(k), "a split block's kept routing", "routing")
-        return ys, [o[3] for o in outs], kept
+        return ys, [o[4] for o in outs], kept
 
     def backward(self, i: int, kind: str, groups: tuple, take, release, accumulate, xs: list, kept: list, dys: list,
                  dstats: list, segments: list):
