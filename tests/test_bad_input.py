@@ -142,6 +142,7 @@ def test_residency_document_and_chat_choices(work):
         ([*stream, "--stream.devices=0"], "stream.devices must be all or a device count >= 1, got 0"),
         ([*stream, "--stream.devices=4"], "stream.devices is 4 but this process has 1 cpu device(s)"),
         ([*stream, "--stream.devices=2", "--data.batch_size=3"], "data.batch_size 3 does not split over 2 devices"),
+        ([*stream, "--stream.expert_group_size=0"], "stream.expert_group_size must be a whole number of experts >= 1"),
         (["train", *TINY, "--run.dir=r2", "--data.format=yaml"], "data.format must be one of text, chat"),
         (["generate", "run/final", "--chat", "--prompt", "hi"], "has none"),
     ])

@@ -119,7 +119,8 @@ def test_budget_check_and_ledger():
     with pytest.raises(DeviceBudgetError, match="plan allows"):
         ledger.hold(1, "a part", "weights")
     ledger.hold(20, "an activation", "activations")
-    assert ledger.peak_by_use == {"weights": 600, "activations": 20, "residuals": 0, "resident": 0, "saved": 0}
+    assert ledger.peak_by_use == {"weights": 600, "activations": 20, "residuals": 0, "resident": 0, "saved": 0,
+                                  "routing": 0}
     ledger.reset()
     assert ledger.held == 0 and ledger.held_by_use["weights"] == 0
 
