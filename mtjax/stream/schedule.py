@@ -486,6 +486,7 @@ def allreduce_bytes(cfg: ModelConfig, pb: dict[str, StateBytes], accum: int, dev
 
 def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, tx, fused: bool,
               pb: dict[str, StateBytes], size: int | None, devices: int = 1) -> Schedule:
+    """`describe` with the MoE blocks split into groups of `size` experts (None: whole)."""
     resident = resident_parts(cfg, stream.resident, groups(cfg.num_hidden_layers, stream.keep_every))
     split = split_blocks(cfg, size, resident)
     grps = groups(cfg.num_hidden_layers, stream.keep_every, alone=split)
