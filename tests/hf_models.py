@@ -71,7 +71,10 @@ BASE = dict(
 
 def hub_names(family: str, tensors: dict) -> dict:
     """transformers 5's in-memory tensors (experts fused [E, ...]) under the names its
-    save_pretrained writes: one tensor per expert, Mixtral's MoE as block_sparse_moe.w1/w2/w3."""
+    save_pretrained writes: one tensor per expert, Mixtral's MoE as block_sparse_moe.w1/w2/w3
+    (but Llama 4's, saved fused)."""
+    if family.startswith("llama4"):  # Llama 4 saves its experts fused, as they are in memory
+        return dict(tensors)
     out = {}
     for name, t in tensors.items():
         prefix, _, leaf = name.rpartition(".experts.")
@@ -96,7 +99,7 @@ def hf_config(family: str, **overrides):
     if family in ("qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gemma3", "llama4_text", "llama4"):
         kwargs.setdefault("head_dim", 8)  # transformers' defaults are 128 and 256
     if family.startswith("llama4"):  # its defaults are Scout's widths, 16 experts and chunks of 8192
-        kwargs = dict(dict(intermediate_size=24, intermediate_size_mlp=40, num_local_experts=5,
+        kwargs = dict(dict(intermediate_size_mlp=40, num_local_experts=5,
                            attention_chunk_size=5, floor_scale=3, attn_scale=0.3), **kwargs)
     if family.startswith("gemma"):
         # Odd on purpose: a scale of head_dim ** -0.5 or a window of 4096 would pass unseen.
