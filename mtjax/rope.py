@@ -60,10 +60,12 @@ def inv_frequencies(cfg: ModelConfig, long: bool = False) -> np.ndarray:
     high_wavelen = old_len / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    # Equal factors (Llama 4 Scout's) leave no band between: the 0/0 it would divide is never picked.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
