@@ -141,7 +141,8 @@ def kernel(backend: str, dtype, head_dim: int, window: int | None = None, softca
     9.0) or any other platform. cuDNN takes fp16/bf16 with a head dim that is a multiple
     of 8, at most 256 from Hopper (9.0) on and 128 before, and a causal sliding window;
     `jax.nn.dot_product_attention` has no logit soft-cap and no document (segment) ids,
-    so those stay on the chunked path, which computes them exactly.
+    so those stay on the chunked path, which computes them exactly (Llama 4's chunked
+    layers too: their chunks are document ids, `local_chunks`).
     """
     if backend == "cpu" or softcap or segments:
         return "chunked"
