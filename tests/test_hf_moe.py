@@ -49,7 +49,7 @@ class Case:
 CASES = [
     Case("mixtral", "mixtral", dict(num_local_experts=16, intermediate_size=24, **MOE), (0, 1)),
     Case("qwen2-moe-shared", "qwen2_moe", dict(num_experts=16, moe_intermediate_size=24,
-                                               shared_expert_intermediate_size=40, **MOE), (0, 1)),
+                                               shared_expert_intermediate_size=40, **MOE), (0, 1), shared=40),
     Case("qwen3-moe-norm-dense-1", "qwen3_moe", dict(num_experts=16, moe_intermediate_size=24, norm_topk_prob=True,
                                                      num_hidden_layers=3, mlp_only_layers=[1], **MOE), (0, 2)),
     Case("qwen3-moe-step2", "qwen3_moe", dict(num_experts=16, moe_intermediate_size=24, norm_topk_prob=False,
