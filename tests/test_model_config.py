@@ -104,6 +104,10 @@ def test_heads_not_divisible_by_kv_heads_is_a_config_error():
     (dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, clip_qkv=8.0), "clip_qkv"),
     (dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=5), "num_experts_per_tok"),
     (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2), "moe_intermediate_size"),
+    (dict(model_type="llama4_text", layer_types=["chunked_attention"] * 3, attention_chunk_size=0),
+     "attention_chunk_size"),
+    (dict(model_type="llama4_text", moe_layers=[0, 3]), "moe_layers"),
+    (dict(model_type="llama4_text", router_jitter_noise=0.1), "router_jitter_noise"),
 ])
 def test_unusable_config_json_is_one_clear_config_error(change, match):
     hf = {k: v for k, v in {**OLD_STYLE, **change}.items() if v is not None}
