@@ -120,23 +120,25 @@ def test_chunked_local_attention_is_the_document_mask_over_chunk_ids():
     the chunks) and its custom backward, equal autodiff of the mask written out: causal,
     same document, same chunk; trailing padding sees only padding."""
     kq, kk, kv, kd = jax.random.split(jax.random.key(5), 4)
-    t, size = 19, 5
+    t, size = 13, 5
     q, dout = jax.random.normal(kq, (2, t, 4, 8)), jax.random.normal(kd, (2, t, 4, 8))
     k, v = jax.random.normal(kk, (2, t, 2, 8)), jax.random.normal(kv, (2, t, 2, 8))
-    segments = jnp.asarray([[1] * 12 + [2] * 5 + [0] * 2, [3] * 3 + [4] * 16], jnp.int32)
-    positions = documents.positions(segments)
+    segments = np.asarray([[1] * 7 + [2] * 4 + [0] * 2, [3] * 3 + [4] * 10], np.int32)
+    positions = np.asarray([[7, 4, 2], [3, 10, 0]])  # each row's documents' lengths -> positions in them
+    positions = np.stack([np.concatenate([np.arange(n) for n in row]) for row in positions])
     qpos, kpos = positions[:, :, None], positions[:, None, :]
-    index = jnp.arange(t)
+    index = np.arange(t)
     same = (segments[:, :, None] == segments[:, None, :]) & (index[None, :, None] >= index[None, None, :])
-    mask = (same & (qpos // size == kpos // size))[:, None]
+    mask = jnp.asarray(same & (qpos // size == kpos // size))[:, None]
 
     def value_and_vjp(fn):
         return jax.jit(lambda q, k, v, d: (lambda out, vjp: (out, *vjp(d)))(*jax.vjp(fn, q, k, v)))(q, k, v, dout)
 
-    ids = local_chunks(positions, size, segments)
+    ids = jax.jit(lambda s: local_chunks(documents.positions(s), size, s))(segments)
     got = value_and_vjp(lambda *a: causal_attention(*a, 0.3, size, 8, None, ids))
     want = value_and_vjp(lambda *a: jax.nn.dot_product_attention(*a, mask=mask, scale=0.3))
     for a, b in zip(got, want):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b)
-    assert local_chunks(jnp.arange(12)[None], size).tolist() == [[1] * 5 + [2] * 5 + [3] * 2]  # no documents
+    assert np.asarray(ids).tolist() == [[1] * 5 + [2] * 2 + [3] * 4 + [0] * 2, [1] * 3 + [2] * 5 + [3] * 5]
+    assert local_chunks(np.arange(12)[None], size).tolist() == [[1] * 5 + [2] * 5 + [3] * 2]  # no documents
