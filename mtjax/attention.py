@@ -18,7 +18,8 @@ and softmax; the backward multiplies dS by its derivative, 1 - tanh^2.
 Packed documents: `segments` [b, t] (int document ids, mtjax.batch) confines each query to
 the keys of its own document, on top of the causal (and window) mask; a padding token
 (segment 0) sees only padding, so every query still sees itself and each softmax row
-stays finite. None (plain windows) adds nothing to the traced program.
+stays finite. None (plain windows) adds nothing to the traced program. Chunked local
+attention (Llama 4) is that same mask over chunk ids (`local_chunks`).
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def kernel(backend: str, dtype, head_dim: int, window: int | None = None, softca
     9.0) or any other platform. cuDNN takes fp16/bf16 with a head dim that is a multiple
     of 8, at most 256 from Hopper (9.0) on and 128 before, and a causal sliding window;
     `jax.nn.dot_product_attention` has no logit soft-cap and no document (segment) ids,
-    so those stay on the chunked path, which computes them exactly.
+    so those stay on the chunked path, which computes them exactly (Llama 4's chunked
+    layers too: their chunks are document ids, `local_chunks`).
     """
     if backend == "cpu" or softcap or segments:
         return "chunked"
@@ -172,6 +174,19 @@ def attend(q, k, v, scale: float, window: int | None = None, softcap: float | No
     local = (window - 1, 0) if window else None  # W keys including the query itself
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
                                         implementation=which)
+
+
+def local_chunks(positions, size: int, segments=None):
+    """Document ids [b, t] under which attention stays inside chunks of `size` positions
+    (Llama 4's chunked attention): a chunk begins wherever a position (in its document,
+    mtjax.documents.positions) is a multiple of `size`, and where a document begins.
+    Passed as `segments` to `attend` with a window of `size` (implied by the chunks, it
+    lets the chunked kernel skip every older key block), chunked attention is the
+    document mask's work, forward and custom backward alike; padding (segment 0) stays
+    apart from the documents, as its own chunks."""
+    starts = positions % size == 0  # position 0 too: every document starts a chunk
+    ids = jnp.cumsum(starts.astype(jnp.int32), axis=-1)
+    return ids if segments is None else jnp.where(segments == 0, 0, ids)
 
 
 def masked_attention(q, k, v, mask, scale: float, softcap: float | None = None):

@@ -88,8 +88,8 @@ def router_forward(cfg: ModelConfig, kind: str, flat: dict, x, segments=None):
     """The router part: ((attention residual a [b, t, d], shared expert s [T, d], MLP input
     h [T, d], weights [T, k] fp32, router stats), chosen experts [T, k])."""
     m = _module(cfg, kind, flat, x.dtype)
-    cos, sin = model.block_rotary(cfg, kind, x, segments)
-    a = m.attention_residual(x, m.self_attn(m.input_layernorm(x), cos, sin, segments))
+    cos, sin, positions = model.block_rotary(cfg, kind, x, segments)
+    a = m.attention_residual(x, m.self_attn(m.input_layernorm(x), cos, sin, positions, segments))
     h = m.post_attention_layernorm(a).reshape(-1, x.shape[-1])
     weights, chosen, probs = m.mlp.route(h)
     return (a, m.mlp.shared(h), h, weights, moe.router_stats(probs, chosen)), chosen

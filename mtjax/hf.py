@@ -2,7 +2,10 @@
 
 `layout(cfg)` lists every tensor of a checkpoint with where it lives in mtjax's params
 pytree and whether it is transposed (PyTorch Linear weights are [out, in], mtjax kernels
-[in, out]). The loader reads one tensor at a time from memory-mapped safetensors files,
+[in, out]). Most tensors are one leaf each; a Llama 4 checkpoint's fused experts are many:
+`experts.gate_up_proj` [E, d, 2f] holds every expert's gate and up kernels side by side,
+`experts.down_proj` [E, f, d] their down kernels, which mtjax keeps one array each
+(`to_mtjax` splits them, `to_hf` joins them back, bit for bit). The loader reads one tensor at a time from memory-mapped safetensors files,
 so the store importer reuses it with a peak memory of one tensor.
 """
 
@@ -21,12 +24,13 @@ from safetensors.numpy import save_file
 
 from mtjax import model
 from mtjax.errors import MtjaxError
-from mtjax.model_config import ModelConfig, differences, load_hf_config, to_hf_dict
+from mtjax.model_config import LLAMA4, ModelConfig, differences, load_hf_config, to_hf_dict
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# A multimodal checkpoint's language model (Gemma3ForConditionalGeneration) under either
+# A multimodal checkpoint's language model (Gemma3ForConditionalGeneration,
+# Llama4ForConditionalGeneration) under either
 # naming in the wild: transformers 5 saves the first, its in-memory modules use the second.
 LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                            "language_model.lm_head.": "lm_head."}
@@ -39,9 +43,12 @@ class CheckpointError(MtjaxError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     hf_name: str
-    path: tuple  # key path into mtjax params, e.g. ("blocks", 3, "mlp", "up_proj", "kernel")
+    # key paths into mtjax params of the leaves the tensor holds, e.g.
+    # (("blocks", 3, "mlp", "up_proj", "kernel"),); several for fused experts (`stacked`)
+    paths: tuple[tuple, ...]
     shape: tuple[int, ...]  # shape in the Hugging Face file
     transpose: bool
+    stacked: int = 0  # >0: [E, ...], expert e the last-axis concatenation of paths[e * stacked:(e + 1) * stacked]
 
 
 def _leaves(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, jax.ShapeDtypeStruct]]:
@@ -54,11 +61,17 @@ def _leaves(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, jax.ShapeDt
 
 # Mixtral's hub names: its MoE MLP is `block_sparse_moe`, an expert's gate, down and up `w1, w2, w3`.
 _MIXTRAL_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+# Llama 4's: every MLP is `feed_forward`, a MoE's router `router` (mtjax's `gate`).
+_LLAMA4_MLP = {"gate": "router"}
 
 
 def _hub_names(cfg: ModelConfig, module: list[str]) -> list[str]:
-    """mtjax module names of a block -> the family's checkpoint names (equal but for Mixtral's)."""
-    if cfg.model_type != "mixtral" or module[:1] != ["mlp"]:
+    """mtjax module names of a block -> the family's checkpoint names (equal but for Mixtral's and Llama 4's)."""
+    if module[:1] != ["mlp"]:
+        return module
+    if cfg.model_type == LLAMA4:
+        return ["feed_forward", *(_LLAMA4_MLP.get(m, m) if i == 0 else m for i, m in enumerate(module[1:]))]
+    if cfg.model_type != "mixtral":
         return module
     return ["block_sparse_moe", *(_MIXTRAL_EXPERT.get(m, m) if "experts" in module else m for m in module[1:])]
 
@@ -70,29 +83,55 @@ def _spec(cfg: ModelConfig, hf_prefix: str, path: tuple, leaf) -> TensorSpec:
     transpose = name == "kernel"
     hf_name = ".".join([hf_prefix, *module, "weight" if transpose else name]).strip(".")
     shape = tuple(reversed(leaf.shape)) if transpose else tuple(leaf.shape)
-    return TensorSpec(hf_name, path, shape, transpose)
+    return TensorSpec(hf_name, (path,), shape, transpose)
+
+
+def _fused_experts(cfg: ModelConfig, i: int) -> list[TensorSpec]:
+    """Llama 4's two expert tensors of block i, input-major as its kernels are (no transpose)."""
+    d, f, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    prefix, experts = f"model.layers.{i}.feed_forward.experts", ("blocks", i, "mlp", "experts")
+    gate_up = tuple(experts + (e, proj, "kernel") for e in range(n) for proj in ("gate_proj", "up_proj"))
+    down = tuple(experts + (e, "down_proj", "kernel") for e in range(n))
+    return [TensorSpec(f"{prefix}.gate_up_proj", gate_up, (n, d, 2 * f), False, stacked=2),
+            TensorSpec(f"{prefix}.down_proj", down, (n, f, d), False, stacked=1)]
 
 
 def layout(cfg: ModelConfig) -> list[TensorSpec]:
     """Every tensor of a Hugging Face checkpoint of this architecture, in file order."""
     abstract = model.abstract_params(cfg)
-    specs = [TensorSpec("model.embed_tokens.weight", ("embed", "embedding"),
+    specs = [TensorSpec("model.embed_tokens.weight", (("embed", "embedding"),),
                         (cfg.vocab_size, cfg.hidden_size), False)]
+    fused = cfg.model_type == LLAMA4
     for i, block in enumerate(abstract["blocks"]):
-        specs += [_spec(cfg, f"model.layers.{i}", ("blocks", i) + p, leaf) for p, leaf in _leaves(block)]
-    specs.append(TensorSpec("model.norm.weight", ("head", "norm", "weight"), (cfg.hidden_size,), False))
+        leaves = [(p, leaf) for p, leaf in _leaves(block) if not (fused and p[:2] == ("mlp", "experts"))]
+        specs += [_spec(cfg, f"model.layers.{i}", ("blocks", i) + p, leaf) for p, leaf in leaves]
+        specs += _fused_experts(cfg, i) if fused and i in cfg.moe_layers else []
+    specs.append(TensorSpec("model.norm.weight", (("head", "norm", "weight"),), (cfg.hidden_size,), False))
     if not cfg.tie_word_embeddings:
-        specs.append(TensorSpec("lm_head.weight", ("head", "lm_head", "kernel"),
+        specs.append(TensorSpec("lm_head.weight", (("head", "lm_head", "kernel"),),
                                 (cfg.vocab_size, cfg.hidden_size), True))
     return specs
 
 
-def to_mtjax(spec: TensorSpec, tensor: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(tensor.T) if spec.transpose else tensor
+def to_mtjax(spec: TensorSpec, tensor: np.ndarray) -> list[np.ndarray]:
+    """A checkpoint tensor -> the arrays of its leaves, in `spec.paths` order."""
+    if spec.stacked:
+        return [np.ascontiguousarray(a) for expert in tensor for a in np.split(expert, spec.stacked, axis=-1)]
+    return [np.ascontiguousarray(tensor.T) if spec.transpose else tensor]
 
 
-def to_hf(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(array).T) if spec.transpose else np.asarray(array)
+def to_hf(spec: TensorSpec, arrays: list) -> np.ndarray:
+    """The arrays of a tensor's leaves, in `spec.paths` order -> the checkpoint tensor."""
+    arrays = [np.asarray(a) for a in arrays]
+    if spec.stacked:
+        n = spec.stacked
+        return np.stack([np.concatenate(arrays[e:e + n], axis=-1) for e in range(0, len(arrays), n)])
+    return np.ascontiguousarray(arrays[0].T) if spec.transpose else arrays[0]
+
+
+def from_tree(spec: TensorSpec, tree) -> np.ndarray:
+    """The checkpoint tensor of `spec` from a params-shaped pytree (params, gradients)."""
+    return to_hf(spec, [get_path(tree, p) for p in spec.paths])
 
 
 class SafetensorsReader:
@@ -223,7 +262,8 @@ def load_params(ckpt_dir: str | Path, cfg: ModelConfig | None = None, dtype=np.f
                               "or run.dir") from None
     params = jax.tree.map(lambda _: None, model.abstract_params(cfg))
     for spec in specs:
-        set_path(params, spec.path, to_mtjax(spec, reader.read(spec.hf_name)).astype(dtype))
+        for path, array in zip(spec.paths, to_mtjax(spec, reader.read(spec.hf_name))):
+            set_path(params, path, array.astype(dtype))
     return cfg, params
 
 
@@ -231,7 +271,7 @@ def hf_tensors(cfg: ModelConfig, params) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) pairs in Hugging Face names, layout and the checkpoint dtype."""
     dtype = NP_DTYPES[cfg.param_dtype]
     for spec in layout(cfg):
-        yield spec.hf_name, to_hf(spec, np.asarray(get_path(params, spec.path))).astype(dtype)
+        yield spec.hf_name, from_tree(spec, params).astype(dtype)
 
 
 def save_checkpoint(cfg: ModelConfig, tensors, out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> None:

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtjax import documents, moe, rope
-from mtjax.attention import attend, masked_attention
-from mtjax.model_config import FULL, MOE, SLIDING, ModelConfig
+from mtjax.attention import attend, local_chunks, masked_attention
+from mtjax.model_config import CHUNKED, FULL, MOE, SLIDING, ModelConfig, attention_type, uses_rope
 
 Params = dict  # {"embed": ..., "blocks": [...], "head": ...}
 
@@ -72,18 +72,38 @@ def rms_norm(x, weight, eps: float, offset: bool = False):
     """Over the last axis; computed on a flat [rows, d] matrix (see `_dot`: 10x faster backward).
 
     Llama's scales by w after casting back to x's dtype; with `offset` (Gemma's) it scales
-    by (1 + w) in fp32 and casts afterwards."""
+    by (1 + w) in fp32 and casts afterwards; with no weight (None: Llama 4's L2 q/k norm)
+    it only normalises."""
     x32 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if weight is None:
+        return normed.astype(x.dtype).reshape(x.shape)
     if offset:
         return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype).reshape(x.shape)
     return (weight.astype(x.dtype) * normed.astype(x.dtype)).reshape(x.shape)
 
 
+def temperature(cfg: ModelConfig, positions):
+    """Llama 4's NoPE-layer query scale at integer `positions`, fp32 [..., t]:
+    log1p(floor((p + 1) / floor_scale)) * temperature_scale + 1."""
+    p = positions.astype(jnp.float32)
+    return jnp.log1p(jnp.floor((p + 1.0) / cfg.floor_scale)) * cfg.temperature_scale + 1.0
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None, rngs: nnx.Rngs):
+    """`kind`'s attention: a sliding window or chunks of the keys where its layer type
+    says, RoPE unless a NoPE kind, and Llama 4's L2 q/k norm (RoPE layers) or query
+    temperature (NoPE layers) where the config sets them."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, rngs: nnx.Rngs):
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.cfg, self.window = cfg, window
+        layer_type = attention_type(kind)
+        self.cfg = cfg
+        self.window = cfg.sliding_window if layer_type == SLIDING else None
+        self.chunk = cfg.attention_chunk_size if layer_type == CHUNKED else None
+        self.rope = uses_rope(kind)
+        self.l2_norm = cfg.qk_l2_norm and self.rope
+        self.temperature = cfg.attn_temperature_tuning and not self.rope
         q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         if cfg.fused_projections:  # one [d, q + 2 kv] kernel, split after the matmul
             self.qkv_proj = Dense(d, q + 2 * kv, cfg.attention_bias, cfg, rngs)
@@ -97,8 +117,9 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(q_dim, cfg) if cfg.qk_norm or cfg.qk_norm_full else None
         self.k_norm = RMSNorm(k_dim, cfg) if cfg.qk_norm or cfg.qk_norm_full else None
 
-    def qkv(self, x, cos, sin):
-        """Queries [b, t, heads, hd] and keys and values [b, t, kv heads, hd], rotated."""
+    def qkv(self, x, cos, sin, positions):
+        """Queries [b, t, heads, hd] and keys and values [b, t, kv heads, hd], rotated
+        (and normed or tempered) for tokens at `positions` [b|1, t]."""
         cfg = self.cfg
         b, t, _ = x.shape
         if cfg.fused_projections:
@@ -113,15 +134,24 @@ class Attention(nnx.Module):
         v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # btkh
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v
+        if self.rope:
+            q, k = (rope.apply(y, cos, sin, cfg.rope_interleaved) for y in (q, k))
+        if self.l2_norm:
+            q, k = rms_norm(q, None, cfg.rms_norm_eps), rms_norm(k, None, cfg.rms_norm_eps)
+        if self.temperature:
+            q = (q * temperature(cfg, positions)[..., None, None]).astype(q.dtype)
+        return q, k, v
 
-    def __call__(self, x, cos, sin, segments=None):
+    def __call__(self, x, cos, sin, positions, segments=None):
         cfg = self.cfg
         b, t, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin)
+        q, k, v = self.qkv(x, cos, sin, positions)
+        window = self.window
+        if self.chunk:  # chunks as documents, and a window of one chunk to skip older key blocks
+            segments, window = local_chunks(positions, self.chunk, segments), self.chunk
         # A window of W keys includes the query itself. On the CPU not jax.nn.dot_product_attention:
         # attention.py skips the masked score blocks, ~20% faster there.
-        out = attend(q, k, v, cfg.attn_scale, self.window, cfg.attn_logit_softcapping, segments)  # btnh
+        out = attend(q, k, v, cfg.attn_scale, window, cfg.attn_logit_softcapping, segments)  # btnh
         return self.o_proj(out.reshape(b, t, -1))
 
 
@@ -155,8 +185,9 @@ EXPERT_KERNELS = ("gate_proj", "up_proj", "down_proj")  # each expert's, in moe.
 
 
 class SparseMoE(nnx.Module):
-    """Router (`gate`), the experts (each a SwiGLU MLP of its own) and, for Qwen2-MoE, a
-    shared expert scaled by a sigmoid gate. Returns (output, router statistics)."""
+    """Router (`gate`), the experts (each a SwiGLU MLP of its own) and a shared expert
+    where the config has one: scaled by a sigmoid gate (Qwen2-MoE) or not (Llama 4, whose
+    router also differs: mtjax.moe.route_sigmoid). Returns (output, router statistics)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -164,11 +195,15 @@ class SparseMoE(nnx.Module):
         self.experts = nnx.List([MLP(cfg, rngs, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)])
         shared = cfg.shared_expert_intermediate_size
         self.shared_expert = MLP(cfg, rngs, shared) if shared else None
-        self.shared_expert_gate = Dense(cfg.hidden_size, 1, False, cfg, rngs) if shared else None
+        gated = shared and cfg.shared_expert_gated
+        self.shared_expert_gate = Dense(cfg.hidden_size, 1, False, cfg, rngs) if gated else None
 
     def route(self, flat):
         """Token rows [T, d] -> (kept weights [T, k], chosen experts [T, k], probabilities [T, E])."""
-        return moe.route(self.gate(flat), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
+        cfg = self.cfg
+        if cfg.sigmoid_router:
+            return moe.route_sigmoid(self.gate(flat), cfg.num_experts_per_tok)
+        return moe.route(self.gate(flat), cfg.num_experts_per_tok, cfg.norm_topk_prob)
 
     def routed(self, flat, weights, chosen, kernels=None, ids=None):
         """The experts' weighted sum over the rows routed to them: this module's experts, or
@@ -176,12 +211,15 @@ class SparseMoE(nnx.Module):
         (moe.experts_forward)."""
         if kernels is None:  # stacked inside the program: the store keeps one array per expert
             kernels = [jnp.stack([getattr(e, n).kernel[...] for e in self.experts]) for n in EXPERT_KERNELS]
-        return moe.experts_forward(flat, weights, chosen, *kernels, ids)
+        dispatch = moe.input_scaled_experts if self.cfg.sigmoid_router else moe.experts_forward
+        return dispatch(flat, weights, chosen, *kernels, ids)
 
     def shared(self, flat):
-        """The shared expert's output scaled by its sigmoid gate; 0 without one."""
+        """The shared expert's output, scaled by its sigmoid gate where it has one; 0 without one."""
         if self.shared_expert is None:
             return jnp.zeros_like(flat)
+        if self.shared_expert_gate is None:
+            return self.shared_expert(flat)
         return jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
 
     def __call__(self, x):
@@ -203,9 +241,8 @@ class Block(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, kind: str, rngs: nnx.Rngs):
-        window = cfg.sliding_window if kind.removesuffix(MOE) == SLIDING else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg)
-        self.self_attn = Attention(cfg, window, rngs)
+        self.self_attn = Attention(cfg, kind, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
         self.mlp = SparseMoE(cfg, rngs) if kind.endswith(MOE) else MLP(cfg, rngs)
         sandwich = cfg.sandwich_norms
@@ -225,9 +262,9 @@ class Block(nnx.Module):
         y, stats = y if isinstance(self.mlp, SparseMoE) else (y, {})
         return x + (self.post_feedforward_layernorm(y) if sandwich else y), stats
 
-    def __call__(self, x, cos, sin, segments=None):
+    def __call__(self, x, cos, sin, positions, segments=None):
         with jax.named_scope("attention"):
-            x = self.attention_residual(x, self.self_attn(self.input_layernorm(x), cos, sin, segments))
+            x = self.attention_residual(x, self.self_attn(self.input_layernorm(x), cos, sin, positions, segments))
         with jax.named_scope("mlp"):
             return self.mlp_residual(x)
 
@@ -347,8 +384,8 @@ def block_forward_stats(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray
     `segments` [b, t] (document ids of packed rows, mtjax.batch): positions restart at each
     document and attention stays inside it; None: each row is one document.
     """
-    cos, sin = block_rotary(cfg, kind, x, segments)
-    return block_module(cfg, kind, cast(block, x.dtype))(x, cos, sin, segments)
+    cos, sin, positions = block_rotary(cfg, kind, x, segments)
+    return block_module(cfg, kind, cast(block, x.dtype))(x, cos, sin, positions, segments)
 
 
 def block_module(cfg: ModelConfig, kind: str, block: dict) -> Block:
@@ -357,9 +394,11 @@ def block_module(cfg: ModelConfig, kind: str, block: dict) -> Block:
 
 
 def block_rotary(cfg: ModelConfig, kind: str, x: jnp.ndarray, segments=None):
-    """(cos, sin) of a block's rotary embedding at the positions of hidden states x [b, t, d]."""
+    """(cos, sin, positions [b, t]) of a block's rotary embedding at the positions of hidden
+    states x [b, t, d] (each token's position in its document)."""
     positions = positions_for(x[..., 0]) if segments is None else documents.positions(segments)
-    return rope.cos_sin(rope.for_layer(cfg, kind), positions, x.dtype)
+    cos, sin = rope.cos_sin(rope.for_layer(cfg, kind), positions, x.dtype)
+    return cos, sin, positions
 
 
 def block_forward(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarray, segments=None) -> jnp.ndarray:
@@ -438,13 +477,15 @@ def block_forward_cached(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarra
     b, t, _ = x.shape
     positions = start + jnp.arange(t, dtype=jnp.int32)  # [t]
     cos, sin = rope.cos_sin(rope.for_layer(cfg, kind), positions[None], x.dtype)
-    q, k, v = attn.qkv(m.input_layernorm(x), cos, sin)
+    q, k, v = attn.qkv(m.input_layernorm(x), cos, sin, positions[None])
     keys = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)  # bLkh
     values = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
     key_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)
     visible = key_pos[None, :] <= positions[:, None]  # [t, L]: causal; unwritten slots lie in the future
     if attn.window:
         visible &= key_pos[None, :] > positions[:, None] - attn.window  # W keys, the query's own included
+    if attn.chunk:
+        visible &= key_pos[None, :] // attn.chunk == positions[:, None] // attn.chunk
     out = masked_attention(q, keys, values, visible[None, None], cfg.attn_scale, cfg.attn_logit_softcapping)
     x = m.attention_residual(x, attn.o_proj(out.reshape(b, t, -1)))
     return m.mlp_residual(x)[0], {"k": keys, "v": values}

@@ -2,9 +2,9 @@
 
 One frozen dataclass describes every supported family (Llama 2/3, Qwen2/2.5, Qwen3,
 Mistral, Phi-3/3.5/4, Gemma 2, Gemma 3, and the mixtures of experts Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE). Family differences are flags (q/k/v bias, q/k norm, sliding windows,
-rope scaling, fused projections, Gemma's norms, GeGLU and soft-capping, experts), so the
-model code has no per-family branches.
+Qwen3-MoE, OLMoE and Llama 4's text model). Family differences are flags (q/k/v bias, q/k
+norm, sliding windows, chunked attention, NoPE layers, rope scaling, fused projections,
+Gemma's norms, GeGLU and soft-capping, experts), so the model code has no per-family branches.
 """
 
 from __future__ import annotations
@@ -16,13 +16,26 @@ from typing import Any
 
 from mtjax.errors import MtjaxError
 
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+LLAMA4 = "llama4_text"
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", LLAMA4)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", *MOE_MODEL_TYPES)
 GEMMA = ("gemma2", "gemma3_text")
-MULTIMODAL_GEMMA3 = "gemma3"  # Gemma3ForConditionalGeneration: its text_config is imported
+# Multimodal checkpoints whose text_config is imported (Gemma3ForConditionalGeneration,
+# Llama4ForConditionalGeneration): the model type of each one's language model.
+MULTIMODAL = {"gemma3": "gemma3_text", "llama4": LLAMA4}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-FULL, SLIDING = "full_attention", "sliding_attention"
-MOE = ":moe"  # a block kind's suffix when its MLP is a mixture of experts
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+NOPE = ":nope"  # a block kind's suffix when its layer has no RoPE (Llama 4's NoPE layers)
+MOE = ":moe"  # a block kind's suffix when its MLP is a mixture of experts (after NOPE)
+
+
+def attention_type(kind: str) -> str:
+    """The layer type of a block kind (FULL, SLIDING or CHUNKED), without its suffixes."""
+    return kind.split(":")[0]
+
+
+def uses_rope(kind: str) -> bool:
+    return NOPE not in kind
 
 
 class ConfigError(MtjaxError, ValueError):
@@ -109,6 +122,13 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in the training loss
     moe_layers: tuple[int, ...] = ()  # indices of the MoE layers; the others are dense
+    # Llama 4: NoPE layers, chunked local attention, L2 q/k norm, NoPE temperature tuning.
+    no_rope_layers: tuple[int, ...] = ()  # indices of the layers without RoPE
+    attention_chunk_size: int | None = None  # chunked_attention layers: a query sees its own chunk's keys
+    qk_l2_norm: bool = False  # q and k RMS-normalised without a weight after RoPE, on RoPE layers only
+    attn_temperature_tuning: bool = False  # NoPE layers scale q by log1p(floor((p + 1) / floor_scale)) * temperature_scale + 1
+    floor_scale: float = 8192.0
+    temperature_scale: float = 0.1  # Hugging Face's attn_scale (not `attn_scale` below, the softmax scale)
 
     def __post_init__(self):
         if not self.layer_types:
@@ -144,11 +164,18 @@ class ModelConfig:
                 f"layer_types has {len(self.layer_types)} entries for "
                 f"{self.num_hidden_layers} layers"
             )
-        bad = sorted(set(self.layer_types) - {FULL, SLIDING})
+        bad = sorted(set(self.layer_types) - {FULL, SLIDING, CHUNKED})
         if bad:
-            raise ConfigError(f"unknown layer type(s) {bad}; use {FULL!r} or {SLIDING!r}")
+            raise ConfigError(f"unknown layer type(s) {bad}; use {FULL!r}, {SLIDING!r} or {CHUNKED!r}")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ConfigError("sliding_attention layers need a positive sliding_window")
+        if CHUNKED in self.layer_types and not (self.attention_chunk_size or 0) > 0:
+            raise ConfigError("chunked_attention layers need a positive attention_chunk_size")
+        if not set(self.no_rope_layers) <= set(range(self.num_hidden_layers)):
+            raise ConfigError(f"no_rope_layers {list(self.no_rope_layers)} name layers outside 0.."
+                              f"{self.num_hidden_layers - 1}")
+        if self.attn_temperature_tuning and not self.floor_scale > 0:
+            raise ConfigError(f"model.floor_scale must be positive, got {self.floor_scale}")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"model.hidden_act must be one of {', '.join(ACTIVATIONS)}, got {self.hidden_act!r}")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
@@ -171,9 +198,25 @@ class ModelConfig:
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's block kind: its attention type, with MOE appended for a MoE layer."""
-        moe = set(self.moe_layers)
-        return tuple(t + MOE if i in moe else t for i, t in enumerate(self.layer_types))
+        """Each layer's block kind: its attention type, with NOPE appended for a layer
+        without RoPE and MOE for a MoE layer."""
+        moe, nope = set(self.moe_layers), set(self.no_rope_layers)
+        return tuple(t + (NOPE if i in nope else "") + (MOE if i in moe else "") for i, t in enumerate(self.layer_types))
+
+    @property
+    def rope_interleaved(self) -> bool:
+        """RoPE turns adjacent feature pairs (Llama 4's complex form), not the two halves."""
+        return self.model_type == LLAMA4
+
+    @property
+    def sigmoid_router(self) -> bool:
+        """Llama 4's router: top-k of the logits, each kept one's sigmoid scaling its expert's input."""
+        return self.model_type == LLAMA4
+
+    @property
+    def shared_expert_gated(self) -> bool:
+        """The shared expert's output scaled by a sigmoid gate (Qwen2-MoE; Llama 4's is ungated)."""
+        return self.model_type == "qwen2_moe"
 
     def _validate_rope_scaling(self) -> None:
         scaling = self.rope_scaling
@@ -291,13 +334,13 @@ _GEMMA3_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}  # transformers' defaults
 
 
 def _language_model(hf: dict) -> dict:
-    """The text_config of a multimodal Gemma 3 config, with the top-level keys that govern it."""
+    """The text_config of a multimodal config (MULTIMODAL), with the top-level keys that govern it."""
     text = dict(hf.get("text_config") or {})
     for key in ("tie_word_embeddings", "dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id",
                 "transformers_version"):
         if key in hf:
             text[key] = hf[key]  # transformers ties and sets dtype by the top-level config
-    return dict(text, model_type="gemma3_text")
+    return dict(text, model_type=MULTIMODAL[hf["model_type"]])
 
 
 def _gemma_layer_types(hf: dict, model_type: str, layers: int) -> tuple[str, ...]:
@@ -347,6 +390,46 @@ def _gemma_fields(hf: dict, model_type: str) -> dict:
     return fields
 
 
+# transformers' Llama4TextConfig defaults for the keys whose default is not the generic one.
+_LLAMA4_DEFAULTS = dict(rope_theta=500000.0, intermediate_size=8192, intermediate_size_mlp=16384,
+                        num_local_experts=16, num_experts_per_tok=1, attention_chunk_size=8192, rms_norm_eps=1e-5)
+_LLAMA4_KEYS = {"intermediate_size_mlp", "moe_layers", "interleave_moe_layer_step", "use_qk_norm", "no_rope_layers",
+                "no_rope_layer_interval", "attention_chunk_size", "attn_temperature_tuning", "floor_scale", "attn_scale"}
+
+
+def _llama4_rope_flags(hf: dict, layers: int) -> list[bool]:
+    """Whether each layer turns RoPE: `no_rope_layers` (1: RoPE, 0: NoPE), else NoPE every
+    `no_rope_layer_interval`-th layer, as transformers derives it."""
+    flags = hf.get("no_rope_layers")
+    if flags:
+        return [bool(f) for f in flags[:layers]]
+    every = int(hf.get("no_rope_layer_interval", 4))
+    return [(i + 1) % every != 0 for i in range(layers)]
+
+
+def _llama4_layer_types(hf: dict, layers: int) -> tuple[str, ...]:
+    """`layer_types` where written; else transformers' rule: RoPE layers chunked (when
+    attention_chunk_size is set), NoPE layers full."""
+    if hf.get("layer_types"):
+        return tuple(hf["layer_types"])
+    chunked = hf.get("attention_chunk_size") is not None
+    return tuple(CHUNKED if rope and chunked else FULL for rope in _llama4_rope_flags(hf, layers))
+
+
+def _llama4_fields(hf: dict, layers: int) -> dict:
+    """The ModelConfig fields of a Llama 4 text config beyond the MoE ones: its dense
+    layers' MLP is intermediate_size_mlp wide (the experts' intermediate_size is
+    moe_intermediate_size here)."""
+    chunk = hf.get("attention_chunk_size")
+    return dict(intermediate_size=int(hf["intermediate_size_mlp"]),
+                no_rope_layers=tuple(i for i, rope in enumerate(_llama4_rope_flags(hf, layers)) if not rope),
+                attention_chunk_size=int(chunk) if chunk is not None else None,
+                qk_l2_norm=bool(hf.get("use_qk_norm", True)),
+                attn_temperature_tuning=bool(hf.get("attn_temperature_tuning", True)),
+                floor_scale=float(hf.get("floor_scale", 8192)), temperature_scale=float(hf.get("attn_scale", 0.1)),
+                o_proj_bias=bool(hf.get("attention_bias", False)))
+
+
 def _moe_from_hf(model_type: str, hf: dict, layers: int) -> dict:
     """The MoE fields of a ModelConfig from a MoE family's config.json ({} for dense ones)."""
     if model_type not in MOE_MODEL_TYPES:
@@ -361,15 +444,22 @@ def _moe_from_hf(model_type: str, hf: dict, layers: int) -> dict:
         # transformers' rule: a layer is dense when listed in mlp_only_layers or off the sparse step.
         step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or ())
         sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    elif model_type == LLAMA4:  # moe_layers wins over interleave_moe_layer_step
+        step = int(hf.get("interleave_moe_layer_step", 1))
+        listed = hf.get("moe_layers")
+        sparse = tuple(sorted(int(i) for i in listed)) if listed is not None else tuple(range(step - 1, layers, step))
     else:
         sparse = tuple(range(layers))
+    width = int(hf["moe_intermediate_size" if model_type in ("qwen2_moe", "qwen3_moe") else "intermediate_size"])
+    shared = {"qwen2_moe": int(hf.get("shared_expert_intermediate_size", 0)), LLAMA4: width}.get(model_type, 0)
     return dict(
         num_experts=experts,
         num_experts_per_tok=int(hf["num_experts_per_tok"]),
-        moe_intermediate_size=int(hf["moe_intermediate_size" if model_type in ("qwen2_moe", "qwen3_moe") else "intermediate_size"]),
+        moe_intermediate_size=width,
         norm_topk_prob=True if model_type == "mixtral" else bool(hf.get("norm_topk_prob", False)),
-        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 0)) if model_type == "qwen2_moe" else 0,
-        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+        shared_expert_intermediate_size=shared,
+        # Llama4ForCausalLM's loss has no load-balancing term, even with output_router_logits: nor has mtjax's.
+        router_aux_loss_coef=0.0 if model_type == LLAMA4 else float(hf.get("router_aux_loss_coef", 0.001)),
         moe_layers=sparse,
     )
 
@@ -378,16 +468,18 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
     """Build a ModelConfig from the contents of a Hugging Face ``config.json``.
 
     A multimodal Gemma 3 config (model_type gemma3) gives its language model's config."""
-    if hf.get("model_type") == MULTIMODAL_GEMMA3:
+    if hf.get("model_type") in MULTIMODAL:
         hf = _language_model(hf)
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"model_type {model_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}, {MULTIMODAL_GEMMA3} (its language model)"
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}, {', '.join(MULTIMODAL)} (their language models)"
         )
     if model_type in GEMMA:
         hf = {**_GEMMA_DEFAULTS[model_type], **hf}
+    if model_type == LLAMA4:
+        hf = {**_LLAMA4_DEFAULTS, **hf}
     try:
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
@@ -402,6 +494,8 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
             layer_types = (FULL,) * layers
         elif model_type in GEMMA:
             layer_types = _gemma_layer_types(hf, model_type, layers)
+        elif model_type == LLAMA4:
+            layer_types = _llama4_layer_types(hf, layers)
         elif hf.get("layer_types"):
             layer_types = tuple(hf["layer_types"])
         elif model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window") and window:
@@ -417,6 +511,8 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         # Phi-3's top-level pre-training context is the rope scaling's, when there is one.
         known = _HF_KNOWN | ({"original_max_position_embeddings"} if model_type == "phi3" and scaling else set())
+        if model_type == LLAMA4:  # its router_aux_loss_coef goes unused (see _llama4_fields): kept as written
+            known = (known | _LLAMA4_KEYS) - {"router_aux_loss_coef"}
         kwargs = dict(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -450,6 +546,8 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
         )
         if model_type in GEMMA:
             kwargs.update(_gemma_fields(hf, model_type))
+        if model_type == LLAMA4:
+            kwargs.update(_llama4_fields(hf, layers))
     except KeyError as e:
         raise ConfigError(f"config.json lacks the required key {e.args[0]!r}") from None
     kwargs.update(overrides)
@@ -491,7 +589,7 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
             "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
             "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "olmoe": "OlmoeForCausalLM"}[cfg.model_type]
+            "olmoe": "OlmoeForCausalLM", LLAMA4: "Llama4ForCausalLM"}[cfg.model_type]
     hf = {k: _thaw(v) for k, v in cfg.extra_hf}
     rope = _rope_to_hf(cfg)
     hf.update(
@@ -513,7 +611,7 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
         dtype=cfg.param_dtype,
         torch_dtype=cfg.param_dtype,
     )
-    if cfg.model_type in ("llama", "qwen3", "qwen3_moe", "olmoe"):
+    if cfg.model_type in ("llama", "qwen3", "qwen3_moe", "olmoe", LLAMA4):
         hf["attention_bias"] = cfg.o_proj_bias
     if cfg.model_type == "qwen2_moe":
         hf["qkv_bias"] = cfg.attention_bias
@@ -528,6 +626,8 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
             hf["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings
     if cfg.model_type in GEMMA:
         hf.update(_gemma_to_hf(cfg, rope))
+    elif cfg.model_type == LLAMA4:
+        hf.update(_llama4_to_hf(cfg))
     elif cfg.sliding_window:
         hf["sliding_window"] = cfg.sliding_window
         if cfg.model_type not in ("mistral", "phi3"):
@@ -559,8 +659,11 @@ def _moe_to_hf(cfg: ModelConfig) -> dict:
     if cfg.model_type not in MOE_MODEL_TYPES:
         return {}
     out = dict(num_experts_per_tok=cfg.num_experts_per_tok, router_aux_loss_coef=cfg.router_aux_loss_coef)
-    if cfg.model_type in ("mixtral", "olmoe"):  # their experts are intermediate_size wide
+    if cfg.model_type in ("mixtral", "olmoe", LLAMA4):  # their experts are intermediate_size wide
         out["intermediate_size"] = cfg.moe_intermediate_size
+    if cfg.model_type == LLAMA4:  # its router_aux_loss_coef, unused, is in extra_hf as the checkpoint wrote it
+        del out["router_aux_loss_coef"]
+        return {**out, "num_local_experts": cfg.num_experts, "moe_layers": list(cfg.moe_layers)}
     if cfg.model_type == "mixtral":
         return {**out, "num_local_experts": cfg.num_experts}
     out.update(num_experts=cfg.num_experts, norm_topk_prob=cfg.norm_topk_prob)
@@ -586,3 +689,13 @@ def _gemma_to_hf(cfg: ModelConfig, rope: dict) -> dict:
                                                 rope_scaling=cfg.local_rope_scaling))
         hf.update(rope_parameters={FULL: rope, SLIDING: local}, rope_local_base_freq=local["rope_theta"])
     return hf
+
+
+def _llama4_to_hf(cfg: ModelConfig) -> dict:
+    """The Llama 4 keys of config.json (the inverse of `_llama4_fields`)."""
+    floor = cfg.floor_scale
+    return dict(intermediate_size_mlp=cfg.intermediate_size, layer_types=list(cfg.layer_types),
+                no_rope_layers=[int(i not in cfg.no_rope_layers) for i in range(cfg.num_hidden_layers)],
+                attention_chunk_size=cfg.attention_chunk_size, use_qk_norm=cfg.qk_l2_norm,
+                attn_temperature_tuning=cfg.attn_temperature_tuning,
+                floor_scale=int(floor) if floor.is_integer() else floor, attn_scale=cfg.temperature_scale)

@@ -1,7 +1,9 @@
 """Mixture-of-experts mechanics: top-k routing, dropless expert dispatch, the load-balancing loss.
 
 Routing is transformers': a softmax in fp32 over all experts, then the top k, their
-weights renormalised to sum to 1 where the config says (`norm_topk_prob`). Dispatch is
+weights renormalised to sum to 1 where the config says (`norm_topk_prob`); Llama 4's
+router instead keeps the top k logits, whose sigmoids scale the experts' inputs
+(`route_sigmoid`, `input_scaled_experts`). Dispatch is
 dropless and exact: every token reaches its k experts. The (token, expert) assignments
 are sorted by expert so that each expert's tokens are contiguous, and
 `jax.lax.ragged_dot` multiplies each group by its expert's kernel: the work is that of
@@ -90,3 +92,22 @@ def aux_loss_and_cotangent(stats: list[dict], rows: int):
     probs = sum(s["probs"] for s in stats)
     scale = num_experts / (total * total)
     return scale * jnp.sum(counts * probs), jax.lax.stop_gradient(scale * counts)
+
+
+def route_sigmoid(logits: jnp.ndarray, k: int):
+    """Llama 4's router: the top k of the logits [T, E], each kept one's sigmoid its weight
+    (fp32 [T, k]; the others weigh 0), with the chosen experts [T, k] and, for the router
+    statistics, the softmax probabilities [T, E] as `route` gives them."""
+    top, chosen = jax.lax.top_k(logits, k)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    return jax.nn.sigmoid(top.astype(jnp.float32)), chosen, probs
+
+
+def input_scaled_experts(x, weights, chosen, gate, up, down, ids=None):
+    """sum over k of SwiGLU expert(weight * x) (Llama 4: the router weight scales the
+    expert's input, not its output): each (token, pick) assignment one row of
+    `experts_forward` with weight 1 (`ids`: as there)."""
+    t, k = chosen.shape
+    rows = (jnp.repeat(x, k, axis=0).astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
+    y = experts_forward(rows, jnp.ones((t * k, 1), jnp.float32), chosen.reshape(-1, 1), gate, up, down, ids)
+    return jnp.sum(y.reshape(t, k, -1).astype(jnp.float32), axis=1).astype(x.dtype)

@@ -1,7 +1,9 @@
-"""Rotary position embeddings in the Hugging Face rotate-half layout.
+"""Rotary position embeddings in the Hugging Face rotate-half layout, or interleaved.
 
-The first half of each head's rotated features pairs with the second half (not
-interleaved pairs). With a `partial_rotary_factor` below 1 only the first `rotary_dim`
+The first half of each head's rotated features pairs with the second half; with
+`cfg.rope_interleaved` (Llama 4, whose transformers code multiplies complex numbers)
+features 2i and 2i + 1 pair instead, the tables then holding each frequency twice in a
+row. With a `partial_rotary_factor` below 1 only the first `rotary_dim`
 features of each head turn; the rest pass through. Frequencies follow transformers' fp32
 computation, including the `linear`, `llama3`, `longrope` and `yarn` rescalings; longrope
 and yarn also multiply cos and sin by an attention factor.
@@ -21,13 +23,13 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax.model_config import MOE, SLIDING, ModelConfig
+from mtjax.model_config import SLIDING, ModelConfig, attention_type
 
 
 def for_layer(cfg: ModelConfig, kind: str) -> ModelConfig:
     """The config whose rope_theta and rope_scaling rotate layers of `kind`: sliding layers
     take local_rope_theta and local_rope_scaling where the model sets them (Gemma 3)."""
-    if kind.removesuffix(MOE) == SLIDING and cfg.local_rope_theta is not None:
+    if attention_type(kind) == SLIDING and cfg.local_rope_theta is not None:
         return dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=cfg.local_rope_scaling)
     return cfg
 
@@ -58,10 +60,12 @@ def inv_frequencies(cfg: ModelConfig, long: bool = False) -> np.ndarray:
     high_wavelen = old_len / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    # Equal factors (Llama 4 Scout's) leave no band between: the 0/0 it would divide is never picked.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
@@ -114,7 +118,8 @@ def cos_sin(cfg: ModelConfig, positions: jnp.ndarray, dtype) -> tuple[jnp.ndarra
         long = jnp.max(positions) + 1 > s.original_max_position_embeddings
         inv_freq = jnp.where(long, jnp.asarray(inv_frequencies(cfg, long=True)), inv_freq)
     freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [..., t, rd/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)  # rotate-half layout
+    # Interleaved: [f0, f0, f1, f1, ...]; rotate-half: [f0, f1, ..., f0, f1, ...].
+    emb = jnp.repeat(freqs, 2, axis=-1) if cfg.rope_interleaved else jnp.concatenate([freqs, freqs], axis=-1)
     cos, sin = jnp.cos(emb), jnp.sin(emb)
     scale = attention_factor(cfg)
     if scale != 1.0:
@@ -122,12 +127,17 @@ def cos_sin(cfg: ModelConfig, positions: jnp.ndarray, dtype) -> tuple[jnp.ndarra
     return cos.astype(dtype), sin.astype(dtype)
 
 
-def apply(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+def apply(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray, interleaved: bool = False) -> jnp.ndarray:
     """Rotate the first rotary_dim features of x [batch, seq, heads, head_dim] by the
-    tables [batch|1, seq, rotary_dim]; the others pass unchanged."""
+    tables [batch|1, seq, rotary_dim]; the others pass unchanged. `interleaved`: the
+    tables are `cos_sin`'s of a config with rope_interleaved."""
     rd = cos.shape[-1]
     turned, kept = x[..., :rd], x[..., rd:]
-    half = rd // 2
-    rotated = jnp.concatenate([-turned[..., half:], turned[..., :half]], axis=-1)
+    if interleaved:  # (a, b) -> (-b, a) per pair: a + ib times cos + i sin
+        pairs = turned.reshape(*turned.shape[:-1], rd // 2, 2)
+        rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(turned.shape)
+    else:
+        half = rd // 2
+        rotated = jnp.concatenate([-turned[..., half:], turned[..., :half]], axis=-1)
     out = turned * cos[:, :, None, :] + rotated * sin[:, :, None, :]
     return jnp.concatenate([out, kept], axis=-1) if kept.shape[-1] else out

@@ -23,6 +23,18 @@ def _gemma3_multimodal(**text):
                                      tie_word_embeddings=text.get("tie_word_embeddings", True))
 
 
+# Llama 4's vision tower, as small: the multimodal Llama 4's import leaves it out.
+TINY_LLAMA4_VISION = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                          image_size=28, patch_size=14, vision_output_dim=16, projector_input_dim=16,
+                          projector_output_dim=16)
+
+
+def _llama4_multimodal(**text):
+    """Llama4ForConditionalGeneration's config: the text model's keys, a tiny vision tower."""
+    return transformers.Llama4Config(text_config=text, vision_config=TINY_LLAMA4_VISION,
+                                     tie_word_embeddings=text.get("tie_word_embeddings", False))
+
+
 FAMILIES = {
     "llama": transformers.LlamaConfig,
     "mistral": transformers.MistralConfig,
@@ -36,9 +48,13 @@ FAMILIES = {
     "gemma2": transformers.Gemma2Config,
     "gemma3_text": transformers.Gemma3TextConfig,
     "gemma3": _gemma3_multimodal,
+    "llama4_text": transformers.Llama4TextConfig,
+    "llama4": _llama4_multimodal,
 }
-# What mtjax calls each family's model (a multimodal Gemma 3 is imported as its text model).
-MODEL_TYPE = {**{f: f for f in FAMILIES}, "gemma3": "gemma3_text"}
+# What mtjax calls each family's model (a multimodal checkpoint is imported as its text model).
+MODEL_TYPE = {**{f: f for f in FAMILIES}, "gemma3": "gemma3_text", "llama4": "llama4_text"}
+# The model classes of multimodal families (the others are AutoModelForCausalLM's).
+MULTIMODAL = {"llama4": transformers.Llama4ForConditionalGeneration}
 
 BASE = dict(
     vocab_size=97,
@@ -55,7 +71,10 @@ BASE = dict(
 
 def hub_names(family: str, tensors: dict) -> dict:
     """transformers 5's in-memory tensors (experts fused [E, ...]) under the names its
-    save_pretrained writes: one tensor per expert, Mixtral's MoE as block_sparse_moe.w1/w2/w3."""
+    save_pretrained writes: one tensor per expert, Mixtral's MoE as block_sparse_moe.w1/w2/w3
+    (but Llama 4's, saved fused)."""
+    if family.startswith("llama4"):  # Llama 4 saves its experts fused, as they are in memory
+        return dict(tensors)
     out = {}
     for name, t in tensors.items():
         prefix, _, leaf = name.rpartition(".experts.")
@@ -77,8 +96,11 @@ def hub_names(family: str, tensors: dict) -> dict:
 
 def hf_config(family: str, **overrides):
     kwargs = {**BASE, **overrides}
-    if family in ("qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gemma3"):
+    if family in ("qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gemma3", "llama4_text", "llama4"):
         kwargs.setdefault("head_dim", 8)  # transformers' defaults are 128 and 256
+    if family.startswith("llama4"):  # its defaults are Scout's widths, 16 experts and chunks of 8192
+        kwargs = dict(dict(intermediate_size_mlp=40, num_local_experts=5,
+                           attention_chunk_size=5, floor_scale=3, attn_scale=0.3), **kwargs)
     if family.startswith("gemma"):
         # Odd on purpose: a scale of head_dim ** -0.5 or a window of 4096 would pass unseen.
         kwargs.setdefault("query_pre_attn_scalar", 5)
@@ -92,7 +114,10 @@ def build(family: str, seed: int = 0, **overrides):
     """A random fp32 transformers causal LM with perturbed 1-D parameters."""
     torch.manual_seed(seed)
     cfg = hf_config(family, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    model_class = MULTIMODAL.get(family, transformers.AutoModelForCausalLM)
+    model = model_class.from_config(cfg, attn_implementation="eager", dtype=torch.float32) \
+        if model_class is transformers.AutoModelForCausalLM else \
+        model_class._from_config(cfg, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:

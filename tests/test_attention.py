@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtjax.attention import _chunks, causal_attention, masked_attention
+from mtjax import documents
+from mtjax.attention import _chunks, causal_attention, local_chunks, masked_attention
 
 
 def reference(q, k, v, scale, window):
@@ -111,3 +112,33 @@ def test_soft_capped_scores_forward_and_backward_equal_autodiff(window=5):
     mask = jnp.asarray((kpos <= qpos) & ((kpos > qpos - window) if window else True))[None, None]
     cached = masked_attention(q, k, v, mask, 0.35, cap)
     np.testing.assert_allclose(np.asarray(cached), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_local_attention_is_the_document_mask_over_chunk_ids():
+    """Llama 4's chunks (of 5 positions, counted from each document's start) as document ids
+    with a window of one chunk, through the chunked kernel (row blocks of 8, not aligned to
+    the chunks) and its custom backward, equal autodiff of the mask written out: causal,
+    same document, same chunk; trailing padding sees only padding."""
+    kq, kk, kv, kd = jax.random.split(jax.random.key(5), 4)
+    t, size = 13, 5
+    q, dout = jax.random.normal(kq, (2, t, 4, 8)), jax.random.normal(kd, (2, t, 4, 8))
+    k, v = jax.random.normal(kk, (2, t, 2, 8)), jax.random.normal(kv, (2, t, 2, 8))
+    segments = np.asarray([[1] * 7 + [2] * 4 + [0] * 2, [3] * 3 + [4] * 10], np.int32)
+    positions = np.asarray([[7, 4, 2], [3, 10, 0]])  # each row's documents' lengths -> positions in them
+    positions = np.stack([np.concatenate([np.arange(n) for n in row]) for row in positions])
+    qpos, kpos = positions[:, :, None], positions[:, None, :]
+    index = np.arange(t)
+    same = (segments[:, :, None] == segments[:, None, :]) & (index[None, :, None] >= index[None, None, :])
+    mask = jnp.asarray(same & (qpos // size == kpos // size))[:, None]
+
+    def value_and_vjp(fn):
+        return jax.jit(lambda q, k, v, d: (lambda out, vjp: (out, *vjp(d)))(*jax.vjp(fn, q, k, v)))(q, k, v, dout)
+
+    ids = jax.jit(lambda s: local_chunks(documents.positions(s), size, s))(segments)
+    got = value_and_vjp(lambda *a: causal_attention(*a, 0.3, size, 8, None, ids))
+    want = value_and_vjp(lambda *a: jax.nn.dot_product_attention(*a, mask=mask, scale=0.3))
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b)
+    assert np.asarray(ids).tolist() == [[1] * 5 + [2] * 2 + [3] * 4 + [0] * 2, [1] * 3 + [2] * 5 + [3] * 5]
+    assert local_chunks(np.arange(12)[None], size).tolist() == [[1] * 5 + [2] * 5 + [3] * 2]  # no documents

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import json
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from mtjax import cli, generate, hf, model
 from mtjax.commands import generate as generate_command
 from mtjax.data import ByteTokenizer, load_tokenizer
-from mtjax.model_config import SLIDING, ModelConfig, RopeScaling
+from mtjax.model_config import CHUNKED, FULL, SLIDING, ModelConfig, RopeScaling
 
 # Large initial weights make greedy decoding of a random model varied rather than constant.
 CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -59,6 +60,22 @@ def test_cached_decoding_of_a_phi3_model_matches_a_step_by_step_loop():
     for _ in range(8):
         ids = ids + [int(np.argmax(forward(params, np.asarray([ids], np.int32))[0, -1]))]
     assert got == ids[len(prompt):] and len(set(got)) > 1
+
+
+@pytest.mark.slow  # compiles a decode loop
+def test_cached_decoding_of_a_llama4_model_matches_a_step_by_step_loop():
+    """Chunks of 3 (shorter than the output) on a RoPE MoE layer, interleaved RoPE with the
+    L2 q/k norm; a NoPE layer whose query temperature changes every 2 positions."""
+    llama4 = dataclasses.replace(CFG, model_type="llama4_text", layer_types=(CHUNKED, FULL), attention_chunk_size=3,
+                                 no_rope_layers=(1,), moe_layers=(0,), num_experts=3, num_experts_per_tok=1,
+                                 moe_intermediate_size=24, shared_expert_intermediate_size=24, qk_l2_norm=True,
+                                 attn_temperature_tuning=True, floor_scale=2.0, temperature_scale=0.5)
+    params = model.init_params(llama4, seed=1)
+    prompt = [3, 14, 15, 9, 2]
+    got = generate.generate(llama4, params, prompt, 8, temperature=0)
+    # The step-by-step loop in one causal forward: each token is the argmax after those before it.
+    logits = jax.jit(functools.partial(model.forward, llama4))(params, np.asarray([prompt + got], np.int32))[0]
+    assert got == np.argmax(logits[len(prompt) - 1:-1], axis=-1).tolist() and len(set(got)) > 1
 
 
 @pytest.mark.slow  # compiles a decode loop per case

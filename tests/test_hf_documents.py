@@ -54,7 +54,7 @@ def assert_matches(cfg, ours, theirs):
     assert abs(loss - hf_loss) <= 1e-6 * abs(hf_loss), (loss, hf_loss)
     errors = {}
     for spec in hf.layout(cfg):
-        mine = hf.to_hf(spec, np.asarray(hf.get_path(grads, spec.path)))
+        mine = hf.from_tree(spec, grads)
         want = hf_grads[spec.hf_name]
         errors[spec.hf_name] = np.linalg.norm(mine - want) / np.linalg.norm(want)
     bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= 1e-4}

@@ -13,7 +13,7 @@ import transformers
 import hf_models
 import mtjax
 from mtjax import model
-from mtjax.model_config import FULL, SLIDING, SUPPORTED_MODEL_TYPES, ConfigError, ModelConfig, RopeScaling
+from mtjax.model_config import CHUNKED, FULL, SLIDING, SUPPORTED_MODEL_TYPES, ConfigError, ModelConfig, RopeScaling
 
 LLAMA3_SCALING = {
     "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -104,6 +104,10 @@ def test_heads_not_divisible_by_kv_heads_is_a_config_error():
     (dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, clip_qkv=8.0), "clip_qkv"),
     (dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=5), "num_experts_per_tok"),
     (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2), "moe_intermediate_size"),
+    (dict(model_type="llama4_text", layer_types=["chunked_attention"] * 3, attention_chunk_size=0),
+     "attention_chunk_size"),
+    (dict(model_type="llama4_text", moe_layers=[0, 3]), "moe_layers"),
+    (dict(model_type="llama4_text", router_jitter_noise=0.1), "router_jitter_noise"),
 ])
 def test_unusable_config_json_is_one_clear_config_error(change, match):
     hf = {k: v for k, v in {**OLD_STYLE, **change}.items() if v is not None}
@@ -172,6 +176,11 @@ ROUND_TRIP = {
                                      router_aux_loss_coef=0.001, moe_layers=(0, 2)),
     "olmoe": ModelConfig(model_type="olmoe", qk_norm_full=True, intermediate_size=24, num_experts=6,
                          num_experts_per_tok=2, moe_intermediate_size=24, router_aux_loss_coef=0.01, moe_layers=(0, 1)),
+    "llama4-text": ModelConfig(model_type="llama4_text", intermediate_size=40, num_hidden_layers=3, num_experts=5,
+                               num_experts_per_tok=1, moe_intermediate_size=24, shared_expert_intermediate_size=24,
+                               moe_layers=(0, 2), no_rope_layers=(2,), layer_types=(CHUNKED, CHUNKED, FULL),
+                               attention_chunk_size=7, qk_l2_norm=True, attn_temperature_tuning=True,
+                               floor_scale=3.0, temperature_scale=0.25, rope_theta=500000.0),
     "gemma2": ModelConfig(model_type="gemma2", **GEMMA, query_pre_attn_scalar=5.0, attn_logit_softcapping=50.0,
                           final_logit_softcapping=30.0, sliding_window=4, layer_types=(SLIDING, FULL)),
     "gemma2-no-caps-all-global": ModelConfig(model_type="gemma2", **GEMMA, query_pre_attn_scalar=16.0),
@@ -204,7 +213,7 @@ def test_round_trip_keeps_the_other_keys_of_a_transformers_config(family):
     cfg = mtjax.from_hf_dict(hf)
     again = mtjax.to_hf_dict(cfg)
     assert mtjax.from_hf_dict(again) == cfg
-    if family == "gemma3":  # multimodal: the other keys are its language model's
+    if family in ("gemma3", "llama4"):  # multimodal: the other keys are its language model's
         hf = dict(hf["text_config"], transformers_version=hf["transformers_version"])
     for key in ("bos_token_id", "eos_token_id", "hidden_act", "transformers_version"):
         assert again.get(key) == hf.get(key), key
@@ -280,6 +289,26 @@ def test_unusable_gemma_config_is_one_clear_config_error(change, match):
     with pytest.raises(ConfigError, match=match) as err:
         mtjax.from_hf_dict({**GEMMA3_OLD, **change})
     assert "\n" not in str(err.value)
+
+
+def test_llama4_layers_follow_transformers_rules():
+    """Unlisted, NoPE every no_rope_layer_interval-th layer, chunked RoPE layers, MoE every
+    interleave_moe_layer_step-th; a listed moe_layers wins over the step; Llama 4 trains
+    without a load-balancing term (as Llama4ForCausalLM), its coefficient kept for export."""
+    hf = dict(model_type="llama4_text", vocab_size=64, hidden_size=32, num_hidden_layers=8, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, intermediate_size=24, intermediate_size_mlp=40,
+              num_local_experts=4, interleave_moe_layer_step=2, no_rope_layer_interval=3, attention_chunk_size=16,
+              router_aux_loss_coef=0.01)
+    cfg = mtjax.from_hf_dict(hf)
+    assert cfg.no_rope_layers == (2, 5) and cfg.moe_layers == (1, 3, 5, 7)
+    assert cfg.layer_types == tuple(FULL if i in (2, 5) else CHUNKED for i in range(8))
+    assert (cfg.intermediate_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (40, 24, 24)
+    assert cfg.router_aux_loss_coef == 0 and mtjax.to_hf_dict(cfg)["router_aux_loss_coef"] == 0.01
+    assert mtjax.from_hf_dict(dict(hf, moe_layers=[0, 6])).moe_layers == (0, 6)
+    assert set(mtjax.from_hf_dict(dict(hf, attention_chunk_size=None)).layer_types) == {FULL}
+    theirs = transformers.Llama4TextConfig(**hf)
+    assert tuple(theirs.moe_layers) == cfg.moe_layers and tuple(theirs.layer_types) == cfg.layer_types
+    assert tuple(i for i, rope in enumerate(theirs.no_rope_layers) if not rope) == cfg.no_rope_layers
 
 
 HF_CONFIGS = sorted((Path(__file__).parent.parent / "experiments" / "hf_configs").glob("*.json"))

@@ -19,7 +19,7 @@ import mtjax.store
 from mtjax import documents, model, moe
 from mtjax.batch import Batch
 from mtjax.config import ConfigError, StoreConfig, StreamConfig
-from mtjax.model_config import ModelConfig
+from mtjax.model_config import CHUNKED, FULL, ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate
 from mtjax.reference import ReferenceTrainer, eval_loss, loss_terms
@@ -135,16 +135,23 @@ def _packed_batches(accum: int):
     return out
 
 
-def _streamed_equals_reference(engine, batches):
-    reference = ReferenceTrainer(CFG, _params(), OPT)
-    for b in batches:
-        ref, ours = reference.step(b), engine.step(b)
+def _reference_steps(cfg, params, batches):
+    """(each step's metrics, final params, final optimizer state) of the reference trainer."""
+    reference = ReferenceTrainer(cfg, params, OPT)
+    return [reference.step(b) for b in batches], reference.params, reference.opt_state
+
+
+def _streamed_equals_reference(engine, batches, reference=None):
+    """`reference`: `_reference_steps` of the engine's model on `batches` (default: CFG's)."""
+    metrics, params, opt_state = reference or _reference_steps(CFG, _params(), batches)
+    for b, ref in zip(batches, metrics, strict=True):
+        ours = engine.step(b)
         np.testing.assert_allclose(ours["loss"], ref["loss"], rtol=1e-5)
         np.testing.assert_allclose(ours["aux_loss"], ref["aux_loss"], rtol=1e-5)
         np.testing.assert_allclose(ours["grad_norm"], ref["grad_norm"], rtol=1e-4)
         assert ref["grad_norm"] > OPT.clip_norm  # clipping is active
-    errors = jax.tree.leaves(jax.tree.map(_rel, engine.params(), reference.params))
-    errors += jax.tree.leaves(jax.tree.map(_rel, engine.opt_state(), reference.opt_state))
+    errors = jax.tree.leaves(jax.tree.map(_rel, engine.params(), params))
+    errors += jax.tree.leaves(jax.tree.map(_rel, engine.opt_state(), opt_state))
     assert max(errors) <= 1e-5
 
 
@@ -181,6 +188,41 @@ def test_streamed_moe_steps_on_the_disk_tier_equal_the_reference(tmp_path):
     finally:
         engine.close()
         store.close()
+
+
+# Llama 4 text: a chunked RoPE MoE layer (chunks of 5 in rows of 16), then a dense NoPE
+# layer; 7 experts, top 1, a shared expert; L2 q/k norm and NoPE temperature on (the
+# transformers comparison, tests/test_hf_moe.py, has a NoPE MoE layer too).
+LLAMA4 = ModelConfig(model_type="llama4_text", vocab_size=61, hidden_size=32, intermediate_size=40,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=7,
+                     num_experts_per_tok=1, moe_intermediate_size=24, shared_expert_intermediate_size=24,
+                     moe_layers=(0,), no_rope_layers=(1,), layer_types=(CHUNKED, FULL), attention_chunk_size=5,
+                     qk_l2_norm=True, attn_temperature_tuning=True, floor_scale=3.0, temperature_scale=0.3)
+
+
+@functools.cache
+def _llama4_reference():
+    """The reference's five steps on LLAMA4, shared by the RAM and disk cases."""
+    params = model.init_params(LLAMA4, seed=2)
+    return params, _reference_steps(LLAMA4, params, _batches(2))
+
+
+@pytest.mark.parametrize("tier", ["ram", pytest.param("disk", marks=pytest.mark.slow)])
+def test_streamed_llama4_steps_equal_the_reference(tier, tmp_path):
+    """Five AdamW steps of 2 micro-batches, both blocks one recompute group: the weights and
+    moments equal the reference's; Llama 4's loss has no load-balancing term."""
+    params, reference = _llama4_reference()
+    assert LLAMA4.block_kinds == ("chunked_attention:moe", "full_attention:nope")
+    assert LLAMA4.router_aux_loss_coef == 0 and all(m["aux_loss"] > 0 for m in reference[0])
+    store = mtjax.store.create(tmp_path / "store", LLAMA4, make_optimizer(OPT)) if tier == "disk" else None
+    tiers = StoreConfig(compute=tier, master=tier, opt=tier)
+    engine = StreamEngine(LLAMA4, params, OPT, StreamConfig(keep_every=2), tiers, store=store, batch_shape=(2, 16))
+    try:
+        _streamed_equals_reference(engine, _batches(2), reference)
+    finally:
+        engine.close()
+        if store is not None:
+            store.close()
 
 
 def test_active_parameters_price_the_compute_and_all_parameters_the_bytes():

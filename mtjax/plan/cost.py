@@ -26,7 +26,7 @@ import math
 
 from mtjax import model, parts
 from mtjax.config import StoreConfig, StreamConfig
-from mtjax.model_config import MOE, SLIDING, ModelConfig
+from mtjax.model_config import CHUNKED, SLIDING, ModelConfig, attention_type
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan.hardware import GiB, HardwareProfile
 from mtjax.stream.schedule import DevicePlan, Schedule, StateBytes, StepShape, describe
@@ -105,8 +105,13 @@ class Plan:
 
 
 def _keys_per_query(cfg: ModelConfig, kind: str, seq: int) -> float:
-    """Average number of keys a query may see (causal, optionally windowed)."""
-    w = cfg.sliding_window if kind.removesuffix(MOE) == SLIDING else None
+    """Average number of keys a query may see (causal, optionally windowed or chunked)."""
+    layer_type = attention_type(kind)
+    if layer_type == CHUNKED:  # whole chunks of c, then the rest r: each a causal triangle
+        c = cfg.attention_chunk_size
+        whole, r = divmod(seq, c)
+        return (whole * c * (c + 1) / 2 + r * (r + 1) / 2) / seq
+    w = cfg.sliding_window if layer_type == SLIDING else None
     if not w or w >= seq:
         return (seq + 1) / 2
     return (w * (w + 1) / 2 + (seq - w) * w) / seq

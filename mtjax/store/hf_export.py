@@ -19,7 +19,7 @@ from mtjax.data import tokenizer as toklib
 from mtjax.store import store as store_mod
 from mtjax.store import tokenizer
 from mtjax.store.errors import StoreError
-from mtjax.store.hf_import import by_part, locate
+from mtjax.store.hf_import import by_part, leaf_names
 
 
 def hf_tensors(store) -> Iterator[tuple[str, np.ndarray]]:
@@ -30,7 +30,7 @@ def hf_tensors(store) -> Iterator[tuple[str, np.ndarray]]:
     for part in store.parts:
         master = store.read(part, "master").result()  # waits: one part in memory at a time
         for spec in grouped[part]:
-            yield spec.hf_name, hf.to_hf(spec, master[locate(spec)[1]]).astype(dtype)
+            yield spec.hf_name, hf.to_hf(spec, [master[leaf] for leaf in leaf_names(spec)]).astype(dtype)
         del master
 
 

@@ -24,17 +24,23 @@ from mtjax.store.errors import StoreError
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
-def locate(spec: hf.TensorSpec) -> tuple[str, str]:
-    """(part name, leaf name) of a tensor, from its path in the params pytree."""
-    if spec.path[0] == "blocks":
-        return f"block.{spec.path[1]}", ".".join(map(str, spec.path[2:]))  # expert numbers are ints
-    return spec.path[0], ".".join(spec.path[1:])
+def locate(path: tuple) -> tuple[str, str]:
+    """(part name, leaf name) of a leaf, from its path in the params pytree."""
+    if path[0] == "blocks":
+        return f"block.{path[1]}", ".".join(map(str, path[2:]))  # expert numbers are ints
+    return path[0], ".".join(path[1:])
+
+
+def leaf_names(spec: hf.TensorSpec) -> list[str]:
+    """The leaf names, in its part, of every array a tensor holds (one but for fused experts)."""
+    return [locate(p)[1] for p in spec.paths]
 
 
 def by_part(specs: list[hf.TensorSpec]) -> dict[str, list[hf.TensorSpec]]:
+    """Tensors grouped by the part that holds them (a tensor's leaves are all in one block)."""
     grouped = defaultdict(list)
     for spec in specs:
-        grouped[locate(spec)[0]].append(spec)
+        grouped[locate(spec.paths[0])[0]].append(spec)
     return grouped
 
 
@@ -92,7 +98,8 @@ def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "b
                     tensor = reader.read(spec.hf_name)
                 except MtjaxError as e:
                     raise StoreError(f"cannot import {hf_dir}: {e}") from None
-                master[locate(spec)[1]] = hf.to_mtjax(spec, tensor).astype(np.float32, copy=False)
+                for leaf, array in zip(leaf_names(spec), hf.to_mtjax(spec, tensor)):
+                    master[leaf] = array.astype(np.float32, copy=False)
                 del tensor
             del reader
             fill.write_part(store, part, master, tx)

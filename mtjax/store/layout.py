@@ -96,6 +96,7 @@ def config_from_json(d: dict) -> ModelConfig:
             d[key] = RopeScaling(**d[key])
     d["layer_types"] = tuple(d.get("layer_types", ()))
     d["moe_layers"] = tuple(d.get("moe_layers", ()))
+    d["no_rope_layers"] = tuple(d.get("no_rope_layers", ()))
     d["extra_hf"] = _tuples(d.get("extra_hf", []))
     return ModelConfig(**d)
 
