@@ -47,27 +47,66 @@ def _dense_experts(x, weights, chosen, gate, up, down):
     return jnp.einsum("tk,tkd->td", weights, jnp.einsum("tkf,tkfd->tkd", h, d))
 
 
-def test_grouped_dispatch_equals_the_dense_form_with_unrouted_experts():
+@pytest.mark.parametrize("which, t, scale", [("ragged", 9, 1.0), ("blocked", 9, 1.0), ("blocked", 37, 0.4)])
+def test_grouped_dispatch_equals_the_dense_form_with_unrouted_experts(which, t, scale):
+    """Both grouped matmuls; at 37 tokens the blocked form's groups are uneven and span
+    several blocks of 8 rows (kernels scaled as an initialisation's, 1 / sqrt(fan-in),
+    so that fp32 rounding of the sums stays within the tolerances)."""
     rng = np.random.default_rng(0)
-    t, d, f, e, k = 9, 6, 5, 6, 2
+    d, f, e, k = 6, 5, 6, 2
     x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
-    gate, up = (jnp.asarray(rng.normal(size=(e, d, f)), jnp.float32) for _ in range(2))
-    down = jnp.asarray(rng.normal(size=(e, f, d)), jnp.float32)
+    gate, up = (jnp.asarray(scale * rng.normal(size=(e, d, f)), jnp.float32) for _ in range(2))
+    down = jnp.asarray(scale * rng.normal(size=(e, f, d)), jnp.float32)
     # The router never picks experts 1 and 4.
     logits = jnp.asarray(rng.normal(size=(t, e)), jnp.float32).at[:, jnp.array([1, 4])].set(-30.0)
     weights, chosen, _ = moe.route(logits, k, True)
     assert not set(np.asarray(chosen).ravel()) & {1, 4}
+    sizes = np.bincount(np.asarray(chosen).ravel(), minlength=e)
+    if t > 9:
+        assert moe.block_rows(t * k, e) == 8 and sizes.max() > 16 and len(set(sizes[sizes > 0] % 8)) > 1
 
     def both(fn):
         out, vjp = jax.vjp(fn, x, weights, gate, up, down)
         return out, vjp(jnp.cos(out))
 
-    ours, dours = jax.jit(both, static_argnums=0)(lambda *a: moe.experts_forward(a[0], a[1], chosen, *a[2:]))
+    ours, dours = jax.jit(both, static_argnums=0)(lambda *a: moe.experts_forward(a[0], a[1], chosen, *a[2:], which=which))
     dense, ddense = jax.jit(both, static_argnums=0)(lambda *a: _dense_experts(a[0], a[1], chosen, *a[2:]))
     np.testing.assert_allclose(ours, dense, rtol=1e-5, atol=1e-5)
     for a, b in zip(dours, ddense):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert not np.any(dours[2][np.array([1, 4])])  # unrouted experts: exactly zero gradient
+
+
+def test_the_cpu_dispatches_by_blocks_and_accelerators_by_ragged_dot():
+    assert moe.dispatch("cpu") == "blocked"
+    assert moe.dispatch("gpu") == moe.dispatch("tpu") == "ragged"
+    x, w, c = jnp.ones((4, 3)), jnp.ones((4, 2)), jnp.zeros((4, 2), jnp.int32)
+    traced = str(jax.make_jaxpr(lambda x: moe.experts_forward(x, w, c, *[jnp.ones((3, 3, 3))] * 3))(x))
+    assert "scan" in traced and "ragged_dot" not in traced  # the default is the backend's (this CPU's)
+
+
+def test_dispatch_flops_scale_with_the_tokens_not_the_experts(monkeypatch):
+    """Compiled FLOPs of the experts' gradient (its forward included) over the same 128 tokens (k=2)
+    with 4 and 16 experts: ragged_dot's grow with E (it is a dense masked dot on the CPU),
+    the blocked form's by its padding alone. Unrolled: XLA counts a loop body once."""
+    monkeypatch.setattr(moe, "UNROLL", True)
+    rng = np.random.default_rng(2)
+    t, d, f = 128, 16, 16
+    x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+
+    def flops(e, which):
+        kernels = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
+        weights, chosen, _ = moe.route(jnp.asarray(rng.normal(size=(t, e)), jnp.float32), 2, True)
+        fn = jax.grad(lambda x, *ks: jnp.sum(moe.experts_forward(x, weights, chosen, *ks, which=which)),
+                      argnums=(0, 1, 2, 3))
+        cost = jax.jit(fn).lower(x, *kernels).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    few, many = flops(4, "blocked"), flops(16, "blocked")
+    ragged = flops(16, "ragged") / flops(4, "ragged")
+    assert many / few < 1.5 and ragged > 3, (many / few, ragged)
+    expert_flops = 3 * 3 * 2 * t * 2 * d * f  # 3 projections of k = 2 rows a token, forward and 2 backward matmuls
+    assert expert_flops < few < 1.5 * expert_flops, few / expert_flops
 
 
 def _switch_loss(logits_per_layer, k):
