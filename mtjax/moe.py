@@ -12,8 +12,9 @@ place (`dispatch`):
 - "blocked" (CPU): each expert's group padded to whole blocks of B rows (at most
   (N + E (B - 1)) / B blocks for N = T k assignments, a static bound), and a loop over the
   blocks runs each block's SwiGLU with its expert's kernels sliced out (`blocked_swiglu`).
-  The work is the N rows plus at most E (B - 1) padding rows, B chosen so that this is
-  at most a quarter of N once N >= 32 E (`block_rows`; B is 8 to 128); `dispatch_rows` says how many for the planner.
+  The work is the N rows plus at most E (B - 1) padding rows, and each block's kernel
+  slicing; `block_rows` picks B (8 to 128) to minimise the two, and `dispatch_rows` says
+  how many rows are multiplied, for the planner.
   Memory: the padded rows [blocks * B, d], the gate and up projections [blocks * B, f]
   kept for the backward (as autodiff of ragged_dot keeps them), one expert's kernels at a
   time, and the kernels' fp32 gradient sums; never a kernel per block, which a batched
@@ -52,8 +53,11 @@ def route(logits: jnp.ndarray, k: int, normalize: bool):
 
 
 DISPATCHES = ("ragged", "blocked")
-MAX_BLOCK_ROWS = 128  # rows per block: a [128, d] x [d, f] matmul per iteration keeps the loop's cost negligible
-MIN_BLOCK_ROWS = 8
+BLOCK_ROWS = (8, 16, 32, 64, 128)  # the block sizes `block_rows` chooses from
+# What one block costs beyond its rows' matmuls, in rows: slicing its expert's three
+# kernels out and adding into their gradient sums moves about 5 d f words, which on this
+# 2-core CPU takes as long as ~16 rows' forward and backward matmuls (measured at d = f = 512).
+BLOCK_COST_ROWS = 16
 # Blocks per loop iteration of `blocked_swiglu`. XLA's cost analysis counts a loop body once,
 # so a FLOPs count of the dispatch needs it unrolled (True); running, one is as fast.
 UNROLL: int | bool = 1
@@ -69,11 +73,10 @@ def dispatch(backend: str) -> str:
 
 def block_rows(assignments: int, num_experts: int) -> int:
     """Rows per block of `blocked_swiglu` for `assignments` (token, expert) pairs over
-    `num_experts`: the largest power of two with num_experts * rows <= assignments / 4 (so
-    padding every expert's group to whole blocks adds at most a quarter), within
-    [MIN_BLOCK_ROWS, MAX_BLOCK_ROWS]."""
-    target = max(assignments // (4 * num_experts), MIN_BLOCK_ROWS)
-    return min(1 << (target.bit_length() - 1), MAX_BLOCK_ROWS)
+    `num_experts`: the size in BLOCK_ROWS whose static bound of blocks costs least, each
+    block its rows plus BLOCK_COST_ROWS. Small blocks waste less on padding every expert's
+    group to whole blocks, large ones less on slicing kernels."""
+    return min(BLOCK_ROWS, key=lambda b: num_blocks(assignments, num_experts, b) * (b + BLOCK_COST_ROWS))
 
 
 def num_blocks(assignments: int, num_experts: int, rows: int) -> int:

@@ -49,8 +49,8 @@ def _dense_experts(x, weights, chosen, gate, up, down):
 
 @pytest.mark.parametrize("which, t, scale", [("ragged", 9, 1.0), ("blocked", 9, 1.0), ("blocked", 37, 0.4)])
 def test_grouped_dispatch_equals_the_dense_form_with_unrouted_experts(which, t, scale):
-    """Both grouped matmuls; at 37 tokens the blocked form's groups are uneven and span
-    several blocks of 8 rows (kernels scaled as an initialisation's, 1 / sqrt(fan-in),
+    """Both grouped matmuls; at 37 tokens the blocked form's groups are uneven and some
+    span several blocks (kernels scaled as an initialisation's, 1 / sqrt(fan-in),
     so that fp32 rounding of the sums stays within the tolerances)."""
     rng = np.random.default_rng(0)
     d, f, e, k = 6, 5, 6, 2
@@ -62,8 +62,9 @@ def test_grouped_dispatch_equals_the_dense_form_with_unrouted_experts(which, t, 
     weights, chosen, _ = moe.route(logits, k, True)
     assert not set(np.asarray(chosen).ravel()) & {1, 4}
     sizes = np.bincount(np.asarray(chosen).ravel(), minlength=e)
-    if t > 9:
-        assert moe.block_rows(t * k, e) == 8 and sizes.max() > 16 and len(set(sizes[sizes > 0] % 8)) > 1
+    b = moe.block_rows(t * k, e)
+    if t > 9:  # some groups fill several blocks, and they end at different points of one
+        assert sizes.max() > b and len(set(sizes[sizes > 0] % b)) > 1, (b, sizes)
 
     def both(fn):
         out, vjp = jax.vjp(fn, x, weights, gate, up, down)
