@@ -14,7 +14,7 @@ place (`dispatch`):
   blocks runs each block's SwiGLU with its expert's kernels sliced out (`blocked_swiglu`).
   The work is the N rows plus at most E (B - 1) padding rows, and each block's kernel
   slicing; `block_rows` picks B (8 to 128) to minimise the two, and `dispatch_rows` says
-  how many rows are multiplied, for the planner.
+  what they cost in rows, for the planner.
   Memory: the padded rows [blocks * B, d], the gate and up projections [blocks * B, f]
   kept for the backward (as autodiff of ragged_dot keeps them), one expert's kernels at a
   time, and the kernels' fp32 gradient sums; never a kernel per block, which a batched
@@ -52,11 +52,10 @@ def route(logits: jnp.ndarray, k: int, normalize: bool):
     return weights, chosen, probs
 
 
-DISPATCHES = ("ragged", "blocked")
 BLOCK_ROWS = (8, 16, 32, 64, 128)  # the block sizes `block_rows` chooses from
-# What one block costs beyond its rows' matmuls, in rows: slicing its expert's three
-# kernels out and adding into their gradient sums moves about 5 d f words, which on this
-# 2-core CPU takes as long as ~16 rows' forward and backward matmuls (measured at d = f = 512).
+# What one block costs beyond its rows' matmuls, in rows: slicing its expert's three kernels
+# out (forward and backward) and adding into their fp32 gradient sums took, on a 2-core
+# CPU, as long as ~16 more rows of the block's forward and backward (measured at d = f = 512).
 BLOCK_COST_ROWS = 16
 # Blocks per loop iteration of `blocked_swiglu`. XLA's cost analysis counts a loop body once,
 # so a FLOPs count of the dispatch needs it unrolled (True); running, one is as fast.
@@ -86,12 +85,14 @@ def num_blocks(assignments: int, num_experts: int, rows: int) -> int:
 
 
 def dispatch_rows(assignments: int, num_experts: int, which: str) -> int:
-    """Rows each expert projection multiplies for `assignments` (token, expert) pairs: the
-    pairs themselves for "ragged", every block of the static bound for "blocked"."""
+    """Rows of matmul work each expert projection costs for `assignments` (token, expert)
+    pairs, what the planner prices: the pairs themselves for "ragged"; for "blocked", every
+    block of the static bound, its padding included, plus BLOCK_COST_ROWS a block for
+    slicing its kernels (time the device spends, though not on FLOPs)."""
     if which == "ragged":
         return assignments
     rows = block_rows(assignments, num_experts)
-    return num_blocks(assignments, num_experts, rows) * rows
+    return num_blocks(assignments, num_experts, rows) * (rows + BLOCK_COST_ROWS)
 
 
 @jax.custom_vjp

@@ -7,8 +7,9 @@ they are and prices them with a hardware profile's bandwidths; it adds what is n
 bytes moved: the FLOPs (each block runs forward twice, the pass and the recompute that
 builds its vjp, and backward once: 4 forward-equivalents, ~8 * params * tokens, plus
 attention; a MoE block's params are its active ones, k experts of E, while its bytes are
-all E; executed, its experts multiply the rows its dispatch pads them to, `mtjax.moe.dispatch_rows`), the host RAM and disk the run occupies, and the DMA's share of host memory
-traffic where the device is not the host.
+all E, and its experts cost the rows their dispatch pads them to, `mtjax.moe.dispatch_rows`),
+the host RAM and disk the run occupies, and the DMA's share of host memory traffic where
+the device is not the host.
 
 Stages run pipelined, so the step takes as long as its busiest resource plus the part
 that cannot overlap (the embedding: its gradient arrives last and it is needed first).
@@ -75,7 +76,7 @@ class Plan:
     schedule: Schedule  # what the step moves (cfg, stream, store and shape included)
     hardware: HardwareProfile
     num_params: int
-    flops: float  # device FLOPs executed per step (recompute included)
+    flops: float  # device FLOPs executed per step (recompute included; a CPU MoE dispatch's block overhead as rows)
     model_flops: float  # 6 * params * tokens + attention: the work the step is worth
     host: HostMemory
     disk_bytes: int
@@ -115,8 +116,8 @@ def _keys_per_query(cfg: ModelConfig, kind: str, seq: int) -> float:
 def block_forward_flops(cfg: ModelConfig, kind: str, block_params: int, batch: int, seq: int,
                         executed: bool = True, dispatch: str = "ragged") -> float:
     """FLOPs of one block's forward. `executed`: what the model's XLA attention runs (every
-    query against every key, masked afterwards) and, for a MoE block, the padding rows its
-    expert `dispatch` (mtjax.moe.dispatch) multiplies too; otherwise only the keys a query
+    query against every key, masked afterwards) and, for a MoE block, the padding and
+    block overhead its expert `dispatch` (mtjax.moe.dispatch) costs, as rows; otherwise only the keys a query
     may see and the k experts of each token."""
     matmuls = 2.0 * block_params * batch * seq
     if executed and kind.endswith(MOE):
