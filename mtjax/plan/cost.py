@@ -117,12 +117,12 @@ def block_forward_flops(cfg: ModelConfig, kind: str, block_params: int, batch: i
                         executed: bool = True, dispatch: str = "ragged") -> float:
     """FLOPs of one block's forward. `executed`: what the model's XLA attention runs (every
     query against every key, masked afterwards) and, for a MoE block, the padding and
-    block overhead its expert `dispatch` (mtjax.moe.dispatch) costs, as rows; otherwise only the keys a query
-    may see and the k experts of each token."""
+    block overhead its expert `dispatch` (mtjax.moe.dispatch) costs, as rows; otherwise
+    only the keys a query may see and the k experts of each token."""
     matmuls = 2.0 * block_params * batch * seq
     if executed and kind.endswith(MOE):
         routed = batch * seq * cfg.num_experts_per_tok
-        padding = moe.dispatch_rows(routed, cfg.num_experts, dispatch) - routed
+        padding = moe.dispatch_rows(routed, cfg.num_experts, dispatch) - routed  # 0 for ragged_dot
         matmuls += 2.0 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * padding
     keys = seq if executed else _keys_per_query(cfg, kind, seq)
     attention = 4.0 * batch * seq * cfg.num_attention_heads * cfg.head_dim * keys  # QK^T and AV
