@@ -211,8 +211,8 @@ class SparseMoE(nnx.Module):
         (moe.experts_forward)."""
         if kernels is None:  # stacked inside the program: the store keeps one array per expert
             kernels = [jnp.stack([getattr(e, n).kernel[...] for e in self.experts]) for n in EXPERT_KERNELS]
-        dispatch = moe.input_scaled_experts if self.cfg.sigmoid_router else moe.experts_forward
-        return dispatch(flat, weights, chosen, *kernels, ids)
+        forward = moe.input_scaled_experts if self.cfg.sigmoid_router else moe.experts_forward
+        return forward(flat, weights, chosen, *kernels, ids, total=self.cfg.num_experts)
 
     def shared(self, flat):
         """The shared expert's output, scaled by its sigmoid gate where it has one; 0 without one."""

@@ -5,9 +5,26 @@ weights renormalised to sum to 1 where the config says (`norm_topk_prob`); Llama
 router instead keeps the top k logits, whose sigmoids scale the experts' inputs
 (`route_sigmoid`, `input_scaled_experts`). Dispatch is
 dropless and exact: every token reaches its k experts. The (token, expert) assignments
-are sorted by expert so that each expert's tokens are contiguous, and
-`jax.lax.ragged_dot` multiplies each group by its expert's kernel: the work is that of
-k experts per token (active parameters), whatever the number of experts.
+are sorted by expert so that each expert's tokens are contiguous, and each group goes
+through its expert's kernels by one of two grouped matmuls, chosen per backend in one
+place (`dispatch`):
+
+- "ragged" (GPU, TPU): `jax.lax.ragged_dot`, which XLA lowers there to a grouped kernel.
+  On the CPU it lowers to a dense masked dot over every expert, so its cost grows with E.
+- "blocked" (CPU): each expert's group padded to whole blocks of B rows (at most
+  (N + E (B - 1)) / B blocks for N = T k assignments, a static bound), and a loop over the
+  blocks runs each block's SwiGLU with its expert's kernels sliced out (`blocked_swiglu`).
+  The work is the N rows plus at most E (B - 1) padding rows, and each block's kernel
+  slicing; `block_rows` picks B (8 to 128) to minimise the two, and `dispatch_rows` says
+  what they cost in rows, for the planner.
+  Memory: the padded rows [blocks * B, d], the gate and up projections [blocks * B, f]
+  kept for the backward (as autodiff of ragged_dot keeps them), one expert's kernels at a
+  time, and the kernels' fp32 gradient sums; never a kernel per block, which a batched
+  matmul over gathered kernels would hold (blocks x d x f, several times the experts'
+  own size when E is large). Its backward is written out (`jax.custom_vjp`) because
+  autodiff of the loop would keep each iteration's kernel slices.
+
+Either way the work is that of k experts per token (active parameters), whatever E.
 
 The load-balancing loss (transformers' `load_balancing_loss_func`, Switch Transformer)
 over the L MoE layers of one forward over N token rows is
@@ -37,36 +54,168 @@ def route(logits: jnp.ndarray, k: int, normalize: bool):
     return weights, chosen, probs
 
 
-def _grouped(x, kernels, sizes):
-    """Rows of x [n, i], grouped by expert (`sizes` [E] rows each), times their expert's
-    kernel [E, i, o], accumulated in fp32."""
-    y = jax.lax.ragged_dot(x, kernels.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+BLOCK_ROWS = (8, 16, 32, 64, 128)  # the block sizes `block_rows` chooses from
+# What one block costs beyond its rows' matmuls, in rows: slicing its expert's three kernels
+# out (forward and backward) and adding into their fp32 gradient sums took, on a 2-core
+# CPU, as long as ~16 more rows of the block's forward and backward (measured at d = f = 512).
+BLOCK_COST_ROWS = 16
+# Blocks per loop iteration of `blocked_swiglu`. XLA's cost analysis counts a loop body once,
+# so a FLOPs count of the dispatch needs it unrolled (True); running, one is as fast.
+UNROLL: int | bool = 1
 
 
-def experts_forward(x, weights, chosen, gate, up, down, ids=None):
+def dispatch(backend: str) -> str:
+    """Which grouped matmul `experts_forward` uses on `backend` (as jax.default_backend()
+    names it): "ragged" (`jax.lax.ragged_dot`) where XLA has a grouped kernel for it (GPU,
+    TPU), "blocked" (`blocked_swiglu`) on the CPU, whose ragged_dot is a dense masked dot over
+    every expert. A pure function of the platform, so that the choice is tested anywhere."""
+    return "blocked" if backend == "cpu" else "ragged"
+
+
+def block_rows(assignments: int, num_experts: int) -> int:
+    """Rows per block of `blocked_swiglu` for `assignments` (token, expert) pairs over
+    `num_experts`: the size in BLOCK_ROWS whose static bound of blocks costs least, each
+    block its rows plus BLOCK_COST_ROWS. Small blocks waste less on padding every expert's
+    group to whole blocks, large ones less on slicing kernels."""
+    return min(BLOCK_ROWS, key=lambda b: num_blocks(assignments, num_experts, b) * (b + BLOCK_COST_ROWS))
+
+
+def num_blocks(assignments: int, num_experts: int, rows: int) -> int:
+    """A static bound on the blocks that groups of `assignments` rows over `num_experts`,
+    each padded to a multiple of `rows`, occupy: sum_e ceil(n_e / rows) <= (N + E (rows - 1)) / rows."""
+    return (assignments + num_experts * (rows - 1)) // rows
+
+
+def dispatch_rows(assignments: int, num_experts: int, which: str) -> int:
+    """Rows of matmul work each expert projection costs for `assignments` (token, expert)
+    pairs, what the planner prices: the pairs themselves for "ragged"; for "blocked", every
+    block of the static bound, its padding included, plus BLOCK_COST_ROWS a block for
+    slicing its kernels (time the device spends, though not on FLOPs)."""
+    if which == "ragged":
+        return assignments
+    rows = block_rows(assignments, num_experts)
+    return num_blocks(assignments, num_experts, rows) * (rows + BLOCK_COST_ROWS)
+
+
+@jax.custom_vjp
+def blocked_swiglu(x, gate, up, down, owner):
+    """SwiGLU experts over rows in blocks: x [n_blocks * rows, d], block b through expert
+    owner[b] (gate and up [E, d, f], down [E, f, d]) -> [n_blocks * rows, d], the matmuls
+    accumulated in fp32.
+
+    A loop over the blocks that slices one expert's kernels at a time: the work is the
+    blocks' rows (the routed tokens plus padding), whatever E, and the memory one expert's
+    kernels beside the rows. The backward is written out because autodiff of the loop
+    would keep every iteration's kernel slices (n_blocks experts' worth) as residuals; it
+    keeps the gate and up projections [n_blocks * rows, f] (what autodiff of ragged_dot
+    keeps), slices the kernels again, and sums each expert's kernel gradients into one
+    [E, ...] fp32 buffer per kernel."""
+    return _blocked_forward(x, gate, up, down, owner)[0]
+
+
+def _blocks(a, n: int):
+    return a.reshape(n, -1, a.shape[-1])  # [n_blocks * rows, c] -> [n_blocks, rows, c]
+
+
+def _dot(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _blocked_forward(x, gate, up, down, owner):
+    def one(_, block):
+        xb, e = block
+        g, u = _dot(xb, gate[e]).astype(x.dtype), _dot(xb, up[e]).astype(x.dtype)
+        return None, (_dot(jax.nn.silu(g) * u, down[e]).astype(x.dtype), g, u)
+
+    n = owner.shape[0]
+    _, (y, g, u) = jax.lax.scan(one, None, (_blocks(x, n), owner), unroll=UNROLL)
+    return y.reshape(x.shape), g, u
+
+
+def _blocked_fwd(x, gate, up, down, owner):
+    y, g, u = _blocked_forward(x, gate, up, down, owner)
+    return y, (x, g, u, gate, up, down, owner)
+
+
+def _blocked_bwd(res, dy):
+    x, g, u, gate, up, down, owner = res
+
+    def one(grads, block):
+        dgate, dup, ddown = grads
+        xb, gb, ub, dyb, e = block
+        sg = jax.nn.sigmoid(gb.astype(jnp.float32))
+        act = gb * sg  # silu(g)
+        dh = _dot(dyb, down[e].T)
+        dg = (dh * ub * sg * (1 + gb * (1 - sg))).astype(x.dtype)  # silu'(g) = s (1 + g (1 - s))
+        du = (dh * act).astype(x.dtype)
+        dx = (_dot(dg, gate[e].T) + _dot(du, up[e].T)).astype(x.dtype)
+        grads = (dgate.at[e].add(_dot(xb.T, dg)), dup.at[e].add(_dot(xb.T, du)),
+                 ddown.at[e].add(_dot((jax.nn.silu(gb) * ub).T, dyb)))  # h as the forward made it
+        return grads, dx
+
+    n = owner.shape[0]
+    zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (gate, up, down))
+    blocks = (_blocks(x, n), _blocks(g, n), _blocks(u, n), _blocks(dy, n), owner)
+    grads, dx = jax.lax.scan(one, zeros, blocks, unroll=UNROLL)
+    dgate, dup, ddown = (d.astype(w.dtype) for d, w in zip(grads, (gate, up, down)))
+    return dx.reshape(x.shape), dgate, dup, ddown, None  # no cotangent for the block owners
+
+
+blocked_swiglu.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+def _swiglu_ragged(rows, sizes, gate, up, down):
+    """SwiGLU of `rows` [n, d] grouped by expert (`sizes` [E] rows each) by ragged_dot."""
+    def grouped(x, kernels):
+        return jax.lax.ragged_dot(x, kernels, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+    return grouped(jax.nn.silu(grouped(rows, gate)) * grouped(rows, up), down)
+
+
+def experts_forward(x, weights, chosen, gate, up, down, ids=None, which: str | None = None,
+                    total: int | None = None):
     """sum over k of weight * SwiGLU expert(x) over the experts given: x [T, d], weights
     and chosen (global expert ids) [T, k], gate and up [n, d, f], down [n, f, d] -> [T, d].
 
     `ids` [n] (int) names the global expert of each kernel, for a group of the experts
     (an expert group streamed on its own): assignments to experts outside it add nothing.
-    None: the kernels are all E experts, in order.
+    None: the kernels are all E experts, in order. `which`: the grouped matmul ("ragged" or
+    "blocked"; default `dispatch` of the backend being traced for). `total`: the layer's
+    expert count (default n), from which "blocked" sizes its blocks, so that a group's
+    experts run in the same blocks as in the whole layer.
     """
+    which = which or dispatch(jax.default_backend())
     t, k = chosen.shape
-    n = gate.shape[0]
+    e = gate.shape[0]
     member = None
-    if ids is not None:  # global ids -> positions in the group; n (sorted last) for experts outside it
+    if ids is not None:  # global ids -> positions in the group; e (sorted last) for experts outside it
         match = chosen[..., None] == jnp.asarray(ids, chosen.dtype)  # [T, k, n]
         member = jnp.any(match, axis=-1)
-        chosen = jnp.where(member, jnp.argmax(match, axis=-1).astype(chosen.dtype), n)
+        chosen = jnp.where(member, jnp.argmax(match, axis=-1).astype(chosen.dtype), e)
+    gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
     flat = chosen.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, tokens in order
-    sizes = jnp.bincount(flat, length=n).astype(jnp.int32)  # outsiders beyond every group: no expert's rows
-    rows = x[order // k]
-    h = jax.nn.silu(_grouped(rows, gate, sizes)) * _grouped(rows, up, sizes)
-    y = _grouped(h, down, sizes)
-    back = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))  # the inverse permutation
-    y = y[back].reshape(t, k, -1).astype(jnp.float32) * weights[..., None]
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # outsiders beyond every group: no expert's rows
+    rows = x[order // k]  # [T k, d]
+    if which == "ragged":
+        y = _swiglu_ragged(rows, sizes, gate, up, down)
+        place = jnp.arange(t * k)  # sorted assignment j is row j
+    else:
+        # Each expert's group padded to whole blocks of b rows: sorted assignment j of
+        # expert g goes to row (g's padded start) + (j - g's start); padding rows are zero.
+        b = block_rows(t * k, total or e)
+        n = num_blocks(t * k, e, b)
+        padded = (sizes + b - 1) // b * b
+        ends = jnp.cumsum(padded)
+        start = ends - padded
+        first = jnp.cumsum(sizes) - sizes
+        expert = flat[order]
+        inside = jnp.minimum(expert, e - 1)
+        # Outsiders get a row past the end: dropped below, and masked out after the gather.
+        place = jnp.where(expert < e, start[inside] + jnp.arange(t * k) - first[inside], n * b)
+        owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n) * b, side="right"), e - 1).astype(jnp.int32)
+        y = blocked_swiglu(jnp.zeros((n * b, x.shape[-1]), x.dtype).at[place].set(rows, mode="drop"), gate, up, down, owner)
+    where = jnp.zeros_like(place).at[order].set(place)  # row of each (token, slot) assignment
+    y = y[where].reshape(t, k, -1).astype(jnp.float32) * weights[..., None]
     if member is not None:
         y = jnp.where(member[..., None], y, 0.0)
     return jnp.sum(y, axis=1).astype(x.dtype)
@@ -103,11 +252,11 @@ def route_sigmoid(logits: jnp.ndarray, k: int):
     return jax.nn.sigmoid(top.astype(jnp.float32)), chosen, probs
 
 
-def input_scaled_experts(x, weights, chosen, gate, up, down, ids=None):
+def input_scaled_experts(x, weights, chosen, gate, up, down, ids=None, total: int | None = None):
     """sum over k of SwiGLU expert(weight * x) (Llama 4: the router weight scales the
     expert's input, not its output): each (token, pick) assignment one row of
-    `experts_forward` with weight 1 (`ids`: as there)."""
+    `experts_forward` with weight 1 (`ids`, `total`: as there)."""
     t, k = chosen.shape
     rows = (jnp.repeat(x, k, axis=0).astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
-    y = experts_forward(rows, jnp.ones((t * k, 1), jnp.float32), chosen.reshape(-1, 1), gate, up, down, ids)
+    y = experts_forward(rows, jnp.ones((t * k, 1), jnp.float32), chosen.reshape(-1, 1), gate, up, down, ids, total=total)
     return jnp.sum(y.reshape(t, k, -1).astype(jnp.float32), axis=1).astype(x.dtype)

@@ -127,6 +127,9 @@ KNOWN_SIZES = {  # parameters of the real models the shipped shapes copy
     "gemma-2-27b-plan.yaml": 27_227_128_320,
     "gemma-3-27b-plan.yaml": 27_009_346_304,  # the language model; the vision tower is left out
     "gemma-3-1b-finetune.yaml": 999_885_952,
+    "mixtral-8x7b-plan.yaml": 46_702_792_704,
+    "qwen3-30b-a3b-plan.yaml": 30_532_122_624,
+    "qwen3-235b-a22b-plan.yaml": 235_093_634_560,
 }
 
 
@@ -141,7 +144,7 @@ def test_shipped_experiment_parses_and_shape_checks(path):
     assert params["embed"]["embedding"].shape == (cfg.vocab_size, cfg.hidden_size)
     assert len(params["blocks"]) == cfg.num_hidden_layers
     x = jax.ShapeDtypeStruct((1, 16, cfg.hidden_size), jnp.dtype(cfg.compute_dtype))
-    out = jax.eval_shape(lambda b, h: model.block_forward(cfg, cfg.layer_types[0], b, h), params["blocks"][0], x)
+    out = jax.eval_shape(lambda b, h: model.block_forward(cfg, cfg.layer_kinds[0], b, h), params["blocks"][0], x)
     assert out.shape == x.shape and out.dtype == x.dtype
     logits = jax.eval_shape(lambda h, e, t: model.head_forward(cfg, h, e, t), params["head"], params["embed"], x)
     assert logits.shape == (1, 16, cfg.vocab_size)

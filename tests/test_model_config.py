@@ -318,8 +318,15 @@ HF_CONFIGS = sorted((Path(__file__).parent.parent / "experiments" / "hf_configs"
 def test_shipped_hf_configs_count_the_parameters_transformers_does(path):
     """Every shipped config.json: mtjax's parameter count (what MFU and the planner use) is
     transformers' own, counted on the meta device (nothing allocated); a multimodal config
-    counts its language model."""
+    counts its language model. The active count (what a token computes with) is the total
+    less (E - k) / E of each of transformers' fused expert modules."""
     hf_cfg = transformers.AutoConfig.from_pretrained(path).get_text_config()
     with torch.device("meta"):
         theirs = transformers.AutoModelForCausalLM.from_config(hf_cfg)
-    assert model.num_params(mtjax.load_hf_config(path)) == sum(p.numel() for p in theirs.parameters())
+    cfg = mtjax.load_hf_config(path)
+    total = sum(p.numel() for p in theirs.parameters())
+    assert model.num_params(cfg) == total
+    experts = [m for name, m in theirs.named_modules() if name.endswith("mlp.experts")]
+    k = getattr(hf_cfg, "num_experts_per_tok", 0)
+    unused = sum(sum(p.numel() for p in m.parameters()) // m.num_experts * (m.num_experts - k) for m in experts)
+    assert len(experts) == len(cfg.moe_layers) and model.num_active_params(cfg) == total - unused

@@ -47,27 +47,67 @@ def _dense_experts(x, weights, chosen, gate, up, down):
     return jnp.einsum("tk,tkd->td", weights, jnp.einsum("tkf,tkfd->tkd", h, d))
 
 
-def test_grouped_dispatch_equals_the_dense_form_with_unrouted_experts():
+@pytest.mark.parametrize("which, t, scale", [("ragged", 9, 1.0), ("blocked", 9, 1.0), ("blocked", 37, 0.4)])
+def test_grouped_dispatch_equals_the_dense_form_with_unrouted_experts(which, t, scale):
+    """Both grouped matmuls; at 37 tokens the blocked form's groups are uneven and some
+    span several blocks (kernels scaled as an initialisation's, 1 / sqrt(fan-in),
+    so that fp32 rounding of the sums stays within the tolerances)."""
     rng = np.random.default_rng(0)
-    t, d, f, e, k = 9, 6, 5, 6, 2
+    d, f, e, k = 6, 5, 6, 2
     x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
-    gate, up = (jnp.asarray(rng.normal(size=(e, d, f)), jnp.float32) for _ in range(2))
-    down = jnp.asarray(rng.normal(size=(e, f, d)), jnp.float32)
+    gate, up = (jnp.asarray(scale * rng.normal(size=(e, d, f)), jnp.float32) for _ in range(2))
+    down = jnp.asarray(scale * rng.normal(size=(e, f, d)), jnp.float32)
     # The router never picks experts 1 and 4.
     logits = jnp.asarray(rng.normal(size=(t, e)), jnp.float32).at[:, jnp.array([1, 4])].set(-30.0)
     weights, chosen, _ = moe.route(logits, k, True)
     assert not set(np.asarray(chosen).ravel()) & {1, 4}
+    sizes = np.bincount(np.asarray(chosen).ravel(), minlength=e)
+    b = moe.block_rows(t * k, e)
+    if t > 9:  # some groups fill several blocks, and they end at different points of one
+        assert sizes.max() > b and len(set(sizes[sizes > 0] % b)) > 1, (b, sizes)
 
     def both(fn):
         out, vjp = jax.vjp(fn, x, weights, gate, up, down)
         return out, vjp(jnp.cos(out))
 
-    ours, dours = jax.jit(both, static_argnums=0)(lambda *a: moe.experts_forward(a[0], a[1], chosen, *a[2:]))
+    ours, dours = jax.jit(both, static_argnums=0)(lambda *a: moe.experts_forward(a[0], a[1], chosen, *a[2:], which=which))
     dense, ddense = jax.jit(both, static_argnums=0)(lambda *a: _dense_experts(a[0], a[1], chosen, *a[2:]))
     np.testing.assert_allclose(ours, dense, rtol=1e-5, atol=1e-5)
     for a, b in zip(dours, ddense):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert not np.any(dours[2][np.array([1, 4])])  # unrouted experts: exactly zero gradient
+
+
+def test_the_cpu_dispatches_by_blocks_and_accelerators_by_ragged_dot():
+    assert moe.dispatch("cpu") == "blocked"
+    assert moe.dispatch("gpu") == moe.dispatch("tpu") == "ragged"
+    x, w, c = jnp.ones((4, 3)), jnp.ones((4, 2)), jnp.zeros((4, 2), jnp.int32)
+    traced = str(jax.make_jaxpr(lambda x: moe.experts_forward(x, w, c, *[jnp.ones((3, 3, 3))] * 3))(x))
+    assert "scan" in traced and "ragged_dot" not in traced  # the default is the backend's (this CPU's)
+
+
+def test_dispatch_flops_scale_with_the_tokens_not_the_experts(monkeypatch):
+    """Compiled FLOPs of the experts' gradient (its forward included) over the same 128 tokens (k=2)
+    with 4 and 16 experts: ragged_dot's grow with E (it is a dense masked dot on the CPU),
+    the blocked form's by its padding alone. Unrolled: XLA counts a loop body once."""
+    monkeypatch.setattr(moe, "UNROLL", True)
+    rng = np.random.default_rng(2)
+    t, d, f = 128, 16, 16
+    x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+
+    def flops(e, which):
+        kernels = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
+        weights, chosen, _ = moe.route(jnp.asarray(rng.normal(size=(t, e)), jnp.float32), 2, True)
+        fn = jax.grad(lambda x, *ks: jnp.sum(moe.experts_forward(x, weights, chosen, *ks, which=which)),
+                      argnums=(0, 1, 2, 3))
+        cost = jax.jit(fn).lower(x, *kernels).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    few, many = flops(4, "blocked"), flops(16, "blocked")
+    ragged = flops(16, "ragged") / flops(4, "ragged")
+    assert many / few < 1.5 and ragged > 3, (many / few, ragged)
+    expert_flops = 3 * 3 * 2 * t * 2 * d * f  # 3 projections of k = 2 rows a token, forward and 2 backward matmuls
+    assert expert_flops < few < 1.5 * expert_flops, few / expert_flops
 
 
 def _switch_loss(logits_per_layer, k):
@@ -242,16 +282,16 @@ def test_active_parameters_price_the_compute_and_all_parameters_the_bytes():
 # --- expert groups: a MoE block streamed as its router part, then groups of experts ---------------
 
 
-# With 4 micro-batches the split run drifts to 1.3e-5 (the unsplit one: 6e-6) in the AdamW
-# second moment of the dense layer's 1-D q/k norms, the most rounding-sensitive tensors:
-# the split forward is bit-identical to the whole block's and its backward differs by
-# rounding only (dx 1e-9, expert kernels 3e-7 relative: ragged_dot sums a group's rows
-# at other offsets than the whole block's), which five clipped AdamW steps amplify.
-NOISY = pytest.mark.xfail(strict=True, reason="rounding of ragged_dot's kernel gradients, amplified past 1e-5")
+# The disk case runs one micro-batch: with 4 the split run drifts to 1.3e-5 (the unsplit
+# one: 6e-6) in the AdamW second moment of the dense layer's 1-D q/k norms, the most
+# rounding-sensitive tensors. The split forward is bit-identical to the whole block's and
+# its backward differs by rounding only (separate programs fuse differently), which five
+# clipped AdamW steps amplify. So the split with several micro-batches is not held to
+# 1e-5 here.
 
 
 @pytest.mark.parametrize("tier, accum, keep_every",
-                         [("ram", 1, 1), pytest.param("disk", 4, 2, marks=[NOISY, pytest.mark.slow])])
+                         [("ram", 1, 1), pytest.param("disk", 1, 2, marks=[pytest.mark.slow])])
 def test_streamed_steps_with_the_moe_blocks_split_into_expert_groups_equal_the_reference(tmp_path, tier, accum,
                                                                                         keep_every):
     """Groups of 3 of the 7 experts (the last of one), forced; on the disk tier with 4

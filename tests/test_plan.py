@@ -233,6 +233,9 @@ def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     ("gemma-2-27b-plan.yaml", "compute=ram,master=disk,opt=disk"),
     ("gemma-3-27b-plan.yaml", "compute=ram,master=disk,opt=disk"),
     ("llama-4-scout-plan.yaml", "compute=ram,master=disk,opt=disk"),
+    ("mixtral-8x7b-plan.yaml", "compute=ram,master=ram,opt=ram"),
+    ("qwen3-30b-a3b-plan.yaml", "compute=ram,master=ram,opt=ram"),
+    ("qwen3-235b-a22b-plan.yaml", "compute=ram,master=ram,opt=disk"),
 ])
 def test_shipped_plan_experiments_plan(name, placement, capsys):
     assert cli.main(["plan", str(ROOT / "experiments" / name), "--hardware", "h200"]) == 0

@@ -13,6 +13,7 @@ docs/benchmarks.md.
 
     .venv/bin/python experiments/bench/plan_accuracy.py              # ~5 minutes
     .venv/bin/python experiments/bench/plan_accuracy.py --quick --no-doc   # smoke
+    .venv/bin/python experiments/bench/plan_accuracy.py --row 7            # the MoE row alone, printed
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import jax
 import numpy as np
 
 import mtjax.store
+from mtjax import model
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import StepShape, estimate, probe
@@ -42,20 +44,29 @@ from mtjax.store.fresh import init_store
 from mtjax.stream import StreamEngine
 
 SECTION = "plan-accuracy"
-CASES = [  # (blocks, width, batch, seq, micro-batches per step, compute dtype, tier of every kind)
-    (4, 512, 2, 256, 1, "float32", "ram"),
-    (4, 1024, 1, 512, 1, "float32", "ram"),
-    (4, 512, 2, 128, 4, "float32", "ram"),
-    (4, 1024, 1, 128, 8, "float32", "ram"),
-    (8, 1024, 1, 128, 1, "bfloat16", "disk"),
-    (4, 2048, 1, 128, 1, "bfloat16", "disk"),
-    (8, 1024, 1, 128, 4, "bfloat16", "disk"),
+# (blocks, width, batch, seq, micro-batches per step, compute dtype, tier of every kind,
+#  experts: 0 for a dense Llama, E for a Mixtral-shaped mixture of E experts, top-2, in every block)
+CASES = [
+    (4, 512, 2, 256, 1, "float32", "ram", 0),
+    (4, 1024, 1, 512, 1, "float32", "ram", 0),
+    (4, 512, 2, 128, 4, "float32", "ram", 0),
+    (4, 1024, 1, 128, 8, "float32", "ram", 0),
+    (8, 1024, 1, 128, 1, "bfloat16", "disk", 0),
+    (4, 2048, 1, 128, 1, "bfloat16", "disk", 0),
+    (8, 1024, 1, 128, 4, "bfloat16", "disk", 0),
+    (4, 512, 2, 256, 2, "float32", "ram", 16),
 ]
-QUICK = [(2, 256, 1, 64, 1, "float32", "ram"), (2, 256, 1, 64, 4, "bfloat16", "disk")]
+QUICK = [(2, 256, 1, 64, 1, "float32", "ram", 0), (2, 256, 1, 64, 4, "bfloat16", "disk", 0),
+         (2, 256, 1, 64, 1, "float32", "ram", 8)]
 
 
-def model_config(width: int, layers: int, dtype: str):
-    return harness.llama(layers, width, vocab=8192, dtype=dtype)
+def model_config(width: int, layers: int, dtype: str, experts: int = 0):
+    if not experts:
+        return harness.llama(layers, width, vocab=8192, dtype=dtype)
+    # Each expert as wide as the model: 2 of them do about what a dense SwiGLU of 2.75 x width does.
+    return harness.llama(layers, width, vocab=8192, dtype=dtype, model_type="mixtral", num_experts=experts,
+                         num_experts_per_tok=2, moe_intermediate_size=width, moe_layers=tuple(range(layers)),
+                         router_aux_loss_coef=0.02)
 
 
 def optimizer():
@@ -65,7 +76,7 @@ def optimizer():
 def child_init(a) -> None:
     """Fill the store and, for a disk tier, probe the disk right before the run (its
     rates drift with other jobs on the machine)."""
-    cfg = model_config(a.width, a.layers, a.dtype)
+    cfg = model_config(a.width, a.layers, a.dtype, a.experts)
     init_store(cfg, a.dir, seed=0, tx=make_optimizer(optimizer()))
     out = {}
     if a.tier == "disk":
@@ -74,7 +85,7 @@ def child_init(a) -> None:
 
 
 def child_train(a) -> None:
-    cfg = model_config(a.width, a.layers, a.dtype)
+    cfg = model_config(a.width, a.layers, a.dtype, a.experts)
     store = mtjax.store.open(a.dir, writable=True)
     engine = StreamEngine(cfg, optim=optimizer(), stream=StreamConfig(keep_every=1, prefetch_depth=2),
                           store_config=StoreConfig(compute=a.tier, master=a.tier, opt=a.tier), store=store)
@@ -106,8 +117,8 @@ def run_child(mode: str, case, steps: int, store_dir: Path) -> dict:
 
 
 def predict(case, hw, block_flops: float | None, disk: tuple[float, float] | None = None):
-    layers, width, batch, seq, accum, dtype, tier = case
-    cfg = model_config(width, layers, dtype)
+    layers, width, batch, seq, accum, dtype, tier, experts = case
+    cfg = model_config(width, layers, dtype, experts)
     if block_flops is not None:  # probe.calibrate's figure, measured between the run's steps
         hw = dataclasses.replace(hw, compute_efficiency=min(1.0, block_flops / (hw.matmul_flops(dtype) / hw.compute_efficiency)))
     if disk is not None:  # the disk as probed right before this model's run
@@ -123,11 +134,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny models (smoke test)")
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory for the stores and the disk probe")
     ap.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    ap.add_argument("--row", type=int, action="append", default=None,
+                    help="run only this row of the table (0-based; repeatable); implies --no-doc")
     ap.add_argument("--child", choices=["init", "train"], help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        args.layers, args.width, args.batch, args.seq, args.accum, args.dtype, args.tier = json.loads(args.case)
+        args.layers, args.width, args.batch, args.seq, args.accum, args.dtype, args.tier, args.experts = \
+            json.loads(args.case)
         return child_init(args) if args.child == "init" else child_train(args)
 
     scratch = Path(tempfile.mkdtemp(prefix="mtjax-plan-acc-", dir=args.dir))
@@ -137,7 +151,8 @@ def main() -> None:
         print(f"profile: matmul fp32 {hw.matmul_flops_fp32 / 1e9:.0f} bf16 {hw.matmul_flops_bf16 / 1e9:.0f} GFLOP/s, "
               f"block efficiency {hw.compute_efficiency:.2f}, memory {hw.host_memory_bytes_per_s / 1e9:.1f} GB/s, "
               f"disk read {hw.disk_read_bytes_per_s / 1e9:.2f} write {hw.disk_write_bytes_per_s / 1e9:.2f} GB/s", flush=True)
-        for case in QUICK if args.quick else CASES:
+        cases = QUICK if args.quick else CASES
+        for case in cases if args.row is None else [cases[i] for i in args.row]:
             store_dir = scratch / "store"
             init = run_child("init", case, args.steps, store_dir)
             meas = run_child("train", case, args.steps, store_dir)
@@ -152,8 +167,9 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
     def name(case, plan):
-        layers, width, batch, seq, accum, dtype, tier = case
-        return f"{layers} x {width}, {batch} x {seq} x {accum}, {dtype}, {tier} ({plan.num_params / 1e6:.0f}M)"
+        layers, width, batch, seq, accum, dtype, tier, experts = case
+        moe = f", {experts} experts top-2 ({model.num_active_params(plan.cfg) / 1e6:.0f}M active)" if experts else ""
+        return f"{layers} x {width}, {batch} x {seq} x {accum}, {dtype}, {tier} ({plan.num_params / 1e6:.0f}M{moe})"
 
     lines = [
         "## Planner vs measured step time and peak RSS (experiments/bench/plan_accuracy.py)",
@@ -197,7 +213,7 @@ def main() -> None:
               "where the training process peaked at ~1,060 MiB. VmHWM is the child's own peak.", "",
               "Command: `.venv/bin/python experiments/bench/plan_accuracy.py`"]
     body = "\n".join(lines)
-    harness.publish(SECTION, body, write=not args.no_doc)
+    harness.publish(SECTION, body, write=not args.no_doc and args.row is None)
 
 
 if __name__ == "__main__":

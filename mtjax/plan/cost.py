@@ -7,8 +7,9 @@ they are and prices them with a hardware profile's bandwidths; it adds what is n
 bytes moved: the FLOPs (each block runs forward twice, the pass and the recompute that
 builds its vjp, and backward once: 4 forward-equivalents, ~8 * params * tokens, plus
 attention; a MoE block's params are its active ones, k experts of E, while its bytes are
-all E), the host RAM and disk the run occupies, and the DMA's share of host memory
-traffic where the device is not the host.
+all E, and its experts cost the rows their dispatch pads them to, `mtjax.moe.dispatch_rows`),
+the host RAM and disk the run occupies, and the DMA's share of host memory traffic where
+the device is not the host.
 
 Stages run pipelined, so the step takes as long as its busiest resource plus the part
 that cannot overlap (the embedding: its gradient arrives last and it is needed first).
@@ -24,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from mtjax import model, parts
+from mtjax import model, moe, parts
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.model_config import CHUNKED, SLIDING, ModelConfig, attention_type
 from mtjax.optim import OptimConfig, make_optimizer
@@ -75,7 +76,7 @@ class Plan:
     schedule: Schedule  # what the step moves (cfg, stream, store and shape included)
     hardware: HardwareProfile
     num_params: int
-    flops: float  # device FLOPs executed per step (recompute included)
+    flops: float  # device FLOPs executed per step (recompute included; a CPU MoE dispatch's block overhead as rows)
     model_flops: float  # 6 * params * tokens + attention: the work the step is worth
     host: HostMemory
     disk_bytes: int
@@ -118,10 +119,16 @@ def _keys_per_query(cfg: ModelConfig, kind: str, seq: int) -> float:
 
 
 def block_forward_flops(cfg: ModelConfig, kind: str, block_params: int, batch: int, seq: int,
-                        executed: bool = True) -> float:
+                        executed: bool = True, dispatch: str = "ragged") -> float:
     """FLOPs of one block's forward. `executed`: what the model's XLA attention runs (every
-    query against every key, masked afterwards); otherwise only the keys a query may see."""
+    query against every key, masked afterwards) and, for a MoE block, the padding and
+    block overhead its expert `dispatch` (mtjax.moe.dispatch) costs, as rows; otherwise
+    only the keys a query may see and the k experts of each token."""
     matmuls = 2.0 * block_params * batch * seq
+    if executed and kind.endswith(MOE):
+        routed = batch * seq * cfg.num_experts_per_tok
+        padding = moe.dispatch_rows(routed, cfg.num_experts, dispatch) - routed  # 0 for ragged_dot
+        matmuls += 2.0 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * padding
     keys = seq if executed else _keys_per_query(cfg, kind, seq)
     attention = 4.0 * batch * seq * cfg.num_attention_heads * cfg.head_dim * keys  # QK^T and AV
     return matmuls + attention
@@ -143,10 +150,12 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     tokens = shape.batch * shape.seq
     c_item = state.compute // num_params
 
+    dispatch = moe.dispatch("cpu" if hw.device_is_host else "gpu")
+
     def forward(executed):
         # A MoE block computes with its active parameters (k experts); its bytes are all of them.
         return sum(block_forward_flops(cfg, kind, pb[f"block.{i}"].compute // c_item - model.inactive_params(cfg, kind),
-                                       shape.batch, shape.seq, executed)
+                                       shape.batch, shape.seq, executed, dispatch)
                    for i, kind in enumerate(cfg.layer_kinds))
 
     head_fwd = 2.0 * cfg.hidden_size * cfg.vocab_size * tokens
@@ -157,7 +166,7 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     for i in (i for g in s.saved for i in g):
         kind = cfg.layer_kinds[i]
         params_i = pb[f"block.{i}"].compute // c_item - model.inactive_params(cfg, kind)
-        whole = block_forward_flops(cfg, kind, params_i, shape.batch, shape.seq)
+        whole = block_forward_flops(cfg, kind, params_i, shape.batch, shape.seq, dispatch=dispatch)
         saved += whole if s.remat == "none" else 2.0 * params_i * tokens
     flops = shape.accum * (4 * forward(True) - saved + 3 * head_fwd)
     model_flops = shape.accum * (3 * forward(False) + 3 * head_fwd)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import psutil
 
-from mtjax import model, parts
+from mtjax import model, moe, parts
 from mtjax.model_config import ModelConfig
 from mtjax.plan.cost import block_forward_flops
 from mtjax.plan.hardware import HardwareProfile
@@ -142,7 +142,8 @@ def block_flops(cfg, batch: int, seq: int, repeats: int = 5) -> float:
 
     fwd_bwd()  # compile outside the timing
     n = sum(math.prod(v.shape) for v in schema.values()) - model.inactive_params(cfg, kind)
-    return 4 * block_forward_flops(cfg, kind, n, batch, seq) / statistics.median(_timings(fwd_bwd, repeats))
+    flops = block_forward_flops(cfg, kind, n, batch, seq, dispatch=moe.dispatch(jax.default_backend()))
+    return 4 * flops / statistics.median(_timings(fwd_bwd, repeats))
 
 
 def calibrate(profile: HardwareProfile, cfg, batch: int, seq: int) -> HardwareProfile:
