@@ -27,7 +27,7 @@ import math
 
 from mtjax import model, moe, parts
 from mtjax.config import StoreConfig, StreamConfig
-from mtjax.model_config import CHUNKED, SLIDING, ModelConfig, attention_type
+from mtjax.model_config import CHUNKED, MOE, SLIDING, ModelConfig, attention_type
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan.hardware import GiB, HardwareProfile
 from mtjax.stream.schedule import DevicePlan, Schedule, StateBytes, StepShape, describe
