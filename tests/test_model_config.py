@@ -326,7 +326,7 @@ def test_shipped_hf_configs_count_the_parameters_transformers_does(path):
     cfg = mtjax.load_hf_config(path)
     total = sum(p.numel() for p in theirs.parameters())
     assert model.num_params(cfg) == total
-    experts = [m for name, m in theirs.named_modules() if name.endswith("mlp.experts")]
+    experts = [m for name, m in theirs.named_modules() if name.endswith(("mlp.experts", "feed_forward.experts"))]
     k = getattr(hf_cfg, "num_experts_per_tok", 0)
     unused = sum(sum(p.numel() for p in m.parameters()) // m.num_experts * (m.num_experts - k) for m in experts)
     assert len(experts) == len(cfg.moe_layers) and model.num_active_params(cfg) == total - unused
