@@ -145,7 +145,8 @@ def main() -> None:
     ]
     body = "## Residency: step time against the device budget (experiments/bench/residency.py)\n\n" + "\n".join(lines)
     body += (f"\n\nCommand: `.venv/bin/python experiments/bench/residency.py --layers {args.layers} "
-             f"--width {args.width} --seq {args.seq} --hardware {args.hardware}`")
+             f"--width {args.width} --seq {args.seq} --vocab {args.vocab} --steps {args.steps} --points {args.points} "
+             f"--hardware {args.hardware}`")
     harness.publish(SECTION, body, write=not args.no_doc)
 
 
