@@ -65,13 +65,17 @@ def io_bytes() -> tuple[int, int]:
 class Evictor:
     """Drops the store's clean pages from the page cache every `every` seconds while active."""
 
+    busy = 0.0  # seconds spent sweeping, over every Evictor: CPU (and GIL) the trainer did not get
+
     def __init__(self, root: Path, every: float):
         self.root, self.every, self._stop = root, every, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         while not self._stop.wait(self.every):
+            t = time.perf_counter()
             harness.drop_page_cache(self.root)
+            Evictor.busy += time.perf_counter() - t
 
     def __enter__(self):
         if self.every > 0:
@@ -126,13 +130,14 @@ def measure(args, work: Path) -> dict:
     stream.close()
     store.close()
     bound = traffic.disk_read_bytes / disk_read + traffic.disk_write_bytes / disk_write
+    evicting = Evictor.busy / (args.steps + 1) / args.commit_every  # per step, the warm-up window included
     return dict(
         params=model.num_params(cfg),
         read=traffic.disk_read_bytes, write=traffic.disk_write_bytes, read_rate=disk_read, write_rate=disk_write,
         cold=cold, bound=bound, stream=statistics.median(times["stream"]),
         reference=statistics.median(times["reference"]) if times["reference"] else None,
         measured_read=statistics.median(m[0] for m in moved), measured_write=statistics.median(m[1] for m in moved),
-        stages=stages)
+        stages=stages, evicting=evicting)
 
 
 def table(args, r: dict) -> str:
@@ -164,6 +169,8 @@ def table(args, r: dict) -> str:
         "",
         f"**streamed step / disk bound = {r['stream'] / r['bound']:.2f}** (goal <= 1.3); "
         f"streamed / reference = {ratio_ref}.",
+        "",
+        f"The evictor's sweeps took {r['evicting']:.2f} s a step (a thread of this process, beside the trainer's).",
         "",
         "Stream stage seconds in the last step (summed over parts; stages overlap): "
         + ", ".join(f"{k} {v:.2f}" for k, v in r["stages"].items()),
