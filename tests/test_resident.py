@@ -67,7 +67,7 @@ def test_resident_equals_reference(tmp_path, monkeypatch, where, accum, which):
     store = mtjax.store.create(tmp_path / "store", cfg, make_optimizer(OPT), copies=copies)
     engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, stream, store_config, store=store,
                           batch_shape=SHAPE)
-    assert engine.resident.on_host == (resident_mod.FUSED_ON_HOST and bool(stream.resident))
+    assert engine.resident.on_host == resident_mod.FUSED_ON_HOST  # the fused loop where the device is the host
     counter = ForwardCounter(engine)  # streamed and recomputed forwards; a saved group's blocks run once, uncounted
     if copies == 1:
         engine.commit(0)
