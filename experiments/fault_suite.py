@@ -1,9 +1,10 @@
 """Fault suite: inject faults into real `mtjax` runs and check each outcome.
 
     .venv/bin/python experiments/fault_suite.py [--kills 50] [--out docs/reliability.md]
+    .venv/bin/python experiments/fault_suite.py --quick --out /tmp/faults.md   # the kill -9 trials, 4 each
 
 Faults: kill -9 of `mtjax train` (a store commit every step; all state on disk, all
-state in RAM, and the reference engine) at random moments, then the same command again
+state in RAM, resident parts, and the reference engine) at random moments, then the same command again
 until it finishes, whose final weights must equal an uninterrupted run's bit for bit; kill -9 of `mtjax import`
 and `mtjax export`, rerun, output equal to a clean one; damaged stores (a flipped byte,
 a truncated chunk, a deleted chunk, another store's manifest) refused with an error
@@ -47,11 +48,18 @@ def main() -> None:
     ap.add_argument("--one-copy-kills", type=int, default=30, help="kill -9 trials of mtjax train on a one-copy store")
     ap.add_argument("--ram-kills", type=int, default=30, help="kill -9 trials of mtjax train with all state in RAM")
     ap.add_argument("--reference-kills", type=int, default=10, help="kill -9 trials of mtjax train, reference engine")
+    ap.add_argument("--resident-kills", type=int, default=20,
+                    help="kill -9 trials of mtjax train with resident parts (two copies, then as many on one copy)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the kill -9 trials of mtjax train only, 4 of each kind (damage, import/export and the "
+                         "in-process tests are left out)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default="/dev/shm/mtjax-fault-suite" if Path("/dev/shm").is_dir() else "/tmp/mtjax-fault-suite")
     ap.add_argument("--out", default=str(ROOT / "docs" / "reliability.md"))
     a = ap.parse_args()
+    if a.quick:
+        a.kills = a.one_copy_kills = a.ram_kills = a.reference_kills = a.resident_kills = 4
     work = Path(a.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -80,6 +88,20 @@ def main() -> None:
                          f"{k['launches']} launches",
                          "final weights bit-identical to an uninterrupted run" if k["ok"] else f"FAILED {k['error']}"))
             print(rows[-1], f"{time.time() - t:.0f} s", flush=True)
+    for copies in ((), ("--store.copies=1",)) if a.resident_kills else ():
+        k = kill_train_trials(work / f"resident{len(copies)}", a.resident_kills, a.steps, rng, extra=copies,
+                              state="resident")
+        store = "a one-copy store, each step committing the resident state" if copies else "a two-copy store"
+        rows.append((f"kill -9 of `mtjax train` with resident parts (`--stream.resident=2`, the rest streamed from "
+                     f"disk; {store}), rerun until done",
+                     f"{k['kills']} kills ({k['before_store']} before the first commit, {k['mid_store']} after), "
+                     f"{k['launches']} launches",
+                     "final weights bit-identical to an uninterrupted two-copy run" if k["ok"] else f"FAILED {k['error']}"))
+        print(rows[-1], f"{time.time() - t:.0f} s", flush=True)
+    if a.quick:
+        write_table(Path(a.out), rows, "python experiments/fault_suite.py " + " ".join(sys.argv[1:]))
+        print(f"wrote {a.out} in {time.time() - t:.0f} s")
+        return
     ie = kill_import_export_trials(work, a.ie_kills, rng)
     for cmd, (landed, equal, finished) in ie.items():
         rows.append((f"kill -9 of `mtjax {cmd}`, rerun", f"{landed} kills ({finished} after the output was in place)",

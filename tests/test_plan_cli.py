@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mtjax import cli
-from mtjax.plan import BUILTIN, fit, machine, probe
+from mtjax.plan import BUILTIN, fit, inputs, machine, probe, residency
 
 ROOT = Path(__file__).resolve().parent.parent
 SEVENTY_B = ROOT / "experiments/hf_configs/llama-3-70b.json"
@@ -88,17 +88,47 @@ def test_a_run_that_does_not_fit_is_marked_and_exits_nonzero_with_one_line(tmp_p
 
 
 def test_a_device_that_is_too_small_fails_the_run(tmp_path, capsys, tiny):
-    rc, doc, _ = plan_json(capsys, tiny, "--seq-len", 64, "--hardware", profile_file(tmp_path, "roomy"))
+    # Nothing resident: the least the step needs (auto would shrink a resident set to fit).
+    rc, doc, _ = plan_json(capsys, tiny, "--seq-len", 64, "--resident", "none", "--hardware",
+                           profile_file(tmp_path, "roomy"))
     peak = doc["device_memory"]["peak"]
     small = profile_file(tmp_path, "small", device_memory_bytes=int(peak / fit.DEVICE_HEADROOM) - 1)
-    assert cli.main(["plan", str(tiny), "--seq-len", "64", "--hardware", str(small)]) == 2
+    assert cli.main(["plan", str(tiny), "--seq-len", "64", "--resident", "none", "--hardware", str(small)]) == 2
     out = capsys.readouterr()
     assert all("DOES NOT FIT: device" in line for line in out.out.splitlines() if line.startswith("  compute="))
     assert out.err.count("\n") == 1 and "of device memory" in out.err
 
 
+def test_resident_auto_is_resolved_as_a_run_resolves_it_and_shown(tmp_path, capsys, tiny):
+    """`mtjax plan` prices stream.resident=auto as the parts a run on that hardware keeps
+    (mtjax.plan.residency), names them, and a device that holds only some keeps fewer."""
+    args = (tiny, "--seq-len", 64)
+    roomy = profile_file(tmp_path, "roomy")
+    _, everything, _ = plan_json(capsys, *args, "--hardware", roomy)
+    names = ["embed", "block.0", "block.1", "head"]
+    run = inputs.load(tiny)
+    run = dataclasses.replace(run, data=dataclasses.replace(run.data, seq_len=64))
+    assert everything["resident"] == list(residency.for_inputs(run, BUILTIN["h200"]).resident) == names
+    assert everything["stream"]["remat"] == everything["remat"] != "auto"  # resolved with it
+    _, none, _ = plan_json(capsys, *args, "--hardware", roomy, "--resident", "none")
+    assert none["resident"] == [] and none["times"]["step"] > everything["times"]["step"]
+
+    # A device between the nothing-resident and the everything-resident peaks: some stay, and it fits.
+    between = (none["device_memory"]["peak"] + everything["device_memory"]["peak"]) / 2
+    some = profile_file(tmp_path, "some", device_memory_bytes=int(between / fit.DEVICE_HEADROOM))
+    rc, doc, _ = plan_json(capsys, *args, "--hardware", some)
+    assert rc == 0 and 0 < len(doc["resident"]) < len(names)
+    assert doc["device_memory"]["peak"] <= between
+    cli.main(["plan", *map(str, args), "--hardware", str(some)])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("resident "))
+    assert ", ".join(doc["resident"]) in line and "of 4 parts" in line
+    cli.main(["plan", *map(str, args), "--hardware", str(roomy)])
+    assert "resident     all of 4 parts" in capsys.readouterr().out
+
+
 def test_steps_and_price_scale_the_whole_run(tmp_path, capsys, tiny):
-    args = (tiny, "--seq-len", 64, "--hardware", "h200", "--placement", "compute=ram,master=disk,opt=disk")
+    args = (tiny, "--seq-len", 64, "--hardware", "h200", "--placement", "compute=ram,master=disk,opt=disk",
+            "--resident", "none")  # state that streams from disk, so a step writes to it
     _, a, _ = plan_json(capsys, *args, "--steps", 100, "--price-per-hour", 2)
     _, b, _ = plan_json(capsys, *args, "--steps", 300, "--price-per-hour", 5)
     step = a["times"]["step"]

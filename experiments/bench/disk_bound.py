@@ -9,8 +9,11 @@ bytes take at those rates, read and write after one another (one disk):
 
     bound = disk_read_bytes / read rate + disk_write_bytes / write rate
 
-A timed step is `step` + `commit` (which applies the step's update and makes it durable),
-the store's page cache dropped before it (harness.drop_page_cache, as the store benchmark
+A timed step is a window of `--commit-every` steps and the `commit` that ends it (which
+applies the last step's update and makes the window's writes durable), over its steps: a
+run commits every `run.checkpoint_every` steps, and between commits each step's writes go
+to the disk without an fsync while the next step computes (mtjax.store.durable). The
+store's page cache is dropped before each window (harness.drop_page_cache, as the store benchmark
 does) and, with --evict (default on), again every few milliseconds while it runs, so
 that reads come from the disk as for a store many times the page cache (dirty pages
 cannot be dropped: writes still reach the disk at its own pace). The bytes this process
@@ -28,9 +31,11 @@ import argparse
 import os
 import platform
 import shutil
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -60,25 +65,29 @@ def io_bytes() -> tuple[int, int]:
 
 
 class Evictor:
-    """Drops the store's clean pages from the page cache every `every` seconds while active."""
+    """Drops the store's clean pages from the page cache every `every` seconds while
+    active, from a child process at low priority: a sweep opens every file of the store,
+    and in a thread of this process it took the trainer's GIL and most of a core (14 s a
+    21 s step on the 2-core machine). Each sweep waits at least 4x its own duration after
+    the last, so it takes at most a fifth of a core."""
+
+    busy = 0.0  # seconds the sweeps took, over every Evictor (reported: the trainer's cores are shared)
 
     def __init__(self, root: Path, every: float):
-        self.root, self.every, self._stop = root, every, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.wait(self.every):
-            harness.drop_page_cache(self.root)
+        self.root, self.every = root, every
+        self._proc = None
 
     def __enter__(self):
         if self.every > 0:
-            self._thread.start()
+            self._proc = subprocess.Popen([sys.executable, harness.__file__, "evict", str(self.root), str(self.every)],
+                                          stdout=subprocess.PIPE, text=True)
         return self
 
     def __exit__(self, *exc):
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGTERM)
+            out, _ = self._proc.communicate()
+            Evictor.busy += float(out.strip() or 0)
 
 
 def measure(args, work: Path) -> dict:
@@ -94,25 +103,28 @@ def measure(args, work: Path) -> dict:
     rng = np.random.default_rng(0)
     times = {"stream": [], "reference": []}
     moved = []
-    for i in range(args.steps + 1):
-        tokens = rng.integers(0, cfg.vocab_size, (1, args.batch, args.seq), dtype=np.int32)
+    every = args.commit_every
+    for i in range(args.steps + 1):  # rounds of `every` steps and a commit; round 0 compiles
+        batches = [rng.integers(0, cfg.vocab_size, (1, args.batch, args.seq), dtype=np.int32) for _ in range(every)]
         if ref is not None:
-            t0 = time.perf_counter()
-            ref.step(tokens)
-            if i:
-                times["reference"].append(time.perf_counter() - t0)
+            for tokens in batches:
+                t0 = time.perf_counter()
+                ref.step(tokens)
+                if i:
+                    times["reference"].append(time.perf_counter() - t0)
         harness.drop_page_cache(store_dir)
         with Evictor(store_dir, args.evict_ms / 1e3 if args.evict else 0):
             r0, w0 = io_bytes()
             t0 = time.perf_counter()
-            stream.step(tokens)
-            stream.commit(i + 1)  # two copies: applies the update, then makes it durable
+            for tokens in batches:
+                stream.step(tokens)
+            stream.commit((i + 1) * every)  # two copies: applies the last update, then makes it durable
             stream.flush()  # one copy: the commit started the update; it is part of the step
-            dt = time.perf_counter() - t0
+            dt = (time.perf_counter() - t0) / every
             r1, w1 = io_bytes()
-        if i:  # step 0 compiles
+        if i:
             times["stream"].append(dt)
-            moved.append((r1 - r0, w1 - w0))
+            moved.append(((r1 - r0) / every, (w1 - w0) / every))
     traffic = stream.schedule.traffic
     stages = stream.stage_seconds()
     if args.trace:
@@ -120,13 +132,14 @@ def measure(args, work: Path) -> dict:
     stream.close()
     store.close()
     bound = traffic.disk_read_bytes / disk_read + traffic.disk_write_bytes / disk_write
+    evicting = Evictor.busy / (args.steps + 1) / args.commit_every  # per step, the warm-up window included
     return dict(
         params=model.num_params(cfg),
         read=traffic.disk_read_bytes, write=traffic.disk_write_bytes, read_rate=disk_read, write_rate=disk_write,
         cold=cold, bound=bound, stream=statistics.median(times["stream"]),
         reference=statistics.median(times["reference"]) if times["reference"] else None,
         measured_read=statistics.median(m[0] for m in moved), measured_write=statistics.median(m[1] for m in moved),
-        stages=stages)
+        stages=stages, evicting=evicting)
 
 
 def table(args, r: dict) -> str:
@@ -139,28 +152,33 @@ def table(args, r: dict) -> str:
         f"{ram.total / gb:.1f} GB), jax {jax.__version__}, load average {os.getloadavg()[0]:.1f} at the end. "
         f"fp32 Llama {args.layers} blocks x width {args.width}, vocab {args.vocab}, {r['params'] / 1e6:.1f}M params, "
         f"batch {args.batch} x seq {args.seq}; AdamW + clip 1.0; StreamEngine k = 1, prefetch depth 2, compute, "
-        f"master and optimizer state on the disk tier, a {args.copies}-copy store, a commit every step. Disk probed "
+        f"master and optimizer state on the disk tier, a {args.copies}-copy store, a commit every "
+        f"{args.commit_every} steps (a timed step: a window of them and its commit, over {args.commit_every}). "
+        "Disk probed "
         f"right before the run ({args.probe_mib} MiB, `probe.disk_bandwidth`"
         f"{'' if r['cold'] else ', read possibly warm'}). Page cache of the store dropped before each step"
-        + (f" and every {args.evict_ms} ms during it" if args.evict else "")
-        + f". Median of {args.steps} steps after one warm-up.",
+        + (f" and every {args.evict_ms} ms during it (or 4x a sweep's time, when longer)" if args.evict else "")
+        + f". Median of {args.steps} windows after one warm-up window.",
         "",
         "| | read (GB) | written (GB) | time (s) |",
         "|---|---|---|---|",
         f"| step description (bytes the step must move) | {r['read'] / gb:.3f} | {r['write'] / gb:.3f} | |",
         f"| probed disk (GB/s) | {r['read_rate'] / gb:.2f} | {r['write_rate'] / gb:.2f} | |",
         f"| disk bound = read / read rate + written / write rate | | | {r['bound']:.2f} |",
-        f"| measured streamed step (step + commit), block-device bytes | {r['measured_read'] / gb:.3f} | "
+        f"| measured streamed step (steps + commit, per step), block-device bytes | {r['measured_read'] / gb:.3f} | "
         f"{r['measured_write'] / gb:.3f} | {r['stream']:.2f} |",
         f"| in-memory reference step | | | {ref} |",
         "",
         f"**streamed step / disk bound = {r['stream'] / r['bound']:.2f}** (goal <= 1.3); "
         f"streamed / reference = {ratio_ref}.",
         "",
+        f"The evictor's sweeps took {r['evicting']:.2f} s a step (a child process at nice 10, on the same cores).",
+        "",
         "Stream stage seconds in the last step (summed over parts; stages overlap): "
         + ", ".join(f"{k} {v:.2f}" for k, v in r["stages"].items()),
     ]
-    cmd = "experiments/bench/disk_bound.py" + (" --quick" if args.quick else "")
+    cmd = "experiments/bench/disk_bound.py" + (" --quick" if args.quick else "") + (
+        f" --commit-every {args.commit_every}" if args.commit_every != 4 else "")
     return "## Disk tier against its disk bound (experiments/bench/disk_bound.py)\n\n" + "\n".join(lines) + (
         f"\n\nCommand: `.venv/bin/python {cmd}`")
 
@@ -175,6 +193,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     ap.add_argument("--copies", type=int, choices=[1, 2], default=2, help="store copies")
+    ap.add_argument("--commit-every", type=int, default=4,
+                    help="steps between commits (a run's run.checkpoint_every); a timed step is the window's "
+                         "time over its steps, the commit included")
     ap.add_argument("--probe-mib", type=int, default=512, help="MiB the disk probe writes and reads")
     ap.add_argument("--evict", action=argparse.BooleanOptionalAction, default=True,
                     help="keep dropping the store's pages during each step")

@@ -5,6 +5,7 @@ A script imports this module before jax or mtjax: importing it puts the checkout
 sys.path and defaults JAX to the CPU backend.
 
     python experiments/bench/harness.py section NAME FILE   # FILE's text as section NAME of docs/benchmarks.md
+    python experiments/bench/harness.py evict DIR SECONDS   # drop DIR's pages from the cache until SIGTERM
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -136,6 +139,21 @@ def drop_page_cache(root: Path, sync: bool = False) -> None:
                 os.close(fd)
 
 
+def evict_until_stopped(root: Path, every: float) -> None:
+    """Drop `root`'s pages every `every` seconds (or 4x a sweep's time, when longer) at
+    nice 10 until SIGTERM, then print the seconds the sweeps took (`harness.py evict`)."""
+    os.nice(10)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    busy, wait = 0.0, every
+    while not stop.wait(wait):
+        t = time.perf_counter()
+        drop_page_cache(root)
+        took = time.perf_counter() - t
+        busy, wait = busy + took, max(every, 4 * took)
+    print(busy, flush=True)
+
+
 # --- timing --------------------------------------------------------------------------------------
 
 
@@ -180,6 +198,8 @@ def main(argv: list[str]) -> None:
     if len(argv) == 3 and argv[0] == "section":
         write_section(argv[1], Path(argv[2]).read_text())
         print(f"wrote section {argv[1]} of {DOC.relative_to(ROOT)}")
+    elif len(argv) == 3 and argv[0] == "evict":
+        evict_until_stopped(Path(argv[1]), float(argv[2]))
     elif len(argv) >= 3 and argv[0] == "measure":
         _measure(*argv[1:])
     else:

@@ -38,25 +38,32 @@ SECTION = "residency"
 
 
 def budgets(cfg, stream: StreamConfig, shape: StepShape, hw, points: int) -> list[int]:
-    """Device budgets from the step's least (nothing resident) to the whole state resident."""
-    def total(resident):
-        return estimate(cfg, dataclasses.replace(stream, resident=resident), StoreConfig(), shape, hw,
+    """Device budgets from the step's least (nothing resident) to one that holds the whole
+    state with every residual kept (the planner free to choose any remat), evenly spaced,
+    plus a quarter of the state where the step fits in it."""
+    def total(resident, remat="full"):
+        return estimate(cfg, dataclasses.replace(stream, resident=resident, remat=remat), StoreConfig(), shape, hw,
                         tx=make_optimizer(OptimConfig())).device.total
 
-    lo, hi = total(()), total("all")
-    return [int(b) for b in np.linspace(lo, hi, points)]
+    lo = total(())
+    hi = max(total("all", m) for m in ("full", "dots", "none"))
+    quarter = sum(dataclasses.astuple(estimate(cfg, stream, StoreConfig(), shape, hw).state)) // 4
+    return sorted({*(int(b) for b in np.linspace(lo, hi, points)), *([quarter] if quarter >= lo else [])})
 
 
-def plot(rows, ref_s: float, path: Path) -> None:
+def plot(rows, ref_s: float, state: int, path: Path) -> None:
     import matplotlib  # only the PNG needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    auto = [(b, s) for name, b, s, _ in rows if name == "auto"]
+    auto = [(b, s) for name, b, s, *_ in rows if name == "auto"]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([b / 2**20 for b, _ in auto], [s for _, s in auto], "o-", label="stream, planner's residency")
-    ax.axhline(ref_s, color="gray", linestyle="--", label="reference (in memory)")
+    ax.plot([b / 2**20 for name, b, *_ in rows if name == "all"], [s for name, _, s, *_ in rows if name == "all"],
+            "s", label="stream, all resident, remat full")
+    ax.axhline(ref_s, color="gray", linestyle="--", label="reference (in memory, remat full)")
+    ax.axvline(state / 4 / 2**20, color="gray", linestyle=":", label="a quarter of the state")
     ax.set_xlabel("device budget (MiB)")
     ax.set_ylabel("step (s)")
     ax.legend()
@@ -88,10 +95,12 @@ def main() -> None:
     params = model.init_params(cfg, seed=0)
     opt = OptimConfig(lr=1e-4, clip_norm=1.0)
     engines = {("reference", 0): ReferenceTrainer(cfg, params, opt)}
-    for b in budgets(cfg, base, shape, hw, args.points):
+    points = budgets(cfg, base, shape, hw, args.points)
+    for b in points:
         stream = residency.resolve(cfg, dataclasses.replace(base, device_budget_bytes=b), StoreConfig(), shape, hw)
         engines["auto", b] = StreamEngine(cfg, params, opt, stream)
-    engines["all", b] = StreamEngine(cfg, params, opt, dataclasses.replace(base, resident="all"))
+    # Like for like with the reference (which recomputes every block): all resident, remat full.
+    engines["all", points[-1]] = StreamEngine(cfg, params, opt, dataclasses.replace(base, resident="all", remat="full"))
     del params
     rng = np.random.default_rng(0)
     data = [rng.integers(0, cfg.vocab_size, (1, args.batch, args.seq), dtype=np.int32) for _ in range(args.steps + 1)]
@@ -102,34 +111,42 @@ def main() -> None:
             engine.step(tokens)  # returns floats: the step has finished
             if i:  # step 0 compiles
                 times[key].append(time.perf_counter() - t0)
-    ref_s = statistics.median(times["reference", 0])
-    rows = []
+    ref = times["reference", 0]
+    ref_s = statistics.median(ref)
+    rows = []  # (name, budget, median step, median of its ratios to the reference's step of the same round, resident, remat)
     for (name, b), engine in engines.items():
         if name != "reference":
-            rows.append((name, b, statistics.median(times[name, b]), len(engine.resident.names)))
+            ratio = statistics.median(t / r for t, r in zip(times[name, b], ref))
+            rows.append((name, b, statistics.median(times[name, b]), ratio, len(engine.resident.names),
+                         engine.schedule.remat if engine.schedule else engine.options.remat))
             engine.close()
     parts = cfg.num_hidden_layers + 2
+    state = sum(dataclasses.astuple(estimate(cfg, base, StoreConfig(), shape, hw).state))
     args.png.parent.mkdir(parents=True, exist_ok=True)
-    plot(rows, ref_s, args.png)
+    plot(rows, ref_s, state, args.png)
 
     lines = [
         f"Model: Llama {args.layers} blocks x width {args.width}, vocab {args.vocab}, "
         f"{model.num_params(cfg) / 1e6:.1f}M params, fp32; batch {args.batch} x seq {args.seq}; AdamW, clip 1.0; "
         f"residency priced with the {hw.name} profile.",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} on "
-        f"{jax.devices()[0].platform}; median of {args.steps} steps after one warm-up, engines alternating.",
+        f"{jax.devices()[0].platform}; median of {args.steps} steps after one warm-up, engines alternating step by "
+        "step (the ratio: median over rounds of a step over the reference's step of the same round).",
         "",
-        "| stream.resident | device budget (MiB) | resident parts | step (s) | / reference |",
-        "|---|---|---|---|---|",
-        f"| (reference, in memory) | | {parts} of {parts} | {ref_s:.3f} | 1.000 |",
-        *(f"| {name} | {b / 2**20:.1f} | {n} of {parts} | {s:.3f} | {s / ref_s:.3f} |" for name, b, s, n in rows),
+        f"State {state / 2**20:.1f} MiB (compute, master, AdamW moments); a quarter: {state / 4 / 2**20:.1f} MiB.",
+        "",
+        "| stream.resident | device budget (MiB) | resident parts | remat | step (s) | / reference (paired) |",
+        "|---|---|---|---|---|---|",
+        f"| (reference, in memory) | | {parts} of {parts} | full | {ref_s:.3f} | 1.000 |",
+        *(f"| {name} | {b / 2**20:.1f} | {n} of {parts} | {m} | {s:.3f} | {r:.3f} |" for name, b, s, r, n, m in rows),
         "",
         f"Goal: with a budget >= the state, streamed <= 1.03x reference. Curve: `{args.png.relative_to(harness.ROOT)}`"
         if args.png.is_relative_to(harness.ROOT) else f"Curve: {args.png}",
     ]
     body = "## Residency: step time against the device budget (experiments/bench/residency.py)\n\n" + "\n".join(lines)
     body += (f"\n\nCommand: `.venv/bin/python experiments/bench/residency.py --layers {args.layers} "
-             f"--width {args.width} --seq {args.seq} --hardware {args.hardware}`")
+             f"--width {args.width} --seq {args.seq} --vocab {args.vocab} --steps {args.steps} --points {args.points} "
+             f"--hardware {args.hardware}`")
     harness.publish(SECTION, body, write=not args.no_doc)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mtjax import plan as planner
 from mtjax.errors import MtjaxError
-from mtjax.plan import fit, inputs, machine, probe, report, wholerun
+from mtjax.plan import fit, inputs, machine, probe, report, residency, wholerun
 from mtjax.plan.hardware import choices
 from mtjax.plan.units import size
 
@@ -48,6 +48,9 @@ def register(subparsers) -> None:
     p.add_argument("--prefetch-depth", type=int, help="parts fetched ahead of the one computing")
     p.add_argument("--devices", type=int, metavar="N",
                    help="devices the step runs on, data parallel (stream.devices; default: the profile's count)")
+    p.add_argument("--resident", metavar="WHICH",
+                   help="stream.resident: auto (the default: the planner's parts for the device budget, as a run "
+                        "chooses them), none, all, a count, or part names (embed,block.0,...,head)")
     p.add_argument("--placement", help="e.g. compute=ram,master=ram,opt=disk (default: all ram)")
     p.add_argument("--store-copies", type=int, choices=(1, 2), help="copies of disk-tier state (store.copies)")
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16", "float16"),
@@ -107,7 +110,9 @@ def run_plan(args) -> int:
         store["copies"] = args.store_copies
     try:  # the config dataclasses check every value
         data = dataclasses.replace(given_run.data, **given("batch_size", "seq_len", "grad_accum"))
-        stream = dataclasses.replace(given_run.stream, **given("keep_every", "prefetch_depth", "devices"))
+        resident = {} if args.resident is None else {"resident": int(args.resident) if args.resident.isdigit()
+                                                      else args.resident}
+        stream = dataclasses.replace(given_run.stream, **given("keep_every", "prefetch_depth", "devices"), **resident)
         store = dataclasses.replace(given_run.store, **store)
     except ValueError as e:  # ConfigError included
         raise PlanError(str(e)) from None
@@ -118,6 +123,8 @@ def run_plan(args) -> int:
         local = machine.profile(reprobe=args.reprobe)
         hw, profile_from = local.profile, local.describe()
 
+    # stream.resident=auto as a run on this hardware resolves it (device budget included).
+    stream = residency.for_inputs(dataclasses.replace(given_run, stream=stream, store=store, data=data), hw)
     plan = planner.estimate(given_run.cfg, stream, store, planner.StepShape.of(data), hw, tx=given_run.tx)
     advice = planner.recommend(plan)
     room = fit.limits(hw)

@@ -28,6 +28,7 @@ def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None 
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, compute dtype {cfg.compute_dtype}",
         f"step         batch {sh.batch} x seq {sh.seq} x accum {sh.accum} = {sh.tokens} tokens; "
         f"keep_every {st.keep_every}, prefetch_depth {st.prefetch_depth}, placement {placement(plan.store)}",
+        f"resident     {_resident(plan)}",
         f"hardware     {hw.name} ({hw.source}): {hw.device}" + (f"; data parallel over {plan.schedule.devices} devices"
                                                                   if plan.schedule.devices > 1 else ""),
         *([f"profile      {profile_from}"] if profile_from else []),
@@ -89,6 +90,17 @@ def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None 
     return "\n".join(lines)
 
 
+def _resident(plan: Plan) -> str:
+    """The parts that stay on the device, as configured or as auto resolved."""
+    s = plan.schedule
+    count = len(s.part_bytes)
+    if not s.resident:
+        return f"none of {count} parts (every part streams)"
+    names = "all" if len(s.resident) == count else ", ".join(s.resident)
+    saved = f"; {len(s.saved)} recompute groups keep their vjps (remat {s.remat})" if s.saved else ""
+    return f"{names} of {count} parts, {size(s.device.resident)} on the device{saved}"
+
+
 def _placement_table(options: list[Option], advice: Advice | None) -> list[str]:
     header = f"{'placement':<35}{'step':>11}{'host RAM':>11}{'disk':>11}"
     lines = [f"{header}   (this run's other settings; fastest first)"]
@@ -131,6 +143,8 @@ def as_dict(plan: Plan, advice: Advice | None = None, options: list[Option] | No
         "stream": dataclasses.asdict(plan.stream),
         "store": dataclasses.asdict(plan.store),
         "transfers": list(plan.schedule.transfers),
+        "resident": list(plan.schedule.resident),
+        "remat": plan.schedule.remat,
         "hardware": plan.hardware.name,
         "profile": profile_from,
         "flops": plan.flops,

@@ -108,11 +108,16 @@ def profile_of(device: jax.Device) -> HardwareProfile:
     return dataclasses.replace(hw, device_memory_bytes=int(limit)) if limit else hw
 
 
+def for_inputs(run: inputs.Inputs, hardware: HardwareProfile) -> StreamConfig:
+    """The run's stream settings with resident=auto and remat=auto resolved (`resolve`) for
+    `hardware`, as a run resolves them; the reference engine's, and settings given, as they are."""
+    if run.stream.engine != "stream" or "auto" not in (run.stream.resident, run.stream.remat):
+        return run.stream
+    return resolve(run.cfg, run.stream, run.store, run.shape, hardware, run.tx)
+
+
 def for_run(exp):
     """The experiment config with stream.resident and stream.remat=auto resolved for this
     process's device (the trainer calls it before its preflight, which then checks the choice)."""
-    if exp.stream.engine != "stream" or "auto" not in (exp.stream.resident, exp.stream.remat):
-        return exp
-    run = inputs.from_experiment(exp)
-    stream = resolve(run.cfg, run.stream, run.store, run.shape, profile_of(jax.devices()[0]), run.tx)
-    return dataclasses.replace(exp, stream=stream)
+    stream = for_inputs(inputs.from_experiment(exp), profile_of(jax.devices()[0]))
+    return exp if stream is exp.stream else dataclasses.replace(exp, stream=stream)

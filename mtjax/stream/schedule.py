@@ -124,7 +124,9 @@ class Traffic:
     disk_read: dict  # {"compute" | "master" | "opt" | "grads": bytes}
     disk_write: dict  # same keys; "grads" are the spilled gradient sums
     host_memory: int  # read + written by the host CPU: optimizer, gradients, staging copies, disk I/O
-    device_update: int = 0  # read + written on the device by the resident parts' update (the optax program)
+    # Read + written by the resident parts' update where the device is the host: the fused
+    # loop's bytes with it (28-30 bytes/param), the optax program's otherwise (46).
+    device_update: int = 0
     allreduce: int = 0  # gradient bytes summed across the devices (the size of what is reduced), all parts
     h2d_unrouted: int = 0  # expert weights no token reached, not staged (`Schedule.routed_traffic`; 0 before a step)
 
@@ -537,8 +539,9 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
         host_memory=_host_memory(streamed, [unit[p] for p in transfers],
                                  {p: g for p, g in grad.items() if p in streamed}, fused, derived, store,
                                  sum(reads.values()) + sum(writes.values())),
-        # As the host's XLA program: mu, nu, master and the compute copy in four passes.
-        device_update=sum(3 * pb[p].opt + 5 * pb[p].master + pb[p].compute for p in resident),
+        # On the host the fused loop writes a compute copy unless it is the fp32 master itself.
+        device_update=_update_bytes([pb[p] for p in resident], fused,
+                                    copy=not fused or np.dtype(cfg.compute_dtype) != np.float32),
         allreduce=sum(allreduce.values()),
     )
     forward = tuple(p for p in forward_parts(cfg, split) if p not in resident)
@@ -549,21 +552,26 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
                     remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce, split, sub)
 
 
+def _update_bytes(states, fused: bool, copy: bool) -> int:
+    """Bytes AdamW reads and writes on the host CPU updating parts of these StateBytes;
+    `copy`: it writes their compute copy."""
+    m = sum(b.master for b in states)
+    o = sum(b.opt for b in states)
+    c = sum(b.compute for b in states) if copy else 0
+    if fused:  # one loop: reads master, both moments, gradient; writes master, moments (+ copy)
+        return 2 * m + 2 * o + m + c
+    # XLA's CPU backend runs the update as four passes (no multi-output fusion): mu and nu
+    # (each reads its moment and the gradient, writes the moment), master (reads master and
+    # both moments, writes master), the compute copy (reads master): 46 bytes/param for
+    # AdamW + bf16. It writes the copy always.
+    return 3 * o + 2 * m + 3 * m + sum(b.compute for b in states)
+
+
 def _host_memory(pb: dict[str, StateBytes], transfers: list[StateBytes], grad: dict, fused: bool, derived: bool, store: StoreConfig,
                  disk_io: int) -> int:
     """Bytes the host CPU reads and writes in one step (DMA is the link's: the planner
     adds it where the device is not the host)."""
-    m = sum(b.master for b in pb.values())  # of the parts updated on the host
-    o = sum(b.opt for b in pb.values())
-    c = sum(b.compute for b in pb.values())
-    if fused:  # one loop: reads master, both moments, gradient; writes master, moments (+ copy)
-        optimizer = 2 * m + 2 * o + m + (0 if derived else c)
-    else:
-        # XLA's CPU backend runs the update as four passes (no multi-output fusion): mu and
-        # nu (each reads its moment and the gradient, writes the moment), master (reads
-        # master and both moments, writes master), the compute copy (reads master): 46
-        # bytes/param for AdamW + bf16.
-        optimizer = 3 * o + 2 * m + 3 * m + c
+    optimizer = _update_bytes(pb.values(), fused, copy=not derived)
     # A gradient is read as it arrives; one narrower than fp32 is cast (an fp32 write);
     # the norm reads the fp32 sum.
     grads = sum(g + (2 * pb[p].master if g != pb[p].master else pb[p].master) for p, g in grad.items())
