@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -152,6 +153,20 @@ def best_seconds(fn, reps: int, warmup: int = 0) -> float:
     return min(times)
 
 
+def alternating_medians(steps: dict, inputs: list) -> dict:
+    """Each of `steps` (name -> a function of one input that returns only when its work is
+    done) called on every input in turn, so that drift in the machine's load hits them
+    alike: name -> median seconds over `inputs[1:]` (the first call of each compiles)."""
+    times = {name: [] for name in steps}
+    for i, x in enumerate(inputs):
+        for name, step in steps.items():
+            t = time.perf_counter()
+            step(x)
+            if i:
+                times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 # --- docs/benchmarks.md ------------------------------------------------------------------------
 
 
@@ -168,11 +183,14 @@ def write_section(name: str, body: str, doc: Path = DOC) -> None:
     doc.write_text(text)
 
 
-def publish(name: str, body: str, write: bool = True) -> None:
-    """Print a benchmark's section and, unless told not to (`--no-doc`), write it to docs/benchmarks.md."""
-    print(body)
+def publish(name: str, title: str, body: str, command: str, write: bool = True) -> None:
+    """Print a benchmark's section, `## title`, `body`, then the command that reproduces it
+    (`command`: what follows `.venv/bin/python`), and unless told not to (`--no-doc`) write
+    it to docs/benchmarks.md."""
+    section = f"## {title}\n\n{body.strip()}\n\nCommand: `.venv/bin/python {command}`"
+    print(section)
     if write:
-        write_section(name, body)
+        write_section(name, section)
         print(f"\nwrote section {name} of {DOC.relative_to(ROOT)}")
 
 

@@ -18,8 +18,6 @@ import argparse
 import dataclasses
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import harness  # first: the checkout on sys.path, JAX on the CPU
@@ -95,18 +93,13 @@ def main() -> None:
     del params
     rng = np.random.default_rng(0)
     data = [rng.integers(0, cfg.vocab_size, (1, args.batch, args.seq), dtype=np.int32) for _ in range(args.steps + 1)]
-    times = {key: [] for key in engines}
-    for i, tokens in enumerate(data):
-        for key, engine in engines.items():
-            t0 = time.perf_counter()
-            engine.step(tokens)  # returns floats: the step has finished
-            if i:  # step 0 compiles
-                times[key].append(time.perf_counter() - t0)
-    ref_s = statistics.median(times["reference", 0])
+    # A step returns floats: it has finished when it returns.
+    med = harness.alternating_medians({key: engine.step for key, engine in engines.items()}, data)
+    ref_s = med["reference", 0]
     rows = []
     for (name, b), engine in engines.items():
         if name != "reference":
-            rows.append((name, b, statistics.median(times[name, b]), len(engine.resident.names)))
+            rows.append((name, b, med[name, b], len(engine.resident.names)))
             engine.close()
     parts = cfg.num_hidden_layers + 2
     args.png.parent.mkdir(parents=True, exist_ok=True)
@@ -127,10 +120,9 @@ def main() -> None:
         f"Goal: with a budget >= the state, streamed <= 1.03x reference. Curve: `{args.png.relative_to(harness.ROOT)}`"
         if args.png.is_relative_to(harness.ROOT) else f"Curve: {args.png}",
     ]
-    body = "## Residency: step time against the device budget (experiments/bench/residency.py)\n\n" + "\n".join(lines)
-    body += (f"\n\nCommand: `.venv/bin/python experiments/bench/residency.py --layers {args.layers} "
-             f"--width {args.width} --seq {args.seq} --hardware {args.hardware}`")
-    harness.publish(SECTION, body, write=not args.no_doc)
+    harness.publish(SECTION, "Residency: step time against the device budget (experiments/bench/residency.py)",
+                    "\n".join(lines), f"experiments/bench/residency.py --layers {args.layers} --width {args.width} "
+                    f"--seq {args.seq} --hardware {args.hardware}", write=not args.no_doc)
 
 
 if __name__ == "__main__":
