@@ -7,7 +7,10 @@
 # below the 24 GiB there), and hand out whole files (--dist loadfile), so a module-scoped
 # fixture is built once, by the one worker that runs its file. A test writes only under
 # its own temporary directory and uses no fixed port or global file, so none has to run
-# alone. XDIST= runs the suite in one process.
+# alone. XDIST= runs the suite in one process. Measured 2026-12-01 on the shared 2-core
+# machine, under a load of 12-23 from other jobs (so no clean speed-up figure): in one
+# process the first 160 tests took 19.4 min; on two workers 638 tests passed in 64.6 min
+# (stopped at 92%). The same suite took 20.2 min in one process on a quiet machine.
 
 PYTHON ?= python3
 VENV := .venv
