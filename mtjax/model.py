@@ -317,10 +317,12 @@ def abstract_block(cfg: ModelConfig, kind: str = FULL) -> dict:
 
 
 def abstract_params(cfg: ModelConfig) -> Params:
-    """The whole model's parameters as ShapeDtypeStructs (no allocation)."""
+    """The whole model's parameters as ShapeDtypeStructs (no allocation), to read, not to
+    fill in: blocks of one kind share one tree (map over it for a tree of your own)."""
+    kinds = {kind: abstract_block(cfg, kind) for kind in set(cfg.layer_kinds)}  # once a kind, not once a block
     return {
         "embed": _abstract(cfg, "embed"),
-        "blocks": [abstract_block(cfg, kind) for kind in cfg.layer_kinds],
+        "blocks": [kinds[kind] for kind in cfg.layer_kinds],
         "head": _abstract(cfg, "head"),
     }
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ import torch
 
 import hf_models
 import mtjax
+import parity
 from mtjax import hf
 from mtjax.model_config import FULL, SLIDING
 
@@ -240,16 +240,4 @@ def test_the_feature_under_test_changes_the_logits(case):
 
 def test_every_gradient_matches(case):
     _, r = case
-    grad_fn = jax.jit(jax.grad(lambda p, t: mtjax.loss_fn(r.cfg, p, t, remat=False)))
-    grads = grad_fn(r.params, jnp.asarray(r.tokens))
-    specs = hf.layout(r.cfg)
-    # Every trainable HF tensor is covered (tied models: lm_head shares the embedding).
-    assert {s.hf_name for s in specs} == set(r.hf_grads)
-    errors = {}
-    for spec in specs:
-        ours = hf.from_tree(spec, grads)
-        theirs = r.hf_grads[spec.hf_name]
-        assert ours.shape == theirs.shape, spec.hf_name
-        errors[spec.hf_name] = np.linalg.norm(ours - theirs) / np.linalg.norm(theirs)
-    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= 1e-4}
-    assert not bad, f"relative gradient error above 1e-4: {bad}"
+    parity.assert_gradients_match(r.cfg, r.params, r.tokens, r.hf_grads)

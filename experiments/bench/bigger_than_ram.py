@@ -155,10 +155,9 @@ def main() -> None:
               f"bytes of state once, and the fp32 gradient sums it commits with each step); A/B slots would need 32, "
               f"{2 * ram / 14 * 32 / 1e9:.0f} GB for state of 2x RAM. Step times include each step's commit (fsync of "
               f"every written chunk and gradient file) and ran beside other jobs on the 2 cores."]
-    body = ("## Bigger than RAM (experiments/bench/bigger_than_ram.py)\n\n" + "\n".join(lines)
-            + f"\n\nCommand: `.venv/bin/python experiments/bench/bigger_than_ram.py --layers {args.layers} --width "
-              f"{args.width} --ffn {args.ffn} --vocab {args.vocab} --dir DIR`")
-    harness.publish("bigger-than-ram", body, write=not args.no_doc)
+    harness.publish("bigger-than-ram", "Bigger than RAM (experiments/bench/bigger_than_ram.py)", "\n".join(lines),
+                    f"experiments/bench/bigger_than_ram.py --layers {args.layers} --width {args.width} --ffn "
+                    f"{args.ffn} --vocab {args.vocab} --dir DIR", write=not args.no_doc)
 
 
 if __name__ == "__main__":

@@ -177,10 +177,7 @@ def table(args, r: dict) -> str:
         "Stream stage seconds in the last step (summed over parts; stages overlap): "
         + ", ".join(f"{k} {v:.2f}" for k, v in r["stages"].items()),
     ]
-    cmd = "experiments/bench/disk_bound.py" + (" --quick" if args.quick else "") + (
-        f" --commit-every {args.commit_every}" if args.commit_every != 4 else "")
-    return "## Disk tier against its disk bound (experiments/bench/disk_bound.py)\n\n" + "\n".join(lines) + (
-        f"\n\nCommand: `.venv/bin/python {cmd}`")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -213,7 +210,9 @@ def main() -> None:
         r = measure(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    harness.publish(SECTION, table(args, r), write=args.doc)
+    harness.publish(SECTION, "Disk tier against its disk bound (experiments/bench/disk_bound.py)", table(args, r),
+                    "experiments/bench/disk_bound.py" + (" --quick" if args.quick else "")
+                    + (f" --commit-every {args.commit_every}" if args.commit_every != 4 else ""), write=args.doc)
 
 
 if __name__ == "__main__":

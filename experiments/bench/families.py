@@ -17,8 +17,6 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
-import time
 
 import harness  # first: the checkout on sys.path, JAX on the CPU
 
@@ -66,16 +64,11 @@ def measure(cfg, batch: int, seq: int, steps: int) -> tuple[float, float]:
     stream = StreamEngine(cfg, params, opt, StreamConfig(keep_every=1, prefetch_depth=2))
     del params
     rng = np.random.default_rng(0)
-    times = {"reference": [], "stream": []}
-    for i in range(steps + 1):
-        tokens = rng.integers(0, cfg.vocab_size, (1, batch, seq), dtype=np.int32)
-        for name, engine in (("reference", ref), ("stream", stream)):
-            t0 = time.perf_counter()
-            engine.step(tokens)  # returns floats: the step has finished
-            if i:  # step 0 compiles
-                times[name].append(time.perf_counter() - t0)
+    data = [rng.integers(0, cfg.vocab_size, (1, batch, seq), dtype=np.int32) for _ in range(steps + 1)]
+    # A step returns floats: it has finished when it returns.
+    med = harness.alternating_medians({"reference": ref.step, "stream": stream.step}, data)
     stream.close()
-    return statistics.median(times["reference"]), statistics.median(times["stream"])
+    return med["reference"], med["stream"]
 
 
 def main() -> None:
@@ -106,8 +99,6 @@ def main() -> None:
 
     tokens = args.batch * args.seq
     lines = [
-        "## Every family, streamed against the reference (experiments/bench/families.py)",
-        "",
         f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__} on the CPU. Each "
         f"family's transformers config class with its own defaults, shrunk to {args.layers} blocks of width "
         f"{args.width} (head_dim 64, vocab 8192; sliding windows of 128 where the family has them; MoE: 8 experts, "
@@ -121,8 +112,8 @@ def main() -> None:
     ]
     if skipped:
         lines += ["", "Not read by mtjax yet: " + ", ".join(skipped) + "."]
-    lines += ["", "Command: `.venv/bin/python experiments/bench/families.py`"]
-    harness.publish(SECTION, "\n".join(lines), write=not args.no_doc)
+    harness.publish(SECTION, "Every family, streamed against the reference (experiments/bench/families.py)",
+                    "\n".join(lines), "experiments/bench/families.py", write=not args.no_doc)
 
 
 if __name__ == "__main__":

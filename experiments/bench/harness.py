@@ -14,6 +14,7 @@ import json
 import os
 import runpy
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -170,6 +171,26 @@ def best_seconds(fn, reps: int, warmup: int = 0) -> float:
     return min(times)
 
 
+def alternating_times(steps: dict, inputs: list) -> dict:
+    """Each of `steps` (name -> a function of one input that returns only when its work is
+    done) called on every input in turn, so that drift in the machine's load hits them
+    alike: name -> seconds of each call on `inputs[1:]` (the first call of each compiles),
+    round by round."""
+    times = {name: [] for name in steps}
+    for i, x in enumerate(inputs):
+        for name, step in steps.items():
+            t = time.perf_counter()
+            step(x)
+            if i:
+                times[name].append(time.perf_counter() - t)
+    return times
+
+
+def alternating_medians(steps: dict, inputs: list) -> dict:
+    """`alternating_times`' median per step: name -> seconds."""
+    return {name: statistics.median(ts) for name, ts in alternating_times(steps, inputs).items()}
+
+
 # --- docs/benchmarks.md ------------------------------------------------------------------------
 
 
@@ -186,11 +207,14 @@ def write_section(name: str, body: str, doc: Path = DOC) -> None:
     doc.write_text(text)
 
 
-def publish(name: str, body: str, write: bool = True) -> None:
-    """Print a benchmark's section and, unless told not to (`--no-doc`), write it to docs/benchmarks.md."""
-    print(body)
+def publish(name: str, title: str, body: str, command: str, write: bool = True) -> None:
+    """Print a benchmark's section, `## title`, `body`, then the command that reproduces it
+    (`command`: what follows `.venv/bin/python`), and unless told not to (`--no-doc`) write
+    it to docs/benchmarks.md."""
+    section = f"## {title}\n\n{body.strip()}\n\nCommand: `.venv/bin/python {command}`"
+    print(section)
     if write:
-        write_section(name, body)
+        write_section(name, section)
         print(f"\nwrote section {name} of {DOC.relative_to(ROOT)}")
 
 

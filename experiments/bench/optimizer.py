@@ -34,7 +34,6 @@ from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.stream.update import PartUpdate
 
 SECTION = "optimizer-update"
-HEADING = "## Optimizer update: mtjax vs torch fused AdamW (experiments/bench/optimizer.py)"
 BOUND_BYTES = 28  # fp32 AdamW: read master, mu, nu, grad; write master, mu, nu
 CFG = ModelConfig(vocab_size=256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=1,
                   num_attention_heads=24, num_key_value_heads=24, head_dim=128, compute_dtype="bfloat16")
@@ -195,9 +194,9 @@ def main() -> None:
         f"(median of a 512 MiB multi-threaded copy in each round): {copy_bw / 1e9:.1f} GB/s moved (read + written), "
         f"so the 28-byte bound is {BOUND_BYTES / copy_bw * 1e9:.3f} ns/param. Ratios use the medians.\n\n"
         + table(rows, copy_bw, torch_ns) + "\n\n" + NOTES
-        + "\n\nRun: `.venv/bin/python experiments/bench/optimizer.py`"
     )
-    harness.publish(SECTION, f"{HEADING}\n\n{body}", write=not args.no_doc)
+    harness.publish(SECTION, "Optimizer update: mtjax vs torch fused AdamW (experiments/bench/optimizer.py)", body,
+                    "experiments/bench/optimizer.py", write=not args.no_doc)
 
 
 if __name__ == "__main__":

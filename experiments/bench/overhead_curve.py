@@ -129,11 +129,10 @@ def main() -> None:
         "store I/O sections) those writes, not compute, set its step, and on 2 cores the I/O threads share the cores "
         "that compute. Bigger blocks do not amortise it: bytes written grow with the parameters, as compute does at a "
         "fixed number of tokens.",
-        "",
-        f"Command: `.venv/bin/python experiments/bench/overhead_curve.py --widths {' '.join(map(str, args.widths))}`",
     ]
-    body = "## Streaming overhead vs block size (experiments/bench/overhead_curve.py)\n\n" + "\n".join(lines)
-    harness.publish(SECTION, body, write=not args.no_doc)
+    harness.publish(SECTION, "Streaming overhead vs block size (experiments/bench/overhead_curve.py)", "\n".join(lines),
+                    f"experiments/bench/overhead_curve.py --widths {' '.join(map(str, args.widths))}",
+                    write=not args.no_doc)
     if args.no_doc:
         return
     import matplotlib

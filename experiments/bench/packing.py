@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
-import time
 
 import harness  # first: the checkout on sys.path, JAX on the CPU
 
@@ -78,17 +76,13 @@ def main() -> None:
     del params
     rng = np.random.default_rng(0)
     steps = [packed_rows(rng, (args.accum, args.batch, args.seq), cfg.vocab_size) for _ in range(args.steps + 1)]
-    times, trained = {"unmasked": [], "masked": []}, {}
-    for i, (plain, masked) in enumerate(steps):
-        for name, batch in (("unmasked", plain), ("masked", masked)):
-            t0 = time.perf_counter()
-            engine.step(batch)  # returns floats: the step has finished
-            if i:  # each kind's first step compiles
-                times[name].append(time.perf_counter() - t0)
-            trained[name] = documents.trained_tokens(batch)
+    # A step returns floats: it has finished when it returns.
+    med = harness.alternating_medians({"unmasked": lambda pair: engine.step(pair[0]),
+                                       "masked": lambda pair: engine.step(pair[1])}, steps)
     if args.engine == "stream":
         engine.close()
-    plain_s, masked_s = statistics.median(times["unmasked"]), statistics.median(times["masked"])
+    plain_s, masked_s = med["unmasked"], med["masked"]
+    trained = {"unmasked": documents.trained_tokens(steps[-1][0]), "masked": documents.trained_tokens(steps[-1][1])}
     tokens = args.accum * args.batch * args.seq
     rows = [("unmasked packing (plain rows)", plain_s, trained["unmasked"]),
             ("document masks (segments + loss mask)", masked_s, trained["masked"])]
@@ -105,11 +99,9 @@ def main() -> None:
         "",
         f"**masked / unmasked = {masked_s / plain_s:.3f}** (goal <= 1.05)",
     ]
-    body = "## Packing with document masks (experiments/bench/packing.py)\n\n" + "\n".join(lines) + (
-        f"\n\nCommand: `.venv/bin/python experiments/bench/packing.py --layers {args.layers} --width {args.width} "
-        f"--seq {args.seq} --accum {args.accum} --engine {args.engine}`"
-    )
-    harness.publish(SECTION, body, write=not args.no_doc)
+    harness.publish(SECTION, "Packing with document masks (experiments/bench/packing.py)", "\n".join(lines),
+                    f"experiments/bench/packing.py --layers {args.layers} --width {args.width} --seq {args.seq} "
+                    f"--accum {args.accum} --engine {args.engine}", write=not args.no_doc)
 
 
 if __name__ == "__main__":

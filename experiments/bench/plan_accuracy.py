@@ -172,8 +172,6 @@ def main() -> None:
         return f"{layers} x {width}, {batch} x {seq} x {accum}, {dtype}, {tier} ({plan.num_params / 1e6:.0f}M{moe})"
 
     lines = [
-        "## Planner vs measured step time and peak RSS (experiments/bench/plan_accuracy.py)",
-        "",
         f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, load average "
         f"{os.getloadavg()[0]:.1f} at the end. Profile from `mtjax.plan.probe.run` in this run: matmul "
         f"{hw.matmul_flops_fp32 / 1e9:.0f} GFLOP/s fp32 / {hw.matmul_flops_bf16 / 1e9:.0f} bf16, a width-1024 block's "
@@ -210,10 +208,9 @@ def main() -> None:
               "a separate process before the run and, as a best of three, priced steps 1.2-1.5x too fast.", "",
               "Earlier versions of this script took peak RSS from ru_maxrss, which Linux carries from the parent "
               "into a vfork+exec'd child: the smallest model read as the benchmark's own 1,223 MiB (1.09-1.12x) "
-              "where the training process peaked at ~1,060 MiB. VmHWM is the child's own peak.", "",
-              "Command: `.venv/bin/python experiments/bench/plan_accuracy.py`"]
-    body = "\n".join(lines)
-    harness.publish(SECTION, body, write=not args.no_doc and args.row is None)
+              "where the training process peaked at ~1,060 MiB. VmHWM is the child's own peak."]
+    harness.publish(SECTION, "Planner vs measured step time and peak RSS (experiments/bench/plan_accuracy.py)",
+                    "\n".join(lines), "experiments/bench/plan_accuracy.py", write=not args.no_doc and args.row is None)
 
 
 if __name__ == "__main__":

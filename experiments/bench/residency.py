@@ -19,7 +19,6 @@ import dataclasses
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import harness  # first: the checkout on sys.path, JAX on the CPU
@@ -104,13 +103,8 @@ def main() -> None:
     del params
     rng = np.random.default_rng(0)
     data = [rng.integers(0, cfg.vocab_size, (1, args.batch, args.seq), dtype=np.int32) for _ in range(args.steps + 1)]
-    times = {key: [] for key in engines}
-    for i, tokens in enumerate(data):
-        for key, engine in engines.items():
-            t0 = time.perf_counter()
-            engine.step(tokens)  # returns floats: the step has finished
-            if i:  # step 0 compiles
-                times[key].append(time.perf_counter() - t0)
+    # A step returns floats: it has finished when it returns.
+    times = harness.alternating_times({key: engine.step for key, engine in engines.items()}, data)
     ref = times["reference", 0]
     ref_s = statistics.median(ref)
     rows = []  # (name, budget, median step, median of its ratios to the reference's step of the same round, resident, remat)
@@ -143,11 +137,10 @@ def main() -> None:
         f"Goal: with a budget >= the state, streamed <= 1.03x reference. Curve: `{args.png.relative_to(harness.ROOT)}`"
         if args.png.is_relative_to(harness.ROOT) else f"Curve: {args.png}",
     ]
-    body = "## Residency: step time against the device budget (experiments/bench/residency.py)\n\n" + "\n".join(lines)
-    body += (f"\n\nCommand: `.venv/bin/python experiments/bench/residency.py --layers {args.layers} "
-             f"--width {args.width} --seq {args.seq} --vocab {args.vocab} --steps {args.steps} --points {args.points} "
-             f"--hardware {args.hardware}`")
-    harness.publish(SECTION, body, write=not args.no_doc)
+    harness.publish(SECTION, "Residency: step time against the device budget (experiments/bench/residency.py)",
+                    "\n".join(lines), f"experiments/bench/residency.py --layers {args.layers} --width {args.width} "
+                    f"--seq {args.seq} --vocab {args.vocab} --steps {args.steps} --points {args.points} "
+                    f"--hardware {args.hardware}", write=not args.no_doc)
 
 
 if __name__ == "__main__":

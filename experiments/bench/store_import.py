@@ -93,12 +93,10 @@ def main() -> None:
         f"| peak RSS of `mtjax import` | {rss / gb:.2f} |\n"
         f"| peak RSS of the interpreter + JAX + mtjax alone | {baseline / gb:.2f} |\n"
     )
-    harness.publish(SECTION, (
-        "## Layer store import memory (experiments/bench/store_import.py)\n\n"
+    harness.publish(SECTION, "Layer store import memory (experiments/bench/store_import.py)", (
         f"`mtjax import` of a generated random fp32 Llama checkpoint (d_model 2048, {args.layers} blocks, "
         f"vocab 32000), peak RSS (VmHWM) of the import process; import took {secs:.0f} s on a shared machine.\n\n"
-        f"Command: `.venv/bin/python experiments/bench/store_import.py --layers {args.layers}`\n\n" + table),
-        write=not args.no_doc)
+        + table), f"experiments/bench/store_import.py --layers {args.layers}", write=not args.no_doc)
 
 
 if __name__ == "__main__":

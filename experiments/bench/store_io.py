@@ -121,17 +121,16 @@ def main() -> None:
         f"| read, cold cache | {total / med[1] / 1e9:.2f} | {total / med[3] / 1e9:.2f} | {ratio_r:.0%} |\n"
     )
     body = (
-        "## Layer store I/O (experiments/bench/store_io.py)\n\n"
         f"fp32 master weights of a d_model 2048 Llama with {args.layers} blocks: {len(data)} arrays, "
         f"{total / 1e9:.2f} GB per round, {layout.CHUNK_BYTES >> 20} MiB zarr3 chunks with crc32c; "
         f"median of {args.reps} alternating rounds in one run on a shared 2-core machine (load average "
         f"{os.getloadavg()[0]:.1f} at the end: absolute GB/s are low and noisy, compare the ratios); reads after fsync + "
         "posix_fadvise(DONTNEED) of every file (cold page cache). Plain = one file per array, "
         "`write` + fsync, `readinto` a preallocated buffer. Ratios are per round, then the median.\n\n"
-        f"Command: `.venv/bin/python experiments/bench/store_io.py --layers {args.layers} --reps {args.reps}`\n\n"
         + table
     )
-    harness.publish(SECTION, body, write=not args.no_doc)
+    harness.publish(SECTION, "Layer store I/O (experiments/bench/store_io.py)", body,
+                    f"experiments/bench/store_io.py --layers {args.layers} --reps {args.reps}", write=not args.no_doc)
 
 
 if __name__ == "__main__":

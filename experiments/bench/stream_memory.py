@@ -111,10 +111,9 @@ def main() -> None:
     last = (rows[-1]["peak_rss"] - rows[-1]["kept"]) / base - 1
     lines += ["", f"**Growth beyond kept activations, {rows[0]['layers']} -> {rows[-1]['layers']} blocks: "
               f"{last:+.1%}** (goal < 10%)"]
-    body = ("## Streaming memory vs depth (experiments/bench/stream_memory.py)\n\n" + "\n".join(lines)
-            + f"\n\nCommand: `.venv/bin/python experiments/bench/stream_memory.py --layers "
-              f"{' '.join(map(str, args.layers))} --width {args.width}`")
-    harness.publish("stream-memory", body, write=not args.no_doc)
+    harness.publish("stream-memory", "Streaming memory vs depth (experiments/bench/stream_memory.py)", "\n".join(lines),
+                    f"experiments/bench/stream_memory.py --layers {' '.join(map(str, args.layers))} --width {args.width}",
+                    write=not args.no_doc)
 
 
 if __name__ == "__main__":

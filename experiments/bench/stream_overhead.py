@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import harness  # first: the checkout on sys.path, JAX on the CPU
@@ -55,14 +53,9 @@ def main() -> None:
     ref = ReferenceTrainer(cfg, params, opt)
     stream = StreamEngine(cfg, params, opt, StreamConfig(keep_every=1, prefetch_depth=2))
     del params
-    times = {"reference": [], "stream": []}
-    for i, tokens in enumerate(data):
-        for name, engine in (("reference", ref), ("stream", stream)):
-            t0 = time.perf_counter()
-            engine.step(tokens)  # returns floats: the step has finished
-            if i:  # step 0 compiles
-                times[name].append(time.perf_counter() - t0)
-    ref_s, stream_s = statistics.median(times["reference"]), statistics.median(times["stream"])
+    # A step returns floats: it has finished when it returns.
+    med = harness.alternating_medians({"reference": ref.step, "stream": stream.step}, data)
+    ref_s, stream_s = med["reference"], med["stream"]
     stages = stream.stage_seconds()
     if args.trace:
         stream.write_trace(args.trace)
@@ -89,11 +82,9 @@ def main() -> None:
         "Stream stage seconds in the last step (summed over parts; stages overlap): "
         + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()),
     ]
-    body = "## Streaming overhead (experiments/bench/stream_overhead.py)\n\n" + "\n".join(lines) + (
-        f"\n\nCommand: `.venv/bin/python experiments/bench/stream_overhead.py "
-        f"--layers {args.layers} --width {args.width} --seq {args.seq}`"
-    )
-    harness.publish(SECTION, body, write=not args.no_doc)
+    harness.publish(SECTION, "Streaming overhead (experiments/bench/stream_overhead.py)", "\n".join(lines),
+                    f"experiments/bench/stream_overhead.py --layers {args.layers} --width {args.width} --seq {args.seq}",
+                    write=not args.no_doc)
 
 
 if __name__ == "__main__":

@@ -324,10 +324,9 @@ def main() -> None:
         "",
         *piece_table(pieces, args.piece_reps),
         NOTES,
-        "Command: `.venv/bin/python experiments/bench/vs_torch.py`",
     ]
-    body = "## mtjax vs transformers + torch on the CPU (experiments/bench/vs_torch.py)\n\n" + "\n".join(lines)
-    harness.publish(SECTION, body, write=not args.no_doc)
+    harness.publish(SECTION, "mtjax vs transformers + torch on the CPU (experiments/bench/vs_torch.py)",
+                    "\n".join(lines), "experiments/bench/vs_torch.py", write=not args.no_doc)
 
 
 if __name__ == "__main__":
