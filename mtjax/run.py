@@ -243,7 +243,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
         tokens_per_step = exp.data.grad_accum * exp.data.batch_size * exp.data.seq_len
         print(f"mtjax: {model.num_params(cfg) / 1e6:.2f}M-parameter {cfg.model_type} ({cfg.num_hidden_layers} blocks, "
-              f"width {cfg.hidden_size}), {exp.stream.engine} engine on {jax.devices()[0].platform}; "
+              f"width {cfg.hidden_size}), {exp.stream.engine} engine on {jax.local_devices()[0].platform}; "
               f"{dataset.meta['num_tokens']:,} tokens ({dataset.meta['tokenizer_source']}); "
               f"{_steps_text(first, exp.run.steps)} of {tokens_per_step:,} tokens; run dir {run_dir}",
               file=out, flush=True)
@@ -289,7 +289,7 @@ def _steps_text(first: int, steps: int) -> str:
 def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out) -> dict:
     run_dir = Path(exp.run.dir)
     losses, val_loss, start, trained = {}, None, time.perf_counter(), 0  # losses by step, tokens trained on
-    peak, peak_note = peak_flops(jax.devices()[0], cfg.compute_dtype)
+    peak, peak_note = peak_flops(jax.local_devices()[0], cfg.compute_dtype)
     print(f"mtjax: {peak_note}; per-step records in {run_dir / 'metrics.jsonl'}", file=out, flush=True)
     flops = model_flops_per_token(model.num_active_params(cfg), cfg.num_hidden_layers, exp.data.seq_len,
                                   cfg.num_attention_heads * cfg.head_dim)

@@ -114,5 +114,5 @@ def for_run(exp):
     if exp.stream.engine != "stream" or "auto" not in (exp.stream.resident, exp.stream.remat):
         return exp
     run = inputs.from_experiment(exp)
-    stream = resolve(run.cfg, run.stream, run.store, run.shape, profile_of(jax.devices()[0]), run.tx)
+    stream = resolve(run.cfg, run.stream, run.store, run.shape, profile_of(jax.local_devices()[0]), run.tx)
     return dataclasses.replace(exp, stream=stream)

@@ -8,7 +8,9 @@ gradient to its (deferred) update. With `spill`, sums wait in checksummed files
 (mtjax.store.pending) instead of host memory (used when the master weights live on disk).
 A step's finished sums are named by its tag (`finish(tag)`, file keys `pending_key(part,
 tag)`). A durable spill (one-copy stores) keeps a taken sum's files: the commit protocol
-(mtjax.stream.commit) deletes them once the part's new state is committed.
+(mtjax.stream.commit) deletes them once the part's new state is committed. In a
+multi-process run (`hosts`) each sum is reduce-scattered across the processes as it
+arrives, on the worker thread: a process keeps, parks and updates only its own rows.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ def _to_f32(g: dict) -> dict:
 
 
 class GradSink:
-    def __init__(self, placement: Placement, tracer, spill: PendingFiles | None = None):
-        self.placement, self.tracer, self.spill = placement, tracer, spill
+    def __init__(self, placement: Placement, tracer, spill: PendingFiles | None = None, hosts=None):
+        self.placement, self.tracer, self.spill, self.hosts = placement, tracer, spill, hosts
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="mtjax-grads")
         self._to_f32 = jax.jit(_to_f32)
         self._sq_fn = jax.jit(sum_of_squares)
@@ -53,7 +55,11 @@ class GradSink:
         with self.tracer.span("d2h", part):
             host = self.placement.host_arrays(grads)
         acc = dict(host) if all(x.dtype == jnp.float32 for x in host.values()) else self._to_f32(host)
-        self._sq[part] = self._sq_fn(acc)
+        if self.hosts is not None:  # the collectives run on this one thread, in the order parts arrive
+            with self.tracer.span("reduce_scatter", part):
+                acc, self._sq[part] = self.hosts.reduce_scatter(acc)
+        else:
+            self._sq[part] = self._sq_fn(acc)
         if self.spill:
             # np.asarray inside waits for the sum (host sync on this worker thread).
             self.spill.put(part + ".sum", acc)

@@ -24,7 +24,7 @@ TIER_NAMES = ("ram", "disk")
 
 def host_device() -> jax.Device:
     """The CPU device that holds host-resident state and runs the optimizer."""
-    return jax.devices("cpu")[0]
+    return jax.local_devices(backend="cpu")[0]  # this process's (a multi-process run lists all)
 
 
 def _done(value) -> cf.Future:
