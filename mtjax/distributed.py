@@ -114,14 +114,14 @@ def start(d: DistributedConfig) -> Startup | None:
     return startup
 
 
-def _digest(text: str) -> list[int]:
+def digest(text: str) -> list[int]:
     """Four int32s of a sha256 (jax gathers int32 without x64)."""
     return [int(x) for x in np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], np.int32)]
 
 
 def check_same(hosts: Hosts, what: str, text: str) -> None:
     """Refuse, on every process, a `what` that differs between processes (by a gathered hash)."""
-    table = hosts.gather_ints(_digest(text))
+    table = hosts.gather_ints(digest(text))
     differ = [p for p in range(hosts.count) if not np.array_equal(table[p], table[0])]
     if differ:
         raise Mismatch(f"process{'es' if len(differ) > 1 else ''} {', '.join(map(str, differ))} of {hosts.count} "

@@ -140,13 +140,14 @@ class StreamEngine:
 
     @classmethod
     def from_experiment(cls, exp: ExperimentConfig, cfg: ModelConfig, params=None, opt_state=None, *, store,
-                        step: int = 0) -> StreamEngine:
+                        step: int = 0, hosts=None) -> StreamEngine:
         """A run's engine, as the experiment config asks, committing into the run's open
         layer `store` (mtjax.checkpoint opens it; every run has one): from fp32 `params`
         (and `opt_state`), or resumed from the store's last commit, `step`, when `params`
-        is None. The engine owns the store from here on."""
+        is None. The engine owns the store from here on. `hosts`: a multi-process run's."""
+        rows = exp.data.batch_size // (1 if hosts is None else hosts.count)  # this process's share
         return cls(cfg, params, exp.optim, exp.stream, exp.store, store=store, opt_state=opt_state, step=step,
-                   batch_shape=(exp.data.batch_size, exp.data.seq_len), owns_store=True)
+                   batch_shape=(rows, exp.data.seq_len), owns_store=True, hosts=hosts)
 
     @property
     def commits_every_step(self) -> bool:
