@@ -56,13 +56,13 @@ def settings(d: DistributedConfig, env=os.environ) -> DistributedConfig | str | 
     return None
 
 
-def _watchdog(seconds: float, message: str) -> threading.Event:
-    """Exit with one line unless the returned event is set within `seconds`."""
+def _watchdog(seconds: float, message: list[str]) -> threading.Event:
+    """Exit with one line (`message[0]` then) unless the returned event is set within `seconds`."""
     done = threading.Event()
 
     def watch():
         if not done.wait(seconds):
-            sys.stderr.write(f"mtjax train: error: {message}\n")
+            sys.stderr.write(f"mtjax train: error: {message[0]}\n")
             sys.stderr.flush()
             os._exit(EXIT_STARTUP)
 
@@ -80,9 +80,13 @@ class Startup:
         where = (f"process {d.process_id} of {d.num_processes} could not join the run at the coordinator "
                  f"{d.coordinator}" if isinstance(d, DistributedConfig) else
                  "this SLURM task could not join the run's other tasks")
-        self.ready = _watchdog(self.timeout, f"{where} within {self.timeout:g} s (distributed.timeout_s): start "
-                                             "every process, each with the same coordinator and process count "
-                                             "and its own process id, and check that the address is reachable")
+        # Process 0 hosts the coordinator: it stops last, so that the others' own lines, not
+        # JAX's abort when the coordinator goes away, say why they stopped.
+        first = isinstance(d, DistributedConfig) and d.process_id == 0
+        self.message = [f"{where} within {self.timeout:g} s (distributed.timeout_s): start every process, each "
+                        "with the same coordinator and process count and its own process id, and check that the "
+                        "address is reachable"]
+        self.ready = _watchdog(self.timeout + (2 if first else 0), self.message)
         atexit.register(self.ready.set)  # runs before jax's own exit handler (shutdown), registered earlier
         self.hosts: Hosts | None = None
 
@@ -94,9 +98,11 @@ class Startup:
         else:
             jax.distributed.initialize(initialization_timeout=late)
         self.hosts = Hosts()
-        if isinstance(self.d, DistributedConfig) and self.hosts.count != self.d.num_processes:
-            raise Mismatch(f"the run has {self.hosts.count} processes but this one was started for "
-                           f"{self.d.num_processes} (distributed.num_processes)")
+        self.message[0] = (f"process {self.hosts.index} of {self.hosts.count} joined the run, but not every process "
+                           f"passed the start-up checks within {self.timeout:g} s (distributed.timeout_s); see the "
+                           "other processes' errors")
+        if isinstance(self.d, DistributedConfig):  # every process says how many it was started for
+            check_same(self.hosts, "distributed.num_processes", str(self.d.num_processes))
         return self.hosts
 
     def done(self) -> None:

@@ -50,6 +50,7 @@ def main(port: int, count: int, index: int, out: Path) -> None:
                          if k == kind for a in arrays.values())
                for kind in ("compute", "master", "opt") if tier == "ram"}
         stored = {kind: store.nbytes(kind) for kind in ("compute", "master", "opt")} if store else {}
+        sent = dict(hosts.sent)  # the steps' collectives only
         params, opt_state = engine.params(), engine.opt_state()
         if store is not None:
             engine.commit()
@@ -61,7 +62,7 @@ def main(port: int, count: int, index: int, out: Path) -> None:
             flat.update({f"opt/{k}": np.asarray(v) for k, v in treepath.flatten(opt_state).items()})
             np.savez(out / f"{name}.npz", **flat)
         (out / f"{name}-{index}.json").write_text(json.dumps(
-            {"losses": losses, "ram": ram, "stored": stored, "sent": hosts.sent}))
+            {"losses": losses, "ram": ram, "stored": stored, "sent": sent}))
     jax.distributed.shutdown()
 
 
