@@ -46,7 +46,10 @@ class Hosts:
         self._scatter = jax.jit(_sum_over_processes, out_shardings=self._split)
         self._reduce = jax.jit(_sum_over_processes, out_shardings=self._whole)
         self._gather = jax.jit(lambda x: x, out_shardings=self._whole)
-        self.sent = {"reduce_scatter": 0, "all_gather": 0}  # payload bytes this process put in, so far
+        # Bytes this process sends over the network so far, as ring algorithms move them
+        # (mtjax.plan.hosts describes a step's): a reduce-scatter sends (count - 1) / count
+        # of its padded input, an all-reduce twice that, an all-gather its piece count - 1 times.
+        self.sent = {"reduce_scatter": 0, "all_gather": 0}
 
     def _global(self, local: np.ndarray, sharding, shape) -> jax.Array:
         return jax.make_array_from_process_local_data(sharding, local, shape)
@@ -75,7 +78,8 @@ class Hosts:
                 out[name] = self._local(self._reduce(self._global(g[None], self._split, (self.count, *g.shape))))
             if self.shard.splits(g.shape) or self.index == 0:
                 sq = sq + jnp.sum(jnp.square(out[name]))
-            self.sent["reduce_scatter"] += padded.nbytes
+            ring = 1 if self.shard.splits(g.shape) else 2
+            self.sent["reduce_scatter"] += ring * padded.nbytes * (self.count - 1) // self.count
         return out, sq
 
     def all_gather(self, mine: dict, schema: dict) -> dict:
@@ -90,7 +94,7 @@ class Hosts:
             piece = self.shard.pad_own(a, n)
             whole = self._gather(self._global(piece, self._split, (self.count * piece.shape[0], *piece.shape[1:])))
             out[name] = self.shard.unpad_whole(self._local(whole), n)
-            self.sent["all_gather"] += piece.nbytes
+            self.sent["all_gather"] += piece.nbytes * (self.count - 1)
         return out
 
     def all_sum(self, values) -> np.ndarray:
