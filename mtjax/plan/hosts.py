@@ -1,7 +1,7 @@
 """A multi-process run's step, priced per host: its share of the state, and the network.
 
     c = collective_bytes(cfg, processes)     bytes each process sends per step
-    h = per_host(plan, processes, hw)        the plan's RAM and disk per host, network time
+    h = per_host(plan, processes)            the plan's RAM and disk per host, network time
 
 Each process keeps its rows of every part's master weights and optimizer state
 (mtjax.shard) and the whole compute copy; per step it sends its gradient sums into one
@@ -22,7 +22,7 @@ import numpy as np
 
 from mtjax import parts
 from mtjax.model_config import ModelConfig
-from mtjax.optim import make_optimizer
+from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.shard import Shard
 
 
@@ -54,37 +54,33 @@ def collective_bytes(cfg: ModelConfig, processes: int) -> Collectives:
 
 class PerHost(NamedTuple):
     processes: int
-    state_bytes: int  # master + optimizer state one process holds (RAM or disk, as placed)
-    compute_bytes: int  # the whole compute copy, on every host
     ram_bytes: int  # the plan's host RAM on one host
-    disk_bytes: int  # the plan's store on one host's disk
+    disk_bytes: int  # the plan's store on one host's disk (its shard)
     collectives: Collectives
-    network_s: float  # seconds per step the collectives take at the profile's rate
+    network_s: float  # seconds per step the collectives take at the profile's network rate
+    step_s: float  # the plan's step time plus the collectives' (not hidden under compute)
 
 
-def state_bytes(cfg: ModelConfig, processes: int, optim=None) -> tuple[int, int]:
-    """(master + optimizer bytes one process holds, the whole compute copy's bytes)."""
-    tx = make_optimizer(optim) if optim is not None else None
+def _sharded_bytes(cfg: ModelConfig, kind: str, shard: Shard, tx) -> int:
+    return sum(parts.nbytes(shard.schema(parts.schema(cfg, p.name, kind, tx))) for p in parts.parts(cfg))
+
+
+def per_host(plan, processes: int, optim=None) -> PerHost:
+    """`plan` (mtjax.plan.cost.Plan of the whole step on one host) as each host of a run
+    of `processes` carries it: its rows of the master weights, the optimizer state and the
+    gradient sums waiting for their update (wherever they are placed), the whole compute
+    copy (always kept: a host cannot round it from master rows it does not hold)."""
+    cfg, store, state, s = plan.cfg, plan.store, plan.state, plan.schedule
+    tx = make_optimizer(optim) if optim is not None else make_optimizer(OptimConfig())
     shard = Shard(0, max(processes, 1))
-    held = sum(parts.nbytes(shard.schema(parts.schema(cfg, p.name, kind, tx)))
-               for p in parts.parts(cfg) for kind in ("master", "opt"))
-    return held, sum(parts.nbytes(parts.schema(cfg, p.name, "compute")) for p in parts.parts(cfg))
-
-
-def per_host(plan, processes: int, network_bytes_per_s: float | None, optim=None) -> PerHost:
-    """`plan` (mtjax.plan.cost.Plan of the whole model on one host) as one host of
-    `processes` holds it: the master and optimizer state wherever they are placed fall
-    by the process count, the compute copy does not."""
-    cfg, store = plan.schedule.cfg, plan.schedule.store
-    held, compute = state_bytes(cfg, processes, optim)
-    whole, _ = state_bytes(cfg, 1, optim)
-    saved = whole - held  # the other processes' rows
-    in_ram = [k for k in ("master", "opt") if store.tiers[k] == "ram"]
-    share = {k: sum(parts.nbytes(parts.schema(cfg, p.name, k, make_optimizer(optim) if optim else None))
-                    for p in parts.parts(cfg)) for k in ("master", "opt")}
-    ram_saved = sum(share[k] for k in in_ram) * saved // max(whole, 1)
-    disk_saved = saved * 2 - sum(share[k] for k in in_ram) * saved // max(whole, 1)  # two slots of each
+    mine = {k: _sharded_bytes(cfg, k, shard, tx) for k in ("master", "opt")}
+    less = {k: state.get(k) - mine[k] for k in mine}  # the other hosts' rows
+    ram = plan.ram_needed - sum(less[k] for k in less if getattr(store, k) == "ram")
+    ram -= plan.host.grads - plan.host.grads * mine["master"] // max(state.master, 1)
+    if s.derived_compute:  # kept after all
+        ram += state.compute
+    disk = plan.disk_bytes - store.copies * sum(less.values()) - (less["master"] if s.spill else 0)
     c = collective_bytes(cfg, processes)
-    seconds = c.total / network_bytes_per_s if network_bytes_per_s and processes > 1 else 0.0
-    return PerHost(processes, held, compute, plan.ram_needed - ram_saved, plan.disk_bytes - max(disk_saved, 0),
-                   c, seconds)
+    rate = plan.hardware.network_bytes_per_s
+    seconds = c.total / rate if processes > 1 else 0.0
+    return PerHost(processes, ram, disk, c, seconds, plan.times.step + seconds)
