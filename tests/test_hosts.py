@@ -247,13 +247,17 @@ def _train_until(tmp_path: Path, run: str, steps: int, marker: str, timeout: flo
     (the step after it is then under way); then the other. True if the kill happened."""
     port = free_port()
     procs = [subprocess.Popen(_process(i, 2, port, f"--run.dir={run}", f"--run.steps={steps}"), cwd=tmp_path,
-                              env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for i in range(2)]
-    os.set_blocking(procs[1].stderr.fileno(), False)
-    seen, deadline, killed = "", time.monotonic() + timeout, False
+    fd = procs[1].stderr.fileno()
+    os.set_blocking(fd, False)
+    seen, deadline, killed = b"", time.monotonic() + timeout, False
     while time.monotonic() < deadline and procs[1].poll() is None:
-        seen += procs[1].stderr.read() or ""
-        if marker in seen:
+        try:
+            seen += os.read(fd, 1 << 16)
+        except BlockingIOError:
+            pass
+        if marker.encode() in seen:
             procs[0].send_signal(signal.SIGKILL)
             killed = True
             break
