@@ -25,10 +25,14 @@ import numpy as np
 import pytest
 
 from hosts_case import CFG, OPT, batches
+import mtjax.store
 from mtjax import model, parts, treepath
 from mtjax.optim import make_optimizer
 from mtjax.plan.hosts import collective_bytes
 from mtjax.reference import ReferenceTrainer
+from mtjax.shard import Shard
+from mtjax.store import shards
+from mtjax.store.errors import StoreError
 
 HERE = Path(__file__).parent
 WORKER_CASES = [("ram", 1), ("ram", 4), ("disk", 4)]  # as tests/hosts_worker.py trains them
@@ -208,8 +212,6 @@ def _train(tmp_path: Path, run: str, steps: int, kills=(None, None), extra=(), t
 
 
 def _shard_state(root: Path) -> dict:
-    import mtjax.store
-
     out = {}
     for shard in sorted(root.glob("shard-*")):
         with mtjax.store.open(shard) as store:
@@ -268,3 +270,66 @@ def _train_until(tmp_path: Path, run: str, steps: int, marker: str, timeout: flo
             p.send_signal(signal.SIGKILL)
         p.wait(timeout=30)
     return killed
+
+
+# --- the pieces, in one process ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows,count", [(97, 2), (33, 3), (2, 2), (1, 2), (5, 4)])
+def test_shards_cover_every_row_once_and_pad_back(rows, count):
+    whole = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+    shards = [Shard(i, count) for i in range(count)]
+    if rows < count:  # not split: every process holds all of it
+        assert all(not s.splits(whole.shape) and s.take(whole) is whole for s in shards)
+        return
+    pieces = [s.take(whole) for s in shards]
+    assert max(len(p) for p in pieces) - min(len(p) for p in pieces) <= 1
+    np.testing.assert_array_equal(np.concatenate(pieces), whole)
+    padded = np.concatenate([s.pad_own(p, rows) for s, p in zip(shards, pieces)])
+    np.testing.assert_array_equal(padded, shards[0].pad_whole(whole))
+    np.testing.assert_array_equal(shards[0].unpad_whole(padded, rows), whole)
+
+
+def _filled_shards(root: Path, count: int = 2) -> list:
+    stores = []
+    for i in range(count):
+        store = mtjax.store.create(root / Shard(i, count).name, CFG, make_optimizer(OPT),
+                                   hosts={"index": i, "count": count, "run": "r"})
+        for p in store.parts:
+            for kind in ("compute", "master", "opt"):
+                store.write(p, kind, {n: np.full(s.shape, i, s.dtype) for n, s in store.schema(p, kind).items()})
+        stores.append(store)
+    return stores
+
+
+def test_a_commit_every_shard_prepared_is_finished_on_resume_and_one_not_prepared_everywhere_is_dropped(tmp_path):
+    a, b = _filled_shards(tmp_path)
+    for s in (a, b):
+        s.commit(0, prepare=True)
+    with pytest.raises(StoreError, match="written while a commit ran"):
+        a.write("embed", "compute", a.read("embed", "compute").result())
+    a.finish_commit()  # b is killed here: after the barrier, before its own rename
+    a.close(), b.close()
+    table = [shards.generations(tmp_path, Shard(i, 2)) for i in range(2)]
+    assert table == [(1, -1), (0, 1)]
+    with pytest.raises(StoreError, match="stopped inside a commit"):
+        mtjax.store.open(tmp_path / Shard(1, 2).name, writable=True)
+    assert [shards.resolve(tmp_path, Shard(i, 2), table) for i in range(2)] == [1, 1]
+    assert [shards.generations(tmp_path, Shard(i, 2)) for i in range(2)] == [(1, -1), (1, -1)]
+
+    # The next commit prepared by one shard only (the other killed before the barrier): dropped.
+    a = mtjax.store.open(tmp_path / Shard(0, 2).name, writable=True)
+    a.write("embed", "compute", {n: np.full(s.shape, 7, s.dtype) for n, s in a.schema("embed", "compute").items()})
+    a.commit(1, prepare=True)
+    a.close()
+    table = [shards.generations(tmp_path, Shard(i, 2)) for i in range(2)]
+    assert table == [(1, 2), (1, -1)]
+    assert shards.resolve(tmp_path, Shard(0, 2), table) == 1
+    with mtjax.store.open(tmp_path / Shard(0, 2).name) as s:
+        assert s.step == 0 and all((a == 0).all() for a in s.read("embed", "compute").result().values())
+
+    # A shard of another generation (another run's, or an old copy) is refused.
+    with pytest.raises(StoreError, match="does not belong to this run"):
+        shards.resolve(tmp_path, Shard(1, 2), [(5, -1), (1, -1)])
+    with pytest.raises(StoreError, match="shards of a run of 2 processes"):
+        shards.check_count(tmp_path, 3)
