@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 import mtjax.store
+from mtjax.store import shards
 from mtjax import checkpoint
 from mtjax import config as config_lib
 from mtjax import data, distributed, documents, generate, hf, model, preflight
@@ -218,7 +219,9 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     cfg = config_lib.model_config(exp)
     cfg.check_context(exp.data.seq_len, "data.seq_len")
     hosts = _join(exp)
-    if hosts is not None:
+    if hosts is None:  # before anything is prepared: a multi-process run's shards need all of its processes
+        shards.check_count(checkpoint.store_path(exp), 1)
+    else:
         exp = replace(exp, stream=dict(resident="none"))  # every part's state is split over the hosts
     run_dir.mkdir(parents=True, exist_ok=True)
     if hosts is not None and hosts.index:

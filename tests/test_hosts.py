@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -178,6 +179,18 @@ def test_processes_started_for_different_counts_each_say_so(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_resume_with_another_process_count_is_refused_in_one_line(tmp_path):
+    for store in _filled_shards(tmp_path / "store"):
+        store.commit(0, prepare=True)
+        store.finish_commit()
+        store.close()
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    [(rc, _, err)] = launch([[*TRAIN, "--run.dir=run", "--store.path=store", "--run.resume=true"]], tmp_path, 120)
+    line = _one_error_line(rc, err)
+    assert "holds the shards of a run of 2 processes; resume it with 2 processes (this run has one process)" in line
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
 # --- mtjax train: global commits under kill -9 -------------------------------------------
 
 
@@ -242,6 +255,15 @@ def test_kill_of_one_process_mid_commit_and_mid_step_then_rerun_is_bit_identical
     assert clean.keys() == killed.keys()
     for key, a in clean.items():
         np.testing.assert_array_equal(np.asarray(killed[key]), np.asarray(a), err_msg=str(key))
+
+    # A shard from another run (at the same step) in its place: every process stops, one line each.
+    mine = tmp_path / "killed" / "store" / "shard-1-of-2"
+    shutil.rmtree(mine)
+    shutil.copytree(tmp_path / "clean" / "store" / "shard-1-of-2", mine)
+    (mine / "LOCK").unlink(missing_ok=True)
+    first, second = _train(tmp_path, "killed", steps + 1)
+    assert "process 1 of 2 refused to start" in _one_error_line(first[0], first[2])
+    assert "belongs to another run" in _one_error_line(second[0], second[2])
 
 
 def _train_until(tmp_path: Path, run: str, steps: int, marker: str, timeout: float = 240) -> bool:

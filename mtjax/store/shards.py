@@ -43,8 +43,9 @@ def check_count(root, count: int) -> None:
               if (m := _SHARD_DIR.fullmatch(d.name)) and (d / layout.MANIFEST).exists()}
     other = sorted(counts - {count})
     if other:
+        this = "one process" if count == 1 else f"{count}"
         raise StoreError(f"store {root} holds the shards of a run of {other[0]} processes; resume it with "
-                         f"{other[0]} processes (this run has {count}), or use a new run.dir")
+                         f"{other[0]} processes (this run has {this}), or use a new run.dir")
 
 
 def generations(root, shard: Shard) -> tuple[int, int]:
