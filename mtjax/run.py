@@ -232,7 +232,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     dataset.check_vocab(cfg.vocab_size)
     asked = exp.stream  # config.yaml keeps `auto`: another machine's memory resolves it anew
     exp = residency.for_run(exp)  # stream.resident=auto: the planner's parts for this device's memory
-    preflight.check(exp, cfg, dataset)  # before any weight is made: RAM, disk, data length
+    preflight.check(exp, cfg, dataset, processes=1 if hosts is None else hosts.count)  # before any weight is made
     tokenizer = dataset.tokenizer()
     exp = _as_run(exp, dataset, tokenizer, run_dir)
     if exp.model.checkpoint and tokenizer.spec == "bytes" and (Path(exp.model.checkpoint) / "tokenizer.json").exists():

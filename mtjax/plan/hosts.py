@@ -16,6 +16,7 @@ hardware profile's `network_bytes_per_s`; the collectives run after the backward
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
@@ -84,3 +85,13 @@ def per_host(plan, processes: int, optim=None) -> PerHost:
     rate = plan.hardware.network_bytes_per_s
     seconds = c.total / rate if processes > 1 else 0.0
     return PerHost(processes, ram, disk, c, seconds, plan.times.step + seconds)
+
+
+def host_plan(plan, processes: int):
+    """`plan` with the host RAM and disk of one host of `processes` (its other figures as
+    they were): what the preflight checks against one machine."""
+    if processes < 2:
+        return plan
+    h = per_host(plan, processes)
+    host = dataclasses.replace(plan.host, total=plan.host.total - (plan.ram_needed - h.ram_bytes))
+    return dataclasses.replace(plan, host=host, disk_bytes=h.disk_bytes)
