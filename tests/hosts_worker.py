@@ -46,9 +46,7 @@ def main(port: int, count: int, index: int, out: Path) -> None:
                               store=store, hosts=hosts)
         hosts.sent = dict.fromkeys(hosts.sent, 0)  # this case's payload bytes
         losses = [engine.step(b)["loss"] for b in batches(accum)]
-        ram = {kind: sum(a.nbytes for (p, k), arrays in engine.tiers.by_kind[kind]._data.items()
-                         if k == kind for a in arrays.values())
-               for kind in ("compute", "master", "opt") if tier == "ram"}
+        ram = {kind: engine.tiers.by_kind[kind].nbytes(kind) for kind in ("compute", "master", "opt") if tier == "ram"}
         stored = {kind: store.nbytes(kind) for kind in ("compute", "master", "opt")} if store else {}
         sent = dict(hosts.sent)  # the steps' collectives only
         params, opt_state = engine.params(), engine.opt_state()

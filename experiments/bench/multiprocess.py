@@ -49,8 +49,7 @@ def child(port: int, count: int, index: int, layers: int, width: int, steps: int
     for b in batches[1:]:
         engine.step(b)
     seconds = time.perf_counter() - start
-    held = sum(a.nbytes for (_, kind), arrays in engine.tiers.by_kind["master"]._data.items()
-               if kind in ("master", "opt") for a in arrays.values())
+    held = sum(engine.tiers.by_kind[kind].nbytes(kind) for kind in ("master", "opt"))
     sent = {k: (v - sent0[k]) // steps for k, v in hosts.sent.items()} if hosts else {}
     described = collective_bytes(cfg, count)._asdict()
     engine.close()

@@ -60,6 +60,10 @@ class RamTier:
         self._data[part, kind] = dict(arrays)
         return _done(None)
 
+    def nbytes(self, kind: str) -> int:
+        """Bytes held of one kind of state, over all parts."""
+        return sum(np.asarray(a).nbytes for (_, k), arrays in self._data.items() if k == kind for a in arrays.values())
+
     def close(self) -> None:
         self._data.clear()
 
