@@ -355,3 +355,32 @@ def test_a_commit_every_shard_prepared_is_finished_on_resume_and_one_not_prepare
         shards.resolve(tmp_path, Shard(1, 2), [(5, -1), (1, -1)])
     with pytest.raises(StoreError, match="shards of a run of 2 processes"):
         shards.check_count(tmp_path, 3)
+
+
+@pytest.mark.parametrize("settings,message", [
+    (["distributed.coordinator=nohost"], "must be host:port"),
+    (["distributed.coordinator=10.0.0.1:7777"], "needs distributed.num_processes >= 1"),
+    (["distributed.coordinator=10.0.0.1:7777", "distributed.num_processes=2", "distributed.process_id=2"],
+     "0 <= distributed.process_id < num_processes"),
+    (["distributed.num_processes=2"], "need distributed.coordinator"),
+    (["distributed.timeout_s=0"], "timeout_s must be > 0"),
+])
+def test_distributed_settings_are_checked_in_one_line(settings, message):
+    from mtjax import config
+
+    with pytest.raises(config.ConfigError, match=message):
+        config.load(None, settings)
+
+
+def test_settings_come_from_the_config_the_environment_or_slurm():
+    from mtjax import distributed
+    from mtjax.config import DistributedConfig
+
+    given = DistributedConfig("h:1", 2, 1)
+    assert distributed.settings(given, {"MTJAX_COORDINATOR": "other:2"}) is given
+    env = {"MTJAX_COORDINATOR": "h:9", "MTJAX_NUM_PROCESSES": "4", "MTJAX_PROCESS_ID": "3"}
+    assert distributed.settings(DistributedConfig(), env) == DistributedConfig("h:9", 4, 3)
+    assert distributed.settings(DistributedConfig(), {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"}) == "cluster"
+    assert distributed.settings(DistributedConfig(), {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}) is None
+    with pytest.raises(distributed.ConfigError, match="MTJAX_NUM_PROCESSES"):
+        distributed.settings(DistributedConfig(), {"MTJAX_COORDINATOR": "h:9"})
