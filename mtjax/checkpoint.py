@@ -196,10 +196,12 @@ def read_model(store, tx):
     return read_params(store), full_opt_state(store.config, tx, opt)
 
 
-def export_final(exp: ExperimentConfig, out: Path, tokenizer, step: int, chat_template: dict | None = None) -> Path:
+def export_final(exp: ExperimentConfig, out: Path, tokenizer, step: int, chat_template: dict | None = None,
+                 store_dir: Path | None = None, params=None) -> Path:
     """The run's last commit as a Hugging Face checkpoint in `out`, with its tokenizer, and
     the chat template its data was rendered with ({"source", "special_tokens"} of a chat
-    dataset's meta.json), so that transformers and `mtjax generate --chat` prompt it alike."""
+    dataset's meta.json), so that transformers and `mtjax generate --chat` prompt it alike.
+    A multi-process run passes its shard's `store_dir` and the whole `params` (gathered)."""
 
     def extra(tmp: Path) -> None:
         tokenizer.save(tmp)
@@ -211,4 +213,7 @@ def export_final(exp: ExperimentConfig, out: Path, tokenizer, step: int, chat_te
         (tmp / EXPORT_NOTE).write_text(json.dumps({"step": step, "tokenizer": spec, "eos_id": tokenizer.eos_id},
                                                   indent=2))
 
-    return hf_export.export_hf(store_path(exp), out, replace=True, extra=extra)
+    names = [] if params is None else ["embed", *(f"block.{i}" for i in range(len(params["blocks"]))), "head"]
+    masters = None if params is None else {
+        name: {n: np.asarray(a) for n, a in treepath.flatten(parts.part_params(params, name)).items()} for name in names}
+    return hf_export.export_hf(store_dir or store_path(exp), out, replace=True, extra=extra, masters=masters)

@@ -368,14 +368,17 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
                 engine.commit(step, checkpoint.train_state(exp, step, loader.cursor))
         seconds = time.perf_counter() - start
         engine.commit(exp.run.steps, checkpoint.train_state(exp, exp.run.steps, loader.cursor), flush=True)
+        template, params = loader.ds.meta.get("chat_template"), None
         if getattr(engine, "hosts", None) is not None:
-            final = "not written (a multi-process run's store is sharded; its export is still to do)"
+            # A shard holds its rows only: every process gathers the whole weights, one exports them.
+            params = engine.params()
+            final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps, template,
+                                            engine.store.root, params) if lead else run_dir / "final"
         else:
-            final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps,
-                                            loader.ds.meta.get("chat_template"))
+            final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps, template)
         sample = ""
         if exp.run.sample_prompt and exp.run.sample_tokens:
-            params = engine.params()  # every process of a multi-process run gathers them
+            params = engine.params() if params is None else params  # (a multi-process run's: gathered above)
             if lead:
                 sample = generate.complete(cfg, params, tokenizer, exp.run.sample_prompt, exp.run.sample_tokens,
                                            seed=exp.run.seed)

@@ -256,6 +256,10 @@ def test_kill_of_one_process_mid_commit_and_mid_step_then_rerun_is_bit_identical
     for key, a in clean.items():
         np.testing.assert_array_equal(np.asarray(killed[key]), np.asarray(a), err_msg=str(key))
 
+    # The final exports (process 0's, of the gathered weights) are the same bytes too.
+    assert (tmp_path / "clean" / "final" / "model.safetensors").read_bytes() == \
+        (tmp_path / "killed" / "final" / "model.safetensors").read_bytes()
+
     # A shard from another run (at the same step) in its place: every process stops, one line each.
     mine = tmp_path / "killed" / "store" / "shard-1-of-2"
     shutil.rmtree(mine)
