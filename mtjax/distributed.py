@@ -83,9 +83,9 @@ class Startup:
         # Process 0 hosts the coordinator: it stops last, so that the others' own lines, not
         # JAX's abort when the coordinator goes away, say why they stopped.
         first = isinstance(d, DistributedConfig) and d.process_id == 0
-        self.message = [f"{where} within {self.timeout:g} s (distributed.timeout_s): start every process, each "
-                        "with the same coordinator and process count and its own process id, and check that the "
-                        "address is reachable"]
+        self.message = [(f"{where} within {self.timeout:g} s (distributed.timeout_s): start every process, each "
+                         "with the same coordinator and process count and its own process id, and check that the "
+                         "address is reachable")]
         self.ready = _watchdog(self.timeout + (2 if first else 0), self.message)
         atexit.register(self.ready.set)  # runs before jax's own exit handler (shutdown), registered earlier
         self.hosts: Hosts | None = None

@@ -29,7 +29,7 @@ def main(port: int, count: int, index: int, out: Path) -> None:
     from mtjax.stream import StreamEngine
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from hosts_case import CFG, OPT, batches  # noqa: E402
+    from hosts_case import CFG, OPT, batches
 
     startup = distributed.start(DistributedConfig(f"127.0.0.1:{port}", count, index, timeout_s=60))
     hosts = startup.hosts

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from hosts_case import CFG, OPT, batches
+
 import mtjax.store
 from mtjax import model, parts, treepath
 from mtjax.optim import make_optimizer
@@ -85,7 +85,7 @@ def worker_run(tmp_path_factory):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(accum: int):
     trainer = ReferenceTrainer(CFG, model.init_params(CFG, seed=1), OPT)
     losses = [trainer.step(b)["loss"] for b in batches(accum)]
