@@ -13,6 +13,7 @@ OPT = OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=2, decay_steps=10, cl
 STEPS = 5
 
 
-def batches(accum: int, rows: int = 2, seed: int = 0):
+def batches(accum: int, rows: int = 4, seed: int = 0):
+    """Every step's global batch: 4 rows, one on each device of two processes of two."""
     rng = np.random.default_rng(seed)
     return [rng.integers(0, CFG.vocab_size, (accum, rows, 16), dtype=np.int32) for _ in range(STEPS)]

@@ -2,7 +2,7 @@
 
 Each run of processes is bounded in time (a process still running at its deadline is
 killed and the test fails), and each takes a free port. One spawned run of
-tests/hosts_worker.py trains every case (RAM tier with accum 1 and 4, disk tier), so the
+tests/hosts_worker.py (two processes of two CPU devices each) trains every case (RAM tier with accum 1 and 4, disk tier), so the
 processes' start-up and compilation are paid once: 5 AdamW steps with clipping on two
 processes equal the in-memory reference on the same global batches, tensor by tensor,
 and each process holds half of the master and optimizer state. Bad start-ups, and
@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import multidevice
 import numpy as np
 import pytest
 from hosts_case import CFG, OPT, batches
@@ -45,18 +46,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(extra: dict | None = None) -> dict:
-    root = str(HERE.parent)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([root, str(HERE)]))
-    env.update(extra or {})
-    return env
+def _env(extra: dict | None = None, devices: int = 1) -> dict:
+    return multidevice.env(devices, **(extra or {}))
 
 
-def launch(commands: list[list[str]], cwd: Path, timeout: float, envs: list[dict] | None = None, meanwhile=None):
-    """Run the processes together; [(returncode, stdout, stderr)] once all ended. A process
-    still running after `timeout` seconds fails the test (all are killed first).
-    `meanwhile()` runs here while they do."""
-    procs = [subprocess.Popen(c, cwd=cwd, env=_env(e), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def launch(commands: list[list[str]], cwd: Path, timeout: float, envs: list[dict] | None = None, meanwhile=None,
+           devices: int = 1):
+    """Run the processes together, each with `devices` CPU devices; [(returncode, stdout,
+    stderr)] once all ended. A process still running after `timeout` seconds fails the
+    test (all are killed first). `meanwhile()` runs here while they do."""
+    procs = [subprocess.Popen(c, cwd=cwd, env=_env(e, devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
              for c, e in zip(commands, envs or [None] * len(commands))]
     deadline = time.monotonic() + timeout
     try:
@@ -78,7 +78,7 @@ def worker_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("hosts")
     port = free_port()
     results = launch([[sys.executable, str(HERE / "hosts_worker.py"), str(port), "2", str(i), str(out)]
-                      for i in range(2)], out, timeout=300,
+                      for i in range(2)], out, timeout=300, devices=2,
                      meanwhile=lambda: [_reference(accum) for accum in sorted({a for _, a in WORKER_CASES})])
     for rc, _, err in results:
         assert rc == 0, err[-3000:]
