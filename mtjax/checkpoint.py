@@ -10,7 +10,10 @@ store.path is set. Every run checkpoints this one way, whichever engine and tier
 `open_run_store` refuses, in one line each and before anything is written: a second
 trainer (the store's lock), a store holding a trained run without `run.resume`, a resume
 whose fixed settings (data, tokenizer, batch shape, optimizer) differ from the commit's,
-and `run.resume=true` with nothing to resume.
+and `run.resume=true` with nothing to resume. A multi-process run (`hosts`) opens this
+process's shard store under the store root (mtjax.store.shards), after the processes
+have brought their shards to the run's last commit; a shard of a run with another
+process count, or of another run, is refused on every process.
 """
 
 from __future__ import annotations
@@ -18,18 +21,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 from pathlib import Path
 
 import numpy as np
 
 import mtjax.store
-from mtjax import parts, treepath
+from mtjax import distributed, parts, treepath
 from mtjax.config import ConfigError, ExperimentConfig
 from mtjax.data import chat
 from mtjax.model_config import ModelConfig
 from mtjax.optim import make_optimizer
-from mtjax.store import fill, hf_export, lock
+from mtjax.store import fill, hf_export, lock, shards
+from mtjax.store.errors import StoreError
 from mtjax.stream.update import full_opt_state, split_opt_state
 
 EXPORT_NOTE = "mtjax-state.json"  # in final/: the step it holds and its tokenizer (for eval and generate)
@@ -58,14 +63,52 @@ def fixed_settings(exp: ExperimentConfig) -> dict:
     return json.loads(json.dumps(fixed))  # as the store gives it back (tuples become lists)
 
 
-def open_run_store(exp: ExperimentConfig, cfg: ModelConfig):
+def open_run_store(exp: ExperimentConfig, cfg: ModelConfig, hosts=None):
     """(store open for writing, train state of its last commit or None, created).
 
     created: the run found no store and made an empty one (the caller fills it and
     commits step 0, or `discard`s it if the run fails before). A store without train
     state was filled by `mtjax import` or `mtjax init`: the run trains from its weights.
+    `hosts` (mtjax.stream.hosts.Hosts): this process's shard of a multi-process run.
     """
-    path = store_path(exp)
+    if hosts is None:
+        return _open_at(store_path(exp), exp, cfg)
+    root, shard = store_path(exp), hosts.shard
+    distributed.agree(hosts, _refusal(lambda: shards.check_count(root, hosts.count)))
+    table = hosts.gather_ints(shards.generations(root, shard))
+    distributed.agree(hosts, _refusal(lambda: shards.resolve(root, shard, table)))
+    # The run id every shard records: process 0's random pick.
+    run = "".join(f"{int(x):08x}" for x in hosts.gather_ints([secrets.randbelow(2**31) for _ in range(2)])[0])
+    opened = []
+    refused = _refusal(lambda: opened.append(_open_at(
+        shards.shard_root(root, shard), exp, cfg, {"index": shard.index, "count": shard.count, "run": run})))
+    if refused is not None:
+        distributed.agree(hosts, refused)
+    store, state, created = opened[0]
+    try:
+        distributed.agree(hosts, None)  # another process's shard may have been refused
+        mine = store.hosts["run"] if store.hosts else ""
+        ids = hosts.gather_ints(distributed.digest(mine))
+        foreign = None if np.array_equal(ids[shard.index], ids[0]) else StoreError(
+            f"store shard {store.root} belongs to another run (run id {mine}) than process 0's shard; "
+            f"put back this run's own {shard.name}, or start a new run.dir")
+        distributed.agree(hosts, foreign)
+    except BaseException:
+        discard(store) if created else store.close()
+        raise
+    return store, state, created
+
+
+def _refusal(check) -> Exception | None:
+    """The one-line error `check()` raises (a store or config refusal), or None."""
+    try:
+        check()
+    except (StoreError, ConfigError) as e:
+        return e
+    return None
+
+
+def _open_at(path: Path, exp: ExperimentConfig, cfg: ModelConfig, hosts: dict | None = None):
     if (path / "manifest.json").exists():
         # Every refusal comes before the writer lock is taken, so it changes no byte there.
         lock.check_free(path)
@@ -87,7 +130,7 @@ def open_run_store(exp: ExperimentConfig, cfg: ModelConfig):
     elif exp.run.resume is True:
         raise ConfigError(f"run.resume: {exp.run.dir} has no checkpoint to resume from; drop --run.resume "
                           "(or pass --run.resume=auto to resume only when there is one)")
-    store = mtjax.store.create(path, cfg, make_optimizer(exp.optim), copies=exp.store.copies)
+    store = mtjax.store.create(path, cfg, make_optimizer(exp.optim), copies=exp.store.copies, hosts=hosts)
     return store, None, True
 
 
@@ -153,10 +196,12 @@ def read_model(store, tx):
     return read_params(store), full_opt_state(store.config, tx, opt)
 
 
-def export_final(exp: ExperimentConfig, out: Path, tokenizer, step: int, chat_template: dict | None = None) -> Path:
+def export_final(exp: ExperimentConfig, out: Path, tokenizer, step: int, chat_template: dict | None = None,
+                 store_dir: Path | None = None, params=None) -> Path:
     """The run's last commit as a Hugging Face checkpoint in `out`, with its tokenizer, and
     the chat template its data was rendered with ({"source", "special_tokens"} of a chat
-    dataset's meta.json), so that transformers and `mtjax generate --chat` prompt it alike."""
+    dataset's meta.json), so that transformers and `mtjax generate --chat` prompt it alike.
+    A multi-process run passes its shard's `store_dir` and the whole `params` (gathered)."""
 
     def extra(tmp: Path) -> None:
         tokenizer.save(tmp)
@@ -168,4 +213,7 @@ def export_final(exp: ExperimentConfig, out: Path, tokenizer, step: int, chat_te
         (tmp / EXPORT_NOTE).write_text(json.dumps({"step": step, "tokenizer": spec, "eos_id": tokenizer.eos_id},
                                                   indent=2))
 
-    return hf_export.export_hf(store_path(exp), out, replace=True, extra=extra)
+    names = [] if params is None else ["embed", *(f"block.{i}" for i in range(len(params["blocks"]))), "head"]
+    masters = None if params is None else {
+        name: {n: np.asarray(a) for n, a in treepath.flatten(parts.part_params(params, name)).items()} for name in names}
+    return hf_export.export_hf(store_dir or store_path(exp), out, replace=True, extra=extra, masters=masters)

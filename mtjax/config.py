@@ -27,7 +27,7 @@ from mtjax.model_config import ConfigError, ModelConfig, RopeScaling, load_hf_co
 from mtjax.optim import OptimConfig
 
 __all__ = [
-    "ConfigError", "DataConfig", "ExperimentConfig", "ModelSection", "PRESETS", "RunConfig",
+    "ConfigError", "DataConfig", "DistributedConfig", "ExperimentConfig", "ModelSection", "PRESETS", "RunConfig",
     "StoreConfig", "StreamConfig", "dump", "load", "to_yaml", "model_config", "valid_keys",
 ]
 
@@ -209,6 +209,33 @@ class RunConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """A run of several processes, one per host (mtjax.distributed; unset: the environment's
+    MTJAX_COORDINATOR/MTJAX_NUM_PROCESSES/MTJAX_PROCESS_ID, a SLURM job's tasks, or one process)."""
+
+    coordinator: str | None = None  # host:port of process 0, which every process connects to
+    num_processes: int | None = None  # processes in the run (with coordinator)
+    process_id: int | None = None  # this process's index, 0 .. num_processes - 1 (with coordinator)
+    timeout_s: float = 120.0  # seconds for every process to join and pass the start-up checks
+
+    def __post_init__(self):
+        c, n, i = self.coordinator, self.num_processes, self.process_id
+        if self.timeout_s <= 0:
+            raise ConfigError(f"distributed.timeout_s must be > 0, got {self.timeout_s}")
+        if c is None:
+            if n is not None or i is not None:
+                raise ConfigError("distributed.num_processes and process_id need distributed.coordinator "
+                                  "(host:port of process 0)")
+            return
+        host, _, port = c.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"distributed.coordinator must be host:port (e.g. 10.0.0.1:7777), got {c!r}")
+        if n is None or i is None or n < 1 or not 0 <= i < n:
+            raise ConfigError(f"distributed.coordinator needs distributed.num_processes >= 1 and "
+                              f"0 <= distributed.process_id < num_processes, got {n!r} and {i!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     model: ModelSection = ModelSection()
     store: StoreConfig = StoreConfig()
@@ -216,6 +243,7 @@ class ExperimentConfig:
     optim: OptimConfig = OptimConfig(lr=4e-3, warmup_steps=20, decay_steps=280, weight_decay=0.1)
     data: DataConfig = DataConfig()
     run: RunConfig = RunConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     def __post_init__(self):
         if isinstance(self.stream.devices, int):  # "all" is checked once the devices are known
@@ -308,7 +336,7 @@ def valid_keys() -> dict[str, tuple[Any, Any, str]]:
 
 
 _GROUPS = {"model": ModelSection, "store": StoreConfig, "stream": StreamConfig, "optim": OptimConfig,
-           "data": DataConfig, "run": RunConfig}
+           "data": DataConfig, "run": RunConfig, "distributed": DistributedConfig}
 _SOURCES = ("preset", "hf_config", "checkpoint")
 _HELP = {  # help for fields whose class (OptimConfig) has no comment on them
     "optim.b1": "AdamW decay of the first moment",

@@ -70,7 +70,7 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
     Computed on the CPU where JAX has one: asking it every step then costs the
     accelerator nothing."""
     try:
-        where = jax.default_device(jax.devices("cpu")[0])
+        where = jax.default_device(jax.local_devices(backend="cpu")[0])
     except RuntimeError:  # JAX_PLATFORMS without cpu
         where = contextlib.nullcontext()
     with where:

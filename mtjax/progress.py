@@ -184,7 +184,7 @@ def device_memory_in_use() -> int | None:
     """Bytes in use on the first device, where the backend reports it (not on CPU)."""
     import jax
 
-    stats = jax.devices()[0].memory_stats()
+    stats = jax.local_devices()[0].memory_stats()
     return None if not stats else stats.get("bytes_in_use")
 
 

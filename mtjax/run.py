@@ -16,6 +16,11 @@ by `stream.engine` in `make_engine`; any object with the `Engine` protocol plugs
                           store and commit it (mtjax.checkpoint): `--run.resume=true`
                           continues from the last commit exactly
     engine.close()        release threads and files at the end of the run
+
+A multi-process run (`distributed`, mtjax.distributed) runs this on every process: each
+reads the same global batches and trains its rows of them; process 0 writes the run's
+records (config.yaml, metrics.jsonl, summary.json), process p > 0 its own metrics.jsonl
+under <run.dir>/process-<p>/.
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ import jax
 import numpy as np
 
 import mtjax.store
+from mtjax.store import shards
 from mtjax import checkpoint
 from mtjax import config as config_lib
-from mtjax import data, documents, generate, hf, model, preflight
+from mtjax import data, distributed, documents, generate, hf, model, preflight
 from mtjax import reference as reference_mod
 from mtjax.batch import Batch, concat
-from mtjax.config import ExperimentConfig, RunConfig
+from mtjax.config import ConfigError, ExperimentConfig, RunConfig
 from mtjax.errors import NonFiniteStep
 from mtjax.model_config import ModelConfig
 from mtjax.optim import lr_at, make_optimizer, schedule_warnings
@@ -98,10 +104,12 @@ class ReferenceEngine:
 
 
 def make_engine(exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None, *, store,
-                step: int = 0) -> Engine:
+                step: int = 0, hosts=None) -> Engine:
     """The engine `exp.stream.engine` names, starting from fp32 `params` (and `opt_state`),
     or from the last commit of `store` (at `step`) when `params` is None; it commits into
-    `store`."""
+    `store`. `hosts`: this process's place in a multi-process run (stream engine only)."""
+    if hosts is not None:
+        return StreamEngine.from_experiment(exp, cfg, params, opt_state, store=store, step=step, hosts=hosts)
     if exp.stream.engine == "reference":
         if params is None:
             params, opt_state = checkpoint.read_model(store, make_optimizer(exp.optim))
@@ -208,14 +216,23 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     """Run the experiment; returns a summary (losses, throughput, sample, paths)."""
     out = stream or sys.stderr
     run_dir = Path(exp.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     cfg = config_lib.model_config(exp)
     cfg.check_context(exp.data.seq_len, "data.seq_len")
+    hosts = _join(exp)
+    if hosts is None:  # before anything is prepared: a multi-process run's shards need all of its processes
+        shards.check_count(checkpoint.store_path(exp), 1)
+    else:
+        exp = replace(exp, stream=dict(resident="none"))  # every part's state is split over the hosts
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if hosts is not None and hosts.index:
+        hosts.barrier("mtjax data")  # process 0 prepares a shared run.dir's data first
     dataset = data.resolve(exp.data, run_dir / "data")  # a cache: prepared again when the inputs change
+    if hosts is not None and not hosts.index:
+        hosts.barrier("mtjax data")
     dataset.check_vocab(cfg.vocab_size)
     asked = exp.stream  # config.yaml keeps `auto`: another machine's memory resolves it anew
     exp = residency.for_run(exp)  # stream.resident=auto: the planner's parts for this device's memory
-    preflight.check(exp, cfg, dataset)  # before any weight is made: RAM, disk, data length
+    preflight.check(exp, cfg, dataset, processes=1 if hosts is None else hosts.count)  # before any weight is made
     tokenizer = dataset.tokenizer()
     exp = _as_run(exp, dataset, tokenizer, run_dir)
     if exp.model.checkpoint and tokenizer.spec == "bytes" and (Path(exp.model.checkpoint) / "tokenizer.json").exists():
@@ -223,7 +240,8 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
               f"--data.tokenizer={exp.model.checkpoint} trains on the ids the model knows", file=out, flush=True)
     # The run's store: its writer lock, and its refusals (a trained run without run.resume,
     # other fixed settings), before anything else under run.dir is written.
-    store, state, created = checkpoint.open_run_store(exp, cfg)
+    store, state, created = checkpoint.open_run_store(exp, cfg, hosts)
+    lead = hosts is None or hosts.index == 0  # writes the run's records
     engine = None
     try:
         val = _eval_batches(dataset, exp) if exp.run.eval_every else None
@@ -231,19 +249,21 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
         loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,
                              exp.data.seed, cursor=cursor)
         if created:
-            engine = make_engine(exp, cfg, initial_params(exp, cfg), store=store)
+            engine = make_engine(exp, cfg, initial_params(exp, cfg), store=store, hosts=hosts)
             engine.commit(0, checkpoint.train_state(exp, 0, loader.cursor))  # resumable from the first moment
             created, origin = False, {}
         else:  # the store's last commit (or the weights `mtjax import` put there) is the start
-            engine = make_engine(exp, cfg, None, store=store, step=first)
+            engine = make_engine(exp, cfg, None, store=store, step=first, hosts=hosts)
             origin = dict(store=store.root) if state is None else dict(resumed=store.root, step=first)
         # Only now that everything checked out: a run that fails to start leaves the previous one.
-        config_lib.dump(dataclasses.replace(exp, stream=asked), run_dir / "config.yaml")
+        records = run_dir if lead else run_dir / f"process-{hosts.index}"
+        if lead:
+            config_lib.dump(dataclasses.replace(exp, stream=asked), run_dir / "config.yaml")
         if state is None:
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
+            (records / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
         tokens_per_step = exp.data.grad_accum * exp.data.batch_size * exp.data.seq_len
         print(f"mtjax: {model.num_params(cfg) / 1e6:.2f}M-parameter {cfg.model_type} ({cfg.num_hidden_layers} blocks, "
-              f"width {cfg.hidden_size}), {exp.stream.engine} engine on {jax.devices()[0].platform}; "
+              f"width {cfg.hidden_size}), {exp.stream.engine} engine on {jax.local_devices()[0].platform}; "
               f"{dataset.meta['num_tokens']:,} tokens ({dataset.meta['tokenizer_source']}); "
               f"{_steps_text(first, exp.run.steps)} of {tokens_per_step:,} tokens; run dir {run_dir}",
               file=out, flush=True)
@@ -254,7 +274,10 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
             print(line, file=out, flush=True)
         for warning in schedule_warnings(exp.optim, exp.run.steps):
             print(f"mtjax: warning: {warning}", file=out, flush=True)
-        return _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
+        if hosts is not None:
+            print(f"mtjax: process {hosts.index} of {hosts.count}: {len(jax.local_devices())} device(s) here; "
+                  f"this process holds its rows of master and optimizer state in {store.root}", file=out, flush=True)
+        return _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out, records, lead)
     finally:
         if engine is not None:
             engine.close()
@@ -262,6 +285,24 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
             checkpoint.discard(store)
         else:
             store.close()
+
+
+def _join(exp: ExperimentConfig):
+    """This process's place in a multi-process run (None: one process), once every process
+    has joined and started with the same experiment config (mtjax.distributed)."""
+    startup = distributed.start(exp.distributed)
+    if startup is None:
+        return None
+    if exp.stream.engine != "stream":
+        raise ConfigError("a multi-process run needs stream.engine=stream (the reference engine is one process)")
+    if exp.data.batch_size % startup.hosts.count:
+        raise ConfigError(f"data.batch_size {exp.data.batch_size} must be a multiple of the number of processes "
+                          f"({startup.hosts.count}): each process trains an equal share of every micro-batch's rows")
+    settings = exp.to_dict()
+    settings["distributed"].pop("process_id")  # the one setting that differs between processes
+    distributed.check_same(startup.hosts, "experiment config", json.dumps(settings, sort_keys=True, default=str))
+    startup.done()
+    return startup.hosts
 
 
 def _as_run(exp: ExperimentConfig, dataset, tokenizer, run_dir: Path) -> ExperimentConfig:
@@ -286,14 +327,17 @@ def _steps_text(first: int, steps: int) -> str:
     return todo if first else f"{steps} steps"
 
 
-def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out) -> dict:
+def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out, records: Path,
+          lead: bool = True) -> dict:
+    """The steps; `records`: where metrics.jsonl goes; `lead`: this process writes the run's
+    export, sample and summary (one process of a multi-process run does)."""
     run_dir = Path(exp.run.dir)
     losses, val_loss, start, trained = {}, None, time.perf_counter(), 0  # losses by step, tokens trained on
-    peak, peak_note = peak_flops(jax.devices()[0], cfg.compute_dtype)
-    print(f"mtjax: {peak_note}; per-step records in {run_dir / 'metrics.jsonl'}", file=out, flush=True)
+    peak, peak_note = peak_flops(jax.local_devices()[0], cfg.compute_dtype)
+    print(f"mtjax: {peak_note}; per-step records in {records / 'metrics.jsonl'}", file=out, flush=True)
     flops = model_flops_per_token(model.num_active_params(cfg), cfg.num_hidden_layers, exp.data.seq_len,
                                   cfg.num_attention_heads * cfg.head_dim)
-    with Progress(run_dir, exp.run.steps, tokens_per_step, exp.run.log_every, first_step=first, stream=out,
+    with Progress(records, exp.run.steps, tokens_per_step, exp.run.log_every, first_step=first, stream=out,
                   tensorboard=exp.run.tensorboard, flops_per_token=flops, peak_flops=peak) as progress:
         for step in range(first + 1, exp.run.steps + 1):
             try:
@@ -324,12 +368,20 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
                 engine.commit(step, checkpoint.train_state(exp, step, loader.cursor))
         seconds = time.perf_counter() - start
         engine.commit(exp.run.steps, checkpoint.train_state(exp, exp.run.steps, loader.cursor), flush=True)
-        final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps,
-                                        loader.ds.meta.get("chat_template"))
+        template, params = loader.ds.meta.get("chat_template"), None
+        if getattr(engine, "hosts", None) is not None:
+            # A shard holds its rows only: every process gathers the whole weights, one exports them.
+            params = engine.params()
+            final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps, template,
+                                            engine.store.root, params) if lead else run_dir / "final"
+        else:
+            final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps, template)
         sample = ""
         if exp.run.sample_prompt and exp.run.sample_tokens:
-            sample = generate.complete(cfg, engine.params(), tokenizer, exp.run.sample_prompt, exp.run.sample_tokens,
-                                       seed=exp.run.seed)
+            params = engine.params() if params is None else params  # (a multi-process run's: gathered above)
+            if lead:
+                sample = generate.complete(cfg, params, tokenizer, exp.run.sample_prompt, exp.run.sample_tokens,
+                                           seed=exp.run.seed)
     last = list(losses)[-10:]  # the final loss is the mean over (up to) the last 10 trained steps
     summary = {
         "steps": exp.run.steps - first,
@@ -345,7 +397,8 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out)
         "checkpoint": str(final),
         "sample": sample,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if lead:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 

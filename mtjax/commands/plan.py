@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mtjax import plan as planner
 from mtjax.errors import MtjaxError
-from mtjax.plan import fit, inputs, machine, probe, report, residency, wholerun
+from mtjax.plan import fit, hosts, inputs, machine, probe, report, residency, wholerun
 from mtjax.plan.hardware import choices
 from mtjax.plan.units import size
 
@@ -53,6 +53,9 @@ def register(subparsers) -> None:
                         "chooses them), none, all, a count, or part names (embed,block.0,...,head)")
     p.add_argument("--placement", help="e.g. compute=ram,master=ram,opt=disk (default: all ram)")
     p.add_argument("--store-copies", type=int, choices=(1, 2), help="copies of disk-tier state (store.copies)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="hosts of a multi-process run, one process each: RAM and disk per host, and the "
+                        "network traffic per step against the profile's network_bytes_per_s (default: 1)")
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16", "float16"),
                    help="dtype of streamed weights and activations (default: the config's)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -130,8 +133,18 @@ def run_plan(args) -> int:
     room = fit.limits(hw)
     options = fit.placements(plan, room)
     run = wholerun.price(plan, steps, steps_from, args.price_per_hour)
-    shown = (json.dumps(report.as_dict(plan, advice, options, run, profile_from), indent=2) if args.json
-             else report.text(plan, advice, options, run, profile_from))
+    if args.processes < 1:
+        raise PlanError(f"--processes must be >= 1, got {args.processes}")
+    per_host = hosts.per_host(plan, args.processes) if args.processes > 1 else None
+    if args.json:
+        shown = report.as_dict(plan, advice, options, run, profile_from)
+        if per_host is not None:
+            shown["per_host"] = {**per_host._asdict(), "collectives": per_host.collectives._asdict()}
+        shown = json.dumps(shown, indent=2)
+    else:
+        shown = report.text(plan, advice, options, run, profile_from)
+        if per_host is not None:
+            shown += "\n" + report.per_host(per_host, hw)
     print(shown, flush=True)
     problem = fit.check(plan, room.ram, room.disk, room.device)
     if problem:

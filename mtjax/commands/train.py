@@ -21,6 +21,7 @@ _GROUP_TITLES = {
     "optim": "optim (AdamW, schedule, clipping)",
     "data": "data (dataset, tokenizer, batching)",
     "run": "run (length, logging, evaluation, checkpoints, sample)",
+    "distributed": "distributed (one process per host: coordinator, process count and id)",
 }
 
 

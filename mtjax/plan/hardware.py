@@ -49,6 +49,7 @@ class HardwareProfile:
     drive_endurance_bytes: int | None = None  # bytes the store's drive is rated to write (TBW); None: unknown
     devices: int = 1  # accelerators of this host (what stream.devices "all" plans for)
     interconnect_bytes_per_s: float | None = None  # device<->device, per direction; None: through the host link
+    network_bytes_per_s: float = 12.5 * GB  # between hosts, per direction (multi-process runs); assumed 100 Gb/s Ethernet
     notes: str = ""
 
     def __post_init__(self):

@@ -101,6 +101,15 @@ def _resident(plan: Plan) -> str:
     return f"{names} of {count} parts, {size(s.device.resident)} on the device{saved}"
 
 
+def per_host(h, hw) -> str:
+    """The lines of one host of a multi-process run (mtjax.plan.hosts.PerHost)."""
+    c = h.collectives
+    return (f"per host of {h.processes} (one process each; its rows of master and optimizer state): RAM "
+            f"{size(h.ram_bytes)}, disk {size(h.disk_bytes)}\n"
+            f"network per step and host: reduce-scatter {size(c.reduce_scatter)} + all-gather {size(c.all_gather)} "
+            f"at {hw.network_bytes_per_s / 1e9:.1f} GB/s = {h.network_s:.3g} s; step {h.step_s:.3g} s")
+
+
 def _placement_table(options: list[Option], advice: Advice | None) -> list[str]:
     header = f"{'placement':<35}{'step':>11}{'host RAM':>11}{'disk':>11}"
     lines = [f"{header}   (this run's other settings; fastest first)"]

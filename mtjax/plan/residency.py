@@ -119,5 +119,5 @@ def for_inputs(run: inputs.Inputs, hardware: HardwareProfile) -> StreamConfig:
 def for_run(exp):
     """The experiment config with stream.resident and stream.remat=auto resolved for this
     process's device (the trainer calls it before its preflight, which then checks the choice)."""
-    stream = for_inputs(inputs.from_experiment(exp), profile_of(jax.devices()[0]))
+    stream = for_inputs(inputs.from_experiment(exp), profile_of(jax.local_devices()[0]))
     return exp if stream is exp.stream else dataclasses.replace(exp, stream=stream)

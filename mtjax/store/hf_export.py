@@ -22,13 +22,15 @@ from mtjax.store.errors import StoreError
 from mtjax.store.hf_import import by_part, leaf_names
 
 
-def hf_tensors(store) -> Iterator[tuple[str, np.ndarray]]:
-    """(hf name, array) in checkpoint order, cast to the config's param dtype."""
+def hf_tensors(store, masters: dict | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """(hf name, array) in checkpoint order, cast to the config's param dtype: of the
+    store's master weights, or of `masters` ({part: {leaf: array}}, whole) when given."""
     cfg = store.config
     dtype = hf.NP_DTYPES[cfg.param_dtype]
     grouped = by_part(hf.layout(cfg))
     for part in store.parts:
-        master = store.read(part, "master").result()  # waits: one part in memory at a time
+        # Waits: one part in memory at a time.
+        master = store.read(part, "master").result() if masters is None else masters[part]
         for spec in grouped[part]:
             yield spec.hf_name, hf.to_hf(spec, [master[leaf] for leaf in leaf_names(spec)]).astype(dtype)
         del master
@@ -46,13 +48,14 @@ def _write_tokenizer(source: Path | None, out: Path) -> None:
 
 
 def export_hf(store_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 10**9, replace: bool = False,
-              extra: Callable[[Path], None] | None = None) -> Path:
+              extra: Callable[[Path], None] | None = None, masters: dict | None = None) -> Path:
     """Write the store's committed master weights, and its model's tokenizer (see
     mtjax.store.tokenizer; none for a byte-level one), as a checkpoint at `out_dir`.
 
     `out_dir` must not exist or be empty, unless `replace` (a run's final/ export, which a
     longer resumed run writes again). `extra(dir)` adds files (a run's tokenizer) to the
-    checkpoint before it is put in place.
+    checkpoint before it is put in place. `masters`: the whole master weights by part, to
+    write instead of the store's (a multi-process run's shard holds only its rows).
     """
     out = Path(out_dir)
     if not replace and out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -67,8 +70,11 @@ def export_hf(store_dir: str | Path, out_dir: str | Path, max_shard_bytes: int =
     store_mod.remove(old)
     with store_mod.open(store_dir) as store:
         store.check_complete("export it")
+        if store.shard is not None and masters is None:
+            raise StoreError(f"store {store_dir} is one shard of a multi-process run's store (its rows of the master "
+                             "weights only); export the run's final/ checkpoint instead, which holds the whole model")
         try:
-            hf.save_checkpoint(store.config, hf_tensors(store), tmp, max_shard_bytes)
+            hf.save_checkpoint(store.config, hf_tensors(store, masters), tmp, max_shard_bytes)
             _write_tokenizer(tokenizer.export_source(store), tmp)
             if extra is not None:
                 extra(tmp)

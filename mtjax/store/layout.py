@@ -2,6 +2,7 @@
 
     STORE/
       manifest.json                        the commit point: step, config, slot of each (part, kind)
+      manifest.next.json                   a multi-process run's shard: its next commit, prepared
       schema.json                          every array's name, shape and dtype (written once)
       STORE_ID                             a random id, also in every manifest: a manifest copied
                                            from another store is refused
@@ -32,6 +33,7 @@ LAYOUT_VERSION = 3  # 2: one-copy stores (manifest "copies" and "pending"); 3: p
 PENDING_CRC_VERSION = 3  # the first layout whose pending gradient files are checksummed chunks
 FORMAT = "mtjax-store"
 MANIFEST = "manifest.json"
+PREPARED = "manifest.next.json"  # a shard's commit, written before every process is ready (mtjax.store.shards)
 SCHEMA = "schema.json"
 STORE_ID = "STORE_ID"
 LOCK = "LOCK"

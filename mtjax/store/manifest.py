@@ -30,13 +30,14 @@ class Manifest:
     store_id: str | None = None  # equals the store's STORE_ID file; None in stores made before it
     copies: int = 2  # 2: A/B slots of every part; 1: one copy plus the pending gradients (docs/store.md)
     pending: dict | None = None  # copies=1: {"tag", "parts", "scale"} of gradients not yet applied
+    hosts: dict | None = None  # a multi-process run's shard: {"index", "count", "run"} (docs/store.md)
 
     def to_json(self) -> dict:
         return {"format": layout.FORMAT, **dataclasses.asdict(self)}
 
 
-def read(root: Path) -> Manifest:
-    path = root / layout.MANIFEST
+def read(root: Path, name: str = layout.MANIFEST) -> Manifest:
+    path = root / name
     if not path.exists():
         raise StoreError(f"{root} is not an mtjax store (no {layout.MANIFEST}); create one with `mtjax init` or `mtjax import`")
     try:
@@ -55,7 +56,7 @@ def read(root: Path) -> Manifest:
         return Manifest(step=int(d["step"]), generation=int(d["generation"]), config=d["config"],
                         slots=d["slots"], train_state=d.get("train_state"), dtypes=d.get("dtypes"),
                         layout_version=version, store_id=d.get("store_id"), copies=int(d.get("copies", 2)),
-                        pending=d.get("pending"))
+                        pending=d.get("pending"), hosts=d.get("hosts"))
     except (KeyError, TypeError, ValueError) as e:
         raise StoreError(f"{path} lacks a valid {e} entry; restore the store from a backup") from None
 
@@ -80,8 +81,16 @@ def write_atomic(path: Path, text: str) -> None:
                          "after a power loss the store may open at the previous commit") from None
 
 
-def write(root: Path, manifest: Manifest) -> None:
+def write(root: Path, manifest: Manifest, name: str = layout.MANIFEST) -> None:
     """Commit `manifest`, recorded with this mtjax's layout version: what it names is in
-    this version's format (an older store is upgraded by its first commit)."""
+    this version's format (an older store is upgraded by its first commit). `name`
+    layout.PREPARED writes a shard's prepared commit instead (mtjax.store.shards)."""
     manifest = dataclasses.replace(manifest, layout_version=layout.LAYOUT_VERSION)
-    write_atomic(root / layout.MANIFEST, json.dumps(manifest.to_json(), indent=1))
+    write_atomic(root / name, json.dumps(manifest.to_json(), indent=1))
+
+
+def read_prepared(root: Path) -> Manifest | None:
+    """A shard's prepared commit (layout.PREPARED), or None when it has none."""
+    if not (root / layout.PREPARED).exists():
+        return None
+    return read(root, layout.PREPARED)

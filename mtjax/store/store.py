@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import os
 import shutil
 import threading
 import uuid
@@ -31,7 +32,9 @@ from mtjax import model_config
 from mtjax import parts as model_parts
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.shard import Shard
 from mtjax.store import arrays, chunks, durable, layout, manifest
+from mtjax.store.durable import fsync_path
 from mtjax.store import train_state as saved_state
 from mtjax.store.errors import StoreError
 from mtjax.store.lock import WriterLock
@@ -64,6 +67,10 @@ class Store:
         try:
             self._manifest = manifest.read(self.root)
             self._check_identity()
+            if writable and (self.root / layout.PREPARED).exists():
+                raise StoreError(f"store {self.root} is a shard of a multi-process run stopped inside a commit; "
+                                 "resume the run with all of its processes")
+            self._prepared: manifest.Manifest | None = None  # a shard's commit waiting for the other processes
             self.config = layout.config_from_json(self._manifest.config)
             self._schemas = self._read_schema()
             if config is not None and (diff := model_config.differences(self.config, config)):
@@ -158,6 +165,23 @@ class Store:
     # --- what is stored ----------------------------------------------------------------
 
     @property
+    def shard(self) -> Shard | None:
+        """The rows of master and optimizer state this store holds (a multi-process run's
+        shard, mtjax.store.shards); None: all of them."""
+        h = self._manifest.hosts
+        return None if h is None else Shard(int(h["index"]), int(h["count"]))
+
+    @property
+    def hosts(self) -> dict | None:
+        """A shard's {"index", "count", "run"} (the run id every shard of a run shares)."""
+        return None if self._manifest.hosts is None else dict(self._manifest.hosts)
+
+    @property
+    def generation(self) -> int:
+        """+1 per commit (a shard's commits are named by it across the processes)."""
+        return self._manifest.generation
+
+    @property
     def copies(self) -> int:
         """2: every part has two slots (any commit interval); 1: one copy, committed every step."""
         return self._manifest.copies
@@ -200,6 +224,8 @@ class Store:
         for part in model_parts.parts(self.config):
             for kind in ("compute", "master"):
                 derived = model_parts.schema(self.config, part.name, kind)
+                if kind == "master" and self.shard is not None:
+                    derived = self.shard.schema(derived)
                 stored = schemas.get(part.name, {}).get(kind)
                 if stored != derived:
                     raise StoreError(f"{path} does not match the store's model config at {part.name} {kind}; "
@@ -360,7 +386,7 @@ class Store:
             return arrays.gather(futs, None, on_error)
 
         with self._mutex:
-            if self._committing:
+            if self._committing or self._prepared is not None:
                 raise StoreError(f"store {self.root}: {part} {kind} was written while a commit ran; "
                                  "finish every write before calling commit")
             self._latest[(part, kind)] = slot
@@ -401,14 +427,20 @@ class Store:
 
     # --- commits ------------------------------------------------------------------------
 
-    def commit(self, step: int, train_state: dict | None = None, pending: dict | None = None) -> None:
+    def commit(self, step: int, train_state: dict | None = None, pending: dict | None = None,
+               prepare: bool = False) -> None:
         """Make every write since the last commit, and `train_state`, the committed `step`.
 
         Atomic: after a crash at any moment the store opens at the previous step or at
         this one, never a mix. On error the previous commit stays current. `pending`
         (one-copy stores): {"tag", "parts", "scale"} of gradient sums, durable in
         `pending_dir`, that the committed step still has to apply to those parts.
+        `prepare` (a multi-process run's shard): everything but the manifest's rename;
+        the new manifest waits, durable, as layout.PREPARED until `finish_commit`, which
+        the run calls once every process has prepared (mtjax.store.shards).
         """
+        if prepare and self._manifest.hosts is None:
+            raise StoreError("a prepared commit is for a multi-process run's shard")
         if not self.writable:
             raise StoreError(f"store {self.root} is open read-only; open it with writable=True to commit")
         if not isinstance(step, int) or step < 0:
@@ -426,12 +458,12 @@ class Store:
             part_commits, self._part_commits = self._part_commits, []
             waits = list(self._pending.values()) + part_commits
         try:
-            self._commit(step, train_state, pending, waits, part_commits)
+            self._commit(step, train_state, pending, waits, part_commits, prepare)
         finally:
             with self._mutex:
                 self._committing = False
 
-    def _commit(self, step, train_state, pending, waits, part_commits) -> None:
+    def _commit(self, step, train_state, pending, waits, part_commits, prepare=False) -> None:
         concurrent.futures.wait(waits)  # the step's writes must all be on disk before the manifest names them
         self._check_usable()  # a failed write marked the store broken: never commit a partial step
         for f in part_commits:
@@ -461,14 +493,41 @@ class Store:
         with self._commit_mutex:
             new = dataclasses.replace(self._manifest, step=step, generation=generation, slots=slots,
                                       train_state=ts_name, pending=pending)
+            if prepare:
+                manifest.write(self.root, new, layout.PREPARED)
+                self._prepared = new
+                self._on_phase("prepared")
+                return
             manifest.write(self.root, new)  # the commit point
             self._on_phase("committed")
-            self._manifest = new
-            dirty, self._dirty = self._dirty, set()
-        saved_state.clean(self.root, keep=ts_name)
+            self._finished(new)
+
+    def _finished(self, new: manifest.Manifest) -> None:
+        """After `new` became the store's manifest: forget the committed writes, delete
+        train states it does not name (and a one-copy store's old slots)."""
+        self._manifest = new
+        dirty, self._dirty = self._dirty, set()
+        slots = new.slots
+        saved_state.clean(self.root, keep=new.train_state)
         if self.copies == 1:
             for part, kind in dirty:
                 self._free_slot(part, kind, layout.other_slot(slots[part][kind]))
+
+    def finish_commit(self) -> None:
+        """A shard's prepared commit becomes its manifest (every process has prepared its
+        own: the run's step is committed, mtjax.store.shards)."""
+        if self._prepared is None:
+            raise StoreError(f"store {self.root} has no prepared commit to finish")
+        with self._commit_mutex:
+            try:
+                os.replace(self.root / layout.PREPARED, self.root / layout.MANIFEST)
+                fsync_path(self.root)
+            except OSError as e:
+                raise StoreError(f"could not finish the commit of store {self.root} ({e.strerror or e}); "
+                                 "resume the run with all of its processes") from None
+            new, self._prepared = self._prepared, None
+            self._on_phase("committed")
+            self._finished(new)
 
     def commit_part(self, part: str, after=None) -> concurrent.futures.Future:
         """One-copy stores: once the part's pending writes are on disk, commit its new state
@@ -582,11 +641,12 @@ def open(path, writable: bool = False, config: ModelConfig | None = None) -> Sto
     return Store(root, writable, config)
 
 
-def create(path, cfg: ModelConfig, tx=None, copies: int = 2) -> Store:
+def create(path, cfg: ModelConfig, tx=None, copies: int = 2, hosts: dict | None = None) -> Store:
     """Create an empty store for `cfg` (manifest at step 0, nothing written) and open it
     for writing. `tx` (an optax transformation; default AdamW from OptimConfig()) fixes the
     optimizer-state leaves. `copies=1` keeps one copy of the state on disk instead of two
-    (a trainer must then commit every step; docs/store.md)."""
+    (a trainer must then commit every step; docs/store.md). `hosts` ({"index", "count",
+    "run"}): the store is that process's shard of a multi-process run (mtjax.store.shards)."""
     if copies not in (1, 2):
         raise StoreError(f"store copies must be 1 or 2, got {copies!r}")
     root = Path(path)
@@ -597,6 +657,12 @@ def create(path, cfg: ModelConfig, tx=None, copies: int = 2) -> Store:
         tx = make_optimizer(OptimConfig())
     names = [p.name for p in model_parts.parts(cfg)]
     schemas = {p: {k: model_parts.schema(cfg, p, k, tx) for k in model_parts.KINDS} for p in names}
+    if hosts is not None:
+        if copies == 1:
+            raise StoreError("a multi-process run's shard keeps two copies (store.copies=2)")
+        shard = Shard(int(hosts["index"]), int(hosts["count"]))
+        schemas = {p: {k: s if k == "compute" else shard.schema(s) for k, s in kinds.items()}
+                   for p, kinds in schemas.items()}
     try:
         (root / layout.PARTS_DIR).mkdir(parents=True, exist_ok=True)
         (root / layout.TRAIN_STATE_DIR).mkdir(exist_ok=True)
@@ -607,7 +673,7 @@ def create(path, cfg: ModelConfig, tx=None, copies: int = 2) -> Store:
         empty = manifest.Manifest(step=0, generation=0, config=layout.config_to_json(cfg), store_id=store_id,
                                   slots={p: {k: None for k in model_parts.KINDS} for p in names},
                                   dtypes={"compute": cfg.compute_dtype, "master": "float32",
-                                          "checkpoint": cfg.param_dtype}, copies=copies)
+                                          "checkpoint": cfg.param_dtype}, copies=copies, hosts=hosts)
         manifest.write(root, empty)
     except OSError as e:
         raise StoreError(f"cannot create store at {root} ({e.strerror or e})") from None

@@ -11,7 +11,11 @@ deferred to the next step's prefetch (mtjax.stream.updater), so that global-norm
 clipping stays exact: every part's gradient is in before the clip scale is known. A
 one-copy store's commit protocol is mtjax.stream.commit. Resident parts
 (mtjax.stream.resident) are not streamed and are updated on the device at the end of
-the step; a saved group of them keeps its forward's vjps instead of recomputing.
+the step; a saved group of them keeps its forward's vjps instead of recomputing. In a
+multi-process run (`hosts`, mtjax.stream.hosts) each process runs its rows of every
+micro-batch, keeps its rows of master and optimizer state, and the step gains a
+reduce-scatter per part's gradient, an all-reduce of the loss and norm, and an
+all-gather per part's new compute copy.
 """
 
 from __future__ import annotations
@@ -81,9 +85,14 @@ class StreamEngine:
                  stream: StreamConfig = StreamConfig(), store_config: StoreConfig = StoreConfig(), *, store=None,
                  tx: optax.GradientTransformation | None = None, opt_state=None, step: int = 0,
                  batch_shape: tuple[int, int] | None = None, mesh: DeviceMesh | None = None,
-                 trace_steps: int | None = 4, owns_store: bool = False):
+                 trace_steps: int | None = 4, owns_store: bool = False, hosts=None):
         if params is None and store is None:
             raise MtjaxError("StreamEngine needs params or an open layer store to take the state from")
+        if hosts is not None:
+            if store is not None and store.shard != hosts.shard:
+                raise MtjaxError(f"store {store.root} is not process {hosts.index}'s shard of {hosts.count}")
+            stream = dataclasses.replace(stream, resident="none")  # every part's state is split over the hosts
+        self.hosts = hosts
         self.cfg, self.options, self.step_count = cfg, stream, step
         self.update = update_for(cfg, optim) if tx is None else PartUpdate(cfg, tx)
         self.tx, self.clip_norm = self.update.tx, optim.clip_norm
@@ -95,7 +104,8 @@ class StreamEngine:
         # prefetcher rounds master into the staging slot (reading 4 bytes/param there
         # instead of the update writing 2 that the prefetcher then reads; 2 bytes/param
         # less RAM). docs/pipeline.md, "The compute copy".
-        self.derived_compute = schedule_mod.derives_compute(self.update.fused is not None, self.placement_config)
+        self.derived_compute = hosts is None and schedule_mod.derives_compute(self.update.fused is not None,
+                                                                             self.placement_config)
         if self.tiers.kinds_in("disk"):
             fix_mmap_threshold()  # state on disk promises host memory flat in depth
         self.parts = parts_mod.parts(cfg)
@@ -112,10 +122,10 @@ class StreamEngine:
         # A one-copy store keeps a single copy of the state: each step commits the state
         # before its update plus the gradients, durable in the store (docs/store.md).
         self.one_copy = OneCopy(store, self.tiers) if store is not None and store.copies == 1 else None
-        self.grads = GradSink(self.placement, self.tracer, self._spill())
+        self.grads = GradSink(self.placement, self.tracer, self._spill(), hosts)
         scale = self.one_copy.adopt(self.grads) if self.one_copy is not None and params is None else None
         self.updater = Updater([p.name for p in self.parts], self.update, self.tiers, self.grads, self.tracer,
-                               self.derived_compute, self.one_copy, scale)
+                               self.derived_compute, self.one_copy, scale, hosts, self.schemas)
         self._schedules: dict[schedule_mod.StepShape, schedule_mod.Schedule] = {}
         self.schedule: schedule_mod.Schedule | None = None  # of the last token shape checked
         if params is None:
@@ -130,13 +140,14 @@ class StreamEngine:
 
     @classmethod
     def from_experiment(cls, exp: ExperimentConfig, cfg: ModelConfig, params=None, opt_state=None, *, store,
-                        step: int = 0) -> StreamEngine:
+                        step: int = 0, hosts=None) -> StreamEngine:
         """A run's engine, as the experiment config asks, committing into the run's open
         layer `store` (mtjax.checkpoint opens it; every run has one): from fp32 `params`
         (and `opt_state`), or resumed from the store's last commit, `step`, when `params`
-        is None. The engine owns the store from here on."""
+        is None. The engine owns the store from here on. `hosts`: a multi-process run's."""
+        rows = exp.data.batch_size // (1 if hosts is None else hosts.count)  # this process's share
         return cls(cfg, params, exp.optim, exp.stream, exp.store, store=store, opt_state=opt_state, step=step,
-                   batch_shape=(exp.data.batch_size, exp.data.seq_len), owns_store=True)
+                   batch_shape=(rows, exp.data.seq_len), owns_store=True, hosts=hosts)
 
     @property
     def commits_every_step(self) -> bool:
@@ -158,11 +169,16 @@ class StreamEngine:
         opt_parts = None if opt_state is None else split_opt_state(self.cfg, self.tx, opt_state)
         for p in self.parts:
             master = {n: np.asarray(a, np.float32) for n, a in treepath.flatten(parts_mod.part_params(params, p.name)).items()}
+            if not self.derived_compute:
+                self.updater.write(p.name, "compute", self.update.compute_copy(master))
+            if self.hosts is not None:  # this process's rows of master (and so of the optimizer state)
+                master = {n: np.ascontiguousarray(self.hosts.shard.take(a)) for n, a in master.items()}
+                if opt_parts is not None:
+                    opt_parts[p.name] = {n: np.ascontiguousarray(self.hosts.shard.take(a))
+                                         for n, a in opt_parts[p.name].items()}
             master = jax.device_put(master, host_device())
             opt = self.update.init_state(master) if opt_parts is None else jax.device_put(opt_parts[p.name], host_device())
             self.updater.write(p.name, "opt", opt)
-            if not self.derived_compute:
-                self.updater.write(p.name, "compute", self.update.compute_copy(master))
             self.updater.write(p.name, "master", master)
         self.updater.wait_writes()
 
@@ -192,8 +208,14 @@ class StreamEngine:
         self.updater.wait_writes()
 
     def _read_state(self, part: str, kind: str) -> dict:
-        """One kind of a part's current state, as host arrays, wherever it lives."""
-        return self.resident.to_host(part, kind) if part in self.resident else self.updater.read(part, kind)
+        """One kind of a part's current state, as host arrays, wherever it lives (in a
+        multi-process run, all-gathered from every process's rows: every process calls it)."""
+        if part in self.resident:
+            return self.resident.to_host(part, kind)
+        arrays = self.updater.read(part, kind)
+        if self.hosts is not None and kind != "compute":
+            arrays = self.hosts.all_gather(arrays, parts_mod.schema(self.cfg, part, kind, self.tx))
+        return arrays
 
     def flush(self) -> None:
         """Apply every pending update (before reading state, a checkpoint or the end)."""
@@ -247,7 +269,14 @@ class StreamEngine:
                 # One part at a time: its host copies are freed before the next part's are made.
                 self.store.write(p.name, kind, arrays).result()
         self.updater.wait_writes()
-        self.store.commit(step, train_state)
+        if self.hosts is None:
+            self.store.commit(step, train_state)
+            return
+        # A multi-process run's step is committed once every process's shard is durable:
+        # prepare, meet, then finish (mtjax.store.shards; docs/store.md).
+        self.store.commit(step, train_state, prepare=True)
+        self.hosts.barrier(f"mtjax commit {self.store.generation + 1}")
+        self.store.finish_commit()
 
     # --- the plan ------------------------------------------------------------------
 
@@ -315,6 +344,8 @@ class StreamEngine:
         """The micro-batches' device inputs (each put on the device once, tokens with their
         document ids and counted targets) and their weights in the loss."""
         inputs, weights = documents.step_inputs(batch, what)
+        if self.hosts is not None:  # this process's rows of every micro-batch
+            inputs, weights = self.hosts.local_inputs(inputs, weights)
         self.check_budget(*inputs.tokens.shape[1:], accum=len(weights), documents=inputs.segments is not None)
         return [self.placement.tokens(inputs.micro(i)) for i in range(len(weights))], weights
 
@@ -339,10 +370,14 @@ class StreamEngine:
                 self.pool.release(slot, [])
         w = jnp.asarray(weights, jnp.float32)
         if not self.cfg.moe_layers:
-            return {"loss": float(jnp.sum(jnp.stack(losses) * w))}  # one host sync for all
-        auxes = jnp.stack([self.fns.aux(st, mb.tokens, 1.0)[0] for st, mb in zip(stats, mbs)])
-        loss = jnp.sum((jnp.stack(losses) + self.cfg.router_aux_loss_coef * auxes) * w)
-        return {"loss": float(loss), "aux_loss": float(jnp.sum(auxes * w))}
+            out = {"loss": float(jnp.sum(jnp.stack(losses) * w))}  # one host sync for all
+        else:
+            auxes = jnp.stack([self.fns.aux(st, mb.tokens, 1.0)[0] for st, mb in zip(stats, mbs)])
+            loss = jnp.sum((jnp.stack(losses) + self.cfg.router_aux_loss_coef * auxes) * w)
+            out = {"loss": float(loss), "aux_loss": float(jnp.sum(auxes * w))}
+        if self.hosts is not None:  # the sums of every process's shares
+            out = dict(zip(out, (float(x) for x in self.hosts.all_sum(list(out.values())))))
+        return out
 
     def _io_bytes(self) -> tuple[int, int]:
         """(read, written) bytes of disk-tier state and parked gradients so far."""
@@ -379,6 +414,10 @@ class StreamEngine:
         self.step_count += 1
         # One host sync per step for the metrics, after the last block is enqueued.
         loss, norm_sq = float(np.dot([float(x) for x in losses], weights)), float(sq)
+        aux = float(np.dot([float(a) for a in auxes], weights)) if self.cfg.moe_layers else 0.0
+        if self.hosts is not None:  # the step's loss and squared norm: sums of every process's shares
+            loss, norm_sq, aux = (float(x) for x in self.hosts.all_sum([loss, norm_sq, aux]))
+            sq = jnp.float32(norm_sq)
         if not (math.isfinite(loss) and math.isfinite(norm_sq)):
             # Checked before any of this step's deferred updates can run: drop them all.
             order = ["head", *(f"block.{i}" for i in reversed(range(self.cfg.num_hidden_layers))), "embed"]
@@ -390,9 +429,11 @@ class StreamEngine:
         scale = clip_scale(sq, self.clip_norm)
         self.updater.ready(scale)  # the updates start (one-copy: at the commit)
         self.resident.update(scale)  # on the device, now: its state is in no store until a commit
+        if self.hosts is not None:
+            self.updater.flush()  # on this thread, in part order: the all-gathers' order on every process
         metrics = {"loss": loss, "grad_norm": math.sqrt(norm_sq)}
         if self.cfg.moe_layers:  # the load-balancing loss, in "loss" times router_aux_loss_coef
-            metrics["aux_loss"] = float(np.dot([float(a) for a in auxes], weights))  # weighted as "loss" is
+            metrics["aux_loss"] = aux  # weighted as "loss" is
         if self.tiers.kinds_in("disk"):
             # Disk bandwidth over the step's wall time: state and gradient bytes moved meanwhile.
             seconds, (read1, written1) = time.perf_counter() - start, self._io_bytes()

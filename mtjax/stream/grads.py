@@ -8,7 +8,12 @@ gradient to its (deferred) update. With `spill`, sums wait in checksummed files
 (mtjax.store.pending) instead of host memory (used when the master weights live on disk).
 A step's finished sums are named by its tag (`finish(tag)`, file keys `pending_key(part,
 tag)`). A durable spill (one-copy stores) keeps a taken sum's files: the commit protocol
-(mtjax.stream.commit) deletes them once the part's new state is committed.
+(mtjax.stream.commit) deletes them once the part's new state is committed. In a
+multi-process run (`hosts`) each sum waits whole in host memory until `finish`, which
+reduce-scatters them across the processes on the caller's thread, in the order they
+arrived, once the step's device work is done: a cross-process program running beside the
+step's own multi-device programs (their all-reduces) deadlocked on the CPU backend. A
+process then keeps, parks and updates only its own rows.
 """
 
 from __future__ import annotations
@@ -29,14 +34,14 @@ def _to_f32(g: dict) -> dict:
 
 
 class GradSink:
-    def __init__(self, placement: Placement, tracer, spill: PendingFiles | None = None):
-        self.placement, self.tracer, self.spill = placement, tracer, spill
+    def __init__(self, placement: Placement, tracer, spill: PendingFiles | None = None, hosts=None):
+        self.placement, self.tracer, self.spill, self.hosts = placement, tracer, spill, hosts
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="mtjax-grads")
         self._to_f32 = jax.jit(_to_f32)
         self._sq_fn = jax.jit(sum_of_squares)
         self._sums: dict[str, dict] = {}  # this step's sums (when not spilled)
         self._sq: dict[str, jax.Array] = {}  # this step's squared norm per part
-        self._current: set[str] = set()  # parts with a sum in this step
+        self._current: list[str] = []  # parts with a sum in this step, in arrival order
         self._ready: dict[str, tuple[dict | None, str]] = {}  # last step's (sums, tag) awaiting their update
         self._futures: list[cf.Future] = []
         self.last_sq: dict[str, jax.Array] = {}  # the last finished step's squared norm per part
@@ -45,7 +50,7 @@ class GradSink:
         """Queue a part's device gradient for this step (one per part); returns at once
         (the copy is asynchronous)."""
         assert part not in self._current, f"{part} got two gradients in one step"
-        self._current.add(part)
+        self._current.append(part)
         grads = self.placement.start_to_host(grads)
         self._futures.append(self._pool.submit(self._accumulate, part, grads))
 
@@ -53,6 +58,9 @@ class GradSink:
         with self.tracer.span("d2h", part):
             host = self.placement.host_arrays(grads)
         acc = dict(host) if all(x.dtype == jnp.float32 for x in host.values()) else self._to_f32(host)
+        if self.hosts is not None:  # reduce-scattered by `finish`
+            self._sums[part] = acc
+            return
         self._sq[part] = self._sq_fn(acc)
         if self.spill:
             # np.asarray inside waits for the sum (host sync on this worker thread).
@@ -65,6 +73,8 @@ class GradSink:
         for fut in self._futures:
             fut.result()
         self._futures.clear()
+        if self.hosts is not None:
+            self._reduce_scatter()
         for part in self._current:
             self._ready[part] = (self._sums.pop(part, None), tag)
             if self.spill:
@@ -73,6 +83,17 @@ class GradSink:
         self.last_sq = self._sq  # per part, to name the parts of a non-finite step
         sq, self._sq = sum(self._sq.values()), {}
         return sq
+
+    def _reduce_scatter(self) -> None:
+        """This step's whole sums -> this process's rows of their sums over the processes."""
+        jax.block_until_ready(list(self._sums.values()))  # the step's device work is done
+        for part in self._current:
+            with self.tracer.span("reduce_scatter", part):
+                acc, self._sq[part] = self.hosts.reduce_scatter(self._sums.pop(part))
+            if self.spill:
+                self.spill.put(part + ".sum", acc)
+            else:
+                self._sums[part] = acc
 
     def drop_ready(self) -> None:
         """Drop the sums `finish` made ready (a non-finite step): no update will use them."""

@@ -67,7 +67,7 @@ class Placement:
 
     def __init__(self, device: jax.Device | None = None, pinned: bool | None = None,
                  threads: int = STAGE_THREADS, mesh: DeviceMesh | None = None):
-        self.mesh = mesh or DeviceMesh([device or jax.devices()[0]])
+        self.mesh = mesh or DeviceMesh([device or jax.local_devices()[0]])
         self.device = self.mesh.devices[0]
         kinds = {m.kind for m in self.device.addressable_memories()}
         # On the CPU backend the device memory is host memory: a pinned copy adds nothing

@@ -24,7 +24,7 @@ TIER_NAMES = ("ram", "disk")
 
 def host_device() -> jax.Device:
     """The CPU device that holds host-resident state and runs the optimizer."""
-    return jax.devices("cpu")[0]
+    return jax.local_devices(backend="cpu")[0]  # this process's (a multi-process run lists all)
 
 
 def _done(value) -> cf.Future:
@@ -59,6 +59,10 @@ class RamTier:
     def write(self, part: str, kind: str, arrays: Mapping) -> cf.Future:
         self._data[part, kind] = dict(arrays)
         return _done(None)
+
+    def nbytes(self, kind: str) -> int:
+        """Bytes held of one kind of state, over all parts."""
+        return sum(np.asarray(a).nbytes for (_, k), arrays in self._data.items() if k == kind for a in arrays.values())
 
     def close(self) -> None:
         self._data.clear()

@@ -11,7 +11,11 @@ holds a part's state in read buffers), in the order the forward needs the parts.
 update reads master and optimizer state from their tiers, runs `PartUpdate` (the fused
 AdamW loop, or the XLA program of another optax transformation), and writes the results
 back; the updater tracks those writes and re-raises their errors. With a one-copy store
-the updates of a step wait for its commit (`OneCopy`, mtjax.stream.commit).
+the updates of a step wait for its commit (`OneCopy`, mtjax.stream.commit). In a
+multi-process run (`hosts`) a part's update is of this process's rows only, and its new
+compute copy is all-gathered from every process's rows before it is written: those
+updates run on the caller's thread, in part order (`flush`), so that every process
+issues the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -42,8 +46,10 @@ class Updater:
     """
 
     def __init__(self, parts: list[str], update: PartUpdate, tiers: Tiers, grads: GradSink, tracer: Tracer,
-                 derived_compute: bool, one_copy: OneCopy | None = None, scale: float | None = None):
+                 derived_compute: bool, one_copy: OneCopy | None = None, scale: float | None = None,
+                 hosts=None, schemas: dict | None = None):
         self.parts, self.update, self.tiers, self.grads, self.tracer = parts, update, tiers, grads, tracer
+        self.hosts, self.schemas = hosts, schemas  # schemas: each part's whole compute leaves (hosts only)
         self.derived_compute, self.one_copy = derived_compute, one_copy
         self.scale = None if scale is None else jax.device_put(np.float32(scale), host_device())
         self._writes: list[cf.Future] = []
@@ -136,7 +142,7 @@ class Updater:
             master, opt = master.result(), opt.result()
         # The old compute copy receives the new one (RAM tier only), and RAM-tier state is
         # updated in place: nothing else reads it while its part's update is pending.
-        old = self.read(part, "compute") if "compute" in self.kept_in_ram() else None
+        old = self.read(part, "compute") if "compute" in self.kept_in_ram() and self.hosts is None else None
         with self.tracer.span("optimizer", part) if self.update.fused else contextlib.nullcontext():
             master, opt, compute = self.update(part, master, opt, old, grads, self.scale,
                                                own=self.tiers.kinds_in("ram"), copy=not self.derived_compute)
@@ -145,6 +151,9 @@ class Updater:
                 self.read_buffers.release(bufs, fence=master)
         if not self.update.fused:  # the XLA program runs asynchronously: time it until done
             self.tracer.watch("optimizer", part, master)
+        if self.hosts is not None:  # every process's new rows, for the whole compute copy
+            with self.tracer.span("all_gather", part):
+                compute = self.hosts.all_gather(compute, self.schemas[part])
         self.write(part, "master", master)
         self.write(part, "opt", opt)
         if compute is not None:
@@ -165,7 +174,7 @@ class Updater:
         if self.one_copy is not None:
             self.one_copy.step_finished()
         self.wait_writes()
-        if self.one_copy is None:
+        if self.one_copy is None and self.hosts is None:
             self.start()  # they run while the caller logs, evaluates, fetches data
 
     def start(self) -> None:

@@ -1,0 +1,19 @@
+"""The model, optimizer and batches of the multi-process tests (tests/test_hosts.py and
+the processes it spawns, tests/hosts_worker.py): small, and every step clipped."""
+
+import numpy as np
+
+from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig
+
+# Odd row counts (97, 33) so that the two processes' shares of a leaf differ by a row.
+CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=33, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+OPT = OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=2, decay_steps=10, clip_norm=0.05, weight_decay=0.1)
+STEPS = 5
+
+
+def batches(accum: int, rows: int = 4, seed: int = 0):
+    """Every step's global batch: 4 rows, one on each device of two processes of two."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, CFG.vocab_size, (accum, rows, 16), dtype=np.int32) for _ in range(STEPS)]
