@@ -45,7 +45,12 @@ FAMILIES = {  # family -> (transformers config class, what differs from the shar
     "qwen2_moe": ("Qwen2MoeConfig", dict(MOE, shared_expert_intermediate_size=256)),
     "qwen3_moe": ("Qwen3MoeConfig", MOE),
     "olmoe": ("OlmoeConfig", MOE),
+    # Llama 4: its experts' width is intermediate_size, its dense layers' intermediate_size_mlp.
+    "llama4_text": ("Llama4TextConfig", dict(num_local_experts=8, num_experts_per_tok=1, attention_chunk_size=128,
+                                             intermediate_size_mlp=704, interleave_moe_layer_step=2)),
 }
+# Rows beyond one per family: (label, family, stream settings).
+EXTRA_ROWS = [("qwen3_moe, expert groups of 2 (forced)", "qwen3_moe", dict(expert_group_size=2))]
 
 
 def hf_dict(family: str, layers: int, width: int) -> dict:
@@ -53,15 +58,17 @@ def hf_dict(family: str, layers: int, width: int) -> dict:
     shape = dict(vocab_size=8192, hidden_size=width, intermediate_size=int(width * 2.75), num_hidden_layers=layers,
                  num_attention_heads=width // 64, num_key_value_heads=max(1, width // 128), head_dim=64,
                  max_position_embeddings=4096, tie_word_embeddings=False)
-    return getattr(transformers, cls)(**shape, **extra).to_dict()
+    if family == "llama4_text":
+        shape["intermediate_size"] = 128  # its experts' width, as MOE's moe_intermediate_size
+    return getattr(transformers, cls)(**{**shape, **extra}).to_dict()
 
 
-def measure(cfg, batch: int, seq: int, steps: int) -> tuple[float, float]:
+def measure(cfg, batch: int, seq: int, steps: int, stream_settings: dict) -> tuple[float, float]:
     """(reference, streamed) median step seconds, engines alternating."""
     params = model.init_params(cfg, seed=0)
     opt = OptimConfig(lr=1e-4, clip_norm=1.0)
     ref = ReferenceTrainer(cfg, params, opt)
-    stream = StreamEngine(cfg, params, opt, StreamConfig(keep_every=1, prefetch_depth=2))
+    stream = StreamEngine(cfg, params, opt, StreamConfig(keep_every=1, prefetch_depth=2, **stream_settings))
     del params
     rng = np.random.default_rng(0)
     data = [rng.integers(0, cfg.vocab_size, (1, batch, seq), dtype=np.int32) for _ in range(steps + 1)]
@@ -86,23 +93,24 @@ def main() -> None:
         args.layers, args.width, args.seq, args.steps = 2, 128, 64, 1
 
     rows, skipped = [], []
-    for family in FAMILIES:
+    for label, family, settings in [(f, f, {}) for f in FAMILIES] + EXTRA_ROWS:
         try:
             cfg = from_hf_dict(hf_dict(family, args.layers, args.width))
         except ConfigError as e:
-            skipped.append(family)
-            print(f"{family}: skipped: {e}", flush=True)
+            skipped.append(label)
+            print(f"{label}: skipped: {e}", flush=True)
             continue
-        ref_s, stream_s = measure(cfg, args.batch, args.seq, args.steps)
-        rows.append((family, model.num_params(cfg), ref_s, stream_s))
-        print(f"{family}: reference {ref_s:.3f} s, streamed {stream_s:.3f} s, ratio {stream_s / ref_s:.2f}", flush=True)
+        ref_s, stream_s = measure(cfg, args.batch, args.seq, args.steps, settings)
+        rows.append((label, model.num_params(cfg), ref_s, stream_s))
+        print(f"{label}: reference {ref_s:.3f} s, streamed {stream_s:.3f} s, ratio {stream_s / ref_s:.2f}", flush=True)
 
     tokens = args.batch * args.seq
     lines = [
         f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__} on the CPU. Each "
         f"family's transformers config class with its own defaults, shrunk to {args.layers} blocks of width "
         f"{args.width} (head_dim 64, vocab 8192; sliding windows of 128 where the family has them; MoE: 8 experts, "
-        f"top 2); fp32, batch {args.batch} x seq {args.seq}, AdamW with clipping; reference: the whole model "
+        f"top 2, Llama 4 top 1 with every other layer dense; a forced expert-group row streams each MoE "
+        f"layer as its router part and 4 groups of 2 experts); fp32, batch {args.batch} x seq {args.seq}, AdamW with clipping; reference: the whole model "
         f"in memory, remat per block; stream: RAM tier, k = 1, prefetch depth 2; median of {args.steps} steps "
         "after one warm-up, the two engines alternating.",
         "",
