@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-CASES = [("ram", 1), ("ram", 4), ("disk", 4)]
+CASES = [("ram", 1), ("ram", 4), ("disk", 1), ("disk", 4)]
 
 
 def vm_rss() -> int:

@@ -38,7 +38,7 @@ from mtjax.store import shards
 from mtjax.store.errors import StoreError
 
 HERE = Path(__file__).parent
-WORKER_CASES = [("ram", 1), ("ram", 4), ("disk", 4)]  # as tests/hosts_worker.py trains them
+WORKER_CASES = [("ram", 1), ("ram", 4), ("disk", 1), ("disk", 4)]  # as tests/hosts_worker.py trains them
 
 
 def free_port() -> int:
