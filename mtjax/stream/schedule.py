@@ -47,7 +47,7 @@ import math
 import jax
 import numpy as np
 
-from mtjax import expert_groups, model, parts, treepath
+from mtjax import expert_groups, model, moe, parts, treepath
 from mtjax.config import StoreConfig, StreamConfig, check_batch_split
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig
@@ -97,7 +97,7 @@ class DevicePlan:
     activations: int  # kept block inputs of every micro-batch (0 when they wait in host memory)
     residuals: int  # vjp residuals of one recompute group (the weights they keep are counted above)
     head: int  # fp32 logits, softmax and their gradient at the LM head
-    working: int  # hidden states of every micro-batch between parts, temporaries, gradients in flight
+    working: int  # hidden states of every micro-batch between parts, temporaries (a MoE backward's), gradients in flight
     resident: int = 0  # resident parts' compute, master and optimizer state and their fp32 gradient sums
     saved: int = 0  # vjp residuals that saved groups keep from the forward to the backward (every micro-batch)
     routing: int = 0  # split MoE blocks' kept MLP inputs and routing (every micro-batch), zeros for unrouted experts
@@ -460,6 +460,17 @@ def split_residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int, size
     return max(traced(router_vjp, router, x), traced(group_vjp, group, h, weights, chosen, ids))
 
 
+def dispatch_bytes(cfg: ModelConfig, tokens: int, size: int | None = None) -> int:
+    """Bytes a MoE block's expert backward holds beyond its residuals over `tokens` rows
+    (`mtjax.moe.backward_transient_bytes` for the dispatch of the backend being traced
+    for, as `residual_bytes` traces it); `size`: a group of that many experts. 0 without MoE."""
+    if not cfg.moe_layers:
+        return 0
+    return moe.backward_transient_bytes(tokens * cfg.num_experts_per_tok, size or cfg.num_experts, cfg.hidden_size,
+                                        cfg.moe_intermediate_size, np.dtype(cfg.compute_dtype).itemsize,
+                                        moe.dispatch(jax.default_backend()), total=cfg.num_experts)
+
+
 def _beyond(saved: list, weights: list) -> int:
     """Bytes of the `saved` leaves less one leaf per weight of the same shape and dtype
     (the weights appear among the residuals but are counted as staged weights)."""
@@ -606,6 +617,9 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
         size = max(len(g) for grps_ in split.values() for g in grps_)
         residual = max(residual, *(split_residual_bytes(cfg, cfg.layer_kinds[i], shape.batch, shape.seq, size)
                                    for i in split))
+    # A MoE block's backward: its dispatch's cotangents and gradient sums, one block (or group) at a time.
+    whole_moe = any(i not in split for i in cfg.moe_layers)
+    transient = dispatch_bytes(cfg, tokens, None if whole_moe else max(len(g) for grps_ in split.values() for g in grps_))
     # Several micro-batches: the fp32 sums in progress, a group's blocks' or the head's
     # (with the tied embedding's).
     blocks = max(b.master for p, b in pb.items() if p.startswith("block."))
@@ -619,7 +633,7 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
         # A recompute group's (saved groups recompute nothing).
         residuals=max((len(g) for g in grps if g not in saved), default=0) * residual,
         head=3 * shape.batch * shape.seq * cfg.vocab_size * 4,
-        working=(3 + shape.accum) * hidden + 2 * max(grad.values()) + sums,
+        working=(3 + shape.accum) * hidden + 2 * max(grad.values()) + sums + transient,
         resident=sum(pb[p].compute + 2 * pb[p].master + pb[p].opt for p in resident),
         saved=shape.accum * sum(residual_bytes(cfg, cfg.layer_kinds[i], shape.batch, shape.seq, remat)
                                 for g in saved for i in g),
