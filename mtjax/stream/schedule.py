@@ -613,13 +613,14 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
     whole = {kind for i, kind in enumerate(cfg.layer_kinds) if i not in split}
     residual = max((residual_bytes(cfg, kind, shape.batch, shape.seq) for kind in whole), default=0)
     tokens = shape.batch * shape.seq
+    size = None
     if split:  # a split block's backward holds one sub-part's residuals at a time
         size = max(len(g) for grps_ in split.values() for g in grps_)
         residual = max(residual, *(split_residual_bytes(cfg, cfg.layer_kinds[i], shape.batch, shape.seq, size)
                                    for i in split))
-    # A MoE block's backward: its dispatch's cotangents and gradient sums, one block (or group) at a time.
-    whole_moe = any(i not in split for i in cfg.moe_layers)
-    transient = dispatch_bytes(cfg, tokens, None if whole_moe else max(len(g) for grps_ in split.values() for g in grps_))
+    # A MoE block's backward: its dispatch's cotangents and gradient sums, a whole block's
+    # when one stays whole, else an expert group's.
+    transient = dispatch_bytes(cfg, tokens, None if any(i not in split for i in cfg.moe_layers) else size)
     # Several micro-batches: the fp32 sums in progress, a group's blocks' or the head's
     # (with the tied embedding's).
     blocks = max(b.master for p, b in pb.items() if p.startswith("block."))
