@@ -16,7 +16,7 @@ place (`dispatch`):
   blocks runs each block's SwiGLU with its expert's kernels sliced out (`blocked_swiglu`).
   The work is the N rows plus at most E (B - 1) padding rows, and each block's kernel
   slicing; `block_rows` picks B (8 to 128) to minimise the two, and `dispatch_rows` says
-  what they cost in rows, for the planner.
+  what they cost in rows, for the planner (`backward_transient_bytes` what its backward holds).
   Memory: the padded rows [blocks * B, d], the gate and up projections [blocks * B, f]
   kept for the backward (as autodiff of ragged_dot keeps them), one expert's kernels at a
   time, and the kernels' fp32 gradient sums; never a kernel per block, which a batched
@@ -95,6 +95,23 @@ def dispatch_rows(assignments: int, num_experts: int, which: str) -> int:
         return assignments
     rows = block_rows(assignments, num_experts)
     return num_blocks(assignments, num_experts, rows) * (rows + BLOCK_COST_ROWS)
+
+
+def backward_transient_bytes(assignments: int, num_experts: int, hidden: int, intermediate: int, itemsize: int,
+                             which: str, total: int | None = None) -> int:
+    """Bytes the experts' backward (`experts_forward` over `num_experts` kernels, `total`
+    in the layer, default the same) holds beyond its vjp residuals, for the planner, from
+    the shapes the dispatch builds: the cotangents of the `assignments` rows (fp32 where
+    the outputs are weighted, compute dtype where the rows were gathered) and, for
+    "blocked", those of its padded rows (dy and dx [blocks * rows, d]) and the three fp32
+    [E, ...] gradient sums its backward adds each block into. ragged_dot's kernel
+    gradients are the backward's outputs (the gradient in flight, priced as such)."""
+    rows_ct = assignments * hidden * (4 + itemsize)
+    if which == "ragged":
+        return rows_ct
+    b = block_rows(assignments, total or num_experts)
+    padded = num_blocks(assignments, num_experts, b) * b
+    return rows_ct + 2 * padded * hidden * itemsize + 3 * num_experts * hidden * intermediate * 4
 
 
 @jax.custom_vjp

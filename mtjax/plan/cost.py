@@ -142,15 +142,14 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     tx = make_optimizer(OptimConfig()) if tx is None and part_bytes_ is None else tx
     if devices is None:
         devices = stream.devices if isinstance(stream.devices, int) else hardware.devices
-    s = describe(cfg, stream, store, shape, tx, part_bytes_=part_bytes_, devices=devices)
+    dispatch = moe.dispatch("cpu" if hardware.device_is_host else "gpu")  # the planned device's grouped matmul
+    s = describe(cfg, stream, store, shape, tx, part_bytes_=part_bytes_, devices=devices, dispatch=dispatch)
     pb, hw, state = s.part_bytes, hardware, s.state
     num_params = state.master // 4
 
     # --- FLOPs, per micro-batch then per step: every micro-batch runs through every part.
     tokens = shape.batch * shape.seq
     c_item = state.compute // num_params
-
-    dispatch = moe.dispatch("cpu" if hw.device_is_host else "gpu")
 
     def forward(executed):
         # A MoE block computes with its active parameters (k experts); its bytes are all of them.

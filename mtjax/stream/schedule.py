@@ -47,7 +47,7 @@ import math
 import jax
 import numpy as np
 
-from mtjax import expert_groups, model, parts, treepath
+from mtjax import expert_groups, model, moe, parts, treepath
 from mtjax.config import StoreConfig, StreamConfig, check_batch_split
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig
@@ -97,7 +97,7 @@ class DevicePlan:
     activations: int  # kept block inputs of every micro-batch (0 when they wait in host memory)
     residuals: int  # vjp residuals of one recompute group (the weights they keep are counted above)
     head: int  # fp32 logits, softmax and their gradient at the LM head
-    working: int  # hidden states of every micro-batch between parts, temporaries, gradients in flight
+    working: int  # hidden states of every micro-batch between parts, temporaries (a MoE backward's), gradients in flight
     resident: int = 0  # resident parts' compute, master and optimizer state and their fp32 gradient sums
     saved: int = 0  # vjp residuals that saved groups keep from the forward to the backward (every micro-batch)
     routing: int = 0  # split MoE blocks' kept MLP inputs and routing (every micro-batch), zeros for unrouted experts
@@ -372,9 +372,11 @@ def residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int, policy: st
 
 def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, tx,
              fused: bool | None = None, part_bytes_: dict[str, StateBytes] | None = None,
-             devices: int = 1) -> Schedule:
+             devices: int = 1, dispatch: str | None = None) -> Schedule:
     """The schedule of one step of `shape` under `stream` and `store`'s placement, data
     parallel over `devices` devices (shape.batch splits over them: mtjax.config.check_batch_split).
+    `dispatch`: the MoE grouped matmul of the device planned for (mtjax.moe.dispatch; default
+    the backend's here), which decides what an expert backward allocates.
 
     `tx` is the optax transformation (its state's bytes); `fused`: whether the update is
     the fused AdamW loop (default: what an OptimConfig gets, `fused_adamw.supports`).
@@ -389,10 +391,10 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     pb = part_bytes(cfg, tx) if part_bytes_ is None else part_bytes_
     size, budget = stream.expert_group_size, stream.device_budget_bytes
     if size is not None or budget is None or not cfg.moe_layers:
-        return _describe(cfg, stream, store, shape, tx, fused, pb, size, devices)
-    plans, size = [_describe(cfg, stream, store, shape, tx, fused, pb, None, devices)], cfg.num_experts
+        return _describe(cfg, stream, store, shape, tx, fused, pb, size, devices, dispatch)
+    plans, size = [_describe(cfg, stream, store, shape, tx, fused, pb, None, devices, dispatch)], cfg.num_experts
     while plans[-1].device.total > budget and size >= 1:  # groups of E, E // 2, ... 1 experts
-        plans.append(_describe(cfg, stream, store, shape, tx, fused, pb, size, devices))
+        plans.append(_describe(cfg, stream, store, shape, tx, fused, pb, size, devices, dispatch))
         size //= 2
     fits = [p for p in plans if p.device.total <= budget]
     return fits[0] if fits else min(plans, key=lambda p: p.device.total)
@@ -460,6 +462,17 @@ def split_residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int, size
     return max(traced(router_vjp, router, x), traced(group_vjp, group, h, weights, chosen, ids))
 
 
+def dispatch_bytes(cfg: ModelConfig, tokens: int, size: int | None = None, dispatch: str | None = None) -> int:
+    """Bytes a MoE block's expert backward holds beyond its residuals over `tokens` rows
+    (`mtjax.moe.backward_transient_bytes` for `dispatch`, default the backend's here);
+    `size`: a group of that many experts. 0 without MoE."""
+    if not cfg.moe_layers:
+        return 0
+    return moe.backward_transient_bytes(tokens * cfg.num_experts_per_tok, size or cfg.num_experts, cfg.hidden_size,
+                                        cfg.moe_intermediate_size, np.dtype(cfg.compute_dtype).itemsize,
+                                        dispatch or moe.dispatch(jax.default_backend()), total=cfg.num_experts)
+
+
 def _beyond(saved: list, weights: list) -> int:
     """Bytes of the `saved` leaves less one leaf per weight of the same shape and dtype
     (the weights appear among the residuals but are counted as staged weights)."""
@@ -487,7 +500,7 @@ def allreduce_bytes(cfg: ModelConfig, pb: dict[str, StateBytes], accum: int, dev
 
 
 def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, tx, fused: bool,
-              pb: dict[str, StateBytes], size: int | None, devices: int = 1) -> Schedule:
+              pb: dict[str, StateBytes], size: int | None, devices: int = 1, dispatch: str | None = None) -> Schedule:
     """`describe` with the MoE blocks split into groups of `size` experts (None: whole)."""
     resident = resident_parts(cfg, stream.resident, groups(cfg.num_hidden_layers, stream.keep_every))
     split = split_blocks(cfg, size, resident)
@@ -547,7 +560,8 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     forward = tuple(p for p in forward_parts(cfg, split) if p not in resident)
     # Each device holds all of the weights and its share of every micro-batch's rows.
     local = dataclasses.replace(shape, batch=shape.batch // devices)
-    device = _device_plan(cfg, stream, local, pb, grps, grad, hidden // devices, resident, saved, remat, split, sub)
+    device = _device_plan(cfg, stream, local, pb, grps, grad, hidden // devices, resident, saved, remat, split, sub,
+                          dispatch)
     return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps, split), resident,
                     remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce, split, sub)
 
@@ -588,7 +602,8 @@ def _host_memory(pb: dict[str, StateBytes], transfers: list[StateBytes], grad: d
 
 def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: dict[str, StateBytes],
                  grps: tuple[range, ...], grad: dict, hidden: int, resident: tuple = (), saved: tuple = (),
-                 remat: str = "full", split: dict | None = None, sub: dict | None = None) -> DevicePlan:
+                 remat: str = "full", split: dict | None = None, sub: dict | None = None,
+                 dispatch: str | None = None) -> DevicePlan:
     """Device bytes of the step; every term comes from abstract shapes. Every micro-batch
     runs through a part before the next part (their hidden states wait between parts),
     and each part's gradient is summed on the device in fp32. Resident parts hold their
@@ -602,10 +617,14 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
     whole = {kind for i, kind in enumerate(cfg.layer_kinds) if i not in split}
     residual = max((residual_bytes(cfg, kind, shape.batch, shape.seq) for kind in whole), default=0)
     tokens = shape.batch * shape.seq
+    size = None
     if split:  # a split block's backward holds one sub-part's residuals at a time
         size = max(len(g) for grps_ in split.values() for g in grps_)
         residual = max(residual, *(split_residual_bytes(cfg, cfg.layer_kinds[i], shape.batch, shape.seq, size)
                                    for i in split))
+    # A MoE block's backward: its dispatch's cotangents and gradient sums, a whole block's
+    # when one stays whole, else an expert group's.
+    transient = dispatch_bytes(cfg, tokens, None if any(i not in split for i in cfg.moe_layers) else size, dispatch)
     # Several micro-batches: the fp32 sums in progress, a group's blocks' or the head's
     # (with the tied embedding's).
     blocks = max(b.master for p, b in pb.items() if p.startswith("block."))
@@ -619,7 +638,7 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
         # A recompute group's (saved groups recompute nothing).
         residuals=max((len(g) for g in grps if g not in saved), default=0) * residual,
         head=3 * shape.batch * shape.seq * cfg.vocab_size * 4,
-        working=(3 + shape.accum) * hidden + 2 * max(grad.values()) + sums,
+        working=(3 + shape.accum) * hidden + 2 * max(grad.values()) + sums + transient,
         resident=sum(pb[p].compute + 2 * pb[p].master + pb[p].opt for p in resident),
         saved=shape.accum * sum(residual_bytes(cfg, cfg.layer_kinds[i], shape.batch, shape.seq, remat)
                                 for g in saved for i in g),
