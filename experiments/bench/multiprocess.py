@@ -98,13 +98,14 @@ def main() -> None:
                     f"{r['sent'].get('reduce_scatter', 0) / mib:,.2f} + {r['sent'].get('all_gather', 0) / mib:,.2f} | "
                     f"{r['described']['reduce_scatter'] / mib:,.2f} + {r['described']['all_gather'] / mib:,.2f} | "
                     f"{'equal' if sent == r['described']['reduce_scatter'] + r['described']['all_gather'] else 'DIFFER'} |")
-    body = (f"`python experiments/bench/multiprocess.py --layers {args.layers} --width {args.width} --steps "
-            f"{args.steps}` ({rows and results[0]['params'] / 1e6:.1f}M parameters, batch {BATCH} x seq {SEQ}, "
-            f"all state in RAM, the same global batch; two processes on one 2-core machine share its cores).\n\n"
+    body = (f"{rows and results[0]['params'] / 1e6:.1f}M parameters, batch {BATCH} x seq {SEQ}, "
+            f"all state in RAM, the same global batch; two processes on one 2-core machine share its cores.\n\n"
             "| processes | tokens/s | peak RSS per process (MiB) | master + opt per process (MiB) | "
             "sent per step and process, RS + AG (MiB) | described (MiB) | |\n|---|---|---|---|---|---|---|\n"
             + "\n".join(rows) + "\n")
-    harness.publish("multiprocess", body, write=args.doc)
+    harness.publish("multiprocess", "One process against two (experiments/bench/multiprocess.py)", body,
+                    f"experiments/bench/multiprocess.py --layers {args.layers} --width {args.width} --steps {args.steps}",
+                    write=args.doc)
 
 
 if __name__ == "__main__":
