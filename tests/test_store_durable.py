@@ -1,9 +1,10 @@
 """Writes wait for no fsync; every commit makes durable exactly what its manifest names first.
 
-A recorder follows every chunk and gradient file written (dirty until fsynced) and every
-directory a rename changed; at each manifest write it checks that every file the new
-manifest names, in the slots and the pending update, and every directory holding them,
-was fsynced after its last change. Two-copy stores with several steps per commit and a
+A recorder follows every chunk and gradient file written (dirty until fsynced) and the
+directory entry each write (or a gradient sum's rename to its step's tag) made (volatile until the directory is fsynced); at
+each manifest write it checks that every file the new manifest names, in the slots and
+the pending update, was fsynced after its last write, and its directory after its entry
+was made. Two-copy stores with several steps per commit and a
 one-copy engine (its step commits and its per-part commits) are followed.
 """
 
@@ -20,7 +21,7 @@ from mtjax import model
 from mtjax.config import StoreConfig
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
-from mtjax.store import chunks, durable, layout, manifest
+from mtjax.store import chunks, durable, layout, manifest, pending
 from mtjax.stream import StreamEngine
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
@@ -29,19 +30,40 @@ OPT = OptimConfig(lr=1e-2, clip_norm=0.5, warmup_steps=0)
 
 
 class Recorder:
+    """A file is durable once fsynced after its last write; its name, once its directory
+    was fsynced after the write (re)named it there. A later entry in the same directory
+    does not make the names fsynced before it volatile again."""
+
     def __init__(self, monkeypatch, root: Path):
-        self.root, self.dirty, self.lock, self.checked = root, set(), threading.Lock(), 0
+        self.root, self.lock, self.checked = root, threading.Lock(), 0
+        self.dirty: set[Path] = set()  # files written since their last fsync
+        self.unnamed: dict[Path, set[Path]] = {}  # directory -> entries made since its last fsync
         write_chunk, fsync_path, write = chunks.write_chunk, durable.fsync_path, manifest.write
+        rename = pending.PendingFiles.rename
 
         def recording_write(path, *args, **kw):
             write_chunk(path, *args, **kw)
             with self.lock:
-                self.dirty.update({Path(path), Path(path).parent})
+                self.dirty.add(Path(path))
+                self.unnamed.setdefault(Path(path).parent, set()).add(Path(path))
+
+        def recording_rename(files, key, new):  # a step's sums take their tag: new entries, the same data
+            olds = {leaf: files._path(key, leaf) for leaf in files._meta[key]}
+            rename(files, key, new)
+            with self.lock:
+                for leaf, old in olds.items():
+                    path = files._path(new, leaf)
+                    if old in self.dirty:
+                        self.dirty.add(path)
+                    self.unnamed.setdefault(path.parent, set()).add(path)
 
         def recording_fsync(path):
-            with self.lock:
+            with self.lock:  # before: a write racing the fsync stays dirty
                 self.dirty.discard(Path(path))
-            fsync_path(path)  # after: a write racing the fsync stays dirty
+                entries = set(self.unnamed.get(Path(path), ()))
+            fsync_path(path)
+            with self.lock:
+                self.unnamed.get(Path(path), set()).difference_update(entries)
 
         def checking_write(root, new):
             self.check(new)
@@ -50,6 +72,7 @@ class Recorder:
         monkeypatch.setattr(chunks, "write_chunk", recording_write)
         monkeypatch.setattr(durable, "fsync_path", recording_fsync)
         monkeypatch.setattr(manifest, "write", checking_write)
+        monkeypatch.setattr(pending.PendingFiles, "rename", recording_rename)
 
     def check(self, m) -> None:
         named = []
@@ -64,7 +87,8 @@ class Recorder:
                       and any(f.name.startswith(layout.pending_key(p, tag)) for p in m.pending["parts"])]
             assert named, "the manifest names pending gradients that are not there"
         with self.lock:
-            missing = [str(f.relative_to(self.root)) for f in named if f in self.dirty or f.parent in self.dirty]
+            missing = [str(f.relative_to(self.root)) for f in named
+                       if f in self.dirty or f in self.unnamed.get(f.parent, ())]
         assert not missing, f"the manifest names files (or directories) not fsynced since their last write: {missing[:4]}"
         self.checked += 1
 
