@@ -11,7 +11,11 @@ The Python API (see README.md for a walk-through):
     mtjax.save_params(cfg, params, "out_dir")                 # a Hugging Face checkpoint
 """
 
-from mtjax.hf import CheckpointError, load_params, save_params
+from mtjax import cpu_pool
+
+cpu_pool.ensure()  # before any mtjax code starts JAX's backend
+
+from mtjax.hf import CheckpointError, load_params, save_params  # noqa: I001 (after cpu_pool.ensure)
 from mtjax.loss import cross_entropy
 from mtjax.model import abstract_block, abstract_params, forward, init_params
 from mtjax.model_config import ConfigError, ModelConfig, from_hf_dict, load_hf_config, to_hf_dict
