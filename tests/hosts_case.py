@@ -12,6 +12,13 @@ CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=33, num_hidde
 OPT = OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=2, decay_steps=10, clip_norm=0.05, weight_decay=0.1)
 STEPS = 5
 
+# For the resident memory each process's state takes: its master weights and AdamW state
+# (12 bytes a parameter, half of them on each of two processes) dominate the compute copy
+# (bfloat16, whole on every process: 2 bytes a parameter), ~17M parameters, nearly all in
+# the embedding and the head (one block: one more compile only when stepped, which it is not).
+BIG = ModelConfig(vocab_size=32768, hidden_size=256, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, compute_dtype="bfloat16")
+
 
 def batches(accum: int, rows: int = 4, seed: int = 0):
     """Every step's global batch: 4 rows, one on each device of two processes of two."""

@@ -2,39 +2,76 @@
 
     python tests/hosts_worker.py PORT COUNT INDEX OUT_DIR
 
-Joins the run on 127.0.0.1:PORT, then trains each case of CASES (tier, accum) for
-STEPS steps from the same initial weights on the same global batches, and writes
-OUT_DIR/<case>.npz (process 0: the all-gathered master weights and optimizer state)
-and OUT_DIR/<case>-<index>.json (this process's RAM-tier and store bytes of each kind,
-the collectives' payload bytes, the losses).
+Joins the run on 127.0.0.1:PORT; first measures the resident memory an engine of the
+larger model BIG takes in this process (OUT_DIR/rss-<index>.json: VmRSS before and after
+building it, and its RAM tier's bytes of each kind); then trains each case of CASES
+(tier, accum) for STEPS steps from the same initial weights on the same global batches,
+and writes OUT_DIR/<case>.npz (process 0: the all-gathered master weights and optimizer
+state) and OUT_DIR/<case>-<index>.json (this process's RAM-tier and store bytes of each
+kind, the collectives' payload bytes, the losses).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-CASES = [("ram", 1), ("ram", 4), ("disk", 4)]
+CASES = [("ram", 1), ("ram", 4), ("disk", 1), ("disk", 4)]
+
+
+def vm_rss() -> int:
+    """This process's resident set now, in bytes (VmRSS of /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def main(port: int, count: int, index: int, out: Path) -> None:
     import jax
 
     import mtjax.store
-    from mtjax import distributed, model, treepath
+    from mtjax import distributed, hostmem, model, treepath
     from mtjax.config import DistributedConfig, StoreConfig, StreamConfig
+    from mtjax.optim import make_optimizer
     from mtjax.stream import StreamEngine
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from hosts_case import CFG, OPT, batches
+    from hosts_case import BIG, CFG, OPT, batches
 
     startup = distributed.start(DistributedConfig(f"127.0.0.1:{port}", count, index, timeout_s=60))
     hosts = startup.hosts
     distributed.check_same(hosts, "test config", repr((CFG, OPT)))
     startup.done()
+
+    # First: VmRSS before the initial state of BIG is built and after an engine is built
+    # from it and the caller has dropped it: the difference is what the engine keeps (its
+    # tier's arrays, and any whole leaf one of them still holds on to). Every allocation
+    # of 256 KiB or more has its own mmap, unmapped when freed (hostmem.fix_mmap_threshold):
+    # freed memory does not stay resident. The state is built once before (its programs
+    # compiled), and the optimizer state is given, as a resumed run's is, written
+    # (np.full): fresh zeros would be pages the kernel gives the process only when the
+    # first update writes them; a step would add its own memory (compiles, gradients).
+    def initial():
+        params = jax.block_until_ready(model.init_params(BIG, seed=1))
+        return params, jax.tree.map(lambda a: np.full(a.shape, 0, a.dtype), make_optimizer(OPT).init(params))
+
+    hostmem.fix_mmap_threshold()
+    initial()
+    gc.collect()
+    before = vm_rss()
+    params, opt_state = initial()
+    engine = StreamEngine(BIG, params, OPT, StreamConfig(), StoreConfig(), hosts=hosts, opt_state=opt_state)
+    del params, opt_state
+    gc.collect()
+    after = vm_rss()
+    held = {kind: engine.tiers.by_kind[kind].nbytes(kind) for kind in ("compute", "master", "opt")}
+    engine.close()
+    del engine
+    (out / f"rss-{index}.json").write_text(json.dumps({"before": before, "after": after, "held": held}))
+
     for tier, accum in CASES:
         name = f"{tier}-{accum}"
         store = None

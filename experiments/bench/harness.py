@@ -77,11 +77,20 @@ def peak_rss() -> int:
     least the parent's RSS (a 1,077 MiB training child read as 1,223 MiB after the parent
     had run the planner's probe).
     """
+    return _status_bytes("VmHWM")
+
+
+def vm_rss() -> int:
+    """This process's resident set now, in bytes: VmRSS of /proc/self/status (Linux)."""
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024  # reported in kB
-    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+    raise RuntimeError(f"no {field} in /proc/self/status (Linux only)")
 
 
 def reset_peak_rss() -> None:

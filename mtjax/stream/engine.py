@@ -172,10 +172,11 @@ class StreamEngine:
             if not self.derived_compute:
                 self.updater.write(p.name, "compute", self.update.compute_copy(master))
             if self.hosts is not None:  # this process's rows of master (and so of the optimizer state)
-                master = {n: np.ascontiguousarray(self.hosts.shard.take(a)) for n, a in master.items()}
+                # Copies: device_put may alias a host array on the CPU, and a view of the
+                # rows would keep the whole leaf resident for as long as the tier holds it.
+                master = {n: np.array(self.hosts.shard.take(a)) for n, a in master.items()}
                 if opt_parts is not None:
-                    opt_parts[p.name] = {n: np.ascontiguousarray(self.hosts.shard.take(a))
-                                         for n, a in opt_parts[p.name].items()}
+                    opt_parts[p.name] = {n: np.array(self.hosts.shard.take(a)) for n, a in opt_parts[p.name].items()}
             master = jax.device_put(master, host_device())
             opt = self.update.init_state(master) if opt_parts is None else jax.device_put(opt_parts[p.name], host_device())
             self.updater.write(p.name, "opt", opt)
