@@ -128,6 +128,10 @@ def test_numbers_out_of_range(work):
         (["plan", "run/final", "--hardware", "h200", "--price-per-hour", "-1"],
          "--price-per-hour must be a finite number >= 0"),
         (["plan", "run/final", "--hardware", "h200", "--reprobe"], "pass one of them"),
+        (["plan", "run/final", "--hardware", "h200", "--processes", "0"], "--processes must be >= 1, got 0"),
+        (["plan", "run/final", "--hardware", "h200", "--devices", "0"], "stream.devices must be all or a device count >= 1"),
+        (["plan", "run/final", "--hardware", "h200", "--resident", "-2"], "stream.resident must be auto, none, all, a count >= 0"),
+        (["plan", "run/final", "--hardware", "h200", "--resident", "bogus"], "stream.resident names ['bogus'], which this model"),
         (["train", *TINY, "--run.dir=r2", "--run.resume=sometimes"], "run.resume must be true, false or auto"),
     ])
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import harness  # first: the checkout on sys.path, JAX on the CPU
 
@@ -43,17 +42,18 @@ def main() -> None:
         resident.FUSED_ON_HOST = fused
         ways[fused] = resident.Resident([part], update, Placement())
         ways[fused].load(part, master, opt)
-    times = {fused: [] for fused in ways}
-    for i in range(args.steps + 2):
-        for fused, res in ways.items():
-            t = time.perf_counter()
+
+    def step(res):
+        def run(_):
             res.add_grad(part, grads)
             res.update(0.5)
             jax.block_until_ready(res.weights(part))
-            if i >= 2:  # the first two compile and fault pages in
-                times[fused].append(time.perf_counter() - t)
+        return run
+
+    times = harness.alternating_times({fused: step(res) for fused, res in ways.items()}, range(args.steps + 2))
+    # alternating_times leaves out the first round (it compiles); the second, left out here, faults pages in.
     n = sum(a.size for a in master.values())
-    xla, loop = statistics.median(times[False]), statistics.median(times[True])
+    xla, loop = statistics.median(times[False][1:]), statistics.median(times[True][1:])
     print(f"{args.dtype}, {n / 1e6:.1f}M params: optax program {xla * 1e3:.1f} ms ({xla / n * 1e9:.2f} ns/param), "
           f"fused loop {loop * 1e3:.1f} ms ({loop / n * 1e9:.2f} ns/param): {xla / loop:.2f}x")
 

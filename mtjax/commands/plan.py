@@ -102,6 +102,8 @@ def run_plan(args) -> int:
         raise PlanError(f"--price-per-hour must be a finite number >= 0, got {args.price_per_hour}")
     if args.reprobe and args.hardware:
         raise PlanError("--reprobe measures this machine, --hardware names another profile: pass one of them")
+    if args.processes < 1:
+        raise PlanError(f"--processes must be >= 1, got {args.processes}")
     overrides = {"compute_dtype": args.compute_dtype} if args.compute_dtype else {}
     given_run = inputs.load(args.config, **overrides)
 
@@ -113,7 +115,7 @@ def run_plan(args) -> int:
         store["copies"] = args.store_copies
     try:  # the config dataclasses check every value
         data = dataclasses.replace(given_run.data, **given("batch_size", "seq_len", "grad_accum"))
-        resident = {} if args.resident is None else {"resident": int(args.resident) if args.resident.isdigit()
+        resident = {} if args.resident is None else {"resident": int(args.resident) if args.resident.lstrip("-").isdigit()
                                                       else args.resident}
         stream = dataclasses.replace(given_run.stream, **given("keep_every", "prefetch_depth", "devices"), **resident)
         store = dataclasses.replace(given_run.store, **store)
@@ -133,8 +135,6 @@ def run_plan(args) -> int:
     room = fit.limits(hw)
     options = fit.placements(plan, room)
     run = wholerun.price(plan, steps, steps_from, args.price_per_hour)
-    if args.processes < 1:
-        raise PlanError(f"--processes must be >= 1, got {args.processes}")
     per_host = hosts.per_host(plan, args.processes) if args.processes > 1 else None
     if args.json:
         shown = report.as_dict(plan, advice, options, run, profile_from)
