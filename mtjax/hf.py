@@ -5,8 +5,9 @@ pytree and whether it is transposed (PyTorch Linear weights are [out, in], mtjax
 [in, out]). Most tensors are one leaf each; a Llama 4 checkpoint's fused experts are many:
 `experts.gate_up_proj` [E, d, 2f] holds every expert's gate and up kernels side by side,
 `experts.down_proj` [E, f, d] their down kernels, which mtjax keeps one array each
-(`to_mtjax` splits them, `to_hf` joins them back, bit for bit). The loader reads one tensor at a time from memory-mapped safetensors files,
-so the store importer reuses it with a peak memory of one tensor.
+(`to_mtjax` splits them, `to_hf` joins them back, bit for bit). The loader reads one
+tensor at a time from memory-mapped safetensors files, so the store importer reuses it
+with a peak memory of one tensor.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": n
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # A multimodal checkpoint's language model (Gemma3ForConditionalGeneration,
-# Llama4ForConditionalGeneration) under either
-# naming in the wild: transformers 5 saves the first, its in-memory modules use the second.
+# Llama4ForConditionalGeneration) under either naming in the wild: transformers 5 saves
+# the first, its in-memory modules use the second.
 LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                            "language_model.lm_head.": "lm_head."}
 

@@ -474,7 +474,7 @@ def block_forward_cached(cfg: ModelConfig, kind: str, block: dict, x: jnp.ndarra
 
     Returns (hidden [b, t, d], the cache with this call's keys and values written in).
     """
-    m = _merge(cfg, "block:" + kind, cast(block, x.dtype))
+    m = block_module(cfg, kind, cast(block, x.dtype))
     attn = m.self_attn
     b, t, _ = x.shape
     positions = start + jnp.arange(t, dtype=jnp.int32)  # [t]

@@ -137,7 +137,8 @@ def test_numbers_out_of_range(work):
 
 
 def test_residency_document_and_chat_choices(work):
-    """The settings this stop added: device residency, the device count, the raw data's format, --chat."""
+    """The settings this stop added: device residency, the device count, the raw data's format, --chat,
+    Llama 4's attention fields."""
     stream = ["train", *TINY, "--run.dir=r2", "--stream.engine=stream"]
     run_cases(work, [
         ([*stream, "--stream.resident=bogus"], "stream.resident names ['bogus'], which this model does not have"),
@@ -149,6 +150,12 @@ def test_residency_document_and_chat_choices(work):
         ([*stream, "--stream.expert_group_size=0"], "stream.expert_group_size must be a whole number of experts >= 1"),
         (["train", *TINY, "--run.dir=r2", "--data.format=yaml"], "data.format must be one of text, chat"),
         (["generate", "run/final", "--chat", "--prompt", "hi"], "has none"),
+        # Llama 4's model fields set by hand (these three fill the last batch of four).
+        (["train", *TINY, "--run.dir=r2", "--model.no_rope_layers=5"], "no_rope_layers [5] name layers outside 0..1"),
+        (["train", *TINY, "--run.dir=r2", "--model.layer_types=chunked_attention,full_attention"],
+         "chunked_attention layers need a positive attention_chunk_size"),
+        (["train", *TINY, "--run.dir=r2", "--model.attn_temperature_tuning=true", "--model.floor_scale=0"],
+         "model.floor_scale must be positive, got 0.0"),
     ])
 
 

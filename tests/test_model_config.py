@@ -107,6 +107,7 @@ def test_heads_not_divisible_by_kv_heads_is_a_config_error():
     (dict(model_type="llama4_text", layer_types=["chunked_attention"] * 3, attention_chunk_size=0),
      "attention_chunk_size"),
     (dict(model_type="llama4_text", moe_layers=[0, 3]), "moe_layers"),
+    (dict(model_type="llama4_text", floor_scale=0), "floor_scale must be positive"),
     (dict(model_type="llama4_text", router_jitter_noise=0.1), "router_jitter_noise"),
 ])
 def test_unusable_config_json_is_one_clear_config_error(change, match):
