@@ -51,19 +51,19 @@ def block_index(name: str) -> int | None:
     return int(part.split(".")[1]) if part.startswith("block.") else None
 
 
-def leaves(schema: dict, name: str, groups: tuple) -> list[str]:
-    """The leaves of sub-part `name` among a split block's `schema` ({leaf: ...})."""
-    sub = name.split("/")[1]
-    if sub == ROUTER:
-        return [n for n in schema if expert_of(n) is None]
-    mine = set(groups[int(sub.split(".")[1])])
-    return [n for n in schema if expert_of(n) in mine]
-
-
 def group_ids(name: str, groups: tuple) -> tuple[int, ...] | None:
     """The experts of sub-part `name` (None for the router part)."""
     sub = name.split("/")[1]
     return None if sub == ROUTER else groups[int(sub.split(".")[1])]
+
+
+def leaves(schema: dict, name: str, groups: tuple) -> list[str]:
+    """The leaves of sub-part `name` among a split block's `schema` ({leaf: ...})."""
+    ids = group_ids(name, groups)
+    if ids is None:
+        return [n for n in schema if expert_of(n) is None]
+    mine = set(ids)
+    return [n for n in schema if expert_of(n) in mine]
 
 
 def kernels(flat: dict, ids: tuple[int, ...]) -> dict:

@@ -324,8 +324,9 @@ class StreamEngine:
         if owner == part:
             slot, leaves = self.pool.acquire(schema), None
         else:
-            mine = expert_groups.leaves(schema, part, split[expert_groups.block_index(part)])
-            slot, leaves = self.pool.acquire({n: schema[n] for n in mine}), self.split.staged(part, schema, split)
+            groups = split[expert_groups.block_index(part)]
+            sub = {n: schema[n] for n in expert_groups.leaves(schema, part, groups)}
+            slot, leaves = self.pool.acquire(sub), self.split.staged(part, sub, groups)
         with self.tracer.span("read", part):
             if leaves is None or leaves:
                 self.updater.compute_into(owner, slot.buffers if leaves is None else
@@ -333,7 +334,7 @@ class StreamEngine:
         start = self.tracer.now()
         weights = self.pool.put(slot, part, leaves)
         self.tracer.watch("h2d", part, weights, since=start)  # until the device copy is ready
-        return slot, weights if owner == part else self.split.complete(part, schema, split, weights)
+        return slot, weights if owner == part else self.split.complete(part, sub, groups, weights)
 
     @property
     def routed(self) -> dict:

@@ -72,24 +72,22 @@ class SplitBlocks:
         self._zeros: dict = {}
         self._ids: dict = {}
 
-    def staged(self, name: str, schema: dict, split: dict) -> list[str]:
-        """The leaves of sub-part `name` that cross: the router part's all; a group's, those
-        of its experts some token reached (waits for the forward's routing)."""
-        block = expert_groups.block_index(name)
-        mine = expert_groups.leaves(schema, name, split[block])
-        if expert_groups.group_ids(name, split[block]) is None:
-            return mine
-        reached = self.routing.wait(block)
-        return [n for n in mine if reached[expert_groups.expert_of(n)]]
+    def staged(self, name: str, sub: dict, groups: tuple) -> list[str]:
+        """The leaves of sub-part `name` (its leaves' schema `sub`, of a block split into
+        `groups`) that cross: the router part's all; a group's, those of its experts some
+        token reached (waits for the forward's routing)."""
+        if expert_groups.group_ids(name, groups) is None:
+            return list(sub)
+        reached = self.routing.wait(expert_groups.block_index(name))
+        return [n for n in sub if reached[expert_groups.expert_of(n)]]
 
-    def complete(self, name: str, schema: dict, split: dict, weights: dict):
+    def complete(self, name: str, sub: dict, groups: tuple, weights: dict):
         """A sub-part's staged weights as its program takes them: a group's in
         `expert_groups.kernels` form, device zeros for the experts left behind."""
-        ids = expert_groups.group_ids(name, split[expert_groups.block_index(name)])
+        ids = expert_groups.group_ids(name, groups)
         if ids is None:
             return weights
-        full = {n: weights[n] if n in weights else self._zero(schema[n])
-                for n in expert_groups.leaves(schema, name, split[expert_groups.block_index(name)])}
+        full = {n: weights[n] if n in weights else self._zero(leaf) for n, leaf in sub.items()}
         return expert_groups.kernels(full, ids)
 
     def _zero(self, leaf) -> jax.Array:
