@@ -301,6 +301,10 @@ def _join(exp: ExperimentConfig):
     settings = exp.to_dict()
     settings["distributed"].pop("process_id")  # the one setting that differs between processes
     distributed.check_same(startup.hosts, "experiment config", json.dumps(settings, sort_keys=True, default=str))
+    if exp.stream.resident not in ("auto", "none"):  # every process raises it: their configs are the same
+        raise ConfigError(f"stream.resident={exp.stream.resident!r} keeps whole parts on the device, but each of the "
+                          f"{startup.hosts.count} processes holds only its rows of every part's state: set "
+                          "stream.resident=none (auto streams every part here)")
     startup.done()
     return startup.hosts
 

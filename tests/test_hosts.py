@@ -200,6 +200,15 @@ def test_processes_started_for_different_counts_each_say_so(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_resident_parts_in_a_multi_process_run_are_refused_in_one_line(tmp_path):
+    port = free_port()
+    results = launch([_process(i, 2, port, "--run.dir=run", "--stream.resident=all", timeout_s=30) for i in range(2)],
+                     tmp_path, timeout=120)
+    for rc, _, err in results:
+        assert "stream.resident='all' keeps whole parts on the device" in _one_error_line(rc, err)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_resume_with_another_process_count_is_refused_in_one_line(tmp_path):
     for store in _filled_shards(tmp_path / "store"):
         store.commit(0, prepare=True)
