@@ -22,6 +22,8 @@ where the devices are the host). See docs/planner.md.
 
 from __future__ import annotations
 
+import collections
+
 import dataclasses
 import math
 
@@ -190,10 +192,13 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     # Compute weights in flight to the device (split MoE blocks: their largest sub-part).
     staging = (stream.prefetch_depth + 1) * (max(s.unit(p).compute for p in s.transfers) if s.split
                                              else biggest.compute)
-    # The optimizer's disk reads land in reused buffers, one set per part shape and kind
-    # (a mtjax.hostmem.BufferPool): the embedding, the head and each block kind.
+    # The optimizer's disk reads land in reused buffers, per part shape and kind (a
+    # mtjax.hostmem.BufferPool): the embedding, the head and each block kind, two sets of
+    # a shape several parts have (a part's update and the next part's reads, started ahead).
     shapes = {p.fn_kind: pb[p.name] for p in parts.parts(cfg)}
-    staging += sum(b.get(k) for b in shapes.values() for k in ("master", "opt") if getattr(store, k) == "disk")
+    sets = collections.Counter(p.fn_kind for p in parts.parts(cfg))
+    staging += sum(min(2, sets[kind]) * b.get(k) for kind, b in shapes.items() for k in ("master", "opt")
+                   if getattr(store, k) == "disk")
     staging += 2 * biggest.master if s.spill else 0  # a part's gradient sum on its way to and from disk
     activations = s.kept_bytes if stream.activations == "host" else 0
     grads_in_ram = 0 if s.spill else sum(pb[p].master for p in s.streamed)  # resident parts' stay on the device

@@ -7,7 +7,10 @@ backward, once the clip scale is known, and before the part is staged for step n
     updater.flush()              apply every pending update (before state is read)
 
 Updates run on a few host threads (one when state is on disk: each update in flight
-holds a part's state in read buffers), in the order the forward needs the parts. An
+holds a part's state in read buffers), in the order the forward needs the parts. On disk
+an update also starts the reads of the next pending part's master and optimizer state,
+so the disk reads it while this part's update computes and its writes queue (two read
+buffer sets per part shape). An
 update reads master and optimizer state from their tiers, runs `PartUpdate` (the fused
 AdamW loop, or the XLA program of another optax transformation), and writes the results
 back; the updater tracks those writes and re-raises their errors. With a one-copy store
@@ -57,7 +60,11 @@ class Updater:
         workers = 1 if tiers.kinds_in("disk") else max(1, min(8, os.cpu_count() or 1))
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="mtjax-update")
         self._updates: dict[str, cf.Future] = {}
-        self.read_buffers = BufferPool(sets_per_shape=1)  # the optimizer's disk-tier reads
+        self.read_ahead = hosts is None and any(tiers.placement[k] == "disk" for k in ("master", "opt"))
+        self.read_buffers = BufferPool(sets_per_shape=2 if self.read_ahead else 1)  # the optimizer's disk-tier reads
+        self._ahead: dict[str, tuple] = {}  # part: its reads started early, as _start_reads returns them
+        self._begun: set[str] = set()
+        self._ahead_lock = threading.Lock()  # updates run on a worker and on the caller's thread
 
     # --- reads and writes of the tiers ------------------------------------------------
 
@@ -95,6 +102,24 @@ class Updater:
         buffers = self.read_buffers.acquire(self.tiers.schema(part, kind))
         return self.tiers.read(part, kind, out=buffers), buffers
 
+    def _start_reads(self, part: str) -> tuple:
+        """The reads of `part`'s master and optimizer state for its update, each (future,
+        buffers or None): those started early if any. With read-ahead this also starts the
+        reads of the next part whose update is pending and not yet begun (`_begun`: parts
+        between here and taking their gradient, which ends their pending)."""
+        with self._ahead_lock:
+            self._begun.add(part)
+            reads = self._ahead.pop(part, None)
+            if reads is None:
+                reads = tuple(self._start_read_for_update(part, k) for k in ("master", "opt"))
+            if self.read_ahead:
+                pending = self.grads.pending()
+                later = self.parts[self.parts.index(part) + 1:]
+                nxt = next((p for p in later if p in pending and p not in self._ahead and p not in self._begun), None)
+                if nxt is not None:
+                    self._ahead[nxt] = tuple(self._start_read_for_update(nxt, k) for k in ("master", "opt"))
+        return reads
+
     # --- the compute copy -----------------------------------------------------------
 
     def round_master(self, part: str, out: dict | None = None) -> dict:
@@ -128,8 +153,9 @@ class Updater:
         if part not in self.grads.pending():
             return None
         # Master and optimizer state are read at once (on disk: the store's I/O threads
-        # keep both in flight), while the gradient sum comes back from its spill file.
-        (master, m_bufs), (opt, o_bufs) = (self._start_read_for_update(part, k) for k in ("master", "opt"))
+        # keep both in flight, and the next part's after them), while the gradient sum
+        # comes back from its spill file.
+        (master, m_bufs), (opt, o_bufs) = self._start_reads(part)
         try:
             grads = self.grads.take(part)
         except BaseException:  # a damaged spill file: the reads' buffers go back once they are done
@@ -138,6 +164,9 @@ class Updater:
                 if bufs is not None:
                     self.read_buffers.release(bufs)
             raise
+        finally:
+            with self._ahead_lock:
+                self._begun.discard(part)  # no longer pending: no read-ahead picks it
         with self.tracer.span("read", part):
             master, opt = master.result(), opt.result()
         # The old compute copy receives the new one (RAM tier only), and RAM-tier state is
@@ -204,3 +233,6 @@ class Updater:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        with self._ahead_lock:  # reads started for updates that will not run (a step that failed)
+            ahead, self._ahead = self._ahead, {}
+        cf.wait([fut for reads in ahead.values() for fut, _ in reads])
