@@ -168,9 +168,16 @@ def test_check_names_the_ram_shortfall_and_a_placement_that_fits():
 
 
 def test_recommend_puts_state_on_disk_only_when_ram_is_short():
-    plan = plan_of(hw=BUILTIN["cpu-2core"])
+    # Twelve blocks: the disk tier's read buffers and writes in flight cost about three
+    # blocks' state, so with three blocks state on disk would need no less RAM.
+    deep = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=12,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, compute_dtype="bfloat16")
+    plan = plan_of(deep, hw=BUILTIN["cpu-2core"])
     assert recommend(plan).placement == StoreConfig()
-    tight = plan.ram_needed - schema_total(CFG, "opt") // 2
+    # RAM for the plan with the optimizer state on disk (its read buffers and writes in
+    # flight included), not for the all-RAM one.
+    tight = plan_of(deep, hw=BUILTIN["cpu-2core"], opt="disk").ram_needed
+    assert tight < plan.ram_needed
     advice = recommend(plan, available_ram=int(tight / 0.9))
     assert advice.fits and advice.placement != StoreConfig()
     assert advice.plan.ram_needed <= tight
