@@ -14,7 +14,11 @@ run keeps none resident, so the one-process run does not either), one CPU device
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.metadata
 import json
+import os
+import platform
 import socket
 import statistics
 import subprocess
@@ -135,7 +139,8 @@ def main() -> None:
                     f"{'equal' if sent == r['described']['reduce_scatter'] + r['described']['all_gather'] else 'DIFFER'} |")
     command = (f"experiments/bench/multiprocess.py --layers {args.layers} --width {args.width} --steps {args.steps} "
                f"--rounds {args.rounds}")
-    body = (f"{results[0]['params'] / 1e6:.1f}M parameters, batch {BATCH} x seq {SEQ}, all state in RAM, every part "
+    body = (f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {importlib.metadata.version('jax')} on the CPU. "
+            f"{results[0]['params'] / 1e6:.1f}M parameters, batch {BATCH} x seq {SEQ}, all state in RAM, every part "
             "streamed, the same global batch; two processes on one 2-core machine share its cores. Kept: the "
             "resident memory a process's engine keeps (its state; with two processes also the compute copy, "
             "whole on each, which one process derives from master instead).\n\n"
