@@ -10,6 +10,7 @@ from __future__ import annotations
 import _thread
 import argparse
 import importlib
+import signal
 import sys
 import threading
 
@@ -47,24 +48,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_handled = threading.Event()  # main() has caught a KeyboardInterrupt
+
+
+def _on_sigint(signum, frame) -> None:
+    """SIGINT handler of the `mtjax` process: KeyboardInterrupt, as Python's own handler
+    raises, and again if that one is dropped before main() catches it: a C extension
+    that checks for signals inside a long call can drop it, and a garbage-collector
+    callback (JAX installs one) does. Dropped is when nothing but this handler refers to the exception any
+    more: while it propagates, or while an except or finally block cleans up, the
+    interpreter holds it, and no second one cuts that cleanup short."""
+    exc = KeyboardInterrupt()
+
+    def check():
+        if _handled.is_set():
+            return
+        if sys.getrefcount(exc) <= 2:  # the closure's cell and this call's argument
+            _thread.interrupt_main()  # runs this handler in the main thread once more
+        else:
+            _later(check)
+
+    _later(check)
+    raise exc
+
+
+def _later(fn) -> None:
+    timer = threading.Timer(0.5, fn)
+    timer.daemon = True
+    timer.start()
+
+
 def _unraisable(unraisable) -> None:
-    """sys.unraisablehook of the `mtjax` process. A Ctrl-C that arrives while the main
-    thread runs a garbage-collector callback (JAX installs one) raises KeyboardInterrupt
-    inside it, where Python would print "Exception ignored in ..." and carry on: raise it
-    again in the main thread instead."""
-    if isinstance(unraisable.exc_value, KeyboardInterrupt):
-        # From another thread, a moment later: raised here (or still inside the callback)
-        # it would be swallowed again.
-        timer = threading.Timer(0.05, _thread.interrupt_main)
-        timer.daemon = True
-        timer.start()
-    else:
+    """sys.unraisablehook of the `mtjax` process: a KeyboardInterrupt dropped inside a
+    callback is not printed; `_on_sigint` raises it again."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
         sys.__unraisablehook__(unraisable)
 
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the `mtjax` process itself (tests call main(argv) in theirs)
         sys.unraisablehook = _unraisable
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started with SIGINT ignored
+            signal.signal(signal.SIGINT, _on_sigint)
         argv = sys.argv[1:]
     debug, command = "--debug" in argv[:1], "mtjax"
     try:
@@ -80,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             args.extra_args = extra  # e.g. a mistyped --optim.lrr=1, which train reports with the nearest key
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
+        _handled.set()
         if debug:
             raise
         print(f"{command}: interrupted", file=sys.stderr)

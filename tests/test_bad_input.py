@@ -249,6 +249,9 @@ def test_ctrl_c_stops_a_command_with_one_line_and_no_litter(work):
     big = work / "tmp" / "long.txt"
     big.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(200000)))
     before = snapshot(work)
+    # The commands get SIGINT as a terminal's foreground command has it, whatever this
+    # process was started with (an ignored SIGINT is inherited, and mtjax then leaves it so).
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         for delay in (0.0, 0.3, 0.7, 1.2):
             p = start(work, ["data", "prepare", "tmp/long.txt", "--out", "long", "--tokenizer", QWEN_TOKENIZER])
@@ -266,4 +269,5 @@ def test_ctrl_c_stops_a_command_with_one_line_and_no_litter(work):
             assert lines == ["mtjax data: interrupted"], (delay, err[-2000:])
             assert snapshot(work) == before, delay
     finally:
+        signal.signal(signal.SIGINT, inherited)
         big.unlink()
