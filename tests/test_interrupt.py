@@ -8,11 +8,13 @@ import sys
 
 import multidevice
 
-DROPPED = """
+PRELUDE = """
 import os, signal, time
 from mtjax import cli
 signal.signal(signal.SIGINT, cli._on_sigint)
-try:
+"""
+
+DROPPED = PRELUDE + """try:
     try:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(2)
@@ -24,11 +26,7 @@ except KeyboardInterrupt:
     print("interrupted again")
 """
 
-CLEANUP = """
-import os, signal, time
-from mtjax import cli
-signal.signal(signal.SIGINT, cli._on_sigint)
-try:
+CLEANUP = PRELUDE + """try:
     try:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(2)
