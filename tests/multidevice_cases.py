@@ -170,6 +170,8 @@ def case(name: str, root: Path) -> dict:
         "planner_agrees": plan.schedule == s and plan.traffic.allreduce == t.allreduce,
         "planner_interconnect_s": plan.times.interconnect,
     }
+    if t.compute_handed:  # the first step, with no update before it, reads its new compute copies too
+        out["described"]["disk_read"] += t.compute_handed
     if one_too:
         one = train(cfg, stream, tiers, accum, root / "one", mesh=DeviceMesh(jax.devices()[:1]))
         out["one_device"] = one["devices"]

@@ -161,11 +161,15 @@ def test_engine_moves_what_the_schedule_says(tmp_path, where, accum, keep_every,
                 "d2h_grads": t.d2h_grads, "d2h_activations": t.d2h_activations, "d2h_resident": t.d2h_resident,
                 **{f"disk_read.{k}": b for k, b in t.disk_read.items()},
                 **{f"disk_write.{k}": b for k, b in t.disk_write.items()}}
-    assert dict(counts.bytes) == {k: STEPS * b for k, b in expected.items() if b}
+    expected = {k: STEPS * b for k, b in expected.items()}
+    # The first step has no update to hand it new compute copies: it reads them from the disk.
+    expected["disk_read.compute"] += t.compute_handed
+    assert (t.compute_handed > 0) == (placement.compute == "disk" and bool(s.transfers))
+    assert dict(counts.bytes) == {k: b for k, b in expected.items() if b}
     # The store's and the spill's own counters agree (tensor bytes of finished I/O).
     if store is not None:
         io1 = store.io_bytes
-        assert io1[0] - io0[0] == STEPS * sum(b for k, b in t.disk_read.items() if k != "grads")
+        assert io1[0] - io0[0] == STEPS * sum(b for k, b in t.disk_read.items() if k != "grads") + t.compute_handed
         assert io1[1] - io0[1] == STEPS * sum(b for k, b in t.disk_write.items() if k != "grads")
     assert (engine.grads.spill is not None) == (s.spill is not None)
     if s.spill is not None:

@@ -10,6 +10,7 @@ and Gemma 2 and Gemma 3 shapes (soft-capping, sliding and global layers, local R
 RAM and disk tiers.
 """
 
+import concurrent.futures
 import copy
 import dataclasses
 import functools
@@ -27,6 +28,7 @@ from mtjax.model_config import FULL, SLIDING, ModelConfig, RopeScaling
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.reference import ReferenceTrainer
 from mtjax.stream import DeviceBudgetError, StreamEngine
+from mtjax.stream.schedule import HANDED_AHEAD
 
 CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -322,3 +324,23 @@ def test_returned_state_is_a_snapshot():
     engine.params()
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), b)), state, copy_)))
     engine.close()
+
+
+def test_disk_tier_updates_run_only_a_few_parts_ahead_of_staging(tmp_path):
+    """With the compute copy on disk each finished update holds its new copy until its part
+    is staged: between steps only `HANDED_AHEAD` updates have run, the rest wait for the
+    staging to take those copies; training still equals the reference."""
+    store = mtjax.store.create(tmp_path / "store", CFG, make_optimizer(OPT))
+    engine = StreamEngine(CFG, model.init_params(CFG, seed=1), OPT, StreamConfig(keep_every=1), DISK, store=store,
+                          batch_shape=(2, 16))
+    updater, names = engine.updater, [p.name for p in engine.parts]
+    for b in batches(1):
+        engine.step(b)
+        concurrent.futures.wait(list(updater._updates.values()))  # the update thread has done what it may
+        assert list(updater._updates) == names[:HANDED_AHEAD]
+        assert all(f.result() is not None for f in updater._updates.values())  # each holds its new copy
+        assert updater._queued == names[HANDED_AHEAD:]
+    _, ref_params, _, _ = reference(False, 1)
+    assert max(rel_errors(engine.params(), ref_params)) <= 1e-5
+    engine.close()
+    store.close()

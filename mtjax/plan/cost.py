@@ -32,7 +32,7 @@ from mtjax.config import StoreConfig, StreamConfig
 from mtjax.model_config import CHUNKED, MOE, SLIDING, ModelConfig, attention_type
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan.hardware import GiB, HardwareProfile
-from mtjax.stream.schedule import DevicePlan, Schedule, StateBytes, StepShape, describe
+from mtjax.stream.schedule import HANDED_AHEAD, DevicePlan, Schedule, StateBytes, StepShape, describe
 
 RUNTIME_OVERHEAD_BYTES = 2 * GiB  # Python, JAX runtime and compiled programs in host RAM (profiles' default)
 
@@ -206,6 +206,8 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
         staging += sum(biggest.get(k) for k in parts.KINDS if getattr(store, k) == "disk"
                        and not (k == "compute" and s.derived_compute))
     staging += 2 * biggest.master if s.spill else 0  # a part's gradient sum on its way to and from disk
+    if store.compute == "disk":  # new compute copies handed to staging: those waiting, and the one being staged
+        staging += (HANDED_AHEAD + 1) * biggest.compute
     activations = s.kept_bytes if stream.activations == "host" else 0
     grads_in_ram = 0 if s.spill else sum(pb[p].master for p in s.streamed)  # resident parts' stay on the device
     runtime = hw.runtime_bytes

@@ -56,6 +56,9 @@ from mtjax.stream.budget import DeviceBudgetError
 
 TOKEN_BYTES = 4  # int32 token ids
 DOCUMENT_BYTES = 4 + 1  # per token of a packed batch: its int32 document id and bool "counted target"
+# With the compute copy on disk, updates run at most this many parts ahead of the staging
+# that takes their new copies: each finished update holds one until its part is staged.
+HANDED_AHEAD = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +132,10 @@ class Traffic:
     device_update: int = 0
     allreduce: int = 0  # gradient bytes summed across the devices (the size of what is reduced), all parts
     h2d_unrouted: int = 0  # expert weights no token reached, not staged (`Schedule.routed_traffic`; 0 before a step)
+    # Disk-tier compute bytes a step stages from its parts' updates instead of the store:
+    # each streamed part's first transfer takes the new copy the update just made. A step
+    # with no update pending (a fresh engine's first) reads these from the disk as well.
+    compute_handed: int = 0
 
     @property
     def h2d(self) -> int:
@@ -276,6 +283,18 @@ def train_parts(cfg: ModelConfig, groups_: tuple[range, ...], split=None) -> tup
     split = split or {}
     bwd = [u for g in reversed(groups_) for i in g for u in _block_units(i, split, backward=True)]
     return forward_parts(cfg, split) + tuple(bwd[1:] if last_stays(groups_, split) else bwd)
+
+
+def first_transfers(transfers: tuple[str, ...]) -> set[int]:
+    """Indices of the transfers that first stage each part (a split block: its first
+    sub-part): those a pending update hands its new compute copy to."""
+    seen, first = set(), set()
+    for i, p in enumerate(transfers):
+        owner = expert_groups.owner(p)
+        if owner not in seen:
+            seen.add(owner)
+            first.add(i)
+    return first
 
 
 def residency_order(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[str, ...]:
@@ -524,12 +543,13 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     h2d_weights = sum(unit[p].compute for p in transfers)  # one device's
     reads = dict.fromkeys(("compute", "master", "opt", "grads"), 0)
     writes = dict(reads)
-    if store.compute == "disk":
-        reads["compute"] = h2d_weights  # every transfer reads its part from the store
+    handed = first_transfers(transfers) if store.compute == "disk" else set()
+    if store.compute == "disk":  # every other transfer reads its part from the store
+        reads["compute"] = h2d_weights - sum(unit[transfers[i]].compute for i in handed)
     for kind in ("master", "opt"):  # the update reads them and writes them back
         if getattr(store, kind) == "disk":
             reads[kind] = writes[kind] = sum(b.get(kind) for b in streamed.values())
-    if store.compute == "disk":  # the update writes the new copy; the next step reads it back
+    if store.compute == "disk":  # the update writes the new copy (and hands it to the next step's staging)
         writes["compute"] = sum(b.compute for b in streamed.values())
     grad32 = sum(b.master for b in streamed.values())
     if where is not None:  # each fp32 sum goes to its file once and comes back for the update
@@ -549,13 +569,14 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
         d2h_activations=kept if on_host else 0,
         d2h_resident=d2h_resident,
         disk_read=reads, disk_write=writes,
-        host_memory=_host_memory(streamed, [unit[p] for p in transfers],
+        host_memory=_host_memory(streamed, [(unit[p], i in handed) for i, p in enumerate(transfers)],
                                  {p: g for p, g in grad.items() if p in streamed}, fused, derived, store,
                                  sum(reads.values()) + sum(writes.values())),
         # On the host the fused loop writes a compute copy unless it is the fp32 master itself.
         device_update=_update_bytes([pb[p] for p in resident], fused,
                                     copy=not fused or np.dtype(cfg.compute_dtype) != np.float32),
         allreduce=sum(allreduce.values()),
+        compute_handed=sum(unit[transfers[i]].compute for i in handed),
     )
     forward = tuple(p for p in forward_parts(cfg, split) if p not in resident)
     # Each device holds all of the weights and its share of every micro-batch's rows.
@@ -581,10 +602,11 @@ def _update_bytes(states, fused: bool, copy: bool) -> int:
     return 3 * o + 2 * m + 3 * m + sum(b.compute for b in states)
 
 
-def _host_memory(pb: dict[str, StateBytes], transfers: list[StateBytes], grad: dict, fused: bool, derived: bool, store: StoreConfig,
-                 disk_io: int) -> int:
+def _host_memory(pb: dict[str, StateBytes], transfers: list[tuple[StateBytes, bool]], grad: dict, fused: bool,
+                 derived: bool, store: StoreConfig, disk_io: int) -> int:
     """Bytes the host CPU reads and writes in one step (DMA is the link's: the planner
-    adds it where the device is not the host)."""
+    adds it where the device is not the host). `transfers`: each transfer's bytes, and
+    whether it stages the copy its update handed over (a disk-tier compute copy)."""
     optimizer = _update_bytes(pb.values(), fused, copy=not derived)
     # A gradient is read as it arrives; one narrower than fp32 is cast (an fp32 write);
     # the norm reads the fp32 sum.
@@ -592,10 +614,10 @@ def _host_memory(pb: dict[str, StateBytes], transfers: list[StateBytes], grad: d
     # Each transfer fills a staging slot: a copy of the compute weights (read + write),
     # master rounded into it when no copy is kept, or a disk read (counted in disk_io).
     staging = 0
-    for b in transfers:  # each transfer's bytes (a part's or a split block's sub-part's)
+    for b, handed in transfers:  # each transfer's bytes (a part's or a split block's sub-part's)
         if derived:
             staging += b.master + b.compute
-        elif store.compute == "ram":
+        elif store.compute == "ram" or handed:
             staging += 2 * b.compute
     return optimizer + grads + staging + disk_io  # disk I/O: the kernel copies through the page cache
 

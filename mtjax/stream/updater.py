@@ -13,7 +13,11 @@ so the disk reads it while this part's update computes and its writes queue (two
 buffer sets per part shape). An
 update reads master and optimizer state from their tiers, runs `PartUpdate` (the fused
 AdamW loop, or the XLA program of another optax transformation), and writes the results
-back; the updater tracks those writes and re-raises their errors. With a one-copy store
+back; the updater tracks those writes and re-raises their errors. Its new compute copy
+is also handed to the part's next staging, which copies it into the slot instead of
+reading it back from a disk tier (and waiting for its write); with the copy on disk,
+updates run at most `schedule.HANDED_AHEAD` parts ahead of that staging, so that the
+copies waiting for it stay few. With a one-copy store
 the updates of a step wait for its commit (`OneCopy`, mtjax.stream.commit). In a
 multi-process run (`hosts`) a part's update is of this process's rows only, and its new
 compute copy is all-gathered from every process's rows before it is written: those
@@ -34,6 +38,7 @@ import numpy as np
 from mtjax.stream import fused_adamw
 from mtjax.stream.commit import OneCopy
 from mtjax.stream.grads import GradSink
+from mtjax.stream.schedule import HANDED_AHEAD
 from mtjax.hostmem import BufferPool
 from mtjax.stream.tiers import Tiers, host_device
 from mtjax.stream.trace import Tracer
@@ -59,7 +64,10 @@ class Updater:
         self._writes_lock = threading.Lock()  # update workers add writes concurrently
         workers = 1 if tiers.kinds_in("disk") else max(1, min(8, os.cpu_count() or 1))
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="mtjax-update")
-        self._updates: dict[str, cf.Future] = {}
+        self._updates: dict[str, cf.Future] = {}  # started, their new compute copy not yet taken
+        self._queued: list[str] = []  # to start once fewer than `_max_started` are in `_updates`
+        self._max_started = HANDED_AHEAD if tiers.placement["compute"] == "disk" else len(parts)
+        self._lock = threading.Lock()  # the prefetch worker takes updates while the caller may start them
         self.read_ahead = hosts is None and any(tiers.placement[k] == "disk" for k in ("master", "opt"))
         self.read_buffers = BufferPool(sets_per_shape=2 if self.read_ahead else 1)  # the optimizer's disk-tier reads
         self._ahead: dict[str, tuple] = {}  # part: its reads started early, as _start_reads returns them
@@ -190,11 +198,9 @@ class Updater:
         if self.one_copy is not None:
             # Once the new state is on disk the manifest names it and its gradient can go.
             self._track(self.one_copy.part_updated(part))
-        # A disk-tier copy is not handed to the prefetcher: staged at once it would sit in
-        # host memory until its part's forward, and holding every new copy until staged
-        # grows host memory with depth. The prefetcher reads it back (the store orders
-        # that read after this write).
-        return None if self.tiers.placement["compute"] == "disk" else compute
+        # Handed to the part's next staging; the store keeps writing the same (unchanged)
+        # arrays meanwhile, and its commit still waits for that write.
+        return compute
 
     def ready(self, scale) -> None:
         """The step's gradients are final and `scale` is their clip scale: start the
@@ -207,21 +213,36 @@ class Updater:
             self.start()  # they run while the caller logs, evaluates, fetches data
 
     def start(self) -> None:
-        """Start every pending update on the update threads, in the order the forward needs them."""
-        for part in self.parts:
-            if part in self.grads.pending() and part not in self._updates:
-                self._updates[part] = self._pool.submit(self._apply, part)
+        """Start the pending updates on the update threads, in the order the forward needs
+        them: all of them, or (compute copy on disk) the first few, the others as the
+        staging takes the earlier ones' copies (`updated`)."""
+        with self._lock:
+            pending = self.grads.pending()
+            self._queued = [p for p in self.parts if p in pending and p not in self._updates]
+            self._start_queued()
+
+    def _start_queued(self) -> None:
+        while self._queued and len(self._updates) < self._max_started:
+            part = self._queued.pop(0)
+            self._updates[part] = self._pool.submit(self._apply, part)
 
     def updated(self, part: str) -> dict | None:
         """The new compute copy of `part` once its pending update is done (None: no update,
-        or no copy kept)."""
-        fut = self._updates.pop(part, None)
+        or no copy kept); an update not yet started runs here, on the caller's thread."""
+        with self._lock:
+            fut = self._updates.pop(part, None)
+            if part in self._queued:
+                self._queued.remove(part)
+            self._start_queued()
         return fut.result() if fut is not None else self._apply(part)
 
     def settle(self) -> None:
         """Wait for the updates already started and for every write (their part commits
         included), without starting any: a commit changes where the next writes go."""
-        for fut in list(self._updates.values()):
+        with self._lock:
+            self._queued = []  # the next `start` queues what is still pending
+            started = list(self._updates.values())
+        for fut in started:
             fut.result()
         self.wait_writes()
 
