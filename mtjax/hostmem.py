@@ -125,6 +125,13 @@ class BufferPool:
             jax.block_until_ready(fence)
         return buffers
 
+    def spare(self, schema: dict) -> bool:
+        """Whether a set shaped like `schema` can be acquired while fewer than
+        `sets_per_shape` of that shape are held (acquired and not released)."""
+        key = _shape_key(schema)
+        with self._lock:
+            return self._made.get(key, 0) - len(self._free.get(key, [])) < self.sets_per_shape
+
     def release(self, buffers: dict[str, np.ndarray], fence=()) -> None:
         """Hand a set back; `fence` (any pytree) holds the outputs of the last
         computations that read it or its device copy. Non-jax leaves are already done."""

@@ -99,3 +99,20 @@ def test_with_every_set_out_acquire_makes_one_more():
         pool.release(s)
     again = pool.acquire(F32)
     assert any(again is s for s in held) and pool.allocated == 3
+
+
+def test_spare_counts_the_sets_held_per_shape():
+    """`spare`: whether another set of a shape can be taken within the cap, counting the
+    sets acquired and not released (the updater reads ahead only into such a set)."""
+    pool = hostmem.BufferPool(sets_per_shape=2)
+    other = {"w": jax.ShapeDtypeStruct((3,), np.float32)}
+    a = pool.acquire(F32)
+    assert pool.spare(F32)
+    b = pool.acquire(F32)
+    assert not pool.spare(F32) and pool.spare(other)
+    pool.release(a)
+    assert pool.spare(F32)
+    c = pool.acquire(F32)
+    assert c is a and not pool.spare(F32)
+    pool.release(b), pool.release(c)
+    assert pool.spare(F32) and pool.allocated == 2

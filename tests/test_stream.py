@@ -344,3 +344,46 @@ def test_disk_tier_updates_run_only_a_few_parts_ahead_of_staging(tmp_path):
     assert max(rel_errors(engine.params(), ref_params)) <= 1e-5
     engine.close()
     store.close()
+
+
+def test_disk_tier_reads_the_first_updates_state_during_the_backward(tmp_path):
+    """Once a step's prefetch has read its last transfer, and before its clip scale is
+    known, the reads of the first updates' master and optimizer state start: in update
+    order, as many as the read buffer sets allow (two per shape, here the embedding, two
+    blocks and the head). A write of that state other than its update drops them, so
+    no update uses a stale read."""
+    store = mtjax.store.create(tmp_path / "store", CFG, make_optimizer(OPT))
+    engine = StreamEngine(CFG, model.init_params(CFG, seed=1), OPT, StreamConfig(keep_every=1), DISK, store=store,
+                          batch_shape=(2, 16))
+    updater, early = engine.updater, []
+    read_early, start = updater.read_early, updater._read_early
+
+    def recording(updated):
+        # The early reads this call starts (not the updates' own read-ahead, by part);
+        # step_count grows once the backward is done.
+        updater._read_early = lambda part: early.append((engine.step_count, part)) or start(part)
+        try:
+            read_early(updated)
+        finally:
+            updater._read_early = start
+
+    updater.read_early = recording
+    for i, b in enumerate(batches(1)):
+        engine.step(b)
+        assert [p for step, p in early if step == i] == ["embed", "block.0", "block.1", "head"]
+    _, ref_params, _, _ = reference(False, 1)
+    assert max(rel_errors(engine.params(), ref_params)) <= 1e-5
+
+    # New state written from outside the updates while reads of the old are in flight.
+    updater.read_early([p.name for p in engine.parts])
+    assert set(updater._ahead) == {"embed", "block.0", "block.1", "head"}
+    fresh = model.init_params(CFG, seed=2)
+    engine._init_state(fresh)
+    assert updater._ahead == {}
+    other = StreamEngine(CFG, fresh, OPT, StreamConfig(keep_every=1), batch_shape=(2, 16))
+    for b in batches(1, seed=3)[:2]:
+        engine.step(b), other.step(b)
+    assert max(rel_errors(engine.params(), other.params())) <= 1e-6
+    for e in (engine, other):
+        e.close()
+    store.close()

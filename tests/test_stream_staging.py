@@ -94,6 +94,29 @@ def test_prefetch_stays_within_depth_and_close_returns_untaken():
     assert set(left) <= {1, 2, 3} and len(loaded) <= 4
 
 
+def test_prefetch_runs_after_once_every_item_is_loaded():
+    loaded, seen = [], []
+    feed = prefetch.Prefetcher(range(4), lambda i: loaded.append(i) or i, depth=4, after=lambda: seen.append(list(loaded)))
+    assert [feed.get() for _ in range(4)] == [(i, i) for i in range(4)]
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [[0, 1, 2, 3]]
+    feed.close()
+
+    def load(i):
+        if i == 1:
+            raise OSError("disk gone")
+        return i
+
+    feed = prefetch.Prefetcher(range(3), load, depth=3, after=lambda: seen.append("ran"))
+    feed.get()
+    with pytest.raises(OSError):
+        feed.get()
+    feed.close()
+    assert seen == [[0, 1, 2, 3]]  # not after a failed load
+
+
 def test_prefetch_exhausted_schedule():
     feed = prefetch.Prefetcher([1], lambda i: i, depth=1)
     feed.get()

@@ -396,7 +396,10 @@ class StreamEngine:
         self.ledger.reset()  # only resident state stays on the device between steps (even after a failed one)
         self.updater.wait_writes()
         self.split.routing.reset()
-        feed = Prefetcher(self.schedule.transfers, self._load, self.options.prefetch_depth)
+        # Once the step's last transfer is read the disk would idle until the clip scale is
+        # known: the first updates' reads start then.
+        feed = Prefetcher(self.schedule.transfers, self._load, self.options.prefetch_depth,
+                          after=functools.partial(self.updater.read_early, self.schedule.streamed))
         try:
             losses, auxes = self._train_pass(feed, mbs, [float(w) for w in weights])
         except BaseException:

@@ -3,6 +3,7 @@
 The worker calls `load(item)` for each item of a fixed schedule, at most `depth` items
 ahead of the consumer. An exception in the worker is re-raised in the consumer at the
 next `get`, and `close` stops the worker and returns what it loaded but nobody took.
+`after`, if given, runs on the worker once every item is loaded.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ class PrefetchError(RuntimeError):
 
 
 class Prefetcher:
-    def __init__(self, items: Sequence, load: Callable, depth: int, name: str = "mtjax-prefetch"):
+    def __init__(self, items: Sequence, load: Callable, depth: int, name: str = "mtjax-prefetch",
+                 after: Callable | None = None):
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
-        self._items, self._load = list(items), load
+        self._items, self._load, self._after = list(items), load, after
         self._slots = threading.Semaphore(depth)  # at most `depth` loaded and not yet taken
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -36,6 +38,8 @@ class Prefetcher:
                 if self._stop.is_set():
                     return
                 self._queue.put((item, self._load(item), None))
+            if self._after is not None:
+                self._after()
         except BaseException as e:  # handed to the consumer, which re-raises it
             self._queue.put((None, None, e))
             return

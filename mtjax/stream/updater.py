@@ -85,6 +85,9 @@ class Updater:
             return self.tiers.read(part, kind).result()
 
     def write(self, part: str, kind: str, arrays: dict) -> None:
+        if kind != "compute" and part in self._ahead:  # new state from outside its update (a load)
+            with self._ahead_lock:
+                self._drop_early(part)
         with self.tracer.span("write", part):
             fut = self.tiers.write(part, kind, arrays)
         self._track(fut)
@@ -110,11 +113,22 @@ class Updater:
         buffers = self.read_buffers.acquire(self.tiers.schema(part, kind))
         return self.tiers.read(part, kind, out=buffers), buffers
 
+    def _spare(self, part: str) -> bool:
+        """Whether read buffer sets for `part`'s disk-tier master and optimizer state are
+        free (at most `sets_per_shape` of a shape are held, as the planner prices them)."""
+        return all(self.tiers.placement[k] == "ram" or self.read_buffers.spare(self.tiers.schema(part, k))
+                   for k in ("master", "opt"))
+
+    def _read_early(self, part: str) -> None:
+        """Start `part`'s update reads now (the caller holds `_ahead_lock`)."""
+        self._ahead[part] = tuple(self._start_read_for_update(part, k) for k in ("master", "opt"))
+
     def _start_reads(self, part: str) -> tuple:
         """The reads of `part`'s master and optimizer state for its update, each (future,
         buffers or None): those started early if any. With read-ahead this also starts the
         reads of the next part whose update is pending and not yet begun (`_begun`: parts
-        between here and taking their gradient, which ends their pending)."""
+        between here and taking their gradient, which ends their pending), when a read
+        buffer set is free for it."""
         with self._ahead_lock:
             self._begun.add(part)
             reads = self._ahead.pop(part, None)
@@ -124,9 +138,34 @@ class Updater:
                 pending = self.grads.pending()
                 later = self.parts[self.parts.index(part) + 1:]
                 nxt = next((p for p in later if p in pending and p not in self._ahead and p not in self._begun), None)
-                if nxt is not None:
-                    self._ahead[nxt] = tuple(self._start_read_for_update(nxt, k) for k in ("master", "opt"))
+                if nxt is not None and self._spare(nxt):
+                    self._read_early(nxt)
         return reads
+
+    def read_early(self, updated) -> None:
+        """The step's reads of compute weights are done (its prefetch has loaded every
+        transfer) while its backward goes on: start the reads the step's updates (of the
+        parts in `updated`: not the resident ones) will make first, in the order they run,
+        for as many parts as read buffer sets are free.
+        The disk then works through the rest of the backward instead of idling until the
+        clip scale is known. A read started now sees every write queued before it (the
+        store orders them), and any later write of that state but the update's own drops
+        it (`write`)."""
+        if not self.read_ahead:
+            return
+        with self._ahead_lock:
+            for part in self.parts:
+                if part in updated and part not in self._ahead and part not in self._begun and self._spare(part):
+                    self._read_early(part)
+
+    def _drop_early(self, part: str) -> None:
+        """Forget `part`'s reads started early, once they are done (the caller holds `_ahead_lock`)."""
+        reads = self._ahead.pop(part, None)
+        if reads is not None:
+            cf.wait([fut for fut, _ in reads])
+            for _, bufs in reads:
+                if bufs is not None:
+                    self.read_buffers.release(bufs)
 
     # --- the compute copy -----------------------------------------------------------
 
