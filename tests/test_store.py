@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import jax
@@ -12,7 +13,8 @@ import pytest
 import mtjax.store
 from mtjax import hostmem, model, parts
 from mtjax.model_config import ModelConfig, RopeScaling
-from mtjax.store import layout
+from mtjax.store import chunks, layout
+from mtjax.store import store as store_mod
 from mtjax.store.errors import StoreError
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -165,6 +167,34 @@ def test_write_then_read_same_part_is_ordered(filled):
         vals = values(store, seed)["block.0", "opt"]
         store.write("block.0", "opt", vals)
         assert same({0: store.read("block.0", "opt").result()}, {0: vals})
+
+
+def test_a_read_does_not_queue_behind_writes(filled, monkeypatch):
+    """Writes held up (a busy disk) must not hold up a read of other state: the next
+    computation waits for reads, while nothing waits for the writes until the commit."""
+    store, vals = filled
+    release, started = threading.Event(), threading.Semaphore(0)
+    write_chunk = chunks.write_chunk
+
+    def slow_write(*args, **kw):
+        started.release()
+        release.wait(30)
+        write_chunk(*args, **kw)
+
+    monkeypatch.setattr(chunks, "write_chunk", slow_write)
+    new = values(store, 7)
+    writes = [store.write(p, k, new[p, k]) for p in store.parts for k in ("master", "opt")]
+    for _ in range(store_mod.IO_THREADS):  # every write thread is taken
+        assert started.acquire(timeout=30)
+    try:
+        read = store.read("block.0", "compute")
+        assert same({0: read.result(timeout=30)}, {0: vals["block.0", "compute"]})
+        assert not any(w.done() for w in writes)
+    finally:
+        release.set()
+    for w in writes:
+        w.result(timeout=60)
+    assert same({0: store.read("head", "opt").result()}, {0: new["head", "opt"]})
 
 
 def test_one_writer_many_readers(filled, tmp_path):

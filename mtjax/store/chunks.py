@@ -25,7 +25,7 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
-from mtjax.store.durable import start_writeback
+from mtjax.store.durable import Writeback
 
 assert sys.byteorder == "little", "stored arrays are little-endian; moving them in place needs a little-endian host"
 
@@ -117,9 +117,9 @@ def check_chunk(path: Path, nbytes: int, block: int = 16 << 20) -> None:
         raise ChunkError(path, "has a checksum mismatch")
 
 
-def write_chunk(path: Path, src: memoryview, padding: int, writeback: bool = True) -> None:
-    """Write a temporary file, start its writeback (unless not `writeback`: a scratch
-    file that may never need the disk), rename it over the chunk.
+def write_chunk(path: Path, src: memoryview, padding: int, writeback: Writeback | None = None) -> None:
+    """Write a temporary file, rename it over the chunk, then hand it to `writeback` to
+    start writing its pages (None: a scratch file that may never need the disk).
 
     Nothing waits for the disk here: the commit that names the chunk fsyncs it and the
     array's directory first (mtjax.store.durable), which makes both durable.
@@ -131,14 +131,14 @@ def write_chunk(path: Path, src: memoryview, padding: int, writeback: bool = Tru
     try:
         try:
             _vectored(os.pwritev, fd, [src, memoryview(pad), memoryview(struct.pack("<I", crc))])
-            if writeback:
-                start_writeback(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if writeback is not None:
+        writeback.start(path)
 
 
 def flat(array: np.ndarray) -> memoryview:
@@ -159,9 +159,9 @@ def files(array_dir: Path, shape: tuple[int, ...], itemsize: int, rows: int) -> 
     return [path for path, *_ in plan(array_dir, shape, itemsize, rows)]
 
 
-def write_from(pool: concurrent.futures.Executor, array_dir: Path, rows: int,
-               array: np.ndarray) -> list[concurrent.futures.Future]:
+def write_from(pool: concurrent.futures.Executor, array_dir: Path, rows: int, array: np.ndarray,
+               writeback: Writeback) -> list[concurrent.futures.Future]:
     """Start writing every chunk of `array` to the array at `array_dir`, without copying it."""
     view = flat(array)
-    return [pool.submit(write_chunk, path, view[start:stop], pad)
+    return [pool.submit(write_chunk, path, view[start:stop], pad, writeback)
             for path, start, stop, pad in plan(array_dir, array.shape, array.dtype.itemsize, rows)]

@@ -1,13 +1,16 @@
 """Files made durable when a commit names them, not when they are written.
 
-A chunk or gradient file is written without waiting for the disk: `start_writeback`
-asks the kernel to begin writing its pages at once (Linux `sync_file_range` with
-SYNC_FILE_RANGE_WRITE, which does not wait), so the disk stays busy while the trainer
-computes and the writer's thread is free for the next read. A commit then calls
-`sync` on every file and directory its manifest will name before it writes the
-manifest: by then most pages are on disk and the fsyncs return quickly. Waiting per
-file at write time (an fsync each) kept an I/O thread blocked on the disk per chunk
-and wrote at 0.3-0.6 GB/s on the 2-core machine; docs/store.md has the measurements.
+A chunk or gradient file is written without waiting for the disk. Once its bytes are in
+the page cache and it has its name, a `Writeback` asks the kernel to begin writing its
+pages (Linux `sync_file_range` with SYNC_FILE_RANGE_WRITE, which does not wait for the
+disk but does wait for room in the disk's request queue), on a thread of its own: the
+write is done, and a read of the same file may start from the page cache, while the
+disk is still busy with earlier writes. A commit then calls `sync` on every file and
+directory its manifest will name before it writes the manifest: by then most pages are
+on disk and the fsyncs return quickly. Waiting per file at write time (an fsync each)
+kept an I/O thread blocked on the disk per chunk and wrote at 0.3-0.6 GB/s on the
+2-core machine; starting the writeback inside the write held the I/O thread until the
+request queue had room, so a read queued behind writes (docs/store.md has both).
 """
 
 from __future__ import annotations
@@ -36,10 +39,39 @@ _START = _sync_file_range()
 
 
 def start_writeback(fd: int) -> None:
-    """Begin writing the file's dirty pages to disk without waiting (a hint: a failure
-    is ignored, the commit's fsync still makes the file durable)."""
+    """Begin writing the file's dirty pages to disk without waiting for the disk (a hint:
+    a failure is ignored, the commit's fsync still makes the file durable)."""
     if _START is not None:
         _START(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+class Writeback:
+    """Starts the writeback of files by name, in the order given, on one thread of its own.
+
+    A hint like `start_writeback`: a file removed or replaced meanwhile is skipped or
+    has its new contents written, and `close` drops what has not started.
+    """
+
+    def __init__(self):
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtjax-writeback")
+
+    def start(self, path: Path) -> None:
+        if _START is not None:
+            self._pool.submit(self._start, path)
+
+    @staticmethod
+    def _start(path: Path) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # removed meanwhile (a dropped scratch file): nothing to write
+            return
+        try:
+            start_writeback(fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def fsync_path(path: Path) -> None:

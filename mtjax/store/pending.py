@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from mtjax.errors import MtjaxError
-from mtjax.store import chunks
+from mtjax.store import chunks, durable
 from mtjax.store.errors import StoreError
 from mtjax.store.layout import pending_file
 
@@ -37,6 +37,7 @@ class PendingFiles:
 
     def __init__(self, parent: str | None = None, directory=None):
         self.durable = directory is not None
+        self._writeback = durable.Writeback() if self.durable else None
         self._tmp = None if self.durable else tempfile.TemporaryDirectory(prefix=".mtjax-grads-", dir=parent)
         self.dir = Path(directory) if self.durable else Path(self._tmp.name)
         self._meta: dict[str, dict[str, tuple]] = {}
@@ -58,7 +59,7 @@ class PendingFiles:
             for leaf, a in arrays.items():
                 a = np.asarray(a, order="C")  # (np.ascontiguousarray would make a scalar 1-d)
                 # Durable: on disk by the time a commit names the sum (Store.commit fsyncs it).
-                chunks.write_chunk(self._path(key, leaf), chunks.flat(a), 0, writeback=self.durable)
+                chunks.write_chunk(self._path(key, leaf), chunks.flat(a), 0, writeback=self._writeback)
                 meta[leaf] = (a.shape, a.dtype)
                 self.io_bytes[1] += a.nbytes
         except OSError as e:
@@ -111,5 +112,7 @@ class PendingFiles:
 
     def close(self) -> None:
         self._meta.clear()
+        if self._writeback is not None:
+            self._writeback.close()
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -87,8 +87,12 @@ class Store:
             self._dirty: set[tuple[str, str]] = set()
             self._arrays = arrays.ArrayCache()
             # Chunk I/O is disk-bound (preadv, pwritev, fsync and crc32c release the GIL): a few
-            # chunks in flight keep the disk busy while the caller computes.
-            self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mtjax-store-io")
+            # chunks in flight keep the disk busy while the caller computes. Reads have threads
+            # of their own: one the next computation waits for never queues behind the writes
+            # of a step's updates, which nothing waits for until the commit.
+            self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mtjax-store-read")
+            self._write_io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mtjax-store-write")
+            self._writeback = durable.Writeback()  # off the I/O threads: a read never queues behind it
             self._mutex = threading.Lock()
             self._broken: str | None = None
             self._on_phase = lambda phase: None  # test hook: called at each step of `commit`
@@ -382,7 +386,7 @@ class Store:
         def start():
             base = layout.slot_dir(self.root, part, kind, slot)
             futs = [(leaf, f) for leaf, h in handles.items()
-                    for f in chunks.write_from(self._io, base / leaf, _rows(h), values[leaf])]
+                    for f in chunks.write_from(self._write_io, base / leaf, _rows(h), values[leaf], self._writeback)]
             return arrays.gather(futs, None, on_error)
 
         with self._mutex:
@@ -608,9 +612,13 @@ class Store:
                 self._committer = None
         finally:
             self._arrays = None
-            if getattr(self, "_io", None) is not None:
-                self._io.shutdown(wait=True)
-                self._io = None
+            for pool in ("_io", "_write_io"):
+                if getattr(self, pool, None) is not None:
+                    getattr(self, pool).shutdown(wait=True)
+                    setattr(self, pool, None)
+            if getattr(self, "_writeback", None) is not None:
+                self._writeback.close()
+                self._writeback = None
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
