@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import functools
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -386,4 +387,54 @@ def test_disk_tier_reads_the_first_updates_state_during_the_backward(tmp_path):
     assert max(rel_errors(engine.params(), other.params())) <= 1e-6
     for e in (engine, other):
         e.close()
+    store.close()
+
+
+def test_a_slow_disk_holds_updates_back_instead_of_piling_up_their_state(tmp_path, monkeypatch):
+    """With reads on threads of their own, nothing else slows the updates down to the
+    disk's pace: an update waits for the writes of the update before last before it makes
+    new state, so while the disk finishes no write only two updates compute."""
+    import threading
+
+    store = mtjax.store.create(tmp_path / "store", CFG, make_optimizer(OPT))
+    engine = StreamEngine(CFG, model.init_params(CFG, seed=1), OPT, StreamConfig(keep_every=1), DISK, store=store,
+                          batch_shape=(2, 16))
+    data = batches(1)
+    engine.step(data[0])
+    engine.flush()
+    updater, computed, release = engine.updater, [], threading.Event()
+    update, write = updater.update, store.write
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(update, name)
+
+        def __call__(self, part, *args, **kw):
+            computed.append(part)
+            return update(part, *args, **kw)
+
+    def held_write(part, kind, values):  # finishes once the disk is back
+        done = concurrent.futures.Future()
+        threading.Thread(target=lambda: release.wait(60) and done.set_result(write(part, kind, values).result())).start()
+        return done
+
+    monkeypatch.setattr(updater, "update", Counting())
+    monkeypatch.setattr(store, "write", held_write)
+    engine.step(data[1])  # its updates start
+    flushing = threading.Thread(target=engine.flush)
+    flushing.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(computed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # room for a third update that did not wait
+        assert computed == ["embed", "block.0"]
+    finally:
+        release.set()
+        flushing.join(60)
+    for b in data[2:]:
+        engine.step(b)
+    _, ref_params, _, _ = reference(False, 1)
+    assert max(rel_errors(engine.params(), ref_params)) <= 1e-5
+    engine.close()
     store.close()

@@ -21,7 +21,8 @@ from pathlib import Path
 import jax
 
 # "h2d": from staging a part until its device copy is ready; "wait": the training loop
-# waiting for the next part to arrive (the stall a slower store or link causes).
+# waiting for the next part to arrive (the stall a slower store or link causes);
+# "write": handing new state to the tiers, and an update waiting for earlier writes.
 STAGES = ("read", "h2d", "compute", "d2h", "optimizer", "write", "wait")
 
 

@@ -10,7 +10,10 @@ Updates run on a few host threads (one when state is on disk: each update in fli
 holds a part's state in read buffers), in the order the forward needs the parts. On disk
 an update also starts the reads of the next pending part's master and optimizer state,
 so the disk reads it while this part's update computes and its writes queue (two read
-buffer sets per part shape). An
+buffer sets per part shape); the backward reads the first updates' state the same way
+(`read_early`). Before an update makes new state it waits for the writes of the update
+before last, so that a disk slower than the updates leaves at most one more part's new
+state waiting in host memory. An
 update reads master and optimizer state from their tiers, runs `PartUpdate` (the fused
 AdamW loop, or the XLA program of another optax transformation), and writes the results
 back; the updater tracks those writes and re-raises their errors. Its new compute copy
@@ -61,6 +64,9 @@ class Updater:
         self.derived_compute, self.one_copy = derived_compute, one_copy
         self.scale = None if scale is None else jax.device_put(np.float32(scale), host_device())
         self._writes: list[cf.Future] = []
+        # Writes made since the last update began computing, and between the two before.
+        self._last_writes: list[cf.Future] = []
+        self._earlier_writes: list[cf.Future] = []
         self._writes_lock = threading.Lock()  # update workers add writes concurrently
         workers = 1 if tiers.kinds_in("disk") else max(1, min(8, os.cpu_count() or 1))
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="mtjax-update")
@@ -96,6 +102,7 @@ class Updater:
         with self._writes_lock:
             # Keep only unfinished or failed writes: a finished one must not pin its arrays.
             self._writes = [f for f in self._writes if not f.done() or f.exception()] + [fut]
+            self._last_writes.append(fut)
 
     def wait_writes(self) -> None:
         """Host sync: re-raise write errors, and make the state readable from the tiers."""
@@ -219,6 +226,14 @@ class Updater:
         # The old compute copy receives the new one (RAM tier only), and RAM-tier state is
         # updated in place: nothing else reads it while its part's update is pending.
         old = self.read(part, "compute") if "compute" in self.kept_in_ram() and self.hosts is None else None
+        # The writes of the update before last must be done before this one makes new
+        # state: a disk slower than the updates would otherwise let every part's new
+        # state wait in host memory for it. One part's may still wait (as priced).
+        with self._writes_lock:
+            older = self._earlier_writes
+            self._earlier_writes, self._last_writes = self._last_writes, []
+        with self.tracer.span("write", part):
+            cf.wait(older)  # their errors are raised by `wait_writes`
         with self.tracer.span("optimizer", part) if self.update.fused else contextlib.nullcontext():
             master, opt, compute = self.update(part, master, opt, old, grads, self.scale,
                                                own=self.tiers.kinds_in("ram"), copy=not self.derived_compute)
