@@ -123,12 +123,11 @@ def main() -> None:
         "optimizer update, deferred to overlap the next forward on a GPU, is counted in full here: on 2 cores there "
         "is nothing to overlap it with). Runs before 2026-11-30 let each streamed engine's deferred update run "
         "during the next engine's timed step, which hid it and slowed the reference (2.04 s at width 1024 then). "
-        "The disk tier writes every "
-        "kind of state back each step with fsync (fp32 compute + master + AdamW: 16 bytes/param, plus the 4-byte fp32 "
-        "gradient sums spilled and read back); at this disk's synced-write rate (0.3-0.6 GB/s, see the planner and "
-        "store I/O sections) those writes, not compute, set its step, and on 2 cores the I/O threads share the cores "
-        "that compute. Bigger blocks do not amortise it: bytes written grow with the parameters, as compute does at a "
-        "fixed number of tokens.",
+        "The disk tier reads and writes every kind of state each step (fp32 compute + master + AdamW: 16 "
+        "bytes/param written; the gradient sums spilled and read back), with no fsync until a commit (none in these "
+        "timed steps): the disk, not compute, sets its step (the disk-bound section compares it with the time its "
+        "bytes take at the probed rates), and on 2 cores the I/O threads share the cores that compute. Bigger blocks "
+        "do not amortise it: bytes moved grow with the parameters, as compute does at a fixed number of tokens.",
     ]
     harness.publish(SECTION, "Streaming overhead vs block size (experiments/bench/overhead_curve.py)", "\n".join(lines),
                     f"experiments/bench/overhead_curve.py --widths {' '.join(map(str, args.widths))}",
