@@ -70,14 +70,15 @@ def disk_bandwidth(directory: str | Path, nbytes: int) -> tuple[float, float, bo
     root = Path(tempfile.mkdtemp(prefix="mtjax-probe-", dir=directory))
     bufs = [np.ones(size, np.uint8) for _ in range(IO_THREADS)]  # pre-touched: time the disk, not page faults
     paths = [root / f"chunk{i}" for i in range(count)]
+    writeback = durable.Writeback()
 
     def write(i):
         fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(fd, bufs[i % IO_THREADS])
-            durable.start_writeback(fd)
         finally:
             os.close(fd)
+        writeback.start(paths[i])
 
     def read(i):
         fd = os.open(paths[i], os.O_RDONLY)
@@ -98,6 +99,7 @@ def disk_bandwidth(directory: str | Path, nbytes: int) -> tuple[float, float, bo
             total = sum(pool.map(read, range(count)))
             read_rate = total / (time.perf_counter() - t0)
     finally:
+        writeback.close()
         shutil.rmtree(root, ignore_errors=True)
     return read_rate, write_rate, cold
 

@@ -38,7 +38,7 @@ def _sync_file_range():
 _START = _sync_file_range()
 
 
-def start_writeback(fd: int) -> None:
+def _start_writeback(fd: int) -> None:
     """Begin writing the file's dirty pages to disk without waiting for the disk (a hint:
     a failure is ignored, the commit's fsync still makes the file durable)."""
     if _START is not None:
@@ -48,7 +48,7 @@ def start_writeback(fd: int) -> None:
 class Writeback:
     """Starts the writeback of files by name, in the order given, on one thread of its own.
 
-    A hint like `start_writeback`: a file removed or replaced meanwhile is skipped or
+    A hint, as `_start_writeback` is: a file removed or replaced meanwhile is skipped or
     has its new contents written, and `close` drops what has not started.
     """
 
@@ -66,7 +66,7 @@ class Writeback:
         except OSError:  # removed meanwhile (a dropped scratch file): nothing to write
             return
         try:
-            start_writeback(fd)
+            _start_writeback(fd)
         finally:
             os.close(fd)
 

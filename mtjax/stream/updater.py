@@ -126,9 +126,20 @@ class Updater:
         return all(self.tiers.placement[k] == "ram" or self.read_buffers.spare(self.tiers.schema(part, k))
                    for k in ("master", "opt"))
 
+    def _reads(self, part: str) -> tuple:
+        """Start the reads of `part`'s master and optimizer state for its update."""
+        return tuple(self._start_read_for_update(part, k) for k in ("master", "opt"))
+
+    def _abandon(self, reads: tuple) -> None:
+        """Reads no update will use: their buffers go back once they are done."""
+        cf.wait([fut for fut, _ in reads])
+        for _, bufs in reads:
+            if bufs is not None:
+                self.read_buffers.release(bufs)
+
     def _read_early(self, part: str) -> None:
         """Start `part`'s update reads now (the caller holds `_ahead_lock`)."""
-        self._ahead[part] = tuple(self._start_read_for_update(part, k) for k in ("master", "opt"))
+        self._ahead[part] = self._reads(part)
 
     def _start_reads(self, part: str) -> tuple:
         """The reads of `part`'s master and optimizer state for its update, each (future,
@@ -140,7 +151,7 @@ class Updater:
             self._begun.add(part)
             reads = self._ahead.pop(part, None)
             if reads is None:
-                reads = tuple(self._start_read_for_update(part, k) for k in ("master", "opt"))
+                reads = self._reads(part)
             if self.read_ahead:
                 pending = self.grads.pending()
                 later = self.parts[self.parts.index(part) + 1:]
@@ -169,10 +180,7 @@ class Updater:
         """Forget `part`'s reads started early, once they are done (the caller holds `_ahead_lock`)."""
         reads = self._ahead.pop(part, None)
         if reads is not None:
-            cf.wait([fut for fut, _ in reads])
-            for _, bufs in reads:
-                if bufs is not None:
-                    self.read_buffers.release(bufs)
+            self._abandon(reads)
 
     # --- the compute copy -----------------------------------------------------------
 
@@ -209,14 +217,12 @@ class Updater:
         # Master and optimizer state are read at once (on disk: the store's I/O threads
         # keep both in flight, and the next part's after them), while the gradient sum
         # comes back from its spill file.
-        (master, m_bufs), (opt, o_bufs) = self._start_reads(part)
+        reads = self._start_reads(part)
+        (master, m_bufs), (opt, o_bufs) = reads
         try:
             grads = self.grads.take(part)
-        except BaseException:  # a damaged spill file: the reads' buffers go back once they are done
-            cf.wait([master, opt])
-            for bufs in (m_bufs, o_bufs):
-                if bufs is not None:
-                    self.read_buffers.release(bufs)
+        except BaseException:  # a damaged spill file
+            self._abandon(reads)
             raise
         finally:
             with self._ahead_lock:
@@ -310,4 +316,5 @@ class Updater:
         self._pool.shutdown(wait=True)
         with self._ahead_lock:  # reads started for updates that will not run (a step that failed)
             ahead, self._ahead = self._ahead, {}
-        cf.wait([fut for reads in ahead.values() for fut, _ in reads])
+        for reads in ahead.values():
+            self._abandon(reads)
