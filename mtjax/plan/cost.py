@@ -200,8 +200,9 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     staging += sum(min(2, sets[kind]) * b.get(k) for kind, b in shapes.items() for k in ("master", "opt")
                    if getattr(store, k) == "disk")
     # With the next part read ahead, an update can finish while the last one's new state
-    # still waits for the disk: one more part's new disk-tier state in flight (RAM-tier
-    # kinds are updated in place). Measured on the disk rows of the planner benchmark.
+    # still waits for the disk: one more part's new disk-tier state in flight, and no more
+    # (an update waits for the writes of the update before last; RAM-tier kinds are
+    # updated in place). Measured on the disk rows of the planner benchmark.
     if sets and max(sets.values()) > 1 and any(getattr(store, k) == "disk" for k in ("master", "opt")):
         staging += sum(biggest.get(k) for k in parts.KINDS if getattr(store, k) == "disk"
                        and not (k == "compute" and s.derived_compute))
