@@ -19,3 +19,13 @@ class NonFiniteStep(MtjaxError):
                  else f"non-finite gradients in: {', '.join(self.parts)}" if self.parts else "gradients finite")
         super().__init__(f"step {step}: loss {loss} or gradients are not finite ({where}); no state was changed. "
                          "Lower optim.lr, check the data, or set run.on_nonfinite=skip to skip such steps")
+
+
+class MissingPackage(MtjaxError):
+    """A feature needs a package that is not installed (an optional one, or one an
+    environment such as a GPU image lacks)."""
+
+    def __init__(self, feature: str, package: str, extra: str | None = None):
+        self.package = package
+        hint = f"pip install {package}" + (f" (or install mtjax with the [{extra}] extra)" if extra else "")
+        super().__init__(f"{feature} needs the {package} package, which is not installed: {hint}")

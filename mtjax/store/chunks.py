@@ -7,7 +7,8 @@ format is simple enough to move directly. Our zarr3 arrays are chunked in whole 
 with flat chunk keys, so chunk i is the file `c.i.0...` holding rows [i*r, (i+1)*r) as
 raw little-endian bytes followed by their crc32c (zarr v3 `bytes` + `crc32c` codecs;
 the last chunk is padded to full size). `preadv`/`pwritev` move those bytes between the
-file and their rows of the array, and the checksum is computed in place. tensorstore
+file and their rows of the array, and the checksum is computed in place
+(mtjax.store.checksum). tensorstore
 creates and checks each array's zarr.json, and can read every array we write. Gradient
 sums waiting for their update are single chunk files of the same format
 (mtjax.store.pending).
@@ -22,9 +23,9 @@ import struct
 import sys
 from pathlib import Path
 
-import crc32c
 import numpy as np
 
+from mtjax.store.checksum import crc32c
 from mtjax.store.durable import Writeback
 
 assert sys.byteorder == "little", "stored arrays are little-endian; moving them in place needs a little-endian host"
@@ -94,7 +95,7 @@ def read_chunk(path: Path, dest: memoryview, padding: int) -> None:
             raise ChunkError(path, "was truncated while reading")
     finally:
         os.close(fd)
-    crc = crc32c.crc32c(pad, crc32c.crc32c(dest)) if padding else crc32c.crc32c(dest)
+    crc = crc32c(pad, crc32c(dest)) if padding else crc32c(dest)
     if crc != struct.unpack("<I", stored)[0]:
         raise ChunkError(path, "has a checksum mismatch")
 
@@ -109,7 +110,7 @@ def check_chunk(path: Path, nbytes: int, block: int = 16 << 20) -> None:
             n = os.preadv(fd, [view[:min(len(view), nbytes - offset)]], offset)
             if n == 0:
                 raise ChunkError(path, "was truncated while reading")
-            crc, offset = crc32c.crc32c(view[:n], crc), offset + n
+            crc, offset = crc32c(view[:n], crc), offset + n
         stored = os.pread(fd, 4, nbytes)
     finally:
         os.close(fd)
@@ -125,7 +126,7 @@ def write_chunk(path: Path, src: memoryview, padding: int, writeback: Writeback 
     array's directory first (mtjax.store.durable), which makes both durable.
     """
     pad = bytes(padding)
-    crc = crc32c.crc32c(pad, crc32c.crc32c(src)) if padding else crc32c.crc32c(src)
+    crc = crc32c(pad, crc32c(src)) if padding else crc32c(src)
     tmp = path.with_name(path.name + TMP_SUFFIX)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
