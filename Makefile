@@ -23,13 +23,23 @@ XDIST ?= -n 2 --dist loadfile
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall only when the package's dependencies change (the stamp records the last install).
+# Reinstall only when the package's dependencies change (the stamp records the last
+# install that works). The stamp is written only once the installed command starts and
+# every mtjax module imports, so a failed or incomplete install is retried by the next make.
+CHECK_INSTALL = $(BIN)/mtjax --help >/dev/null && $(BIN)/python -c "import importlib, pkgutil, mtjax; \
+	[importlib.import_module(m.name) for m in pkgutil.walk_packages(mtjax.__path__, 'mtjax.') if m.name != 'mtjax.__main__']" \
+	|| { echo "make: the installed mtjax does not start (above); nothing is stamped, the next make installs again" >&2; exit 1; }
+
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
+	rm -f $@
 	$(BIN)/pip install -q -e .
+	$(CHECK_INSTALL)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	rm -f $@ $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[test]'
+	$(CHECK_INSTALL)
 	touch $@ $(VENV)/.installed
 
 run: $(VENV)/.installed

@@ -24,7 +24,7 @@ from typing import TextIO
 import psutil
 from tqdm import tqdm
 
-from mtjax.config import ConfigError
+from mtjax.errors import MissingPackage
 from mtjax.plan import hardware
 
 GiB = 2**30
@@ -191,7 +191,7 @@ def device_memory_in_use() -> int | None:
 def _tensorboard_writer(run_dir: Path):
 
     try:
-        from tensorboardX import SummaryWriter  # a declared dependency: the maintained writer
+        from tensorboardX import SummaryWriter  # an extra (mtjax[tensorboard]): the maintained writer
     except ImportError:
-        raise ConfigError("run.tensorboard needs the tensorboardX package: pip install tensorboardX") from None
+        raise MissingPackage("run.tensorboard", "tensorboardX", "tensorboard") from None
     return SummaryWriter(str(Path(run_dir) / "tensorboard"))

@@ -198,6 +198,24 @@ def test_tensorboard_writes_events_or_names_the_missing_package(tmp_path):
     assert b"loss" in events[0].read_bytes()  # the scalar's tag is in the event records
 
 
+def test_an_optional_package_missing_is_named_in_one_line(tmp_path, capsys, monkeypatch):
+    """matplotlib (mtjax plot) and tensorboardX (run.tensorboard) are extras: a feature
+    asked for without its package says which to install, and nothing else fails."""
+    from mtjax.errors import MissingPackage
+    from mtjax.progress import Progress
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    for module in ("matplotlib", "matplotlib.figure", "tensorboardX"):
+        monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
+    assert cli.main(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == ("mtjax plot: error: drawing charts needs the matplotlib package, which is not installed: "
+                   "pip install matplotlib (or install mtjax with the [plot] extra)\n")
+    with pytest.raises(MissingPackage, match=r"run.tensorboard needs the tensorboardX package.*\[tensorboard\] extra"):
+        Progress(tmp_path, 2, 10, tensorboard=True, stream=open(os.devnull, "w"))
+    assert not (tmp_path / "charts.png").exists() and not (tmp_path / "tensorboard").exists()
+
+
 @pytest.mark.slow  # a training run in a subprocess
 def test_fine_tune_starts_from_the_checkpoint_weights(tmp_path):
     import hf_models

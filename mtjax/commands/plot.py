@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from mtjax.errors import MtjaxError
+from mtjax.errors import MissingPackage, MtjaxError
 
 DEFAULT_NAME = "charts.png"  # in the first run directory
 
@@ -53,8 +53,11 @@ def run(args) -> int:
 
 def figure(runs: dict):
     """The charts of `runs` ({run dir: its metrics.jsonl records}) as a matplotlib Figure."""
-    from matplotlib.figure import Figure  # no pyplot: files only, no display
-    from matplotlib.ticker import MaxNLocator
+    try:  # an extra (mtjax[plot]): only this command draws
+        from matplotlib.figure import Figure  # no pyplot: files only, no display
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        raise MissingPackage("drawing charts", "matplotlib", "plot") from None
 
     fig = Figure(figsize=(13, 10), layout="constrained")
     axes = fig.subplots(3, 2)
