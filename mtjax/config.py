@@ -196,7 +196,7 @@ class RunConfig:
     seed: int = 0  # seed of parameter initialisation and sampling
     sample_prompt: str = "CLEOPATRA.\n"  # closing sample's prompt ("" skips); on non-Shakespeare data: its first words
     sample_tokens: int = 200  # tokens generated for that sample
-    tensorboard: bool = False  # also write TensorBoard events (needs the tensorboard package)
+    tensorboard: bool = False  # also write TensorBoard events (needs tensorboardX: the tensorboard extra)
     resume: bool | str = False  # true: continue the last commit; auto: only if there is one; false: start
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient: stop (naming the block) | skip (the step, no state change)
 

@@ -41,3 +41,31 @@ def test_gpu_bench_dry_run_measures_every_section(tmp_path):
     assert "| stream |" in md and "| reference |" in md and "MFU formula" in md
     assert "effective host-to-device rate" in md and "per block" in md
     assert (tmp_path / "stream_trace.json").exists()
+
+
+def _shims(tmp_path, *names):
+    """A directory of modules that raise what a missing package raises on import."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    for name in names:
+        (shim / f"{name}.py").write_text(f"raise ModuleNotFoundError(\"No module named '{name}'\", name='{name}')\n")
+    return shim
+
+
+@pytest.mark.parametrize("script", ["bench.sh", "smoke.sh"])
+def test_missing_packages_are_named_in_one_line(tmp_path, script):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHON": sys.executable,
+           "PYTHONPATH": str(_shims(tmp_path, "tqdm", "numba", "crc32c"))}
+    r = subprocess.run(["bash", str(ROOT / "experiments/gpu" / script), "--dry", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith(f"{script}: missing python packages: crc32c, numba, tqdm; install them into ")
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+def test_crc32c_is_not_needed_where_numba_is(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(_shims(tmp_path, "crc32c"))}
+    r = subprocess.run([sys.executable, str(ROOT / "experiments/gpu/check_env.py"), "bench.sh"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "bench.sh: crc32c is not installed: the store's checksums use mtjax's numba fallback (slower)\n"
