@@ -13,6 +13,8 @@ mtjax still works.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from mtjax.errors import MissingPackage
@@ -30,6 +32,7 @@ except ImportError:
 POLY = 0x82F63B78  # CRC-32C, bit-reflected
 
 
+@functools.cache
 def _tables() -> np.ndarray:
     """tables[k][b]: the register after byte b followed by k zero bytes (slicing by 8)."""
     t = np.zeros((8, 256), np.uint32)
@@ -59,7 +62,6 @@ def _update(buf, r, t):
 
 
 if numba is not None:
-    _TABLES = _tables()
     _update_compiled = numba.njit(nogil=True, cache=True)(_update)
 
 
@@ -67,7 +69,7 @@ def _fallback(data, value: int = 0) -> int:
     if numba is None:
         raise MissingPackage("checksumming the store's chunk files", "crc32c")  # or numba, for the fallback
     buf = np.frombuffer(memoryview(data).cast("B"), np.uint8)
-    r = _update_compiled(buf, np.uint32(~value & 0xFFFFFFFF), _TABLES)
+    r = _update_compiled(buf, np.uint32(~value & 0xFFFFFFFF), _tables())
     return int(~r & 0xFFFFFFFF)
 
 
