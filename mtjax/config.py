@@ -161,9 +161,9 @@ class StreamConfig:
 class DataConfig:
     """Training data: what to read, how to tokenize it, and how to batch it."""
 
-    dataset: str = "builtin:shakespeare"  # prepared dataset dir, raw text/JSONL file, or builtin:NAME
+    dataset: str = "builtin:shakespeare"  # prepared dataset dir, raw text/JSONL/Parquet file, `datasets` dir, or builtin:NAME
     tokenizer: str = "bytes"  # bytes | bpe:VOCAB | tokenizer.json | checkpoint dir (raw text; datasets bring their own)
-    text_field: str = "text"  # JSONL field holding the text
+    text_field: str = "text"  # JSONL field or table column holding the text
     format: str = "text"  # raw input: text | chat (JSONL messages) | prompt-completion (see docs/data.md)
     train_on: str = "answers"  # chat / prompt-completion: answers (assistant turns, completions) | all tokens
     packing: str = "pack"  # chat / prompt-completion: pack documents into rows of seq_len | pad (one per row)
