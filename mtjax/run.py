@@ -263,7 +263,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
             (records / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
         tokens_per_step = exp.data.grad_accum * exp.data.batch_size * exp.data.seq_len
         print(f"mtjax: {model.num_params(cfg) / 1e6:.2f}M-parameter {cfg.model_type} ({cfg.num_hidden_layers} blocks, "
-              f"width {cfg.hidden_size}), {exp.stream.engine} engine on {jax.local_devices()[0].platform}; "
+              f"width {cfg.hidden_size}), {exp.stream.engine} engine on {_devices_text(engine, hosts)}; "
               f"{dataset.meta['num_tokens']:,} tokens ({dataset.meta['tokenizer_source']}); "
               f"{_steps_text(first, exp.run.steps)} of {tokens_per_step:,} tokens; run dir {run_dir}",
               file=out, flush=True)
@@ -321,6 +321,14 @@ def _as_run(exp: ExperimentConfig, dataset, tokenizer, run_dir: Path) -> Experim
         text = tokenizer.decode(dataset.tokens(start, min(stop, start + 256)).tolist())
         groups["run"] = dict(sample_prompt=" ".join(text.strip().split("\n")[0].split()[:6]))
     return replace(exp, **groups)
+
+
+def _devices_text(engine: Engine, hosts) -> str:
+    """The devices a run's steps use, in words: "2 cpu devices" (a multi-process run: all of its processes')."""
+    here = engine.placement.mesh.count if isinstance(engine, StreamEngine) else 1  # the reference: one device
+    total = here * (1 if hosts is None else hosts.count)
+    text = f"{total} {jax.local_devices()[0].platform} device{'s' if total > 1 else ''}"
+    return text if hosts is None else f"{text} ({hosts.count} processes of {here})"
 
 
 def _steps_text(first: int, steps: int) -> str:
