@@ -345,6 +345,10 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
     export, sample and summary (one process of a multi-process run does)."""
     run_dir = Path(exp.run.dir)
     losses, val_loss, start, trained = {}, None, time.perf_counter(), 0  # losses by step, tokens trained on
+
+    def say(line: str) -> None:  # what the export of final/ has to say (a byte-level model has no tokenizer)
+        print(f"mtjax: {line}", file=out, flush=True)
+
     peak, peak_note = peak_flops(jax.local_devices()[0], cfg.compute_dtype)
     print(f"mtjax: {peak_note}; per-step records in {records / 'metrics.jsonl'}", file=out, flush=True)
     flops = model_flops_per_token(model.num_active_params(cfg), cfg.num_hidden_layers, exp.data.seq_len,
@@ -385,9 +389,9 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
             # A shard holds its rows only: every process gathers the whole weights, one exports them.
             params = engine.params()
             final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps, template,
-                                            engine.store.root, params) if lead else run_dir / "final"
+                                            engine.store.root, params, say) if lead else run_dir / "final"
         else:
-            final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps, template)
+            final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps, template, say=say)
         sample = ""
         if exp.run.sample_prompt and exp.run.sample_tokens:
             params = engine.params() if params is None else params  # (a multi-process run's: gathered above)
