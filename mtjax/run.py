@@ -39,7 +39,7 @@ import mtjax.store
 from mtjax.store import shards
 from mtjax import checkpoint
 from mtjax import config as config_lib
-from mtjax import data, distributed, documents, generate, hf, model, preflight
+from mtjax import data, distributed, documents, generate, hf, model, preflight, wandb_log
 from mtjax import reference as reference_mod
 from mtjax.batch import Batch, concat
 from mtjax.config import ConfigError, ExperimentConfig, RunConfig
@@ -261,6 +261,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
             config_lib.dump(dataclasses.replace(exp, stream=asked), run_dir / "config.yaml")
         if state is None:
             (records / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
+            wandb_log.forget(records)  # and a new W&B run
         tokens_per_step = exp.data.grad_accum * exp.data.batch_size * exp.data.seq_len
         print(f"mtjax: {model.num_params(cfg) / 1e6:.2f}M-parameter {cfg.model_type} ({cfg.num_hidden_layers} blocks, "
               f"width {cfg.hidden_size}), {exp.stream.engine} engine on {_devices_text(engine, hosts)}; "
@@ -353,8 +354,9 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
     print(f"mtjax: {peak_note}; per-step records in {records / 'metrics.jsonl'}", file=out, flush=True)
     flops = model_flops_per_token(model.num_active_params(cfg), cfg.num_hidden_layers, exp.data.seq_len,
                                   cfg.num_attention_heads * cfg.head_dim)
+    tracker = wandb_log.start(exp, run_dir) if exp.run.wandb and lead else None  # process 0 logs for all
     with Progress(records, exp.run.steps, tokens_per_step, exp.run.log_every, first_step=first, stream=out,
-                  tensorboard=exp.run.tensorboard, flops_per_token=flops, peak_flops=peak) as progress:
+                  tensorboard=exp.run.tensorboard, flops_per_token=flops, peak_flops=peak, wandb=tracker) as progress:
         for step in range(first + 1, exp.run.steps + 1):
             try:
                 batch = loader.next()
