@@ -19,8 +19,8 @@ by `stream.engine` in `make_engine`; any object with the `Engine` protocol plugs
 
 A multi-process run (`distributed`, mtjax.distributed) runs this on every process: each
 reads the same global batches and trains its rows of them; process 0 writes the run's
-records (config.yaml, metrics.jsonl, summary.json, and to W&B: run.wandb), process p > 0 its own metrics.jsonl
-under <run.dir>/process-<p>/.
+records (config.yaml, metrics.jsonl, summary.json) and logs to W&B (run.wandb), process
+p > 0 its own metrics.jsonl under <run.dir>/process-<p>/.
 """
 
 from __future__ import annotations
