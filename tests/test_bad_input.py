@@ -224,6 +224,7 @@ def test_table_data_mistakes(work):
         stream.write_table(table)
     files = [{"filename": f"data-0000{i}-of-00002.arrow"} for i in range(2)]  # as save_to_disk lists its shards
     (work / "saved" / "state.json").write_text(json.dumps({"_data_files": files}))
+    (work / "saved" / "dataset_info.json").write_text(json.dumps({"features": {}}))
     run_cases(work, [
         (["data", "prepare", "t.parquet", "--out", "d", "--text-field", "body"],
          "t.parquet has no column 'body' (has: id, text); choose the column with --text-field"),

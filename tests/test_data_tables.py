@@ -113,3 +113,12 @@ def test_table_mistakes_are_one_line_and_write_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
     assert len(sorted(tmp_path.rglob("*"))) == len(before) + 1  # only the cut copy was added
 
+
+
+def test_a_directory_is_a_saved_dataset_only_with_the_files_datasets_writes(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "state.json").write_text("{}")  # another program's
+    (corpus / "a.txt").write_text("In the beginning God created the heaven and the earth.\n")
+    assert tables.datasets_files(corpus) is None
+    assert prepare([corpus], tmp_path / "out", val_fraction=0)["inputs"] == [str(corpus / "a.txt")]

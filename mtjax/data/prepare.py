@@ -3,11 +3,12 @@
 Inputs are plain-text files (one document per file), JSONL files (one document per
 line, its text under `text_field`), optionally gzipped, or tables: Parquet files and
 Hugging Face `datasets` directories (one document per row, mtjax.data.tables). Each
-document is followed by EOS, and starts with BOS where the tokenizer adds one (`Tokenizer.bos_id`: Llama 3,
-Gemma). Chat and prompt-completion records (`format`) become rows of `seq_len` tokens with
-a loss mask and document ids instead (`mtjax.data.supervised`, `mtjax.data.pack`; the
-chat template writes its own BOS). The dataset is written to a temporary directory and renamed into place at the
-end, so a failure never leaves a half-written dataset where a good one was.
+document is followed by EOS, and starts with BOS where the tokenizer adds one
+(`Tokenizer.bos_id`: Llama 3, Gemma). Chat and prompt-completion records (`format`)
+become rows of `seq_len` tokens with a loss mask and document ids instead
+(`mtjax.data.supervised`, `mtjax.data.pack`; the chat template writes its own BOS). The
+dataset is written to a temporary directory and renamed into place at the end, so a
+failure never leaves a half-written dataset where a good one was.
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ def expand_inputs(inputs) -> list[Path]:
 
 def _kind(path: Path) -> str | None:
     """"jsonl", "text", or a table's kind ("parquet", "arrow"); None: not an input."""
-    if tables.kind(path):
-        return tables.kind(path)
+    table = tables.kind(path)
+    if table:
+        return table
     name = path.name.lower().removesuffix(".gz")
     if name.endswith(JSONL_SUFFIXES):
         return "jsonl"

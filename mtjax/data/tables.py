@@ -27,6 +27,7 @@ from mtjax.data.format import DataError
 
 KINDS = {".parquet": "parquet", ".arrow": "arrow"}  # suffix -> kind of table file
 STATE_FILE = "state.json"  # a saved Dataset: its Arrow files
+INFO_FILE = "dataset_info.json"  # beside it in every saved Dataset (features, description)
 SPLITS_FILE = "dataset_dict.json"  # a saved DatasetDict: its splits, one directory each
 TRAIN_SPLIT = "train"
 BATCH_ROWS = 1024  # rows converted to Python objects at a time
@@ -42,7 +43,8 @@ def datasets_files(path: Path) -> list[Path] | None:
     split's); None when `path` is no such directory."""
     path = Path(path)
     if (path / SPLITS_FILE).is_file():
-        splits = _json(path / SPLITS_FILE).get("splits") or []
+        splits = _json(path / SPLITS_FILE).get("splits")
+        splits = splits if isinstance(splits, list) else []
         if TRAIN_SPLIT in splits or len(splits) == 1:
             split = TRAIN_SPLIT if TRAIN_SPLIT in splits else splits[0]
             files = datasets_files(path / split)
@@ -52,8 +54,8 @@ def datasets_files(path: Path) -> list[Path] | None:
             return files
         raise DataError(f"{path} is a DatasetDict with splits {', '.join(map(str, splits)) or '(none)'} and no "
                         f"{TRAIN_SPLIT!r} split; name the split to read: {path}/SPLIT")
-    if not (path / STATE_FILE).is_file():
-        return None
+    if not ((path / STATE_FILE).is_file() and (path / INFO_FILE).is_file()):
+        return None  # (a state.json alone may be another program's)
     listed = _json(path / STATE_FILE).get("_data_files")
     if not isinstance(listed, list) or not listed:
         raise DataError(f"{path / STATE_FILE} lists no data files; save the dataset again (save_to_disk)")
