@@ -119,6 +119,7 @@ def test_a_directory_is_a_saved_dataset_only_with_the_files_datasets_writes(tmp_
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "state.json").write_text("{}")  # another program's
-    (corpus / "a.txt").write_text("In the beginning God created the heaven and the earth.\n")
-    assert tables.datasets_files(corpus) is None
-    assert prepare([corpus], tmp_path / "out", val_fraction=0)["inputs"] == [str(corpus / "a.txt")]
+    assert tables.datasets_files(corpus) is None  # its files are read as any directory's are
+    (corpus / "dataset_info.json").write_text("{}")
+    with pytest.raises(DataError, match=r"corpus/state\.json lists no data files"):
+        tables.datasets_files(corpus)
