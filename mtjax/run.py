@@ -218,6 +218,8 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     run_dir = Path(exp.run.dir)
     cfg = config_lib.model_config(exp)
     cfg.check_context(exp.data.seq_len, "data.seq_len")
+    if exp.run.wandb:
+        wandb_log.require()  # a missing package stops the run before anything is made
     hosts = _join(exp)
     if hosts is None:  # before anything is prepared: a multi-process run's shards need all of its processes
         shards.check_count(checkpoint.store_path(exp), 1)

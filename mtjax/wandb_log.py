@@ -44,13 +44,19 @@ def forget(run_dir: Path) -> None:
     (Path(run_dir) / ID_FILE).unlink(missing_ok=True)
 
 
-def start(exp: ExperimentConfig, run_dir: Path) -> Logger:
-    """The W&B run of `exp.run.wandb`'s project: the one named in run_dir/wandb.json, else a new one."""
+def require():
+    """The wandb module, or one line saying how to install it (a run checks before it starts)."""
     try:
         import wandb
     except ImportError:
         raise ConfigError("run.wandb needs the wandb package: pip install 'mtjax[wandb]' (or pip install wandb)") \
             from None
+    return wandb
+
+
+def start(exp: ExperimentConfig, run_dir: Path) -> Logger:
+    """The W&B run of `exp.run.wandb`'s project: the one named in run_dir/wandb.json, else a new one."""
+    wandb = require()
     run_dir = Path(run_dir)
     id_file = run_dir / ID_FILE
     try:

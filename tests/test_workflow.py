@@ -222,12 +222,12 @@ def test_wandb_logs_the_records_of_metrics_jsonl_and_a_resumed_run_continues_its
     assert logged == records
 
 
-def test_wandb_missing_or_not_a_project_is_one_line(monkeypatch, tmp_path):
+def test_a_run_without_the_wandb_package_stops_in_one_line_before_anything_is_made(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not installed
     exp = config.load(None, ["--run.wandb=mtjax-test", f"--run.dir={tmp_path}"])
     with pytest.raises(config.ConfigError, match=r"run.wandb needs the wandb package: pip install 'mtjax\[wandb\]'"):
-        wandb_log.start(exp, tmp_path)
-    assert list(tmp_path.iterdir()) == []
+        run_lib.train(exp, io.StringIO())
+    assert list(tmp_path.iterdir()) == []  # refused before anything was made
 
 
 def test_import_progress_is_plain_lines_off_a_terminal(tmp_path, capsys):
