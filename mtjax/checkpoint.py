@@ -197,11 +197,12 @@ def read_model(store, tx):
 
 
 def export_final(exp: ExperimentConfig, out: Path, tokenizer, step: int, chat_template: dict | None = None,
-                 store_dir: Path | None = None, params=None) -> Path:
+                 store_dir: Path | None = None, params=None, say=None) -> Path:
     """The run's last commit as a Hugging Face checkpoint in `out`, with its tokenizer, and
     the chat template its data was rendered with ({"source", "special_tokens"} of a chat
     dataset's meta.json), so that transformers and `mtjax generate --chat` prompt it alike.
-    A multi-process run passes its shard's `store_dir` and the whole `params` (gathered)."""
+    A multi-process run passes its shard's `store_dir` and the whole `params` (gathered).
+    `say(line)`: where a byte-level model's export says that it has no tokenizer."""
 
     def extra(tmp: Path) -> None:
         tokenizer.save(tmp)
@@ -216,4 +217,5 @@ def export_final(exp: ExperimentConfig, out: Path, tokenizer, step: int, chat_te
     names = [] if params is None else ["embed", *(f"block.{i}" for i in range(len(params["blocks"]))), "head"]
     masters = None if params is None else {
         name: {n: np.asarray(a) for n, a in treepath.flatten(parts.part_params(params, name)).items()} for name in names}
-    return hf_export.export_hf(store_dir or store_path(exp), out, replace=True, extra=extra, masters=masters)
+    return hf_export.export_hf(store_dir or store_path(exp), out, replace=True, extra=extra, masters=masters,
+                               say=say)

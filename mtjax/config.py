@@ -161,9 +161,9 @@ class StreamConfig:
 class DataConfig:
     """Training data: what to read, how to tokenize it, and how to batch it."""
 
-    dataset: str = "builtin:shakespeare"  # prepared dataset dir, raw text/JSONL file, or builtin:NAME
+    dataset: str = "builtin:shakespeare"  # prepared dataset dir, raw text/JSONL/Parquet file, `datasets` dir, or builtin:NAME
     tokenizer: str = "bytes"  # bytes | bpe:VOCAB | tokenizer.json | checkpoint dir (raw text; datasets bring their own)
-    text_field: str = "text"  # JSONL field holding the text
+    text_field: str = "text"  # JSONL field or table column holding the text
     format: str = "text"  # raw input: text | chat (JSONL messages) | prompt-completion (see docs/data.md)
     train_on: str = "answers"  # chat / prompt-completion: answers (assistant turns, completions) | all tokens
     packing: str = "pack"  # chat / prompt-completion: pack documents into rows of seq_len | pad (one per row)
@@ -197,6 +197,7 @@ class RunConfig:
     sample_prompt: str = "CLEOPATRA.\n"  # closing sample's prompt ("" skips); on non-Shakespeare data: its first words
     sample_tokens: int = 200  # tokens generated for that sample
     tensorboard: bool = False  # also write TensorBoard events (needs tensorboardX: the tensorboard extra)
+    wandb: str | None = None  # also log to this Weights & Biases project (pip install 'mtjax[wandb]'); unset: off
     resume: bool | str = False  # true: continue the last commit; auto: only if there is one; false: start
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient: stop (naming the block) | skip (the step, no state change)
 
@@ -206,6 +207,9 @@ class RunConfig:
             raise ConfigError(f"run.resume must be true, false or auto, got {self.resume!r}")
         if self.steps < 0 or self.log_every < 1 or self.eval_every < 0 or self.eval_batches < 1:
             raise ConfigError("run.steps, run.eval_every must be >= 0 and run.log_every, run.eval_batches >= 1")
+        if self.wandb is not None and (not self.wandb.strip() or self.wandb.strip().lower() in _TRUE + _FALSE):
+            raise ConfigError(f"run.wandb names the Weights & Biases project to log to (--run.wandb=my-project), "
+                              f"got {self.wandb!r}; leave it unset to log nothing there")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,8 @@ MFU, host RSS and ETA; elsewhere (CI, pipes, files, or a terminal that reports z
 columns) one plain line with the same fields is printed every `log_every` steps, with no
 carriage returns. Every step's metrics (plus host RSS, device memory where the backend
 reports it, MFU against a named peak, and per-stage seconds when the engine records them)
-are appended to <run dir>/metrics.jsonl, one JSON object per line. tokens/s (and MFU) is
+are appended to <run dir>/metrics.jsonl, one JSON object per line, and go to TensorBoard
+(run.tensorboard) and Weights & Biases (run.wandb, mtjax.wandb_log) too. tokens/s (and MFU) is
 the rate over the last `RATE_WINDOW` steps, the first step excluded (it pays compilation),
 of the tokens the steps trained on (mtjax.documents.trained_tokens: every token of plain
 text windows; only the counted targets of chat data, not the prompts and padding it masks).
@@ -34,7 +35,7 @@ RATE_WINDOW = 10  # steps over which tokens/s is measured
 class Progress:
     def __init__(self, run_dir: Path, total_steps: int, tokens_per_step: int, log_every: int = 10,
                  first_step: int = 0, stream: TextIO | None = None, tensorboard: bool = False,
-                 flops_per_token: float | None = None, peak_flops: float | None = None):
+                 flops_per_token: float | None = None, peak_flops: float | None = None, wandb=None):
         self.stream = stream or sys.stderr
         self.total, self.tokens_per_step, self.log_every = total_steps, tokens_per_step, log_every
         self.step = first_step
@@ -42,6 +43,7 @@ class Progress:
         self._process = psutil.Process()
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self._tb = _tensorboard_writer(run_dir) if tensorboard else None
+        self._wandb = wandb  # a mtjax.wandb_log.Logger, or None
         self._metrics = open(Path(run_dir) / "metrics.jsonl", "a")
         self._live = _terminal_columns(self.stream) > 0
         self._bar = tqdm(total=total_steps, initial=first_step, file=self.stream, unit="step",
@@ -97,6 +99,8 @@ class Progress:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
         self._metrics.close()
 
     def __enter__(self):
@@ -112,6 +116,8 @@ class Progress:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(record)
 
     @staticmethod
     def _summary(metrics: dict, record: dict) -> str:

@@ -19,8 +19,8 @@ by `stream.engine` in `make_engine`; any object with the `Engine` protocol plugs
 
 A multi-process run (`distributed`, mtjax.distributed) runs this on every process: each
 reads the same global batches and trains its rows of them; process 0 writes the run's
-records (config.yaml, metrics.jsonl, summary.json), process p > 0 its own metrics.jsonl
-under <run.dir>/process-<p>/.
+records (config.yaml, metrics.jsonl, summary.json) and logs to W&B (run.wandb), process
+p > 0 its own metrics.jsonl under <run.dir>/process-<p>/.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import mtjax.store
 from mtjax.store import shards
 from mtjax import checkpoint
 from mtjax import config as config_lib
-from mtjax import data, distributed, documents, generate, hf, model, preflight
+from mtjax import data, distributed, documents, generate, hf, model, preflight, wandb_log
 from mtjax import reference as reference_mod
 from mtjax.batch import Batch, concat
 from mtjax.config import ConfigError, ExperimentConfig, RunConfig
@@ -218,6 +218,8 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     run_dir = Path(exp.run.dir)
     cfg = config_lib.model_config(exp)
     cfg.check_context(exp.data.seq_len, "data.seq_len")
+    if exp.run.wandb:
+        wandb_log.require()  # a missing package stops the run before anything is made
     hosts = _join(exp)
     if hosts is None:  # before anything is prepared: a multi-process run's shards need all of its processes
         shards.check_count(checkpoint.store_path(exp), 1)
@@ -261,9 +263,10 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
             config_lib.dump(dataclasses.replace(exp, stream=asked), run_dir / "config.yaml")
         if state is None:
             (records / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
+            wandb_log.forget(records)  # and a new W&B run
         tokens_per_step = exp.data.grad_accum * exp.data.batch_size * exp.data.seq_len
         print(f"mtjax: {model.num_params(cfg) / 1e6:.2f}M-parameter {cfg.model_type} ({cfg.num_hidden_layers} blocks, "
-              f"width {cfg.hidden_size}), {exp.stream.engine} engine on {jax.local_devices()[0].platform}; "
+              f"width {cfg.hidden_size}), {exp.stream.engine} engine on {_devices_text(engine, hosts)}; "
               f"{dataset.meta['num_tokens']:,} tokens ({dataset.meta['tokenizer_source']}); "
               f"{_steps_text(first, exp.run.steps)} of {tokens_per_step:,} tokens; run dir {run_dir}",
               file=out, flush=True)
@@ -323,6 +326,14 @@ def _as_run(exp: ExperimentConfig, dataset, tokenizer, run_dir: Path) -> Experim
     return replace(exp, **groups)
 
 
+def _devices_text(engine: Engine, hosts) -> str:
+    """The devices a run's steps use, in words: "2 cpu devices" (a multi-process run: all of its processes')."""
+    here = engine.placement.mesh.count if isinstance(engine, StreamEngine) else 1  # the reference: one device
+    total = here * (1 if hosts is None else hosts.count)
+    text = f"{total} {jax.local_devices()[0].platform} device{'s' if total > 1 else ''}"
+    return text if hosts is None else f"{text} ({hosts.count} processes of {here})"
+
+
 def _steps_text(first: int, steps: int) -> str:
     """The steps a run trains, from after step `first` to `steps`, in words."""
     if first >= steps:
@@ -337,12 +348,17 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
     export, sample and summary (one process of a multi-process run does)."""
     run_dir = Path(exp.run.dir)
     losses, val_loss, start, trained = {}, None, time.perf_counter(), 0  # losses by step, tokens trained on
+
+    def say(line: str) -> None:  # what the export of final/ has to say (a byte-level model has no tokenizer)
+        print(f"mtjax: {line}", file=out, flush=True)
+
     peak, peak_note = peak_flops(jax.local_devices()[0], cfg.compute_dtype)
     print(f"mtjax: {peak_note}; per-step records in {records / 'metrics.jsonl'}", file=out, flush=True)
     flops = model_flops_per_token(model.num_active_params(cfg), cfg.num_hidden_layers, exp.data.seq_len,
                                   cfg.num_attention_heads * cfg.head_dim)
+    tracker = wandb_log.start(exp, run_dir) if exp.run.wandb and lead else None  # process 0 logs for all
     with Progress(records, exp.run.steps, tokens_per_step, exp.run.log_every, first_step=first, stream=out,
-                  tensorboard=exp.run.tensorboard, flops_per_token=flops, peak_flops=peak) as progress:
+                  tensorboard=exp.run.tensorboard, flops_per_token=flops, peak_flops=peak, wandb=tracker) as progress:
         for step in range(first + 1, exp.run.steps + 1):
             try:
                 batch = loader.next()
@@ -377,9 +393,9 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
             # A shard holds its rows only: every process gathers the whole weights, one exports them.
             params = engine.params()
             final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps, template,
-                                            engine.store.root, params) if lead else run_dir / "final"
+                                            engine.store.root, params, say) if lead else run_dir / "final"
         else:
-            final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps, template)
+            final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps, template, say=say)
         sample = ""
         if exp.run.sample_prompt and exp.run.sample_tokens:
             params = engine.params() if params is None else params  # (a multi-process run's: gathered above)

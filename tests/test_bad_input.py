@@ -211,6 +211,29 @@ def test_chat_data_mistakes(work):
     ], parallel=5)
 
 
+def test_table_data_mistakes(work):
+    """`data prepare` of a Parquet file without the column, a cut one, a `datasets` dir missing an Arrow file."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": [1, 2], "text": ["In the beginning", "And the earth"]})
+    pq.write_table(table, work / "t.parquet")
+    (work / "cut.parquet").write_bytes((work / "t.parquet").read_bytes()[:-64])
+    (work / "saved").mkdir(exist_ok=True)
+    with pa.ipc.new_stream(work / "saved" / "data-00000-of-00002.arrow", table.schema) as stream:
+        stream.write_table(table)
+    files = [{"filename": f"data-0000{i}-of-00002.arrow"} for i in range(2)]  # as save_to_disk lists its shards
+    (work / "saved" / "state.json").write_text(json.dumps({"_data_files": files}))
+    (work / "saved" / "dataset_info.json").write_text(json.dumps({"features": {}}))
+    run_cases(work, [
+        (["data", "prepare", "t.parquet", "--out", "d", "--text-field", "body"],
+         "t.parquet has no column 'body' (has: id, text); choose the column with --text-field"),
+        (["data", "prepare", "cut.parquet", "--out", "d"], "cut.parquet is not a readable Parquet file ("),
+        (["data", "prepare", "saved", "--out", "d"],
+         "saved/state.json lists data-00001-of-00002.arrow, which is missing from saved; copy the whole directory"),
+    ])
+
+
 def test_eval_errors_name_its_own_flags_only(work):
     """No error of `mtjax eval` speaks of train's data.* keys (the cases above that reach mtjax.data)."""
     p = start(work, ["eval", "run/final", "ds", "--seq-len", "64", "--batch-size", "64"])

@@ -16,6 +16,7 @@ import mtjax.store as store_lib
 from mtjax import checkpoint, cli, config, data, hf, model
 from mtjax import run as run_lib
 from mtjax.reference import ReferenceTrainer
+from mtjax.store import hf_export
 
 TINY = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_hidden_layers=2",
         "--model.num_attention_heads=2", "--model.num_key_value_heads=1", "--model.head_dim=16",
@@ -112,6 +113,28 @@ def test_train_end_to_end(trained):
     assert store.step == state["step"] == 8 and state["loader"] == {"epoch": 0, "position": 64}
     assert json.loads((run_dir / "final" / checkpoint.EXPORT_NOTE).read_text())["step"] == 8
     assert config.load(run_dir / "config.yaml") == config.load(None, [*TINY, f"--run.dir={run_dir}"])
+
+
+@pytest.mark.slow  # a training run in a subprocess
+def test_a_byte_level_export_says_it_has_no_tokenizer_and_how_to_use_it(trained, tmp_path, capsys, monkeypatch):
+    """transformers would load some tokenizer without a word: the export says there is none, in
+    one line and in a README.md whose recipe (run here) loads and samples the model."""
+    run_dir, result = trained
+    assert result.returncode == 0, result.stderr
+    final, out = run_dir / "final", tmp_path / "exported"
+    said = [line for line in result.stderr.splitlines() if "no tokenizer" in line]
+    assert said == [f"mtjax: {hf_export.byte_level_line(final)}"] and "byte-level" in said[0]
+    capsys.readouterr()
+    assert cli.main(["export", str(run_dir / "store"), str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [hf_export.byte_level_line(out)]
+    for folder in (final, out):
+        assert not (folder / "tokenizer.json").exists()
+        card = (folder / hf_export.CARD_FILE).read_text()
+        recipe = card.split("```python\n")[1].split("```")[0]
+        monkeypatch.chdir(tmp_path)
+        exec(recipe, {})  # transformers loads the model; the recipe's ids are the bytes it was trained on
+        sample = capsys.readouterr().out
+        assert sample.startswith("In the beginning") and len(sample) > len("In the beginning\n")
 
 
 @pytest.mark.slow  # a training run in a subprocess

@@ -67,6 +67,7 @@ def test_unknown_key_names_the_closest_valid_key(override, message):
     ("--optim.lr=fast", "optim.lr must be a number, got 'fast'"),
     ("--run.steps=1.5", "run.steps must be an integer"),
     ("--run.tensorboard=maybe", "run.tensorboard must be true or false"),
+    ("--run.wandb=true", "run.wandb names the Weights & Biases project to log to (--run.wandb=my-project)"),
     ("--stream.engine=warp", "stream.engine must be one of reference, stream"),
     ("--store.opt=tape", "store.opt must be one of ram, disk"),
     ("--optim.schedule=sawtooth", "optim.schedule must be constant, cosine or linear"),

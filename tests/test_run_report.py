@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import hf_models
+import multidevice
 from mtjax import cli, config, data, hf, model
 from mtjax import run as run_lib
 from mtjax.optim import OptimConfig, lr_at, schedule_warnings
@@ -88,7 +89,7 @@ def test_summary_wording_fits_a_short_run_and_its_resumptions(tmp_path):
     summary, log = train([*args, "--run.steps=6"])
     first_line, text = log.splitlines()[0], run_lib.describe(summary)
     logged = losses(run_dir)
-    assert "; 6 steps of 64 tokens;" in first_line
+    assert "; 6 steps of 64 tokens;" in first_line and ", reference engine on 1 cpu device; " in first_line
     assert text.splitlines()[0].startswith(f"loss {logged[1]:.3f} at step 1 -> {np.mean(list(logged.values())):.3f} "
                                            "(mean of steps 1-6) in ")
     assert "last 10" not in text and "resumed" not in text
@@ -104,6 +105,17 @@ def test_summary_wording_fits_a_short_run_and_its_resumptions(tmp_path):
     summary, log = train([*args, "--run.steps=8", "--run.resume=true"])  # nothing left to do
     assert "no steps left (at step 8 of 8)" in log.splitlines()[0] and "steps 9-8" not in log
     assert run_lib.describe(summary).startswith("resumed from step 8: no steps left to train")
+
+
+@pytest.mark.slow  # a training run in a child with two CPU devices
+def test_the_start_up_line_says_how_many_devices_the_run_uses(tmp_path):
+    args = ["-m", "mtjax", "train", *TINY, *SHORT, "--stream.engine=stream", "--run.steps=1",
+            f"--run.dir={tmp_path / 'run'}"]
+    proc = multidevice.spawn(args, devices=2)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    first = next(line for line in err.splitlines() if "M-parameter" in line)
+    assert ", stream engine on 2 cpu devices; " in first  # (one device: the reference run above)
 
 
 def test_warmup_longer_than_the_run_warns_with_the_lr_it_reaches():

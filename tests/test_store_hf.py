@@ -293,6 +293,7 @@ def test_tokenizer_round_trip_through_import_and_export(tmp_path, capsys):
     named, as_bytes = capsys.readouterr().out.splitlines()
     assert out[1] == named != as_bytes
     assert cli.main(["export", str(tmp_path / "s"), str(tmp_path / "o")]) == 0
+    assert "no tokenizer" not in capsys.readouterr().out and not (tmp_path / "o" / "README.md").exists()
     ours, theirs = (transformers.AutoTokenizer.from_pretrained(str(d)) for d in (tmp_path / "o", src))
     sample = "In the beginning <|endoftext|> Ünïcödé 123\n\tdone"
     assert ours(sample)["input_ids"] == theirs(sample)["input_ids"] == \

@@ -1,6 +1,6 @@
 """The researcher's workflow around a run: what it records per step and shows on its
-progress line, its charts, its TensorBoard events, and eval/generate of a layer store as
-of an HF checkpoint."""
+progress line, its charts, its TensorBoard events and Weights & Biases history, and
+eval/generate of a layer store as of an HF checkpoint."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ import matplotlib.image
 import pytest
 
 import small_disk
-from mtjax import cli, config, model, progress
+from mtjax import cli, config, model, progress, wandb_log
 from mtjax import run as run_lib
 from mtjax.commands import plot
+from mtjax.errors import MissingPackage
 from mtjax.progress import Progress, model_flops_per_token, peak_flops
 
 TINY = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_hidden_layers=2",
@@ -174,6 +175,60 @@ def test_a_terminal_of_zero_columns_gets_plain_lines(tmp_path):
     assert b"\r" not in zero and [line[:11] for line in zero.splitlines()] == [b"step      2", b"step      4"]
     assert b"gnorm 0.500" in zero
     assert b"\r" in _on_pty(tmp_path / "b", 80)  # a real width gets the live bar
+
+
+def wandb_history(path) -> list[dict]:
+    """The rows an offline W&B run logged, read from its run-ID.wandb file: a LevelDB-style
+    log (a 7-byte header, 32 KiB blocks of records with a 7-byte header each: crc, length,
+    kind 1 whole / 2 first / 3 middle / 4 last) of wandb's Record protobufs."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw, block = path.read_bytes(), 32768
+    assert raw[:4] == b":W&B"
+    pos, pending, rows = 7, b"", []
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(raw[pos + 4:pos + 6], "little"), raw[pos + 6]
+        pending += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record, pending = wandb_internal_pb2.Record.FromString(pending), b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+@pytest.mark.slow  # two training runs and wandb's service process
+def test_wandb_logs_the_records_of_metrics_jsonl_and_a_resumed_run_continues_its_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for name, value in (("WANDB_MODE", "offline"), ("WANDB_DIR", str(tmp_path / "wandb-files")),
+                        ("WANDB_CONSOLE", "off"), ("WANDB_SILENT", "true")):
+        monkeypatch.setenv(name, value)
+    (tmp_path / "wandb-files").mkdir()
+    run_dir = tmp_path / "run"
+    args = [*TINY, "--stream.engine=reference", "--run.wandb=mtjax-test", f"--run.dir={run_dir}"]
+    run_lib.train(config.load(None, [*args, "--run.steps=2"]), io.StringIO())
+    first = json.loads((run_dir / wandb_log.ID_FILE).read_text())
+    run_lib.train(config.load(None, [*args, "--run.steps=4", "--run.resume=true"]), io.StringIO())
+    assert json.loads((run_dir / wandb_log.ID_FILE).read_text()) == first == {"id": first["id"],
+                                                                               "project": "mtjax-test"}
+    runs = sorted((tmp_path / "wandb-files" / "wandb").glob(f"offline-run-*-{first['id']}/run-{first['id']}.wandb"))
+    assert len(runs) == 2  # the resumed run logged into a W&B run of the same id
+    logged = [{k: v for k, v in row.items() if not k.startswith("_")} for file in runs for row in wandb_history(file)]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 2, 3, 4, 4]  # steps, and the validation losses at 2 and 4
+    assert logged == records
+
+
+def test_a_run_without_the_wandb_package_stops_in_one_line_before_anything_is_made(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not installed
+    exp = config.load(None, ["--run.wandb=mtjax-test", f"--run.dir={tmp_path}"])
+    with pytest.raises(MissingPackage, match=r"run.wandb needs the wandb package, which is not installed: pip install wandb \(or install mtjax with the \[wandb\] extra\)"):
+        run_lib.train(exp, io.StringIO())
+    assert list(tmp_path.iterdir()) == []  # refused before anything was made
 
 
 def test_import_progress_is_plain_lines_off_a_terminal(tmp_path, capsys):

@@ -13,24 +13,28 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("data", help="prepare a tokenized dataset from text or JSONL, or describe one",
                               description=__doc__)
     sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
-    prep = sub.add_parser("prepare", help="tokenize text/JSONL files (.gz accepted) into token shards",
-                          description="Tokenize plain-text files (one document each) or JSONL files (one "
-                                      "document per line) into memory-mapped token shards plus meta.json. "
-                                      "--format chat / prompt-completion reads JSONL records, renders "
+    prep = sub.add_parser("prepare", help="tokenize text/JSONL/Parquet files or datasets dirs into token shards",
+                          description="Tokenize plain-text files (one document each), JSONL files (one "
+                                      "document per line), Parquet files or Hugging Face `datasets` "
+                                      "directories (save_to_disk; one document per row; needs pyarrow: "
+                                      "pip install 'mtjax[data]') into memory-mapped token shards plus meta.json. "
+                                      "--format chat / prompt-completion reads records, renders "
                                       "conversations with the tokenizer's chat template, and writes rows of "
                                       "--seq-len tokens with a loss mask and document ids.")
-    prep.add_argument("inputs", nargs="+", help="files or directories (.txt, .md, .jsonl, optionally .gz), "
-                                                "or builtin:shakespeare")
+    prep.add_argument("inputs", nargs="+", help="files or directories (.txt, .md, .jsonl, optionally .gz; "
+                                                ".parquet), a `datasets` save_to_disk directory (a DatasetDict: "
+                                                "its train split), or builtin:shakespeare")
     prep.add_argument("--out", required=True, help="output dataset directory")
     prep.add_argument("--tokenizer", default="bytes",
                       help="bytes | bpe:VOCAB (trained on the input) | tokenizer.json or a checkpoint dir "
                            "(default: bytes)")
-    prep.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
+    prep.add_argument("--text-field", default="text",
+                      help="JSONL field or table column holding the text (default: text)")
     prep.add_argument("--val-fraction", type=float, default=0.01,
                       help="share of tokens held out for validation (default: 0.01)")
     prep.add_argument("--format", default="text", choices=FORMATS,
-                      help="text: plain documents; chat: JSONL `messages` (role, content); prompt-completion: "
-                           "JSONL `prompt` and `completion` (default: text)")
+                      help="text: plain documents; chat: `messages` (role, content); prompt-completion: "
+                           "`prompt` and `completion` (JSONL fields or table columns; default: text)")
     prep.add_argument("--seq-len", type=int, default=None,
                       help="tokens per row for chat / prompt-completion: the data.seq_len you train with; "
                            "longer conversations are dropped and counted")

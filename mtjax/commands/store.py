@@ -93,8 +93,11 @@ def run_import(args) -> int:
 def run_export(args) -> int:
 
     writable.check(args.out_dir, "output directory")
-    out = hf_export.export_hf(args.store_dir, args.out_dir, parse_size(args.max_shard_size))
+    notes = []  # a byte-level model's: it has no tokenizer
+    out = hf_export.export_hf(args.store_dir, args.out_dir, parse_size(args.max_shard_size), say=notes.append)
     print(f"exported {args.store_dir} to {out}")
+    for line in notes:
+        print(line)
     return 0
 
 

@@ -1,12 +1,14 @@
 """Raw text in, token shards out: `prepare(inputs, out_dir, tokenizer)`.
 
-Inputs are plain-text files (one document per file) or JSONL files (one document per
-line, its text under `text_field`), optionally gzipped. Each document is followed by
-EOS, and starts with BOS where the tokenizer adds one (`Tokenizer.bos_id`: Llama 3,
-Gemma). Chat and prompt-completion JSONL (`format`) become rows of `seq_len` tokens with
-a loss mask and document ids instead (`mtjax.data.supervised`, `mtjax.data.pack`; the
-chat template writes its own BOS). The dataset is written to a temporary directory and renamed into place at the
-end, so a failure never leaves a half-written dataset where a good one was.
+Inputs are plain-text files (one document per file), JSONL files (one document per
+line, its text under `text_field`), optionally gzipped, or tables: Parquet files and
+Hugging Face `datasets` directories (one document per row, mtjax.data.tables). Each
+document is followed by EOS, and starts with BOS where the tokenizer adds one
+(`Tokenizer.bos_id`: Llama 3, Gemma). Chat and prompt-completion records (`format`)
+become rows of `seq_len` tokens with a loss mask and document ids instead
+(`mtjax.data.supervised`, `mtjax.data.pack`; the chat template writes its own BOS). The
+dataset is written to a temporary directory and renamed into place at the end, so a
+failure never leaves a half-written dataset where a good one was.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mtjax import writable
-from mtjax.data import chat, pack, supervised
+from mtjax.data import chat, pack, supervised, tables
 from mtjax.data import format as fmt
 from mtjax.data import tokenizer as toklib
 from mtjax.data.format import DataError
@@ -50,7 +52,8 @@ def builtin_path(name: str) -> Path:
 
 
 def expand_inputs(inputs) -> list[Path]:
-    """Files named directly, files of known suffixes inside named dirs, builtin:NAME."""
+    """Files named directly, the Arrow files of a `datasets` directory, files of known
+    suffixes inside other named dirs, builtin:NAME."""
     files = []
     for item in [inputs] if isinstance(inputs, (str, Path)) else inputs:
         if str(item).startswith(BUILTIN):
@@ -58,9 +61,12 @@ def expand_inputs(inputs) -> list[Path]:
             continue
         path = Path(item)
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p) is not None)
+            saved = tables.datasets_files(path)
+            # Arrow files are read only as a saved dataset lists them (a DatasetDict's other splits are beside them).
+            found = saved or sorted(p for p in path.rglob("*") if p.is_file() and _kind(p) not in (None, "arrow"))
             if not found:
-                raise DataError(f"{path} holds no .txt, .md or .jsonl files (optionally .gz)")
+                raise DataError(f"{path} holds no .txt, .md, .jsonl (optionally .gz) or .parquet files and is not a "
+                                "`datasets` directory (save_to_disk)")
             files += found
         elif path.is_file():
             files.append(path)
@@ -72,6 +78,10 @@ def expand_inputs(inputs) -> list[Path]:
 
 
 def _kind(path: Path) -> str | None:
+    """"jsonl", "text", or a table's kind ("parquet", "arrow"); None: not an input."""
+    table = tables.kind(path)
+    if table:
+        return table
     name = path.name.lower().removesuffix(".gz")
     if name.endswith(JSONL_SUFFIXES):
         return "jsonl"
@@ -90,17 +100,29 @@ def _open_text(path: Path, raw) -> io.TextIOBase:
 def documents(files: list[Path], text_field: str = "text", on_bytes=None) -> Iterator[tuple[str, bool]]:
     """(text piece, ends a document) pairs over all files; `on_bytes(n)` reports progress."""
     for path in files:
-        items = functools.partial(_jsonl, path, text_field=text_field) if _kind(path) == "jsonl" else _text
-        yield from _read(path, items, on_bytes)
+        kind = _kind(path)
+        if kind in tables.KINDS.values():
+            rows = tables.rows(path, (text_field,), "choose the column with --text-field", on_bytes)
+            yield from _texts(rows, text_field)
+        else:
+            items = functools.partial(_jsonl, path, text_field=text_field) if kind == "jsonl" else _text
+            yield from _read(path, items, on_bytes)
 
 
-def records(files: list[Path], on_bytes=None) -> Iterator[tuple[str, dict]]:
-    """("path:line", object) for every JSON object line of JSONL files."""
+def records(files: list[Path], format: str, on_bytes=None) -> Iterator[tuple[str, dict]]:
+    """("path:line", object) for every JSON object line of JSONL files, ("path, row N",
+    record) for every row of tables (only the columns `format` reads)."""
     for path in files:
-        if _kind(path) != "jsonl":
+        kind = _kind(path)
+        if kind in tables.KINDS.values():
+            columns = supervised.COLUMNS[format]
+            hint = f"--format {format} reads {' and '.join(f'`{c}`' for c in columns)}"
+            yield from tables.rows(path, columns, hint, on_bytes)
+        elif kind == "jsonl":
+            yield from _read(path, functools.partial(_located, path), on_bytes)
+        else:
             raise DataError(f"{path} is not JSONL; chat and prompt-completion data is one JSON object per line "
-                            "in a .jsonl file")
-        yield from _read(path, functools.partial(_located, path), on_bytes)
+                            "in a .jsonl file, or a row of a Parquet file or `datasets` directory")
 
 
 def _read(path: Path, items, on_bytes) -> Iterator:
@@ -151,14 +173,18 @@ def _located(path: Path, stream) -> Iterator[tuple[str, dict]]:
 
 
 def _jsonl(path: Path, stream, text_field: str) -> Iterator[tuple[str, bool]]:
-    for number, record in _objects(path, stream):
+    return _texts(_located(path, stream), text_field)
+
+
+def _texts(located, text_field: str) -> Iterator[tuple[str, bool]]:
+    """(text, True) for each (where, record) of `located`: one document each."""
+    for where, record in located:
         if text_field not in record:
             fields = ", ".join(list(record)[:8])
-            raise DataError(f"{path}:{number} has no {text_field!r} field (has: {fields}); "
-                            "choose the field with --text-field")
+            raise DataError(f"{where} has no {text_field!r} field (has: {fields}); choose the field with --text-field")
         text = record[text_field]
         if not isinstance(text, str):
-            raise DataError(f"{path}:{number}: field {text_field!r} is {type(text).__name__}, not text")
+            raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, not text")
         yield text, True
 
 
@@ -343,7 +369,7 @@ def _write_rows(tmp: Path, files, encode, dtype, seq_len, packing, val_fraction,
                 writer.write(values)
 
     try:
-        for where, record in records(files, on_bytes=on_bytes):
+        for where, record in records(files, encode.format, on_bytes=on_bytes):
             try:
                 ids, mask = encode(record)
             except DataError as e:

@@ -23,6 +23,8 @@ import numpy as np
 from mtjax.data import chat
 from mtjax.data.format import ROW_FORMATS, TRAIN_ON, DataError
 
+COLUMNS = {"chat": ("messages",), "prompt-completion": ("prompt", "completion")}  # the fields a record needs
+
 
 class Encoder:
     def __init__(self, tokenizer, template: chat.Template | None, format: str, train_on: str = "answers"):

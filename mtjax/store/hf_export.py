@@ -2,7 +2,10 @@
 
 Tensors are produced one part at a time in the checkpoint's own dtype and names
 (mtjax.hf's table) and written by mtjax.hf.save_checkpoint, which holds one shard; the
-tokenizer files of the store's model go beside them.
+tokenizer files of the store's model go beside them. A byte-level model has none
+(transformers' AutoTokenizer would load an unrelated or empty one without a word): its
+export gets a README.md that says so and how to encode and decode, and the export
+says it in one line.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from mtjax.store import store as store_mod
 from mtjax.store import tokenizer
 from mtjax.store.errors import StoreError
 from mtjax.store.hf_import import by_part, leaf_names
+
+CARD_FILE = "README.md"  # a byte-level export's note (a model card: transformers reads nothing from it)
 
 
 def hf_tensors(store, masters: dict | None = None) -> Iterator[tuple[str, np.ndarray]]:
@@ -47,8 +52,39 @@ def _write_tokenizer(source: Path | None, out: Path) -> None:
     (out / toklib.TOKENIZER_FILE).write_bytes(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
 
 
+def byte_level_line(out: Path) -> str:
+    """What the export of a byte-level model says, in one line."""
+    eos = toklib.ByteTokenizer.eos_id
+    return (f"{out} has no tokenizer: the model is byte-level (token ids are the UTF-8 bytes of the text, "
+            f"{eos} is EOS); encode with list(text.encode()), decode with bytes(ids), or "
+            f"`mtjax generate {out} --tokenizer bytes` (see {out / CARD_FILE})")
+
+
+def _byte_level_card(out: Path) -> str:
+    eos = toklib.ByteTokenizer.eos_id
+    return f"""# A byte-level model, trained with mtjax
+
+This checkpoint has no tokenizer files: the model reads and writes bytes. Token id
+0-255 is that byte of the text's UTF-8 encoding and id {eos} ends a document (EOS);
+there is no BOS. `AutoTokenizer.from_pretrained` on this directory does not give these
+ids; encode and decode by hand:
+
+```python
+import torch, transformers
+
+model = transformers.AutoModelForCausalLM.from_pretrained("{out}")
+ids = torch.tensor([list("In the beginning".encode("utf-8"))])
+out = model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id={eos})
+print(bytes(t for t in out[0].tolist() if t < 256).decode("utf-8", errors="replace"))
+```
+
+or sample with mtjax: `mtjax generate {out} --tokenizer bytes --prompt "In the beginning"`.
+"""
+
+
 def export_hf(store_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 10**9, replace: bool = False,
-              extra: Callable[[Path], None] | None = None, masters: dict | None = None) -> Path:
+              extra: Callable[[Path], None] | None = None, masters: dict | None = None,
+              say: Callable[[str], None] | None = None) -> Path:
     """Write the store's committed master weights, and its model's tokenizer (see
     mtjax.store.tokenizer; none for a byte-level one), as a checkpoint at `out_dir`.
 
@@ -56,6 +92,7 @@ def export_hf(store_dir: str | Path, out_dir: str | Path, max_shard_bytes: int =
     longer resumed run writes again). `extra(dir)` adds files (a run's tokenizer) to the
     checkpoint before it is put in place. `masters`: the whole master weights by part, to
     write instead of the store's (a multi-process run's shard holds only its rows).
+    `say(line)`: told, once the export is in place, that a byte-level model's has no tokenizer.
     """
     out = Path(out_dir)
     if not replace and out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -76,6 +113,9 @@ def export_hf(store_dir: str | Path, out_dir: str | Path, max_shard_bytes: int =
         try:
             hf.save_checkpoint(store.config, hf_tensors(store, masters), tmp, max_shard_bytes)
             _write_tokenizer(tokenizer.export_source(store), tmp)
+            byte_level = tokenizer.trained_spec(store) == toklib.ByteTokenizer.spec
+            if byte_level:
+                (tmp / CARD_FILE).write_text(_byte_level_card(out))
             if extra is not None:
                 extra(tmp)
             if out.exists() and replace:
@@ -95,4 +135,6 @@ def export_hf(store_dir: str | Path, out_dir: str | Path, max_shard_bytes: int =
                 raise StoreError(f"cannot write the checkpoint to {out} ({reason}); nothing was left behind: free "
                                  f"disk space, then export {store_dir} again (`mtjax export`)") from None
             raise
+    if byte_level and say is not None:
+        say(byte_level_line(out))
     return out
