@@ -233,7 +233,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
         tokenizer = dataset.tokenizer()
         exp = replace(exp, data=dict(tokenizer=tokenizer.spec))  # (a commit's fixed settings record it)
     else:  # raw text, which the run prepares into <run.dir>/data: only into a cache a run made
-        _agreed(hosts, lambda: data.check_cache(run_dir / "data"))
+        _agreed(hosts, lambda: data.check_cache(exp.data, run_dir / "data"))
     # The run's store: its writer lock, and its refusals (a trained run without run.resume,
     # other fixed settings, records of another run), before anything under run.dir is written.
     store, state, created = checkpoint.open_run_store(exp, cfg, hosts)

@@ -188,10 +188,12 @@ def prepared(data_cfg) -> Dataset | None:
     return None
 
 
-def check_cache(cache_dir: str | Path) -> None:
-    """Refuse a `cache_dir` that `resolve` may not replace: only a directory that is absent,
-    empty, or holds the stamp `resolve` writes (a cache it prepared) is a run's data cache.
-    Anything else there (a dataset `mtjax data prepare` wrote, the user's files) is theirs."""
+def check_cache(data_cfg, cache_dir: str | Path) -> None:
+    """Refuse, before anything is written, raw inputs that are not there and a `cache_dir`
+    that `resolve` may not replace: only a directory that is absent, empty, or holds the
+    stamp `resolve` writes (a cache it prepared) is a run's data cache. Anything else there
+    (a dataset `mtjax data prepare` wrote, the user's files) is theirs."""
+    prep.expand_inputs([data_cfg.dataset])
     cache = Path(cache_dir)
     if not cache.exists() or (cache.is_dir() and not any(cache.iterdir())) or _stamp(cache) is not None:
         return
@@ -227,7 +229,7 @@ def resolve(data_cfg, cache_dir: str | Path) -> Dataset:
     files = prep.expand_inputs([data_cfg.dataset])
     key = _fingerprint(files, data_cfg)
     cache = Path(cache_dir)
-    check_cache(cache)
+    check_cache(data_cfg, cache)
     stamp = _stamp(cache)
     if stamp is not None and stamp["key"] == key and (cache / fmt.META_FILE).exists():
         return Dataset(cache)
