@@ -10,8 +10,8 @@ store.path is set. Every run checkpoints this one way, whichever engine and tier
 `open_run_store` refuses, in one line each and before anything is written: a second
 trainer (the store's lock), a store holding a trained run without `run.resume`, a resume
 whose fixed settings (data, tokenizer, batch shape, optimizer) differ from the commit's,
-a resume to a run.steps before its last commit, `run.resume=true` with nothing to resume, and
-records in the run directory that are not this run's (mtjax.rundir). A multi-process run
+a resume to a run.steps before its last commit, `run.resume=true` with nothing to resume,
+and records in the run directory that are not this run's (mtjax.rundir). A multi-process run
 (`hosts`) opens this process's shard store under the store root (mtjax.store.shards),
 after the processes have brought their shards to the run's last commit; a shard of a run
 with another process count, or of another run, is refused on every process.
@@ -81,10 +81,9 @@ def open_run_store(exp: ExperimentConfig, cfg: ModelConfig, hosts=None):
     distributed.agree(hosts, _refusal(lambda: shards.resolve(root, shard, table)))
     # The run id every shard records: process 0's random pick.
     run = "".join(f"{int(x):08x}" for x in hosts.gather_ints([secrets.randbelow(2**31) for _ in range(2)])[0])
-    opened = []
+    opened, records = [], rundir.records_dir(exp.run.dir, hosts.index)
     refused = _refusal(lambda: opened.append(_open_at(
-        shards.shard_root(root, shard), exp, cfg, {"index": shard.index, "count": shard.count, "run": run},
-        rundir.records_dir(exp.run.dir, hosts.index))))
+        shards.shard_root(root, shard), exp, cfg, {"index": shard.index, "count": shard.count, "run": run}, records)))
     if refused is not None:
         distributed.agree(hosts, refused)
     store, state, created = opened[0]
@@ -96,6 +95,9 @@ def open_run_store(exp: ExperimentConfig, cfg: ModelConfig, hosts=None):
             f"store shard {store.root} belongs to another run (run id {mine}) than process 0's shard; "
             f"put back this run's own {shard.name}, or start a new run.dir")
         distributed.agree(hosts, foreign)
+        # This process's records, once its shard is the run's (a new shard's were checked before it was made).
+        distributed.agree(hosts, None if created else _refusal(
+            lambda: rundir.check(records, run_id(store), store.root, trained=state is not None)))
     except BaseException:
         discard(store) if created else store.close()
         raise
@@ -127,12 +129,14 @@ def _open_at(path: Path, exp: ExperimentConfig, cfg: ModelConfig, hosts: dict | 
         with mtjax.store.open(path, config=cfg) as reader:
             if not reader.never_written:
                 state = _check(exp, reader, reader.load_train_state())
-                rundir.check(records, run_id(reader), path, trained=state is not None)
+                if hosts is None:  # (a shard's records: once its run is agreed, in open_run_store)
+                    rundir.check(records, run_id(reader), path, trained=state is not None)
         store = mtjax.store.open(path, writable=True, config=cfg)  # the writer lock: one trainer per store
         if not store.never_written:
             try:
                 state = _check(exp, store, store.load_train_state())
-                rundir.check(records, run_id(store), path, trained=state is not None)  # (as the lock found it)
+                if hosts is None:
+                    rundir.check(records, run_id(store), path, trained=state is not None)  # (as the lock found it)
                 return store, state, False
             except BaseException:
                 store.close()
