@@ -86,10 +86,14 @@ def test_a_second_trainer_on_a_ram_tier_run_dir_is_refused(tmp_path):
         while not (run / "metrics.jsonl").exists() or not per_step_loss(run):
             assert first.poll() is None and time.monotonic() < deadline, "the first trainer did not start"
             time.sleep(0.1)
-        for extra in ([], ["--run.resume=true"]):
+        (tmp_path / "other.txt").write_text("other text " * 400)
+        cache = tree(run / "data")
+        other = f"--data.dataset={tmp_path / 'other.txt'}"  # would prepare the live run's cache again
+        for extra in ([], ["--run.resume=true"], ["--run.resume=true", other]):
             line = refused(args(run, 100_000, "ram", "--run.checkpoint_every=0", *extra))
             assert "is already open for writing (by process" in line and str(first.pid) in line
         assert first.poll() is None  # the first trains on
+        assert tree(run / "data") == cache
     finally:
         first.kill()
         first.wait()
@@ -236,6 +240,7 @@ def test_run_dir_dot_leaves_the_users_data_dir_alone(tmp_path, monkeypatch, caps
     assert "run.dir is empty" in line and tree(tmp_path) == before
 
 
+@pytest.mark.slow  # a training run (the finished run, or one from an init store)
 def test_a_finished_run_whose_store_was_deleted_is_not_overwritten(finished, tmp_path, capsys):
     run = copy_of(finished, tmp_path / "run")
     shutil.rmtree(run / "store")  # to free disk: final/ is the product
@@ -247,6 +252,7 @@ def test_a_finished_run_whose_store_was_deleted_is_not_overwritten(finished, tmp
         assert tree(run) == before
 
 
+@pytest.mark.slow  # a training run (the finished run, or one from an init store)
 def test_a_resume_of_a_finished_run_writes_nothing_and_says_so(finished, tmp_path, capsys):
     """The README's command (it says --run.resume=true) again on a finished run: one line,
     exit 0, the run's own closing lines, and not a byte written (no new commit)."""
@@ -273,6 +279,7 @@ def test_a_resume_of_a_finished_run_writes_nothing_and_says_so(finished, tmp_pat
     assert "is trained to step 2, past run.steps=1" in line
 
 
+@pytest.mark.slow  # a training run (the finished run, or one from an init store)
 def test_a_refused_trainer_leaves_the_data_cache_as_it_was(finished, tmp_path, capsys):
     """Other inputs would prepare the cache again: a trainer refused for a finished run
     (no run.resume) or for another model prepares nothing first."""
@@ -305,6 +312,7 @@ def test_every_record_a_run_writes_is_its_own_or_refused(tmp_path, capsys, name)
     assert tree(run) == before
 
 
+@pytest.mark.slow  # a training run (the finished run, or one from an init store)
 def test_records_of_another_store_are_refused_and_the_run_keeps_its_own(tmp_path, capsys):
     """Beside a store `mtjax init` made, records naming another store (one deleted and made
     again) are refused; records naming this one (a run killed before its first commit)
