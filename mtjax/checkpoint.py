@@ -10,10 +10,11 @@ store.path is set. Every run checkpoints this one way, whichever engine and tier
 `open_run_store` refuses, in one line each and before anything is written: a second
 trainer (the store's lock), a store holding a trained run without `run.resume`, a resume
 whose fixed settings (data, tokenizer, batch shape, optimizer) differ from the commit's,
-and `run.resume=true` with nothing to resume. A multi-process run (`hosts`) opens this
-process's shard store under the store root (mtjax.store.shards), after the processes
-have brought their shards to the run's last commit; a shard of a run with another
-process count, or of another run, is refused on every process.
+a resume to a run.steps before its last commit, `run.resume=true` with nothing to resume,
+and records in the run directory that are not this run's (mtjax.rundir). A multi-process run
+(`hosts`) opens this process's shard store under the store root (mtjax.store.shards),
+after the processes have brought their shards to the run's last commit; a shard of a run
+with another process count, or of another run, is refused on every process.
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ from pathlib import Path
 import numpy as np
 
 import mtjax.store
-from mtjax import distributed, parts, treepath
+from mtjax import distributed, parts, rundir, treepath
 from mtjax.config import ConfigError, ExperimentConfig
 from mtjax.data import chat
 from mtjax.model_config import ModelConfig
 from mtjax.optim import make_optimizer
-from mtjax.store import fill, hf_export, lock, shards
+from mtjax.store import fill, hf_export, layout, lock, shards
 from mtjax.store.errors import StoreError
 from mtjax.stream.update import full_opt_state, split_opt_state
 
@@ -70,18 +71,19 @@ def open_run_store(exp: ExperimentConfig, cfg: ModelConfig, hosts=None):
     commits step 0, or `discard`s it if the run fails before). A store without train
     state was filled by `mtjax import` or `mtjax init`: the run trains from its weights.
     `hosts` (mtjax.stream.hosts.Hosts): this process's shard of a multi-process run.
+    The records in this process's run directory (mtjax.rundir) must be the store's run's.
     """
     if hosts is None:
-        return _open_at(store_path(exp), exp, cfg)
+        return _open_at(store_path(exp), exp, cfg, None, rundir.records_dir(exp.run.dir))
     root, shard = store_path(exp), hosts.shard
     distributed.agree(hosts, _refusal(lambda: shards.check_count(root, hosts.count)))
     table = hosts.gather_ints(shards.generations(root, shard))
     distributed.agree(hosts, _refusal(lambda: shards.resolve(root, shard, table)))
     # The run id every shard records: process 0's random pick.
     run = "".join(f"{int(x):08x}" for x in hosts.gather_ints([secrets.randbelow(2**31) for _ in range(2)])[0])
-    opened = []
+    opened, records = [], rundir.records_dir(exp.run.dir, hosts.index)
     refused = _refusal(lambda: opened.append(_open_at(
-        shards.shard_root(root, shard), exp, cfg, {"index": shard.index, "count": shard.count, "run": run})))
+        shards.shard_root(root, shard), exp, cfg, {"index": shard.index, "count": shard.count, "run": run}, records)))
     if refused is not None:
         distributed.agree(hosts, refused)
     store, state, created = opened[0]
@@ -93,6 +95,9 @@ def open_run_store(exp: ExperimentConfig, cfg: ModelConfig, hosts=None):
             f"store shard {store.root} belongs to another run (run id {mine}) than process 0's shard; "
             f"put back this run's own {shard.name}, or start a new run.dir")
         distributed.agree(hosts, foreign)
+        # This process's records, once its shard is the run's (a new shard's were checked before it was made).
+        distributed.agree(hosts, None if created else _refusal(
+            lambda: rundir.check(records, run_id(store), store.root, trained=state is not None)))
     except BaseException:
         discard(store) if created else store.close()
         raise
@@ -108,23 +113,38 @@ def _refusal(check) -> Exception | None:
     return None
 
 
-def _open_at(path: Path, exp: ExperimentConfig, cfg: ModelConfig, hosts: dict | None = None):
+def run_id(store) -> str:
+    """The id that names a run in its records (mtjax.rundir): the store's (STORE_ID), or the
+    run id every shard of a multi-process run records."""
+    if store.hosts:
+        return store.hosts["run"]
+    id_file = store.root / layout.STORE_ID
+    return id_file.read_text().strip() if id_file.exists() else str(store.root.resolve())  # a store made before ids
+
+
+def _open_at(path: Path, exp: ExperimentConfig, cfg: ModelConfig, hosts: dict | None, records: Path):
     if (path / "manifest.json").exists():
         # Every refusal comes before the writer lock is taken, so it changes no byte there.
         lock.check_free(path)
         with mtjax.store.open(path, config=cfg) as reader:
             if not reader.never_written:
-                _check(exp, reader, reader.load_train_state())
+                state = _check(exp, reader, reader.load_train_state())
+                if hosts is None:  # (a shard's records: once its run is agreed, in open_run_store)
+                    rundir.check(records, run_id(reader), path, trained=state is not None)
         store = mtjax.store.open(path, writable=True, config=cfg)  # the writer lock: one trainer per store
         if not store.never_written:
             try:
-                return store, _check(exp, store, store.load_train_state()), False
+                state = _check(exp, store, store.load_train_state())
+                if hosts is None:
+                    rundir.check(records, run_id(store), path, trained=state is not None)  # (as the lock found it)
+                return store, state, False
             except BaseException:
                 store.close()
                 raise
         store.close()  # created by a run killed before its first commit: start over
     elif path.exists() and (not path.is_dir() or set(os.listdir(path)) - _PARTIAL_STORE):
         raise ConfigError(f"store.path {path} exists but holds no mtjax store; choose another store.path")
+    rundir.check(records, None, path)  # a store made now: records here are of a run whose store is gone
     if path.exists():
         _remove_unlocked(path)
     elif exp.run.resume is True:
@@ -161,6 +181,9 @@ def _check(exp: ExperimentConfig, store, state: dict | None) -> dict | None:
         where = "store.path" if exp.store.path else "run.dir"
         raise ConfigError(f"{path} holds a run trained to step {state['step']}; pass --run.resume=true to "
                           f"continue it, or choose another {where}")
+    if state["step"] > exp.run.steps:  # its commits would name a step behind its weights
+        raise ConfigError(f"run.resume: {path} is trained to step {state['step']}, past run.steps={exp.run.steps}; "
+                          f"pass --run.steps={state['step']} or more")
     saved, now = state.get("fixed", {}), fixed_settings(exp)
     diff = [f"{g}.{k} {saved.get(g, {}).get(k)!r} (now {now[g][k]!r})" for g in now for k in now[g]
             if saved.get(g, {}).get(k) != now[g][k]]

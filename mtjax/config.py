@@ -202,6 +202,8 @@ class RunConfig:
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient: stop (naming the block) | skip (the step, no state change)
 
     def __post_init__(self):
+        if not str(self.dir).strip():  # it would mean the working directory, holding the user's own files
+            raise ConfigError("run.dir is empty; name the run's own directory, e.g. --run.dir=runs/NAME")
         _check_choice("run.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         if self.resume not in (True, False, "auto"):
             raise ConfigError(f"run.resume must be true, false or auto, got {self.resume!r}")

@@ -39,11 +39,11 @@ import mtjax.store
 from mtjax.store import shards
 from mtjax import checkpoint
 from mtjax import config as config_lib
-from mtjax import data, distributed, documents, generate, hf, model, preflight, wandb_log
+from mtjax import data, distributed, documents, generate, hf, model, preflight, rundir, wandb_log
 from mtjax import reference as reference_mod
 from mtjax.batch import Batch, concat
 from mtjax.config import ConfigError, ExperimentConfig, RunConfig
-from mtjax.errors import NonFiniteStep
+from mtjax.errors import MtjaxError, NonFiniteStep
 from mtjax.model_config import ModelConfig
 from mtjax.optim import lr_at, make_optimizer, schedule_warnings
 from mtjax.plan import residency
@@ -213,7 +213,12 @@ def _eval_batches(dataset, exp: ExperimentConfig) -> Batch | None:
 
 
 def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
-    """Run the experiment; returns a summary (losses, throughput, sample, paths)."""
+    """Run the experiment; returns a summary (losses, throughput, sample, paths).
+
+    A run writes only what it made or proved its own, and nothing before its store's lock is
+    held and every refusal that needs no data passed: the store's (mtjax.checkpoint), the
+    run directory's records (mtjax.rundir) and its data cache (mtjax.data.check_cache). A
+    resume of a finished run (its final/ and summary.json in place) writes nothing."""
     out = stream or sys.stderr
     run_dir = Path(exp.run.dir)
     cfg = config_lib.model_config(exp)
@@ -225,29 +230,43 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
         shards.check_count(checkpoint.store_path(exp), 1)
     else:
         exp = replace(exp, stream=dict(resident="none"))  # every part's state is split over the hosts
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if hosts is not None and hosts.index:
-        hosts.barrier("mtjax data")  # process 0 prepares a shared run.dir's data first
-    dataset = data.resolve(exp.data, run_dir / "data")  # a cache: prepared again when the inputs change
-    if hosts is not None and not hosts.index:
-        hosts.barrier("mtjax data")
-    dataset.check_vocab(cfg.vocab_size)
-    asked = exp.stream  # config.yaml keeps `auto`: another machine's memory resolves it anew
-    exp = residency.for_run(exp)  # stream.resident=auto: the planner's parts for this device's memory
-    preflight.check(exp, cfg, dataset, processes=1 if hosts is None else hosts.count)  # before any weight is made
-    tokenizer = dataset.tokenizer()
-    exp = _as_run(exp, dataset, tokenizer, run_dir)
-    if exp.model.checkpoint and tokenizer.spec == "bytes" and (Path(exp.model.checkpoint) / "tokenizer.json").exists():
-        print(f"mtjax: warning: the data is byte-tokenized but {exp.model.checkpoint} has its own tokenizer.json; "
-              f"--data.tokenizer={exp.model.checkpoint} trains on the ids the model knows", file=out, flush=True)
+    dataset = data.prepared(exp.data)  # a prepared dataset is used as it is, with its own tokenizer
+    if dataset is not None:
+        tokenizer = dataset.tokenizer()
+        exp = replace(exp, data=dict(tokenizer=tokenizer.spec))  # (a commit's fixed settings record it)
+    else:  # raw text, which the run prepares into <run.dir>/data: only into a cache a run made
+        _agreed(hosts, lambda: data.check_cache(exp.data, run_dir / "data"))
     # The run's store: its writer lock, and its refusals (a trained run without run.resume,
-    # other fixed settings), before anything else under run.dir is written.
+    # other fixed settings, records of another run), before anything under run.dir is written.
     store, state, created = checkpoint.open_run_store(exp, cfg, hosts)
     lead = hosts is None or hosts.index == 0  # writes the run's records
     engine = None
     try:
-        val = _eval_batches(dataset, exp) if exp.run.eval_every else None
         first, cursor = (int(state["step"]), state["loader"]) if state is not None else (0, None)
+        if state is not None and first >= exp.run.steps:
+            done = _finished(run_dir, first, hosts)
+            if done is not None:
+                print(f"mtjax: {run_dir} is already trained to step {first} (run.steps={exp.run.steps}); nothing "
+                      "written (its closing lines follow)", file=out, flush=True)
+                return done
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if dataset is None:  # raw text: prepared into the run's own data cache
+            if hosts is not None and hosts.index:
+                hosts.barrier("mtjax data")  # process 0 prepares a shared run.dir's data first
+            dataset = data.resolve(exp.data, run_dir / "data")  # prepared again when the inputs change
+            if hosts is not None and not hosts.index:
+                hosts.barrier("mtjax data")
+            tokenizer = dataset.tokenizer()
+        dataset.check_vocab(cfg.vocab_size)
+        asked = exp.stream  # config.yaml keeps `auto`: another machine's memory resolves it anew
+        exp = residency.for_run(exp)  # stream.resident=auto: the planner's parts for this device's memory
+        preflight.check(exp, cfg, dataset, processes=1 if hosts is None else hosts.count)  # before any weight is made
+        exp = _as_run(exp, dataset, tokenizer)
+        if exp.model.checkpoint and tokenizer.spec == "bytes" and \
+                (Path(exp.model.checkpoint) / "tokenizer.json").exists():
+            print(f"mtjax: warning: the data is byte-tokenized but {exp.model.checkpoint} has its own tokenizer.json; "
+                  f"--data.tokenizer={exp.model.checkpoint} trains on the ids the model knows", file=out, flush=True)
+        val = _eval_batches(dataset, exp) if exp.run.eval_every else None
         loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,
                              exp.data.seed, cursor=cursor)
         if created:
@@ -258,7 +277,8 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
             engine = make_engine(exp, cfg, None, store=store, step=first, hosts=hosts)
             origin = dict(store=store.root) if state is None else dict(resumed=store.root, step=first)
         # Only now that everything checked out: a run that fails to start leaves the previous one.
-        records = run_dir if lead else run_dir / f"process-{hosts.index}"
+        records = rundir.records_dir(run_dir, 0 if lead else hosts.index)
+        rundir.claim(records, checkpoint.run_id(store))  # before any other record: they are this run's
         if lead:
             config_lib.dump(dataclasses.replace(exp, stream=asked), run_dir / "config.yaml")
         if state is None:
@@ -280,7 +300,8 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
         if hosts is not None:
             print(f"mtjax: process {hosts.index} of {hosts.count}: {len(jax.local_devices())} device(s) here; "
                   f"this process holds its rows of master and optimizer state in {store.root}", file=out, flush=True)
-        return _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out, records, lead)
+        return _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out, records, lead,
+                     kept=_summary_of(run_dir) if first >= exp.run.steps else None)
     finally:
         if engine is not None:
             engine.close()
@@ -312,18 +333,59 @@ def _join(exp: ExperimentConfig):
     return startup.hosts
 
 
-def _as_run(exp: ExperimentConfig, dataset, tokenizer, run_dir: Path) -> ExperimentConfig:
-    """`exp` as this run uses it, as config.yaml records it: a prepared dataset brings its
-    own tokenizer (data.tokenizer only tokenizes raw text), and on data other than the
-    built-in Shakespeare the default sample prompt gives way to the data's first words."""
-    groups = {}
-    if dataset.path.resolve() != (run_dir / "data").resolve():  # a prepared dataset, used as it is
-        groups["data"] = dict(tokenizer=tokenizer.spec)
+def _agreed(hosts, check) -> None:
+    """Run the refusal `check` here; in a multi-process run every process stops if one refuses."""
+    if hosts is None:
+        return check()
+    try:
+        check()
+    except MtjaxError as e:
+        distributed.agree(hosts, e)
+    distributed.agree(hosts, None)
+
+
+# What summary.json holds (the closing lines `describe` prints).
+SUMMARY_KEYS = ("steps", "resumed_from", "first_loss", "first_loss_step", "final_loss", "final_loss_steps", "val_loss",
+                "tokens", "seconds", "run_dir", "checkpoint", "sample")
+
+
+def _summary_of(run_dir: Path) -> dict | None:
+    """The summary.json a run wrote in `run_dir`, or None (absent or unreadable)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and set(SUMMARY_KEYS) <= summary.keys() else None
+
+
+def _finished(run_dir: Path, step: int, hosts) -> dict | None:
+    """The summary of a run finished at `step` with its final/ (an export of that step) and
+    summary.json in place, else None: the resume makes what is missing. Every process of a
+    multi-process run follows process 0 (which writes them); one that cannot read them
+    returns a summary that says no steps were left."""
+    summary = None
+    try:
+        if json.loads((run_dir / "final" / checkpoint.EXPORT_NOTE).read_text()).get("step") == step:
+            summary = _summary_of(run_dir)
+    except (OSError, ValueError, AttributeError):
+        pass  # no export of this step
+    if hosts is None:
+        return summary
+    if not hosts.gather_ints([summary is not None])[0][0]:  # process 0's verdict
+        return None
+    return summary or dict(dict.fromkeys(SUMMARY_KEYS), steps=0, resumed_from=step, final_loss_steps=[], tokens=0,
+                           seconds=0.0, run_dir=str(run_dir), checkpoint=str(run_dir / "final"), sample="")
+
+
+def _as_run(exp: ExperimentConfig, dataset, tokenizer) -> ExperimentConfig:
+    """`exp` as this run uses it, as config.yaml records it: on data other than the built-in
+    Shakespeare the default sample prompt gives way to the data's first words (a prepared
+    dataset's own tokenizer is data.tokenizer already)."""
     if exp.run.sample_prompt == RunConfig.sample_prompt and exp.data.dataset != "builtin:shakespeare":
         start, stop = dataset.split("train")
         text = tokenizer.decode(dataset.tokens(start, min(stop, start + 256)).tolist())
-        groups["run"] = dict(sample_prompt=" ".join(text.strip().split("\n")[0].split()[:6]))
-    return replace(exp, **groups)
+        return replace(exp, run=dict(sample_prompt=" ".join(text.strip().split("\n")[0].split()[:6])))
+    return exp
 
 
 def _devices_text(engine: Engine, hosts) -> str:
@@ -343,9 +405,11 @@ def _steps_text(first: int, steps: int) -> str:
 
 
 def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out, records: Path,
-          lead: bool = True) -> dict:
+          lead: bool = True, kept: dict | None = None) -> dict:
     """The steps; `records`: where metrics.jsonl goes; `lead`: this process writes the run's
-    export, sample and summary (one process of a multi-process run does)."""
+    export, sample and summary (one process of a multi-process run does). With no step left
+    (a resume of a run killed after its last commit) nothing is committed again, and `kept`,
+    the run's summary.json when there is one, stays."""
     run_dir = Path(exp.run.dir)
     losses, val_loss, start, trained = {}, None, time.perf_counter(), 0  # losses by step, tokens trained on
 
@@ -387,7 +451,8 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
                     and not engine.commits_every_step):
                 engine.commit(step, checkpoint.train_state(exp, step, loader.cursor))
         seconds = time.perf_counter() - start
-        engine.commit(exp.run.steps, checkpoint.train_state(exp, exp.run.steps, loader.cursor), flush=True)
+        if exp.run.steps > first:  # (the last commit is this step already otherwise)
+            engine.commit(exp.run.steps, checkpoint.train_state(exp, exp.run.steps, loader.cursor), flush=True)
         template, params = loader.ds.meta.get("chat_template"), None
         if getattr(engine, "hosts", None) is not None:
             # A shard holds its rows only: every process gathers the whole weights, one exports them.
@@ -417,6 +482,8 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
         "checkpoint": str(final),
         "sample": sample,
     }
+    if kept is not None:
+        return kept
     if lead:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

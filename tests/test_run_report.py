@@ -102,9 +102,11 @@ def test_summary_wording_fits_a_short_run_and_its_resumptions(tmp_path):
     assert run_lib.describe(summary).startswith(f"resumed from step 6: loss {logged[7]:.3f} at step 7 -> "
                                                 f"{(logged[7] + logged[8]) / 2:.3f} (mean of steps 7-8) in ")
 
-    summary, log = train([*args, "--run.steps=8", "--run.resume=true"])  # nothing left to do
-    assert "no steps left (at step 8 of 8)" in log.splitlines()[0] and "steps 9-8" not in log
-    assert run_lib.describe(summary).startswith("resumed from step 8: no steps left to train")
+    done = json.loads((run_dir / "summary.json").read_text())
+    again, log = train([*args, "--run.steps=8", "--run.resume=true"])  # nothing left to do: nothing written
+    assert log == f"mtjax: {run_dir} is already trained to step 8 (run.steps=8); nothing written (its closing " \
+        "lines follow)\n"
+    assert again == done == summary  # the finished run's own closing lines
 
 
 @pytest.mark.slow  # a training run in a child with two CPU devices

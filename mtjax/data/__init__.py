@@ -6,14 +6,17 @@
     Dataset(dir)                         a prepared dataset (memory-mapped)
     Loader(dataset, split, ...)          [accum, batch, seq] int32 windows, or mtjax.batch.Batch
                                          for chat / prompt-completion rows; .cursor
-    resolve(data_cfg, cache_dir)         the dataset a DataConfig names, prepared on demand
+    resolve(data_cfg, cache_dir)         the dataset a DataConfig names, prepared on demand into a
+                                         run's data cache (check_cache: only one a run made is replaced)
+    prepared(data_cfg)                   that dataset when it is a prepared directory (None: raw text)
     chat                                 a checkpoint's chat template, rendered as transformers does
 """
 
-from mtjax.data.dataset import Dataset, Loader, resolve
+from mtjax.data.dataset import Dataset, Loader, check_cache, prepared, resolve
 from mtjax.data.format import DataError
 from mtjax.data.prepare import prepare
 from mtjax.data.tokenizer import ByteTokenizer, HFTokenizer
 from mtjax.data.tokenizer import load as load_tokenizer
 
-__all__ = ["ByteTokenizer", "DataError", "Dataset", "HFTokenizer", "Loader", "load_tokenizer", "prepare", "resolve"]
+__all__ = ["ByteTokenizer", "DataError", "Dataset", "HFTokenizer", "Loader", "check_cache", "load_tokenizer", "prepare",
+           "prepared", "resolve"]

@@ -176,31 +176,68 @@ class Loader:
             yield self.next()
 
 
+CACHE_STAMP = "source.json"  # in a run's data cache: what it was prepared from (and that a run made it)
+
+
+def prepared(data_cfg) -> Dataset | None:
+    """The prepared dataset directory `data_cfg.dataset` names, used as it is; None when it
+    names raw or built-in text, which `resolve` prepares into the run's cache."""
+    source = data_cfg.dataset
+    if not source.startswith(prep.BUILTIN) and (Path(source) / fmt.META_FILE).exists():
+        return Dataset(source)
+    return None
+
+
+def check_cache(data_cfg, cache_dir: str | Path) -> None:
+    """Refuse, before anything is written, raw inputs that are not there and a `cache_dir`
+    that `resolve` may not replace: only a directory that is absent, empty, or holds the
+    stamp `resolve` writes (a cache it prepared) is a run's data cache. Anything else there
+    (a dataset `mtjax data prepare` wrote, the user's files) is theirs."""
+    prep.expand_inputs([data_cfg.dataset])
+    cache = Path(cache_dir)
+    if not cache.exists() or (cache.is_dir() and not any(cache.iterdir())) or _stamp(cache) is not None:
+        return
+    if (cache / fmt.META_FILE).exists():
+        raise DataError(f"{cache} is a prepared dataset, not a data cache a run made, and a run would replace it; "
+                        f"train on it with --data.dataset={cache}, or choose another run.dir")
+    raise DataError(f"{cache} is not a data cache a run made (a run prepares raw text into <run.dir>/data and would "
+                    "replace what is there); choose another run.dir")
+
+
+def _stamp(cache: Path) -> dict | None:
+    """The stamp of a cache `resolve` prepared ({"key", "dataset"}), or None."""
+    try:
+        stamp = json.loads((cache / CACHE_STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(stamp, dict) and isinstance(stamp.get("key"), str) and isinstance(stamp.get("dataset"), str)
+    return stamp if ok else None
+
+
 def resolve(data_cfg, cache_dir: str | Path) -> Dataset:
     """The dataset `data_cfg.dataset` names, preparing raw or built-in text into `cache_dir`.
 
     A prepared dataset directory is used as it is. Raw files are tokenized once (as
     `data_cfg.format`; chat and prompt-completion into rows of data.seq_len); the cache is
     reused while the inputs, tokenizer, split and, for rows, their settings are unchanged.
+    Only a run's own cache is replaced (`check_cache`): its stamp is written with the
+    dataset, so a cache is never in place without it.
     """
-    source = data_cfg.dataset
-    if not source.startswith(prep.BUILTIN) and (Path(source) / fmt.META_FILE).exists():
-        return Dataset(source)
-    files = prep.expand_inputs([source])
+    dataset = prepared(data_cfg)
+    if dataset is not None:
+        return dataset
+    files = prep.expand_inputs([data_cfg.dataset])
     key = _fingerprint(files, data_cfg)
     cache = Path(cache_dir)
-    stamp = cache / "source.json"
-    if stamp.exists() and (cache / fmt.META_FILE).exists():
-        try:
-            if json.loads(stamp.read_text()).get("key") == key:
-                return Dataset(cache)
-        except json.JSONDecodeError:
-            pass  # an unreadable stamp means prepare again
+    check_cache(data_cfg, cache)
+    stamp = _stamp(cache)
+    if stamp is not None and stamp["key"] == key and (cache / fmt.META_FILE).exists():
+        return Dataset(cache)
     rows = data_cfg.format != "text"
+    stamp = {"key": key, "dataset": data_cfg.dataset, "made_by": "mtjax train: this run directory's data cache"}
     prep.prepare(files, cache, data_cfg.tokenizer, data_cfg.text_field, data_cfg.val_fraction, overwrite=True,
                  format=data_cfg.format, seq_len=data_cfg.seq_len if rows else None, packing=data_cfg.packing,
-                 train_on=data_cfg.train_on)
-    stamp.write_text(json.dumps({"key": key, "dataset": source}) + "\n")
+                 train_on=data_cfg.train_on, extra={CACHE_STAMP: json.dumps(stamp) + "\n"})
     return Dataset(cache)
 
 

@@ -234,7 +234,7 @@ class _ShardWriter:
 def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
             val_fraction: float = 0.01, shard_tokens: int = 1 << 28, overwrite: bool = False,
             format: str = "text", seq_len: int | None = None, packing: str = "pack",
-            train_on: str = "answers") -> dict:
+            train_on: str = "answers", extra: dict[str, str] | None = None) -> dict:
     """Tokenize `inputs` into a dataset at `out_dir`; returns its metadata.
 
     format="text": one stream of documents, each followed by EOS. "chat" /
@@ -242,6 +242,8 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
     tokens with a loss mask (`train_on` "answers" or "all") and segment ids, documents
     packed several to a row (`packing="pack"`) or one to a row (`"pad"`); a document longer
     than `seq_len`, or with no target token, is skipped and counted in meta["skipped"].
+    `extra`: {file name: text} written beside the shards, in place as soon as they are
+    (data.resolve's stamp of a run's cache).
     """
     files = expand_inputs(inputs)
     out = Path(out_dir)
@@ -298,6 +300,8 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
         if template is not None:
             meta["chat_template"] = template.to_json()
         tok.save(tmp)
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
         fmt.write_meta(tmp, meta)
         _replace(tmp, out)
     except OSError as e:  # e.g. a full disk: nothing of this attempt stays behind
