@@ -130,3 +130,21 @@ def test_adamw_state_layout_names_the_stored_keys():
     assert set(parts.schema(CFG, "block.0", "opt", tx)) == ADAMW_STATE.names(master)
     assert ADAMW_STATE.moments("mlp.up_proj.kernel") == ("0.mu.mlp.up_proj.kernel", "0.nu.mlp.up_proj.kernel")
 
+
+
+@pytest.mark.parametrize("dtype", [d.name for d in precision.SUPPORTED])
+def test_a_big_array_converts_in_pieces_to_the_same_bits(dtype):
+    """Staging converts a big leaf in pieces on several threads: the same bits as one
+    piece, every element written once (the output starts as a pattern no conversion gives)."""
+    cut = precision.pieces(5 * precision.MIN_PIECE + 37, 4)
+    assert len(cut) == 4 and cut[0].start == 0 and cut[-1].stop == 5 * precision.MIN_PIECE + 37
+    assert all(a.stop == b.start and b.start % 16 == 0 for a, b in zip(cut, cut[1:]))
+    assert precision.pieces(precision.MIN_PIECE * 2 - 1, 8) == [slice(0, precision.MIN_PIECE * 2 - 1)]
+    values = _values()
+    src = np.resize(values, (5 * precision.MIN_PIECE + 37) // 7 * 7).reshape(-1, 7)
+    want = precision.reference(src, dtype)
+    for threads in (1, 3, 8):
+        out = np.empty(src.shape, dtype)
+        _bits(out)[...] = 0x7FFF  # a NaN with payload: no conversion writes it
+        precision.round_into(src, out, threads=threads)
+        np.testing.assert_array_equal(_bits(out), _bits(want), err_msg=f"{threads} threads")

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtjax import precision
 from mtjax.optim import ADAMW_STATE, OptimConfig, make_schedule
 from mtjax.stream.tiers import host_device
 
@@ -44,10 +45,6 @@ try:
     from numba.extending import intrinsic
 except ImportError:  # the XLA program is used instead
     numba = None
-else:
-    from mtjax.precision import bf16_bits  # the copy is rounded as the precision policy says
-
-MIN_PIECE = 1 << 16  # elements: a leaf this small is not split across threads
 
 
 def available() -> bool:
@@ -61,6 +58,7 @@ def supports(compute_dtype) -> bool:
 
 
 if numba is not None:
+    bf16_bits = precision.bf16_bits
 
     @intrinsic
     def _fma(typingctx, a, b, c):
@@ -82,7 +80,7 @@ if numba is not None:
         if wd != 0:
             u = _fma(wd, p, u)  # decoupled weight decay: u + wd * p
         p = _fma(neg_lr, u, p)  # p + (-lr) * u
-        return p, m, v, bf16_bits(p)
+        return p, m, v, bf16_bits(p)  # the copy, rounded as the precision policy says
 
     # Separate loops: LLVM vectorizes a loop whose inputs and outputs may overlap only
     # after a runtime check that fails when they are the same arrays, so in place gets
@@ -140,11 +138,7 @@ class Leaf:
         outs += [] if copy is None else [copy.reshape(-1).view(np.uint16)]
         fn = {(True, True): _in_place, (True, False): _in_place_no_copy,
               (False, True): _into, (False, False): _into_no_copy}[in_place, copy is not None]
-        n = flat[0].size
-        count = max(1, min(count, n // MIN_PIECE))
-        bounds = [n * i // count // 16 * 16 for i in range(count)] + [n]  # 64-byte aligned starts
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            s = slice(a, b)
+        for s in precision.pieces(flat[0].size, count):
             yield fn, (*[x[s] for x in flat], *[o[s] for o in outs])
 
 
