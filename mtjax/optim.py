@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from mtjax import treepath
 from mtjax.model_config import ConfigError
 
 
@@ -116,6 +117,38 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
         make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
         weight_decay=cfg.weight_decay, mask=decay_mask,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWState:
+    """Where an AdamW's state keeps its moments and step counts: leaf names of a part's
+    flat optimizer state (mtjax.treepath), which are also the store's "opt" keys.
+
+    The fused AdamW (mtjax.stream.fused_adamw) reads and writes the state through this,
+    and serves a transformation only when `describes` it."""
+
+    mu: str  # the first moment of parameter leaf `n` is "<mu>.<n>"
+    nu: str  # the second moment: "<nu>.<n>"
+    count: str  # Adam's step count (its bias corrections)
+    schedule_count: str  # the learning-rate schedule's step count
+
+    def moments(self, leaf: str) -> tuple[str, str]:
+        """(mu, nu) names of a parameter leaf's moments."""
+        return f"{self.mu}.{leaf}", f"{self.nu}.{leaf}"
+
+    def names(self, leaves) -> set[str]:
+        """Every state leaf name of a part with parameter leaves `leaves`."""
+        return {self.count, self.schedule_count} | {m for n in leaves for m in self.moments(n)}
+
+    def describes(self, tx: optax.GradientTransformation) -> bool:
+        """Whether `tx`'s state has exactly these leaves (checked on a one-leaf part)."""
+        state = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((2, 2), jnp.float32)})
+        return set(treepath.flatten(state)) == self.names(["w"])
+
+
+# `make_optimizer`'s state: optax.adamw chains scale_by_adam (0: count, mu, nu), the masked
+# weight decay (1: no state) and scale_by_learning_rate (2: the schedule's count).
+ADAMW_STATE = AdamWState(mu="0.mu", nu="0.nu", count="0.count", schedule_count="2.count")
 
 
 def sum_of_squares(tree) -> jnp.ndarray:

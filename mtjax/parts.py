@@ -3,7 +3,8 @@
 Part names are "embed", "block.0" ... "block.{N-1}" and "head". Each part has three
 kinds of state, each a flat {leaf name: array} dict (see mtjax.treepath):
 
-    compute  the weights in the compute dtype, which are streamed to the device
+    compute  the weights the device computes with (mtjax.precision: the master rounded
+             to the compute dtype), which are streamed to the device
     master   the fp32 master weights
     opt      the optimizer state of the part (e.g. AdamW mu and nu)
 
@@ -18,7 +19,7 @@ import math
 import jax
 import numpy as np
 
-from mtjax import model, treepath
+from mtjax import model, precision, treepath
 from mtjax.model_config import ModelConfig
 
 KINDS = ("compute", "master", "opt")
@@ -56,9 +57,9 @@ def schema(cfg: ModelConfig, name: str, kind: str, tx=None) -> dict[str, jax.Sha
     `tx` (an optax transformation) is needed for kind "opt".
     """
     tree = abstract_part(cfg, name)
-    if kind == "compute":
-        tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype(cfg.compute_dtype)), tree)
-    elif kind == "opt":
+    if kind == "compute":  # each leaf's compute representation (mtjax.precision)
+        return precision.policy(cfg).schema(treepath.flatten(tree))
+    if kind == "opt":
         if tx is None:
             raise ValueError("schema of kind 'opt' needs the optax transformation")
         tree = jax.eval_shape(tx.init, tree)

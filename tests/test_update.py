@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from mtjax import treepath
+from mtjax import precision, treepath
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.stream.update import PartUpdate, _update
@@ -31,7 +31,7 @@ def _random(shapes, seed, scale=1.0):
 def _reference(tx, dtype, master, opt, grads, scale):
     """The update program, nothing donated: what the engine's update must reproduce."""
     template = jax.eval_shape(tx.init, {n: S(np.shape(a), np.float32) for n, a in master.items()})
-    fn = jax.jit(functools.partial(_update, tx, np.dtype(dtype)))
+    fn = jax.jit(functools.partial(_update, tx, precision.Policy(dtype)))
     m, o, c = fn(master, treepath.unflatten(template, opt), None, grads, jnp.float32(scale))
     return {n: np.asarray(a) for n, a in m.items()}, treepath.flatten(jax.tree.map(np.asarray, o)), \
         {n: np.asarray(a) for n, a in c.items()}

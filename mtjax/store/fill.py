@@ -13,22 +13,21 @@ from pathlib import Path
 
 import numpy as np
 
-from mtjax import parts, treepath
+from mtjax import parts, precision, treepath
 from mtjax.store.durable import fsync_path
 from mtjax.store import store as store_mod
 from mtjax.store.errors import StoreError
 
 
 def write_part(store, part: str, master: dict[str, np.ndarray], tx=None, opt: dict | None = None) -> None:
-    """Write master, compute (a cast of master) and optimizer state: `opt` ({leaf:
-    array}), else fresh state (tx.init).
+    """Write master, compute (master converted by the precision policy) and optimizer
+    state: `opt` ({leaf: array}), else fresh state (tx.init).
 
     One kind at a time, waiting for each, so host memory holds about one part.
     """
     cfg = store.config
     store.write(part, "master", master).result()  # waits: the next kind reuses the memory
-    schema = store.schema(part, "compute")
-    compute = {k: v.astype(schema[k].dtype) for k, v in master.items()}
+    compute = precision.policy(cfg).to_compute(master)
     store.write(part, "compute", compute).result()  # waits: the writer reads `compute` until then
     del compute
     if opt is None:

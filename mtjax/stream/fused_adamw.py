@@ -12,7 +12,8 @@ It evaluates the expressions XLA evaluates for `optim.make_optimizer`:
 - XLA's CPU code contracts a multiply feeding an add into a fused multiply-add; which
   product is contracted was measured per expression on a one-leaf program, and `_fma`
   below does the same;
-- bf16 rounding is round-to-nearest-even, NaN kept quiet.
+- the bf16 copy is the precision policy's conversion (mtjax.precision.bf16_bits: round to
+  nearest even, a NaN the quiet NaN of its sign).
 On a part of one leaf the result is bit-identical to the optax program (jax 0.10). On a
 part of several leaves XLA fuses the program differently and contracts other products,
 so the two agree within fp32 rounding, not bit for bit; over 8 steps about 45% of the
@@ -33,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax.optim import OptimConfig, make_schedule
+from mtjax import precision
+from mtjax.optim import ADAMW_STATE, OptimConfig, make_schedule
 from mtjax.stream.tiers import host_device
 
 try:
@@ -43,8 +45,6 @@ try:
     from numba.extending import intrinsic
 except ImportError:  # the XLA program is used instead
     numba = None
-
-MIN_PIECE = 1 << 16  # elements: a leaf this small is not split across threads
 
 
 def available() -> bool:
@@ -58,23 +58,7 @@ def supports(compute_dtype) -> bool:
 
 
 if numba is not None:
-
-    @intrinsic
-    def _bf16(typingctx, x):
-        """The bf16 bits of a float32, rounded to nearest even; NaN stays a quiet NaN.
-
-        Written as LLVM IR so the integer steps stay 32-bit (numba widens integer
-        arithmetic to 64 bits, which halves the vector width of the loop)."""
-        def codegen(context, builder, signature, args):
-            i32, i16 = ir.IntType(32), ir.IntType(16)
-            bits = builder.bitcast(args[0], i32)
-            high = builder.lshr(bits, ir.Constant(i32, 16))
-            odd = builder.and_(high, ir.Constant(i32, 1))
-            rounded = builder.lshr(builder.add(builder.add(bits, ir.Constant(i32, 0x7FFF)), odd), ir.Constant(i32, 16))
-            quiet = builder.or_(high, ir.Constant(i32, 0x40))
-            nan = builder.fcmp_unordered("uno", args[0], args[0])
-            return builder.trunc(builder.select(nan, quiet, rounded), i16)
-        return numba.uint16(numba.float32), codegen
+    bf16_bits = precision.bf16_bits
 
     @intrinsic
     def _fma(typingctx, a, b, c):
@@ -96,7 +80,7 @@ if numba is not None:
         if wd != 0:
             u = _fma(wd, p, u)  # decoupled weight decay: u + wd * p
         p = _fma(neg_lr, u, p)  # p + (-lr) * u
-        return p, m, v, _bf16(p)
+        return p, m, v, bf16_bits(p)  # the copy, rounded as the precision policy says
 
     # Separate loops: LLVM vectorizes a loop whose inputs and outputs may overlap only
     # after a runtime check that fails when they are the same arrays, so in place gets
@@ -120,22 +104,6 @@ if numba is not None:
     def _into_no_copy(p, m, v, g, p_out, m_out, v_out, k):
         for i in range(p.size):
             p_out[i], m_out[i], v_out[i], _ = _adamw(p[i], m[i], v[i], g[i], k)
-
-    @numba.njit(nogil=True, error_model="numpy", cache=True)
-    def _round(src, out):
-        for i in range(src.size):
-            out[i] = _bf16(src[i])
-
-
-def round_into(src: np.ndarray, out: np.ndarray) -> None:
-    """Write fp32 `src` into `out` (same shape, C-contiguous; bf16 rounded as XLA's
-    convert does, or fp32 copied). Runs on the calling thread, without the GIL."""
-    if src.shape != out.shape or not (src.flags.c_contiguous and out.flags.c_contiguous):
-        raise ValueError(f"round_into needs C-contiguous arrays of one shape, got {src.shape} and {out.shape}")
-    if out.dtype == np.float32:
-        np.copyto(out, src)
-    else:
-        _round(np.asarray(src, np.float32).reshape(-1), out.reshape(-1).view(np.uint16))
 
 
 def _increment(count):
@@ -163,25 +131,26 @@ class Leaf:
         arrays = (*ins, self.grad, *self.out[:3]) + (() if copy is None else (copy,))
         if not all(a.flags.c_contiguous for a in arrays):
             raise ValueError("the fused AdamW needs C-contiguous arrays (a reshape would copy)")
+        if copy is not None and copy.dtype != np.dtype(jnp.bfloat16):
+            raise ValueError(f"the fused AdamW writes a bf16 compute copy, not {copy.dtype}")
         flat = [a.reshape(-1) for a in (*ins, self.grad)]
         outs = [] if in_place else [a.reshape(-1) for a in self.out[:3]]
         outs += [] if copy is None else [copy.reshape(-1).view(np.uint16)]
         fn = {(True, True): _in_place, (True, False): _in_place_no_copy,
               (False, True): _into, (False, False): _into_no_copy}[in_place, copy is not None]
-        n = flat[0].size
-        count = max(1, min(count, n // MIN_PIECE))
-        bounds = [n * i // count // 16 * 16 for i in range(count)] + [n]  # 64-byte aligned starts
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            s = slice(a, b)
+        for s in precision.pieces(flat[0].size, count):
             yield fn, (*[x[s] for x in flat], *[o[s] for o in outs])
 
 
 class FusedAdamW:
     """The update of `make_optimizer(optim)` on host arrays, one pass per leaf.
 
+    `state` says where its optimizer state keeps moments and counts (`ADAMW_STATE`);
     `step(counts)` gives the step's scalars and new step counts; `run(leaves, scalars)`
     updates the leaves (in place where each Leaf's outputs are its inputs).
     """
+
+    state = ADAMW_STATE
 
     def __init__(self, optim: OptimConfig, threads: int | None = None):
         if numba is None:

@@ -63,7 +63,7 @@ class Resident:
         self._grads: dict[str, dict] = {}  # this step's summed gradients
         self._sq_fn = jax.jit(_sq_f32)
         # A buffer of its own even in fp32 (the update donates master and compute apart).
-        self._copy = jax.jit(lambda master: {n: jnp.copy(w).astype(update.dtype) for n, w in master.items()})
+        self._copy = jax.jit(lambda master: update.policy.to_compute_jax({n: jnp.copy(w) for n, w in master.items()}))
 
     def __contains__(self, part: str) -> bool:
         return part in self.names
@@ -74,7 +74,7 @@ class Resident:
     @property
     def _copy_kept(self) -> bool:
         """Whether compute weights are arrays of their own (not the fp32 master itself)."""
-        return not self.on_host or self.update_.dtype != np.float32
+        return not self.on_host or not self.update_.policy.master_is_compute
 
     @property
     def nbytes(self) -> int:
@@ -92,8 +92,11 @@ class Resident:
         if self.on_host:
             master = {n: _owned(np.asarray(a, np.float32)) for n, a in master.items()}
             st = {"master": master, "opt": {n: _owned(a) for n, a in opt.items()}}
-            st["compute"] = {n: _owned(a) for n, a in self.update_.compute_copy(master).items()} \
-                if self._copy_kept else master
+            if self._copy_kept:
+                st["compute"] = {n: huge_empty(s.shape, s.dtype) for n, s in self.update_.policy.schema(master).items()}
+                self.update_.policy.into(master, st["compute"])
+            else:
+                st["compute"] = master
             self._state[part] = st
             self._views[part] = jax.device_put(st["compute"], self.placement.on_device)
             return

@@ -1,7 +1,8 @@
 """The optimizer stage: one part's AdamW update on host-resident state.
 
 The update reads the fp32 master weights, the optimizer state and the gradient, and
-writes master, optimizer state and, where one is kept, the compute copy. Every part gets
+writes master, optimizer state and, where one is kept, the compute copy (converted from
+the new master by the precision policy, mtjax.precision). Every part gets
 the same clip scale, computed from the global gradient norm before any part is updated,
 so clipping is exact although parts are updated one at a time.
 
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mtjax import model, parts, treepath
+from mtjax import model, parts, precision, treepath
 from mtjax.hostmem import huge_empty
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
@@ -32,12 +33,12 @@ from mtjax.stream import fused_adamw
 from mtjax.stream.tiers import host_device
 
 
-def _update(tx, compute_dtype, master, opt_state, compute, grads, scale):
+def _update(tx, policy: precision.Policy, master, opt_state, compute, grads, scale):
     del compute  # donated: its buffer receives the new compute copy
     grads = jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads)
     updates, opt_state = tx.update(grads, opt_state, master)
     master = optax.apply_updates(master, updates)
-    return master, opt_state, jax.tree.map(lambda w: w.astype(compute_dtype), master)
+    return master, opt_state, policy.to_compute_jax(master)
 
 
 class PartUpdate:
@@ -55,12 +56,12 @@ class PartUpdate:
         self.cfg, self.tx = cfg, tx
         self.fused = _fused_for(cfg, tx, optim)  # None: the optax program
         self.cpu = host_device()
-        self.dtype = np.dtype(cfg.compute_dtype)
+        self.policy = precision.policy(cfg)  # each leaf's compute representation
         # keep_unused: jit drops an unread `compute` argument otherwise, and with it the
         # donation, so every update would page-fault a fresh compute-copy buffer.
-        self._update = jax.jit(functools.partial(_update, tx, self.dtype), donate_argnums=(0, 1, 2), keep_unused=True)
+        self._update = jax.jit(functools.partial(_update, tx, self.policy), donate_argnums=(0, 1, 2), keep_unused=True)
         self._init = jax.jit(tx.init)
-        self._convert = jax.jit(lambda tree: jax.tree.map(lambda w: w.astype(self.dtype), tree))
+        self._convert = jax.jit(self.policy.to_compute_jax)
 
     def init_state(self, master: dict) -> dict:
         """Flat optimizer state of one part from its flat fp32 master weights."""
@@ -93,31 +94,33 @@ class PartUpdate:
         return master, treepath.flatten(opt_tree), compute
 
     def _fused(self, master, opt, compute, grads, scale, own, copy):
-        scalars, (adam_count, schedule_count) = self.fused.step(opt["0.count"], opt["2.count"], scale)
-        new_opt = {"0.count": adam_count, "2.count": schedule_count}
+        state = self.fused.state  # where mu, nu and the counts are in `opt`
+        scalars, counts = self.fused.step(opt[state.count], opt[state.schedule_count], scale)
+        new_opt = dict(zip((state.count, state.schedule_count), counts))
         new_master, new_compute, leaves = {}, {}, []
         for n, p in master.items():
-            ins = [_host(a) for a in (p, opt[f"0.mu.{n}"], opt[f"0.nu.{n}"])]
+            mu, nu = state.moments(n)
+            ins = [_host(a) for a in (p, opt[mu], opt[nu])]
             outs = [_target(a, kind in own, np.float32) for a, kind in zip(ins, ("master", "opt", "opt"))]
-            bf16 = None
-            if copy and self.dtype != np.float32:  # the loop writes it
-                bf16 = _target(_host(compute[n]) if n in compute else None, "compute" in own, self.dtype, p.shape)
+            dtype, rounded = self.policy.leaf(n, p).dtype, None
+            if copy and dtype != np.float32:  # the loop writes it (bf16: `_fused_for`)
+                rounded = _target(_host(compute[n]) if n in compute else None, "compute" in own, dtype, p.shape)
             grad = np.ascontiguousarray(np.asarray(grads[n]), np.float32)  # host sync: the gradient transfer
-            leaves.append(fused_adamw.Leaf(*ins, grad, (*outs, bf16), decay=len(p.shape) > 1))
-            new_master[n], new_opt[f"0.mu.{n}"], new_opt[f"0.nu.{n}"], new_compute[n] = *outs, bf16
+            leaves.append(fused_adamw.Leaf(*ins, grad, (*outs, rounded), decay=len(p.shape) > 1))
+            new_master[n], new_opt[mu], new_opt[nu], new_compute[n] = *outs, rounded
         self.fused.run(leaves, scalars)
-        if copy and self.dtype == np.float32:  # an fp32 copy is the new master; a copy, since it may be overwritten
-            new_compute = {n: np.array(a) for n, a in new_master.items()}
+        if copy:  # an fp32 copy is the new master; a copy, since it may be overwritten
+            new_compute.update({n: np.array(new_master[n]) for n, c in new_compute.items() if c is None})
         return new_master, {o: new_opt[o] for o in opt}, new_compute if copy else None
 
 
 def _fused_for(cfg: ModelConfig, tx, optim: OptimConfig | None):
-    """The one-pass AdamW for `tx` when it is `make_optimizer(optim)`, numba is installed
-    and the compute dtype is bf16 or fp32; otherwise None."""
-    if optim is None or not fused_adamw.supports(cfg.compute_dtype):
+    """The one-pass AdamW for `tx` when it is `make_optimizer(optim)` (its state laid out
+    as the loop reads it), numba is installed and every compute dtype is bf16 or fp32;
+    otherwise None."""
+    if optim is None or not all(fused_adamw.supports(d) for d in precision.policy(cfg).dtypes):
         return None
-    state = treepath.flatten(jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((2, 2), np.float32)}))
-    if set(state) != {"0.count", "0.mu.w", "0.nu.w", "2.count"}:  # not the chain make_optimizer builds
+    if not fused_adamw.FusedAdamW.state.describes(tx):  # not the chain make_optimizer builds
         return None
     return fused_adamw.FusedAdamW(optim)
 

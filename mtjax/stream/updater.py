@@ -38,7 +38,6 @@ import threading
 import jax
 import numpy as np
 
-from mtjax.stream import fused_adamw
 from mtjax.stream.commit import OneCopy
 from mtjax.stream.grads import GradSink
 from mtjax.stream.schedule import HANDED_AHEAD
@@ -185,12 +184,13 @@ class Updater:
     # --- the compute copy -----------------------------------------------------------
 
     def round_master(self, part: str, out: dict | None = None) -> dict:
-        """The derived compute copy of `part`: its master weights rounded into `out`
-        ({leaf: array}; new arrays when None)."""
+        """The derived compute copy of `part`: its master weights converted by the precision
+        policy into `out` ({leaf: array}: every leaf, or a split MoE block's sub-part's;
+        new arrays when None)."""
         master = {n: np.asarray(a) for n, a in self.read(part, "master").items()}
-        out = {n: np.empty(a.shape, self.update.dtype) for n, a in master.items()} if out is None else out
-        for n, buf in out.items():  # every leaf, or a split MoE block's sub-part's
-            fused_adamw.round_into(master[n], buf)
+        if out is None:
+            return self.update.policy.to_compute(master)
+        self.update.policy.into(master, out)
         return out
 
     def compute_into(self, part: str, out: dict, fresh: dict | None) -> None:
