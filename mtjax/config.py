@@ -269,17 +269,38 @@ class ExperimentConfig:
 # --- model resolution -------------------------------------------------------------------
 
 
+# The model fields an experiment may set beside model.hf_config (or a checkpoint naming the
+# architecture): numerics, initialisation and loss weights, and the context, which rope
+# scaling extends. Every other field is the architecture, which the HF config gives: a
+# different value there is refused, not applied on top of it.
+BESIDE_HF_CONFIG = ("compute_dtype", "param_dtype", "initializer_range", "router_aux_loss_coef",
+                    "max_position_embeddings", "rope_scaling")
+
+
 def model_config(exp: ExperimentConfig) -> ModelConfig:
     """The ModelConfig an experiment describes: preset or hf_config, then inline overrides."""
     section = exp.model
     overrides = dict(section.overrides)
     try:
         if section.hf_config is not None:
+            _refuse_architecture_beside(section, load_hf_config(section.hf_config), overrides)
             return load_hf_config(section.hf_config, **overrides)
         base = dict(PRESETS[section.preset]) if section.preset else {}
         return ModelConfig(**{**base, **overrides})
     except TypeError as e:  # a ModelConfig rejecting a field combination
         raise ConfigError(f"model: {e}") from None
+
+
+def _refuse_architecture_beside(section: ModelSection, given: ModelConfig, overrides: dict) -> None:
+    """One line naming the architecture fields the experiment sets to other values than
+    the HF config `given` (read from section.hf_config) has."""
+    changed = [f"{f.name} {getattr(given, f.name)!r} -> {overrides[f.name]!r}" for f in _model_fields()
+               if f.name in overrides and f.name not in BESIDE_HF_CONFIG and overrides[f.name] != getattr(given, f.name)]
+    if changed:
+        source = "model.checkpoint" if section.hf_config == section.checkpoint else "model.hf_config"
+        raise ConfigError(f"the architecture comes from {source} {section.hf_config}, and the experiment also sets "
+                          f"{', '.join(changed)} (its -> yours); drop those model.* settings, or give the whole "
+                          f"architecture inline (model.preset=null, no model.hf_config, every architecture field)")
 
 
 # --- loading and overriding ----------------------------------------------------------------
