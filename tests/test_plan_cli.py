@@ -269,3 +269,20 @@ def test_a_bare_config_plans_at_most_its_context(tmp_path, capsys, tiny):
     (tiny / "config.json").write_text(json.dumps({**short, "max_position_embeddings": 512}))
     rc, doc, _ = plan_json(capsys, tiny, "--hardware", "h200")
     assert rc == 0 and doc["shape"]["seq"] == 512
+
+
+def test_a_json_file_that_sets_a_key_twice_is_refused_naming_it_and_both_lines(tmp_path, capsys, tiny):
+    """json.loads would keep the later value silently: a hand-edited config.json or
+    hardware profile that says one thing twice is refused instead."""
+    text = (tiny / "config.json").read_text()
+    (tiny / "config.json").write_text(text.replace('{', '{\n"num_hidden_layers": 2,\n', 1))
+    assert cli.main(["plan", str(tiny), "--hardware", "h200"]) == 2
+    assert capsys.readouterr().err == (f"mtjax plan: error: {tiny / 'config.json'} sets num_hidden_layers twice "
+                                       "(lines 2 and 3); keep one of them\n")
+    profile = profile_file(tmp_path, "twice")
+    profile.write_text(profile.read_text().replace('  "devices": 1,\n', '  "devices": 1,\n  "devices": 8,\n'))
+    line = 1 + next(i for i, x in enumerate(profile.read_text().splitlines()) if '"devices"' in x)
+    (tiny / "config.json").write_text(text)
+    assert cli.main(["plan", str(tiny), "--hardware", str(profile)]) == 2
+    assert capsys.readouterr().err == (f"mtjax plan: error: {profile} sets devices twice (lines {line} and "
+                                       f"{line + 1}); keep one of them\n")
