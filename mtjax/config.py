@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, EVERY, FRACTION, POSITIVE, STEPS, Range, out_of_range
 from mtjax.data.format import FORMATS, PACKING, TRAIN_ON
 from mtjax.model_config import ConfigError, ModelConfig, RopeScaling, load_hf_config
 from mtjax.optim import OptimConfig
@@ -38,6 +39,13 @@ def check_batch_split(batch_size: int, devices: int) -> None:
     if batch_size % devices:
         raise ConfigError(f"data.batch_size {batch_size} does not split over {devices} devices (stream.devices): "
                           f"use a multiple of {devices}, or set stream.devices to a divisor of {batch_size}")
+
+
+def _check_numbers(group: str, obj, table: dict[str, Range]) -> None:
+    """One line for the first field of `obj` outside its range (mtjax.bounds)."""
+    problem = out_of_range(group, obj, table)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -134,8 +142,8 @@ class StreamConfig:
         _check_choice("stream.engine", self.engine, ("reference", "stream"))
         _check_choice("stream.activations", self.activations, ("device", "host"))
         _check_choice("stream.remat", self.remat, ("auto", "full", "dots", "none"))
-        if self.prefetch_depth < 1 or self.keep_every < 0:
-            raise ConfigError("stream.prefetch_depth must be >= 1 and stream.keep_every >= 0")
+        _check_numbers("stream", self, {"prefetch_depth": AT_LEAST_1, "keep_every": AT_LEAST_0,
+                                        "device_budget_bytes": POSITIVE})
         d = self.devices
         if d != "all" and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise ConfigError(f"stream.devices must be all or a device count >= 1, got {d!r}")
@@ -174,10 +182,8 @@ class DataConfig:
     seed: int = 0  # seed of the shuffle over sequence windows
 
     def __post_init__(self):
-        if min(self.seq_len, self.batch_size, self.grad_accum) < 1 or self.seq_len < 2:
-            raise ConfigError("data.seq_len must be >= 2 and data.batch_size, data.grad_accum >= 1")
-        if not 0 <= self.val_fraction < 1:
-            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        _check_numbers("data", self, {"seq_len": Range(2), "batch_size": AT_LEAST_1, "grad_accum": AT_LEAST_1,
+                                      "val_fraction": FRACTION, "seed": AT_LEAST_0})
         _check_choice("data.format", self.format, FORMATS)
         _check_choice("data.train_on", self.train_on, TRAIN_ON)
         _check_choice("data.packing", self.packing, PACKING)
@@ -207,8 +213,8 @@ class RunConfig:
         _check_choice("run.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         if self.resume not in (True, False, "auto"):
             raise ConfigError(f"run.resume must be true, false or auto, got {self.resume!r}")
-        if self.steps < 0 or self.log_every < 1 or self.eval_every < 0 or self.eval_batches < 1:
-            raise ConfigError("run.steps, run.eval_every must be >= 0 and run.log_every, run.eval_batches >= 1")
+        _check_numbers("run", self, {"steps": STEPS, "log_every": EVERY, "eval_every": STEPS,
+                                     "eval_batches": AT_LEAST_1, "checkpoint_every": STEPS, "sample_tokens": AT_LEAST_0})
         if self.wandb is not None and (not self.wandb.strip() or self.wandb.strip().lower() in _TRUE + _FALSE):
             raise ConfigError(f"run.wandb names the Weights & Biases project to log to (--run.wandb=my-project), "
                               f"got {self.wandb!r}; leave it unset to log nothing there")
@@ -269,17 +275,38 @@ class ExperimentConfig:
 # --- model resolution -------------------------------------------------------------------
 
 
+# The model fields an experiment may set beside model.hf_config (or a checkpoint naming the
+# architecture): numerics, initialisation and loss weights, and the context, which rope
+# scaling extends. Every other field is the architecture, which the HF config gives: a
+# different value there is refused, not applied on top of it.
+BESIDE_HF_CONFIG = ("compute_dtype", "param_dtype", "initializer_range", "router_aux_loss_coef",
+                    "max_position_embeddings", "rope_scaling")
+
+
 def model_config(exp: ExperimentConfig) -> ModelConfig:
     """The ModelConfig an experiment describes: preset or hf_config, then inline overrides."""
     section = exp.model
     overrides = dict(section.overrides)
     try:
         if section.hf_config is not None:
+            _refuse_architecture_beside(section, load_hf_config(section.hf_config), overrides)
             return load_hf_config(section.hf_config, **overrides)
         base = dict(PRESETS[section.preset]) if section.preset else {}
         return ModelConfig(**{**base, **overrides})
     except TypeError as e:  # a ModelConfig rejecting a field combination
         raise ConfigError(f"model: {e}") from None
+
+
+def _refuse_architecture_beside(section: ModelSection, given: ModelConfig, overrides: dict) -> None:
+    """One line naming the architecture fields the experiment sets to other values than
+    the HF config `given` (read from section.hf_config) has."""
+    changed = [f"{f.name} {getattr(given, f.name)!r} -> {overrides[f.name]!r}" for f in _model_fields()
+               if f.name in overrides and f.name not in BESIDE_HF_CONFIG and overrides[f.name] != getattr(given, f.name)]
+    if changed:
+        source = "model.checkpoint" if section.hf_config == section.checkpoint else "model.hf_config"
+        raise ConfigError(f"the architecture comes from {source} {section.hf_config}, and the experiment also sets "
+                          f"{', '.join(changed)} (its -> yours); drop those model.* settings, or give the whole "
+                          f"architecture inline (model.preset=null, no model.hf_config, every architecture field)")
 
 
 # --- loading and overriding ----------------------------------------------------------------
@@ -402,7 +429,7 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"experiment file {path} does not exist; see experiments/ for examples")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = _parse_yaml(path.read_text(), str(path)) or {}
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""
@@ -410,6 +437,45 @@ def _read_yaml(path: Path) -> dict:
     if not isinstance(tree, dict):
         raise ConfigError(f"{path} must hold a mapping of config groups (model, optim, data, ...)")
     return tree
+
+
+def _parse_yaml(text: str, source: str, in_file: bool = True):
+    """yaml.safe_load of `text`, refusing a mapping that names one key twice (PyYAML keeps
+    the last one silently, so a file that says a thing twice would mean its later line).
+    `source` names the text in the error: a file (`in_file`: with line numbers), or the
+    setting whose value it is."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None:
+            _refuse_repeated_keys(node, source, in_file, (), set())
+        return loader.construct_document(node) if node is not None else None
+    finally:
+        loader.dispose()
+
+
+def _refuse_repeated_keys(node, source: str, in_file: bool, where: tuple[str, ...], seen_nodes: set) -> None:
+    if id(node) in seen_nodes:  # an alias of a node already walked
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_repeated_keys(item, source, in_file, where, seen_nodes)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    lines: dict[str, int] = {}
+    for key, value in node.value:
+        # A merge key (<<: *base) brings defaults that the mapping's own keys may override.
+        if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+            name, line = ".".join((*where, key.value)), key.start_mark.line + 1
+            if key.value in lines:
+                first = lines[key.value]
+                at = "" if not in_file else f" (line {line})" if first == line else f" (lines {first} and {line})"
+                raise ConfigError(f"{source} sets {name} twice{at}; keep one of them")
+            lines[key.value] = line
+            _refuse_repeated_keys(value, source, in_file, (*where, key.value), seen_nodes)
+        else:
+            _refuse_repeated_keys(value, source, in_file, where, seen_nodes)
 
 
 def _split_override(item: str) -> tuple[str, Any]:
@@ -481,7 +547,7 @@ def _coerce(value, hint, key: str):
         if isinstance(value, hint):
             return value
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            value = _parse_yaml(value, key, in_file=False)
         if not isinstance(value, dict):
             raise _type_error(key, value, f"a mapping of {hint.__name__} fields")
         sub = _hints(hint)

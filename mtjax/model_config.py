@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mtjax import jsonfile
+from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, POSITIVE, out_of_range
 from mtjax.errors import MtjaxError
 
 LLAMA4 = "llama4_text"
@@ -74,6 +76,13 @@ class RopeScaling:
     def __post_init__(self):
         for name in ("short_factor", "long_factor"):  # hashable, also when read back from JSON lists
             object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
+
+
+# What the numbers not checked elsewhere in `ModelConfig.validate` may be (mtjax.bounds).
+NUMBER_RANGES = {"rope_theta": POSITIVE, "max_position_embeddings": AT_LEAST_1, "rms_norm_eps": POSITIVE,
+                 "initializer_range": AT_LEAST_0, "sliding_window": AT_LEAST_1, "attention_chunk_size": AT_LEAST_1,
+                 "num_experts": AT_LEAST_0, "num_experts_per_tok": AT_LEAST_0, "moe_intermediate_size": AT_LEAST_0,
+                 "shared_expert_intermediate_size": AT_LEAST_0, "router_aux_loss_coef": AT_LEAST_0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +154,8 @@ class ModelConfig:
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if problem := out_of_range("model", self, NUMBER_RANGES):
+            raise ConfigError(problem)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -577,7 +588,7 @@ def load_hf_config(path: str | Path, **overrides) -> ModelConfig:
     if not file.exists():
         raise ConfigError(f"no config.json at {file}: point at a Hugging Face checkpoint directory")
     try:
-        hf = json.loads(file.read_text())
+        hf = jsonfile.loads(file.read_text(), str(file))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{file} is not valid JSON ({e})") from None
     return from_hf_dict(hf, **overrides)

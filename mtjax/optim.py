@@ -17,7 +17,12 @@ import jax.numpy as jnp
 import optax
 
 from mtjax import treepath
+from mtjax.bounds import AT_LEAST_0, FRACTION, POSITIVE, STEPS, Range, out_of_range
 from mtjax.model_config import ConfigError
+
+# What each number may be (mtjax.bounds); clip_norm has its own check (null disables it).
+RANGES = {"lr": POSITIVE, "warmup_steps": STEPS, "decay_steps": STEPS, "min_lr_ratio": Range(0, 1),
+          "b1": FRACTION, "b2": FRACTION, "eps": POSITIVE, "weight_decay": AT_LEAST_0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,13 +45,9 @@ class OptimConfig:
                 raise ConfigError(f"optim.{f.name} must be a finite number, got {value}")
         if self.schedule not in ("constant", "cosine", "linear"):
             raise ConfigError(f"optim.schedule must be constant, cosine or linear, got {self.schedule!r}")
-        if self.lr <= 0 or self.warmup_steps < 0 or self.decay_steps < 0:
-            raise ConfigError("optim.lr must be positive and optim.warmup_steps, optim.decay_steps >= 0")
-        for name in ("b1", "b2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.eps <= 0 or self.weight_decay < 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError("optim.eps must be positive, optim.weight_decay >= 0 and optim.min_lr_ratio in [0, 1]")
+        problem = out_of_range("optim", self, RANGES)
+        if problem:
+            raise ConfigError(problem)
         if self.clip_norm is not None and self.clip_norm <= 0:
             raise ConfigError(f"optim.clip_norm must be positive or null (no clipping), got {self.clip_norm}")
 

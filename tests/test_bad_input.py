@@ -181,6 +181,32 @@ def test_messages_point_the_right_way(work):
     ])
 
 
+def test_settings_that_cannot_be_meant(work):
+    """A config that says one thing twice, numbers no run can mean, architecture fields
+    beside the checkpoint that gives the architecture, a plan past the model's context.
+    A setting given twice on the command line is not one of them: the last one counts
+    (TINY's --run.steps=2 is replaced below)."""
+    (work / "twice.yaml").write_text("optim:\n  lr: 1.0e-3\n  lr: 2.0e-3\n")
+    train = ["train", *TINY, "--run.dir=r2"]
+    try:
+        run_cases(work, [
+            (["train", "twice.yaml", *TINY, "--run.dir=r2"], "twice.yaml sets optim.lr twice (lines 2 and 3); keep one"),
+            (["plan", "twice.yaml", "--hardware", "h200"], "twice.yaml sets optim.lr twice (lines 2 and 3)"),
+            ([*train, "--run.checkpoint_every=-1"], "run.checkpoint_every must be in [0, 2147483647]"),
+            ([*train, "--run.steps=1e12"], "run.steps must be in [0, 2147483647] (the optimizer counts steps in int32), "
+                                           "got 1000000000000"),
+            ([*train, "--model.rope_theta=-1"], "model.rope_theta must be positive, got -1.0"),
+            ([*train, "--optim.weight_decay=-0.1"], "optim.weight_decay must be >= 0, got -0.1"),
+            (["train", "--model.checkpoint=ckpt", "--model.num_hidden_layers=3", "--run.dir=r2", "--data.dataset=ds",
+              "--data.seq_len=32"], "the architecture comes from model.checkpoint ckpt, and the experiment also sets "
+                                    "num_hidden_layers 2 -> 3 (its -> yours)"),
+            (["plan", "run/final", "--hardware", "h200", "--seq-len", "1000000000"],
+             "--seq-len (1000000000) exceeds the model's context (model.max_position_embeddings = 1024): lower"),
+        ])
+    finally:
+        (work / "twice.yaml").unlink()
+
+
 def test_chat_data_mistakes(work):
     """`data prepare --format chat / prompt-completion` refusals, and a run on rows of another length."""
     def chat_file(name, *conversations):

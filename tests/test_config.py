@@ -150,3 +150,115 @@ def test_shipped_experiment_parses_and_shape_checks(path):
     logits = jax.eval_shape(lambda h, e, t: model.head_forward(cfg, h, e, t), params["head"], params["embed"], x)
     assert logits.shape == (1, 16, cfg.vocab_size)
     assert exp.data.seq_len <= cfg.max_position_embeddings
+
+
+def test_a_key_set_twice_in_a_yaml_file_is_refused_naming_it_and_both_lines(tmp_path):
+    file = tmp_path / "exp.yaml"
+    cases = {
+        "optim:\n  lr: 1.0e-3\n  b1: 0.8\n  lr: 2.0e-3\n": "sets optim.lr twice (lines 2 and 4); keep one of them",
+        "optim:\n  lr: 1.0e-3\nrun:\n  steps: 3\noptim:\n  b1: 0.8\n": "sets optim twice (lines 1 and 5); keep one of them",
+        "model:\n  rope_scaling: {rope_type: linear, factor: 2, factor: 4}\n": "sets model.rope_scaling.factor twice (line 2); keep one of them",
+    }
+    for text, message in cases.items():
+        file.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            config.load(file)
+        assert str(e.value) == f"{file} {message}"
+    # A merge key brings defaults that the mapping's own keys override: not a key said twice.
+    file.write_text("optim: {<<: {lr: 1.0e-3, b1: 0.8}, lr: 2.0e-3}\n")
+    assert (config.load(file).optim.lr, config.load(file).optim.b1) == (2e-3, 0.8)
+    with pytest.raises(ConfigError, match="^model.rope_scaling sets factor twice; keep one of them$"):
+        config.load(None, ["--model.rope_scaling={rope_type: linear, factor: 2, factor: 4}"])
+
+
+def test_a_command_line_setting_given_twice_takes_the_last(capsys):
+    """As argparse (and absl flags) do: a stored command line can be extended with one
+    setting that replaces its own, and the later of two values is the one used."""
+    from mtjax import cli
+    from mtjax.commands import train
+
+    args, extra = cli.build_parser().parse_known_args(["train", "--optim.lr=1e-3", "--run.steps=4", "--optim.lr=2e-3"])
+    exp = config.load(None, train.overrides_of(argparse_namespace(args, extra)))
+    assert exp.optim.lr == 2e-3 and exp.run.steps == 4
+    assert config.load(None, ["--optim.lr=1e-3", "--optim.lr=2e-3"]).optim.lr == 2e-3
+
+
+def argparse_namespace(args, extra):
+    args.extra_args = extra
+    return args
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--run.checkpoint_every=-1", "run.checkpoint_every must be in [0, 2147483647] (the optimizer counts steps in "
+                                  "int32), got -1"),
+    ("--run.eval_every=-5", "run.eval_every must be in [0, 2147483647]"),
+    ("--run.log_every=0", "run.log_every must be in [1, 2147483647]"),
+    ("--run.steps=-1", "run.steps must be in [0, 2147483647]"),
+    ("--run.steps=1e12", "run.steps must be in [0, 2147483647] (the optimizer counts steps in int32), "
+                         "got 1000000000000"),
+    ("--run.sample_tokens=-2", "run.sample_tokens must be >= 0, got -2"),
+    ("--optim.warmup_steps=3e9", "optim.warmup_steps must be in [0, 2147483647]"),
+    ("--optim.decay_steps=-1", "optim.decay_steps must be in [0, 2147483647]"),
+    ("--optim.lr=-1e-3", "optim.lr must be positive, got -0.001"),
+    ("--optim.lr=0", "optim.lr must be positive, got 0.0"),
+    ("--optim.weight_decay=-0.1", "optim.weight_decay must be >= 0, got -0.1"),
+    ("--optim.b1=1", "optim.b1 must be in [0, 1), got 1.0"),
+    ("--optim.b2=-0.5", "optim.b2 must be in [0, 1), got -0.5"),
+    ("--optim.eps=0", "optim.eps must be positive, got 0.0"),
+    ("--optim.min_lr_ratio=2", "optim.min_lr_ratio must be in [0, 1], got 2.0"),
+    ("--optim.clip_norm=-1", "optim.clip_norm must be positive or null (no clipping), got -1.0"),
+    ("--optim.lr=nan", "optim.lr must be a finite number, got 'nan'"),
+    ("--data.batch_size=0", "data.batch_size must be >= 1, got 0"),
+    ("--data.seq_len=0", "data.seq_len must be >= 2, got 0"),
+    ("--data.seq_len=-8", "data.seq_len must be >= 2, got -8"),
+    ("--data.grad_accum=0", "data.grad_accum must be >= 1, got 0"),
+    ("--data.val_fraction=1", "data.val_fraction must be in [0, 1), got 1.0"),
+    ("--data.seed=-1", "data.seed must be >= 0, got -1"),
+    ("--stream.keep_every=-1", "stream.keep_every must be >= 0, got -1"),
+    ("--stream.prefetch_depth=0", "stream.prefetch_depth must be >= 1, got 0"),
+    ("--stream.device_budget_bytes=0", "stream.device_budget_bytes must be positive, got 0"),
+    ("--model.rope_theta=-10000", "model.rope_theta must be positive, got -10000.0"),
+    ("--model.rope_theta=0", "model.rope_theta must be positive, got 0.0"),
+    ("--model.max_position_embeddings=0", "model.max_position_embeddings must be >= 1, got 0"),
+    ("--model.rms_norm_eps=0", "model.rms_norm_eps must be positive, got 0.0"),
+    ("--model.sliding_window=-3", "model.sliding_window must be >= 1, got -3"),
+    ("--model.router_aux_loss_coef=-1", "model.router_aux_loss_coef must be >= 0, got -1.0"),
+])
+def test_numbers_that_cannot_be_meant_name_the_field_the_value_and_the_range(override, message):
+    with pytest.raises(ConfigError) as e:
+        config.model_config(config.load(None, [override]))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_ranges_read_as_they_check():
+    from mtjax.bounds import FRACTION, POSITIVE, STEPS, Range
+
+    assert [v in FRACTION for v in (0, 0.5, 1, -0.1, math.nan)] == [True, True, False, False, False]
+    assert [v in POSITIVE for v in (1e-30, 0, -1, math.inf)] == [True, False, False, True]
+    assert [v in STEPS for v in (0, 2**31 - 1, 2**31)] == [True, True, False]
+    assert (str(FRACTION), str(POSITIVE), str(Range(2)), str(Range(0, 1, low_open=True))) == \
+        ("in [0, 1)", "positive", ">= 2", "in (0, 1]")
+
+
+SEVENTY_B = str(EXPERIMENTS[0].parent / "hf_configs" / "llama-3-70b.json")
+
+
+def test_architecture_fields_beside_an_hf_config_are_refused_naming_them(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        config.model_config(config.load(None, [f"--model.hf_config={SEVENTY_B}", "--model.num_hidden_layers=4",
+                                               "--model.hidden_size=4096"]))
+    assert str(e.value) == (
+        f"the architecture comes from model.hf_config {SEVENTY_B}, and the experiment also sets hidden_size 8192 -> "
+        "4096, num_hidden_layers 80 -> 4 (its -> yours); drop those model.* settings, or give the whole "
+        "architecture inline (model.preset=null, no model.hf_config, every architecture field)")
+    file = tmp_path / "exp.yaml"  # a YAML that has both says the same, and a checkpoint names itself
+    file.write_text(f"model:\n  checkpoint: {SEVENTY_B}\n  vocab_size: 1000\n")
+    with pytest.raises(ConfigError, match=r"^the architecture comes from model.checkpoint .*vocab_size 128256 -> 1000 "):
+        config.model_config(config.load(file))
+    # What is not the architecture, and a value the HF config has, may be given beside it.
+    exp = config.load(None, [f"--model.hf_config={SEVENTY_B}", "--model.compute_dtype=bfloat16",
+                             "--model.num_hidden_layers=80", "--model.max_position_embeddings=32768",
+                             "--model.rope_scaling={rope_type: yarn, factor: 4, original_max_position_embeddings: 8192}"])
+    cfg = config.model_config(exp)
+    assert (cfg.compute_dtype, cfg.num_hidden_layers, cfg.max_position_embeddings, cfg.rope_scaling.rope_type) == \
+        ("bfloat16", 80, 32768, "yarn")

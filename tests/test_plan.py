@@ -12,14 +12,14 @@ import psutil
 import pytest
 
 from mtjax import cli, hf, model, parts, treepath
-from mtjax.model_config import ModelConfig, load_hf_config
+from mtjax.model_config import ModelConfig, from_hf_dict, load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.plan import BUILTIN, HardwareError, StepShape, check, estimate, load, recommend
 from mtjax.plan.cost import block_forward_flops
 from mtjax.plan.report import size
 from mtjax.progress import model_flops_per_token
-from mtjax.stream import fused_adamw
+from mtjax.stream import fused_adamw, schedule
 from mtjax.stream.schedule import residual_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -292,3 +292,59 @@ def test_mfu_and_planner_count_attention_by_heads_times_head_dim():
     wider = dataclasses.replace(cfg, head_dim=2 * cfg.head_dim)
     assert block_forward_flops(wider, wider.layer_types[1], 0, 1, seq) == 2 * block_forward_flops(
         cfg, cfg.layer_types[1], 0, 1, seq)
+
+
+def _priced_and_traced(cfg, kind, seq, monkeypatch, policy="none"):
+    """residual_bytes of `seq`-token rows priced from short traces (the long-row path,
+    brought down to short rows) and traced whole."""
+    monkeypatch.setattr(schedule, "LONG_SEQ", 256)
+    monkeypatch.setattr(schedule, "AFFINE_STEP", 128)
+    return (schedule.residual_bytes.__wrapped__(cfg, kind, 2, seq, policy),
+            schedule._traced_residual_bytes(cfg, kind, 2, seq, policy))
+
+
+@pytest.mark.parametrize("policy", ["none", "dots"])
+def test_long_rows_price_residuals_as_a_whole_trace_does(monkeypatch, policy):
+    """The bytes a block keeps grow by the same amount with every token: the line through
+    traces at 128, 256 and 384 tokens gives a 1000-token trace's bytes exactly."""
+    priced, traced = _priced_and_traced(CFG, "full_attention", 1000, monkeypatch, policy)
+    assert priced == traced > 0
+
+
+@pytest.mark.slow  # traces blocks of four families at 1000 tokens, ~20 s
+@pytest.mark.parametrize("name", ["gemma-2-27b", "gemma-3-27b", "llama-4-scout"])
+def test_long_rows_price_residuals_as_a_whole_trace_does_for_every_attention(monkeypatch, name):
+    """Sliding windows, soft-capping, chunked and NoPE layers and MoE blocks (whole and
+    split into expert groups) keep per-token bytes too."""
+    hf_dict = json.loads((ROOT / f"experiments/hf_configs/{name}.json").read_text())
+    base = load_hf_config(ROOT / f"experiments/hf_configs/{name}.json")
+    small = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, sliding_window=64 if base.sliding_window else None,
+                 attention_chunk_size=64 if base.attention_chunk_size else None,
+                 query_pre_attn_scalar=16.0 if base.query_pre_attn_scalar else None)
+    if base.moe_layers:
+        small.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=32)
+    cfg = from_hf_dict(hf_dict, **small)
+    for kind in cfg.block_kinds:
+        priced, traced = _priced_and_traced(cfg, kind, 1000, monkeypatch)
+        assert priced == traced > 0, kind
+    if cfg.moe_layers:
+        kind = next(k for k in cfg.block_kinds if k.endswith(":moe"))
+        assert schedule.split_residual_bytes.__wrapped__(cfg, kind, 2, 1000, 2) == \
+            schedule._traced_split_residual_bytes(cfg, kind, 2, 1000, 2)
+
+
+def test_a_long_row_is_never_traced_whole(monkeypatch):
+    """Planning a 131072-token row (a context a model may have) traces blocks at short
+    rows only, so the plan takes as long as a short row's does."""
+    seqs = []
+    real = schedule._traced_residual_bytes.__wrapped__
+
+    def recording(cfg, kind, batch, seq, policy):
+        seqs.append(seq)
+        return real(cfg, kind, batch, seq, policy)
+
+    monkeypatch.setattr(schedule, "_traced_residual_bytes", recording)
+    cfg = dataclasses.replace(CFG, max_position_embeddings=131072)
+    plan = plan_of(cfg, shape=StepShape(1, 131072))
+    assert plan.device.residuals > 0 and seqs and max(seqs) <= schedule.LONG_SEQ

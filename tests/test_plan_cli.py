@@ -241,3 +241,48 @@ def test_planner_modules_import_nothing_of_mtjax_inside_functions():
                     pytest.fail(f"{path.name}:{node.lineno} imports {node.module} inside {fn.name}")
                 if isinstance(node, ast.Import) and any(a.name.startswith("mtjax") for a in node.names):
                     pytest.fail(f"{path.name}:{node.lineno} imports mtjax inside {fn.name}")
+
+
+@pytest.mark.parametrize("seq", ["8193", "1000000000"])
+def test_a_sequence_past_the_models_context_is_refused_in_one_line(capsys, seq):
+    assert cli.main(["plan", str(SEVENTY_B), "--hardware", "h200", "--seq-len", seq]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == (
+        f"mtjax plan: error: --seq-len ({seq}) exceeds the model's context (model.max_position_embeddings = 8192): "
+        "lower --seq-len, or extend the context in an experiment YAML (model.max_position_embeddings, with "
+        "model.rope_scaling such as {rope_type: yarn, factor: 4})\n")
+
+
+def test_an_experiment_past_its_context_is_refused_and_one_that_extends_it_plans(tmp_path, capsys, tiny):
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(f"model:\n  hf_config: {tiny}\ndata:\n  seq_len: 16384\n")
+    assert cli.main(["plan", str(exp), "--hardware", "h200"]) == 2
+    assert f"data.seq_len of {exp} (16384) exceeds the model's context" in capsys.readouterr().err
+    exp.write_text(f"model:\n  hf_config: {tiny}\n  max_position_embeddings: 16384\n  rope_scaling: "
+                   "{rope_type: yarn, factor: 2, original_max_position_embeddings: 8192}\ndata:\n  seq_len: 16384\n")
+    rc, doc, err = plan_json(capsys, exp, "--hardware", "h200", "--resident", "none")
+    assert rc == 0 and err == "" and doc["shape"]["seq"] == 16384 and doc["device_memory"]["residuals"] > 0
+
+
+def test_a_bare_config_plans_at_most_its_context(tmp_path, capsys, tiny):
+    short = json.loads((tiny / "config.json").read_text())
+    (tiny / "config.json").write_text(json.dumps({**short, "max_position_embeddings": 512}))
+    rc, doc, _ = plan_json(capsys, tiny, "--hardware", "h200")
+    assert rc == 0 and doc["shape"]["seq"] == 512
+
+
+def test_a_json_file_that_sets_a_key_twice_is_refused_naming_it_and_both_lines(tmp_path, capsys, tiny):
+    """json.loads would keep the later value silently: a hand-edited config.json or
+    hardware profile that says one thing twice is refused instead."""
+    text = (tiny / "config.json").read_text()
+    (tiny / "config.json").write_text(text.replace('{', '{\n"num_hidden_layers": 2,\n', 1))
+    assert cli.main(["plan", str(tiny), "--hardware", "h200"]) == 2
+    assert capsys.readouterr().err == (f"mtjax plan: error: {tiny / 'config.json'} sets num_hidden_layers twice "
+                                       "(lines 2 and 3); keep one of them\n")
+    profile = profile_file(tmp_path, "twice")
+    profile.write_text(profile.read_text().replace('  "devices": 1,\n', '  "devices": 1,\n  "devices": 8,\n'))
+    line = 1 + next(i for i, x in enumerate(profile.read_text().splitlines()) if '"devices"' in x)
+    (tiny / "config.json").write_text(text)
+    assert cli.main(["plan", str(tiny), "--hardware", str(profile)]) == 2
+    assert capsys.readouterr().err == (f"mtjax plan: error: {profile} sets devices twice (lines {line} and "
+                                       f"{line + 1}); keep one of them\n")

@@ -97,6 +97,16 @@ def _run_length(args) -> tuple[int, str]:
     return steps, "the default run.steps; --steps sets another"
 
 
+def _check_context(cfg, seq_len: int, name: str) -> None:
+    """Refuse rows longer than the model's context: no run of them can be meant (training
+    refuses them too), and the planner's trace of a block grows with the row."""
+    if seq_len > cfg.max_position_embeddings:
+        raise PlanError(f"{name} ({seq_len}) exceeds the model's context (model.max_position_embeddings = "
+                        f"{cfg.max_position_embeddings}): lower {name}, or extend the context in an experiment YAML "
+                        f"(model.max_position_embeddings, with model.rope_scaling such as "
+                        f"{{rope_type: yarn, factor: 4}})")
+
+
 def run_plan(args) -> int:
     if args.price_per_hour is not None and not (math.isfinite(args.price_per_hour) and args.price_per_hour >= 0):
         raise PlanError(f"--price-per-hour must be a finite number >= 0, got {args.price_per_hour}")
@@ -121,6 +131,8 @@ def run_plan(args) -> int:
         store = dataclasses.replace(given_run.store, **store)
     except ValueError as e:  # ConfigError included
         raise PlanError(str(e)) from None
+    _check_context(given_run.cfg, data.seq_len, "--seq-len" if args.seq_len is not None else
+                   f"data.seq_len of {args.config}")
     steps, steps_from = _run_length(args)
     if args.hardware:
         hw, profile_from = planner.load(args.hardware), None

@@ -29,7 +29,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "train", help="train a model (no arguments: the embedded default run)",
         description="Run a training experiment. Settings come from the typed defaults (the embedded "
-                    "default run), then EXPERIMENT.yaml, then --group.key=value options.",
+                    "default run), then EXPERIMENT.yaml, then --group.key=value options (the last of a key "
+                    "given twice counts).",
         usage="mtjax train [-h] [--print-config] [EXPERIMENT.yaml] [--group.key=VALUE ...]", allow_abbrev=False,
     )
     p.add_argument("experiment", nargs="?", help="YAML experiment file (see experiments/)")

@@ -18,7 +18,7 @@ from mtjax.model_config import ModelConfig, load_hf_config
 from mtjax.optim import make_optimizer
 from mtjax.stream.schedule import StepShape
 
-# A bare model config plans one 2048-token sequence per step.
+# A bare model config plans one 2048-token sequence per step (the model's context, if shorter).
 DEFAULT_DATA = DataConfig(batch_size=1, seq_len=2048, grad_accum=1)
 
 
@@ -48,7 +48,9 @@ def load(path: str | Path, **model_overrides) -> Inputs:
         return dataclasses.replace(got, cfg=dataclasses.replace(got.cfg, **model_overrides)) if model_overrides else got
     if not path.exists():
         raise PlanInputError(f"{path} does not exist: pass an HF config.json, a checkpoint dir or an experiment YAML")
-    return Inputs(load_hf_config(path, **model_overrides), StreamConfig(), StoreConfig(), DEFAULT_DATA, None)
+    cfg = load_hf_config(path, **model_overrides)
+    data = dataclasses.replace(DEFAULT_DATA, seq_len=min(DEFAULT_DATA.seq_len, max(cfg.max_position_embeddings, 2)))
+    return Inputs(cfg, StreamConfig(), StoreConfig(), data, None)
 
 
 def from_experiment(exp) -> Inputs:
