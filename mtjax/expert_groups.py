@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from mtjax import model, moe, treepath
+from mtjax.layers import feedforward
+from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
 
 EXPERTS = "mlp.experts."
@@ -69,7 +71,7 @@ def leaves(schema: dict, name: str, groups: tuple) -> list[str]:
 def kernels(flat: dict, ids: tuple[int, ...]) -> dict:
     """A group's staged leaves {global leaf name: array} as the group program takes them:
     {kernel name: [one array per expert, in `ids` order]}."""
-    return {n: [flat[f"{EXPERTS}{e}.{n}.kernel"] for e in ids] for n in model.EXPERT_KERNELS}
+    return {n: [flat[f"{EXPERTS}{e}.{n}.kernel"] for e in ids] for n in feedforward.EXPERT_KERNELS}
 
 
 def named(grads: dict, ids: tuple[int, ...]) -> dict:
@@ -77,26 +79,26 @@ def named(grads: dict, ids: tuple[int, ...]) -> dict:
     return {f"{EXPERTS}{e}.{n}.kernel": g for n, per in grads.items() for e, g in zip(ids, per)}
 
 
-def _module(cfg: ModelConfig, kind: str, flat: dict, dtype):
+def _module(cfg: ModelConfig, spec: LayerSpec, flat: dict, dtype):
     """The block module with the leaves of `flat` (the others, never read, are empty)."""
-    template = model.abstract_block(cfg, kind)
+    template = model.abstract_block(cfg, spec)
     full = {n: flat[n].astype(dtype) if n in flat else jnp.zeros((0,), dtype) for n in treepath.flatten(template)}
-    return model.block_module(cfg, kind, treepath.unflatten(template, full))
+    return model.block_module(cfg, spec, treepath.unflatten(template, full))
 
 
-def router_forward(cfg: ModelConfig, kind: str, flat: dict, x, segments=None):
+def router_forward(cfg: ModelConfig, spec: LayerSpec, flat: dict, x, segments=None):
     """The router part: ((attention residual a [b, t, d], shared expert s [T, d], MLP input
     h [T, d], weights [T, k] fp32, router stats), chosen experts [T, k])."""
-    m = _module(cfg, kind, flat, x.dtype)
-    cos, sin, positions = model.block_rotary(cfg, kind, x, segments)
+    m = _module(cfg, spec, flat, x.dtype)
+    cos, sin, positions = model.block_rotary(cfg, spec, x, segments)
     a = m.attention_residual(x, m.self_attn(m.input_layernorm(x), cos, sin, positions, segments))
     h = m.post_attention_layernorm(a).reshape(-1, x.shape[-1])
     weights, chosen, probs = m.mlp.route(h)
     return (a, m.mlp.shared(h), h, weights, moe.router_stats(probs, chosen)), chosen
 
 
-def group_forward(cfg: ModelConfig, kind: str, group: dict, h, weights, chosen, ids):
+def group_forward(cfg: ModelConfig, spec: LayerSpec, group: dict, h, weights, chosen, ids):
     """One group's share of the block output [T, d]: its experts' kernels (`kernels`'
     form), global ids `ids` (an int array [n]), over the rows routed to them."""
-    stacked = [jnp.stack(group[n]).astype(h.dtype) for n in model.EXPERT_KERNELS]
-    return _module(cfg, kind, {}, h.dtype).mlp.routed(h, weights, chosen, stacked, ids)
+    stacked = [jnp.stack(group[n]).astype(h.dtype) for n in feedforward.EXPERT_KERNELS]
+    return _module(cfg, spec, {}, h.dtype).mlp.routed(h, weights, chosen, stacked, ids)

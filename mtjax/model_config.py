@@ -10,6 +10,7 @@ Gemma's norms, GeGLU and soft-capping, experts), so the model code has no per-fa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from mtjax import jsonfile
 from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, POSITIVE, out_of_range
 from mtjax.errors import MtjaxError
+from mtjax.layers.spec import DenseMLP, LayerSpec, MoE, Norms, Rope, SoftmaxAttention
 
 LLAMA4 = "llama4_text"
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", LLAMA4)
@@ -26,18 +28,8 @@ GEMMA = ("gemma2", "gemma3_text")
 # Llama4ForConditionalGeneration): the model type of each one's language model.
 MULTIMODAL = {"gemma3": "gemma3_text", "llama4": LLAMA4}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# config.json's layer_types (read into `layer_specs` here, and nowhere else).
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
-NOPE = ":nope"  # a block kind's suffix when its layer has no RoPE (Llama 4's NoPE layers)
-MOE = ":moe"  # a block kind's suffix when its MLP is a mixture of experts (after NOPE)
-
-
-def attention_type(kind: str) -> str:
-    """The layer type of a block kind (FULL, SLIDING or CHUNKED), without its suffixes."""
-    return kind.split(":")[0]
-
-
-def uses_rope(kind: str) -> bool:
-    return NOPE not in kind
 
 
 class ConfigError(MtjaxError, ValueError):
@@ -207,12 +199,23 @@ class ModelConfig:
                 raise ConfigError(f"moe_layers {list(self.moe_layers)} name layers outside 0.."
                                   f"{self.num_hidden_layers - 1}")
 
-    @property
-    def layer_kinds(self) -> tuple[str, ...]:
-        """Each layer's block kind: its attention type, with NOPE appended for a layer
-        without RoPE and MOE for a MoE layer."""
-        moe, nope = set(self.moe_layers), set(self.no_rope_layers)
-        return tuple(t + (NOPE if i in nope else "") + (MOE if i in moe else "") for i, t in enumerate(self.layer_types))
+    @functools.cached_property
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """What each layer is made of (mtjax.layers.spec), from layer_types, no_rope_layers,
+        moe_layers and the fields they qualify."""
+        return tuple(self._layer_spec(i, t) for i, t in enumerate(self.layer_types))
+
+    def _layer_spec(self, i: int, layer_type: str) -> LayerSpec:
+        local = layer_type == SLIDING and self.local_rope_theta is not None  # Gemma 3's sliding layers
+        rope = None if i in self.no_rope_layers else (
+            Rope(self.local_rope_theta, self.local_rope_scaling) if local else Rope(self.rope_theta, self.rope_scaling))
+        mixer = SoftmaxAttention(window=self.sliding_window if layer_type == SLIDING else None,
+                                 chunk=self.attention_chunk_size if layer_type == CHUNKED else None,
+                                 softcap=self.attn_logit_softcapping, qk_l2_norm=self.qk_l2_norm and rope is not None,
+                                 temperature=self.attn_temperature_tuning and rope is None)
+        feed_forward = (MoE(router="sigmoid_topk" if self.sigmoid_router else "softmax_topk",
+                            shared_expert_gated=self.shared_expert_gated) if i in self.moe_layers else DenseMLP())
+        return LayerSpec(mixer, feed_forward, rope, Norms(sandwich=self.sandwich_norms))
 
     @property
     def rope_interleaved(self) -> bool:
@@ -257,9 +260,9 @@ class ModelConfig:
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
-    def block_kinds(self) -> tuple[str, ...]:
-        """Distinct block kinds, in first-use order: one compiled function each."""
-        return tuple(dict.fromkeys(self.layer_kinds))
+    def block_specs(self) -> tuple[LayerSpec, ...]:
+        """Distinct layer specs, in first-use order: one compiled function each."""
+        return tuple(dict.fromkeys(self.layer_specs))
 
     def check_context(self, seq_len: int, name: str) -> None:
         """Refuse rows longer than the model's context; `name` is the setting that gave them."""

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from mtjax import model, precision, treepath
+from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
 
 KINDS = ("compute", "master", "opt")
@@ -28,13 +29,13 @@ KINDS = ("compute", "master", "opt")
 @dataclasses.dataclass(frozen=True)
 class Part:
     name: str  # "embed", "block.3", "head"
-    fn_kind: str  # which compiled function runs it: "embed", "block:<layer type>", "head"
+    fn_kind: str | LayerSpec  # which compiled function runs it: "embed", a block's LayerSpec, "head"
     index: int  # position in the model, 0 = embed
 
 
 def parts(cfg: ModelConfig) -> list[Part]:
     out = [Part("embed", "embed", 0)]
-    out += [Part(f"block.{i}", "block:" + kind, i + 1) for i, kind in enumerate(cfg.layer_kinds)]
+    out += [Part(f"block.{i}", spec, i + 1) for i, spec in enumerate(cfg.layer_specs)]
     out.append(Part("head", "head", cfg.num_hidden_layers + 1))
     return out
 

@@ -23,15 +23,17 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax.model_config import SLIDING, ModelConfig, attention_type
+from mtjax.layers.spec import LayerSpec
+from mtjax.model_config import ModelConfig
 
 
-def for_layer(cfg: ModelConfig, kind: str) -> ModelConfig:
-    """The config whose rope_theta and rope_scaling rotate layers of `kind`: sliding layers
-    take local_rope_theta and local_rope_scaling where the model sets them (Gemma 3)."""
-    if attention_type(kind) == SLIDING and cfg.local_rope_theta is not None:
-        return dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=cfg.local_rope_scaling)
-    return cfg
+def for_layer(cfg: ModelConfig, spec: LayerSpec) -> ModelConfig:
+    """The config whose rope_theta and rope_scaling rotate a layer of `spec`: its own rope's
+    (Gemma 3's sliding layers have a base of their own); `cfg` for a layer without RoPE."""
+    r = spec.rope
+    if r is None or (r.theta, r.scaling) == (cfg.rope_theta, cfg.rope_scaling):
+        return cfg
+    return dataclasses.replace(cfg, rope_theta=r.theta, rope_scaling=r.scaling)
 
 
 def _exponents(cfg: ModelConfig) -> np.ndarray:

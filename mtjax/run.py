@@ -47,7 +47,8 @@ from mtjax.errors import MtjaxError, NonFiniteStep
 from mtjax.model_config import ModelConfig
 from mtjax.optim import lr_at, make_optimizer, schedule_warnings
 from mtjax.plan import residency
-from mtjax.progress import Progress, model_flops_per_token, peak_flops
+from mtjax.plan.cost import mfu_flops_per_token
+from mtjax.progress import Progress, peak_flops
 from mtjax.reference import ReferenceTrainer
 from mtjax.stream import StreamEngine
 
@@ -418,8 +419,7 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
 
     peak, peak_note = peak_flops(jax.local_devices()[0], cfg.compute_dtype)
     print(f"mtjax: {peak_note}; per-step records in {records / 'metrics.jsonl'}", file=out, flush=True)
-    flops = model_flops_per_token(model.num_active_params(cfg), cfg.num_hidden_layers, exp.data.seq_len,
-                                  cfg.num_attention_heads * cfg.head_dim)
+    flops = mfu_flops_per_token(cfg, exp.data.seq_len)
     tracker = wandb_log.start(exp, run_dir) if exp.run.wandb and lead else None  # process 0 logs for all
     with Progress(records, exp.run.steps, tokens_per_step, exp.run.log_every, first_step=first, stream=out,
                   tensorboard=exp.run.tensorboard, flops_per_token=flops, peak_flops=peak, wandb=tracker) as progress:

@@ -64,7 +64,8 @@ def test_chunks_skip_exactly_the_invisible_keys():
 
 
 def test_the_model_uses_the_chunked_path_on_the_cpu():
-    """model.Attention goes through attend(), which picks causal_attention on this backend."""
+    """The softmax attention module (mtjax.layers.softmax) goes through attend(), which
+    picks causal_attention on this backend."""
     import mtjax
     from mtjax import model
 
@@ -72,7 +73,7 @@ def test_the_model_uses_the_chunked_path_on_the_cpu():
                             num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     block = model.init_params(cfg, seed=0)["blocks"][0]
     x = jnp.ones((1, 8, 32))
-    jaxpr = str(jax.make_jaxpr(lambda b, x: model.block_forward(cfg, "full", b, x))(block, x))
+    jaxpr = str(jax.make_jaxpr(lambda b, x: model.block_forward(cfg, cfg.layer_specs[0], b, x))(block, x))
     assert jax.default_backend() == "cpu" and "custom_vjp_call" in jaxpr
 
 

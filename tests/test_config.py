@@ -145,7 +145,7 @@ def test_shipped_experiment_parses_and_shape_checks(path):
     assert params["embed"]["embedding"].shape == (cfg.vocab_size, cfg.hidden_size)
     assert len(params["blocks"]) == cfg.num_hidden_layers
     x = jax.ShapeDtypeStruct((1, 16, cfg.hidden_size), jnp.dtype(cfg.compute_dtype))
-    out = jax.eval_shape(lambda b, h: model.block_forward(cfg, cfg.layer_kinds[0], b, h), params["blocks"][0], x)
+    out = jax.eval_shape(lambda b, h: model.block_forward(cfg, cfg.layer_specs[0], b, h), params["blocks"][0], x)
     assert out.shape == x.shape and out.dtype == x.dtype
     logits = jax.eval_shape(lambda h, e, t: model.head_forward(cfg, h, e, t), params["head"], params["embed"], x)
     assert logits.shape == (1, 16, cfg.vocab_size)

@@ -100,9 +100,9 @@ def test_targets_fold_in_padding_and_document_starts():
 def test_plain_batches_trace_no_document_machinery():
     """Plain batches keep today's program: no same-document mask, no derived positions."""
     x, block = jnp.ones((1, SEQ, CFG.hidden_size)), params()["blocks"][1]
-    plain = str(jax.make_jaxpr(lambda b, x: model.block_forward(CFG, SLIDING, b, x))(block, x))
+    plain = str(jax.make_jaxpr(lambda b, x: model.block_forward(CFG, CFG.layer_specs[1], b, x))(block, x))
     _, segments, _ = packed_row()
-    packed = str(jax.make_jaxpr(lambda b, x, s: model.block_forward(CFG, SLIDING, b, x, s))(block, x, segments[0]))
+    packed = str(jax.make_jaxpr(lambda b, x, s: model.block_forward(CFG, CFG.layer_specs[1], b, x, s))(block, x, segments[0]))
     assert "cummax" not in plain and "cummax" in packed and "custom_vjp_call" in plain
 
 

@@ -91,13 +91,13 @@ def test_the_planner_prices_a_moe_blocks_backward_as_xla_allocates_it():
     residuals plus its dispatch's cotangents and fp32 gradient sums) against the compiled
     program's temporaries (XLA's buffer assignment): within 15%, where the residuals alone
     are off by half."""
-    kind = CFG.layer_kinds[0]
+    spec = CFG.layer_specs[0]
     w = parts.schema(CFG, "block.0", "compute")
     x = jax.ShapeDtypeStruct((2, 16, CFG.hidden_size), np.float32)
     stats = {n: jax.ShapeDtypeStruct((CFG.num_experts,), np.float32) for n in ("probs", "counts")}
-    grad = jax.jit(lambda w, x, dy, ds: blockfns._grad(CFG, kind, w, x, dy, ds))
+    grad = jax.jit(lambda w, x, dy, ds: blockfns._grad(CFG, spec, w, x, dy, ds))
     temp = grad.lower(w, x, x, stats).compile().memory_analysis().temp_size_in_bytes
-    residual = schedule.residual_bytes(CFG, kind, 2, 16)
+    residual = schedule.residual_bytes(CFG, spec, 2, 16)
     priced = residual + schedule.dispatch_bytes(CFG, 2 * 16)
     assert 0.85 < temp / priced < 1.15, (temp, priced)
     assert temp / residual > 1.3, (temp, residual)  # what the dispatch's term adds is real
@@ -269,7 +269,9 @@ def test_streamed_llama4_steps_equal_the_reference(tier, tmp_path):
     """Five AdamW steps of 2 micro-batches, both blocks one recompute group: the weights and
     moments equal the reference's; Llama 4's loss has no load-balancing term."""
     params, reference = _llama4_reference()
-    assert LLAMA4.block_kinds == ("chunked_attention:moe", "full_attention:nope")
+    # Two compiled blocks: a chunked RoPE MoE layer and a full NoPE dense one.
+    assert [(s.mixer.chunk, s.rope is None, s.feed_forward.kind) for s in LLAMA4.block_specs] == [
+        (5, False, "moe"), (None, True, "dense")]
     assert LLAMA4.router_aux_loss_coef == 0 and all(m["aux_loss"] > 0 for m in reference[0])
     store = mtjax.store.create(tmp_path / "store", LLAMA4, make_optimizer(OPT)) if tier == "disk" else None
     tiers = StoreConfig(compute=tier, master=tier, opt=tier)

@@ -101,9 +101,9 @@ def test_block_flops_match_xla_cost_analysis():
     w = parts.schema(cfg, "block.0", "compute")
     template = parts.abstract_part(cfg, "block.0")
     x = jax.ShapeDtypeStruct((b, s, cfg.hidden_size), np.float32)
-    fn = jax.jit(lambda w, x: model.block_forward(cfg, "full_attention", treepath.unflatten(template, w), x))
+    fn = jax.jit(lambda w, x: model.block_forward(cfg, cfg.layer_specs[0], treepath.unflatten(template, w), x))
     xla = fn.lower(w, x).compile().cost_analysis()["flops"]
-    ours = block_forward_flops(cfg, "full_attention", sum(math.prod(v.shape) for v in w.values()), b, s)
+    ours = block_forward_flops(cfg, cfg.layer_specs[0], sum(math.prod(v.shape) for v in w.values()), b, s)
     assert ours == pytest.approx(xla, rel=0.03)
 
 
@@ -128,13 +128,13 @@ def test_residuals_are_what_a_real_vjp_keeps():
     w = treepath.flatten(model.cast(params, CFG.compute_dtype))
     x = jax.numpy.ones((b, s, CFG.hidden_size), CFG.compute_dtype)
     template = parts.abstract_part(CFG, "block.0")
-    _, vjp = jax.vjp(lambda w, x: model.block_forward(CFG, "full_attention", treepath.unflatten(template, w), x), w, x)
+    _, vjp = jax.vjp(lambda w, x: model.block_forward(CFG, CFG.layer_specs[0], treepath.unflatten(template, w), x), w, x)
     def is_weight(leaf):  # the weights are held anyway (possibly as a new array object)
         return any(v.shape == leaf.shape and v.dtype == leaf.dtype and bool((v == leaf).all()) for v in w.values())
 
     kept = sum(leaf.nbytes for leaf in jax.tree.leaves(vjp) if not is_weight(leaf))
     assert kept > 0
-    assert residual_bytes(CFG, "full_attention", b, s) == kept
+    assert residual_bytes(CFG, CFG.layer_specs[0], b, s) == kept
 
 
 @pytest.mark.parametrize("path", BIG, ids=lambda p: p.stem)
@@ -287,11 +287,11 @@ def test_mfu_and_planner_count_attention_by_heads_times_head_dim():
     assert cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size
     seq = 4096
     mfu_attention = model_flops_per_token(0, 1, seq, cfg.num_attention_heads * cfg.head_dim)
-    planner_attention = 3 * block_forward_flops(cfg, cfg.layer_types[1], 0, 1, seq, executed=True) / seq
+    planner_attention = 3 * block_forward_flops(cfg, cfg.layer_specs[1], 0, 1, seq, executed=True) / seq
     assert mfu_attention == planner_attention
     wider = dataclasses.replace(cfg, head_dim=2 * cfg.head_dim)
-    assert block_forward_flops(wider, wider.layer_types[1], 0, 1, seq) == 2 * block_forward_flops(
-        cfg, cfg.layer_types[1], 0, 1, seq)
+    assert block_forward_flops(wider, wider.layer_specs[1], 0, 1, seq) == 2 * block_forward_flops(
+        cfg, cfg.layer_specs[1], 0, 1, seq)
 
 
 def _priced_and_traced(cfg, kind, seq, monkeypatch, policy="none"):
@@ -307,7 +307,7 @@ def _priced_and_traced(cfg, kind, seq, monkeypatch, policy="none"):
 def test_long_rows_price_residuals_as_a_whole_trace_does(monkeypatch, policy):
     """The bytes a block keeps grow by the same amount with every token: the line through
     traces at 128, 256 and 384 tokens gives a 1000-token trace's bytes exactly."""
-    priced, traced = _priced_and_traced(CFG, "full_attention", 1000, monkeypatch, policy)
+    priced, traced = _priced_and_traced(CFG, CFG.layer_specs[0], 1000, monkeypatch, policy)
     assert priced == traced > 0
 
 
@@ -325,11 +325,11 @@ def test_long_rows_price_residuals_as_a_whole_trace_does_for_every_attention(mon
     if base.moe_layers:
         small.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=32)
     cfg = from_hf_dict(hf_dict, **small)
-    for kind in cfg.block_kinds:
+    for kind in cfg.block_specs:
         priced, traced = _priced_and_traced(cfg, kind, 1000, monkeypatch)
         assert priced == traced > 0, kind
     if cfg.moe_layers:
-        kind = next(k for k in cfg.block_kinds if k.endswith(":moe"))
+        kind = next(k for k in cfg.block_specs if k.feed_forward.kind == "moe")
         assert schedule.split_residual_bytes.__wrapped__(cfg, kind, 2, 1000, 2) == \
             schedule._traced_split_residual_bytes(cfg, kind, 2, 1000, 2)
 

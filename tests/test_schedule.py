@@ -224,7 +224,7 @@ def test_transfers_and_device_plan_follow_the_knobs():
     max_part = max(b.compute for b in s.part_bytes.values())
     assert s.device.weights == (3 + 3) * max_part  # depth 3 ahead; head, tied embedding and last block in use
     assert s.device.activations == 2 * 4 * hidden  # two kept inputs per micro-batch, four micro-batches
-    assert s.device.residuals == 2 * schedule.residual_bytes(CFG, "full_attention", BATCH, SEQ)
+    assert s.device.residuals == 2 * schedule.residual_bytes(CFG, CFG.layer_specs[0], BATCH, SEQ)
     # Gradients leave in the compute dtype with one micro-batch, in fp32 with several.
     one = schedule.describe(CFG, stream, store, StepShape(BATCH, SEQ, 1), TX)
     m = sum(b.master for b in s.part_bytes.values())

@@ -44,7 +44,7 @@ def test_dots_policy_saves_the_projections_and_full_saves_nothing():
     """Policies differ in what the backward keeps: count the saved residuals."""
     x = jnp.ones((1, SEQ, CFG.hidden_size))
     block = mtjax.init_params(CFG, seed=0)["blocks"][0]
-    fn = lambda b, x: model.block_forward(CFG, "full", b, x)  # noqa: E731
+    fn = lambda b, x: model.block_forward(CFG, CFG.layer_specs[0], b, x)  # noqa: E731
 
     def n_residuals(policy):
         _, vjp = jax.vjp(model.remat_block(fn, policy), block, x)

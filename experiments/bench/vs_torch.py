@@ -212,8 +212,8 @@ def jax_pieces(cfg: ModelConfig, trainer: ReferenceTrainer, tokens: np.ndarray, 
     params, ids = trainer.params, jnp.asarray(tokens[0])
     block, head_p, embed = params["blocks"][0], params["head"], params["embed"]
     x = model.embed_forward(cfg, embed, ids)
-    fwd = jax.jit(lambda b, x: model.block_forward(cfg, "full", b, x))
-    grad = jax.jit(lambda b, x: jax.vjp(lambda b, x: model.block_forward(cfg, "full", b, x), b, x)[1](x))
+    fwd = jax.jit(lambda b, x: model.block_forward(cfg, cfg.layer_specs[0], b, x))
+    grad = jax.jit(lambda b, x: jax.vjp(lambda b, x: model.block_forward(cfg, cfg.layer_specs[0], b, x), b, x)[1](x))
     head = jax.jit(jax.grad(lambda h, x: cross_entropy(model.head_forward(cfg, h, embed, x), ids), argnums=(0, 1)))
 
     def adamw(p, s, g):

@@ -29,7 +29,9 @@ import math
 
 from mtjax import model, moe, parts
 from mtjax.config import StoreConfig, StreamConfig
-from mtjax.model_config import CHUNKED, MOE, SLIDING, ModelConfig, attention_type
+from mtjax.layers import registry
+from mtjax.layers.spec import LayerSpec
+from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan.hardware import GiB, HardwareProfile
 from mtjax.stream.schedule import HANDED_AHEAD, DevicePlan, Schedule, StateBytes, StepShape, describe
@@ -107,33 +109,25 @@ class Plan:
         return self.shape.tokens / self.times.step
 
 
-def _keys_per_query(cfg: ModelConfig, kind: str, seq: int) -> float:
-    """Average number of keys a query may see (causal, optionally windowed or chunked)."""
-    layer_type = attention_type(kind)
-    if layer_type == CHUNKED:  # whole chunks of c, then the rest r: each a causal triangle
-        c = cfg.attention_chunk_size
-        whole, r = divmod(seq, c)
-        return (whole * c * (c + 1) / 2 + r * (r + 1) / 2) / seq
-    w = cfg.sliding_window if layer_type == SLIDING else None
-    if not w or w >= seq:
-        return (seq + 1) / 2
-    return (w * (w + 1) / 2 + (seq - w) * w) / seq
-
-
-def block_forward_flops(cfg: ModelConfig, kind: str, block_params: int, batch: int, seq: int,
+def block_forward_flops(cfg: ModelConfig, spec: LayerSpec, block_params: int, batch: int, seq: int,
                         executed: bool = True, dispatch: str = "ragged") -> float:
-    """FLOPs of one block's forward. `executed`: what the model's XLA attention runs (every
-    query against every key, masked afterwards) and, for a MoE block, the padding and
-    block overhead its expert `dispatch` (mtjax.moe.dispatch) costs, as rows; otherwise
-    only the keys a query may see and the k experts of each token."""
+    """FLOPs of one block's forward: 2 per parameter and token, plus what its mixer and
+    feed-forward add (their registry entries). `executed`: what the compiled program runs
+    (softmax attention: every query against every key, masked afterwards; a MoE: the
+    padding its expert `dispatch`, mtjax.moe.dispatch, adds); otherwise only the useful
+    work (the keys a query may see, the k experts of each token)."""
     matmuls = 2.0 * block_params * batch * seq
-    if executed and kind.endswith(MOE):
-        routed = batch * seq * cfg.num_experts_per_tok
-        padding = moe.dispatch_rows(routed, cfg.num_experts, dispatch) - routed  # 0 for ragged_dot
-        matmuls += 2.0 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * padding
-    keys = seq if executed else _keys_per_query(cfg, kind, seq)
-    attention = 4.0 * batch * seq * cfg.num_attention_heads * cfg.head_dim * keys  # QK^T and AV
-    return matmuls + attention
+    extra = registry.feed_forward(spec).flops(cfg, spec, batch * seq, executed, dispatch)
+    return matmuls + extra + registry.mixer(spec).flops(cfg, spec, batch, seq, executed)
+
+
+def mfu_flops_per_token(cfg: ModelConfig, seq: int) -> float:
+    """Training FLOPs per token that MFU counts: 6 per active parameter (forward and
+    backward matmuls) plus 3 forwards of each layer's mixer over rows of `seq` as
+    executed (for softmax attention the usual 12 x seq x heads x head_dim per layer,
+    progress.model_flops_per_token)."""
+    mixers = sum(registry.mixer(spec).flops(cfg, spec, 1, seq, True) for spec in cfg.layer_specs)
+    return 6.0 * model.num_active_params(cfg) + 3.0 * mixers / seq
 
 
 def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
@@ -155,9 +149,9 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
 
     def forward(executed):
         # A MoE block computes with its active parameters (k experts); its bytes are all of them.
-        return sum(block_forward_flops(cfg, kind, pb[f"block.{i}"].compute // c_item - model.inactive_params(cfg, kind),
+        return sum(block_forward_flops(cfg, spec, pb[f"block.{i}"].compute // c_item - model.inactive_params(cfg, spec),
                                        shape.batch, shape.seq, executed, dispatch)
-                   for i, kind in enumerate(cfg.layer_kinds))
+                   for i, spec in enumerate(cfg.layer_specs))
 
     head_fwd = 2.0 * cfg.hidden_size * cfg.vocab_size * tokens
     # Blocks: forward, recompute forward, backward (2x) = 4 forwards; head: forward + backward.
@@ -165,9 +159,9 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     # dots all but its attention (the projections are kept; the elementwise rest is not counted).
     saved = 0.0
     for i in (i for g in s.saved for i in g):
-        kind = cfg.layer_kinds[i]
-        params_i = pb[f"block.{i}"].compute // c_item - model.inactive_params(cfg, kind)
-        whole = block_forward_flops(cfg, kind, params_i, shape.batch, shape.seq, dispatch=dispatch)
+        spec = cfg.layer_specs[i]
+        params_i = pb[f"block.{i}"].compute // c_item - model.inactive_params(cfg, spec)
+        whole = block_forward_flops(cfg, spec, params_i, shape.batch, shape.seq, dispatch=dispatch)
         saved += whole if s.remat == "none" else 2.0 * params_i * tokens
     flops = shape.accum * (4 * forward(True) - saved + 3 * head_fwd)
     model_flops = shape.accum * (3 * forward(False) + 3 * head_fwd)
@@ -193,7 +187,7 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     staging = (stream.prefetch_depth + 1) * (max(s.unit(p).compute for p in s.transfers) if s.split
                                              else biggest.compute)
     # The optimizer's disk reads land in reused buffers, per part shape and kind (a
-    # mtjax.hostmem.BufferPool): the embedding, the head and each block kind, two sets of
+    # mtjax.hostmem.BufferPool): the embedding, the head and each layer spec, two sets of
     # a shape several parts have (a part's update and the next part's reads, started ahead).
     shapes = {p.fn_kind: pb[p.name] for p in parts.parts(cfg)}
     sets = collections.Counter(p.fn_kind for p in parts.parts(cfg))

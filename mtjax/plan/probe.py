@@ -131,8 +131,8 @@ def block_flops(cfg, batch: int, seq: int, repeats: int = 5) -> float:
     The median of `repeats` timings, not the best: a training step is disturbed by the
     machine's other work as often as the probe is, and on the shared 2-core machine the
     best of three ran 1.2-1.5x faster than the steps it was meant to price."""
-    kind = cfg.layer_kinds[0]
-    name = f"block.{cfg.layer_kinds.index(kind)}"
+    spec = cfg.layer_specs[0]
+    name = "block.0"
     rng = np.random.default_rng(0)
     schema = parts.schema(cfg, name, "compute")
     w = {k: jnp.asarray(rng.normal(0, 0.02, v.shape).astype(v.dtype)) for k, v in schema.items()}
@@ -140,11 +140,11 @@ def block_flops(cfg, batch: int, seq: int, repeats: int = 5) -> float:
     fns = block_fns(cfg)
 
     def fwd_bwd():
-        jax.block_until_ready(fns.grad[kind](w, x, *fns.forward[kind](w, x)))  # the outputs as cotangents
+        jax.block_until_ready(fns.grad[spec](w, x, *fns.forward[spec](w, x)))  # the outputs as cotangents
 
     fwd_bwd()  # compile outside the timing
-    n = sum(math.prod(v.shape) for v in schema.values()) - model.inactive_params(cfg, kind)
-    flops = block_forward_flops(cfg, kind, n, batch, seq, dispatch=moe.dispatch(jax.default_backend()))
+    n = sum(math.prod(v.shape) for v in schema.values()) - model.inactive_params(cfg, spec)
+    flops = block_forward_flops(cfg, spec, n, batch, seq, dispatch=moe.dispatch(jax.default_backend()))
     return 4 * flops / statistics.median(_timings(fwd_bwd, repeats))
 
 

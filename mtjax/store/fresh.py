@@ -53,5 +53,5 @@ def _part_params(cfg: ModelConfig, seed: int, names: list[str]):
     assert names[0] == "embed" and names[-1] == "head", names
     rngs = nnx.Rngs(seed)
     for name in names:
-        factory = "block:" + cfg.layer_kinds[int(name.split(".")[1])] if name.startswith("block.") else name
+        factory = cfg.layer_specs[int(name.split(".")[1])] if name.startswith("block.") else name
         yield name, nnx.to_pure_dict(nnx.state(model._module_factory(cfg, factory)(rngs)))

@@ -1,6 +1,6 @@
-"""The compiled per-kind functions of the step: compiled once, weights as arguments.
+"""The compiled per-layer-spec functions of the step: compiled once, weights as arguments.
 
-Every block of a kind shares one compiled forward, one recompute (forward that keeps
+Every block of one LayerSpec shares one compiled forward, one recompute (forward that keeps
 the vjp residuals) and one backward; the embedding and the LM head have their own.
 The vjp residuals come back from the recompute as a pytree (`jax.vjp`'s function is
 one), so a recompute group can hold k blocks' residuals and walk them in reverse.
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from mtjax import model, moe, parts, treepath
 from mtjax.loss import cross_entropy
+from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
 
 
@@ -34,13 +35,13 @@ class BlockFns:
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
         self.embed_forward = jax.jit(functools.partial(_embed, cfg))
-        self.forward = {k: jax.jit(functools.partial(_block, cfg, k)) for k in cfg.block_kinds}
-        self.recompute = {k: jax.jit(functools.partial(_recompute, cfg, k)) for k in cfg.block_kinds}
-        self.grad = {k: jax.jit(functools.partial(_grad, cfg, k)) for k in cfg.block_kinds}
+        self.forward = {k: jax.jit(functools.partial(_block, cfg, k)) for k in cfg.block_specs}
+        self.recompute = {k: jax.jit(functools.partial(_recompute, cfg, k)) for k in cfg.block_specs}
+        self.grad = {k: jax.jit(functools.partial(_grad, cfg, k)) for k in cfg.block_specs}
         self.backward = jax.jit(_backward)
         # The forward of a saved group's block: (output, vjp) under a remat policy, the
         # vjp kept for the backward (no recompute beyond what the policy drops).
-        self.save = {policy: {k: jax.jit(functools.partial(_save, cfg, k, policy)) for k in cfg.block_kinds}
+        self.save = {policy: {k: jax.jit(functools.partial(_save, cfg, k, policy)) for k in cfg.block_specs}
                      for policy in ("dots", "none")}
         self.head = jax.jit(functools.partial(_head, cfg))
         self.head_loss = jax.jit(functools.partial(_head_loss, cfg))
@@ -59,12 +60,12 @@ def _add_f32(acc, grads):
     return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
 
 
-def _flat_forward(cfg: ModelConfig, kind: str):
+def _flat_forward(cfg: ModelConfig, spec: LayerSpec):
     """block_forward_stats over the flat {leaf name: array} dicts that the stream moves."""
-    template = model.abstract_block(cfg, kind)
+    template = model.abstract_block(cfg, spec)
 
     def fn(flat, x, segments=None):
-        return model.block_forward_stats(cfg, kind, treepath.unflatten(template, flat), x, segments)
+        return model.block_forward_stats(cfg, spec, treepath.unflatten(template, flat), x, segments)
 
     return fn
 
@@ -74,24 +75,24 @@ def _embed(cfg: ModelConfig, w: dict, tokens):
     return model.embed_forward(cfg, treepath.unflatten(parts.abstract_part(cfg, "embed"), w), tokens)
 
 
-def _block(cfg: ModelConfig, kind: str, w: dict, x, segments=None):
+def _block(cfg: ModelConfig, spec: LayerSpec, w: dict, x, segments=None):
     """hidden [b, t, d] -> (hidden [b, t, d], router stats): the first forward, nothing kept."""
-    with jax.named_scope(f"block_{kind}"):
-        return _flat_forward(cfg, kind)(w, x, segments)
+    with jax.named_scope(f"block_{spec.label}"):
+        return _flat_forward(cfg, spec)(w, x, segments)
 
 
-def _recompute(cfg: ModelConfig, kind: str, w: dict, x, segments=None):
+def _recompute(cfg: ModelConfig, spec: LayerSpec, w: dict, x, segments=None):
     """The second forward: ((hidden, router stats), vjp) where vjp((dy, dstats)) -> (dw, dx)."""
-    fn = _flat_forward(cfg, kind)
-    with jax.named_scope(f"recompute_{kind}"):
+    fn = _flat_forward(cfg, spec)
+    with jax.named_scope(f"recompute_{spec.label}"):
         return jax.vjp(lambda w, x: fn(w, x, segments), w, x)
 
 
-def _save(cfg: ModelConfig, kind: str, policy: str, w: dict, x, segments=None):
+def _save(cfg: ModelConfig, spec: LayerSpec, policy: str, w: dict, x, segments=None):
     """The one forward of a block whose vjp is kept: ((hidden, router stats), vjp) keeping
     what `policy` (model.REMAT_POLICIES) saves; vjp((dy, dstats)) -> (dw, dx)."""
-    fn = model.remat_block(_flat_forward(cfg, kind), policy)
-    with jax.named_scope(f"save_{kind}"):
+    fn = model.remat_block(_flat_forward(cfg, spec), policy)
+    with jax.named_scope(f"save_{spec.label}"):
         return jax.vjp(lambda w, x: fn(w, x, segments), w, x)
 
 
@@ -99,9 +100,9 @@ def _backward(vjp, dy):
     return vjp(dy)
 
 
-def _grad(cfg: ModelConfig, kind: str, w: dict, x, dy, dstats, segments=None):
+def _grad(cfg: ModelConfig, spec: LayerSpec, w: dict, x, dy, dstats, segments=None):
     """Recompute and backward of one block in one program (a recompute group of 1)."""
-    fn = _flat_forward(cfg, kind)
+    fn = _flat_forward(cfg, spec)
     _, vjp = jax.vjp(lambda w, x: fn(w, x, segments), w, x)
     return vjp((dy, dstats))
 

@@ -302,8 +302,8 @@ class StreamEngine:
         self.schedule = s = self.plan(batch, seq, accum, documents)
         self.ledger.enforce(s.device, schedule_mod.check_budget(s.device, self.options.device_budget_bytes))
         self._residual_bytes = s.device.residuals // max(len(g) for g in s.groups)  # one block's
-        self._saved_bytes = {kind: schedule_mod.residual_bytes(self.cfg, kind, s.device_batch, seq, s.remat)
-                             for kind in self.cfg.block_kinds} if s.saved else {}
+        self._saved_bytes = {spec: schedule_mod.residual_bytes(self.cfg, spec, s.device_batch, seq, s.remat)
+                             for spec in self.cfg.block_specs} if s.saved else {}
         if self.ledger.held_by_use["resident"] == 0 and self.resident:
             self.ledger.hold(self.resident.nbytes, "the resident parts' state", "resident")
         if self.placement.pinned:
@@ -482,9 +482,9 @@ class StreamEngine:
         pool.release(slot, xs)  # weights dropped as soon as the part is done
         kept = [{0: self._keep(x)} if 0 in starts else {} for x in xs]
         stats = [[] for _ in xs]
-        for i, kind in enumerate(self.cfg.layer_kinds):
+        for i, spec in enumerate(self.cfg.layer_specs):
             if i in s.split:  # sub-part by sub-part (mtjax.stream.splitblock)
-                xs, st, routing = self.split.forward(i, kind, s.split[i], functools.partial(self._take, feed),
+                xs, st, routing = self.split.forward(i, spec, s.split[i], functools.partial(self._take, feed),
                                                      pool.release, xs, [mb.segments for mb in mbs], keep)
                 for m, one in enumerate(st):
                     stats[m].append(one)
@@ -497,13 +497,13 @@ class StreamEngine:
                 continue
             slot, w = self._take(feed, f"block.{i}")
             if i in saved:  # its one forward, keeping what the backward needs
-                outs = [fns.save[s.remat][kind](w, x, mb.segments) for x, mb in zip(xs, mbs)]
+                outs = [fns.save[s.remat][spec](w, x, mb.segments) for x, mb in zip(xs, mbs)]
                 for k, (_, vjp) in zip(kept, outs):
-                    self.ledger.hold(self._saved_bytes[kind], "residuals kept from the forward", "saved")
+                    self.ledger.hold(self._saved_bytes[spec], "residuals kept from the forward", "saved")
                     k["vjp", i] = vjp
                 outs = [y for y, _ in outs]
             else:
-                outs = [fns.forward[kind](w, x, mb.segments) for x, mb in zip(xs, mbs)]
+                outs = [fns.forward[spec](w, x, mb.segments) for x, mb in zip(xs, mbs)]
             xs = [y for y, _ in outs]
             for per_batch, (_, st) in zip(stats, outs):
                 per_batch += [st] if st else []
@@ -554,7 +554,7 @@ class StreamEngine:
             if group.start in self.schedule.split:  # a split MoE block: a group of its own
                 i = group.start
                 xs = [self._unkeep(k.pop(i)) for k in kept]
-                dxs, dw = self.split.backward(i, self.cfg.layer_kinds[i], self.schedule.split[i],
+                dxs, dw = self.split.backward(i, self.cfg.layer_specs[i], self.schedule.split[i],
                                               functools.partial(self._take, feed), pool.release,
                                               lambda acc, g: self._sum(acc, g, len(mbs)), xs,
                                               [k.pop(("routing", i)) for k in kept], dxs, dstats,
@@ -593,14 +593,14 @@ class StreamEngine:
         gradients w.r.t. the group's inputs. `dstats`: per micro-batch, the cotangent of
         every MoE block's router stats. `segments`: each micro-batch's document ids (or
         None). `resident`: the group's (one) block is still on the device from the forward."""
-        fns, kinds, count = self.fns, self.cfg.layer_kinds, len(xs)
+        fns, specs, count = self.fns, self.cfg.layer_specs, len(xs)
         moe = set(self.cfg.moe_layers)
         if len(group) == 1:  # recompute and backward fused in one program
             i = group.start
             slot, w = resident or self._take(feed, f"block.{i}")
             acc, out = None, []
             for x, dx, ds, seg in zip(xs, dxs, dstats, segments):
-                dw, dx = fns.grad[kinds[i]](w, x, dx, ds if i in moe else {}, seg)
+                dw, dx = fns.grad[specs[i]](w, x, dx, ds if i in moe else {}, seg)
                 acc = self._sum(acc, dw, count)
                 out.append(dx)
             self._finish_block(i, slot, acc, out)
@@ -610,7 +610,7 @@ class StreamEngine:
         for x, dx, ds, seg in zip(xs, dxs, dstats, segments):
             vjps = []
             for i, _, w in held:
-                (x, _), vjp = fns.recompute[kinds[i]](w, x, seg)
+                (x, _), vjp = fns.recompute[specs[i]](w, x, seg)
                 self.ledger.hold(self._residual_bytes, "recompute residuals", "residuals")
                 vjps.append((i, vjp))
             while vjps:
@@ -629,13 +629,13 @@ class StreamEngine:
         """A saved group's backward from the vjps its forward kept (resident blocks: no
         weights to fetch, nothing recomputed beyond what the remat policy dropped); a MoE
         block's vjp takes its router stats' cotangent too, as in `_backward_group`."""
-        kinds, count = self.cfg.layer_kinds, len(dxs)
+        specs, count = self.cfg.layer_specs, len(dxs)
         moe = set(self.cfg.moe_layers)
         accs, out = dict.fromkeys(group), []
         for k, dx, ds in zip(kept, dxs, dstats):
             for i in reversed(group):
                 dw, dx = self.fns.backward(k.pop(("vjp", i)), (dx, ds if i in moe else {}))
-                self.ledger.free(self._saved_bytes[kinds[i]], "saved")
+                self.ledger.free(self._saved_bytes[specs[i]], "saved")
                 accs[i] = self._sum(accs[i], dw, count)
             out.append(dx)
         for i in reversed(group):

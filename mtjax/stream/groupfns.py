@@ -1,4 +1,4 @@
-"""The compiled functions of split MoE blocks (mtjax.expert_groups), one set per MoE kind.
+"""The compiled functions of split MoE blocks (mtjax.expert_groups), one set per MoE layer spec.
 
     router_forward(w, x, segments) -> (a, shared, h, weights, stats, chosen)
     group_add(w, h, weights, chosen, ids, acc) -> acc + the group's share (acc None: zeros)
@@ -21,7 +21,8 @@ import functools
 import jax
 
 from mtjax import expert_groups
-from mtjax.model_config import MOE, ModelConfig
+from mtjax.layers.spec import LayerSpec, MoE
+from mtjax.model_config import ModelConfig
 
 
 @functools.lru_cache(maxsize=8)
@@ -31,30 +32,30 @@ def group_fns(cfg: ModelConfig) -> GroupFns:
 
 class GroupFns:
     def __init__(self, cfg: ModelConfig):
-        kinds = [k for k in cfg.block_kinds if k.endswith(MOE)]
+        specs = [s for s in cfg.block_specs if isinstance(s.feed_forward, MoE)]
 
-        def per_kind(fn):
-            return {k: jax.jit(functools.partial(fn, cfg, k)) for k in kinds}
+        def per_spec(fn):
+            return {s: jax.jit(functools.partial(fn, cfg, s)) for s in specs}
 
-        self.router_forward = per_kind(_router_forward)
-        self.router_grad = per_kind(_router_grad)
-        self.group_add = per_kind(_group_add)
-        self.group_grad = per_kind(_group_grad)
+        self.router_forward = per_spec(_router_forward)
+        self.router_grad = per_spec(_router_grad)
+        self.group_add = per_spec(_group_add)
+        self.group_grad = per_spec(_group_grad)
         self.combine = jax.jit(_combine)
 
 
-def _router_forward(cfg: ModelConfig, kind: str, w: dict, x, segments=None):
-    (a, shared, h, weights, stats), chosen = expert_groups.router_forward(cfg, kind, w, x, segments)
+def _router_forward(cfg: ModelConfig, spec: LayerSpec, w: dict, x, segments=None):
+    (a, shared, h, weights, stats), chosen = expert_groups.router_forward(cfg, spec, w, x, segments)
     return a, shared, h, weights, stats, chosen
 
 
-def _router_grad(cfg: ModelConfig, kind: str, w: dict, x, dy, dh, dweights, dstats, segments=None):
-    _, vjp, _ = jax.vjp(lambda w, x: expert_groups.router_forward(cfg, kind, w, x, segments), w, x, has_aux=True)
+def _router_grad(cfg: ModelConfig, spec: LayerSpec, w: dict, x, dy, dh, dweights, dstats, segments=None):
+    _, vjp, _ = jax.vjp(lambda w, x: expert_groups.router_forward(cfg, spec, w, x, segments), w, x, has_aux=True)
     return vjp((dy, dy.reshape(dh.shape), dh, dweights, dstats))
 
 
-def _group_add(cfg: ModelConfig, kind: str, w: dict, h, weights, chosen, ids, acc):
-    y = expert_groups.group_forward(cfg, kind, w, h, weights, chosen, ids)
+def _group_add(cfg: ModelConfig, spec: LayerSpec, w: dict, h, weights, chosen, ids, acc):
+    y = expert_groups.group_forward(cfg, spec, w, h, weights, chosen, ids)
     return y if acc is None else acc + y
 
 
@@ -62,6 +63,6 @@ def _combine(a, acc, shared):
     return a + (acc + shared).reshape(a.shape)
 
 
-def _group_grad(cfg: ModelConfig, kind: str, w: dict, h, weights, chosen, ids, dy):
-    _, vjp = jax.vjp(lambda w, h, p: expert_groups.group_forward(cfg, kind, w, h, p, chosen, ids), w, h, weights)
+def _group_grad(cfg: ModelConfig, spec: LayerSpec, w: dict, h, weights, chosen, ids, dy):
+    _, vjp = jax.vjp(lambda w, h, p: expert_groups.group_forward(cfg, spec, w, h, p, chosen, ids), w, h, weights)
     return vjp(dy.reshape(h.shape))

@@ -12,8 +12,9 @@ the device, so a new token costs one streamed pass over one position.
 
 Device memory: the weights of at most two blocks (the one computing and the one staged
 ahead), or the embedding and head (both, for a tied head, which reads the embedding),
-plus every block's KV cache, 2 x [1, prompt + new tokens (rounded up to a power of
-two), kv heads, head_dim] in the compute dtype. The whole model is never on the device at once. Tokens stay on the
+plus every block's decode state (its mixer's; for softmax attention a KV cache, 2 x [1,
+prompt + new tokens (rounded up to a power of two), kv heads, head_dim] in the compute
+dtype). The whole model is never on the device at once. Tokens stay on the
 device between passes: the only host sync is reading the ids at the end.
 """
 
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtjax import generate, model, parts, treepath
+from mtjax.layers import registry
 from mtjax.model_config import ModelConfig
 from mtjax.stream.blockfns import block_fns
 from mtjax.stream.budget import DeviceLedger, tree_bytes
@@ -35,10 +37,10 @@ from mtjax.stream.staging import Placement, StagingPool
 
 @functools.lru_cache(maxsize=4)
 def _fns(cfg: ModelConfig):
-    """(embed, {kind: cached block}, head) compiled once per config; weights are arguments."""
+    """(embed, {layer spec: cached block}, head) compiled once per config; weights are arguments."""
 
-    def block(kind, w, x, cache, start):
-        return model.block_forward_cached(cfg, kind, treepath.unflatten(model.abstract_block(cfg, kind), w),
+    def block(spec, w, x, cache, start):
+        return model.block_forward_cached(cfg, spec, treepath.unflatten(model.abstract_block(cfg, spec), w),
                                           x, cache, start)
 
     def head(w, embed, x, key, greedy, top_k, temperature):
@@ -49,7 +51,7 @@ def _fns(cfg: ModelConfig):
         return token.astype(jnp.int32).reshape(1, 1), key
 
     # The caches are donated: each block's keys and values are updated in place.
-    blocks = {k: jax.jit(functools.partial(block, k), donate_argnums=(2,)) for k in cfg.block_kinds}
+    blocks = {k: jax.jit(functools.partial(block, k), donate_argnums=(2,)) for k in cfg.block_specs}
     return block_fns(cfg).embed_forward, blocks, jax.jit(head, static_argnums=(4, 5))
 
 
@@ -82,10 +84,10 @@ class StreamSampler:
         # Cache lengths rounded up to a power of two: fewer shapes, fewer compiles; the
         # slots past the last position are masked out.
         length = max(16, 1 << (len(prompt) + max_new_tokens - 1).bit_length())
-        shape = (1, length, cfg.num_key_value_heads, cfg.head_dim)
-        caches = [{"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
-                  for _ in cfg.layer_types]
-        self.ledger.hold(tree_bytes(caches), "KV caches")
+        # Each layer's decode state, as its mixer's registry entry shapes it (KV caches).
+        shapes = [registry.mixer(spec).decode_state(cfg, spec, 1, length) for spec in cfg.layer_specs]
+        caches = [{n: jnp.zeros(s.shape, s.dtype) for n, s in state.items()} for state in shapes]
+        self.ledger.hold(tree_bytes(caches), "decode state (KV caches)")
         sampling = (temperature <= 0, top_k, jnp.float32(max(temperature, 1e-6)))
         key = jax.random.key(seed)
         tokens, new = self.pool.placement.tokens(np.asarray([prompt], np.int32)), []
@@ -111,9 +113,9 @@ class StreamSampler:
         if not tied:
             self.pool.release(embed_slot, x)
         start = jnp.int32(start)
-        for i, kind in enumerate(self.cfg.layer_kinds):
+        for i, spec in enumerate(self.cfg.layer_specs):
             name, slot = prefetch.get()  # waits only if the read of this part is still running
-            x, caches[i] = block_fn[kind](self.pool.put(slot, name), x, caches[i], start)
+            x, caches[i] = block_fn[spec](self.pool.put(slot, name), x, caches[i], start)
             self.pool.release(slot, x)  # x's program read the slot: its buffer is free once x is ready
         _, head_slot = prefetch.get()
         token, key = head_fn(self.pool.put(head_slot, "head"), embed if tied else None, x, key, *sampling)

@@ -50,6 +50,7 @@ import numpy as np
 from mtjax import expert_groups, model, moe, parts, treepath
 from mtjax.config import StoreConfig, StreamConfig, check_batch_split
 from mtjax.errors import MtjaxError
+from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
 from mtjax.stream import fused_adamw
 from mtjax.stream.budget import DeviceBudgetError
@@ -362,7 +363,7 @@ def part_bytes(cfg: ModelConfig, tx) -> dict[str, StateBytes]:
     by_kind: dict[str, StateBytes] = {}
     out = {}
     for p in parts.parts(cfg):
-        # Parts of one fn_kind have one parameter layout: derive its schema once.
+        # Parts of one fn_kind (layer spec) have one parameter layout: derive its schema once.
         if p.fn_kind not in by_kind:
             by_kind[p.fn_kind] = StateBytes(*(parts.nbytes(parts.schema(cfg, p.name, k, tx)) for k in parts.KINDS))
         out[p.name] = by_kind[p.fn_kind]
@@ -390,24 +391,24 @@ def _by_seq(traced, seq: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int, policy: str = "none") -> int:
+def residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, policy: str = "none") -> int:
     """Bytes a block's vjp keeps beyond its own weights, traced from the real block
     (`jax.eval_shape` of `jax.vjp`: nothing runs, nothing is allocated). Includes
     whatever the attention implementation saves, e.g. [batch, heads, seq, seq] scores.
     `policy`: the block under that model.REMAT_POLICIES entry ("none": the plain block,
     as a recompute keeps it; "dots": its projections and inputs). Long rows: `_by_seq`."""
-    return _by_seq(lambda s: _traced_residual_bytes(cfg, kind, batch, s, policy), seq)
+    return _by_seq(lambda s: _traced_residual_bytes(cfg, spec, batch, s, policy), seq)
 
 
 @functools.lru_cache(maxsize=64)
-def _traced_residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int, policy: str) -> int:
-    name = f"block.{cfg.layer_kinds.index(kind)}"
+def _traced_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, policy: str) -> int:
+    name = f"block.{cfg.layer_specs.index(spec)}"
     weights = parts.schema(cfg, name, "compute")
     template = parts.abstract_part(cfg, name)
     x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype))
 
     def forward(w, x):
-        return model.block_forward(cfg, kind, treepath.unflatten(template, w), x)
+        return model.block_forward(cfg, spec, treepath.unflatten(template, w), x)
 
     block = model.remat_block(forward, policy)
     saved = jax.tree.leaves(jax.eval_shape(lambda w, x: jax.vjp(block, w, x)[1], weights, x))
@@ -478,16 +479,16 @@ def expert_bytes(cfg: ModelConfig) -> StateBytes:
 
 
 @functools.lru_cache(maxsize=64)
-def split_residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int, size: int) -> int:
+def split_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, size: int) -> int:
     """Bytes the larger of a split block's sub-part programs keeps for its vjp beyond its
     weights: the router part's (attention included) or a group of `size` experts',
     traced as `residual_bytes` traces a whole block (long rows too)."""
-    return _by_seq(lambda s: _traced_split_residual_bytes(cfg, kind, batch, s, size), seq)
+    return _by_seq(lambda s: _traced_split_residual_bytes(cfg, spec, batch, s, size), seq)
 
 
 @functools.lru_cache(maxsize=64)
-def _traced_split_residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: int, size: int) -> int:
-    name = f"block.{cfg.layer_kinds.index(kind)}"
+def _traced_split_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, size: int) -> int:
+    name = f"block.{cfg.layer_specs.index(spec)}"
     schema = parts.schema(cfg, name, "compute")
     router = {n: schema[n] for n in expert_groups.leaves(schema, f"{name}/router", ())}
     x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype))
@@ -498,10 +499,10 @@ def _traced_split_residual_bytes(cfg: ModelConfig, kind: str, batch: int, seq: i
     group = expert_groups.kernels(schema, tuple(range(size)))
 
     def router_vjp(w, x):
-        return jax.vjp(lambda w, x: expert_groups.router_forward(cfg, kind, w, x)[0], w, x)[1]
+        return jax.vjp(lambda w, x: expert_groups.router_forward(cfg, spec, w, x)[0], w, x)[1]
 
     def group_vjp(w, h, weights, chosen, ids):
-        return jax.vjp(lambda w, h, p: expert_groups.group_forward(cfg, kind, w, h, p, chosen, ids), w, h,
+        return jax.vjp(lambda w, h, p: expert_groups.group_forward(cfg, spec, w, h, p, chosen, ids), w, h,
                        weights)[1]
 
     def traced(fn, weights_in, *args):
@@ -666,13 +667,13 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
     units = {**{p: b for p, b in pb.items() if p not in resident and expert_groups.block_index(p) not in split},
              **sub}
     max_part = max((b.compute for b in units.values()), default=0)
-    whole = {kind for i, kind in enumerate(cfg.layer_kinds) if i not in split}
-    residual = max((residual_bytes(cfg, kind, shape.batch, shape.seq) for kind in whole), default=0)
+    whole = {spec for i, spec in enumerate(cfg.layer_specs) if i not in split}
+    residual = max((residual_bytes(cfg, spec, shape.batch, shape.seq) for spec in whole), default=0)
     tokens = shape.batch * shape.seq
     size = None
     if split:  # a split block's backward holds one sub-part's residuals at a time
         size = max(len(g) for grps_ in split.values() for g in grps_)
-        residual = max(residual, *(split_residual_bytes(cfg, cfg.layer_kinds[i], shape.batch, shape.seq, size)
+        residual = max(residual, *(split_residual_bytes(cfg, cfg.layer_specs[i], shape.batch, shape.seq, size)
                                    for i in split))
     # A MoE block's backward: its dispatch's cotangents and gradient sums, a whole block's
     # when one stays whole, else an expert group's.
@@ -692,7 +693,7 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
         head=3 * shape.batch * shape.seq * cfg.vocab_size * 4,
         working=(3 + shape.accum) * hidden + 2 * max(grad.values()) + sums + transient,
         resident=sum(pb[p].compute + 2 * pb[p].master + pb[p].opt for p in resident),
-        saved=shape.accum * sum(residual_bytes(cfg, cfg.layer_kinds[i], shape.batch, shape.seq, remat)
+        saved=shape.accum * sum(residual_bytes(cfg, cfg.layer_specs[i], shape.batch, shape.seq, remat)
                                 for g in saved for i in g),
         # Kept from a split block's router part to its backward: the MLP input (compute
         # dtype), the kept weights (fp32) and chosen experts (int32); and one zero expert

@@ -24,6 +24,7 @@ import numpy as np
 
 from mtjax import expert_groups
 from mtjax.errors import MtjaxError
+from mtjax.layers.spec import LayerSpec
 
 
 class RoutingCancelled(MtjaxError):
@@ -105,18 +106,18 @@ class SplitBlocks:
             self._ids[ids] = jax.device_put(np.asarray(ids, np.int32), self.mesh.replicated)
         return self._ids[ids]
 
-    def forward(self, i: int, kind: str, groups: tuple, take, release, xs: list, segments: list, keep: bool):
+    def forward(self, i: int, spec: LayerSpec, groups: tuple, take, release, xs: list, segments: list, keep: bool):
         """(outputs, router stats, kept MLP inputs and routing or None) of every micro-batch."""
         g = self.fns
         slot, w = take(f"block.{i}/router")
-        outs = [g.router_forward[kind](w, x, seg) for x, seg in zip(xs, segments)]
+        outs = [g.router_forward[spec](w, x, seg) for x, seg in zip(xs, segments)]
         release(slot, [o[0] for o in outs])
         reached = np.any([np.asarray(o[4]["counts"]) > 0 for o in outs], axis=0)  # host sync: which experts cross
         self.routing.set(i, reached)
         ys = [None] * len(outs)
         for j, ids in enumerate(groups):
             slot, w = take(f"block.{i}/experts.{j}")
-            ys = [g.group_add[kind](w, h, wt, c, self.ids(ids), y) for (_, _, h, wt, _, c), y in zip(outs, ys)]
+            ys = [g.group_add[spec](w, h, wt, c, self.ids(ids), y) for (_, _, h, wt, _, c), y in zip(outs, ys)]
             release(slot, ys)
         ys = [g.combine(a, y, s) for (a, s, *_), y in zip(outs, ys)]
         kept = None
@@ -126,8 +127,8 @@ class SplitBlocks:
                 self.ledger.hold(self._bytes(k), "a split block's kept routing", "routing")
         return ys, [o[4] for o in outs], kept
 
-    def backward(self, i: int, kind: str, groups: tuple, take, release, accumulate, xs: list, kept: list, dys: list,
-                 dstats: list, segments: list):
+    def backward(self, i: int, spec: LayerSpec, groups: tuple, take, release, accumulate, xs: list, kept: list,
+                 dys: list, dstats: list, segments: list):
         """(gradients w.r.t. the block input of every micro-batch, the block's summed
         gradient {leaf: array}); `accumulate(acc, grads)` sums over micro-batches."""
         g = self.fns
@@ -136,7 +137,7 @@ class SplitBlocks:
             slot, w = take(f"block.{i}/experts.{j}")
             acc = None
             for m, ((h, wt, c), dy) in enumerate(zip(kept, dys)):
-                dw, dh, dwt = g.group_grad[kind](w, h, wt, c, self.ids(groups[j]), dy)
+                dw, dh, dwt = g.group_grad[spec](w, h, wt, c, self.ids(groups[j]), dy)
                 acc = accumulate(acc, dw)
                 dhs[m] = dh.astype(jnp.float32) if dhs[m] is None else dhs[m] + dh
                 dws[m] = dwt if dws[m] is None else dws[m] + dwt
@@ -145,7 +146,7 @@ class SplitBlocks:
         slot, w = take(f"block.{i}/router")
         acc, dxs = None, []
         for x, dy, k, dh, dwt, ds, seg in zip(xs, dys, kept, dhs, dws, dstats, segments):
-            dw, dx = g.router_grad[kind](w, x, dy, dh.astype(k[0].dtype), dwt, ds, seg)
+            dw, dx = g.router_grad[spec](w, x, dy, dh.astype(k[0].dtype), dwt, ds, seg)
             acc = accumulate(acc, dw)
             dxs.append(dx)
             self.ledger.free(self._bytes(k), "routing")

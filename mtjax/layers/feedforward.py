@@ -1,0 +1,134 @@
+"""The built-in feed-forward kinds (a dense gated MLP, a mixture of experts) and router kinds.
+
+Their registry entries: the dense MLP ("dense") and the mixture of experts ("moe",
+routing and expert dispatch in mtjax.moe) with its routers: "softmax_topk" (top-k of the
+softmax, renormalised with norm_topk_prob) and "sigmoid_topk" (Llama 4: top-k of the
+logits, each kept one's sigmoid scaling its expert's input). Each expert is a module of
+its own, so the store holds every expert's weights as separate arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtjax import moe
+from mtjax.layers import registry
+from mtjax.layers.basic import Dense
+from mtjax.layers.spec import DenseMLP, LayerSpec, MoE
+from mtjax.model_config import ModelConfig
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+class MLP(nnx.Module):
+    """Gated: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with the tanh GELU (Gemma);
+    `width` wide (default: the dense intermediate_size); gate and up one [d, 2f] kernel when fused."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
+        d, f = cfg.hidden_size, width or cfg.intermediate_size
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        if cfg.fused_projections:
+            self.gate_up_proj = Dense(d, 2 * f, cfg.mlp_bias, cfg, rngs)
+        else:
+            self.gate_proj = Dense(d, f, cfg.mlp_bias, cfg, rngs)
+            self.up_proj = Dense(d, f, cfg.mlp_bias, cfg, rngs)
+        self.down_proj = Dense(f, d, cfg.mlp_bias, cfg, rngs)
+        self.fused = cfg.fused_projections
+
+    def __call__(self, x):
+        if self.fused:
+            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)
+
+
+EXPERT_KERNELS = ("gate_proj", "up_proj", "down_proj")  # each expert's, in moe.experts_forward's order
+
+
+class SparseMoE(nnx.Module):
+    """Router (`gate`), the experts (each a SwiGLU MLP of its own) and a shared expert
+    where the config has one: scaled by a sigmoid gate (Qwen2-MoE) or not (Llama 4). The
+    spec's router kind routes and weighs. Returns (output, router statistics)."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, rngs: nnx.Rngs):
+        spec = spec.feed_forward
+        self.cfg, self.router = cfg, registry.router(spec.router)
+        self.gate = Dense(cfg.hidden_size, cfg.num_experts, False, cfg, rngs)
+        self.experts = nnx.List([MLP(cfg, rngs, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)])
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_expert = MLP(cfg, rngs, shared) if shared else None
+        gated = shared and spec.shared_expert_gated
+        self.shared_expert_gate = Dense(cfg.hidden_size, 1, False, cfg, rngs) if gated else None
+
+    def route(self, flat):
+        """Token rows [T, d] -> (kept weights [T, k], chosen experts [T, k], probabilities [T, E])."""
+        return self.router.route(self.cfg, self.gate(flat))
+
+    def routed(self, flat, weights, chosen, kernels=None, ids=None):
+        """The experts' weighted sum over the rows routed to them: this module's experts, or
+        a group's `kernels` (gate, up, down stacked [n, in, out]) of global expert ids `ids`
+        (moe.experts_forward)."""
+        if kernels is None:  # stacked inside the program: the store keeps one array per expert
+            kernels = [jnp.stack([getattr(e, n).kernel[...] for e in self.experts]) for n in EXPERT_KERNELS]
+        return self.router.experts(flat, weights, chosen, *kernels, ids, total=self.cfg.num_experts)
+
+    def shared(self, flat):
+        """The shared expert's output, scaled by its sigmoid gate where it has one; 0 without one."""
+        if self.shared_expert is None:
+            return jnp.zeros_like(flat)
+        if self.shared_expert_gate is None:
+            return self.shared_expert(flat)
+        return jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+
+    def __call__(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen, probs = self.route(flat)
+        y = self.routed(flat, weights, chosen)
+        if self.shared_expert is not None:
+            y = y + self.shared(flat)
+        return y.reshape(x.shape), moe.router_stats(probs, chosen)
+
+
+class DenseFeedForward(MLP):
+    """A layer's dense MLP: the MLP's output and no router statistics."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs)
+
+    def __call__(self, x):
+        return super().__call__(x), {}
+
+
+def _no_flops(cfg: ModelConfig, spec: LayerSpec, tokens: int, executed: bool, dispatch: str) -> float:
+    return 0.0
+
+
+def _moe_flops(cfg: ModelConfig, spec: LayerSpec, tokens: int, executed: bool, dispatch: str) -> float:
+    """When `executed`: the padding rows and blocks its expert `dispatch` adds (0 for ragged_dot)."""
+    if not executed:
+        return 0.0
+    routed = tokens * cfg.num_experts_per_tok
+    padding = moe.dispatch_rows(routed, cfg.num_experts, dispatch) - routed
+    return 2.0 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * padding
+
+
+def _moe_inactive(cfg: ModelConfig, spec: LayerSpec) -> int:
+    """The experts beyond each token's k: gate, up and down kernels, no biases."""
+    return (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+
+
+registry.register_feed_forward(DenseMLP.kind, registry.FeedForwardKind(
+    module=DenseFeedForward, flops=_no_flops, inactive_params=lambda cfg, spec: 0))
+registry.register_feed_forward(MoE.kind, registry.FeedForwardKind(
+    module=SparseMoE, flops=_moe_flops, inactive_params=_moe_inactive))
+registry.register_router("softmax_topk", registry.RouterKind(
+    route=lambda cfg, logits: moe.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob),
+    experts=moe.experts_forward))
+registry.register_router("sigmoid_topk", registry.RouterKind(
+    route=lambda cfg, logits: moe.route_sigmoid(logits, cfg.num_experts_per_tok), experts=moe.input_scaled_experts))
