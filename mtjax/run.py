@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 import mtjax.store
-from mtjax.store import shards
+from mtjax.store import layout, shards
 from mtjax import checkpoint
 from mtjax import config as config_lib
 from mtjax import data, distributed, documents, generate, hf, model, preflight
@@ -162,7 +162,7 @@ def load_weights(path: str | Path):
     """(model config, fp32 params) of an HF checkpoint dir or of a layer store (its last
     committed master weights, read without taking the writer lock)."""
     path = Path(path)
-    if not (path / "manifest.json").exists():
+    if not layout.is_store(path):
         return hf.load_params(path)
     with mtjax.store.open(path) as store:
         store.check_complete("read its weights")

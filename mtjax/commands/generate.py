@@ -14,7 +14,7 @@ from mtjax import data, generate
 from mtjax.data import chat
 from mtjax.errors import MtjaxError
 from mtjax.run import checkpoint_tokenizer, load_weights
-from mtjax.store import tokenizer
+from mtjax.store import layout, tokenizer
 from mtjax.stream.sample import StreamSampler
 
 
@@ -36,7 +36,8 @@ def register(subparsers) -> None:
 
 
 def is_store(path) -> bool:
-    return (Path(path) / "manifest.json").exists()
+    """Whether `path` is a layer store (opening it refuses one missing an identity file)."""
+    return layout.is_store(path)
 
 
 def check_source(path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtjax import parts, treepath
+from mtjax import parts, treepath, writable
 from mtjax.store.durable import fsync_path
 from mtjax.store import store as store_mod
 from mtjax.store.errors import StoreError
@@ -42,6 +42,13 @@ def check_destination(dest: Path) -> None:
         raise StoreError(f"{dest} already exists and is not empty; choose a new store directory")
 
 
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError `e` is, or was raised from (a store's write and commit errors keep it)."""
+    while e is not None and not isinstance(e, OSError):
+        e = e.__cause__ or e.__context__
+    return e
+
+
 def _dead(pid: str) -> bool:
     """Whether `pid` names a process that no longer exists."""
     if not pid.isdigit():
@@ -58,7 +65,7 @@ def _dead(pid: str) -> bool:
 @contextlib.contextmanager
 def staged(dest: str | Path, cfg, tx, copies: int = 2):
     """Yield a writable store in a temporary sibling of `dest`; rename it to `dest` on success."""
-    dest = Path(dest).absolute()
+    given, dest = Path(dest), Path(dest).absolute()
     check_destination(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     for old in dest.parent.glob(f".{dest.name}.partial-*"):  # left by an import that crashed
@@ -75,8 +82,14 @@ def staged(dest: str | Path, cfg, tx, copies: int = 2):
             dest.rmdir()  # empty (checked above)
         os.replace(tmp, dest)
         fsync_path(dest.parent)  # the store's name is durable, not just its contents
-    except OSError as e:
-        raise StoreError(f"cannot write the store at {dest} ({e.strerror or e}); nothing was created there") from None
+    except (OSError, StoreError) as e:
+        cause = _os_error(e)
+        if isinstance(e, StoreError) and (cause is None or str(tmp) not in str(e)):
+            raise  # not about writing the new store (e.g. an unreadable checkpoint)
+        # The staging directory is ours, not the user's: the error names the destination.
+        raise StoreError(f"cannot write the store at {given}: "
+                         f"{writable.describe(OSError(cause.errno, cause.strerror or str(cause)))}; "
+                         "nothing was created there") from None
     finally:
         if store is not None:
             store.close()
