@@ -236,7 +236,7 @@ def test_a_full_disk_outside_the_store_step(work, disk):
         run_cases(work, [
             (["data", "prepare", "tmp/big.txt", "--out", "disk/new"], "No space left on device; free space"),
             (["data", "prepare", "tmp/big.txt", "--out", "disk/ds", "--overwrite"], "No space left on device"),
-            (["import", "ckpt", "disk/s"], "No space left on device"),
+            (["import", "ckpt", "disk/s"], "cannot write the store at disk/s: No space left on device; free space"),
             (["export", "store", "disk/x"], "No space left on device"),
         ], parallel=1)  # one at a time: each must find the disk as full as the last left it
     finally:
