@@ -172,6 +172,7 @@ class DataConfig:
     batch_size: int = 16  # rows per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0  # seed of the shuffle over sequence windows
+    other_tokenizer: bool = False  # train on data tokenized otherwise than the model's tokenizer (refused unless set)
 
     def __post_init__(self):
         if min(self.seq_len, self.batch_size, self.grad_accum) < 1 or self.seq_len < 2:

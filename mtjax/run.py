@@ -37,6 +37,7 @@ import numpy as np
 
 import mtjax.store
 from mtjax.store import layout, shards
+from mtjax.store import tokenizer as store_tokenizer
 from mtjax import checkpoint
 from mtjax import config as config_lib
 from mtjax import data, distributed, documents, generate, hf, model, preflight
@@ -147,15 +148,50 @@ def weights_provenance(exp: ExperimentConfig, resumed: Path | None = None, step:
 
 def checkpoint_tokenizer(ckpt_dir: str | Path, spec: str | None = None):
     """The tokenizer saved with a checkpoint (or the one `spec` names)."""
-    ckpt_dir = Path(ckpt_dir)
-    if spec:
-        return data.load_tokenizer(spec)
-    if (ckpt_dir / "tokenizer.json").exists():
-        return data.load_tokenizer(str(ckpt_dir / "tokenizer.json"))
-    state = ckpt_dir / checkpoint.EXPORT_NOTE
+    spec = spec or tokenizer_spec(ckpt_dir)
+    if spec is None:
+        raise data.DataError(f"{ckpt_dir} holds no tokenizer; pass --tokenizer bytes or a tokenizer.json")
+    return data.load_tokenizer(spec)
+
+
+def tokenizer_spec(folder: str | Path) -> str | None:
+    """The spec of the tokenizer saved in a checkpoint (or store tokenizer) directory: its
+    tokenizer.json (gzipped too), or bytes where its export note says so; None: none there."""
+    folder = Path(folder)
+    for name in ("tokenizer.json", "tokenizer.json.gz"):
+        if (folder / name).is_file():
+            return str((folder / name).resolve())
+    state = folder / checkpoint.EXPORT_NOTE
     if state.exists() and json.loads(state.read_text()).get("tokenizer") == "bytes":
-        return data.ByteTokenizer()
-    raise data.DataError(f"{ckpt_dir} holds no tokenizer; pass --tokenizer bytes or a tokenizer.json")
+        return "bytes"
+    return None
+
+
+def model_tokenizer(exp: ExperimentConfig) -> tuple[str, Path] | None:
+    """(spec, directory) of the tokenizer whose ids the starting weights learned:
+    model.checkpoint's, else the one `mtjax import` kept in the run's store; None for
+    weights that are new (or a checkpoint that has no tokenizer)."""
+    if exp.model.checkpoint:
+        folder = Path(exp.model.checkpoint)
+    else:
+        store = checkpoint.store_path(exp)
+        folder = store_tokenizer.kept(store) if (store / layout.MANIFEST).exists() else None
+    spec = None if folder is None else tokenizer_spec(folder)
+    return None if spec is None else (spec, folder)
+
+
+def check_tokenizer(exp: ExperimentConfig, dataset, run_dir: Path) -> None:
+    """Refuse data whose ids mean other tokens to the model than those its weights learned
+    (unless data.other_tokenizer says to train on it anyway)."""
+    found = None if exp.data.other_tokenizer else model_tokenizer(exp)
+    if found is None:
+        return
+    spec, folder = found
+    if dataset.path.resolve() == (run_dir / "data").resolve():  # raw text, tokenized by data.tokenizer
+        name, fix = f"data.dataset {exp.data.dataset}", f"pass --data.tokenizer={folder}"
+    else:
+        name, fix = None, f"prepare it again with `mtjax data prepare ... --tokenizer {folder}`"
+    dataset.check_tokenizer(spec, f"{fix}, or set --data.other_tokenizer=true to train on it anyway", name)
 
 
 def load_weights(path: str | Path):
@@ -187,6 +223,9 @@ def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int
         data_cfg = config_lib.DataConfig(dataset=dataset, tokenizer=_spec_file(tok, ckpt_dir, tokenizer),
                                          seq_len=seq_len, batch_size=batch_size)
         ds = data.resolve(data_cfg, cache)
+        where = "bytes" if tok.spec == "bytes" else Path(tok.spec).parent
+        ds.check_tokenizer(tok.spec, f"prepare it again with `mtjax data prepare ... --tokenizer {where}`, or pass "
+                                     "--tokenizer naming the dataset's own to evaluate on it anyway")
         ds.check_vocab(cfg.vocab_size)
         loader = data.Loader(ds, split, seq_len, batch_size, 1, shuffle=False)
         batch = concat(loader.next() for _ in range(batches))
@@ -229,15 +268,13 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     dataset = data.resolve(exp.data, run_dir / "data")  # a cache: prepared again when the inputs change
     if hosts is not None and not hosts.index:
         hosts.barrier("mtjax data")
+    check_tokenizer(exp, dataset, run_dir)  # the cause of ids past the vocabulary, when it is one
     dataset.check_vocab(cfg.vocab_size)
     asked = exp.stream  # config.yaml keeps `auto`: another machine's memory resolves it anew
     exp = residency.for_run(exp)  # stream.resident=auto: the planner's parts for this device's memory
     preflight.check(exp, cfg, dataset, processes=1 if hosts is None else hosts.count)  # before any weight is made
     tokenizer = dataset.tokenizer()
     exp = _as_run(exp, dataset, tokenizer, run_dir)
-    if exp.model.checkpoint and tokenizer.spec == "bytes" and (Path(exp.model.checkpoint) / "tokenizer.json").exists():
-        print(f"mtjax: warning: the data is byte-tokenized but {exp.model.checkpoint} has its own tokenizer.json; "
-              f"--data.tokenizer={exp.model.checkpoint} trains on the ids the model knows", file=out, flush=True)
     # The run's store: its writer lock, and its refusals (a trained run without run.resume,
     # other fixed settings), before anything else under run.dir is written.
     store, state, created = checkpoint.open_run_store(exp, cfg, hosts)

@@ -181,6 +181,34 @@ def test_messages_point_the_right_way(work):
     ])
 
 
+@pytest.mark.slow  # mtjax processes
+def test_data_tokenized_otherwise_than_the_model(work):
+    """A dataset (or raw text) tokenized with another tokenizer than the one the model's
+    weights learned is refused, unless data.other_tokenizer says to train on it anyway."""
+    if not (work / "ckpt-tok").exists():
+        shutil.copytree(work / "ckpt", work / "ckpt-tok")
+        shutil.copy(QWEN_TOKENIZER, work / "ckpt-tok")
+        assert cli.main(["data", "prepare", str(work / "text.txt"), "--out", str(work / "ds-qwen"),
+                         "--tokenizer", QWEN_TOKENIZER]) == 0
+    qwen = str((work / "ckpt-tok" / "tokenizer.json.gz").resolve())
+    tuned = ["train", *TINY[:-2], "--model.checkpoint=ckpt-tok", "--run.dir=r2"]
+    run_cases(work, [
+        ([*tuned, "--data.dataset=ds"],
+         f"dataset ds was tokenized with bytes (no tokenizer) but the model uses {qwen}: the same ids mean other "
+         "tokens to it; prepare it again with `mtjax data prepare ... --tokenizer ckpt-tok`, or set "
+         "--data.other_tokenizer=true to train on it anyway"),
+        ([*tuned, "--data.dataset=text.txt"],
+         "data.dataset text.txt was tokenized with bytes (no tokenizer) but the model uses "
+         f"{qwen}: the same ids mean other tokens to it; pass --data.tokenizer=ckpt-tok, or set"),
+        ([*tuned, "--data.dataset=ds", "--data.other_tokenizer=true"],
+         "dataset ds has token ids up to 256 but the model's vocabulary is 97"),  # past the check, as asked
+        (["eval", "run/final", "ds-qwen", "--seq-len", "16", "--batch-size", "1", "--batches", "1"],
+         f"dataset ds-qwen was tokenized with {QWEN_TOKENIZER} but the model uses bytes (no tokenizer): the same "
+         "ids mean other tokens to it; prepare it again with `mtjax data prepare ... --tokenizer bytes`, or pass "
+         "--tokenizer naming the dataset's own to evaluate on it anyway"),
+    ])
+
+
 def test_chat_data_mistakes(work):
     """`data prepare --format chat / prompt-completion` refusals, and a run on rows of another length."""
     def chat_file(name, *conversations):
