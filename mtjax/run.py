@@ -209,6 +209,9 @@ class Evaluation(NamedTuple):
     loss: float  # mean over the counted targets
     targets: int  # how many targets counted
     masked: bool  # whether the data's loss mask or documents left some out (chat data)
+    batches: int  # batches evaluated: fewer than asked when the split holds fewer windows
+    rows: int  # rows per batch: fewer than asked when the split holds less than one batch
+    windows: int  # windows of seq_len tokens the split holds
 
 
 def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int = 128, batch_size: int = 8,
@@ -227,10 +230,10 @@ def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int
         ds.check_tokenizer(tok.spec, f"prepare it again with `mtjax data prepare ... --tokenizer {where}`, or pass "
                                      "--tokenizer naming the dataset's own to evaluate on it anyway")
         ds.check_vocab(cfg.vocab_size)
-        loader = data.Loader(ds, split, seq_len, batch_size, 1, shuffle=False)
-        batch = concat(loader.next() for _ in range(batches))
+        ds.check_seq_len(seq_len)
+        batch, used, rows, windows = eval_batches(ds, split, seq_len, batch_size, batches)
         return Evaluation(reference_mod.eval_loss(cfg, params, batch)["loss"], documents.trained_tokens(batch),
-                          not batch.plain)
+                          not batch.plain, used, rows, windows)
 
 
 def _spec_file(tok, ckpt_dir: Path, spec: str | None) -> str:
@@ -240,15 +243,27 @@ def _spec_file(tok, ckpt_dir: Path, spec: str | None) -> str:
     return str(Path(ckpt_dir) / "tokenizer.json")
 
 
+def eval_batches(dataset, split: str, seq_len: int, batch_size: int, batches: int) -> tuple[Batch, int, int, int]:
+    """(up to `batches` batches of up to `batch_size` rows from the start of a split, how
+    many batches and rows per batch that is, the split's windows): the rows there are,
+    each once, when the split holds fewer windows than asked for."""
+    start, stop = dataset.split(split)
+    windows = (stop - start) // seq_len
+    rows = min(batch_size, windows)
+    if rows == 0:
+        raise data.DataError(f"the {split} split of {dataset.path} has {stop - start} tokens, fewer than one row of "
+                             f"data.seq_len {seq_len}; add data or lower data.seq_len")
+    used = min(batches, windows // rows)
+    loader = data.Loader(dataset, split, seq_len, rows, 1, shuffle=False)
+    return concat(loader.next() for _ in range(used)), used, rows, windows
+
+
 def _eval_batches(dataset, exp: ExperimentConfig) -> Batch | None:
     """The same validation micro-batches at every evaluation (None: split too small)."""
     start, stop = dataset.split("val")
-    windows = (stop - start) // exp.data.seq_len
-    if windows == 0:
+    if (stop - start) // exp.data.seq_len == 0:
         return None
-    rows = min(exp.data.batch_size, windows)
-    loader = data.Loader(dataset, "val", exp.data.seq_len, rows, 1, shuffle=False)
-    return concat(loader.next() for _ in range(exp.run.eval_batches))
+    return eval_batches(dataset, "val", exp.data.seq_len, exp.data.batch_size, exp.run.eval_batches)[0]
 
 
 def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:

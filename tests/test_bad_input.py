@@ -174,8 +174,8 @@ def test_messages_point_the_right_way(work):
           "--run.dir=r2", "--data.dataset=ds", "--data.seq_len=32"], "vocab_size 97 -> 257, intermediate_size 56 -> 96"),
         (["train", *TINY, "--run.dir=r2", "--store.master=disk", "--store.path=ckpt"],
          "store.path ckpt is a Hugging Face checkpoint, not a layer store; convert it with `mtjax import ckpt STORE`"),
-        (["eval", "run/final", "ds", "--seq-len", "64", "--batch-size", "64"],
-         "add data or lower --seq-len / --batch-size"),
+        (["eval", "run/final", "ds", "--seq-len", "128", "--batch-size", "64"],
+         "the val split of ds has 86 tokens, fewer than one row of --seq-len 128; add data or lower --seq-len"),
         (["eval", "run/final", "ds", "--tokenizer", "nothing.json"], "tokenizer 'nothing.json' is neither"),
         (["eval", "run/final", "ds", "--split", "test"], "has no split 'test'"),
     ])
@@ -241,7 +241,7 @@ def test_chat_data_mistakes(work):
 
 def test_eval_errors_name_its_own_flags_only(work):
     """No error of `mtjax eval` speaks of train's data.* keys (the cases above that reach mtjax.data)."""
-    p = start(work, ["eval", "run/final", "ds", "--seq-len", "64", "--batch-size", "64"])
+    p = start(work, ["eval", "run/final", "ds", "--seq-len", "128", "--batch-size", "64"])
     _, err = p.communicate(timeout=300)
     assert p.returncode == 2 and "--seq-len" in err and "data." not in err.replace("data.dataset", ""), err
 
