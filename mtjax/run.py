@@ -49,6 +49,7 @@ from mtjax.model_config import ModelConfig
 from mtjax.optim import lr_at, make_optimizer, schedule_warnings
 from mtjax.plan import residency
 from mtjax.progress import Progress, model_flops_per_token, peak_flops
+from mtjax.terminal import bar as progress_bar
 from mtjax.reference import ReferenceTrainer
 from mtjax.stream import StreamEngine
 
@@ -232,8 +233,14 @@ def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int
         ds.check_vocab(cfg.vocab_size)
         ds.check_seq_len(seq_len)
         batch, used, rows, windows = eval_batches(ds, split, seq_len, batch_size, batches)
-        return Evaluation(reference_mod.eval_loss(cfg, params, batch)["loss"], documents.trained_tokens(batch),
-                          not batch.plain, used, rows, windows)
+        with progress_bar(used, "evaluating", unit="batch") as bar:
+            def done(terms):  # a live bar shows batches computed, not queued
+                if not bar.disable:
+                    terms.block_until_ready()
+                bar.update()
+
+            loss = reference_mod.eval_loss(cfg, params, batch, done)["loss"]
+        return Evaluation(loss, documents.trained_tokens(batch), not batch.plain, used, rows, windows)
 
 
 def _spec_file(tok, ckpt_dir: Path, spec: str | None) -> str:
@@ -296,6 +303,9 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     lead = hosts is None or hosts.index == 0  # writes the run's records
     engine = None
     try:
+        if exp.run.sample_prompt and exp.run.sample_tokens:  # the closing sample: refused now, not after the run
+            generate.check_fits(cfg, generate.prompt_ids(tokenizer, exp.run.sample_prompt), exp.run.sample_tokens,
+                                ("run.sample_prompt", "run.sample_tokens"))
         val = _eval_batches(dataset, exp) if exp.run.eval_every else None
         first, cursor = (int(state["step"]), state["loader"]) if state is not None else (0, None)
         loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,

@@ -171,7 +171,8 @@ def test_messages_point_the_right_way(work):
         (["train", *TINY, "--run.dir=run", "--data.dataset=builtin:shakespeare", "--run.resume=true",
           "--run.steps=3", "--model.intermediate_size=96"], "(intermediate_size 64 -> 96: the store's"),
         (["train", "--model.checkpoint=ckpt", "--model.intermediate_size=96", "--model.vocab_size=257",
-          "--run.dir=r2", "--data.dataset=ds", "--data.seq_len=32"], "vocab_size 97 -> 257, intermediate_size 56 -> 96"),
+          "--run.dir=r2", "--data.dataset=ds", "--data.seq_len=32", "--run.sample_tokens=0"],
+         "vocab_size 97 -> 257, intermediate_size 56 -> 96"),
         (["train", *TINY, "--run.dir=r2", "--store.master=disk", "--store.path=ckpt"],
          "store.path ckpt is a Hugging Face checkpoint, not a layer store; convert it with `mtjax import ckpt STORE`"),
         (["eval", "run/final", "ds", "--seq-len", "128", "--batch-size", "64"],
@@ -206,6 +207,21 @@ def test_data_tokenized_otherwise_than_the_model(work):
          f"dataset ds-qwen was tokenized with {QWEN_TOKENIZER} but the model uses bytes (no tokenizer): the same "
          "ids mean other tokens to it; prepare it again with `mtjax data prepare ... --tokenizer bytes`, or pass "
          "--tokenizer naming the dataset's own to evaluate on it anyway"),
+    ])
+
+
+@pytest.mark.slow  # mtjax processes
+def test_samples_longer_than_the_context(work):
+    """The closing sample of a run, and `generate`, refuse a prompt and a token count that
+    together pass the model's context (1024 here), before training or sampling."""
+    run_cases(work, [
+        (["train", *TINY[:-1], "--run.dir=r2", "--run.sample_tokens=5000"],
+         "run.sample_prompt (11 tokens) and run.sample_tokens 5000 need 5,011 positions, more than the model's "
+         "context of 1024 (max_position_embeddings); lower run.sample_tokens to 1013 or less"),
+        (["generate", "run/final", "--prompt", "x" * 1100, "--tokens", "5"],
+         "--prompt (1100 tokens) and --tokens 5 need 1,105 positions, more than the model's context of 1024 "
+         "(max_position_embeddings); shorten --prompt to fewer than 1024 tokens"),
+        (["generate", "run/final", "--tokens", "100000000000"], "lower --tokens to 1023 or less"),
     ])
 
 

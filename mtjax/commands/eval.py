@@ -7,11 +7,9 @@ from __future__ import annotations
 import math
 import sys
 
-import mtjax.store
 from mtjax import data
-from mtjax.commands.generate import check_source, is_store, tokenizer_of
+from mtjax.commands.generate import check_source, is_store, model_config, tokenizer_of
 from mtjax.errors import MtjaxError
-from mtjax.model_config import load_hf_config
 from mtjax.run import evaluate_checkpoint
 
 
@@ -30,14 +28,6 @@ def register(subparsers) -> None:
 
 _FLAGS = {"data.seq_len / data.batch_size / data.grad_accum": "--seq-len / --batch-size",
           "--data.tokenizer": "--tokenizer", "data.seq_len": "--seq-len"}
-
-
-def model_config(path):
-    """The model config of a layer store or an HF checkpoint directory (no weights read)."""
-    if is_store(path):
-        with mtjax.store.open(path) as store:
-            return store.config
-    return load_hf_config(path)
 
 
 def _count(n: int, one: str, many: str) -> str:
