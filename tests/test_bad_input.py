@@ -211,6 +211,28 @@ def test_data_tokenized_otherwise_than_the_model(work):
 
 
 @pytest.mark.slow  # mtjax processes
+def test_a_store_missing_an_identity_file(work):
+    """A store whose manifest.json (or STORE_ID) was deleted: every command that opens it
+    says which file is missing and what to do, and nothing in it is deleted (a run used to
+    take a trained store without its manifest for a stopped creation's leftover)."""
+    for name, source, lost in (("lost-manifest", "store", "manifest.json"), ("lost-id", "store", "STORE_ID"),
+                               ("run-lost", "run", "store/manifest.json")):
+        if not (work / name).exists():
+            shutil.copytree(work / source, work / name)
+            (work / name / lost).unlink()
+    manifest = "has lost its manifest.json (the commit point naming which of its files hold the last step)"
+    run_cases(work, [
+        (["generate", "lost-manifest"], f"store lost-manifest {manifest} but still holds data (parts/)"),
+        (["eval", "lost-manifest", "ds"], f"store lost-manifest {manifest}"),
+        (["export", "lost-manifest", "x"], f"store lost-manifest {manifest}"),
+        (["generate", "lost-id", "--tokenizer", "bytes"], "store lost-id has lost its STORE_ID file"),
+        (["train", *TINY, "--run.dir=run-lost", "--data.dataset=builtin:shakespeare", "--run.resume=auto"],
+         f"store run-lost/store {manifest} but still holds data (parts/, train_state/): it cannot be opened, "
+         "and nothing in it was changed; put back manifest.json from a backup of this store, or delete"),
+    ])
+
+
+@pytest.mark.slow  # mtjax processes
 def test_samples_longer_than_the_context(work):
     """The closing sample of a run, and `generate`, refuse a prompt and a token count that
     together pass the model's context (1024 here), before training or sampling."""
