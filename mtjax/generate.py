@@ -2,8 +2,11 @@
 
 A KV-cache-free loop for small models held in memory: every new token recomputes the
 forward pass over a fixed-length buffer, so the whole generation is one compiled
-`fori_loop` (one compile per buffer length, no per-token dispatch). Causal attention
-makes the padding to the right of the current position invisible to it.
+`fori_loop` (one compile per buffer length, no per-token dispatch), called for
+PROGRESS_TOKENS positions at a time so that a progress bar can move. Causal attention
+makes the padding to the right of the current position invisible to it. `check_fits`
+refuses a prompt and token count that pass the model's context (the commands call it);
+`generate` itself cuts such a prompt on the left.
 
 Models in a layer store are sampled by mtjax.stream.sample instead, one part at a time
 with a KV cache; it shares `fit`, `pick` and `cut_at_eos` with this loop, so both give
@@ -21,7 +24,6 @@ import numpy as np
 from mtjax import model, terminal
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig
-
 
 PROGRESS_TOKENS = 32  # tokens per compiled loop call: the progress bar moves between calls
 
@@ -108,7 +110,7 @@ def generate(cfg: ModelConfig, params, prompt: list[int], max_new_tokens: int, t
             if not bar.disable:
                 out.block_until_ready()  # the bar shows tokens sampled, not queued
             bar.update(stop - start)
-    new = np.asarray(out[0, len(prompt):]).tolist()  # the one host sync of a generation
+    new = np.asarray(out[0, len(prompt):]).tolist()  # the one host sync of a generation without a live bar
     return cut_at_eos(new, eos_id)
 
 

@@ -104,7 +104,6 @@ class Dataset:
             raise DataError(f"dataset {self.path} has token ids up to {top} but the model's vocabulary "
                             f"is {model_vocab}; set model.vocab_size >= {top + 1} or use a matching tokenizer")
 
-
     def check_tokenizer(self, spec: str, advice: str, name: str | None = None) -> None:
         """Raise unless the ids of this dataset mean the same tokens to the tokenizer `spec`
         names (the model's): `advice` says what to do instead; `name`: the dataset's, for
