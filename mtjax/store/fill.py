@@ -8,6 +8,7 @@ a half-filled store at the destination.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 
@@ -42,11 +43,17 @@ def check_destination(dest: Path) -> None:
         raise StoreError(f"{dest} already exists and is not empty; choose a new store directory")
 
 
-def _os_error(e: BaseException) -> OSError | None:
-    """The OSError `e` is, or was raised from (a store's write and commit errors keep it)."""
-    while e is not None and not isinstance(e, OSError):
-        e = e.__cause__ or e.__context__
-    return e
+def _reason(e: BaseException) -> str:
+    """Why writing a new store failed, and what to do: the OSError `e` is or was raised
+    from (a store's write and commit errors keep it), else the one a tensorstore error
+    names in its text (creating an array), else `e`'s own words."""
+    cause = e
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        return writable.describe(OSError(cause.errno, cause.strerror or str(cause)))
+    named = [code for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES) if os.strerror(code) in str(e)]
+    return writable.describe(OSError(named[0], os.strerror(named[0]))) if named else str(e)
 
 
 def _dead(pid: str) -> bool:
@@ -83,13 +90,11 @@ def staged(dest: str | Path, cfg, tx, copies: int = 2):
         os.replace(tmp, dest)
         fsync_path(dest.parent)  # the store's name is durable, not just its contents
     except (OSError, StoreError) as e:
-        cause = _os_error(e)
-        if isinstance(e, StoreError) and (cause is None or str(tmp) not in str(e)):
+        if isinstance(e, StoreError) and str(tmp) not in str(e):
             raise  # not about writing the new store (e.g. an unreadable checkpoint)
         # The staging directory is ours, not the user's: the error names the destination.
-        raise StoreError(f"cannot write the store at {given}: "
-                         f"{writable.describe(OSError(cause.errno, cause.strerror or str(cause)))}; "
-                         "nothing was created there") from None
+        reason = _reason(e).replace(str(tmp), str(given))
+        raise StoreError(f"cannot write the store at {given}: {reason}; nothing was created there") from None
     finally:
         if store is not None:
             store.close()
