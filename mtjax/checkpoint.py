@@ -34,7 +34,7 @@ from mtjax.config import ConfigError, ExperimentConfig
 from mtjax.data import chat
 from mtjax.model_config import ModelConfig
 from mtjax.optim import make_optimizer
-from mtjax.store import fill, hf_export, layout, lock, shards
+from mtjax.store import fill, hf_export, layout, lock, manifest, shards
 from mtjax.store.errors import StoreError
 from mtjax.stream.update import full_opt_state, split_opt_state
 
@@ -142,6 +142,8 @@ def _open_at(path: Path, exp: ExperimentConfig, cfg: ModelConfig, hosts: dict | 
                 store.close()
                 raise
         store.close()  # created by a run killed before its first commit: start over
+    elif path.is_dir() and layout.data_held(path):  # a store whose manifest is gone: never removed
+        raise StoreError(manifest.lost(path))
     elif path.exists() and (not path.is_dir() or set(os.listdir(path)) - _PARTIAL_STORE):
         raise ConfigError(f"store.path {path} exists but holds no mtjax store; choose another store.path")
     rundir.check(records, None, path)  # a store made now: records here are of a run whose store is gone

@@ -180,6 +180,7 @@ class DataConfig:
     batch_size: int = 16  # rows per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0  # seed of the shuffle over sequence windows
+    other_tokenizer: bool = False  # train on data tokenized otherwise than the model's tokenizer (refused unless set)
 
     def __post_init__(self):
         _check_numbers("data", self, {"seq_len": Range(2), "batch_size": AT_LEAST_1, "grad_accum": AT_LEAST_1,

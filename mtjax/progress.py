@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import TextIO
 import psutil
 from tqdm import tqdm
 
+from mtjax import terminal
 from mtjax.errors import MissingPackage
 from mtjax.plan import hardware
 
@@ -45,7 +45,7 @@ class Progress:
         self._tb = _tensorboard_writer(run_dir) if tensorboard else None
         self._wandb = wandb  # a mtjax.wandb_log.Logger, or None
         self._metrics = open(Path(run_dir) / "metrics.jsonl", "a")
-        self._live = _terminal_columns(self.stream) > 0
+        self._live = terminal.columns(self.stream) > 0
         self._bar = tqdm(total=total_steps, initial=first_step, file=self.stream, unit="step",
                          dynamic_ncols=True) if self._live else None
         self._start = time.perf_counter()
@@ -139,15 +139,6 @@ class Progress:
         if "device_mem_gib" in record:
             parts.append(f"dev {record['device_mem_gib']:.2f}G")
         return "  ".join(parts)
-
-
-def _terminal_columns(stream) -> int:
-    """The width of the terminal `stream` writes to; 0 when it is not a terminal or
-    reports no width (a bar would then be unreadable: plain lines are printed instead)."""
-    try:
-        return os.get_terminal_size(stream.fileno()).columns if stream.isatty() else 0
-    except (AttributeError, OSError, ValueError):
-        return 0
 
 
 def _duration(seconds: float) -> str:

@@ -91,12 +91,18 @@ def _eval_loss(cfg: ModelConfig, params, inputs: Inputs):
     return jnp.stack(_inputs_terms(cfg, params, inputs, remat=False))
 
 
-def eval_loss(cfg: ModelConfig, params, batch) -> dict[str, float]:
+def eval_loss(cfg: ModelConfig, params, batch, on_micro=None) -> dict[str, float]:
     """{"loss": the training objective, "aux_loss": the load-balancing loss (MoE models)}
     of `params` over the counted targets of a batch [n, batch, seq] (its n micro-batches
-    weighted as a step's are), one micro-batch at a time; no update."""
+    weighted as a step's are), one micro-batch at a time; no update. `on_micro(terms)` is
+    called with each micro-batch's (device) result as it is dispatched (progress)."""
     inputs, weights = documents.step_inputs(batch, "evaluation")
-    terms = jnp.stack([_eval_loss(cfg, params, inputs.micro(i)) for i in range(len(weights))])
+    terms = []
+    for i in range(len(weights)):
+        terms.append(_eval_loss(cfg, params, inputs.micro(i)))
+        if on_micro is not None:
+            on_micro(terms[-1])
+    terms = jnp.stack(terms)
     loss, aux = (float(x) for x in jnp.sum(terms * jnp.asarray(weights, jnp.float32)[:, None], axis=0))
     return {"loss": loss, "aux_loss": aux} if cfg.moe_layers else {"loss": loss}
 

@@ -36,7 +36,8 @@ import jax
 import numpy as np
 
 import mtjax.store
-from mtjax.store import shards
+from mtjax.store import layout, shards
+from mtjax.store import tokenizer as store_tokenizer
 from mtjax import checkpoint
 from mtjax import config as config_lib
 from mtjax import data, distributed, documents, generate, hf, model, preflight, rundir, wandb_log
@@ -49,6 +50,7 @@ from mtjax.optim import lr_at, make_optimizer, schedule_warnings
 from mtjax.plan import residency
 from mtjax.plan.cost import mfu_flops_per_token
 from mtjax.progress import Progress, peak_flops
+from mtjax.terminal import bar as progress_bar
 from mtjax.reference import ReferenceTrainer
 from mtjax.stream import StreamEngine
 
@@ -148,22 +150,57 @@ def weights_provenance(exp: ExperimentConfig, resumed: Path | None = None, step:
 
 def checkpoint_tokenizer(ckpt_dir: str | Path, spec: str | None = None):
     """The tokenizer saved with a checkpoint (or the one `spec` names)."""
-    ckpt_dir = Path(ckpt_dir)
-    if spec:
-        return data.load_tokenizer(spec)
-    if (ckpt_dir / "tokenizer.json").exists():
-        return data.load_tokenizer(str(ckpt_dir / "tokenizer.json"))
-    state = ckpt_dir / checkpoint.EXPORT_NOTE
+    spec = spec or tokenizer_spec(ckpt_dir)
+    if spec is None:
+        raise data.DataError(f"{ckpt_dir} holds no tokenizer; pass --tokenizer bytes or a tokenizer.json")
+    return data.load_tokenizer(spec)
+
+
+def tokenizer_spec(folder: str | Path) -> str | None:
+    """The spec of the tokenizer saved in a checkpoint (or store tokenizer) directory: its
+    tokenizer.json (gzipped too), or bytes where its export note says so; None: none there."""
+    folder = Path(folder)
+    for name in ("tokenizer.json", "tokenizer.json.gz"):
+        if (folder / name).is_file():
+            return str((folder / name).resolve())
+    state = folder / checkpoint.EXPORT_NOTE
     if state.exists() and json.loads(state.read_text()).get("tokenizer") == "bytes":
-        return data.ByteTokenizer()
-    raise data.DataError(f"{ckpt_dir} holds no tokenizer; pass --tokenizer bytes or a tokenizer.json")
+        return "bytes"
+    return None
+
+
+def model_tokenizer(exp: ExperimentConfig) -> tuple[str, Path] | None:
+    """(spec, directory) of the tokenizer whose ids the starting weights learned:
+    model.checkpoint's, else the one `mtjax import` kept in the run's store; None for
+    weights that are new (or a checkpoint that has no tokenizer)."""
+    if exp.model.checkpoint:
+        folder = Path(exp.model.checkpoint)
+    else:
+        store = checkpoint.store_path(exp)
+        folder = store_tokenizer.kept(store) if (store / layout.MANIFEST).exists() else None
+    spec = None if folder is None else tokenizer_spec(folder)
+    return None if spec is None else (spec, folder)
+
+
+def check_tokenizer(exp: ExperimentConfig, dataset, run_dir: Path) -> None:
+    """Refuse data whose ids mean other tokens to the model than those its weights learned
+    (unless data.other_tokenizer says to train on it anyway)."""
+    found = None if exp.data.other_tokenizer else model_tokenizer(exp)
+    if found is None:
+        return
+    spec, folder = found
+    if dataset.path.resolve() == (run_dir / "data").resolve():  # raw text, tokenized by data.tokenizer
+        name, fix = f"data.dataset {exp.data.dataset}", f"pass --data.tokenizer={folder}"
+    else:
+        name, fix = None, f"prepare it again with `mtjax data prepare ... --tokenizer {folder}`"
+    dataset.check_tokenizer(spec, f"{fix}, or set --data.other_tokenizer=true to train on it anyway", name)
 
 
 def load_weights(path: str | Path):
     """(model config, fp32 params) of an HF checkpoint dir or of a layer store (its last
     committed master weights, read without taking the writer lock)."""
     path = Path(path)
-    if not (path / "manifest.json").exists():
+    if not layout.is_store(path):
         return hf.load_params(path)
     with mtjax.store.open(path) as store:
         store.check_complete("read its weights")
@@ -174,6 +211,9 @@ class Evaluation(NamedTuple):
     loss: float  # mean over the counted targets
     targets: int  # how many targets counted
     masked: bool  # whether the data's loss mask or documents left some out (chat data)
+    batches: int  # batches evaluated: fewer than asked when the split holds fewer windows
+    rows: int  # rows per batch: fewer than asked when the split holds less than one batch
+    windows: int  # windows of seq_len tokens the split holds
 
 
 def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int = 128, batch_size: int = 8,
@@ -188,11 +228,20 @@ def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int
         data_cfg = config_lib.DataConfig(dataset=dataset, tokenizer=_spec_file(tok, ckpt_dir, tokenizer),
                                          seq_len=seq_len, batch_size=batch_size)
         ds = data.resolve(data_cfg, cache)
+        where = "bytes" if tok.spec == "bytes" else Path(tok.spec).parent
+        ds.check_tokenizer(tok.spec, f"prepare it again with `mtjax data prepare ... --tokenizer {where}`, or pass "
+                                     "--tokenizer naming the dataset's own to evaluate on it anyway")
         ds.check_vocab(cfg.vocab_size)
-        loader = data.Loader(ds, split, seq_len, batch_size, 1, shuffle=False)
-        batch = concat(loader.next() for _ in range(batches))
-        return Evaluation(reference_mod.eval_loss(cfg, params, batch)["loss"], documents.trained_tokens(batch),
-                          not batch.plain)
+        ds.check_seq_len(seq_len)
+        batch, used, rows, windows = eval_batches(ds, split, seq_len, batch_size, batches)
+        with progress_bar(used, "evaluating", unit="batch") as bar:
+            def done(terms):  # a live bar shows batches computed, not queued
+                if not bar.disable:
+                    terms.block_until_ready()
+                bar.update()
+
+            loss = reference_mod.eval_loss(cfg, params, batch, done)["loss"]
+        return Evaluation(loss, documents.trained_tokens(batch), not batch.plain, used, rows, windows)
 
 
 def _spec_file(tok, ckpt_dir: Path, spec: str | None) -> str:
@@ -202,15 +251,27 @@ def _spec_file(tok, ckpt_dir: Path, spec: str | None) -> str:
     return str(Path(ckpt_dir) / "tokenizer.json")
 
 
+def eval_batches(dataset, split: str, seq_len: int, batch_size: int, batches: int) -> tuple[Batch, int, int, int]:
+    """(up to `batches` batches of up to `batch_size` rows from the start of a split, how
+    many batches and rows per batch that is, the split's windows): the rows there are,
+    each once, when the split holds fewer windows than asked for."""
+    start, stop = dataset.split(split)
+    windows = (stop - start) // seq_len
+    rows = min(batch_size, windows)
+    if rows == 0:
+        raise data.DataError(f"the {split} split of {dataset.path} has {stop - start} tokens, fewer than one row of "
+                             f"data.seq_len {seq_len}; add data or lower data.seq_len")
+    used = min(batches, windows // rows)
+    loader = data.Loader(dataset, split, seq_len, rows, 1, shuffle=False)
+    return concat(loader.next() for _ in range(used)), used, rows, windows
+
+
 def _eval_batches(dataset, exp: ExperimentConfig) -> Batch | None:
     """The same validation micro-batches at every evaluation (None: split too small)."""
     start, stop = dataset.split("val")
-    windows = (stop - start) // exp.data.seq_len
-    if windows == 0:
+    if (stop - start) // exp.data.seq_len == 0:
         return None
-    rows = min(exp.data.batch_size, windows)
-    loader = data.Loader(dataset, "val", exp.data.seq_len, rows, 1, shuffle=False)
-    return concat(loader.next() for _ in range(exp.run.eval_batches))
+    return eval_batches(dataset, "val", exp.data.seq_len, exp.data.batch_size, exp.run.eval_batches)[0]
 
 
 def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
@@ -258,15 +319,15 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
             if hosts is not None and not hosts.index:
                 hosts.barrier("mtjax data")
             tokenizer = dataset.tokenizer()
+        check_tokenizer(exp, dataset, run_dir)  # the cause of ids past the vocabulary, when it is one
         dataset.check_vocab(cfg.vocab_size)
         asked = exp.stream  # config.yaml keeps `auto`: another machine's memory resolves it anew
         exp = residency.for_run(exp)  # stream.resident=auto: the planner's parts for this device's memory
         preflight.check(exp, cfg, dataset, processes=1 if hosts is None else hosts.count)  # before any weight is made
         exp = _as_run(exp, dataset, tokenizer)
-        if exp.model.checkpoint and tokenizer.spec == "bytes" and \
-                (Path(exp.model.checkpoint) / "tokenizer.json").exists():
-            print(f"mtjax: warning: the data is byte-tokenized but {exp.model.checkpoint} has its own tokenizer.json; "
-                  f"--data.tokenizer={exp.model.checkpoint} trains on the ids the model knows", file=out, flush=True)
+        if exp.run.sample_prompt and exp.run.sample_tokens:  # the closing sample: refused now, not after the run
+            generate.check_fits(cfg, generate.prompt_ids(tokenizer, exp.run.sample_prompt), exp.run.sample_tokens,
+                                ("run.sample_prompt", "run.sample_tokens"))
         val = _eval_batches(dataset, exp) if exp.run.eval_every else None
         loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,
                              exp.data.seed, cursor=cursor)

@@ -171,11 +171,12 @@ def test_messages_point_the_right_way(work):
         (["train", *TINY, "--run.dir=run", "--data.dataset=builtin:shakespeare", "--run.resume=true",
           "--run.steps=3", "--model.intermediate_size=96"], "(intermediate_size 64 -> 96: the store's"),
         (["train", "--model.checkpoint=ckpt", "--model.intermediate_size=96", "--model.vocab_size=257",
-          "--run.dir=r2", "--data.dataset=ds", "--data.seq_len=32"], "vocab_size 97 -> 257, intermediate_size 56 -> 96"),
+          "--run.dir=r2", "--data.dataset=ds", "--data.seq_len=32", "--run.sample_tokens=0"],
+         "vocab_size 97 -> 257, intermediate_size 56 -> 96"),
         (["train", *TINY, "--run.dir=r2", "--store.master=disk", "--store.path=ckpt"],
          "store.path ckpt is a Hugging Face checkpoint, not a layer store; convert it with `mtjax import ckpt STORE`"),
-        (["eval", "run/final", "ds", "--seq-len", "64", "--batch-size", "64"],
-         "add data or lower --seq-len / --batch-size"),
+        (["eval", "run/final", "ds", "--seq-len", "128", "--batch-size", "64"],
+         "the val split of ds has 86 tokens, fewer than one row of --seq-len 128; add data or lower --seq-len"),
         (["eval", "run/final", "ds", "--tokenizer", "nothing.json"], "tokenizer 'nothing.json' is neither"),
         (["eval", "run/final", "ds", "--split", "test"], "has no split 'test'"),
     ])
@@ -205,6 +206,69 @@ def test_settings_that_cannot_be_meant(work):
         ])
     finally:
         (work / "twice.yaml").unlink()
+@pytest.mark.slow  # mtjax processes
+def test_data_tokenized_otherwise_than_the_model(work):
+    """A dataset (or raw text) tokenized with another tokenizer than the one the model's
+    weights learned is refused, unless data.other_tokenizer says to train on it anyway."""
+    if not (work / "ckpt-tok").exists():
+        shutil.copytree(work / "ckpt", work / "ckpt-tok")
+        shutil.copy(QWEN_TOKENIZER, work / "ckpt-tok")
+        assert cli.main(["data", "prepare", str(work / "text.txt"), "--out", str(work / "ds-qwen"),
+                         "--tokenizer", QWEN_TOKENIZER]) == 0
+    qwen = str((work / "ckpt-tok" / "tokenizer.json.gz").resolve())
+    tuned = ["train", *TINY[:-2], "--model.checkpoint=ckpt-tok", "--run.dir=r2"]
+    run_cases(work, [
+        ([*tuned, "--data.dataset=ds"],
+         f"dataset ds was tokenized with bytes (no tokenizer) but the model uses {qwen}: the same ids mean other "
+         "tokens to it; prepare it again with `mtjax data prepare ... --tokenizer ckpt-tok`, or set "
+         "--data.other_tokenizer=true to train on it anyway"),
+        ([*tuned, "--data.dataset=text.txt"],
+         "data.dataset text.txt was tokenized with bytes (no tokenizer) but the model uses "
+         f"{qwen}: the same ids mean other tokens to it; pass --data.tokenizer=ckpt-tok, or set"),
+        ([*tuned, "--data.dataset=ds", "--data.other_tokenizer=true"],
+         "dataset ds has token ids up to 256 but the model's vocabulary is 97"),  # past the check, as asked
+        (["eval", "run/final", "ds-qwen", "--seq-len", "16", "--batch-size", "1", "--batches", "1"],
+         f"dataset ds-qwen was tokenized with {QWEN_TOKENIZER} but the model uses bytes (no tokenizer): the same "
+         "ids mean other tokens to it; prepare it again with `mtjax data prepare ... --tokenizer bytes`, or pass "
+         "--tokenizer naming the dataset's own to evaluate on it anyway"),
+    ])
+
+
+@pytest.mark.slow  # mtjax processes
+def test_a_store_missing_an_identity_file(work):
+    """A store whose manifest.json (or STORE_ID) was deleted: every command that opens it
+    says which file is missing and what to do, and nothing in it is deleted (a run used to
+    take a trained store without its manifest for a stopped creation's leftover)."""
+    for name, source, lost in (("lost-manifest", "store", "manifest.json"), ("lost-id", "store", "STORE_ID"),
+                               ("run-lost", "run", "store/manifest.json")):
+        if not (work / name).exists():
+            shutil.copytree(work / source, work / name)
+            (work / name / lost).unlink()
+    manifest = "has lost its manifest.json (the commit point naming which of its files hold the last step)"
+    run_cases(work, [
+        (["generate", "lost-manifest"], f"store lost-manifest {manifest} but still holds data (parts/)"),
+        (["eval", "lost-manifest", "ds"], f"store lost-manifest {manifest}"),
+        (["export", "lost-manifest", "x"], f"store lost-manifest {manifest}"),
+        (["generate", "lost-id", "--tokenizer", "bytes"], "store lost-id has lost its STORE_ID file"),
+        (["train", *TINY, "--run.dir=run-lost", "--data.dataset=builtin:shakespeare", "--run.resume=auto"],
+         f"store run-lost/store {manifest} but still holds data (parts/, train_state/): it cannot be opened, "
+         "and nothing in it was changed; put back manifest.json from a backup of this store, or delete"),
+    ])
+
+
+@pytest.mark.slow  # mtjax processes
+def test_samples_longer_than_the_context(work):
+    """The closing sample of a run, and `generate`, refuse a prompt and a token count that
+    together pass the model's context (1024 here), before training or sampling."""
+    run_cases(work, [
+        (["train", *TINY[:-1], "--run.dir=r2", "--run.sample_tokens=5000"],
+         "run.sample_prompt (11 tokens) and run.sample_tokens 5000 need 5,011 positions, more than the model's "
+         "context of 1024 (max_position_embeddings); lower run.sample_tokens to 1013 or less"),
+        (["generate", "run/final", "--prompt", "x" * 1100, "--tokens", "5"],
+         "--prompt (1100 tokens) and --tokens 5 need 1,105 positions, more than the model's context of 1024 "
+         "(max_position_embeddings); shorten --prompt to fewer than 1024 tokens"),
+        (["generate", "run/final", "--tokens", "100000000000"], "lower --tokens to 1023 or less"),
+    ])
 
 
 def test_chat_data_mistakes(work):
@@ -262,7 +326,7 @@ def test_table_data_mistakes(work):
 
 def test_eval_errors_name_its_own_flags_only(work):
     """No error of `mtjax eval` speaks of train's data.* keys (the cases above that reach mtjax.data)."""
-    p = start(work, ["eval", "run/final", "ds", "--seq-len", "64", "--batch-size", "64"])
+    p = start(work, ["eval", "run/final", "ds", "--seq-len", "128", "--batch-size", "64"])
     _, err = p.communicate(timeout=300)
     assert p.returncode == 2 and "--seq-len" in err and "data." not in err.replace("data.dataset", ""), err
 
@@ -285,7 +349,7 @@ def test_a_full_disk_outside_the_store_step(work, disk):
         run_cases(work, [
             (["data", "prepare", "tmp/big.txt", "--out", "disk/new"], "No space left on device; free space"),
             (["data", "prepare", "tmp/big.txt", "--out", "disk/ds", "--overwrite"], "No space left on device"),
-            (["import", "ckpt", "disk/s"], "No space left on device"),
+            (["import", "ckpt", "disk/s"], "cannot write the store at disk/s: No space left on device; free space"),
             (["export", "store", "disk/x"], "No space left on device"),
         ], parallel=1)  # one at a time: each must find the disk as full as the last left it
     finally:

@@ -270,3 +270,32 @@ def test_a_bad_run_leaves_the_previous_run_intact(trained, capsys):
         assert cli.main(["train", *TINY, f"--run.dir={run_dir}", bad]) == 2
         assert message in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
+@pytest.mark.slow  # a training run in a subprocess
+def test_long_work_shows_progress_on_a_terminal_only(trained, tmp_path, capsys, monkeypatch):
+    """eval, generate and data prepare draw a progress bar on stderr when it is a terminal
+    (here: as if it were, with the bar shown at once), nothing otherwise; the results are
+    the same either way."""
+    from mtjax import terminal
+
+    run_dir, result = trained
+    assert result.returncode == 0, result.stderr
+    final = str(run_dir / "final")
+    text = tmp_path / "t.txt"
+    text.write_text("some text " * 50)
+    commands = {"evaluating": ["eval", final, str(run_dir / "data"), "--seq-len", "32", "--batch-size", "2",
+                               "--batches", "3"],
+                "sampling": ["generate", final, "--prompt", "To be", "--tokens", "40", "--temperature", "0"],
+                "tokenizing": ["data", "prepare", str(text), "--out", str(tmp_path / "ds"), "--overwrite"]}
+    plain = {}
+    for name, args in commands.items():
+        assert cli.main(args) == 0
+        plain[name] = capsys.readouterr()
+        assert plain[name].err == "", (name, plain[name].err)
+    monkeypatch.setattr(terminal, "columns", lambda stream: 80)
+    monkeypatch.setattr(terminal, "SHOW_AFTER_S", 0)
+    for name, args in commands.items():
+        assert cli.main(args) == 0
+        shown = capsys.readouterr()
+        assert shown.out == plain[name].out and name in shown.err, (name, shown)

@@ -207,6 +207,28 @@ def test_token_ids_beyond_the_model_vocabulary(tmp_path):
     Dataset(tmp_path / "ds").check_vocab(151936)  # Qwen2's real embedding size fits
 
 
+@pytest.mark.slow  # loads the Qwen2 tokenizer several times
+def test_a_dataset_knows_whether_its_ids_are_the_models(tmp_path):
+    """Its ids mean the model's tokens when it was prepared with that tokenizer (the file
+    itself or a copy elsewhere); byte-level data against a tokenizer.json, or two different
+    tokenizer.json files, are refused in one line saying what to do."""
+    text = write(tmp_path / "t.txt", TEXT)
+    prepare([text], tmp_path / "qwen", str(QWEN2), val_fraction=0)
+    prepare([text], tmp_path / "bytes", "bytes", val_fraction=0)
+    prepare([corpus(tmp_path)], tmp_path / "bpe", "bpe:300", val_fraction=0)
+    qwen, copy = str(QWEN2 / "tokenizer.json.gz"), str(tmp_path / "qwen" / "tokenizer.json")
+    for name, spec in (("qwen", qwen), ("qwen", copy), ("bytes", "bytes"), ("bpe", str(tmp_path / "bpe"))):
+        Dataset(tmp_path / name).check_tokenizer(spec, "never said")
+    for name, spec, used in (("bytes", qwen, "bytes (no tokenizer)"), ("qwen", "bytes", qwen),
+                             ("bpe", copy, "bpe:300")):
+        with pytest.raises(DataError) as e:
+            Dataset(tmp_path / name).check_tokenizer(spec, "prepare it again")
+        want = (f"dataset {tmp_path / name} was tokenized with {used} but the model uses "
+                f"{'bytes (no tokenizer)' if spec == 'bytes' else spec}: the same ids mean other tokens to it; "
+                "prepare it again")
+        assert str(e.value) == want
+
+
 def test_bad_input_never_replaces_a_committed_dataset(tmp_path):
     meta = prepare([corpus(tmp_path)], tmp_path / "ds")
     with pytest.raises(DataError, match="already exists"):
@@ -295,3 +317,16 @@ def test_documents_start_with_bos_where_the_tokenizer_adds_one(tmp_path, bos_tem
 
         hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
         assert expected == [i for t in DOCS for i in hf(t)["input_ids"] + [eos]]
+
+
+def test_prepare_shows_progress_on_a_terminal_only(tmp_path, capsys, monkeypatch):
+    from mtjax import terminal
+
+    prepare([corpus(tmp_path)], tmp_path / "ds", val_fraction=0)
+    assert capsys.readouterr().err == ""  # not a terminal: nothing (a log gets no carriage returns)
+    monkeypatch.setattr(terminal, "columns", lambda stream: 80)
+    monkeypatch.setattr(terminal, "SHOW_AFTER_S", 0)  # as if it had taken long
+    prepare([corpus(tmp_path)], tmp_path / "ds", val_fraction=0, overwrite=True)
+    assert "tokenizing" in capsys.readouterr().err
+    prepare([corpus(tmp_path)], tmp_path / "bpe", "bpe:300", val_fraction=0)
+    assert "training the tokenizer" in capsys.readouterr().err

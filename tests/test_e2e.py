@@ -185,3 +185,41 @@ def test_readme_shows_exactly_these_commands():
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [shlex.split(line, comments=True) for line in block.replace("\\\n", " ").splitlines()]
     assert commands == [["mtjax", *c] for c in (IMPORT, PREPARE, PREPARE_BYTES, TRAIN, EVAL, GENERATE, PLOT, EXPORT)]
+
+
+def test_readme_chat_eval_works_as_written(workdir):
+    """README.md's "Fine-tuning on chat data": its `data prepare` and `eval` commands as
+    written, on the shipped chat data, with the tiny Qwen2 checkpoint (and its template)
+    for $CKPT and, as the fine-tuned $R/final, the same checkpoint (a real fine-tune of
+    the 494M model is no test). The held-out split holds fewer rows than eval's default
+    8 batches of 8: eval uses the rows there are and says so."""
+    import shlex
+
+    cwd = workdir
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("## Fine-tuning on chat data\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [shlex.split(line, comments=True) for line in block.replace("\\\n", " ").splitlines()]
+    variables = dict(line[0].split("=", 1) for line in lines if len(line) == 1 and "=" in line[0])
+    commands = {line[1]: line[2:] for line in lines if line[:1] == ["mtjax"]}
+    assert variables.keys() == {"CKPT", "R"} and {"data", "eval"} <= commands.keys(), lines
+    for where in (cwd / variables["CKPT"], cwd / variables["R"] / "final"):
+        shutil.copytree(cwd / "qwen2-tiny", where)
+        config = json.loads((where / "config.json").read_text())
+        (where / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))  # Qwen2.5's
+    (cwd / "experiments/data").mkdir(parents=True)
+    shutil.copy(Path(__file__).parents[1] / "experiments/data/kjv-chat.jsonl.gz", cwd / "experiments/data")
+
+    def expand(args):
+        return [a.replace("$CKPT", variables["CKPT"]).replace("$R", variables["R"]) for a in args]
+
+    mtjax(cwd, ["data", *expand(commands["data"])])
+    (line, note), = mtjax(cwd, ["eval", *expand(commands["eval"])])
+    meta = json.loads((cwd / "data/kjv-chat/meta.json").read_text())
+    start, stop = meta["splits"]["val"]
+    rows = (stop - start) // 1024
+    assert 0 < rows < 64, meta  # fewer held-out rows than 8 batches of 8
+    batches, per = (rows // min(rows, 8), min(rows, 8))
+    assert note.strip() == (f"mtjax eval: the val split holds {rows:,} rows of 1024 tokens: evaluated {batches} "
+                            f"batch{'es' * (batches != 1)} of {per} row{'s' * (per != 1)} (asked for 8 batches of "
+                            "8 rows)"), note
+    assert line.startswith("val loss ") and "tokens the loss mask keeps" in line, line

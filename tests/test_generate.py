@@ -231,14 +231,42 @@ def test_chat_renders_the_template_and_stops_at_its_end_of_turn(tmp_path, monkey
     answer, end = tok.encode(" God created"), tok.encode("<|im_end|>")[0]
     seen = {}
 
-    def sample_loop(cfg, params, buffer, prompt_len, *args):  # the model's answer, then an end of turn
+    def sample_loop(cfg, params, buffer, prompt_len, stop, *args):  # the model's answer, then an end of turn
         seen["prompt"] = np.asarray(buffer)[0, :prompt_len].tolist()
         out = np.asarray(buffer).copy()
         new = (answer + [end] + answer)[:out.shape[1] - prompt_len]
         out[0, prompt_len:prompt_len + len(new)] = new
-        return out
+        return out, args[-1]
 
     monkeypatch.setattr(generate, "_sample_loop", sample_loop)
     assert cli.main(["generate", str(ckpt), "--chat", "--prompt", "In the beginning?", "--tokens", "6"]) == 0
     assert seen["prompt"] == want_prompt[-(CFG.max_position_embeddings - 6):]
     assert capsys.readouterr().out == " God created\n"
+
+
+@pytest.mark.parametrize("prompt, tokens, says", [
+    ("x" * 30, 1, "--prompt (30 tokens) and --tokens 1 need 31 positions, more than the model's context of 24 "
+                  "(max_position_embeddings); shorten --prompt to fewer than 24 tokens"),
+    ("Hi", 10**9, "--prompt (2 tokens) and --tokens 1000000000 need 1,000,000,002 positions, more than the "
+                  "model's context of 24 (max_position_embeddings); lower --tokens to 22 or less"),
+    ("", 24, "--prompt (1 token) and --tokens 24 need 25 positions"),  # an empty prompt starts from one token
+])
+def test_generate_refuses_what_does_not_fit_the_context(tmp_path, monkeypatch, capsys, prompt, tokens, says):
+    """A prompt and --tokens that together pass the model's context are one line saying
+    what to lower, before any weight is read (the library's `generate` cuts the prompt instead)."""
+    ckpt = tmp_path / "ckpt"
+    hf.save_params(CFG, model.init_params(CFG, seed=1), ckpt)
+    monkeypatch.setattr(generate_command, "load_weights", lambda *a: pytest.fail("read the weights"))
+    assert cli.main(["generate", str(ckpt), "--tokenizer", "bytes", "--prompt", prompt, "--tokens", str(tokens)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mtjax generate: error: {says}") and err.count("\n") == 1, err
+
+
+@pytest.mark.slow  # compiles a decode loop
+def test_sampling_in_pieces_gives_the_same_tokens(params, monkeypatch):
+    """The loop runs PROGRESS_TOKENS positions per call (a progress bar moves between
+    calls); the key carries over, so sampled tokens are those of a single call."""
+    whole = generate.generate(CFG, params, [3, 14], 20, temperature=1.0, top_k=0, seed=5)
+    monkeypatch.setattr(generate, "PROGRESS_TOKENS", 3)
+    assert generate.generate(CFG, params, [3, 14], 20, temperature=1.0, top_k=0, seed=5) == whole
+    assert len(set(whole)) > 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -254,8 +255,62 @@ def test_store_for_another_config(filled, tmp_path):
     with pytest.raises(StoreError, match="comes from another store"):
         mtjax.store.open(tmp_path / "s")
     (tmp_path / "s" / layout.STORE_ID).unlink()
+    older = json.loads((tmp_path / "s" / layout.MANIFEST).read_text())
+    (tmp_path / "s" / layout.MANIFEST).write_text(json.dumps({**older, "store_id": None}))  # as before STORE_ID
     with pytest.raises(StoreError, match="different models"):
         mtjax.store.open(tmp_path / "s")
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("name, says", [
+    (layout.MANIFEST, "has lost its manifest.json (the commit point naming which of its files hold the last step) "
+                      "but still holds data (parts/, train_state/): it cannot be opened, and nothing in it was "
+                      "changed; put back manifest.json from a backup of this store, or delete"),
+    (layout.STORE_ID, "has lost its STORE_ID file, which identifies it; if manifest.json is this store's own, "
+                      "write its store_id back: echo "),
+    (layout.SCHEMA, "has lost its schema.json file (the shape and dtype of every array it holds): it cannot be "
+                    "opened; put back schema.json"),
+])
+def test_a_store_missing_an_identity_file_is_refused_and_kept(filled, tmp_path, name, says):
+    """Each file that identifies a store, deleted: opening it (to read or to write) says
+    which file is missing and what to do, and changes nothing; put back, it opens again."""
+    store, vals = filled
+    store.commit(2, {"step": 2})
+    store.close()
+    root = tmp_path / "s"
+    saved = (root / name).read_bytes()
+    (root / name).unlink()
+    before = files_of(root)
+    for writable in (False, True):
+        with pytest.raises(StoreError, match=re.escape(says)):
+            mtjax.store.open(root, writable=writable)
+    assert files_of(root) == before | ({layout.LOCK: b""} if layout.LOCK not in before else {})
+    if name == layout.STORE_ID:  # the message's own fix
+        (root / name).write_text(json.loads((root / layout.MANIFEST).read_text())["store_id"] + "\n")
+    else:
+        (root / name).write_bytes(saved)
+    with mtjax.store.open(root) as reopened:
+        assert reopened.step == 2 and same(read_all(reopened), vals)
+
+
+def test_a_trainer_keeps_a_store_whose_manifest_is_gone(filled, tmp_path):
+    """A run's store without its manifest is not taken for the leftover of a stopped
+    creation (which a run removes and starts over): the run is refused, the data kept."""
+    from mtjax import checkpoint
+    from mtjax import config
+
+    store, _ = filled
+    store.close()
+    root = tmp_path / "s"
+    (root / layout.MANIFEST).unlink()
+    before = files_of(root)
+    exp = config.load(None, [f"store.path={root}", f"run.dir={tmp_path / 'run'}"])
+    with pytest.raises(StoreError, match="has lost its manifest.json"):
+        checkpoint.open_run_store(exp, CFG)
+    assert files_of(root) == before
 
 
 def test_manifest_of_a_twin_store_is_refused(tmp_path):

@@ -93,3 +93,20 @@ def test_disk_full_when_writing_the_manifest(disk):
     store.commit(2, {"step": 2})
     committed(root, 2, 2)
     store.close()
+
+
+def test_import_onto_a_full_disk_names_the_destination(disk, tmp_path, capsys):
+    """`mtjax import` that runs out of space names the store directory the user gave and
+    says to free space; neither the store nor its staging directory is left behind."""
+    import hf_models
+    from mtjax import cli
+
+    ckpt, _ = hf_models.checkpoint(tmp_path, "qwen2", hidden_size=64, intermediate_size=128,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    small_disk.fill(disk, leave=256 << 10)  # the embedding fits, a block does not
+    capsys.readouterr()  # transformers' own progress while saving the checkpoint
+    assert cli.main(["import", str(ckpt), str(disk / "store")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"mtjax import: error: cannot write the store at {disk / 'store'}: No space left on device; "
+                   "free space on that disk or choose another location; nothing was created there")
+    assert sorted(p.name for p in disk.iterdir()) == ["ballast"]

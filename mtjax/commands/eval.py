@@ -5,12 +5,11 @@ prompt-completion data, over the tokens its loss mask keeps (the answers), as tr
 from __future__ import annotations
 
 import math
+import sys
 
-import mtjax.store
 from mtjax import data
-from mtjax.commands.generate import check_source, is_store, tokenizer_of
+from mtjax.commands.generate import check_source, is_store, model_config, tokenizer_of
 from mtjax.errors import MtjaxError
-from mtjax.model_config import load_hf_config
 from mtjax.run import evaluate_checkpoint
 
 
@@ -28,15 +27,11 @@ def register(subparsers) -> None:
 
 
 _FLAGS = {"data.seq_len / data.batch_size / data.grad_accum": "--seq-len / --batch-size",
-          "--data.tokenizer": "--tokenizer"}
+          "--data.tokenizer": "--tokenizer", "data.seq_len": "--seq-len"}
 
 
-def model_config(path):
-    """The model config of a layer store or an HF checkpoint directory (no weights read)."""
-    if is_store(path):
-        with mtjax.store.open(path) as store:
-            return store.config
-    return load_hf_config(path)
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n:,} {one if n == 1 else many}"
 
 
 def run(args) -> int:
@@ -59,6 +54,11 @@ def run(args) -> int:
         for key, flag in _FLAGS.items():
             message = message.replace(key, flag)
         raise data.DataError(message) from None
+    if (result.batches, result.rows) != (args.batches, args.batch_size):  # the split holds fewer windows
+        print(f"mtjax eval: the {args.split} split holds {result.windows:,} rows of {args.seq_len} tokens: "
+              f"evaluated {_count(result.batches, 'batch', 'batches')} of {_count(result.rows, 'row', 'rows')} "
+              f"(asked for {_count(args.batches, 'batch', 'batches')} of {_count(args.batch_size, 'row', 'rows')})",
+              file=sys.stderr)
     over = f"  over the {result.targets:,} tokens the loss mask keeps" if result.masked else ""
     print(f"{args.split} loss {result.loss:.4f}  perplexity {math.exp(min(result.loss, 50)):.2f}{over}")
     return 0

@@ -13,8 +13,9 @@ import mtjax.store
 from mtjax import data, generate
 from mtjax.data import chat
 from mtjax.errors import MtjaxError
+from mtjax.model_config import load_hf_config
 from mtjax.run import checkpoint_tokenizer, load_weights
-from mtjax.store import tokenizer
+from mtjax.store import layout, tokenizer
 from mtjax.stream.sample import StreamSampler
 
 
@@ -36,7 +37,8 @@ def register(subparsers) -> None:
 
 
 def is_store(path) -> bool:
-    return (Path(path) / "manifest.json").exists()
+    """Whether `path` is a layer store (opening it refuses one missing an identity file)."""
+    return layout.is_store(path)
 
 
 def check_source(path) -> None:
@@ -45,6 +47,14 @@ def check_source(path) -> None:
         what = "it does not exist" if not Path(path).exists() else "it has no manifest.json or config.json"
         raise MtjaxError(f"no store or checkpoint at {path} ({what}); pass a layer store, a run's final/ "
                          "directory or a Hugging Face checkpoint directory")
+
+
+def model_config(path):
+    """The model config of a layer store or an HF checkpoint directory (no weights read)."""
+    if is_store(path):
+        with mtjax.store.open(path) as store:
+            return store.config
+    return load_hf_config(path)
 
 
 def tokenizer_of(path, spec: str | None):
@@ -95,6 +105,8 @@ def run(args) -> int:
     if args.chat:
         prompt, kwargs["eos_id"] = chat_prompt(args.checkpoint, tokenizer, args.prompt)
         kwargs["add_bos"] = False  # the template writes what the conversation starts with
+    generate.check_fits(model_config(args.checkpoint), generate.prompt_ids(tokenizer, prompt, not args.chat),
+                        args.tokens, ("the chat prompt" if args.chat else "--prompt", "--tokens"))
     if is_store(args.checkpoint):
         with mtjax.store.open(args.checkpoint) as store:  # read-only: a trainer may hold the writer lock
             text = StreamSampler(store).complete(tokenizer, prompt, args.tokens, **kwargs)

@@ -104,6 +104,22 @@ class Dataset:
             raise DataError(f"dataset {self.path} has token ids up to {top} but the model's vocabulary "
                             f"is {model_vocab}; set model.vocab_size >= {top + 1} or use a matching tokenizer")
 
+    def check_tokenizer(self, spec: str, advice: str, name: str | None = None) -> None:
+        """Raise unless the ids of this dataset mean the same tokens to the tokenizer `spec`
+        names (the model's): `advice` says what to do instead; `name`: the dataset's, for
+        the user (default: its path)."""
+        source = self.meta.get("tokenizer_source", self.meta["tokenizer"])
+        if source == spec or spec != "bytes" and source != "bytes" and Path(source).resolve() == Path(spec).resolve():
+            return  # prepared with that very tokenizer
+        if spec != "bytes" and source != "bytes" and toklib.same_ids(self.tokenizer(), toklib.load(spec)):
+            return  # another copy of it
+        raise DataError(f"{name or f'dataset {self.path}'} was tokenized with {_named(source)} but the model uses "
+                        f"{_named(spec)}: the same ids mean other tokens to it; {advice}")
+
+
+def _named(spec: str) -> str:
+    return "bytes (no tokenizer)" if spec == "bytes" else spec
+
 
 class Loader:
     """[accum, batch, seq] batches over one split, resumable from a cursor: int32 token

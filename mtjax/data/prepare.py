@@ -19,15 +19,13 @@ import io
 import json
 import os
 import shutil
-import sys
 from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-from tqdm import tqdm
 
-from mtjax import writable
+from mtjax import terminal, writable
 from mtjax.data import chat, pack, supervised, tables
 from mtjax.data import format as fmt
 from mtjax.data import tokenizer as toklib
@@ -36,7 +34,6 @@ from mtjax.data.format import DataError
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 CHUNK_CHARS = 1 << 20  # plain text is tokenized in ~1 MiB pieces cut at line ends
-PROGRESS_BYTES = 16 << 20  # show a progress bar for inputs larger than this
 BUILTIN = "builtin:"
 LOCAL_TOKENIZER = "./" + toklib.TOKENIZER_FILE  # meta.json's name for the copy in the dataset dir
 
@@ -260,7 +257,8 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
         _check_rows(format, seq_len, packing, train_on, tokenizer)
     total_bytes = sum(f.stat().st_size for f in files)
     if tokenizer.startswith("bpe:"):
-        tok = toklib.train_bpe(tokenizer, (text for text, _ in documents(files, text_field)))
+        with terminal.bar(total_bytes, "training the tokenizer", unit="B", unit_scale=True) as bar:
+            tok = toklib.train_bpe(tokenizer, (text for text, _ in documents(files, text_field, bar.update)))
     else:
         tok = toklib.load(tokenizer)
     template = None if tok.spec == "bytes" else chat.find(tokenizer)
@@ -272,8 +270,7 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
-               disable=total_bytes < PROGRESS_BYTES or not sys.stderr.isatty(), leave=False)  # no \r in logs
+    bar = terminal.bar(total_bytes, "tokenizing", unit="B", unit_scale=True)
     try:
         tmp.mkdir()
         with bar:

@@ -108,6 +108,15 @@ class HFTokenizer:
         self._tok.save(str(Path(out_dir) / TOKENIZER_FILE))
 
 
+def same_ids(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether every id means the same token to `a` and `b`: what a model that learned one
+    tokenizer's ids needs of data prepared with the other (how text is cut may differ)."""
+    if isinstance(a, HFTokenizer) and isinstance(b, HFTokenizer):
+        return a.eos_id == b.eos_id and (a._tok.get_vocab(with_added_tokens=True)
+                                         == b._tok.get_vocab(with_added_tokens=True))
+    return a.spec == b.spec == "bytes"
+
+
 def copy_hf_files(src_dir: Path, dst_dir: Path) -> list[str]:
     """Copy the tokenizer files `src_dir` holds (of HF_FILES, each possibly gzipped as
     NAME.gz, which is written unzipped: transformers reads no .gz) into `dst_dir`; their names."""

@@ -84,6 +84,7 @@ def gather(futures: list[tuple[str, object]], result, on_error: Callable[[str, B
             error = None
         except Exception as e:  # I/O, checksum and disk-full failures of one leaf
             error = on_error(leaf, e)
+            error.__cause__ = error.__cause__ or e  # the OSError stays reachable (e.g. mtjax.store.fill words it)
         with lock:
             if error is not None and state["error"] is None:
                 state["error"] = error

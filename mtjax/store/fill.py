@@ -8,12 +8,13 @@ a half-filled store at the destination.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 
 import numpy as np
 
-from mtjax import parts, precision, treepath
+from mtjax import parts, precision, treepath, writable
 from mtjax.store.durable import fsync_path
 from mtjax.store import store as store_mod
 from mtjax.store.errors import StoreError
@@ -41,6 +42,19 @@ def check_destination(dest: Path) -> None:
         raise StoreError(f"{dest} already exists and is not empty; choose a new store directory")
 
 
+def _reason(e: BaseException) -> str:
+    """Why writing a new store failed, and what to do: the OSError `e` is or was raised
+    from (a store's write and commit errors keep it), else the one a tensorstore error
+    names in its text (creating an array), else `e`'s own words."""
+    cause = e
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        return writable.describe(OSError(cause.errno, cause.strerror or str(cause)))
+    named = [code for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES) if os.strerror(code) in str(e)]
+    return writable.describe(OSError(named[0], os.strerror(named[0]))) if named else str(e)
+
+
 def _dead(pid: str) -> bool:
     """Whether `pid` names a process that no longer exists."""
     if not pid.isdigit():
@@ -57,7 +71,7 @@ def _dead(pid: str) -> bool:
 @contextlib.contextmanager
 def staged(dest: str | Path, cfg, tx, copies: int = 2):
     """Yield a writable store in a temporary sibling of `dest`; rename it to `dest` on success."""
-    dest = Path(dest).absolute()
+    given, dest = Path(dest), Path(dest).absolute()
     check_destination(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     for old in dest.parent.glob(f".{dest.name}.partial-*"):  # left by an import that crashed
@@ -74,8 +88,12 @@ def staged(dest: str | Path, cfg, tx, copies: int = 2):
             dest.rmdir()  # empty (checked above)
         os.replace(tmp, dest)
         fsync_path(dest.parent)  # the store's name is durable, not just its contents
-    except OSError as e:
-        raise StoreError(f"cannot write the store at {dest} ({e.strerror or e}); nothing was created there") from None
+    except (OSError, StoreError) as e:
+        if isinstance(e, StoreError) and str(tmp) not in str(e):
+            raise  # not about writing the new store (e.g. an unreadable checkpoint)
+        # The staging directory is ours, not the user's: the error names the destination.
+        reason = _reason(e).replace(str(tmp), str(given))
+        raise StoreError(f"cannot write the store at {given}: {reason}; nothing was created there") from None
     finally:
         if store is not None:
             store.close()

@@ -42,7 +42,23 @@ TRAIN_STATE_DIR = "train_state"
 PENDING_DIR = "pending"
 TOKENIZER_DIR = "tokenizer"
 SLOTS = ("a", "b")
+# The files that make a directory a store: a directory with any of them is one (perhaps
+# with one missing), and is opened (and refused in one line) rather than taken for another.
+IDENTITY = (MANIFEST, SCHEMA, STORE_ID)
+# What holds a store's data once it has been written: not empty in a store whose manifest was
+# deleted, empty in the leftover of a store creation stopped before its manifest.
+DATA_DIRS = (PARTS_DIR, TRAIN_STATE_DIR, PENDING_DIR, TOKENIZER_DIR)
 CHUNK_BYTES = 16 << 20  # 4-32 MiB chunks read fastest; one chunk decodes on one thread (docs/store.md)
+
+
+def is_store(root) -> bool:
+    """Whether `root` is a store directory (its identity files may be incomplete)."""
+    return any((Path(root) / name).exists() for name in IDENTITY)
+
+
+def data_held(root) -> list[str]:
+    """The data directories of `root` that hold something (DATA_DIRS)."""
+    return [name for name in DATA_DIRS if (Path(root) / name).is_dir() and any((Path(root) / name).iterdir())]
 
 
 def pending_key(part: str, tag: str) -> str:

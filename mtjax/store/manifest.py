@@ -39,6 +39,11 @@ class Manifest:
 def read(root: Path, name: str = layout.MANIFEST) -> Manifest:
     path = root / name
     if not path.exists():
+        if name == layout.MANIFEST and layout.data_held(root):
+            raise StoreError(lost(root))
+        if name == layout.MANIFEST and layout.is_store(root):
+            raise StoreError(f"store {root} has no {layout.MANIFEST} and holds no weights (the leftover of a store "
+                             f"creation stopped before its first commit); delete {root} and create the store again")
         raise StoreError(f"{root} is not an mtjax store (no {layout.MANIFEST}); create one with `mtjax init` or `mtjax import`")
     try:
         d = json.loads(path.read_text())
@@ -59,6 +64,14 @@ def read(root: Path, name: str = layout.MANIFEST) -> Manifest:
                         pending=d.get("pending"), hosts=d.get("hosts"))
     except (KeyError, TypeError, ValueError) as e:
         raise StoreError(f"{path} lacks a valid {e} entry; restore the store from a backup") from None
+
+
+def lost(root: Path) -> str:
+    """The refusal of a store whose manifest is gone but whose data is still there."""
+    held = ", ".join(f"{name}/" for name in layout.data_held(root))
+    return (f"store {root} has lost its {layout.MANIFEST} (the commit point naming which of its files hold the "
+            f"last step) but still holds data ({held}): it cannot be opened, and nothing in it was changed; put "
+            f"back {layout.MANIFEST} from a backup of this store, or delete {root} yourself to start afresh")
 
 
 def write_atomic(path: Path, text: str) -> None:

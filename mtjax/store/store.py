@@ -122,6 +122,10 @@ class Store:
         """A manifest copied from another store (even one at the same step) is refused."""
         id_file = self.root / layout.STORE_ID
         ours = id_file.read_text().strip() if id_file.exists() else None
+        if ours is None and self._manifest.store_id is not None:  # stores made before STORE_ID have neither
+            raise StoreError(f"store {self.root} has lost its {layout.STORE_ID} file, which identifies it; if "
+                             f"{layout.MANIFEST} is this store's own, write its store_id back: "
+                             f"echo {self._manifest.store_id} > {id_file}")
         if ours is not None and self._manifest.store_id != ours:
             raise StoreError(f"{self.root / layout.MANIFEST} comes from another store (id {self._manifest.store_id}, "
                              f"this store is {ours}); put back this store's own manifest.json")
@@ -221,6 +225,10 @@ class Store:
 
     def _read_schema(self) -> dict:
         path = self.root / layout.SCHEMA
+        if not path.exists():
+            raise StoreError(f"store {self.root} has lost its {layout.SCHEMA} file (the shape and dtype of every "
+                             f"array it holds): it cannot be opened; put back {layout.SCHEMA} from a backup of this "
+                             "store")
         try:
             schemas = layout.schema_from_json(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as e:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import generate, model, parts, treepath
+from mtjax import generate, model, parts, terminal, treepath
 from mtjax.layers import registry
 from mtjax.model_config import ModelConfig
 from mtjax.stream.blockfns import block_fns
@@ -93,10 +93,12 @@ class StreamSampler:
         tokens, new = self.pool.placement.tokens(np.asarray([prompt], np.int32)), []
         prefetch = Prefetcher(self.names * passes, self._load, depth=1, name="mtjax-sample-prefetch")
         try:
-            for n in range(passes):
-                start = 0 if n == 0 else len(prompt) + n - 1  # the prompt, then the last new token
-                tokens, key = self._pass(prefetch, tokens, start, caches, key, sampling)
-                new.append(tokens)
+            with terminal.bar(passes, "sampling", unit="token") as bar:
+                for n in range(passes):
+                    start = 0 if n == 0 else len(prompt) + n - 1  # the prompt, then the last new token
+                    tokens, key = self._pass(prefetch, tokens, start, caches, key, sampling)
+                    new.append(tokens)
+                    bar.update()
         finally:
             prefetch.close()
             self.ledger.free(tree_bytes(caches))
@@ -128,7 +130,6 @@ class StreamSampler:
                  **kwargs) -> str:
         """Like mtjax.generate.complete (the same prompt ids, BOS included), with the weights
         streamed from the store."""
-        bos = [] if tokenizer.bos_id is None or not add_bos else [tokenizer.bos_id]
         eos_id = tokenizer.eos_id if eos_id is None else eos_id
-        ids = self.generate(bos + tokenizer.encode(prompt), max_new_tokens, eos_id=eos_id, **kwargs)
+        ids = self.generate(generate.prompt_ids(tokenizer, prompt, add_bos), max_new_tokens, eos_id=eos_id, **kwargs)
         return tokenizer.decode(ids)
