@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from mtjax import textfile
 from mtjax.data.format import FORMATS, PACKING, TRAIN_ON
 from mtjax.model_config import ConfigError, ModelConfig, RopeScaling, load_hf_config
 from mtjax.optim import OptimConfig
@@ -396,7 +397,7 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"experiment file {path} does not exist; see experiments/ for examples")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(textfile.read(path)) or {}
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""

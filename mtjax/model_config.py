@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mtjax import textfile
 from mtjax.errors import MtjaxError
 
 LLAMA4 = "llama4_text"
@@ -577,7 +578,7 @@ def load_hf_config(path: str | Path, **overrides) -> ModelConfig:
     if not file.exists():
         raise ConfigError(f"no config.json at {file}: point at a Hugging Face checkpoint directory")
     try:
-        hf = json.loads(file.read_text())
+        hf = json.loads(textfile.read(file))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{file} is not valid JSON ({e})") from None
     return from_hf_dict(hf, **overrides)

@@ -37,7 +37,7 @@ import numpy as np
 
 import mtjax.store
 from mtjax.store import shards
-from mtjax import checkpoint
+from mtjax import checkpoint, textfile
 from mtjax import config as config_lib
 from mtjax import data, distributed, documents, generate, hf, model, preflight
 from mtjax import reference as reference_mod
@@ -153,7 +153,7 @@ def checkpoint_tokenizer(ckpt_dir: str | Path, spec: str | None = None):
     if (ckpt_dir / "tokenizer.json").exists():
         return data.load_tokenizer(str(ckpt_dir / "tokenizer.json"))
     state = ckpt_dir / checkpoint.EXPORT_NOTE
-    if state.exists() and json.loads(state.read_text()).get("tokenizer") == "bytes":
+    if state.exists() and json.loads(textfile.read(state)).get("tokenizer") == "bytes":
         return data.ByteTokenizer()
     raise data.DataError(f"{ckpt_dir} holds no tokenizer; pass --tokenizer bytes or a tokenizer.json")
 

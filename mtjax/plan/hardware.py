@@ -16,6 +16,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from mtjax import textfile
 from mtjax.errors import MtjaxError
 
 GB = 10**9
@@ -179,7 +180,7 @@ def load(name_or_path: str | Path) -> HardwareProfile:
             f"no hardware profile {key!r}: use one of {', '.join(BUILTIN)} or a JSON file from `mtjax probe --out`"
         )
     try:
-        fields = json.loads(path.read_text())
+        fields = json.loads(textfile.read(path))
     except json.JSONDecodeError as e:
         raise HardwareError(f"{path} is not valid JSON ({e}); re-run `mtjax probe --out {path}`") from None
     known = {f.name for f in dataclasses.fields(HardwareProfile)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mtjax import textfile
 from mtjax.data import Dataset
 from mtjax.data import format as fmt
 from mtjax.data import tokenizer as toklib
@@ -67,6 +68,6 @@ def export_source(store) -> Path | None:
 
 def _same_tokenizer(a: Path, b: Path) -> bool:
     try:
-        return json.loads(a.read_text()) == json.loads(b.read_text())
+        return json.loads(textfile.read(a)) == json.loads(textfile.read(b))
     except (ValueError, UnicodeDecodeError):
         return False  # e.g. a gzipped tokenizer.json: export it as it is
