@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from mtjax import textfile
+from mtjax import textfile, writable
 from mtjax.data.format import FORMATS, PACKING, TRAIN_ON
 from mtjax.model_config import ConfigError, ModelConfig, RopeScaling, load_hf_config
 from mtjax.optim import OptimConfig
@@ -297,7 +297,8 @@ def to_yaml(exp: ExperimentConfig) -> str:
 
 
 def dump(exp: ExperimentConfig, path: str | Path) -> None:
-    Path(path).write_text(to_yaml(exp))
+    with writable.writing(path):  # a full disk's OSError names the file
+        Path(path).write_text(to_yaml(exp))
 
 
 def from_dict(tree: dict) -> ExperimentConfig:

@@ -107,8 +107,9 @@ class Progress:
         self.close()
 
     def _write(self, record: dict) -> None:
-        self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()  # the file stays readable (plots, tail -f) while training runs
+        with writable.writing(self._metrics.name):  # a full disk's OSError names the file
+            self._metrics.write(json.dumps(record) + "\n")
+            self._metrics.flush()  # the file stays readable (plots, tail -f) while training runs
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):

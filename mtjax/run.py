@@ -37,7 +37,7 @@ import numpy as np
 
 import mtjax.store
 from mtjax.store import shards
-from mtjax import checkpoint, textfile
+from mtjax import checkpoint, textfile, writable
 from mtjax import config as config_lib
 from mtjax import data, distributed, documents, generate, hf, model, preflight
 from mtjax import reference as reference_mod
@@ -402,7 +402,8 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
         "sample": sample,
     }
     if lead:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        with writable.writing(run_dir / "summary.json"):  # a full disk's OSError names the file
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
