@@ -297,8 +297,7 @@ def to_yaml(exp: ExperimentConfig) -> str:
 
 
 def dump(exp: ExperimentConfig, path: str | Path) -> None:
-    with writable.writing(path):  # a full disk's OSError names the file
-        Path(path).write_text(to_yaml(exp))
+    writable.write_text(path, to_yaml(exp))
 
 
 def from_dict(tree: dict) -> ExperimentConfig:

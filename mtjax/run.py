@@ -402,8 +402,7 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
         "sample": sample,
     }
     if lead:
-        with writable.writing(run_dir / "summary.json"):  # a full disk's OSError names the file
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        writable.write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 

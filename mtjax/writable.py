@@ -9,7 +9,8 @@ Writers in other libraries report a full or read-only disk in their own way: tok
 and safetensors raise their own exception types with the OS error as "(os error 28)" in
 the text, matplotlib and others an OSError without the file's name. `os_error` turns any
 of these back into an OSError, and `writing(path)`, around such a call, makes it one that
-names the path, so the command line prints it as one line (mtjax.cli).
+names the path, so the command line prints it as one line (mtjax.cli). `write_text`
+writes a small file (a run's config.yaml, summary.json) whole or not at all.
 """
 
 from __future__ import annotations
@@ -71,6 +72,22 @@ def writing(path: str | Path):
         if err is None:
             raise
         raise OSError(err.errno, err.strerror, err.filename or str(path)) from None
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write a small file whole or not at all: a sibling temporary file renamed into place,
+    removed again when the disk is full or read-only (the OSError then names `path`)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):  # nothing there, or nowhere to remove it from
+            tmp.unlink()
+        if isinstance(e, OSError):
+            raise OSError(e.errno, e.strerror, str(path)) from None  # the user's file, not the temporary one
+        raise
 
 
 def check(path: str | Path, what: str, kind: str = "directory") -> Path:

@@ -161,6 +161,16 @@ def test_a_library_error_carrying_an_os_error_becomes_one(tmp_path):
         raise ValueError("not about the disk")  # anything else goes on as it was
 
 
+def test_a_run_file_on_a_bad_disk_is_whole_or_absent(bad_disk):
+    """config.yaml and summary.json (mtjax.writable.write_text): one line naming the file,
+    and neither it nor its temporary file left behind."""
+    where, expect = bad_disk
+    with pytest.raises(OSError) as e:
+        writable.write_text(where / "summary.json", "x" * (256 << 10))
+    assert cli._one_line(e.value).startswith(f"{where / 'summary.json'}: ") and expect in cli._one_line(e.value)
+    assert not [p for p in where.iterdir() if p.name != "ballast"]
+
+
 def test_plot_on_a_bad_disk_leaves_no_partial_image(bad_disk, tmp_path, capsys):
     where, _ = bad_disk
     run = tmp_path / "run"
