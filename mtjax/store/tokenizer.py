@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mtjax import textfile
 from mtjax.data import Dataset
 from mtjax.data import format as fmt
 from mtjax.data import tokenizer as toklib
@@ -68,6 +67,6 @@ def export_source(store) -> Path | None:
 
 def _same_tokenizer(a: Path, b: Path) -> bool:
     try:
-        return json.loads(textfile.read(a)) == json.loads(textfile.read(b))
+        return json.loads(a.read_text()) == json.loads(b.read_text())
     except (ValueError, UnicodeDecodeError):
         return False  # e.g. a gzipped tokenizer.json: export it as it is
