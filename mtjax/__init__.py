@@ -11,17 +11,34 @@ The Python API (see README.md for a walk-through):
     mtjax.save_params(cfg, params, "out_dir")                 # a Hugging Face checkpoint
 """
 
+import importlib
+
 from mtjax import cpu_pool
 
 cpu_pool.ensure()  # before any mtjax code starts JAX's backend
 
-from mtjax.hf import CheckpointError, load_params, save_params  # noqa: I001 (after cpu_pool.ensure)
-from mtjax.loss import cross_entropy
-from mtjax.model import abstract_block, abstract_params, forward, init_params
-from mtjax.model_config import ConfigError, ModelConfig, from_hf_dict, load_hf_config, to_hf_dict
-from mtjax.optim import OptimConfig, make_optimizer
-from mtjax.reference import ReferenceTrainer, loss_fn
-from mtjax.reference import train as train_reference
+# The API's names, imported when first used: `import mtjax` (and so the `mtjax` command,
+# before it has installed its Ctrl-C handler and checked the environment) imports no JAX.
+_API = {
+    "CheckpointError": "mtjax.hf", "load_params": "mtjax.hf", "save_params": "mtjax.hf",
+    "cross_entropy": "mtjax.loss",
+    "abstract_block": "mtjax.model", "abstract_params": "mtjax.model", "forward": "mtjax.model",
+    "init_params": "mtjax.model",
+    "ConfigError": "mtjax.model_config", "ModelConfig": "mtjax.model_config", "from_hf_dict": "mtjax.model_config",
+    "load_hf_config": "mtjax.model_config", "to_hf_dict": "mtjax.model_config",
+    "OptimConfig": "mtjax.optim", "make_optimizer": "mtjax.optim",
+    "ReferenceTrainer": "mtjax.reference", "loss_fn": "mtjax.reference", "train_reference": "mtjax.reference",
+}
+_RENAMED = {"train_reference": "train"}
+
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module 'mtjax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_API[name]), _RENAMED.get(name, name))
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 

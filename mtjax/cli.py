@@ -2,7 +2,16 @@
 
 A command module defines `register(subparsers)`, which adds its parser and sets
 `func=run` on it. Errors a user can fix print one line and exit non-zero (2; 130 for
-Ctrl-C); `--debug` shows the traceback.
+Ctrl-C); `--debug` shows the traceback. Besides mtjax's own errors, three kinds raised
+anywhere in a command are one line too (`_one_line`): an OSError (a full or read-only
+disk, also as a library words it: mtjax.writable), text that is not UTF-8
+(mtjax.textfile) and a JAX backend that cannot start (mtjax.environment, which also
+checks the environment before any command module, and so JAX, is imported).
+
+Ctrl-C: the handler below is installed before anything heavy is imported (`import mtjax`
+imports nothing of JAX's: mtjax/__init__.py), so a Ctrl-C while JAX is imported, the
+arguments are parsed or the config is loaded ends as any other, and once main() is done
+a late one is ignored (it would otherwise print a traceback from interpreter shutdown).
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ import signal
 import sys
 import threading
 
-from mtjax import writable
+from mtjax import environment, textfile, writable
 from mtjax.errors import MtjaxError
 
 # Order is the order of `mtjax --help`.
@@ -85,14 +94,34 @@ def _unraisable(unraisable) -> None:
         sys.__unraisablehook__(unraisable)
 
 
+def _one_line(e: Exception) -> str | None:
+    """The one line for an error a user can act on; None for a bug (shown with its traceback)."""
+    if isinstance(e, MtjaxError):
+        return str(e)
+    if isinstance(e, UnicodeError):
+        return textfile.describe(e)
+    err = writable.os_error(e)
+    return writable.describe(err) if err is not None else environment.backend_failure(e)
+
+
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # the `mtjax` process itself (tests call main(argv) in theirs)
+    process = argv is None  # the `mtjax` process itself (tests call main(argv) in theirs)
+    if process:
         sys.unraisablehook = _unraisable
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started with SIGINT ignored
             signal.signal(signal.SIGINT, _on_sigint)
         argv = sys.argv[1:]
+    try:
+        return _main(argv)
+    finally:
+        if process and signal.getsignal(signal.SIGINT) is _on_sigint:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the command is over: only exiting is left
+
+
+def _main(argv: list[str]) -> int:
     debug, command = "--debug" in argv[:1], "mtjax"
     try:
+        environment.check()
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
         if extra and not hasattr(args, "extra_args"):  # only commands that set extra_args take free-form options
@@ -110,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{command}: interrupted", file=sys.stderr)
         return 130
-    except (MtjaxError, OSError) as e:
-        if debug:
+    except Exception as e:
+        message = _one_line(e)
+        if debug or message is None:
             raise
-        message = writable.describe(e) if isinstance(e, OSError) else e
         print(f"{command}: error: {message}", file=sys.stderr)
         return 2
 

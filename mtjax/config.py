@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from mtjax import textfile, writable
 from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, EVERY, FRACTION, POSITIVE, STEPS, Range, out_of_range
 from mtjax.data.format import FORMATS, PACKING, TRAIN_ON
 from mtjax.model_config import ConfigError, ModelConfig, RopeScaling, load_hf_config
@@ -330,7 +331,7 @@ def to_yaml(exp: ExperimentConfig) -> str:
 
 
 def dump(exp: ExperimentConfig, path: str | Path) -> None:
-    Path(path).write_text(to_yaml(exp))
+    writable.write_text(path, to_yaml(exp))
 
 
 def from_dict(tree: dict) -> ExperimentConfig:
@@ -430,7 +431,7 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"experiment file {path} does not exist; see experiments/ for examples")
     try:
-        tree = _parse_yaml(path.read_text(), str(path)) or {}
+        tree = _parse_yaml(textfile.read(path), str(path)) or {}
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""

@@ -23,7 +23,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from mtjax import model
+from mtjax import model, textfile
 from mtjax.errors import MtjaxError
 from mtjax.model_config import LLAMA4, ModelConfig, differences, load_hf_config, to_hf_dict
 
@@ -143,7 +143,7 @@ class SafetensorsReader:
         index = self.dir / INDEX_FILE
         if index.exists():
             try:
-                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                files = sorted(set(json.loads(textfile.read(index))["weight_map"].values()))
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
                 raise CheckpointError(
                     f"{index} is not a safetensors index (no valid weight_map); re-download it"

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mtjax import jsonfile
+from mtjax import jsonfile, textfile
 from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, POSITIVE, out_of_range
 from mtjax.errors import MtjaxError
 from mtjax.layers.spec import DenseMLP, LayerSpec, MoE, Norms, Rope, SoftmaxAttention
@@ -591,7 +591,7 @@ def load_hf_config(path: str | Path, **overrides) -> ModelConfig:
     if not file.exists():
         raise ConfigError(f"no config.json at {file}: point at a Hugging Face checkpoint directory")
     try:
-        hf = jsonfile.loads(file.read_text(), str(file))
+        hf = jsonfile.loads(textfile.read(file), str(file))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{file} is not valid JSON ({e})") from None
     return from_hf_dict(hf, **overrides)

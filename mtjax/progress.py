@@ -24,7 +24,7 @@ from typing import TextIO
 import psutil
 from tqdm import tqdm
 
-from mtjax import terminal
+from mtjax import terminal, writable
 from mtjax.errors import MissingPackage
 from mtjax.plan import hardware
 
@@ -110,8 +110,9 @@ class Progress:
         self.close()
 
     def _write(self, record: dict) -> None:
-        self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()  # the file stays readable (plots, tail -f) while training runs
+        with writable.writing(self._metrics.name):  # a full disk's OSError names the file
+            self._metrics.write(json.dumps(record) + "\n")
+            self._metrics.flush()  # the file stays readable (plots, tail -f) while training runs
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
@@ -188,9 +189,35 @@ def device_memory_in_use() -> int | None:
 
 
 def _tensorboard_writer(run_dir: Path):
-
     try:
-        from tensorboardX import SummaryWriter  # an extra (mtjax[tensorboard]): the maintained writer
+        from tensorboardX.event_file_writer import EventsWriter  # an extra (mtjax[tensorboard]): the maintained writer
     except ImportError:
         raise MissingPackage("run.tensorboard", "tensorboardX", "tensorboard") from None
-    return SummaryWriter(str(Path(run_dir) / "tensorboard"))
+    return _Events(Path(run_dir) / "tensorboard", EventsWriter)
+
+
+class _Events:
+    """TensorBoard scalars written by the step that records them. (tensorboardX's
+    SummaryWriter writes from a thread that dies on a full disk, printing a traceback, and
+    its close() then waits forever; here a full or read-only disk is an OSError naming
+    the event file.)"""
+
+    def __init__(self, directory: Path, writer_class):
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
+        self._event, self._scalar = Event, scalar
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory
+        with writable.writing(directory):
+            self._writer = writer_class(str(directory / "events"))
+        self.path = Path(getattr(self._writer, "_file_name", directory))  # its name, for messages
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        with writable.writing(self.path):
+            self._writer.write_event(self._event(wall_time=time.time(), step=step, summary=self._scalar(tag, value)))
+            self._writer.flush()
+
+    def close(self) -> None:
+        with writable.writing(self.path):
+            self._writer.close()

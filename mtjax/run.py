@@ -38,7 +38,7 @@ import numpy as np
 import mtjax.store
 from mtjax.store import layout, shards
 from mtjax.store import tokenizer as store_tokenizer
-from mtjax import checkpoint
+from mtjax import checkpoint, textfile, writable
 from mtjax import config as config_lib
 from mtjax import data, distributed, documents, generate, hf, model, preflight, rundir, wandb_log
 from mtjax import reference as reference_mod
@@ -164,7 +164,7 @@ def tokenizer_spec(folder: str | Path) -> str | None:
         if (folder / name).is_file():
             return str((folder / name).resolve())
     state = folder / checkpoint.EXPORT_NOTE
-    if state.exists() and json.loads(state.read_text()).get("tokenizer") == "bytes":
+    if state.exists() and json.loads(textfile.read(state)).get("tokenizer") == "bytes":
         return "bytes"
     return None
 
@@ -546,7 +546,7 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
     if kept is not None:
         return kept
     if lead:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        writable.write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 

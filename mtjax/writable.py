@@ -4,11 +4,21 @@ Every command that creates a directory (train's run.dir and store.path, `data pr
 --out`, `import`, `export`, `init`) calls `check` first, so a read-only disk or a parent
 that is a file is one line naming the path and what to do, not an OSError halfway
 through. `describe` words an OSError met while writing (a full disk) the same way.
+
+Writers in other libraries report a full or read-only disk in their own way: tokenizers
+and safetensors raise their own exception types with the OS error as "(os error 28)" in
+the text, matplotlib and others an OSError without the file's name. `os_error` turns any
+of these back into an OSError, and `writing(path)`, around such a call, makes it one that
+names the path, so the command line prints it as one line (mtjax.cli). `write_text`
+writes a small file (a run's config.yaml, summary.json) whole or not at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -35,6 +45,49 @@ def describe(e: OSError) -> str:
     """'PATH: reason; what to do' for an OSError (one line)."""
     where = f"{e.filename}: " if e.filename else ""
     return f"{where}{e.strerror or e}; {_HINTS.get(e.errno, 'check the path and the disk')}"
+
+
+_OS_ERROR_TEXT = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error prints the errno
+
+
+def os_error(e: BaseException) -> OSError | None:
+    """`e` as an OSError: itself, or one rebuilt from the errno in a library's message; None
+    when it is not about the operating system's files."""
+    if isinstance(e, OSError):
+        return e
+    m = _OS_ERROR_TEXT.search(str(e))
+    if m is None:
+        return None
+    number = int(m.group(1))
+    return OSError(number, os.strerror(number))
+
+
+@contextlib.contextmanager
+def writing(path: str | Path):
+    """Around a write to `path` by a library: its OSError (in whatever form) names `path`."""
+    try:
+        yield
+    except Exception as e:
+        err = os_error(e)
+        if err is None:
+            raise
+        raise OSError(err.errno, err.strerror, err.filename or str(path)) from None
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write a small file whole or not at all: a sibling temporary file renamed into place,
+    removed again when the disk is full or read-only (the OSError then names `path`)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):  # nothing there, or nowhere to remove it from
+            tmp.unlink()
+        if isinstance(e, OSError):
+            raise OSError(e.errno, e.strerror, str(path)) from None  # the user's file, not the temporary one
+        raise
 
 
 def check(path: str | Path, what: str, kind: str = "directory") -> Path:

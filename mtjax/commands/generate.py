@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 import mtjax.store
-from mtjax import data, generate
+from mtjax import data, generate, textfile
 from mtjax.data import chat
 from mtjax.errors import MtjaxError
 from mtjax.model_config import load_hf_config
@@ -86,6 +86,7 @@ def chat_prompt(path, tok, message: str) -> tuple[str, int]:
 
 
 def check_sampling(args) -> None:
+    textfile.argument(args.prompt, "--prompt")
     if args.tokens < 1:
         raise MtjaxError(f"--tokens must be at least 1, got {args.tokens}")
     if not math.isfinite(args.temperature) or args.temperature < 0:

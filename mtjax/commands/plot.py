@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+from mtjax import textfile
 from mtjax.errors import MissingPackage, MtjaxError
 
 DEFAULT_NAME = "charts.png"  # in the first run directory
@@ -33,7 +34,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     if not file.exists():
         raise MtjaxError(f"{run_dir} has no metrics.jsonl; pass a run directory such as runs/default")
     records = []
-    for line in file.read_text().splitlines():
+    for line in textfile.read(file).splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:

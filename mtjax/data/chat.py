@@ -35,6 +35,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from mtjax import textfile
 from mtjax.data.format import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -161,7 +162,7 @@ def find(tokenizer_spec: str | Path) -> Template | None:
     config = {}
     if (folder / CONFIG_FILE).is_file():
         try:
-            config = json.loads((folder / CONFIG_FILE).read_text())
+            config = json.loads(textfile.read(folder / CONFIG_FILE))
         except json.JSONDecodeError as e:
             raise DataError(f"{folder / CONFIG_FILE} is not JSON ({e})") from None
     special = {}
@@ -171,7 +172,7 @@ def find(tokenizer_spec: str | Path) -> Template | None:
         if key.endswith("_token") and isinstance(value, str):
             special[key] = value
     if (folder / TEMPLATE_FILE).is_file():
-        return Template((folder / TEMPLATE_FILE).read_text(), special)
+        return Template(textfile.read(folder / TEMPLATE_FILE), special)
     source = config.get("chat_template")
     if isinstance(source, list):
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mtjax import textfile
 from mtjax.errors import MtjaxError
 
 META_FILE = "meta.json"
@@ -52,8 +53,8 @@ def read_meta(path: Path) -> dict:
         raise DataError(f"{path} is not a prepared dataset (no {META_FILE}); "
                         f"run `mtjax data prepare INPUT --out {path}` first")
     try:
-        meta = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+        meta = json.loads(textfile.read(file))
+    except (json.JSONDecodeError, textfile.TextError) as e:
         raise DataError(f"{file} is corrupt ({e}); prepare the dataset again") from None
     if meta.get("format_version") not in (FORMAT_VERSION, ROWS_FORMAT_VERSION):
         raise DataError(f"{file} has format version {meta.get('format_version')}, this mtjax reads "

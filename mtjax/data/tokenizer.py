@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Iterable, Protocol
 
+from mtjax import textfile, writable
 from mtjax.data.format import DataError
 
 # Names end-of-document tokens go by, most specific first, when no tokenizer_config.json says.
@@ -105,7 +106,9 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
     def save(self, out_dir: Path) -> None:
-        self._tok.save(str(Path(out_dir) / TOKENIZER_FILE))
+        path = Path(out_dir) / TOKENIZER_FILE
+        with writable.writing(path):  # tokenizers words a full disk as a bare Exception
+            self._tok.save(str(path))
 
 
 def same_ids(a: Tokenizer, b: Tokenizer) -> bool:
@@ -168,7 +171,7 @@ def _load_file(spec: str) -> HFTokenizer:
 def _tokenizer_config(folder: Path) -> dict:
     """The neighbouring tokenizer_config.json, or {} when there is none (or it is unreadable)."""
     try:
-        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config = json.loads(textfile.read(folder / "tokenizer_config.json"))
     except (OSError, json.JSONDecodeError):
         return {}
     return config if isinstance(config, dict) else {}

@@ -16,7 +16,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from mtjax import jsonfile
+from mtjax import jsonfile, textfile
 from mtjax.errors import MtjaxError
 
 GB = 10**9
@@ -180,7 +180,7 @@ def load(name_or_path: str | Path) -> HardwareProfile:
             f"no hardware profile {key!r}: use one of {', '.join(BUILTIN)} or a JSON file from `mtjax probe --out`"
         )
     try:
-        fields = jsonfile.loads(path.read_text(), str(path))
+        fields = jsonfile.loads(textfile.read(path), str(path))
     except json.JSONDecodeError as e:
         raise HardwareError(f"{path} is not valid JSON ({e}); re-run `mtjax probe --out {path}`") from None
     known = {f.name for f in dataclasses.fields(HardwareProfile)}

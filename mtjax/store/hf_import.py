@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtjax import hf
+from mtjax import hf, textfile
 from mtjax.errors import MtjaxError
 from mtjax.model_config import load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
@@ -46,7 +46,7 @@ def by_part(specs: list[hf.TensorSpec]) -> dict[str, list[hf.TensorSpec]]:
 
 def _dtype_from_tensors(cfg, hf_dir: Path, reader: hf.SafetensorsReader, specs):
     """A config.json without `dtype`/`torch_dtype` takes the tensors' one dtype."""
-    config = json.loads((hf_dir / "config.json").read_text())
+    config = json.loads(textfile.read(hf_dir / "config.json"))
     if config.get("dtype") or config.get("torch_dtype"):
         return cfg
     found = {SAFETENSORS_DTYPES.get(reader.dtype(s.hf_name)) for s in specs}
