@@ -216,7 +216,7 @@ def test_data_tokenized_otherwise_than_the_model(work):
         assert cli.main(["data", "prepare", str(work / "text.txt"), "--out", str(work / "ds-qwen"),
                          "--tokenizer", QWEN_TOKENIZER]) == 0
     qwen = str((work / "ckpt-tok" / "tokenizer.json.gz").resolve())
-    tuned = ["train", *TINY[:-2], "--model.checkpoint=ckpt-tok", "--run.dir=r2"]
+    tuned = ["train", *TINY[6:-2], "--model.checkpoint=ckpt-tok", "--run.dir=r2"]  # the architecture is the checkpoint's
     run_cases(work, [
         ([*tuned, "--data.dataset=ds"],
          f"dataset ds was tokenized with bytes (no tokenizer) but the model uses {qwen}: the same ids mean other "

@@ -1,5 +1,7 @@
 """The one-pass AdamW loop computes what the optax program computes."""
 
+import dataclasses
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -38,7 +40,7 @@ def test_fused_is_used_only_for_mtjax_adamw():
     fused, xla = _pair()
     assert fused.fused is not None and xla.fused is None
     assert PartUpdate(CFG, optax.adam(1e-3), optim=OPTIM).fused is None  # not make_optimizer's chain
-    f16 = ModelConfig(**{**CFG.__dict__, "compute_dtype": "float16"})
+    f16 = dataclasses.replace(CFG, compute_dtype="float16")
     assert PartUpdate(f16, make_optimizer(OPTIM), optim=OPTIM).fused is None  # the loop writes bf16 or fp32 copies
 
 

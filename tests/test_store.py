@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -242,7 +243,7 @@ def test_existing_directory_is_never_overwritten(filled, tmp_path):
 
 
 def test_store_for_another_config(filled, tmp_path):
-    other = ModelConfig(**{**CFG.__dict__, "intermediate_size": 40})
+    other = dataclasses.replace(CFG, intermediate_size=40)
     with pytest.raises(StoreError, match="another model config.*intermediate_size 48 -> 40"):
         mtjax.store.open(tmp_path / "s", config=other)
     mtjax.store.open(tmp_path / "s", config=CFG).close()
