@@ -190,7 +190,8 @@ def device_memory_in_use() -> int | None:
 
 def _tensorboard_writer(run_dir: Path):
     try:
-        from tensorboardX.event_file_writer import EventsWriter  # an extra (mtjax[tensorboard]): the maintained writer
+        import tensorboardX  # noqa: F401  an extra (mtjax[tensorboard]): the maintained writer
+        from tensorboardX.event_file_writer import EventsWriter
     except ImportError:
         raise MissingPackage("run.tensorboard", "tensorboardX", "tensorboard") from None
     return _Events(Path(run_dir) / "tensorboard", EventsWriter)

@@ -216,16 +216,16 @@ def test_data_tokenized_otherwise_than_the_model(work):
         assert cli.main(["data", "prepare", str(work / "text.txt"), "--out", str(work / "ds-qwen"),
                          "--tokenizer", QWEN_TOKENIZER]) == 0
     qwen = str((work / "ckpt-tok" / "tokenizer.json.gz").resolve())
-    tuned = ["train", *TINY[6:-2], "--model.checkpoint=ckpt-tok", "--run.dir=r2"]  # the architecture is the checkpoint's
+    tuned = ["train", *TINY[6:-2], "--model.checkpoint=ckpt-tok"]  # the architecture is the checkpoint's
     run_cases(work, [
-        ([*tuned, "--data.dataset=ds"],
+        ([*tuned, "--run.dir=r2", "--data.dataset=ds"],
          f"dataset ds was tokenized with bytes (no tokenizer) but the model uses {qwen}: the same ids mean other "
          "tokens to it; prepare it again with `mtjax data prepare ... --tokenizer ckpt-tok`, or set "
          "--data.other_tokenizer=true to train on it anyway"),
-        ([*tuned, "--data.dataset=text.txt"],
+        ([*tuned, "--run.dir=r3", "--data.dataset=text.txt"],
          "data.dataset text.txt was tokenized with bytes (no tokenizer) but the model uses "
          f"{qwen}: the same ids mean other tokens to it; pass --data.tokenizer=ckpt-tok, or set"),
-        ([*tuned, "--data.dataset=ds", "--data.other_tokenizer=true"],
+        ([*tuned, "--run.dir=r4", "--data.dataset=ds", "--data.other_tokenizer=true"],
          "dataset ds has token ids up to 256 but the model's vocabulary is 97"),  # past the check, as asked
         (["eval", "run/final", "ds-qwen", "--seq-len", "16", "--batch-size", "1", "--batches", "1"],
          f"dataset ds-qwen was tokenized with {QWEN_TOKENIZER} but the model uses bytes (no tokenizer): the same "

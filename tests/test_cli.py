@@ -256,7 +256,8 @@ def test_fine_tune_starts_from_the_checkpoint_weights(tmp_path):
     np.testing.assert_allclose(summary["first_loss"], float(loss_fn(cfg, params, first)), rtol=1e-5)
     small, _ = hf_models.checkpoint(tmp_path / "small", "llama")  # vocabulary 97 < 257 byte ids
     with pytest.raises(data.DataError, match="model's vocabulary is 97"):
-        run_lib.train(config.load(None, [*args, f"--model.checkpoint={small}"]), open(os.devnull, "w"))
+        run_lib.train(config.load(None, [*args, f"--model.checkpoint={small}", f"--run.dir={tmp_path / 'small'}-run"]),
+                      open(os.devnull, "w"))
 
 
 @pytest.mark.slow  # a training run in a subprocess
@@ -267,7 +268,8 @@ def test_a_bad_run_leaves_the_previous_run_intact(trained, capsys):
     for bad, message in (("--data.seq_len=4096", "exceeds the model's context"),
                          ("--data.batch_size=40000", "data.batch_size"),  # the data is shorter than one batch
                          ("--model.num_key_value_heads=3", "must be a multiple of")):
-        assert cli.main(["train", *TINY, f"--run.dir={run_dir}", bad]) == 2
+        # --run.resume=true: past the refusal of a finished run, to the check each case is about
+        assert cli.main(["train", *TINY, f"--run.dir={run_dir}", "--run.resume=true", bad]) == 2
         assert message in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
 
