@@ -185,3 +185,33 @@ def test_pinned_staging_copies_each_leaf_on_its_own_thread(monkeypatch):
     assert len(threads) > 1 and all(t.startswith("mtjax-stage") for t in threads)
     place.close()
 
+
+
+class _LossyLink(staging.Placement):
+    """A placement whose host copy of a gradient differs from the device's (every entry
+    doubled): a squared norm reduced from the host copy would come out four times too big."""
+
+    def host_arrays(self, tree):
+        return {n: x * 2 for n, x in super().host_arrays(tree).items()}
+
+
+def test_gradient_norms_are_reduced_on_the_device_and_only_the_scalar_comes_back():
+    from mtjax.stream.grads import GradSink
+
+    place = _LossyLink(jax.devices("cpu")[0])
+    sink = GradSink(place, Tracer())
+    rng = np.random.default_rng(0)
+    parts = {"embed": {"e": rng.standard_normal((40, 8)).astype(np.float32)},
+             "block.0": {"w": rng.standard_normal((8, 8)).astype(jnp.bfloat16), "b": np.ones(8, np.float32)}}
+    for part, g in parts.items():
+        sink.add(part, {n: jax.device_put(x) for n, x in g.items()})
+    sq = sink.finish()
+    expected = {p: sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in g.values())
+                for p, g in parts.items()}
+    assert isinstance(sq, np.float32) and all(isinstance(v, np.float32) for v in sink.last_sq.values())
+    np.testing.assert_allclose(sq, sum(expected.values()), rtol=1e-6)
+    for p in parts:
+        np.testing.assert_allclose(sink.last_sq[p], expected[p], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(sink.take("embed")["e"]), parts["embed"]["e"] * 2)  # the copy is the link's
+    sink.close()
+    place.close()

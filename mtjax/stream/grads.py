@@ -2,8 +2,11 @@
 the step's micro-batches on the device) to host memory, in fp32, on a worker thread so
 the device loop never waits.
 
-`finish` returns the squared global norm (a lazy scalar on the CPU backend), which
-fixes the clip scale before any part is updated; `take(part)` hands a part's summed
+`finish` returns the squared global norm (a host float32), which fixes the clip scale
+before any part is updated. Each part's squared norm is reduced on the device, from the
+gradient the backward left there, and only that scalar comes back beside the copy (on a
+GPU the host's single-threaded XLA CPU reduction of every gradient cost more than the
+device's); the multi-process path reduces its own rows after the reduce-scatter. `take(part)` hands a part's summed
 gradient to its (deferred) update. With `spill`, sums wait in checksummed files
 (mtjax.store.pending) instead of host memory (used when the master weights live on disk).
 A step's finished sums are named by its tag (`finish(tag)`, file keys `pending_key(part,
@@ -22,6 +25,7 @@ import concurrent.futures as cf
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtjax.optim import sum_of_squares
 from mtjax.store.layout import pending_key
@@ -40,28 +44,32 @@ class GradSink:
         self._to_f32 = jax.jit(_to_f32)
         self._sq_fn = jax.jit(sum_of_squares)
         self._sums: dict[str, dict] = {}  # this step's sums (when not spilled)
-        self._sq: dict[str, jax.Array] = {}  # this step's squared norm per part
+        self._sq: dict[str, np.float32] = {}  # this step's squared norm per part
         self._current: list[str] = []  # parts with a sum in this step, in arrival order
         self._ready: dict[str, tuple[dict | None, str]] = {}  # last step's (sums, tag) awaiting their update
         self._futures: list[cf.Future] = []
-        self.last_sq: dict[str, jax.Array] = {}  # the last finished step's squared norm per part
+        self.last_sq: dict[str, np.float32] = {}  # the last finished step's squared norm per part
 
     def add(self, part: str, grads: dict) -> None:
         """Queue a part's device gradient for this step (one per part); returns at once
         (the copy is asynchronous)."""
         assert part not in self._current, f"{part} got two gradients in one step"
         self._current.append(part)
+        sq = None
+        if self.hosts is None:  # on the device, queued behind the backward; the scalar alone comes back
+            sq = self._sq_fn(self.placement.mesh.one_copy(grads))
+            sq.copy_to_host_async()
         grads = self.placement.start_to_host(grads)
-        self._futures.append(self._pool.submit(self._accumulate, part, grads))
+        self._futures.append(self._pool.submit(self._accumulate, part, grads, sq))
 
-    def _accumulate(self, part: str, grads: dict) -> None:
+    def _accumulate(self, part: str, grads: dict, sq) -> None:
         with self.tracer.span("d2h", part):
             host = self.placement.host_arrays(grads)
         acc = dict(host) if all(x.dtype == jnp.float32 for x in host.values()) else self._to_f32(host)
         if self.hosts is not None:  # reduce-scattered by `finish`
             self._sums[part] = acc
             return
-        self._sq[part] = self._sq_fn(acc)
+        self._sq[part] = np.float32(sq)
         if self.spill:
             # np.asarray inside waits for the sum (host sync on this worker thread).
             self.spill.put(part + ".sum", acc)
@@ -81,7 +89,7 @@ class GradSink:
                 self.spill.rename(part + ".sum", pending_key(part, tag))
         self._current.clear()
         self.last_sq = self._sq  # per part, to name the parts of a non-finite step
-        sq, self._sq = sum(self._sq.values()), {}
+        sq, self._sq = np.float32(sum(self._sq.values(), np.float32(0))), {}
         return sq
 
     def _reduce_scatter(self) -> None:
