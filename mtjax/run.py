@@ -52,7 +52,7 @@ from mtjax.plan.cost import mfu_flops_per_token
 from mtjax.progress import Progress, peak_flops
 from mtjax.terminal import bar as progress_bar
 from mtjax.reference import ReferenceTrainer
-from mtjax.stream import StreamEngine
+from mtjax.stream import StreamEngine, staging
 
 
 class Engine(Protocol):
@@ -285,6 +285,9 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     run_dir = Path(exp.run.dir)
     cfg = config_lib.model_config(exp)
     cfg.check_context(exp.data.seq_len, "data.seq_len")
+    if exp.stream.engine == "stream":  # XLA reads its pinned pool's cap when its GPU client starts: before any backend
+        staging.raise_host_memory_limit(staging.pinned_host_bytes(cfg, exp.stream, exp.data.batch_size,
+                                                                  exp.data.seq_len, exp.data.grad_accum))
     if exp.run.wandb:
         wandb_log.require()  # a missing package stops the run before anything is made
     hosts = _join(exp)

@@ -215,3 +215,62 @@ def test_gradient_norms_are_reduced_on_the_device_and_only_the_scalar_comes_back
     np.testing.assert_array_equal(np.asarray(sink.take("embed")["e"]), parts["embed"]["e"] * 2)  # the copy is the link's
     sink.close()
     place.close()
+
+
+_FIRST_BACKEND = """
+import os, sys
+import jax._src.xla_bridge as xla_bridge
+from mtjax.stream import staging
+staging.pinned_host_bytes = lambda *a: 100 << 30  # a plan that needs more than XLA's 64 GiB default
+
+def first_backend(*a, **k):  # what the GPU client would read as it starts
+    print("limit at the first backend start:", os.environ.get(staging.HOST_MEMORY_LIMIT), flush=True)
+    os._exit(0)
+
+xla_bridge.backends = first_backend
+from mtjax import cli
+cli.main(["train", "--run.steps=1", "--run.dir=" + sys.argv[1]])
+print("no backend started", flush=True)
+"""
+
+
+def test_mtjax_train_sets_the_pinned_host_limit_before_the_backend_starts(tmp_path):
+    """XLA's GPU client reads XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB once, as it starts: `mtjax
+    train` raises it to its plan's need before anything starts a JAX backend."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != staging.HOST_MEMORY_LIMIT}
+    r = subprocess.run([sys.executable, "-c", _FIRST_BACKEND, str(tmp_path / "run")], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.stdout.strip() == "limit at the first backend start: 100", r.stdout + r.stderr
+
+
+def test_the_plans_pinned_bound_covers_the_engines_figure_and_the_cap_is_only_raised(monkeypatch):
+    """`pinned_host_bytes` (settings alone) >= what the engine stages through pinned memory
+    (its schedule); the limit is raised to whole GiB, never lowered, and a backend already
+    started leaves it as it is, with a warning."""
+    from mtjax import model, model_config, parts
+    from mtjax.config import StreamConfig
+    from mtjax.optim import OptimConfig
+    from mtjax.stream import StreamEngine
+
+    cfg = model_config.ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    params = model.init_params(cfg, seed=0)
+    for stream in (StreamConfig(activations="host", keep_every=0), StreamConfig(prefetch_depth=3)):
+        eng = StreamEngine(cfg, params, OptimConfig(), stream, batch_shape=(2, 16))
+        eng.check_budget(2, 16, accum=2)
+        part = max(parts.nbytes(s) for s in eng.schemas.values())
+        exact = 3 * eng.pool.max_slots * part + eng.schedule.traffic.h2d_activations
+        assert exact <= staging.pinned_host_bytes(cfg, stream, 2, 16, 2) < 2 * exact
+        eng.close()
+    monkeypatch.setenv(staging.HOST_MEMORY_LIMIT, "96")
+    monkeypatch.setattr("jax._src.xla_bridge.backends_are_initialized", lambda: False)
+    assert staging.raise_host_memory_limit(90 << 30) and staging.os.environ[staging.HOST_MEMORY_LIMIT] == "96"
+    assert staging.raise_host_memory_limit((100 << 30) + 1) and staging.os.environ[staging.HOST_MEMORY_LIMIT] == "101"
+    monkeypatch.setattr("jax._src.xla_bridge.backends_are_initialized", lambda: True)
+    with pytest.warns(UserWarning, match="export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=200 before"):
+        assert not staging.raise_host_memory_limit(200 << 30)
+    assert staging.os.environ[staging.HOST_MEMORY_LIMIT] == "101"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import warnings
 
 import jax
 import numpy as np
@@ -40,16 +41,48 @@ from mtjax.stream.tiers import host_device
 STAGE_THREADS = 4  # leaves of a part copied into pinned memory at once (a block has 7 large ones)
 
 
-def raise_host_memory_limit(nbytes: int) -> None:
-    """Let XLA's pinned host pool hold `nbytes` (GPU; default cap 64 GiB).
+HOST_MEMORY_LIMIT = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # read once, when XLA's GPU client starts
+DEFAULT_HOST_MEMORY_GIB = 64  # XLA's cap on its pinned host pool when the variable is unset
 
-    Takes effect only if the GPU backend has not started yet; otherwise export
-    XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB before starting Python (experiments/gpu/smoke.sh does).
+
+def pinned_host_bytes(cfg, stream, batch: int, seq: int, accum: int) -> int:
+    """An upper bound on the pinned host memory a streamed run of `cfg` holds at once, from
+    its settings alone (no JAX backend needed): the staging slots of each part shape
+    (three shapes: embedding, blocks, head; `StreamEngine`'s slots per shape, counting a
+    whole-model recompute group when stream.keep_every=0) at the largest part's compute
+    bytes, plus every block's kept input when activations wait in host memory."""
+    from mtjax import parts  # the model's layout: not needed to stage, only to size
+
+    largest = max(parts.nbytes(parts.schema(cfg, p.name, "compute")) for p in parts.parts(cfg))
+    blocks = cfg.num_hidden_layers
+    group = min(stream.keep_every or blocks, blocks)
+    slots = stream.prefetch_depth + max(group, 3) + 1
+    kept = blocks * accum * batch * seq * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize
+    return 3 * slots * largest + (kept if stream.activations == "host" else 0)
+
+
+def raise_host_memory_limit(nbytes: int) -> bool:
+    """Let XLA's pinned host pool hold `nbytes` (GPU; default cap 64 GiB): raises
+    XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, never lowers it. Returns whether the cap holds
+    `nbytes`.
+
+    XLA reads the variable once, when its GPU client starts, so `mtjax train` calls this
+    before anything starts a JAX backend (mtjax.run.train, with `pinned_host_bytes`).
+    Called after a backend started, it changes nothing; when the cap in force is too small
+    it warns, in one line, what to export, and returns False.
     """
+    from jax._src import xla_bridge  # JAX has no public "has a backend started" query
+
     gib = -(-nbytes // 2**30)
-    current = int(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64"))
-    if gib > current:
-        os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(gib)
+    current = int(os.environ.get(HOST_MEMORY_LIMIT, "").strip() or DEFAULT_HOST_MEMORY_GIB)
+    if gib <= current:
+        return True
+    if xla_bridge.backends_are_initialized():
+        warnings.warn(f"XLA's pinned host pool is capped at {current} GiB, below the {gib} GiB staged through it; "
+                      f"export {HOST_MEMORY_LIMIT}={gib} before starting Python", stacklevel=2)
+        return False
+    os.environ[HOST_MEMORY_LIMIT] = str(gib)
+    return True
 
 
 @dataclasses.dataclass(eq=False)
