@@ -97,8 +97,9 @@ class BufferPool:
     none free it makes a new one: a caller holding every set never waits on itself.
     """
 
-    def __init__(self, sets_per_shape: int = 1):
+    def __init__(self, sets_per_shape: int = 1, on_new=None):
         self.sets_per_shape = sets_per_shape
+        self.on_new = on_new  # called with each new set, once (staging maps it for the device's DMA)
         self._free: dict[tuple, list[tuple[dict, list]]] = {}  # released (set, fence), oldest first
         self._made: dict[tuple, int] = {}
         self._lock = threading.Lock()  # acquire and release run on different threads
@@ -118,7 +119,10 @@ class BufferPool:
             else:
                 buffers, fence = free.pop(pick)
         if pick is None:
-            return {n: aligned_empty(s.shape, s.dtype) for n, s in schema.items()}
+            buffers = {n: aligned_empty(s.shape, s.dtype) for n, s in schema.items()}
+            if self.on_new is not None:
+                self.on_new(buffers)
+            return buffers
         if WAIT_FOR_READERS:
             # Host sync (on the caller's thread, the prefetch or update worker): the last
             # computation reading these buffers, or their device copy, must be done.

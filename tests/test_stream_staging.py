@@ -274,3 +274,55 @@ def test_the_plans_pinned_bound_covers_the_engines_figure_and_the_cap_is_only_ra
     with pytest.warns(UserWarning, match="export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=200 before"):
         assert not staging.raise_host_memory_limit(200 << 30)
     assert staging.os.environ[staging.HOST_MEMORY_LIMIT] == "101"
+
+
+def test_staging_without_dma_mapping_takes_todays_path():
+    """The CPU client refuses dma_map: no buffer is mapped, staging copies as before."""
+    place = staging.Placement(jax.devices("cpu")[0], pinned=True)
+    assert not place.mapped and "DmaMap" in place.mapped_error
+    pool = staging.StagingPool(place, DeviceLedger(1 << 30), max_slots=1)
+    slot = pool.acquire({"w": jax.ShapeDtypeStruct((32, 16), np.float32)})
+    slot.buffers["w"][:] = np.arange(512, dtype=np.float32).reshape(32, 16)
+    assert not place.is_mapped(slot.buffers["w"])
+    out = pool.put(slot, "part")
+    np.testing.assert_array_equal(np.asarray(out["w"]), slot.buffers["w"])
+    place.close()
+
+
+class _MappingClient:
+    """A client that maps host memory for DMA (as a GPU client does), refusing one size."""
+
+    def __init__(self, refuse: int):
+        self.refuse, self.live, self.unmapped = refuse, {}, []
+
+    def dma_map(self, address, size):
+        if size == self.refuse:
+            raise RuntimeError("INVALID_ARGUMENT: cannot map this range")
+        self.live[address] = size
+
+    def dma_unmap(self, address):
+        self.unmapped.append(self.live.pop(address))
+
+
+def test_mapped_staging_buffers_are_mapped_once_and_sent_without_the_pinned_copy(monkeypatch):
+    place = staging.Placement(jax.devices("cpu")[0], pinned=True)
+    place.client, place.mapped = _MappingClient(refuse=7 * 4), True
+    staged = []
+    stage = place._stage
+    monkeypatch.setattr(place, "_stage", lambda b: staged.append(b.nbytes) or stage(b))
+    pool = staging.StagingPool(place, DeviceLedger(1 << 30), max_slots=1)
+    schema = {"a": jax.ShapeDtypeStruct((64, 8), np.float32), "b": jax.ShapeDtypeStruct((7,), np.float32),
+              "c": jax.ShapeDtypeStruct((3, 5), np.float32)}
+    rng = np.random.default_rng(1)
+    for _ in range(2):  # the second acquire reuses the set: mapped once
+        slot = pool.acquire(schema)
+        for b in slot.buffers.values():
+            b[:] = rng.standard_normal(b.shape)
+        out = pool.put(slot, "part")
+        for n, b in slot.buffers.items():
+            np.testing.assert_array_equal(np.asarray(out[n]), b)
+        pool.release(slot, out)
+    assert sorted(place.client.live.values()) == [15 * 4, 64 * 8 * 4]  # mapped once each; b was refused
+    assert staged == [7 * 4, 7 * 4] and "cannot map" in place.mapped_error  # only the refused one was copied
+    place.close()
+    assert sorted(place.client.unmapped) == [15 * 4, 64 * 8 * 4] and not place.client.live

@@ -15,6 +15,13 @@ So each leaf of a part is staged on a thread of its own: the leaves' copies into
 memory run in parallel, and each leaf's DMA starts as soon as its own copy is done,
 under the copies of the others.
 
+Where the device's client can map host memory for its DMA engines (PJRT's `DmaMap`, the
+client's `dma_map` in jaxlib; a GPU client), each staging buffer is mapped once, when
+its pool makes it, and a mapped buffer goes to the device in one `device_put` that DMAs
+straight out of it, with no copy into XLA's pinned pool. Where the client has no
+`dma_map` or refuses it (the CPU: UNIMPLEMENTED), or refuses one buffer, that buffer
+takes the path above; `Placement.mapped_error` says why.
+
 Over several devices (a `mtjax.stream.mesh.DeviceMesh`) weights are replicated, one
 `device_put` putting a whole copy on every device (through one pinned copy where
 pinned), a micro-batch's inputs and kept activations are split along the batch axis,
@@ -27,13 +34,14 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import threading
 import warnings
 
 import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from mtjax.hostmem import BufferPool
+from mtjax.hostmem import PAGE, BufferPool, aligned_empty
 from mtjax.stream.budget import DeviceLedger
 from mtjax.stream.mesh import DeviceMesh
 from mtjax.stream.tiers import host_device
@@ -99,7 +107,7 @@ class Placement:
     or the first device)."""
 
     def __init__(self, device: jax.Device | None = None, pinned: bool | None = None,
-                 threads: int = STAGE_THREADS, mesh: DeviceMesh | None = None):
+                 threads: int = STAGE_THREADS, mesh: DeviceMesh | None = None, mapped: bool = True):
         self.mesh = mesh or DeviceMesh([device or jax.local_devices()[0]])
         self.device = self.mesh.devices[0]
         kinds = {m.kind for m in self.device.addressable_memories()}
@@ -118,9 +126,47 @@ class Placement:
                 jax.block_until_ready(jax.device_put(jax.device_put(np.zeros(8, np.float32), self.on_host), self.on_device))
             except Exception as e:  # noqa: BLE001  fall back to plain transfers, and say why
                 self.pinned, self.pinned_error = False, f"{type(e).__name__}: {e}"
+        self.client = self.device.client  # whose DMA engines read mapped buffers
+        self._mapped: dict[int, int] = {}  # address -> bytes of the buffers mapped for the device's DMA
+        self._map_lock = threading.Lock()  # buffers are made on the prefetch and update threads
+        self.mapped, self.mapped_error = self._probe_dma_map() if mapped else (False, "not asked for")
         # Threads start on first use: none on the CPU path, which never stages through pinned memory.
         self._stagers = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="mtjax-stage") \
             if threads > 1 else None
+
+    def _probe_dma_map(self) -> tuple[bool, str | None]:
+        """Whether the client maps host memory for its DMA (tried once, on a page of our own)."""
+        client = self.client
+        if not hasattr(client, "dma_map"):
+            return False, f"this jaxlib's {self.device.platform} client has no dma_map"
+        probe = aligned_empty((PAGE,), np.uint8)
+        try:
+            client.dma_map(probe.ctypes.data, probe.nbytes)
+            client.dma_unmap(probe.ctypes.data)
+        except Exception as e:  # noqa: BLE001  XLA raises its own runtime error (UNIMPLEMENTED on the CPU)
+            return False, f"{type(e).__name__}: {e}"
+        return True, None
+
+    def register(self, buffers: dict[str, np.ndarray]) -> None:
+        """Map a new set of staging buffers for the device's DMA, once (where the client can):
+        `to_device` then sends them without a copy into pinned memory. They must outlive
+        the placement (a `BufferPool` keeps every set it makes); `close` unmaps them."""
+        if not self.mapped:
+            return
+        for b in buffers.values():
+            address = b.ctypes.data
+            with self._map_lock:
+                if address in self._mapped:
+                    continue
+                try:
+                    self.client.dma_map(address, b.nbytes)
+                except Exception as e:  # noqa: BLE001  this buffer keeps the pinned path
+                    self.mapped_error = f"{type(e).__name__}: {e}"
+                    continue
+                self._mapped[address] = b.nbytes
+
+    def is_mapped(self, buffer: np.ndarray) -> bool:
+        return buffer.ctypes.data in self._mapped
 
     def _stage(self, buffer: np.ndarray) -> jax.Array:
         pinned = jax.device_put(buffer, self.on_host)  # host buffer -> pinned: a host memcpy
@@ -132,14 +178,26 @@ class Placement:
         Returns once every leaf's bytes are out of `buffers` or owned by its device copy's
         pending transfer: the caller's fence (the readers of the device copy) covers them.
         """
-        if not self.pinned:
+        if not self.pinned or not buffers:
             return jax.device_put(buffers, self.on_device)
-        if self._stagers is None or len(buffers) < 2:
-            return {n: self._stage(b) for n, b in buffers.items()}
-        futures = {n: self._stagers.submit(self._stage, b) for n, b in buffers.items()}
-        return {n: f.result() for n, f in futures.items()}
+        direct = {n: b for n, b in buffers.items() if self.is_mapped(b)}  # DMA straight out of them
+        out = jax.device_put(direct, self.on_device) if direct else {}
+        rest = {n: b for n, b in buffers.items() if n not in direct}
+        if self._stagers is None or len(rest) < 2:
+            out.update({n: self._stage(b) for n, b in rest.items()})
+        else:
+            futures = {n: self._stagers.submit(self._stage, b) for n, b in rest.items()}
+            out.update({n: f.result() for n, f in futures.items()})
+        return {n: out[n] for n in buffers}
 
     def close(self) -> None:
+        with self._map_lock:
+            for address in self._mapped:
+                try:
+                    self.client.dma_unmap(address)
+                except Exception:  # noqa: BLE001  at close: nothing else is left to do with it
+                    pass
+            self._mapped.clear()
         if self._stagers is not None:
             self._stagers.shutdown(wait=True)
             self._stagers = None
@@ -189,7 +247,7 @@ class StagingPool:
     def __init__(self, placement: Placement, ledger: DeviceLedger, max_slots: int = 4):
         self.placement, self.ledger = placement, ledger
         # Per shape: more slots would only wait for readers anyway.
-        self.buffers = BufferPool(sets_per_shape=max_slots)
+        self.buffers = BufferPool(sets_per_shape=max_slots, on_new=placement.register)
 
     @property
     def max_slots(self) -> int:
