@@ -41,6 +41,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from mtjax import parts
 from mtjax.hostmem import PAGE, BufferPool, aligned_empty
 from mtjax.stream.budget import DeviceLedger
 from mtjax.stream.mesh import DeviceMesh
@@ -59,8 +60,6 @@ def pinned_host_bytes(cfg, stream, batch: int, seq: int, accum: int) -> int:
     (three shapes: embedding, blocks, head; `StreamEngine`'s slots per shape, counting a
     whole-model recompute group when stream.keep_every=0) at the largest part's compute
     bytes, plus every block's kept input when activations wait in host memory."""
-    from mtjax import parts  # the model's layout: not needed to stage, only to size
-
     largest = max(parts.nbytes(parts.schema(cfg, p.name, "compute")) for p in parts.parts(cfg))
     blocks = cfg.num_hidden_layers
     group = min(stream.keep_every or blocks, blocks)
