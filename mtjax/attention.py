@@ -29,6 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mtjax import target
+
 CHUNK_ROWS = 128  # query rows per chunk: 4 chunks at seq 512 measured fastest here
 
 
@@ -152,28 +154,34 @@ def kernel(backend: str, dtype, head_dim: int, window: int | None = None, softca
 
 
 def _platform() -> tuple[str, float | None]:
-    """(backend as `kernel` names it, CUDA compute capability or None) of the default device."""
-    backend = jax.default_backend()
-    if backend != "gpu":
-        return backend, None
+    """(platform as `kernel` names it, CUDA compute capability or None) of the program being
+    traced (mtjax.target): "cuda" with the first GPU's capability where one is here."""
+    platform = target.platform()
+    if platform not in ("gpu", "cuda"):
+        return platform, None
     try:  # CUDA devices report e.g. "9.0"; other GPUs report none or an architecture name
-        return "cuda", float(jax.devices()[0].compute_capability)
-    except (AttributeError, TypeError, ValueError):
-        return backend, None
+        return "cuda", float(jax.devices("gpu")[0].compute_capability)
+    except (RuntimeError, IndexError, AttributeError, TypeError, ValueError):  # no GPU here, or not CUDA
+        return platform, None
 
 
 def attend(q, k, v, scale: float, window: int | None = None, softcap: float | None = None, segments=None):
-    """Causal attention by the fastest exact path of the backend being traced for (`kernel`);
+    """Causal attention by the fastest exact path of the platform being traced for (`kernel`);
     `softcap`: soft-capped scores (Gemma 2); `segments` [b, t]: document ids of packed rows,
-    which confine attention to each document. Both take the chunked path on every backend."""
+    which confine attention to each document. Both take the chunked path on every platform.
+    Where cuDNN refuses what `kernel` expected it to take, XLA's implementation computes it."""
     backend, capability = _platform()
     which = kernel(backend, q.dtype, q.shape[-1], window, softcap, segments=segments is not None,
                    capability=capability)
     if which == "chunked":
         return causal_attention(q, k, v, scale, window, CHUNK_ROWS, softcap, segments)
     local = (window - 1, 0) if window else None  # W keys including the query itself
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
-                                        implementation=which)
+    try:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
+                                            implementation=which)
+    except (NotImplementedError, ValueError, RuntimeError):  # cuDNN's refusal, at trace time
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
+                                            implementation="xla")
 
 
 def local_chunks(positions, size: int, segments=None):
