@@ -1,23 +1,32 @@
-"""The GPU benchmark of issue 5, one command on one accelerator (run by bench.sh):
+"""The GPU benchmark of issues 5 and 31, one command on one accelerator (run by bench.sh).
 
-1. host<->device bandwidth: pageable numpy, pinned host arrays, and the engine's own
-   staging path (host buffer -> pinned -> device), both directions, for one large array
-   and for one block's compute weights as the engine stages them (each leaf on its own
-   thread, mtjax.stream.staging);
-2. streamed vs in-memory throughput on one model that fits on the device: the
-   reference trainer (whole model resident) against the streaming engine;
-3. MFU of that streamed run, whose engine is given a device budget of a quarter of the
-   model's persistent training state (bf16 weights + fp32 master + AdamW m and v);
-4. from that run's trace (last timed step): the effective host-to-device rate (weight
-   bytes staged over the seconds from staging each part until its device copy was
-   ready, the h2d lane) and the forward's wait per part (the training loop waiting for
-   the next part to arrive).
+It prints one JSON line per figure, {"figure", "value", "unit", "dry", ...}, as each is
+measured (details go to --out DIR: bench.jsonl as it goes, then bench.json, bench.md):
 
-MFU counts model FLOPs of real tokens only: 6 x params + 12 x layers x seq x width per
-token (mtjax.progress.model_flops_per_token; the recompute's extra forward is not
-counted), against the device's dense bf16 peak (mtjax.plan built-in profile). Each
-section prints one JSON line as it finishes; `--out DIR` also writes bench.json and a
-markdown section (bench.md) for docs/benchmarks.md. `--dry` runs tiny sizes (CPU).
+- link_pinned_gbps, link_mapped_gbps: host -> device GB/s of one large array from XLA's
+  pinned pool, and from a numpy buffer mapped for the device's DMA (the client's
+  `dma_map`; null with the client's refusal where it has none, e.g. the CPU); beside
+  them the engine's own staging path and the pageable and device -> host rates;
+- block_staging_s: one block's compute weights staged as the engine stages them
+  (mtjax.stream.staging: mapped where the client maps, else each leaf on its own thread);
+- stream_step_s, stream_tokens_per_s, stream_mfu, stream_compiles_after_step_1,
+  stream_forward_wait_s (per part) and stream_forward_wait_share (the forward's wait
+  for its next block over that block's compute, the largest): the streaming engine on a
+  model whose state fits the device (>= 64k tokens per step, bf16), from the trace of
+  its last step;
+- reference_step_s, reference_tokens_per_s, reference_mfu, reference_compiles_after_step_1
+  and stream_vs_reference: the whole model in device memory (mtjax.reference);
+- capped_*: the same streamed figures in a process of its own whose device memory is
+  really capped (XLA_PYTHON_CLIENT_MEM_FRACTION, read when its backend starts) at a
+  quarter of the state, the engine's budget inside that cap; capped_vs_reference.
+
+Parameters are created on the host (mtjax.stream.tiers.host_device). MFU counts model
+FLOPs of real tokens only: 6 x params + 12 x layers x seq x width per token
+(mtjax.progress.model_flops_per_token; the recompute's extra forward is not counted),
+against the device's dense bf16 peak (mtjax.plan built-in profile). A full run writes
+its section (gpu-path: date, machine, every figure) into docs/benchmarks.md; `--dry`
+runs every path at tiny sizes on the CPU in seconds, marks each figure dry and writes
+no docs.
 """
 
 from __future__ import annotations
@@ -26,7 +35,9 @@ import argparse
 import datetime
 import json
 import os
+import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -47,8 +58,48 @@ from mtjax.progress import model_flops_per_token, peak_flops  # noqa: E402
 from mtjax.reference import ReferenceTrainer  # noqa: E402
 from mtjax.stream import StreamEngine  # noqa: E402
 from mtjax.stream.staging import Placement  # noqa: E402
+from mtjax.stream.tiers import host_device  # noqa: E402
 
 STATE_BYTES = 2 + 4 + 4 + 4  # bf16 weights, fp32 master, AdamW m and v, per parameter
+SECTION = "gpu-path"  # docs/benchmarks.md's section of this script
+
+COMPILES = [0]  # programs this process compiled, or loaded from the persistent cache (bench.sh sets one)
+
+
+def _count_compile(event: str, *_a, **_kw) -> None:
+    if event in ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_hits"):
+        COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+jax.monitoring.register_event_listener(_count_compile)
+
+
+class Figures:
+    """Prints one JSON line per figure and keeps every record (for bench.json / bench.md)."""
+
+    def __init__(self, dry: bool, out: str | None, prefix: str = ""):
+        self.dry, self.out, self.prefix = dry, out, prefix
+        self.records: list[dict] = []
+        self.values: dict[str, object] = {}
+
+    def _keep(self, rec: dict) -> None:
+        self.records.append(rec)
+        if self.out:  # as it goes: a run cut short still leaves what it measured
+            Path(self.out).mkdir(parents=True, exist_ok=True)
+            with open(Path(self.out) / "bench.jsonl", "a") as f:
+                f.write(json.dumps(rec, default=str) + "\n")
+
+    def figure(self, name: str, value, unit: str, **context) -> None:
+        name = self.prefix + name
+        self.values[name] = value
+        rec = {"figure": name, "value": value, "unit": unit, "dry": self.dry, **context}
+        print(json.dumps(rec, default=str), flush=True)
+        self._keep(rec)
+
+    def section(self, rec: dict) -> None:
+        """A section's details: kept in the files, not printed."""
+        self._keep(rec)
 
 
 def median_seconds(fn, reps: int) -> float:
@@ -60,32 +111,36 @@ def median_seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def part_bandwidth(place: Placement, cfg: ModelConfig, reps: int) -> float:
-    """GB/s of the engine's staging of one block's compute weights (all leaves, to ready)."""
-    buffers = {n: aligned_empty(s.shape, s.dtype) for n, s in parts.schema(cfg, "block.0", "compute").items()}
-    for b in buffers.values():
-        b.fill(1)  # touched: page faults are not a link cost
-    nbytes = sum(b.nbytes for b in buffers.values())
-    return nbytes / median_seconds(lambda: place.to_device(buffers), reps) / 1e9
-
-
 def link_bandwidth(nbytes: int, reps: int, cfg: ModelConfig) -> dict:
-    """GB/s of each transfer path for one array of `nbytes`, and for one block of `cfg`."""
+    """GB/s of each transfer path for one array of `nbytes`, and one block's staging time."""
     place = Placement()
     host = aligned_empty((nbytes // 4,), np.float32)
     host.fill(1.0)  # touched: page faults are not a link cost
-    gbps = {"pinned_staging": place.pinned}
-    gbps["h2d_pageable"] = nbytes / median_seconds(lambda: jax.device_put(host, place.on_device), reps) / 1e9
-    gbps["h2d_engine_path"] = nbytes / median_seconds(lambda: place.to_device({"x": host})["x"], reps) / 1e9
-    gbps["h2d_engine_block"] = part_bandwidth(place, cfg, reps)
+    out = {"pinned_staging": place.pinned, "mapped_staging": place.mapped, "mapped_error": place.mapped_error}
+    out["h2d_pageable"] = nbytes / median_seconds(lambda: jax.device_put(host, place.on_device), reps) / 1e9
+    out["h2d_engine_path"] = nbytes / median_seconds(lambda: place.to_device({"x": host})["x"], reps) / 1e9
     on_device = jax.block_until_ready(jax.device_put(host, place.on_device))
+    out["h2d_pinned"] = None
     if place.pinned:
-        gbps["host_to_pinned"] = nbytes / median_seconds(lambda: jax.device_put(host, place.on_host), reps) / 1e9
+        out["host_to_pinned"] = nbytes / median_seconds(lambda: jax.device_put(host, place.on_host), reps) / 1e9
         pinned = jax.block_until_ready(jax.device_put(host, place.on_host))
-        gbps["h2d_pinned"] = nbytes / median_seconds(lambda: jax.device_put(pinned, place.on_device), reps) / 1e9
-        gbps["d2h_pinned"] = nbytes / median_seconds(lambda: jax.device_put(on_device, place.on_host), reps) / 1e9
+        out["h2d_pinned"] = nbytes / median_seconds(lambda: jax.device_put(pinned, place.on_device), reps) / 1e9
+        out["d2h_pinned"] = nbytes / median_seconds(lambda: jax.device_put(on_device, place.on_host), reps) / 1e9
+    out["h2d_mapped"] = None
+    mapped = aligned_empty((nbytes // 4,), np.float32)
+    mapped.fill(1.0)
+    place.register({"x": mapped})
+    if place.is_mapped(mapped):  # the client DMAs straight out of it
+        out["h2d_mapped"] = nbytes / median_seconds(lambda: jax.device_put(mapped, place.on_device), reps) / 1e9
+    # One block's compute weights as the engine stages them (mapped where the client maps).
+    buffers = {n: aligned_empty(s.shape, s.dtype) for n, s in parts.schema(cfg, "block.0", "compute").items()}
+    for b in buffers.values():
+        b.fill(1)
+    place.register(buffers)
+    out["block_bytes"] = sum(b.nbytes for b in buffers.values())
+    out["block_staging_s"] = median_seconds(lambda: place.to_device(buffers), reps)
     # The engine's gradient path: device -> (pinned) host -> an array on the CPU backend.
-    gbps["d2h_engine_path"] = nbytes / median_seconds(
+    out["d2h_engine_path"] = nbytes / median_seconds(
         lambda: place.host_arrays(place.start_to_host({"x": on_device * 1.0}))["x"], reps) / 1e9
     times = []
     for _ in range(reps):  # a fresh device array each time: jax caches an array's host copy
@@ -93,23 +148,26 @@ def link_bandwidth(nbytes: int, reps: int, cfg: ModelConfig) -> dict:
         t0 = time.perf_counter()
         np.asarray(x)
         times.append(time.perf_counter() - t0)
-    gbps["d2h_pageable"] = nbytes / statistics.median(times) / 1e9
+    out["d2h_pageable"] = nbytes / statistics.median(times) / 1e9
     place.close()
-    return gbps
+    return out
 
 
 def trace_figures(eng) -> dict:
-    """The effective host-to-device rate and the forward's wait per part, from the trace
-    of the engine's last step."""
+    """From the trace of the engine's last step: the forward's wait for each part, that
+    wait over the part's forward compute, and the h2d lane's effective rate."""
     step = eng.step_count - 1
-    h2d = eng.tracer.per_part(step, "h2d")
-    waits = eng.tracer.per_part(step, "wait")[:len(eng.schedule.forward)]  # the forward takes its parts first
-    busy = sum(s for _, s in h2d)
-    blocks = [s for p, s in waits if p.startswith("block.")]
-    return {"h2d_weight_bytes": eng.schedule.traffic.h2d_weights, "h2d_lane_s": busy,
-            "h2d_effective_gbps": eng.schedule.traffic.h2d_weights / busy / 1e9 if busy else None,
-            "forward_wait_s": {p: round(s, 4) for p, s in waits},
-            "forward_wait_per_block_s": statistics.mean(blocks) if blocks else None}
+    forward = len(eng.schedule.forward)
+    waits = eng.tracer.per_part(step, "wait")[:forward]  # the forward takes its parts first
+    computes = {}
+    for p, s in eng.tracer.per_part(step, "compute"):
+        computes.setdefault(p, s)  # a part's first compute in the step is its forward
+    shares = [w / computes[p] for p, w in waits if p.startswith("block.") and computes.get(p)]
+    h2d = sum(s for _, s in eng.tracer.per_part(step, "h2d"))
+    return {"forward_wait_s": {p: round(s, 5) for p, s in waits},
+            "forward_wait_share": max(shares) if shares else None,
+            "h2d_weight_bytes": eng.schedule.traffic.h2d_weights, "h2d_lane_s": h2d,
+            "h2d_effective_gbps": eng.schedule.traffic.h2d_weights / h2d / 1e9 if h2d else None}
 
 
 def model_config(a) -> ModelConfig:
@@ -119,113 +177,128 @@ def model_config(a) -> ModelConfig:
                        compute_dtype="bfloat16", max_position_embeddings=max(a.seq, 2048))
 
 
-def timed_steps(engine, batches) -> list[float]:
-    times = []
-    for tokens in batches:
+def host_params(cfg: ModelConfig):
+    """Initial parameters made on the host CPU backend: none of them passes through the device."""
+    with jax.default_device(host_device()):
+        return model.init_params(cfg, seed=0)
+
+
+def timed_steps(engine, batches) -> tuple[list[float], int]:
+    """Seconds of each step, and the XLA compiles after the first step."""
+    times, after_first = [], None
+    for i, tokens in enumerate(batches):
         t0 = time.perf_counter()
         out = engine.step(tokens)  # returns floats: a host sync per step
         times.append(time.perf_counter() - t0)
-        print(json.dumps({"step_s": round(times[-1], 3), "loss": round(float(out["loss"]), 4)}), flush=True)
-    return times
+        if i == 0:
+            after_first = COMPILES[0]
+        print(f"step {i}: {times[-1]:.3f} s, loss {float(out['loss']):.4f}", file=sys.stderr, flush=True)
+    return times, COMPILES[0] - after_first
 
 
-def throughput(a, cfg: ModelConfig, emit) -> None:
-    params = model.init_params(cfg, seed=0)
+def batches_of(a, cfg: ModelConfig) -> list[np.ndarray]:
+    # Two untimed steps: the first compiles the step, the second runs the deferred update's first pass.
     rng = np.random.default_rng(0)
-    # Two untimed steps: the first compiles the step, the second the deferred optimizer update.
-    batches = [rng.integers(0, cfg.vocab_size, (a.accum, a.batch, a.seq), dtype=np.int32) for _ in range(a.steps + 2)]
+    return [rng.integers(0, cfg.vocab_size, (a.accum, a.batch, a.seq), dtype=np.int32) for _ in range(a.steps + 2)]
+
+
+def measure(figs: Figures, a, cfg: ModelConfig, name: str, make) -> dict:
+    """Step time, tokens/s, MFU and compiles after step 1 of the engine `make()` builds."""
     tokens = a.accum * a.batch * a.seq
-    flops = model_flops_per_token(model.num_params(cfg), cfg.num_hidden_layers, a.seq, cfg.hidden_size)
-    peak, peak_note = peak_flops(jax.devices()[0], "bfloat16")
-    state = model.num_params(cfg) * STATE_BYTES
-    results = {"params": model.num_params(cfg), "tokens_per_step": tokens, "flops_per_token": flops, "peak": peak,
-               "peak_note": peak_note, "state_bytes": state}
-
-    def summarise(name, times, extra=None):
-        s = statistics.median(times[2:])
-        rec = {"engine": name, "step_s": s, "tokens_per_s": tokens / s, **(extra or {})}
-        if peak:
-            rec["mfu"] = tokens / s * flops / peak
-        results[name] = rec
-        emit({"section": "throughput", **rec})
-
-    # The streamed run first: it leaves nothing on the device, the reference may.
-    budget = int(state * a.budget_fraction) or None  # None: the engine's own plan
-    try:
-        eng = StreamEngine(cfg, params, OptimConfig(), StreamConfig(prefetch_depth=a.prefetch, keep_every=1,
-                           activations=a.activations, device_budget_bytes=budget), batch_shape=(a.batch, a.seq))
-        times = timed_steps(eng, batches)
-        stages = {k: round(v, 3) for k, v in eng.stage_seconds().items()}
-        summarise("stream", times, {"device_budget": budget, "device_peak": eng.ledger.peak, "stages_s": stages,
-                                    "pinned": eng.placement.pinned, **trace_figures(eng)})
+    flops = model_flops_per_token(model.num_params(cfg), cfg.num_hidden_layers, a.seq,
+                                  cfg.num_attention_heads * cfg.head_dim)
+    peak, _ = peak_flops(jax.devices()[0], "bfloat16")
+    eng = make()
+    times, compiles = timed_steps(eng, batches_of(a, cfg))
+    step_s = statistics.median(times[2:])
+    rec = {"step_s": step_s, "tokens_per_s": tokens / step_s, "mfu": tokens / step_s * flops / peak if peak else None,
+           "compiles_after_step_1": compiles}
+    if isinstance(eng, StreamEngine):
+        rec.update(trace_figures(eng), device_peak=eng.ledger.peak, stages_s=eng.stage_seconds())
         if a.out:
-            eng.write_trace(Path(a.out) / "stream_trace.json")
+            eng.write_trace(Path(a.out) / f"{name}_trace.json")
         eng.close()
-        del eng
-    except Exception:  # noqa: BLE001  report and go on to the reference run
-        traceback.print_exc()
-        results["stream"] = {"error": traceback.format_exc().splitlines()[-1]}
-    if not a.skip_reference:
-        try:
-            ref = ReferenceTrainer(cfg, params, OptimConfig())
-            del params
-            summarise("reference", timed_steps(ref, batches))
-            del ref
-        except Exception:  # noqa: BLE001  report it in the table
-            traceback.print_exc()
-            results["reference"] = {"error": traceback.format_exc().splitlines()[-1]}
-    ref = results.get("reference", {})
-    if "step_s" in ref and "step_s" in results["stream"]:
-        results["stream_vs_reference"] = ref["step_s"] / results["stream"]["step_s"]
-    emit({"section": "summary", **{k: v for k, v in results.items() if k not in ("reference", "stream")},
-          "stream_vs_reference": results.get("stream_vs_reference")})
-    return results
+    del eng
+    figs.figure(f"{name}_step_s", rec["step_s"], "s", tokens_per_step=tokens)
+    figs.figure(f"{name}_tokens_per_s", rec["tokens_per_s"], "tokens/s")
+    figs.figure(f"{name}_mfu", rec["mfu"], "of bf16 peak", target=">= 0.45")
+    figs.figure(f"{name}_compiles_after_step_1", compiles, "compiles", target="0")
+    if "forward_wait_s" in rec:
+        figs.figure(f"{name}_forward_wait_s", rec["forward_wait_s"], "s per part")
+        figs.figure(f"{name}_forward_wait_share", rec["forward_wait_share"], "of the block's compute",
+                    target="< 0.05")
+    figs.section({"section": name, **rec})
+    return rec
 
 
-def markdown(a, cfg, link, tp) -> str:
+def stream_engine(a, cfg: ModelConfig, params, budget: int | None):
+    return StreamEngine(cfg, params, OptimConfig(), StreamConfig(
+        prefetch_depth=a.prefetch, keep_every=1, activations=a.activations, device_budget_bytes=budget),
+        batch_shape=(a.batch, a.seq))
+
+
+def capped(a, cfg: ModelConfig, figs: Figures) -> dict:
+    """The streamed run with the state 4x over the device memory, in a process of its own
+    (the cap is read when a backend starts). Returns the child's records."""
+    state = model.num_params(cfg) * STATE_BYTES
+    cap = state // 4
+    env = dict(os.environ)
+    total = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    if total:  # XLA_PYTHON_CLIENT_MEM_FRACTION caps the device allocator (the CPU has none)
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{cap / total:.4f}"
+    child_out = Path(a.out or os.environ.get("TMPDIR", "/tmp")) / "capped.json"
+    sizes = ("layers", "width", "ffn", "vocab", "head_dim", "batch", "seq", "accum", "steps", "prefetch", "activations")
+    args = [sys.executable, __file__, "--capped-child", str(child_out), *(["--dry"] if a.dry else []),
+            *(f"--{k.replace('_', '-')}={getattr(a, k)}" for k in sizes)]
+    r = subprocess.run(args, env=env)
+    if r.returncode:
+        raise RuntimeError(f"the capped run's process failed (exit {r.returncode})")
+    child = json.loads(child_out.read_text())
+    for rec in child["records"]:
+        figs._keep(rec)  # the child printed its figures itself
+        if "figure" in rec:
+            figs.values[rec["figure"]] = rec["value"]
+    figs.values["capped_memory_fraction"] = env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    return child
+
+
+def capped_child(a, cfg: ModelConfig, path: str) -> int:
+    figs = Figures(a.dry, None, prefix="capped_")
+    state = model.num_params(cfg) * STATE_BYTES
+    # The engine's ledger a little inside the allocator's cap (its own pools and programs).
+    budget = None if a.dry else int(state / 4 * 0.9)
+    params = host_params(cfg)
+    rec = measure(figs, a, cfg, "stream", lambda: stream_engine(a, cfg, params, budget))
+    figs.figure("stream_state_over_cap", 4.0 if not a.dry else None, "x",
+                memory_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), device_budget=budget)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"records": figs.records, "stream": rec}, default=str))
+    return 0
+
+
+def markdown(a, cfg: ModelConfig, figs: Figures) -> str:
     dev = jax.devices()[0]
-    lines = [f"{datetime.date.today()}, {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
-             f"{os.cpu_count()} host cores. Command: `bash experiments/gpu/bench.sh`"
-             + (" (dry run on the CPU: tiny sizes, figures mean nothing)" if a.dry else ""), ""]
-    if link:
-        lines += ["Host<->device bandwidth, one array of %d MiB, median of %d (GB/s):" % (a.link_mib, a.reps), "",
-                  "| path | GB/s |", "|---|---|"]
-        lines += [f"| {k} | {v:.1f} |" for k, v in link.items() if isinstance(v, float)]
-        lines += ["", f"Pinned staging available: {link.get('pinned_staging')}", ""]
-    if tp:
-        n = tp["params"]
-        lines += [f"Model: Llama {cfg.num_hidden_layers} blocks x width {cfg.hidden_size} (FFN {cfg.intermediate_size}, "
-                  f"vocab {cfg.vocab_size}), {n / 1e9:.2f}B params, bf16 compute, fp32 master, AdamW; "
-                  f"{a.accum} x {a.batch} x {a.seq} = {tp['tokens_per_step']:,} tokens per step; persistent state "
-                  f"{tp['state_bytes'] / 1e9:.1f} GB; the streamed engine's device budget "
-                  f"{(tp['stream'].get('device_budget') or 0) / 1e9:.1f} GB ({a.budget_fraction:.0%} of the state), its peak "
-                  f"{tp['stream'].get('device_peak', 0) / 1e9:.1f} GB; state in host RAM.", "",
-                  "| engine | step (s) | tokens/s | MFU |", "|---|---|---|---|"]
-        for name in ("reference", "stream"):
-            r = tp.get(name, {})
-            if "step_s" in r:
-                lines.append(f"| {name} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | "
-                             f"{r.get('mfu', float('nan')):.1%} |")
-            else:
-                lines.append(f"| {name} | {r.get('error', 'not run')} | | |")
-        ratio = tp.get("stream_vs_reference")
-        lines += ["", f"Streamed / in-memory throughput: {ratio:.2f}x (target >= 0.85x)" if ratio else "",
-                  f"MFU formula: {tp['flops_per_token'] / 1e9:.1f} GFLOP per token (6 x params + 12 x layers x seq x "
-                  f"width), real tokens only; {tp['peak_note']}; target >= 45%.",
-                  f"Streamed stage seconds per step (summed over parts): {tp['stream'].get('stages_s')}"]
-        st = tp["stream"]
-        if st.get("h2d_effective_gbps"):
-            lines += ["", f"From the streamed run's trace (last step): effective host-to-device rate "
-                      f"{st['h2d_effective_gbps']:.1f} GB/s ({st['h2d_weight_bytes'] / 1e9:.2f} GB of weights over "
-                      f"{st['h2d_lane_s']:.3f} s from staging each part until its device copy was ready); the "
-                      f"forward's wait for its next part {st['forward_wait_per_block_s'] or 0:.4f} s per block "
-                      f"(per part: {st['forward_wait_s']})."]
+    v = figs.values
+    lines = [f"## GPU path: link, staging, streamed vs in-memory, 4x over a real cap (experiments/gpu/bench.sh)", "",
+             f"{datetime.date.today()}, {dev.device_kind} ({dev.platform}), jax {jax.__version__}, host "
+             f"{platform.node() or 'unnamed'} with {os.cpu_count()} cores. Command: `bash experiments/gpu/bench.sh`"
+             + (" (dry run on the CPU: tiny sizes, figures mean nothing)" if a.dry else ""), "",
+             f"Model: Llama {cfg.num_hidden_layers} blocks x width {cfg.hidden_size} (FFN {cfg.intermediate_size}, "
+             f"vocab {cfg.vocab_size}), {model.num_params(cfg) / 1e9:.2f}B params, bf16 compute, fp32 master, AdamW; "
+             f"{a.accum} x {a.batch} x {a.seq} = {a.accum * a.batch * a.seq:,} tokens per step; the capped run's "
+             f"device memory fraction {v.get('capped_memory_fraction')}.", "",
+             "| figure | value | target |", "|---|---|---|"]
+    targets = {r["figure"]: r.get("target", "") for r in figs.records if "figure" in r}
+    for name, value in v.items():
+        if name in targets:
+            shown = f"{value:.4g}" if isinstance(value, float) else json.dumps(value, default=str)
+            lines.append(f"| {name} | {shown} | {targets[name]} |")
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry", action="store_true", help="tiny sizes, for the CPU (the test suite runs this)")
+    ap.add_argument("--dry", action="store_true", help="tiny sizes on the CPU: every path, figures marked dry, no docs")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--ffn", type=int, default=14336)
@@ -233,54 +306,66 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--accum", type=int, default=16, help="micro-batches per step (their hidden states all "
-                    "wait between parts, so with --activations host they live in pinned host memory)")
-    ap.add_argument("--budget-fraction", type=float, default=0.25,
-                    help="device budget of the streamed engine, as a share of the persistent state")
+    ap.add_argument("--accum", type=int, default=8, help="micro-batches per step (8 x 16 x 512 = 64k tokens)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps after two untimed ones")
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--activations", default="host", choices=("device", "host"))
     ap.add_argument("--link-mib", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--skip-reference", action="store_true")
-    ap.add_argument("--out", help="directory for bench.json, bench.md and the stream's Chrome trace")
+    ap.add_argument("--skip-capped", action="store_true", help="leave out the run 4x over a real memory cap")
+    ap.add_argument("--out", help="directory for bench.jsonl, bench.json, bench.md and the streams' Chrome traces")
+    ap.add_argument("--capped-child", help=argparse.SUPPRESS)  # the capped run's own process: its records file
     a = ap.parse_args()
     if a.dry:
         a.layers, a.width, a.ffn, a.vocab, a.head_dim = 2, 64, 128, 256, 16
         a.batch, a.seq, a.accum, a.steps, a.link_mib, a.reps = 2, 32, 2, 1, 4, 2
-        a.budget_fraction = 0  # tiny blocks: the budget's fixed overheads exceed a quarter of the state
-    records = []
-
-    def emit(rec):
-        print(json.dumps(rec, default=str), flush=True)
-        records.append(rec)
-        if a.out:  # as it goes: a run cut short still leaves what it measured
-            Path(a.out).mkdir(parents=True, exist_ok=True)
-            with open(Path(a.out) / "bench.jsonl", "a") as f:
-                f.write(json.dumps(rec, default=str) + "\n")
-
-    dev = jax.devices()[0]
-    emit({"section": "device", "kind": dev.device_kind, "platform": dev.platform, "jax": jax.__version__})
     cfg = model_config(a)
-    link = tp = None
+    if a.capped_child:
+        return capped_child(a, cfg, a.capped_child)
+    figs = Figures(a.dry, a.out)
+    dev = jax.devices()[0]
+    figs.section({"section": "device", "kind": dev.device_kind, "platform": dev.platform, "jax": jax.__version__})
     failed = False
     try:
         link = link_bandwidth(a.link_mib << 20, a.reps, cfg)
-        emit({"section": "link", **link})
-    except Exception:  # noqa: BLE001  each section reports on its own
+        figs.section({"section": "link", **link})
+        figs.figure("link_pinned_gbps", link["h2d_pinned"], "GB/s", pinned_staging=link["pinned_staging"])
+        figs.figure("link_mapped_gbps", link["h2d_mapped"], "GB/s", refused=link["mapped_error"])
+        figs.figure("block_staging_s", link["block_staging_s"], "s", block_bytes=link["block_bytes"])
+    except Exception:  # noqa: BLE001  each part reports on its own
         traceback.print_exc()
         failed = True
-    try:
-        tp = throughput(a, cfg, emit)
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
-        failed = True
-    body = markdown(a, cfg, link, tp)
-    print(body)
+    params = host_params(cfg)
+    for name, make in (("stream", lambda: stream_engine(a, cfg, params, None)),  # first: it leaves the device empty
+                       ("reference", lambda: ReferenceTrainer(cfg, params, OptimConfig()))):
+        try:
+            measure(figs, a, cfg, name, make)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            failed = True
+    del params
+    ref = figs.values.get("reference_step_s")
+    if ref and figs.values.get("stream_step_s"):
+        figs.figure("stream_vs_reference", ref / figs.values["stream_step_s"], "x", target=">= 0.97")
+    if not a.skip_capped:
+        try:
+            capped(a, cfg, figs)
+            if ref and figs.values.get("capped_stream_step_s"):
+                figs.figure("capped_vs_reference", ref / figs.values["capped_stream_step_s"], "x", target=">= 0.85")
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            failed = True
+    body = markdown(a, cfg, figs)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "bench.json").write_text(json.dumps(records, indent=1, default=str))
+        (Path(a.out) / "bench.json").write_text(json.dumps(figs.records, indent=1, default=str))
         (Path(a.out) / "bench.md").write_text(body + "\n")
+    if not a.dry:  # by the harness's own command: importing it would set JAX_PLATFORMS for the capped process
+        section = Path(a.out or os.environ.get("TMPDIR", "/tmp")) / "bench.md"
+        section.parent.mkdir(parents=True, exist_ok=True)
+        section.write_text(body + "\n")
+        subprocess.run([sys.executable, str(ROOT / "experiments/bench/harness.py"), "section", SECTION, str(section)],
+                       stdout=sys.stderr, check=True)
     return 1 if failed else 0
 
 

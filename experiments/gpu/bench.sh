@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The GPU benchmark (issue 5): host<->device bandwidth through pinned staging, streamed
-# vs in-memory throughput, and MFU with the state 4x the engine's device budget.
-# One command on one GPU, a few minutes (experiments/gpu/bench.py says what each part does):
+# The GPU benchmark (issues 5 and 31): one JSON line per figure on stdout (the link's
+# pinned and mapped GB/s, one block's staging time, streamed and in-memory step time,
+# tokens/s and MFU, compiles after step 1, the forward's wait per part, and the streamed
+# figures again in a process whose device memory is capped at a quarter of the state).
+# One command on one GPU, under 8 minutes (experiments/gpu/bench.py says what each is):
 #
-#     bash experiments/gpu/bench.sh [--out DIR]      # DIR gets bench.json, bench.md, a trace
-#     bash experiments/gpu/bench.sh --dry            # tiny sizes on the CPU (the test suite runs this)
-#
-# Then put DIR/bench.md into docs/benchmarks.md:
-#     .venv/bin/python experiments/bench/harness.py section gpu-bench DIR/bench.md
+#     bash experiments/gpu/bench.sh [--out DIR]   # writes its section of docs/benchmarks.md (date, machine);
+#                                                 # DIR gets bench.jsonl, bench.json, bench.md, the traces
+#     bash experiments/gpu/bench.sh --dry         # every path at tiny sizes on the CPU, figures marked
+#                                                 # dry, no docs written (.ci/run and the test suite run it)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # The image's python (PYTHON= picks another, e.g. .venv/bin/python) with the repository on
@@ -20,4 +21,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-96}"
 export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
 export PYTHONUNBUFFERED=1
+# One persistent compilation cache for the run: the capped run's process loads the
+# programs the first one compiled instead of compiling them again.
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-${TMPDIR:-/tmp}/mtjax-bench-jax-cache}"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
 exec "$PY" experiments/gpu/bench.py "$@"
