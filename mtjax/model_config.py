@@ -175,6 +175,10 @@ class ModelConfig:
         them, else from layer_types, no_rope_layers, moe_layers and the fields they qualify."""
         if self.family.layer_specs:
             return tuple(self.family.layer_specs(self))
+        return self.derived_layer_specs()
+
+    def derived_layer_specs(self) -> tuple[LayerSpec, ...]:
+        """The layer specs these fields give (a family's own `layer_specs` may start from them)."""
         return tuple(self._layer_spec(i, t) for i, t in enumerate(self.layer_types))
 
     def _layer_spec(self, i: int, layer_type: str) -> LayerSpec:

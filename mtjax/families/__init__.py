@@ -7,5 +7,6 @@ The built-in families: llama, mistral, qwen2, qwen3, phi3, mixtral, qwen_moe (Qw
 and Qwen3-MoE), olmoe, gemma (Gemma 2 and 3), llama4. docs/model.md says how to add one.
 """
 
-from mtjax.families import gemma, llama, llama4, mistral, mixtral, olmoe, phi3, qwen2, qwen3, qwen_moe  # noqa: F401
+# Registered in this order, the order error messages list them in.
+from mtjax.families import llama, mistral, qwen2, qwen3, phi3, gemma, mixtral, qwen_moe, olmoe, llama4  # noqa: F401, I001
 from mtjax.families.registry import FAMILIES, Family, get, match, model_types, register, unregister  # noqa: F401
