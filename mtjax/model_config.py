@@ -43,7 +43,7 @@ NUMBER_RANGES = {"rope_theta": POSITIVE, "max_position_embeddings": AT_LEAST_1, 
 class ModelConfig:
     """Architecture and numerics of one model. Hashable: used as a jit static argument."""
 
-    model_type: str = "llama"
+    model_type: str = "llama"  # the family (mtjax.families), by its config.json model_type
     vocab_size: int = 256
     hidden_size: int = 64
     intermediate_size: int = 176

@@ -8,5 +8,6 @@ and Qwen3-MoE), olmoe, gemma (Gemma 2 and 3), llama4. docs/model.md says how to 
 """
 
 # Registered in this order, the order error messages list them in.
-from mtjax.families import llama, mistral, qwen2, qwen3, phi3, gemma, mixtral, qwen_moe, olmoe, llama4  # noqa: F401, I001
+from mtjax.families import llama, mistral, qwen2, qwen3, phi3  # noqa: F401, I001
+from mtjax.families import gemma, mixtral, qwen_moe, olmoe, llama4  # noqa: F401, I001
 from mtjax.families.registry import FAMILIES, Family, get, match, model_types, register, unregister  # noqa: F401

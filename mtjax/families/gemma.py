@@ -91,7 +91,8 @@ def gemma3_to_hf(cfg) -> dict:
     hf = _to_hf(cfg)
     local = hf_config.rope_to_hf(cfg.local_rope_theta or cfg.rope_theta, cfg.local_rope_scaling,
                                  cfg.partial_rotary_factor)
-    return dict(hf, rope_parameters={FULL: hf["rope_parameters"], SLIDING: local}, rope_local_base_freq=local["rope_theta"])
+    return dict(hf, rope_parameters={FULL: hf["rope_parameters"], SLIDING: local},
+                rope_local_base_freq=local["rope_theta"])
 
 
 register(Family("gemma2", "Gemma2ForCausalLM", gemma2_from_hf, _to_hf))

@@ -95,7 +95,8 @@ def rope_from_hf(hf: dict, renamed: dict[str, str] | None = None,
         kwargs["original_max_position_embeddings"] = context or int(
             kwargs.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 2048))
     if rope_type in ("longrope", "yarn"):
-        kwargs.setdefault("factor", hf.get("max_position_embeddings", 2048) / kwargs["original_max_position_embeddings"])
+        context = kwargs["original_max_position_embeddings"]
+        kwargs.setdefault("factor", hf.get("max_position_embeddings", 2048) / context)
     return float(theta), RopeScaling(rope_type=rope_type, **kwargs)
 
 

@@ -63,8 +63,9 @@ def from_hf(hf: dict) -> dict:
 
 def to_hf(cfg) -> dict:
     floor = cfg.floor_scale
-    return dict(hf_config.write_common(cfg), attention_bias=cfg.o_proj_bias, num_experts_per_tok=cfg.num_experts_per_tok,
-                intermediate_size=cfg.moe_intermediate_size, num_local_experts=cfg.num_experts,
+    return dict(hf_config.write_common(cfg), attention_bias=cfg.o_proj_bias,
+                num_experts_per_tok=cfg.num_experts_per_tok, intermediate_size=cfg.moe_intermediate_size,
+                num_local_experts=cfg.num_experts,
                 moe_layers=list(cfg.moe_layers), intermediate_size_mlp=cfg.intermediate_size,
                 layer_types=list(cfg.layer_types),
                 no_rope_layers=[int(i not in cfg.no_rope_layers) for i in range(cfg.num_hidden_layers)],
