@@ -17,7 +17,8 @@ import mtjax
 from mtjax import families, hf, model
 from mtjax.families import hf_config
 from mtjax.layers.spec import Norms
-from mtjax.model_config import ConfigError, ModelConfig
+from mtjax.model_config import SWITCHES, ConfigError, ModelConfig
+from mtjax.store import layout
 from mtjax.store.hf_export import export_hf
 from mtjax.store.hf_import import import_hf
 
@@ -113,3 +114,18 @@ def test_a_family_not_registered_is_one_config_error_naming_the_registered_ones(
 def test_no_file_of_the_package_names_the_toy_family():
     package = Path(mtjax.__file__).parent
     assert not [p for p in package.rglob("*.py") if TOY in p.read_text()]
+
+
+def test_a_switch_left_unset_takes_its_family_default_and_a_set_one_is_kept():
+    assert ModelConfig(model_type="phi3").fused_projections and not ModelConfig().fused_projections
+    assert not ModelConfig(model_type="phi3", fused_projections=False).fused_projections
+    assert ModelConfig(fused_projections=True, moe_router="sigmoid_topk").moe_router == "sigmoid_topk"
+    llama4 = ModelConfig(model_type="llama4_text")
+    assert (llama4.rope_interleaved, llama4.moe_router) == (True, "sigmoid_topk")
+    assert ModelConfig(model_type="qwen2_moe").shared_expert_gated
+
+
+def test_a_store_config_written_before_the_switches_reads_as_its_family():
+    for cfg in (ModelConfig(model_type="phi3"), ModelConfig(model_type="llama4_text"), ModelConfig()):
+        written = {k: v for k, v in layout.config_to_json(cfg).items() if k not in SWITCHES}
+        assert layout.config_from_json(written) == cfg
