@@ -1,12 +1,10 @@
 """The architecture of a decoder-only model, read from a Hugging Face ``config.json``.
 
-One frozen dataclass describes every supported family (mtjax.families: Llama 2/3,
-Qwen2/2.5, Qwen3, Mistral, Phi-3/3.5/4, Gemma 2, Gemma 3, and the mixtures of experts
-Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and Llama 4's text model). Family differences are
-settable fields (q/k/v bias, q/k norm, sliding windows, chunked attention, NoPE layers,
-rope scaling, fused projections, Gemma's norms, GeGLU and soft-capping, experts, the
-router), so the model code has no per-family branches; each family's module maps its
-config.json to these fields and back.
+One frozen dataclass describes a model of every registered family (mtjax.families: one
+module each, which maps its config.json to these fields and back). Family differences
+are settable fields (q/k/v bias, q/k norm, sliding windows, chunked attention, NoPE
+layers, rope scaling, fused projections, norms, activations and soft-capping, experts,
+the router), so the model code has no per-family branches.
 """
 
 from __future__ import annotations
