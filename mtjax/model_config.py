@@ -91,10 +91,10 @@ class ModelConfig:
     floor_scale: float = 8192.0
     temperature_scale: float = 0.1  # Hugging Face's attn_scale (not `attn_scale` below, the softmax scale)
     # Behaviour switches (SWITCHES); None takes the family's default (its `defaults`).
-    fused_projections: bool | None = None  # one qkv_proj and one gate_up_proj kernel per block (Phi-3)
-    rope_interleaved: bool | None = None  # RoPE turns adjacent feature pairs, not the two halves (Llama 4)
-    moe_router: str | None = None  # router kind of the MoE layers: softmax_topk, or sigmoid_topk (Llama 4)
-    shared_expert_gated: bool | None = None  # the shared expert's output scaled by a sigmoid gate (Qwen2-MoE)
+    fused_projections: bool | None = None  # fused qkv_proj and gate_up_proj kernels (Phi-3); null: the family's
+    rope_interleaved: bool | None = None  # RoPE turns adjacent pairs, not halves (Llama 4); null: the family's
+    moe_router: str | None = None  # MoE router kind: softmax_topk or sigmoid_topk (Llama 4); null: the family's
+    shared_expert_gated: bool | None = None  # shared expert scaled by a sigmoid gate (Qwen2-MoE); null: the family's
 
     def __post_init__(self):
         if not self.layer_types:
