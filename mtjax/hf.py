@@ -2,7 +2,9 @@
 
 `layout(cfg)` lists every tensor of a checkpoint with where it lives in mtjax's params
 pytree and whether it is transposed (PyTorch Linear weights are [out, in], mtjax kernels
-[in, out]). Most tensors are one leaf each; a Llama 4 checkpoint's fused experts are many:
+[in, out]). A block's tensors are named after its modules as the model's family names
+them (`Family.checkpoint_names`, mtjax.families). Most tensors are one leaf each; the
+stacked experts of a family with `stacked_experts` (Llama 4) are many:
 `experts.gate_up_proj` [E, d, 2f] holds every expert's gate and up kernels side by side,
 `experts.down_proj` [E, f, d] their down kernels, which mtjax keeps one array each
 (`to_mtjax` splits them, `to_hf` joins them back, bit for bit). The loader reads one
@@ -25,7 +27,7 @@ from safetensors.numpy import save_file
 
 from mtjax import model, textfile
 from mtjax.errors import MtjaxError
-from mtjax.model_config import LLAMA4, ModelConfig, differences, load_hf_config, to_hf_dict
+from mtjax.model_config import ModelConfig, differences, load_hf_config, to_hf_dict
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 INDEX_FILE = "model.safetensors.index.json"
@@ -60,21 +62,10 @@ def _leaves(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, jax.ShapeDt
             yield prefix + (key,), value
 
 
-# Mixtral's hub names: its MoE MLP is `block_sparse_moe`, an expert's gate, down and up `w1, w2, w3`.
-_MIXTRAL_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
-# Llama 4's: every MLP is `feed_forward`, a MoE's router `router` (mtjax's `gate`).
-_LLAMA4_MLP = {"gate": "router"}
-
-
 def _hub_names(cfg: ModelConfig, module: list[str]) -> list[str]:
-    """mtjax module names of a block -> the family's checkpoint names (equal but for Mixtral's and Llama 4's)."""
-    if module[:1] != ["mlp"]:
-        return module
-    if cfg.model_type == LLAMA4:
-        return ["feed_forward", *(_LLAMA4_MLP.get(m, m) if i == 0 else m for i, m in enumerate(module[1:]))]
-    if cfg.model_type != "mixtral":
-        return module
-    return ["block_sparse_moe", *(_MIXTRAL_EXPERT.get(m, m) if "experts" in module else m for m in module[1:])]
+    """mtjax module names of a block -> the family's checkpoint names (its `checkpoint_names`)."""
+    rename = cfg.family.checkpoint_names
+    return rename(module) if rename else module
 
 
 def _spec(cfg: ModelConfig, hf_prefix: str, path: tuple, leaf) -> TensorSpec:
@@ -87,10 +78,11 @@ def _spec(cfg: ModelConfig, hf_prefix: str, path: tuple, leaf) -> TensorSpec:
     return TensorSpec(hf_name, (path,), shape, transpose)
 
 
-def _fused_experts(cfg: ModelConfig, i: int) -> list[TensorSpec]:
-    """Llama 4's two expert tensors of block i, input-major as its kernels are (no transpose)."""
+def _stacked_experts(cfg: ModelConfig, i: int) -> list[TensorSpec]:
+    """The two stacked expert tensors of MoE block i, input-major as its kernels are (no transpose)."""
     d, f, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    prefix, experts = f"model.layers.{i}.feed_forward.experts", ("blocks", i, "mlp", "experts")
+    prefix = ".".join([f"model.layers.{i}", *_hub_names(cfg, ["mlp", "experts"])])
+    experts = ("blocks", i, "mlp", "experts")
     gate_up = tuple(experts + (e, proj, "kernel") for e in range(n) for proj in ("gate_proj", "up_proj"))
     down = tuple(experts + (e, "down_proj", "kernel") for e in range(n))
     return [TensorSpec(f"{prefix}.gate_up_proj", gate_up, (n, d, 2 * f), False, stacked=2),
@@ -102,11 +94,11 @@ def layout(cfg: ModelConfig) -> list[TensorSpec]:
     abstract = model.abstract_params(cfg)
     specs = [TensorSpec("model.embed_tokens.weight", (("embed", "embedding"),),
                         (cfg.vocab_size, cfg.hidden_size), False)]
-    fused = cfg.model_type == LLAMA4
+    stacked = cfg.family.stacked_experts
     for i, block in enumerate(abstract["blocks"]):
-        leaves = [(p, leaf) for p, leaf in _leaves(block) if not (fused and p[:2] == ("mlp", "experts"))]
+        leaves = [(p, leaf) for p, leaf in _leaves(block) if not (stacked and p[:2] == ("mlp", "experts"))]
         specs += [_spec(cfg, f"model.layers.{i}", ("blocks", i) + p, leaf) for p, leaf in leaves]
-        specs += _fused_experts(cfg, i) if fused and i in cfg.moe_layers else []
+        specs += _stacked_experts(cfg, i) if stacked and i in cfg.moe_layers else []
     specs.append(TensorSpec("model.norm.weight", (("head", "norm", "weight"),), (cfg.hidden_size,), False))
     if not cfg.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", (("head", "lm_head", "kernel"),),

@@ -49,7 +49,7 @@ def test_greedy_matches_a_step_by_step_loop(params):
 def test_cached_decoding_of_a_phi3_model_matches_a_step_by_step_loop():
     """Fused projections, partial rotary, a window shorter than the output and longrope
     (rows within its pre-training context: the short factors throughout) through the KV cache."""
-    phi = dataclasses.replace(CFG, model_type="phi3", partial_rotary_factor=0.5,
+    phi = dataclasses.replace(CFG, model_type="phi3", fused_projections=True, partial_rotary_factor=0.5,
                               sliding_window=4, layer_types=(SLIDING,) * 2, rope_scaling=RopeScaling(
                                   "longrope", 4.0, original_max_position_embeddings=24,
                                   short_factor=(1.5, 2.0), long_factor=(3.0, 5.0)))
@@ -69,7 +69,8 @@ def test_cached_decoding_of_a_llama4_model_matches_a_step_by_step_loop():
     llama4 = dataclasses.replace(CFG, model_type="llama4_text", layer_types=(CHUNKED, FULL), attention_chunk_size=3,
                                  no_rope_layers=(1,), moe_layers=(0,), num_experts=3, num_experts_per_tok=1,
                                  moe_intermediate_size=24, shared_expert_intermediate_size=24, qk_l2_norm=True,
-                                 attn_temperature_tuning=True, floor_scale=2.0, temperature_scale=0.5)
+                                 attn_temperature_tuning=True, floor_scale=2.0, temperature_scale=0.5,
+                                 rope_interleaved=True, moe_router="sigmoid_topk")
     params = model.init_params(llama4, seed=1)
     prompt = [3, 14, 15, 9, 2]
     got = generate.generate(llama4, params, prompt, 8, temperature=0)

@@ -269,7 +269,7 @@ def test_fused_and_partial_rotary_models_count_as_their_unfused_twins():
     gate and up, and partial rotary adds no matmul: parameter counts (which the MFU line's
     FLOPs use), the HF layout and the plan's FLOPs agree with the Llama-shaped twin."""
 
-    phi = dataclasses.replace(CFG, model_type="phi3", partial_rotary_factor=0.5)
+    phi = dataclasses.replace(CFG, model_type="phi3", fused_projections=True, partial_rotary_factor=0.5)
     n = model.num_params(phi)
     assert n == model.num_params(CFG) == sum(math.prod(s.shape) for s in hf.layout(phi))
     assert {s.hf_name for s in hf.layout(phi)} >= {"model.layers.0.self_attn.qkv_proj.weight",

@@ -36,7 +36,7 @@ CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidde
 # Phi-3's fused projections with Phi-4-mini's partial rotary, longrope in its long regime
 # (rows of 16 past a context of 8) and a window of 5.
 PHI3 = dataclasses.replace(
-    CFG, model_type="phi3", partial_rotary_factor=0.75, sliding_window=5,
+    CFG, model_type="phi3", fused_projections=True, partial_rotary_factor=0.75, sliding_window=5,
     layer_types=(SLIDING,) * 4, rope_scaling=RopeScaling(
         "longrope", 16.0, original_max_position_embeddings=8, short_factor=(1.0, 1.4, 2.0), long_factor=(1.5, 3.0, 7.0)))
 # clip_norm far below the gradient norm (~1.2), so every step is clipped.
