@@ -328,3 +328,15 @@ def test_the_closing_sample_streams_within_a_device_budget_below_the_weights(tmp
     assert 0 < summary["device_peak_bytes"] <= budget < weights
     assert cli.main(["generate", str(run_dir / "store"), "--prompt", "CLEOPATRA.\n", "--tokens", "12"]) == 0
     assert capsys.readouterr().out == "CLEOPATRA.\n" + summary["sample"] + "\n"
+
+
+def test_a_closing_sample_past_the_device_budget_is_refused_before_training(tmp_path, capsys):
+    """Steps that fit stream.device_budget_bytes with a closing sample whose KV caches do
+    not: one line before anything is trained or written, not a failure after the run."""
+    run_dir = tmp_path / "deep"
+    args = ["train", *DEEP, "--run.sample_tokens=1000", "--stream.device_budget_bytes=7000000", f"--run.dir={run_dir}"]
+    assert cli.main(args) != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "the closing sample (1,011 positions) may hold 7,211,008 bytes on the device" in err
+    assert "over stream.device_budget_bytes 7,000,000; lower run.sample_tokens" in err
+    assert not run_dir.exists()

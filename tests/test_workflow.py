@@ -321,6 +321,27 @@ def test_eval_of_a_store_equals_eval_of_its_checkpoint(imported, capsys):
     assert from_ckpt.startswith("train loss ") and from_store == from_ckpt
 
 
+@pytest.mark.slow  # compiles the streamed and the whole-model eval of two models
+def test_streamed_eval_equals_the_in_memory_eval(imported):
+    """`mtjax eval` streams the model part by part (run.eval_engine): its loss over a batch
+    of micro-batches is the whole-model reference's, for a store and for a checkpoint."""
+    import numpy as np
+
+    from mtjax import reference
+
+    ckpt, store, _ = imported
+    tokens = np.random.default_rng(0).integers(0, 300, (3, 2, 16), dtype=np.int32)
+    for path in (ckpt, store):
+        cfg, params = run_lib.load_weights(path)
+        want = reference.eval_loss(cfg, params, tokens)["loss"]
+        engine = run_lib.eval_engine(path)
+        try:
+            got = engine.eval_loss(tokens)["loss"]
+        finally:
+            engine.close()
+        assert got == pytest.approx(want, rel=1e-6), path
+
+
 def test_generate_from_a_store_equals_generate_from_its_checkpoint(imported, capsys):
     ckpt, store, _ = imported
     flags = ["--tokenizer", "bytes", "--prompt", "the ", "--tokens", "8", "--temperature", "0"]
