@@ -233,8 +233,8 @@ class Evaluation(NamedTuple):
 def eval_engine(path: str | Path) -> StreamEngine:
     """An engine whose `eval_loss` streams the weights at `path` through the device one part
     at a time, as training does: a layer store's last committed compute copy, read from
-    its disk (opened read-only, no state of it held in RAM; the engine closes it), or an
-    HF checkpoint's weights, read into host RAM (with no optimizer state)."""
+    its disk (the store opened read-only; the engine closes it), or an HF checkpoint's
+    weights, read into host RAM (with no optimizer state)."""
     one = StreamConfig(devices=1, resident="none")  # every part streamed, the batch on one device
     if not layout.is_store(path):
         cfg, params = hf.load_params(path)
@@ -242,8 +242,13 @@ def eval_engine(path: str | Path) -> StreamEngine:
     store = mtjax.store.open(path)
     try:
         store.check_complete("evaluate it")
-        on_disk = StoreConfig(compute="disk", master="disk", opt="disk", copies=store.copies)
-        return StreamEngine(store.config, stream=one, store_config=on_disk, store=store, owns_store=True)
+        # A two-copy store's master weights are held in RAM (as eval always read them): with
+        # them on disk the engine would make a scratch directory for gradients beside the
+        # store, which a store on a read-only disk cannot have. A one-copy store's engine
+        # keeps every kind on disk (its gradients' place is the store's own, unused here).
+        tiers = dict(compute="disk", master="disk" if store.copies == 1 else "ram", opt="disk")
+        return StreamEngine(store.config, stream=one, store_config=StoreConfig(**tiers, copies=store.copies),
+                            store=store, owns_store=True)
     except BaseException:
         store.close()
         raise

@@ -342,6 +342,19 @@ def test_streamed_eval_equals_the_in_memory_eval(imported):
         assert got == pytest.approx(want, rel=1e-6), path
 
 
+def test_eval_of_a_store_on_a_read_only_disk(imported, tmp_path, capsys):
+    """Streamed eval only reads the store: one on a read-only disk evaluates as before."""
+    import shutil
+
+    _, store, text = imported
+    flags = [str(text), "--split", "train", "--tokenizer", "bytes", "--seq-len", "16", "--batch-size", "2", "--batches", "1"]
+    want = _output(capsys, ["eval", str(store), *flags])
+    with small_disk.mounted(tmp_path / "ro", "32m") as mnt:
+        shutil.copytree(store, mnt / "store")
+        small_disk.make_readonly(mnt)
+        assert _output(capsys, ["eval", str(mnt / "store"), *flags]) == want
+
+
 def test_generate_from_a_store_equals_generate_from_its_checkpoint(imported, capsys):
     ckpt, store, _ = imported
     flags = ["--tokenizer", "bytes", "--prompt", "the ", "--tokens", "8", "--temperature", "0"]
