@@ -365,19 +365,23 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
         exp = residency.for_run(exp)  # stream.resident=auto: the planner's parts for this device's memory
         preflight.check(exp, cfg, dataset, processes=1 if hosts is None else hosts.count)  # before any weight is made
         exp = _as_run(exp, dataset, tokenizer)
-        if exp.run.sample_prompt and exp.run.sample_tokens:  # the closing sample: refused now, not after the run
+        positions = 0  # the closing sample's prompt and new tokens: refused now, not after the run
+        if exp.run.sample_prompt and exp.run.sample_tokens:
             prompt = generate.prompt_ids(tokenizer, exp.run.sample_prompt)
             generate.check_fits(cfg, prompt, exp.run.sample_tokens, ("run.sample_prompt", "run.sample_tokens"))
-            _check_sample_budget(exp, cfg, max(len(prompt), 1) + exp.run.sample_tokens)
+            positions = max(len(prompt), 1) + exp.run.sample_tokens
+            _check_sample_budget(exp, cfg, positions, _sample_budget(exp))
         val = _eval_batches(dataset, exp) if exp.run.eval_every else None
         loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,
                              exp.data.seed, cursor=cursor)
         if created:
             engine = make_engine(exp, cfg, initial_params(exp, cfg), store=store, hosts=hosts)
+            _check_sample_budget(exp, cfg, positions, _sample_budget(exp, engine))  # beside its resident parts
             engine.commit(0, checkpoint.train_state(exp, 0, loader.cursor))  # resumable from the first moment
             created, origin = False, {}
         else:  # the store's last commit (or the weights `mtjax import` put there) is the start
             engine = make_engine(exp, cfg, None, store=store, step=first, hosts=hosts)
+            _check_sample_budget(exp, cfg, positions, _sample_budget(exp, engine))
             origin = dict(store=store.root) if state is None else dict(resumed=store.root, step=first)
         # Only now that everything checked out: a run that fails to start leaves the previous one.
         records = rundir.records_dir(run_dir, 0 if lead else hosts.index)
@@ -491,18 +495,29 @@ def _as_run(exp: ExperimentConfig, dataset, tokenizer) -> ExperimentConfig:
     return exp
 
 
-def _check_sample_budget(exp: ExperimentConfig, cfg: ModelConfig, positions: int) -> None:
-    """Refuse a closing sample of `positions` (prompt + new tokens) that could hold more
-    than stream.device_budget_bytes on the device (mtjax.stream.sample.device_bytes)."""
+def _sample_budget(exp: ExperimentConfig, engine: Engine | None = None) -> int | None:
+    """The device bytes the closing sample may hold: stream.device_budget_bytes less what
+    the engine keeps on the device between steps (its resident parts' state); None: no cap
+    (none set, or the reference engine, which holds the whole model anyway)."""
     budget = exp.stream.device_budget_bytes
-    if budget is None or exp.stream.engine != "stream":  # (the reference engine holds the whole model anyway)
+    if budget is None or exp.stream.engine != "stream":
+        return None
+    return budget - (engine.ledger.held_by_use["resident"] if isinstance(engine, StreamEngine) else 0)
+
+
+def _check_sample_budget(exp: ExperimentConfig, cfg: ModelConfig, positions: int, budget: int | None) -> None:
+    """Refuse a closing sample of `positions` (prompt + new tokens; 0: none) that could hold
+    more than `budget` bytes on the device (mtjax.stream.sample.device_bytes)."""
+    if not positions or budget is None:
         return
     need = sample_mod.device_bytes(cfg, positions)
     if need > budget:
+        total = exp.stream.device_budget_bytes
+        room = (f"stream.device_budget_bytes {total:,}" if budget == total else
+                f"the {budget:,} that stream.device_budget_bytes {total:,} leaves beside the resident parts")
         raise DeviceBudgetError(f"the closing sample ({positions:,} positions) may hold {need:,} bytes on the device "
-                                f"(two parts' weights and the KV caches), over stream.device_budget_bytes "
-                                f"{budget:,}; lower run.sample_tokens, raise the budget, or pass --run.sample_prompt= "
-                                "to skip the sample")
+                                f"(two parts' weights and the KV caches), over {room}; lower run.sample_tokens, raise "
+                                "the budget (or lower stream.resident), or pass --run.sample_prompt= to skip the sample")
 
 
 def _closing_sample(exp: ExperimentConfig, engine: Engine, tokenizer) -> tuple[str, int]:
@@ -511,8 +526,7 @@ def _closing_sample(exp: ExperimentConfig, engine: Engine, tokenizer) -> tuple[s
     samples a store, so the whole model is never on the device; within what
     stream.device_budget_bytes leaves beside the engine's resident parts."""
     kept = engine.ledger.held_by_use["resident"] if isinstance(engine, StreamEngine) else 0
-    budget = exp.stream.device_budget_bytes
-    sampler = sample_mod.StreamSampler(engine.store, budget=None if budget is None else budget - kept)
+    sampler = sample_mod.StreamSampler(engine.store, budget=_sample_budget(exp, engine))
     text = sampler.complete(tokenizer, exp.run.sample_prompt, exp.run.sample_tokens, seed=exp.run.seed)
     return text, kept + sampler.ledger.peak
 
