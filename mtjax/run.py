@@ -16,6 +16,8 @@ by `stream.engine` in `make_engine`; any object with the `Engine` protocol plugs
                           store and commit it (mtjax.checkpoint): `--run.resume=true`
                           continues from the last commit exactly
     engine.close()        release threads and files at the end of the run
+    engine.store          the run's layer store: the closing sample streams its last commit
+                          from it (mtjax.stream.sample), whichever engine trained it
 
 A multi-process run (`distributed`, mtjax.distributed) runs this on every process: each
 reads the same global batches and trains its rows of them; process 0 writes the run's
@@ -34,6 +36,7 @@ from typing import NamedTuple, Protocol
 
 import jax
 import numpy as np
+import optax
 
 import mtjax.store
 from mtjax.store import layout, shards
@@ -43,9 +46,9 @@ from mtjax import config as config_lib
 from mtjax import data, distributed, documents, generate, hf, model, preflight, rundir, wandb_log
 from mtjax import reference as reference_mod
 from mtjax.batch import Batch, concat
-from mtjax.config import ConfigError, ExperimentConfig, RunConfig
+from mtjax.config import ConfigError, ExperimentConfig, RunConfig, StoreConfig, StreamConfig
 from mtjax.errors import MtjaxError, NonFiniteStep
-from mtjax.model_config import ModelConfig
+from mtjax.model_config import ModelConfig, load_hf_config
 from mtjax.optim import lr_at, make_optimizer, schedule_warnings
 from mtjax.plan import residency
 from mtjax.plan.cost import mfu_flops_per_token
@@ -53,10 +56,13 @@ from mtjax.progress import Progress, peak_flops
 from mtjax.terminal import bar as progress_bar
 from mtjax.reference import ReferenceTrainer
 from mtjax.stream import StreamEngine, staging
+from mtjax.stream import sample as sample_mod
+from mtjax.stream.budget import DeviceBudgetError
 
 
 class Engine(Protocol):
     commits_every_step: bool
+    store: mtjax.store.Store
 
     def step(self, batch: Batch | np.ndarray) -> dict[str, float]: ...
 
@@ -196,6 +202,14 @@ def check_tokenizer(exp: ExperimentConfig, dataset, run_dir: Path) -> None:
     dataset.check_tokenizer(spec, f"{fix}, or set --data.other_tokenizer=true to train on it anyway", name)
 
 
+def weights_config(path: str | Path) -> ModelConfig:
+    """The model config of a layer store or an HF checkpoint directory (no weights read)."""
+    if layout.is_store(path):
+        with mtjax.store.open(path) as store:
+            return store.config
+    return load_hf_config(path)
+
+
 def load_weights(path: str | Path):
     """(model config, fp32 params) of an HF checkpoint dir or of a layer store (its last
     committed master weights, read without taking the writer lock)."""
@@ -216,12 +230,37 @@ class Evaluation(NamedTuple):
     windows: int  # windows of seq_len tokens the split holds
 
 
+def eval_engine(path: str | Path) -> StreamEngine:
+    """An engine whose `eval_loss` streams the weights at `path` through the device one part
+    at a time, as training does: a layer store's last committed compute copy, read from
+    its disk (the store opened read-only; the engine closes it), or an HF checkpoint's
+    weights, read into host RAM (with no optimizer state)."""
+    one = StreamConfig(devices=1, resident="none")  # every part streamed, the batch on one device
+    if not layout.is_store(path):
+        cfg, params = hf.load_params(path)
+        return StreamEngine(cfg, params, stream=one, tx=optax.identity())
+    store = mtjax.store.open(path)
+    try:
+        store.check_complete("evaluate it")
+        # A two-copy store's master weights are held in RAM (as eval always read them): with
+        # them on disk the engine would make a scratch directory for gradients beside the
+        # store, which a store on a read-only disk cannot have. A one-copy store's engine
+        # keeps every kind on disk (its gradients' place is the store's own, unused here).
+        tiers = dict(compute="disk", master="disk" if store.copies == 1 else "ram", opt="disk")
+        return StreamEngine(store.config, stream=one, store_config=StoreConfig(**tiers, copies=store.copies),
+                            store=store, owns_store=True)
+    except BaseException:
+        store.close()
+        raise
+
+
 def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int = 128, batch_size: int = 8,
                         batches: int = 8, tokenizer: str | None = None) -> Evaluation:
     """Mean loss of a saved checkpoint over the first `batches` batches of a dataset split:
-    over their counted targets (the answers of a chat dataset), as training counts them."""
+    over their counted targets (the answers of a chat dataset), as training counts them.
+    The model is streamed through the device (`eval_engine`), never loaded whole."""
     tok = checkpoint_tokenizer(ckpt_dir, tokenizer)
-    cfg, params = load_weights(ckpt_dir)
+    cfg = weights_config(ckpt_dir)
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="mtjax-eval-") as cache:
@@ -234,13 +273,14 @@ def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int
         ds.check_vocab(cfg.vocab_size)
         ds.check_seq_len(seq_len)
         batch, used, rows, windows = eval_batches(ds, split, seq_len, batch_size, batches)
-        with progress_bar(used, "evaluating", unit="batch") as bar:
-            def done(terms):  # a live bar shows batches computed, not queued
-                if not bar.disable:
-                    terms.block_until_ready()
-                bar.update()
-
-            loss = reference_mod.eval_loss(cfg, params, batch, done)["loss"]
+        engine = eval_engine(ckpt_dir)
+        try:
+            # One streamed pass over the weights for every batch: the bar moves once it is done.
+            with progress_bar(used, "evaluating", unit="batch") as bar:
+                loss = engine.eval_loss(batch)["loss"]
+                bar.update(used)
+        finally:
+            engine.close()
         return Evaluation(loss, documents.trained_tokens(batch), not batch.plain, used, rows, windows)
 
 
@@ -328,18 +368,23 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
         exp = residency.for_run(exp)  # stream.resident=auto: the planner's parts for this device's memory
         preflight.check(exp, cfg, dataset, processes=1 if hosts is None else hosts.count)  # before any weight is made
         exp = _as_run(exp, dataset, tokenizer)
-        if exp.run.sample_prompt and exp.run.sample_tokens:  # the closing sample: refused now, not after the run
-            generate.check_fits(cfg, generate.prompt_ids(tokenizer, exp.run.sample_prompt), exp.run.sample_tokens,
-                                ("run.sample_prompt", "run.sample_tokens"))
+        positions = 0  # the closing sample's prompt and new tokens: refused now, not after the run
+        if exp.run.sample_prompt and exp.run.sample_tokens:
+            prompt = generate.prompt_ids(tokenizer, exp.run.sample_prompt)
+            generate.check_fits(cfg, prompt, exp.run.sample_tokens, ("run.sample_prompt", "run.sample_tokens"))
+            positions = max(len(prompt), 1) + exp.run.sample_tokens
+            _check_sample_budget(exp, cfg, positions, _sample_budget(exp))
         val = _eval_batches(dataset, exp) if exp.run.eval_every else None
         loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,
                              exp.data.seed, cursor=cursor)
         if created:
             engine = make_engine(exp, cfg, initial_params(exp, cfg), store=store, hosts=hosts)
+            _check_sample_budget(exp, cfg, positions, _sample_budget(exp, engine))  # beside its resident parts
             engine.commit(0, checkpoint.train_state(exp, 0, loader.cursor))  # resumable from the first moment
             created, origin = False, {}
         else:  # the store's last commit (or the weights `mtjax import` put there) is the start
             engine = make_engine(exp, cfg, None, store=store, step=first, hosts=hosts)
+            _check_sample_budget(exp, cfg, positions, _sample_budget(exp, engine))
             origin = dict(store=store.root) if state is None else dict(resumed=store.root, step=first)
         # Only now that everything checked out: a run that fails to start leaves the previous one.
         records = rundir.records_dir(run_dir, 0 if lead else hosts.index)
@@ -453,6 +498,42 @@ def _as_run(exp: ExperimentConfig, dataset, tokenizer) -> ExperimentConfig:
     return exp
 
 
+def _sample_budget(exp: ExperimentConfig, engine: Engine | None = None) -> int | None:
+    """The device bytes the closing sample may hold: stream.device_budget_bytes less what
+    the engine keeps on the device between steps (its resident parts' state); None: no cap
+    (none set, or the reference engine, which holds the whole model anyway)."""
+    budget = exp.stream.device_budget_bytes
+    if budget is None or exp.stream.engine != "stream":
+        return None
+    return budget - (engine.ledger.held_by_use["resident"] if isinstance(engine, StreamEngine) else 0)
+
+
+def _check_sample_budget(exp: ExperimentConfig, cfg: ModelConfig, positions: int, budget: int | None) -> None:
+    """Refuse a closing sample of `positions` (prompt + new tokens; 0: none) that could hold
+    more than `budget` bytes on the device (mtjax.stream.sample.device_bytes)."""
+    if not positions or budget is None:
+        return
+    need = sample_mod.device_bytes(cfg, positions)
+    if need > budget:
+        total = exp.stream.device_budget_bytes
+        room = (f"stream.device_budget_bytes {total:,}" if budget == total else
+                f"the {budget:,} that stream.device_budget_bytes {total:,} leaves beside the resident parts")
+        raise DeviceBudgetError(f"the closing sample ({positions:,} positions) may hold {need:,} bytes on the device "
+                                f"(two parts' weights and the KV caches), over {room}; lower run.sample_tokens, raise "
+                                "the budget (or lower stream.resident), or pass --run.sample_prompt= to skip the sample")
+
+
+def _closing_sample(exp: ExperimentConfig, engine: Engine, tokenizer) -> tuple[str, int]:
+    """(the closing sample, the device bytes held at its peak, with what the engine keeps
+    there): streamed part by part from the store as just committed, as `mtjax generate`
+    samples a store, so the whole model is never on the device; within what
+    stream.device_budget_bytes leaves beside the engine's resident parts."""
+    kept = engine.ledger.held_by_use["resident"] if isinstance(engine, StreamEngine) else 0
+    sampler = sample_mod.StreamSampler(engine.store, budget=_sample_budget(exp, engine))
+    text = sampler.complete(tokenizer, exp.run.sample_prompt, exp.run.sample_tokens, seed=exp.run.seed)
+    return text, kept + sampler.ledger.peak
+
+
 def _devices_text(engine: Engine, hosts) -> str:
     """The devices a run's steps use, in words: "2 cpu devices" (a multi-process run: all of its processes')."""
     here = engine.placement.mesh.count if isinstance(engine, StreamEngine) else 1  # the reference: one device
@@ -517,20 +598,19 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
         seconds = time.perf_counter() - start
         if exp.run.steps > first:  # (the last commit is this step already otherwise)
             engine.commit(exp.run.steps, checkpoint.train_state(exp, exp.run.steps, loader.cursor), flush=True)
-        template, params = loader.ds.meta.get("chat_template"), None
+        template = loader.ds.meta.get("chat_template")
         if getattr(engine, "hosts", None) is not None:
             # A shard holds its rows only: every process gathers the whole weights, one exports them.
             params = engine.params()
             final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps, template,
                                             engine.store.root, params, say) if lead else run_dir / "final"
+            del params  # the gathered weights, freed before the sample
         else:
             final = checkpoint.export_final(exp, run_dir / "final", tokenizer, exp.run.steps, template, say=say)
-        sample = ""
-        if exp.run.sample_prompt and exp.run.sample_tokens:
-            params = engine.params() if params is None else params  # (a multi-process run's: gathered above)
-            if lead:
-                sample = generate.complete(cfg, params, tokenizer, exp.run.sample_prompt, exp.run.sample_tokens,
-                                           seed=exp.run.seed)
+        sample, sample_peak = "", 0
+        if exp.run.sample_prompt and exp.run.sample_tokens and lead:  # (a shard's compute copy is whole)
+            sample, sample_peak = _closing_sample(exp, engine, tokenizer)
+        device_peak = max(engine.ledger.peak, sample_peak) if isinstance(engine, StreamEngine) else None
     last = list(losses)[-10:]  # the final loss is the mean over (up to) the last 10 trained steps
     summary = {
         "steps": exp.run.steps - first,
@@ -545,6 +625,7 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
         "run_dir": str(run_dir),
         "checkpoint": str(final),
         "sample": sample,
+        "device_peak_bytes": device_peak,  # the most the device ledger counted at once (the stream engine's)
     }
     if kept is not None:
         return kept

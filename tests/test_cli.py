@@ -301,3 +301,51 @@ def test_long_work_shows_progress_on_a_terminal_only(trained, tmp_path, capsys, 
         assert cli.main(args) == 0
         shown = capsys.readouterr()
         assert shown.out == plain[name].out and name in shown.err, (name, shown)
+
+
+# Ten blocks whose compute weights (~10 MB) outweigh what a streamed step holds (~7 MB).
+DEEP = ["--model.hidden_size=128", "--model.intermediate_size=512", "--model.num_hidden_layers=10",
+        "--model.num_attention_heads=2", "--model.num_key_value_heads=1", "--model.head_dim=64",
+        "--data.seq_len=16", "--data.batch_size=2", "--data.grad_accum=1", "--stream.prefetch_depth=1",
+        "--stream.keep_every=1", "--run.steps=2", "--run.eval_every=0", "--run.sample_tokens=12"]
+
+
+@pytest.mark.slow  # a training run, an export and two samples, compiled
+def test_the_closing_sample_streams_within_a_device_budget_below_the_weights(tmp_path, capsys):
+    """`mtjax train` with stream.device_budget_bytes below the model's weights trains and
+    samples: the closing sample streams the store's last commit part by part (the text
+    `mtjax generate` gives from that store), and the device ledger's peak stays in the budget."""
+    from mtjax import parts
+
+    run_dir = tmp_path / "deep"
+    cfg = config.model_config(config.load(None, DEEP))
+    weights = sum(parts.nbytes(parts.schema(cfg, p.name, "compute")) for p in parts.parts(cfg))
+    budget = weights * 3 // 4
+    assert cli.main(["train", *DEEP, f"--stream.device_budget_bytes={budget}", f"--run.dir={run_dir}"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["sample"] and f"--- sample ---\n{summary['sample']}\n" in out
+    assert 0 < summary["device_peak_bytes"] <= budget < weights
+    assert cli.main(["generate", str(run_dir / "store"), "--prompt", "CLEOPATRA.\n", "--tokens", "12"]) == 0
+    assert capsys.readouterr().out == "CLEOPATRA.\n" + summary["sample"] + "\n"
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--run.sample_tokens=1000", "--stream.device_budget_bytes=7000000"],
+     "the closing sample (1,011 positions) may hold 7,211,008 bytes on the device (two parts' weights and the KV "
+     "caches), over stream.device_budget_bytes 7,000,000; lower run.sample_tokens"),
+    pytest.param(["--model.max_position_embeddings=4096", "--run.sample_tokens=4000", "--stream.resident=2",
+                  "--stream.device_budget_bytes=27000000"],  # alone it would fit
+                 "may hold 22,939,648 bytes on the device (two parts' weights and the KV caches), over the 19,127,472 "
+                 "that stream.device_budget_bytes 27,000,000 leaves beside the resident parts; lower run.sample_tokens",
+                 marks=pytest.mark.slow),  # builds the engine, whose resident parts count
+])
+def test_a_closing_sample_past_the_device_budget_is_refused_before_training(tmp_path, capsys, extra, says):
+    """Steps that fit stream.device_budget_bytes with a closing sample whose KV caches do
+    not (beside the parts kept resident): one line before anything is trained or written,
+    not a failure after the run."""
+    run_dir = tmp_path / "deep"
+    assert cli.main(["train", *DEEP, *extra, f"--run.dir={run_dir}"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and says in err, err
+    assert not run_dir.exists()

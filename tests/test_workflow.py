@@ -321,6 +321,40 @@ def test_eval_of_a_store_equals_eval_of_its_checkpoint(imported, capsys):
     assert from_ckpt.startswith("train loss ") and from_store == from_ckpt
 
 
+@pytest.mark.slow  # compiles the streamed and the whole-model eval of two models
+def test_streamed_eval_equals_the_in_memory_eval(imported):
+    """`mtjax eval` streams the model part by part (run.eval_engine): its loss over a batch
+    of micro-batches is the whole-model reference's, for a store and for a checkpoint."""
+    import numpy as np
+
+    from mtjax import reference
+
+    ckpt, store, _ = imported
+    tokens = np.random.default_rng(0).integers(0, 300, (3, 2, 16), dtype=np.int32)
+    for path in (ckpt, store):
+        cfg, params = run_lib.load_weights(path)
+        want = reference.eval_loss(cfg, params, tokens)["loss"]
+        engine = run_lib.eval_engine(path)
+        try:
+            got = engine.eval_loss(tokens)["loss"]
+        finally:
+            engine.close()
+        assert got == pytest.approx(want, rel=1e-6), path
+
+
+def test_eval_of_a_store_on_a_read_only_disk(imported, tmp_path, capsys):
+    """Streamed eval only reads the store: one on a read-only disk evaluates as before."""
+    import shutil
+
+    _, store, text = imported
+    flags = [str(text), "--split", "train", "--tokenizer", "bytes", "--seq-len", "16", "--batch-size", "2", "--batches", "1"]
+    want = _output(capsys, ["eval", str(store), *flags])
+    with small_disk.mounted(tmp_path / "ro", "32m") as mnt:
+        shutil.copytree(store, mnt / "store")
+        small_disk.make_readonly(mnt)
+        assert _output(capsys, ["eval", str(mnt / "store"), *flags]) == want
+
+
 def test_generate_from_a_store_equals_generate_from_its_checkpoint(imported, capsys):
     ckpt, store, _ = imported
     flags = ["--tokenizer", "bytes", "--prompt", "the ", "--tokens", "8", "--temperature", "0"]

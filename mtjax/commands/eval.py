@@ -1,6 +1,8 @@
 """`mtjax eval CHECKPOINT DATASET`: mean next-token loss of a checkpoint (an HF checkpoint
-directory or a layer store, whose master weights are used) on a dataset split; on chat or
-prompt-completion data, over the tokens its loss mask keeps (the answers), as training."""
+directory or a layer store, whose last committed weights are used) on a dataset split; on
+chat or prompt-completion data, over the tokens its loss mask keeps (the answers), as
+training. The model is streamed through the device one part at a time, as training's
+evaluation streams it (a store's weights read from its disk), so it never needs to fit."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ import mtjax.store
 from mtjax import data, generate, textfile
 from mtjax.data import chat
 from mtjax.errors import MtjaxError
-from mtjax.model_config import load_hf_config
 from mtjax.run import checkpoint_tokenizer, load_weights
+from mtjax.run import weights_config as model_config
 from mtjax.store import layout, tokenizer
 from mtjax.stream.sample import StreamSampler
 
@@ -47,14 +47,6 @@ def check_source(path) -> None:
         what = "it does not exist" if not Path(path).exists() else "it has no manifest.json or config.json"
         raise MtjaxError(f"no store or checkpoint at {path} ({what}); pass a layer store, a run's final/ "
                          "directory or a Hugging Face checkpoint directory")
-
-
-def model_config(path):
-    """The model config of a layer store or an HF checkpoint directory (no weights read)."""
-    if is_store(path):
-        with mtjax.store.open(path) as store:
-            return store.config
-    return load_hf_config(path)
 
 
 def tokenizer_of(path, spec: str | None):

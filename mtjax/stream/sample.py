@@ -14,8 +14,10 @@ Device memory: the weights of at most two blocks (the one computing and the one 
 ahead), or the embedding and head (both, for a tied head, which reads the embedding),
 plus every block's decode state (its mixer's; for softmax attention a KV cache, 2 x [1,
 prompt + new tokens (rounded up to a power of two), kv heads, head_dim] in the compute
-dtype). The whole model is never on the device at once. Tokens stay on the
-device between passes: the only host sync is reading the ids at the end.
+dtype). The whole model is never on the device at once; `device_bytes` bounds what a
+sample holds, and a sampler given a `budget` refuses to hold more (its ledger records the
+peak). Tokens stay on the device between passes: the only host sync is reading the ids
+at the end.
 """
 
 from __future__ import annotations
@@ -33,6 +35,26 @@ from mtjax.stream.blockfns import block_fns
 from mtjax.stream.budget import DeviceLedger, tree_bytes
 from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.staging import Placement, StagingPool
+
+
+def _cache_length(positions: int) -> int:
+    """KV-cache slots for `positions` (prompt + new tokens): rounded up to a power of two,
+    so fewer shapes mean fewer compiles; the slots past the last position are masked out."""
+    return max(16, 1 << (positions - 1).bit_length())
+
+
+def _decode_states(cfg: ModelConfig, positions: int) -> list[dict]:
+    """Each layer's decode state for `positions`, as its mixer's registry entry shapes it (KV caches)."""
+    length = _cache_length(positions)
+    return [registry.mixer(spec).decode_state(cfg, spec, 1, length) for spec in cfg.layer_specs]
+
+
+def device_bytes(cfg: ModelConfig, positions: int) -> int:
+    """A bound on the device bytes a sample of `positions` (prompt + new tokens) holds: the
+    decode states plus two parts' compute weights (a part computing, or the embedding and
+    a tied head that reads it)."""
+    weights = max(parts.nbytes(parts.schema(cfg, p.name, "compute")) for p in parts.parts(cfg))
+    return tree_bytes(_decode_states(cfg, positions)) + 2 * weights
 
 
 @functools.lru_cache(maxsize=4)
@@ -56,14 +78,16 @@ def _fns(cfg: ModelConfig):
 
 
 class StreamSampler:
-    """Samples tokens from an open layer store (read-only is enough)."""
+    """Samples tokens from an open layer store (read-only is enough; a run samples the
+    store it has just committed). `budget`: the device bytes it may hold (None: no cap;
+    its ledger records the peak either way)."""
 
-    def __init__(self, store, device: jax.Device | None = None):
+    def __init__(self, store, device: jax.Device | None = None, budget: int | None = None):
         store.check_complete("sample from it")  # a one-copy store stopped mid-update
         self.store, self.cfg = store, store.config
         self.names = [p.name for p in parts.parts(self.cfg)]
         self.schemas = {n: store.schema(n, "compute") for n in self.names}
-        self.ledger = DeviceLedger(2**62)  # no budget: it records the peak bytes held
+        self.ledger = DeviceLedger(2**62 if budget is None else budget)
         # Two slots per shape: one computing, one being filled ahead of it.
         self.pool = StagingPool(Placement(device), self.ledger, max_slots=2)
 
@@ -81,13 +105,9 @@ class StreamSampler:
         cfg = self.cfg
         prompt, max_new_tokens, top_k = generate.fit(cfg, prompt, max_new_tokens, top_k, eos_id)
         passes = max_new_tokens  # the prefill yields the first token, each later pass one more
-        # Cache lengths rounded up to a power of two: fewer shapes, fewer compiles; the
-        # slots past the last position are masked out.
-        length = max(16, 1 << (len(prompt) + max_new_tokens - 1).bit_length())
-        # Each layer's decode state, as its mixer's registry entry shapes it (KV caches).
-        shapes = [registry.mixer(spec).decode_state(cfg, spec, 1, length) for spec in cfg.layer_specs]
+        shapes = _decode_states(cfg, len(prompt) + max_new_tokens)
+        self.ledger.hold(tree_bytes(shapes), "decode state (KV caches)")  # counted before it is made
         caches = [{n: jnp.zeros(s.shape, s.dtype) for n, s in state.items()} for state in shapes]
-        self.ledger.hold(tree_bytes(caches), "decode state (KV caches)")
         sampling = (temperature <= 0, top_k, jnp.float32(max(temperature, 1e-6)))
         key = jax.random.key(seed)
         tokens, new = self.pool.placement.tokens(np.asarray([prompt], np.int32)), []
@@ -101,7 +121,7 @@ class StreamSampler:
                     bar.update()
         finally:
             prefetch.close()
-            self.ledger.free(tree_bytes(caches))
+            self.ledger.free(tree_bytes(shapes))
         ids = np.asarray(jnp.concatenate(new, axis=1))[0].tolist()  # the one host sync of a generation
         return generate.cut_at_eos(ids, eos_id)
 
