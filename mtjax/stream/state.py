@@ -4,7 +4,7 @@
     state.wait_writes()                  re-raise write errors; the tiers readable again
     state.compute_into(part, out, fresh) the current compute weights, into a staging slot
     state.round_master(part)             the derived compute copy (no compute copy kept)
-    state.write_kept(store, parts)       RAM-tier state into the store (a commit)
+    state.write_kept(store)              RAM-tier state into the store (a commit)
 
 Every write is tracked until it finishes, so that `wait_writes` re-raises its error. The
 writes made since the last update began computing and the ones before them are tracked
@@ -100,11 +100,11 @@ class State:
         else:
             self.tiers.read(part, "compute", out=out).result()
 
-    def write_kept(self, store, parts: list[str]) -> None:
+    def write_kept(self, store) -> None:
         """Write the RAM-tier state (a derived compute copy rounded from master) into
         `store`, one part at a time: its host copies are freed before the next part's."""
         for kind in self.tiers.kinds_in("ram"):
-            for part in parts:
+            for part in store.parts:
                 if kind == "compute" and self.derived_compute:
                     arrays = self.round_master(part)
                 else:
