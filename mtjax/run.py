@@ -596,7 +596,9 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
                     and not engine.commits_every_step):
                 engine.commit(step, checkpoint.train_state(exp, step, loader.cursor))
         seconds = time.perf_counter() - start
-        if exp.run.steps > first:  # (the last commit is this step already otherwise)
+        # The last commit is this step already when none was left, unless that commit still
+        # holds the step's update to apply (a one-copy run stopped right after it).
+        if exp.run.steps > first or engine.store.pending is not None:
             engine.commit(exp.run.steps, checkpoint.train_state(exp, exp.run.steps, loader.cursor), flush=True)
         template = loader.ds.meta.get("chat_template")
         if getattr(engine, "hosts", None) is not None:

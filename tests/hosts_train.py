@@ -1,34 +1,28 @@
-"""`mtjax train` with a kill -9 planted inside the store's commit (tests/test_hosts.py).
+"""`mtjax train` with a kill -9 planted inside the store's commit (tests/test_hosts.py,
+tests/test_store_one_copy.py).
 
     MTJAX_TEST_KILL=prepared:3 python tests/hosts_train.py --run.dir=... ...
 
-SIGKILLs this process when its shard's commit of generation 3 reaches the phase named:
-`prepared` (its shard prepared, before the barrier: no process can have committed) or
-`finish` (after the barrier, before its own rename: another process may have committed).
+SIGKILLs this process when its store's commit of generation 3 reaches the phase named
+(mtjax.store.commit.PHASES), e.g. a shard's `prepared` (before the barrier: no process can
+have committed) or `finish` (after the barrier, before its own rename: another process
+may have committed), or `committed` (the manifest renamed, nothing after it done).
 """
 
 import os
 import signal
 import sys
 
-import mtjax.store.store as store_mod
 from mtjax import cli
+from mtjax.store import commit
 
-phase, _, generation = os.environ.get("MTJAX_TEST_KILL", ":").partition(":")
-prepare_commit, finish_commit = store_mod.Store._commit, store_mod.Store.finish_commit
+kill_phase, _, kill_generation = os.environ.get("MTJAX_TEST_KILL", ":").partition(":")
 
 
-def _commit(self, *args, **kwargs):
-    prepare_commit(self, *args, **kwargs)
-    if phase == "prepared" and self._prepared is not None and str(self._prepared.generation) == generation:
+def kill_at(store, phase, generation):
+    if phase == kill_phase and str(generation) == kill_generation:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _finish(self):
-    if phase == "finish" and self._prepared is not None and str(self._prepared.generation) == generation:
-        os.kill(os.getpid(), signal.SIGKILL)
-    finish_commit(self)
-
-
-store_mod.Store._commit, store_mod.Store.finish_commit = _commit, _finish
+commit.observe(kill_at)
 sys.exit(cli.main(["train", *sys.argv[1:]]))

@@ -15,8 +15,8 @@ import pytest
 import mtjax.store
 from mtjax import hostmem, model, parts
 from mtjax.model_config import ModelConfig, RopeScaling
-from mtjax.store import chunks, layout
-from mtjax.store import store as store_mod
+from mtjax.store import chunks, commit, layout
+from mtjax.store import io as store_io
 from mtjax.store.errors import StoreError
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -186,7 +186,7 @@ def test_a_read_does_not_queue_behind_writes(filled, monkeypatch):
     monkeypatch.setattr(chunks, "write_chunk", slow_write)
     new = values(store, 7)
     writes = [store.write(p, k, new[p, k]) for p in store.parts for k in ("master", "opt")]
-    for _ in range(store_mod.IO_THREADS):  # every write thread is taken
+    for _ in range(store_io.IO_THREADS):  # every write thread is taken
         assert started.acquire(timeout=30)
     try:
         read = store.read("block.0", "compute")
@@ -523,15 +523,17 @@ def test_a_write_during_a_commit_is_refused(tmp_path):
     arrays = {leaf: np.zeros(s.shape, s.dtype) for leaf, s in store.schema("block.0", "master").items()}
     refused = []
 
-    def write_now(phase):
+    def write_now(committing, phase, generation):
         if phase == "written":
             with pytest.raises(mtjax.store.StoreError, match="while a commit ran"):
                 store.write("block.0", "master", arrays)
             refused.append(phase)
 
-    store._on_phase = write_now
-    store.commit(1)
+    stop = commit.observe(write_now)
+    try:
+        store.commit(1)
+    finally:
+        stop()
     assert refused == ["written"]
-    store._on_phase = lambda phase: None
     store.write("block.0", "master", arrays).result()  # after the commit: accepted
     store.close()

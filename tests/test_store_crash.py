@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import mtjax.store
+from mtjax.store import commit
 from test_store import CFG, read_all, same, values, write_all
 
 pytestmark = pytest.mark.slow  # processes killed mid-commit
@@ -32,10 +33,10 @@ HERE = Path(__file__).parent
 def writer(root: str, crash_phase: str | None) -> None:
     store = mtjax.store.open(root, writable=True)
     if crash_phase:
-        def on_phase(phase):
+        def on_phase(committing, phase, generation):
             if phase == crash_phase and store.step >= 2:
                 os.kill(os.getpid(), signal.SIGKILL)
-        store._on_phase = on_phase
+        commit.observe(on_phase)  # this process ends killed, or with the writer's error
     states = [values(store, 0), values(store, 1)]
     print("ready", os.getpid(), flush=True)
     step = store.step

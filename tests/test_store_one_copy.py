@@ -135,7 +135,7 @@ def test_half_updated_store_is_not_read_as_weights(tmp_path):
 
 def test_leftovers_of_a_crash_are_freed_on_open(tmp_path):
     _, store = _train(tmp_path / "s", 1, 2, close=False)
-    slot = store._manifest.slots["block.0"]["master"]
+    slot = store.slots.committed("block.0", "master")
     stale = mtjax.store.layout.slot_dir(store.root, "block.0", "master", mtjax.store.layout.other_slot(slot))
     store.close()
     # What a kill between writing a part and committing it leaves: a written spare slot
@@ -190,6 +190,29 @@ def test_kill_minus_9_then_rerun_ends_bit_identical(tmp_path):
             assert _parts_bytes(work / "killed" / "store") == store.nbytes()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.slow  # three mtjax processes
+def test_a_run_killed_right_after_committing_its_last_step_applies_its_update_on_rerun(tmp_path):
+    """A one-copy run killed just after committing its last step leaves that step's update
+    to apply; its rerun has no step left to train, and still applies it, commits and
+    exports the same weights as an uninterrupted two-copy run."""
+    steps = 2
+    r = fault_trials.mtjax(fault_trials.train_args(tmp_path / "clean", steps))
+    assert r.returncode == 0, r.stderr
+    args = fault_trials.train_args(tmp_path / "killed", steps) + ONE_COPY
+    # Commits (generations): step 0 is 1, step 1 is 2, its 4 parts' updates 3-6, step 2 is 7.
+    killed = subprocess.run([sys.executable, str(Path(__file__).parent / "hosts_train.py"), *args[1:]],
+                            env={**fault_trials.env(), "MTJAX_TEST_KILL": "committed:7"}, cwd=fault_trials.ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    with mtjax.store.open(tmp_path / "killed" / "store") as store:
+        assert store.step == steps and store.pending is not None
+    r = fault_trials.mtjax(args)
+    assert r.returncode == 0, r.stderr
+    assert fault_trials.same_files(tmp_path / "clean" / "final", tmp_path / "killed" / "final", ["model.safetensors"])
+    with mtjax.store.open(tmp_path / "killed" / "store") as store:
+        assert store.step == steps and store.pending is None
 
 
 def test_final_commit_right_after_a_step_commit(tmp_path):

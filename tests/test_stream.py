@@ -337,10 +337,10 @@ def test_disk_tier_updates_run_only_a_few_parts_ahead_of_staging(tmp_path):
     updater, names = engine.updater, [p.name for p in engine.parts]
     for b in batches(1):
         engine.step(b)
-        concurrent.futures.wait(list(updater._updates.values()))  # the update thread has done what it may
-        assert list(updater._updates) == names[:HANDED_AHEAD]
-        assert all(f.result() is not None for f in updater._updates.values())  # each holds its new copy
-        assert updater._queued == names[HANDED_AHEAD:]
+        concurrent.futures.wait(list(updater.updates.started.values()))  # the update thread has done what it may
+        assert list(updater.updates.started) == names[:HANDED_AHEAD]
+        assert all(f.result() is not None for f in updater.updates.started.values())  # each holds its new copy
+        assert updater.updates.queued == names[HANDED_AHEAD:]
     _, ref_params, _, _ = reference(False, 1)
     assert max(rel_errors(engine.params(), ref_params)) <= 1e-5
     engine.close()
@@ -357,16 +357,14 @@ def test_disk_tier_reads_the_first_updates_state_during_the_backward(tmp_path):
     engine = StreamEngine(CFG, model.init_params(CFG, seed=1), OPT, StreamConfig(keep_every=1), DISK, store=store,
                           batch_shape=(2, 16))
     updater, early = engine.updater, []
-    read_early, start = updater.read_early, updater._read_early
+    read_early = updater.read_early
 
     def recording(updated):
         # The early reads this call starts (not the updates' own read-ahead, by part);
         # step_count grows once the backward is done.
-        updater._read_early = lambda part: early.append((engine.step_count, part)) or start(part)
-        try:
-            read_early(updated)
-        finally:
-            updater._read_early = start
+        started = read_early(updated)
+        early.extend((engine.step_count, part) for part in started)
+        return started
 
     updater.read_early = recording
     for i, b in enumerate(batches(1)):
@@ -377,10 +375,10 @@ def test_disk_tier_reads_the_first_updates_state_during_the_backward(tmp_path):
 
     # New state written from outside the updates while reads of the old are in flight.
     updater.read_early([p.name for p in engine.parts])
-    assert set(updater._ahead) == {"embed", "block.0", "block.1", "head"}
+    assert updater.read_ahead.reading == {"embed", "block.0", "block.1", "head"}
     fresh = model.init_params(CFG, seed=2)
     engine._init_state(fresh)
-    assert updater._ahead == {}
+    assert updater.read_ahead.reading == set()
     other = StreamEngine(CFG, fresh, OPT, StreamConfig(keep_every=1), batch_shape=(2, 16))
     for b in batches(1, seed=3)[:2]:
         engine.step(b), other.step(b)
@@ -403,7 +401,7 @@ def test_a_slow_disk_holds_updates_back_instead_of_piling_up_their_state(tmp_pat
     engine.step(data[0])
     engine.flush()
     updater, computed, release = engine.updater, [], threading.Event()
-    update, write = updater.update, store.write
+    update, write = updater.updates.update, store.write
 
     class Counting:
         def __getattr__(self, name):
@@ -418,7 +416,7 @@ def test_a_slow_disk_holds_updates_back_instead_of_piling_up_their_state(tmp_pat
         threading.Thread(target=lambda: release.wait(60) and done.set_result(write(part, kind, values).result())).start()
         return done
 
-    monkeypatch.setattr(updater, "update", Counting())
+    monkeypatch.setattr(updater.updates, "update", Counting())
     monkeypatch.setattr(store, "write", held_write)
     engine.step(data[1])  # its updates start
     flushing = threading.Thread(target=engine.flush)

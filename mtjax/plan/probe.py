@@ -43,7 +43,7 @@ from mtjax.plan.cost import block_forward_flops
 from mtjax.plan.hardware import HardwareProfile
 from mtjax.store import durable
 from mtjax.store.layout import CHUNK_BYTES
-from mtjax.store.store import IO_THREADS
+from mtjax.store.io import IO_THREADS
 from mtjax.stream.blockfns import block_fns
 
 

@@ -12,7 +12,9 @@
 Modules: layout (directory and chunking), arrays (tensorstore arrays), chunks (reads
 straight into buffers), manifest (the commit point), lock (one writer), pending
 (checksummed gradient files of updates still to apply), train_state (a JSON file per
-commit), store (the Store class), fill / hf_import / hf_export / fresh (filling a new
+commit), store (the Store class) and its pieces: slots (the slot table), io (chunk
+reads and writes), commit (every commit protocol), checks (what an opened store must
+be); fill / hf_import / hf_export / fresh (filling a new
 store and exporting one).
 """
 

@@ -8,8 +8,8 @@ embed, blocks and head; the head computes the loss and its gradient at once; bac
 streams the blocks back in reverse, one recompute group (k blocks) at a time, each
 block's forward recomputed once from the group's kept input. The optimizer update is
 deferred to the next step's prefetch (mtjax.stream.updater), so that global-norm
-clipping stays exact: every part's gradient is in before the clip scale is known. A
-one-copy store's commit protocol is mtjax.stream.commit. Resident parts
+clipping stays exact: every part's gradient is in before the clip scale is known. The
+commit protocols (two-copy, one-copy, multi-host) are mtjax.store.commit. Resident parts
 (mtjax.stream.resident) are not streamed and are updated on the device at the end of
 the step; a saved group of them keeps its forward's vjps instead of recomputing. In a
 multi-process run (`hosts`, mtjax.stream.hosts) each process runs its rows of every
@@ -38,11 +38,11 @@ from mtjax.errors import MtjaxError, NonFiniteStep
 from mtjax.hostmem import fix_mmap_threshold
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, clip_scale
+from mtjax.store.commit import OneCopy, commit_step
 from mtjax.store.pending import PendingFiles
 from mtjax.stream import budget as budget_mod
 from mtjax.stream import schedule as schedule_mod
 from mtjax.stream.blockfns import block_fns
-from mtjax.stream.commit import OneCopy
 from mtjax.stream.grads import GradSink
 from mtjax.stream.groupfns import group_fns
 from mtjax.stream.mesh import DeviceMesh
@@ -245,39 +245,13 @@ class StreamEngine:
 
         Pending updates are applied first (`flush`), except with a one-copy store, which
         commits them as gradients still to apply (a resume applies them): no pause.
+        The protocols are mtjax.store.commit's.
         """
         if self.store is None:
             raise MtjaxError("commit needs a layer store: pass store=mtjax.store.create(...)")
-        step = self.step_count if step is None else step
-        if self.one_copy is not None:
-            # Updates already started (by an earlier commit of this step) must finish first:
-            # a commit changes which slot each part's next write goes to.
-            self.updater.settle()
-            self._resident_to_tiers()  # resident parts' updated state, named by this commit
-            self.one_copy.commit(step, train_state, self.grads, self.updater.scale)
-            if not flush:
-                self.updater.start()  # only now may they overwrite the one copy
-                return
-        self.flush()
-        if self.one_copy is None:  # (a one-copy commit has just written them)
-            self._resident_to_tiers()
-        for kind in self.tiers.kinds_in("ram"):
-            for p in self.parts:
-                if kind == "compute" and self.derived_compute:
-                    arrays = self.updater.round_master(p.name)
-                else:
-                    arrays = {n: np.asarray(a) for n, a in self.updater.read(p.name, kind).items()}
-                # One part at a time: its host copies are freed before the next part's are made.
-                self.store.write(p.name, kind, arrays).result()
-        self.updater.wait_writes()
-        if self.hosts is None:
-            self.store.commit(step, train_state)
-            return
-        # A multi-process run's step is committed once every process's shard is durable:
-        # prepare, meet, then finish (mtjax.store.shards; docs/store.md).
-        self.store.commit(step, train_state, prepare=True)
-        self.hosts.barrier(f"mtjax commit {self.store.generation + 1}")
-        self.store.finish_commit()
+        commit_step(self.store, self.step_count if step is None else step, train_state, self.updater,
+                    collect=self._resident_to_tiers, one_copy=self.one_copy,
+                    barrier=None if self.hosts is None else self.hosts.barrier, flush=flush)
 
     # --- the plan ------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ gradient to its (deferred) update. With `spill`, sums wait in checksummed files
 (mtjax.store.pending) instead of host memory (used when the master weights live on disk).
 A step's finished sums are named by its tag (`finish(tag)`, file keys `pending_key(part,
 tag)`). A durable spill (one-copy stores) keeps a taken sum's files: the commit protocol
-(mtjax.stream.commit) deletes them once the part's new state is committed. In a
+(mtjax.store.commit) deletes them once the part's new state is committed. In a
 multi-process run (`hosts`) each sum waits whole in host memory until `finish`, which
 reduce-scatters them across the processes on the caller's thread, in the order they
 arrived, once the step's device work is done: a cross-process program running beside the
