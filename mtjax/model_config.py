@@ -130,6 +130,10 @@ class ModelConfig:
     attn_temperature_tuning: bool = False  # NoPE layers scale q by log1p(floor((p + 1) / floor_scale)) * temperature_scale + 1
     floor_scale: float = 8192.0
     temperature_scale: float = 0.1  # Hugging Face's attn_scale (not `attn_scale` below, the softmax scale)
+    # One mtjax.layers.spec.LayerSpec per layer, given whole (a layer kind of its own,
+    # registered in mtjax.layers.registry): `layer_specs` is then these, not built from
+    # layer_types, no_rope_layers and moe_layers. () builds them.
+    explicit_layer_specs: tuple = ()
 
     def __post_init__(self):
         if not self.layer_types:
@@ -162,6 +166,9 @@ class ModelConfig:
         if self.model_type == "phi3" and (self.attention_bias or self.o_proj_bias or self.mlp_bias or self.qk_norm):
             raise ConfigError("phi3 models have no biases and no q/k norm (transformers' Phi-3 has none to load); "
                               "set attention_bias, o_proj_bias, mlp_bias and qk_norm to false")
+        if self.explicit_layer_specs and len(self.explicit_layer_specs) != self.num_hidden_layers:
+            raise ConfigError(f"explicit_layer_specs has {len(self.explicit_layer_specs)} entries for "
+                              f"{self.num_hidden_layers} layers")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries for "
@@ -202,7 +209,9 @@ class ModelConfig:
     @functools.cached_property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
         """What each layer is made of (mtjax.layers.spec), from layer_types, no_rope_layers,
-        moe_layers and the fields they qualify."""
+        moe_layers and the fields they qualify; or `explicit_layer_specs` where given."""
+        if self.explicit_layer_specs:
+            return tuple(self.explicit_layer_specs)
         return tuple(self._layer_spec(i, t) for i, t in enumerate(self.layer_types))
 
     def _layer_spec(self, i: int, layer_type: str) -> LayerSpec:
