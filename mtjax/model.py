@@ -1,6 +1,7 @@
 """The decoder-only transformer: embed -> N blocks -> final norm -> LM head.
 
-Modules are Flax NNX (here and in mtjax.layers), but everything else sees plain pytrees:
+Modules are Flax NNX (here and in mtjax.layers), but everything else sees plain pytrees
+(a split MoE block's stages too: `block_until_split`, `block_experts`, `block_combine`):
 
     params = {"embed": {...}, "blocks": [block_0, ..., block_{N-1}], "head": {...}}
 
@@ -49,8 +50,8 @@ class Block(nnx.Module):
         output stage  a + y                                (y normed first with sandwich norms)
 
     The whole block, the cached decode step (`block_forward_cached`) and a split MoE
-    block's sub-parts (mtjax.expert_groups, through `block_until_split` and
-    `block_output`) all run these stages.
+    block's sub-parts (mtjax.expert_groups, through `block_until_split`, `block_experts`
+    and `block_combine`) all run these stages.
 
     With sandwich norms (Gemma) post_attention_layernorm is the mixer output's norm and
     pre_feedforward_layernorm the MLP input's (Hugging Face's names for both layouts).
