@@ -172,15 +172,18 @@ def num_active_params(cfg: ModelConfig) -> int:
     return num_params(cfg) - sum(inactive_params(cfg, spec) for spec in cfg.layer_specs)
 
 
+def init_part(cfg: ModelConfig, part: str | LayerSpec, rngs: nnx.Rngs) -> dict:
+    """Fresh float32 parameters of one part, "embed", "head" or a block of a LayerSpec,
+    drawn from `rngs` (`init_params` draws the embedding's, each block's, the head's)."""
+    return nnx.to_pure_dict(nnx.state(_module_factory(cfg, part)(rngs)))
+
+
 def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
     """Freshly initialised float32 parameters (normal(initializer_range), unit norms)."""
     rngs = nnx.Rngs(seed)
-    parts = {"embed": _module_factory(cfg, "embed")(rngs)}
-    blocks = [_module_factory(cfg, spec)(rngs) for spec in cfg.layer_specs]
-    parts["head"] = _module_factory(cfg, "head")(rngs)
-    out = {k: nnx.to_pure_dict(nnx.state(m)) for k, m in parts.items()}
-    out["blocks"] = [nnx.to_pure_dict(nnx.state(b)) for b in blocks]
-    return {"embed": out["embed"], "blocks": out["blocks"], "head": out["head"]}
+    embed = init_part(cfg, "embed", rngs)
+    blocks = [init_part(cfg, spec, rngs) for spec in cfg.layer_specs]
+    return {"embed": embed, "blocks": blocks, "head": init_part(cfg, "head", rngs)}
 
 
 def cast(tree, dtype):

@@ -147,6 +147,18 @@ def test_the_planner_prices_the_toy_mixer_with_its_own_flops():
     assert mfu_flops_per_token(TOY, 16) - mfu_flops_per_token(toy(UnpricedConv), 16) == pytest.approx(per_token)
 
 
+def test_a_store_keeps_the_toy_specs_by_kind_and_refuses_an_unknown_kind():
+    """A store's model config keeps explicit layer specs by kind and fields; one whose
+    kind this process never registered is one clear error, not a wrong model."""
+    from mtjax.store import layout
+
+    stored = layout.config_to_json(TOY)
+    assert layout.config_from_json(stored) == TOY
+    stored["explicit_layer_specs"][0]["mixer"]["kind"] = "test_unregistered"
+    with pytest.raises(registry.UnknownKind, match="no mixer kind 'test_unregistered' is registered"):
+        layout.config_from_json(stored)
+
+
 @functools.cache
 def _sampling_store(tmp_dir):
     import mtjax.store

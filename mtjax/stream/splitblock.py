@@ -125,7 +125,8 @@ class SplitBlocks:
         kept = None
         if keep:  # (h, weights, chosen), and (z, the output stage's leaves) where its backward needs them
             extra = g.keeps_output[spec]
-            kept = [(h, wt, c) + ((z, out) if extra else ()) for (_, _, h, wt, _, out, c), (_, z) in zip(outs, combined)]
+            kept = [(h, wt, c) + ((z, out) if extra else ())
+                    for (_, _, h, wt, _, out, c), (_, z) in zip(outs, combined)]
             for k in kept:
                 self.ledger.hold(self._bytes(k), "a split block's kept routing", "routing")
         return [y for y, _ in combined], [o[4] for o in outs], kept
