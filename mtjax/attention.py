@@ -48,14 +48,24 @@ def _scores(q, k, r0: int, k0: int, scale: float, window: int | None, softcap: f
     if softcap:
         s = jnp.tanh(s / softcap) * softcap
     tq, tk = q.shape[3], k.shape[2]
-    qpos = r0 + jnp.arange(tq)[:, None]
-    kpos = k0 + jnp.arange(tk)[None, :]
-    mask = kpos <= qpos
+    if segments is None:
+        return s, visible(r0 + jnp.arange(tq), k0 + jnp.arange(tk), window)
+    mask = visible(r0 + jnp.arange(tq), k0 + jnp.arange(tk), window, segments[:, r0:r0 + tq], segments[:, k0:k0 + tk])
+    return s, mask[:, None, None]  # [b, tq, tk] -> [b, 1, 1, tq, tk]
+
+
+def visible(query_pos, key_pos, window: int | None = None, query_segments=None, key_segments=None):
+    """Which keys each query sees, bool [tq, tk] (or [b, tq, tk] with segments): keys at or
+    before the query's position `query_pos` [tq] (`key_pos` [tk]), within its `window` of
+    W keys where set (the query's own included), and of its own document where
+    `query_segments` [b, tq] and `key_segments` [b, tk] are given. Every attention path
+    (training's chunks, sampling's cache) masks by this."""
+    mask = key_pos[None, :] <= query_pos[:, None]
     if window:
-        mask &= kpos > qpos - window  # W keys including the query itself
-    if segments is not None:  # [b, tq, tk] -> [b, 1, 1, tq, tk]
-        mask = mask & (segments[:, r0:r0 + tq, None] == segments[:, None, k0:k0 + tk])[:, None, None]
-    return s, mask
+        mask &= key_pos[None, :] > query_pos[:, None] - window  # W keys including the query itself
+    if query_segments is not None:
+        mask = mask & (query_segments[:, :, None] == key_segments[:, None, :])
+    return mask
 
 
 def _heads_major(x, kv_heads: int):

@@ -1,10 +1,13 @@
 """A MoE block split into sub-parts that stream one after another: its router part and
 groups of its experts (for a block whose weights the device budget cannot hold at once).
 
-    router part   x -> a = x + attention(norm(x)),  h = norm(a)  (the MLP input),
-                  (weights, chosen, probs) = route(h),  s = shared expert(h) (or 0)
+    router part   the block's stages up to its feed-forward's split point (mtjax.model.Block):
+                  a = x + mixer(norm(x)),  h = the MLP input norm(a),
+                  (weights, chosen, stats) = route(h),  s = shared expert(h) (or 0)
     group j       y_j = its experts' weighted sum over the rows routed to them
-    block output  a + ((y_0 + y_1 + ...) + s), summed in the order the whole block sums
+    block output  the output stage: a + z, z = (y_0 + y_1 + ...) + s, summed in the order
+                  the whole block sums (with sandwich norms a + norm(z): the backward then
+                  keeps z and the norm's weight, `keeps_output`)
 
 Routing happens once, in the router part (whatever the router: softmax top-k, sigmoid
 top-1); a group only takes the MLP input, the kept weights and the chosen experts, so
@@ -16,9 +19,11 @@ array per expert, so a group reads alone). Sub-part names are "block.3/router" a
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
-from mtjax import model, moe, treepath
+from mtjax import model
 from mtjax.layers import feedforward
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
@@ -79,26 +84,48 @@ def named(grads: dict, ids: tuple[int, ...]) -> dict:
     return {f"{EXPERTS}{e}.{n}.kernel": g for n, per in grads.items() for e, g in zip(ids, per)}
 
 
-def _module(cfg: ModelConfig, spec: LayerSpec, flat: dict, dtype):
-    """The block module with the leaves of `flat` (the others, never read, are empty)."""
-    template = model.abstract_block(cfg, spec)
-    full = {n: flat[n].astype(dtype) if n in flat else jnp.zeros((0,), dtype) for n in treepath.flatten(template)}
-    return model.block_module(cfg, spec, treepath.unflatten(template, full))
-
-
 def router_forward(cfg: ModelConfig, spec: LayerSpec, flat: dict, x, segments=None):
-    """The router part: ((attention residual a [b, t, d], shared expert s [T, d], MLP input
-    h [T, d], weights [T, k] fp32, router stats), chosen experts [T, k])."""
-    m = _module(cfg, spec, flat, x.dtype)
-    cos, sin, positions = model.block_rotary(cfg, spec, x, segments)
-    a = m.attention_residual(x, m.self_attn(m.input_layernorm(x), cos, sin, positions, segments))
-    h = m.post_attention_layernorm(a).reshape(-1, x.shape[-1])
-    weights, chosen, probs = m.mlp.route(h)
-    return (a, m.mlp.shared(h), h, weights, moe.router_stats(probs, chosen)), chosen
+    """The router part: the block's stages up to its feed-forward's split point
+    (model.block_until_split): ((attention residual a [b, t, d], shared expert s [T, d],
+    MLP input h [T, d], weights [T, k] fp32, router stats, the output stage's leaves
+    {leaf: array}: its sandwich norm's weight, or none), chosen experts [T, k])."""
+    a, h, (weights, chosen, stats, shared) = model.block_until_split(cfg, spec, flat, x, segments)
+    out = {n: flat[n] for n in model.output_leaves(cfg, spec)}
+    return (a, shared, h, weights, stats, out), chosen
 
 
 def group_forward(cfg: ModelConfig, spec: LayerSpec, group: dict, h, weights, chosen, ids):
-    """One group's share of the block output [T, d]: its experts' kernels (`kernels`'
+    """One group's share of the experts' sum [T, d]: its experts' kernels (`kernels`'
     form), global ids `ids` (an int array [n]), over the rows routed to them."""
     stacked = [jnp.stack(group[n]).astype(h.dtype) for n in feedforward.EXPERT_KERNELS]
-    return _module(cfg, spec, {}, h.dtype).mlp.routed(h, weights, chosen, stacked, ids)
+    return model.block_experts(cfg, spec, stacked, h, weights, chosen, ids)
+
+
+def combine(cfg: ModelConfig, spec: LayerSpec, out: dict, a, acc, shared):
+    """(block output, the feed-forward's output z [T, d]) from the groups' summed share
+    `acc`, the shared expert's and the router part's `out` leaves (model.block_combine)."""
+    return model.block_combine(cfg, spec, out, a, acc, shared)
+
+
+def keeps_output(cfg: ModelConfig, spec: LayerSpec) -> bool:
+    """Whether the block's backward needs the feed-forward's output z and the output
+    stage's leaves (a sandwich norm on the output); without, the output stage is a + z and
+    z's cotangent is the block output's."""
+    return bool(model.output_leaves(cfg, spec))
+
+
+def output_grad(cfg: ModelConfig, spec: LayerSpec, out: dict, z, dy):
+    """(cotangent of z, of the `out` leaves) from the block output's, dy [b, t, d]."""
+    _, vjp = jax.vjp(lambda z, o: model.block_output(cfg, spec, o, jnp.zeros(dy.shape, dy.dtype), z), z, out)
+    return vjp(dy)
+
+
+def kept_bytes(cfg: ModelConfig, spec: LayerSpec, hidden: int, tokens: int) -> int:
+    """Bytes a split block keeps from its forward to its backward per micro-batch of
+    `tokens` rows whose hidden states take `hidden` bytes: the MLP input h, the kept
+    weights (fp32) and chosen experts (int32); with `keeps_output` also z and the output
+    stage's leaves."""
+    kept = hidden + tokens * cfg.num_experts_per_tok * 8
+    if keeps_output(cfg, spec):
+        kept += hidden + len(model.output_leaves(cfg, spec)) * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize
+    return kept

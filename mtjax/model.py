@@ -1,6 +1,7 @@
 """The decoder-only transformer: embed -> N blocks -> final norm -> LM head.
 
-Modules are Flax NNX (here and in mtjax.layers), but everything else sees plain pytrees:
+Modules are Flax NNX (here and in mtjax.layers), but everything else sees plain pytrees
+(a split MoE block's stages too: `block_until_split`, `block_experts`, `block_combine`):
 
     params = {"embed": {...}, "blocks": [block_0, ..., block_{N-1}], "head": {...}}
 
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtjax import documents, rope
+from mtjax import documents, rope, treepath
 from mtjax.layers import feedforward, registry, softmax  # noqa: F401 - these register the built-in kinds
 from mtjax.layers.basic import Dense, RMSNorm, rms_norm
 from mtjax.layers.spec import LayerSpec
@@ -38,12 +39,21 @@ Params = dict  # {"embed": ..., "blocks": [...], "head": ...}
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). Returns (hidden,
-    router statistics: {} unless the MLP routes). `self_attn` is the spec's token mixer and
-    `mlp` its feed-forward, each built by its registry entry.
+    """Pre-norm residual block. `self_attn` is the spec's token mixer and `mlp` its
+    feed-forward, each built by its registry entry. Its sequence is written once, in
+    `sequence`, as two stages around the feed-forward:
 
-    With sandwich norms (Gemma) the attention and MLP outputs are normed too before their
-    residual adds; post_attention_layernorm is then the attention output's norm and
+        mixer stage   a = x + mixer(input_layernorm(x))    (its output normed first with sandwich norms)
+                      h = the feed-forward's input norm(a)
+        feed-forward  y, router statistics = mlp(h)        (a MoE's split point, before its experts,
+                                                             is inside: mtjax.layers.feedforward.SparseMoE)
+        output stage  a + y                                (y normed first with sandwich norms)
+
+    The whole block, the cached decode step (`block_forward_cached`) and a split MoE
+    block's sub-parts (mtjax.expert_groups, through `block_until_split`, `block_experts`
+    and `block_combine`) all run these stages.
+
+    With sandwich norms (Gemma) post_attention_layernorm is the mixer output's norm and
     pre_feedforward_layernorm the MLP input's (Hugging Face's names for both layouts).
     """
 
@@ -56,23 +66,36 @@ class Block(nnx.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg) if sandwich else None
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg) if sandwich else None
 
-    def attention_residual(self, x, attn_out):
-        """x plus the attention's output (normed first with sandwich norms)."""
+    def mixer_stage(self, x, mix):
+        """(a, h, aux): a = x + the mixer's output (normed first with sandwich norms), h =
+        the feed-forward's input norm of a; `mix(normed x) -> (mixer output, aux)`, aux
+        handed back as it is (the decode state of a decode step)."""
+        y, aux = mix(self.input_layernorm(x))
         if self.pre_feedforward_layernorm is not None:
-            attn_out = self.post_attention_layernorm(attn_out)
-        return x + attn_out
+            a = x + self.post_attention_layernorm(y)
+            return a, self.pre_feedforward_layernorm(a), aux
+        a = x + y
+        return a, self.post_attention_layernorm(a), aux
 
-    def mlp_residual(self, x):
-        """(x plus the MLP's output, router statistics: {} for a dense MLP)."""
-        sandwich = self.pre_feedforward_layernorm is not None
-        y, stats = self.mlp(self.pre_feedforward_layernorm(x) if sandwich else self.post_attention_layernorm(x))
-        return x + (self.post_feedforward_layernorm(y) if sandwich else y), stats
+    def output_stage(self, a, y):
+        """a plus the feed-forward's output y (normed first with sandwich norms)."""
+        if self.post_feedforward_layernorm is not None:
+            y = self.post_feedforward_layernorm(y)
+        return a + y.reshape(a.shape)
+
+    def sequence(self, x, mix):
+        """(block output, router statistics, the mixer's aux): the block with `mix` as its
+        mixer call (see `mixer_stage`)."""
+        with jax.named_scope("attention"):
+            a, h, aux = self.mixer_stage(x, mix)
+        with jax.named_scope("mlp"):
+            y, stats = self.mlp(h)
+            return self.output_stage(a, y), stats, aux
 
     def __call__(self, x, cos, sin, positions, segments=None):
-        with jax.named_scope("attention"):
-            x = self.attention_residual(x, self.self_attn(self.input_layernorm(x), cos, sin, positions, segments))
-        with jax.named_scope("mlp"):
-            return self.mlp_residual(x)
+        """(hidden, router statistics: {} unless the MLP routes)."""
+        out, stats, _ = self.sequence(x, lambda h: (self.self_attn(h, cos, sin, positions, segments), None))
+        return out, stats
 
 
 class Embed(nnx.Module):
@@ -149,15 +172,18 @@ def num_active_params(cfg: ModelConfig) -> int:
     return num_params(cfg) - sum(inactive_params(cfg, spec) for spec in cfg.layer_specs)
 
 
+def init_part(cfg: ModelConfig, part: str | LayerSpec, rngs: nnx.Rngs) -> dict:
+    """Fresh float32 parameters of one part, "embed", "head" or a block of a LayerSpec,
+    drawn from `rngs` (`init_params` draws the embedding's, each block's, the head's)."""
+    return nnx.to_pure_dict(nnx.state(_module_factory(cfg, part)(rngs)))
+
+
 def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
     """Freshly initialised float32 parameters (normal(initializer_range), unit norms)."""
     rngs = nnx.Rngs(seed)
-    parts = {"embed": _module_factory(cfg, "embed")(rngs)}
-    blocks = [_module_factory(cfg, spec)(rngs) for spec in cfg.layer_specs]
-    parts["head"] = _module_factory(cfg, "head")(rngs)
-    out = {k: nnx.to_pure_dict(nnx.state(m)) for k, m in parts.items()}
-    out["blocks"] = [nnx.to_pure_dict(nnx.state(b)) for b in blocks]
-    return {"embed": out["embed"], "blocks": out["blocks"], "head": out["head"]}
+    embed = init_part(cfg, "embed", rngs)
+    blocks = [init_part(cfg, spec, rngs) for spec in cfg.layer_specs]
+    return {"embed": embed, "blocks": blocks, "head": init_part(cfg, "head", rngs)}
 
 
 def cast(tree, dtype):
@@ -274,12 +300,64 @@ def block_forward_cached(cfg: ModelConfig, spec: LayerSpec, block: dict, x: jnp.
     """`block_forward` for sampling: new tokens x [b, t, d] at positions start .. start+t-1,
     the mixer keeping in `state` what later tokens need of earlier ones (its registry
     entry's decode_state, e.g. softmax attention's keys and values), so each token's part
-    of it is computed once.
+    of it is computed once. The block's sequence is `Block.sequence`, the mixer's `decode`
+    in its place.
 
     Returns (hidden [b, t, d], the state with this call's tokens in).
     """
     m = block_module(cfg, spec, cast(block, x.dtype))
     positions = (start + jnp.arange(x.shape[1], dtype=jnp.int32))[None]  # [1, t]
     cos, sin = rope.cos_sin(rope.for_layer(cfg, spec), positions, x.dtype)
-    y, state = m.self_attn.decode(m.input_layernorm(x), state, start, cos, sin, positions)
-    return m.mlp_residual(m.attention_residual(x, y))[0], state
+    out, _, state = m.sequence(x, lambda h: m.self_attn.decode(h, state, start, cos, sin, positions))
+    return out, state
+
+
+# --- a MoE block split at its feed-forward's split point (mtjax.expert_groups) ---------
+# The stages of `Block.sequence`, run part by part over the flat leaves ({"mlp.gate.kernel":
+# array, ...}) a part stages; a stage reads only its own leaves.
+
+OUTPUT_NORM = "post_feedforward_layernorm."  # the output stage's leaves (sandwich norms only)
+
+
+def output_leaves(cfg: ModelConfig, spec: LayerSpec) -> tuple[str, ...]:
+    """The flat leaves the output stage reads: the sandwich norm's weight, or none."""
+    return tuple(n for n in treepath.flatten(abstract_block(cfg, spec)) if n.startswith(OUTPUT_NORM))
+
+
+def _partial_module(cfg: ModelConfig, spec: LayerSpec, leaves: dict, dtype) -> Block:
+    """The block module holding the flat `leaves` in `dtype`; the others, which the stage
+    called on it never reads, empty."""
+    template = abstract_block(cfg, spec)
+    full = {n: leaves[n].astype(dtype) if n in leaves else jnp.zeros((0,), dtype) for n in treepath.flatten(template)}
+    return block_module(cfg, spec, treepath.unflatten(template, full))
+
+
+def block_until_split(cfg: ModelConfig, spec: LayerSpec, leaves: dict, x, segments=None):
+    """The block up to its feed-forward's split point: (a [b, t, d], h [T, d], the
+    feed-forward's `before_experts(h)`): the mixer stage (attention residual a, the
+    feed-forward's input h as rows), then routing and the shared expert."""
+    m = _partial_module(cfg, spec, leaves, x.dtype)
+    cos, sin, positions = block_rotary(cfg, spec, x, segments)
+    a, h, _ = m.mixer_stage(x, lambda n: (m.self_attn(n, cos, sin, positions, segments), None))
+    h = h.reshape(-1, x.shape[-1])
+    return a, h, m.mlp.before_experts(h)
+
+
+def block_experts(cfg: ModelConfig, spec: LayerSpec, kernels: list, h, weights, chosen, ids):
+    """The feed-forward's experts stage over the rows h [T, d] for a group of experts:
+    `kernels` (gate, up, down stacked [n, in, out]) of global expert ids `ids` [n]."""
+    return _partial_module(cfg, spec, {}, h.dtype).mlp.routed(h, weights, chosen, kernels, ids)
+
+
+def block_combine(cfg: ModelConfig, spec: LayerSpec, leaves: dict, a, experts_out, shared):
+    """(block output, z): the feed-forward's output z [T, d] from its experts' summed
+    output and its shared expert's, then the output stage over a and z (`leaves`: at
+    least `output_leaves`)."""
+    m = _partial_module(cfg, spec, leaves, a.dtype)
+    z = m.mlp.after_experts(experts_out, shared)
+    return m.output_stage(a, z), z
+
+
+def block_output(cfg: ModelConfig, spec: LayerSpec, leaves: dict, a, z):
+    """The output stage: a + the feed-forward's output z (normed first with sandwich norms)."""
+    return _partial_module(cfg, spec, leaves, a.dtype).output_stage(a, z)

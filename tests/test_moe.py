@@ -331,6 +331,28 @@ def test_streamed_steps_with_the_moe_blocks_split_into_expert_groups_equal_the_r
             store.close()
 
 
+# Gemma's norms on a MoE model: (1 + w) norms, and sandwich norms on the attention and
+# MLP outputs, so a split block's output stage is a norm of the groups' summed output.
+SANDWICH = dataclasses.replace(CFG, sandwich_norms=True, rms_norm_offset=True)
+
+
+@pytest.mark.slow
+def test_split_moe_blocks_with_sandwich_norms_equal_the_whole_ones():
+    """Groups of 3 of the 7 experts under sandwich norms: five steps equal the in-memory
+    trainer's, whose blocks are whole (one micro-batch: see the note above), the post-MLP
+    norm's weight trained through the split."""
+    params = model.init_params(SANDWICH, seed=1)
+    engine = StreamEngine(SANDWICH, params, OPT, StreamConfig(keep_every=1, expert_group_size=3),
+                          batch_shape=(2, 16))
+    try:
+        assert engine.schedule.split == {0: ((0, 1, 2), (3, 4, 5), (6,)), 2: ((0, 1, 2), (3, 4, 5), (6,))}
+        _streamed_equals_reference(engine, _batches(1), _reference_steps(SANDWICH, params, _batches(1)))
+        trained = engine.params()["blocks"][0]["post_feedforward_layernorm"]["weight"]
+        assert np.abs(np.asarray(trained)).max() > 0  # the output stage's norm learned
+    finally:
+        engine.close()
+
+
 def _counted(engine):
     """Bytes the engine hands to the device as weights, and reads of compute state from the store."""
     counts = {"h2d": 0, "read": 0}

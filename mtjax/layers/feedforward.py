@@ -66,9 +66,15 @@ class SparseMoE(nnx.Module):
         gated = shared and spec.shared_expert_gated
         self.shared_expert_gate = Dense(cfg.hidden_size, 1, False, cfg, rngs) if gated else None
 
-    def route(self, flat):
-        """Token rows [T, d] -> (kept weights [T, k], chosen experts [T, k], probabilities [T, E])."""
-        return self.router.route(self.cfg, self.gate(flat))
+    # Its stages, split before its experts (the registry entry's split point "experts"):
+    # a split block's router part runs `before_experts`, each group of experts `routed`,
+    # and the combine `after_experts` (mtjax.expert_groups); `__call__` runs all three.
+
+    def before_experts(self, flat):
+        """Token rows [T, d] -> (kept weights [T, k] fp32, chosen experts [T, k], router
+        statistics, the shared expert's output [T, d]: zeros without one)."""
+        weights, chosen, probs = self.router.route(self.cfg, self.gate(flat))
+        return weights, chosen, moe.router_stats(probs, chosen), self.shared(flat)
 
     def routed(self, flat, weights, chosen, kernels=None, ids=None):
         """The experts' weighted sum over the rows routed to them: this module's experts, or
@@ -77,6 +83,10 @@ class SparseMoE(nnx.Module):
         if kernels is None:  # stacked inside the program: the store keeps one array per expert
             kernels = [jnp.stack([getattr(e, n).kernel[...] for e in self.experts]) for n in EXPERT_KERNELS]
         return self.router.experts(flat, weights, chosen, *kernels, ids, total=self.cfg.num_experts)
+
+    def after_experts(self, routed, shared):
+        """The feed-forward's output [T, d]: the experts' sum plus the shared expert's."""
+        return routed if self.shared_expert is None else routed + shared
 
     def shared(self, flat):
         """The shared expert's output, scaled by its sigmoid gate where it has one; 0 without one."""
@@ -88,11 +98,8 @@ class SparseMoE(nnx.Module):
 
     def __call__(self, x):
         flat = x.reshape(-1, x.shape[-1])
-        weights, chosen, probs = self.route(flat)
-        y = self.routed(flat, weights, chosen)
-        if self.shared_expert is not None:
-            y = y + self.shared(flat)
-        return y.reshape(x.shape), moe.router_stats(probs, chosen)
+        weights, chosen, stats, shared = self.before_experts(flat)
+        return self.after_experts(self.routed(flat, weights, chosen), shared).reshape(x.shape), stats
 
 
 class DenseFeedForward(MLP):
@@ -124,9 +131,10 @@ def _moe_inactive(cfg: ModelConfig, spec: LayerSpec) -> int:
 
 
 registry.register_feed_forward(DenseMLP.kind, registry.FeedForwardKind(
-    module=DenseFeedForward, flops=_no_flops, inactive_params=lambda cfg, spec: 0))
+    module=DenseFeedForward, flops=_no_flops, inactive_params=lambda cfg, spec: 0, spec=DenseMLP))
 registry.register_feed_forward(MoE.kind, registry.FeedForwardKind(
-    module=SparseMoE, flops=_moe_flops, inactive_params=_moe_inactive))
+    module=SparseMoE, flops=_moe_flops, inactive_params=_moe_inactive, split_points=("experts",),
+    spec=MoE))
 registry.register_router("softmax_topk", registry.RouterKind(
     route=lambda cfg, logits: moe.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob),
     experts=moe.experts_forward))

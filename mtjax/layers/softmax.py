@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from mtjax import rope
-from mtjax.attention import attend, local_chunks, masked_attention
+from mtjax.attention import attend, local_chunks, masked_attention, visible
 from mtjax.layers import registry
 from mtjax.layers.basic import Dense, RMSNorm, rms_norm
 from mtjax.layers.spec import LayerSpec, SoftmaxAttention
@@ -78,13 +78,19 @@ class Attention(nnx.Module):
             q = (q * temperature(cfg, positions)[..., None, None]).astype(q.dtype)
         return q, k, v
 
+    def _local(self, positions, segments=None):
+        """(window, segments) of this layer's mask over tokens at `positions` [b, t]: chunks
+        as documents (mtjax.attention.local_chunks) and a window of one chunk, which lets
+        the chunked kernel skip older key blocks; else its sliding window, if any."""
+        if self.chunk:
+            return self.chunk, local_chunks(positions, self.chunk, segments)
+        return self.window, segments
+
     def __call__(self, x, cos, sin, positions, segments=None):
         cfg = self.cfg
         b, t, _ = x.shape
         q, k, v = self.qkv(x, cos, sin, positions)
-        window = self.window
-        if self.chunk:  # chunks as documents, and a window of one chunk to skip older key blocks
-            segments, window = local_chunks(positions, self.chunk, segments), self.chunk
+        window, segments = self._local(positions, segments)
         # A window of W keys includes the query itself. On the CPU not jax.nn.dot_product_attention:
         # attention.py skips the masked score blocks, ~20% faster there.
         out = attend(q, k, v, cfg.attn_scale, window, self.softcap, segments)  # btnh
@@ -99,13 +105,14 @@ class Attention(nnx.Module):
         q, k, v = self.qkv(x, cos, sin, positions)
         keys = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)  # bLkh
         values = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
+        # The training path's mask over the cache's slots 0 .. L-1 (unwritten ones lie in
+        # the future): the slots' chunks are the queries' too, at the queries' positions.
         query_pos, key_pos = positions[0], jnp.arange(keys.shape[1], dtype=jnp.int32)
-        visible = key_pos[None, :] <= query_pos[:, None]  # [t, L]: causal; unwritten slots lie in the future
-        if self.window:
-            visible &= key_pos[None, :] > query_pos[:, None] - self.window  # W keys, the query's own included
-        if self.chunk:
-            visible &= key_pos[None, :] // self.chunk == query_pos[:, None] // self.chunk
-        out = masked_attention(q, keys, values, visible[None, None], self.cfg.attn_scale, self.softcap)
+        window, key_segments = self._local(key_pos[None])
+        query_segments = None if key_segments is None else jnp.take(key_segments, query_pos, axis=1)
+        mask = visible(query_pos, key_pos, window, query_segments, key_segments)  # [t, L] or [1, t, L]
+        mask = mask[None, None] if key_segments is None else mask[:, None]
+        out = masked_attention(q, keys, values, mask, self.cfg.attn_scale, self.softcap)
         return self.o_proj(out.reshape(b, t, -1)), {"k": keys, "v": values}
 
 
@@ -135,4 +142,5 @@ def kv_cache(cfg: ModelConfig, spec: LayerSpec, batch: int, length: int) -> dict
     return {"k": s, "v": s}
 
 
-registry.register_mixer(SoftmaxAttention.kind, registry.MixerKind(module=Attention, flops=flops, decode_state=kv_cache))
+registry.register_mixer(SoftmaxAttention.kind, registry.MixerKind(module=Attention, flops=flops, decode_state=kv_cache,
+                                                                   spec=SoftmaxAttention))

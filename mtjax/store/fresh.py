@@ -54,4 +54,4 @@ def _part_params(cfg: ModelConfig, seed: int, names: list[str]):
     rngs = nnx.Rngs(seed)
     for name in names:
         factory = cfg.layer_specs[int(name.split(".")[1])] if name.startswith("block.") else name
-        yield name, nnx.to_pure_dict(nnx.state(model._module_factory(cfg, factory)(rngs)))
+        yield name, model.init_part(cfg, factory, rngs)

@@ -1,17 +1,21 @@
-"""The compiled functions of split MoE blocks (mtjax.expert_groups), one set per MoE layer spec.
+"""The compiled functions of split MoE blocks (mtjax.expert_groups), one set per layer spec
+whose feed-forward splits before its experts.
 
-    router_forward(w, x, segments) -> (a, shared, h, weights, stats, chosen)
+    router_forward(w, x, segments) -> (a, shared, h, weights, stats, out, chosen)
     group_add(w, h, weights, chosen, ids, acc) -> acc + the group's share (acc None: zeros)
-    combine(a, acc, shared) -> the block output a + (acc + shared)
-    group_grad(w, h, weights, chosen, ids, dy) -> (dw, dh, dweights)
-    router_grad(w, x, dy, dh, dweights, dstats, segments) -> (dw, dx)
+    combine(out, a, acc, shared) -> (the block output, the feed-forward's output z)
+    output_grad(out, z, dy) -> (dz, dout)   (only where expert_groups.keeps_output)
+    group_grad(w, h, weights, chosen, ids, dz) -> (dw, dh, dweights)
+    router_grad(w, x, dy, dz, dh, dweights, dstats, dout, segments) -> (dw, dx)
 
 A group's backward recomputes its forward from the kept MLP input and routing, in one
 program with its vjp; the router part's backward recomputes attention and the router
 from the block's kept input and takes the cotangents of everything it handed on: the
-block output's (dy), the MLP input's and kept weights' summed over the groups, and the
-router stats' (the load-balancing loss, mtjax.moe). Group programs take the experts'
-global ids as an argument, so every group of one size shares one compile.
+attention residual's (the block output's, dy), the shared expert's (z's: dy itself
+unless a sandwich norm sits on the output), the MLP input's and kept weights' summed
+over the groups, the router stats' (the load-balancing loss, mtjax.moe) and the output
+stage's leaves'. Group programs take the experts' global ids as an argument, so every
+group of one size shares one compile.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import functools
 import jax
 
 from mtjax import expert_groups
-from mtjax.layers.spec import LayerSpec, MoE
+from mtjax.layers import registry
+from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
 
 
@@ -32,7 +37,7 @@ def group_fns(cfg: ModelConfig) -> GroupFns:
 
 class GroupFns:
     def __init__(self, cfg: ModelConfig):
-        specs = [s for s in cfg.block_specs if isinstance(s.feed_forward, MoE)]
+        specs = [s for s in cfg.block_specs if "experts" in registry.feed_forward(s).split_points]
 
         def per_spec(fn):
             return {s: jax.jit(functools.partial(fn, cfg, s)) for s in specs}
@@ -41,17 +46,19 @@ class GroupFns:
         self.router_grad = per_spec(_router_grad)
         self.group_add = per_spec(_group_add)
         self.group_grad = per_spec(_group_grad)
-        self.combine = jax.jit(_combine)
+        self.combine = per_spec(expert_groups.combine)
+        self.output_grad = per_spec(expert_groups.output_grad)
+        self.keeps_output = {s: expert_groups.keeps_output(cfg, s) for s in specs}
 
 
 def _router_forward(cfg: ModelConfig, spec: LayerSpec, w: dict, x, segments=None):
-    (a, shared, h, weights, stats), chosen = expert_groups.router_forward(cfg, spec, w, x, segments)
-    return a, shared, h, weights, stats, chosen
+    (a, shared, h, weights, stats, out), chosen = expert_groups.router_forward(cfg, spec, w, x, segments)
+    return a, shared, h, weights, stats, out, chosen
 
 
-def _router_grad(cfg: ModelConfig, spec: LayerSpec, w: dict, x, dy, dh, dweights, dstats, segments=None):
+def _router_grad(cfg: ModelConfig, spec: LayerSpec, w: dict, x, dy, dz, dh, dweights, dstats, dout, segments=None):
     _, vjp, _ = jax.vjp(lambda w, x: expert_groups.router_forward(cfg, spec, w, x, segments), w, x, has_aux=True)
-    return vjp((dy, dy.reshape(dh.shape), dh, dweights, dstats))
+    return vjp((dy, dz.reshape(dh.shape), dh, dweights, dstats, dout))
 
 
 def _group_add(cfg: ModelConfig, spec: LayerSpec, w: dict, h, weights, chosen, ids, acc):
@@ -59,10 +66,6 @@ def _group_add(cfg: ModelConfig, spec: LayerSpec, w: dict, h, weights, chosen, i
     return y if acc is None else acc + y
 
 
-def _combine(a, acc, shared):
-    return a + (acc + shared).reshape(a.shape)
-
-
-def _group_grad(cfg: ModelConfig, spec: LayerSpec, w: dict, h, weights, chosen, ids, dy):
+def _group_grad(cfg: ModelConfig, spec: LayerSpec, w: dict, h, weights, chosen, ids, dz):
     _, vjp = jax.vjp(lambda w, h, p: expert_groups.group_forward(cfg, spec, w, h, p, chosen, ids), w, h, weights)
-    return vjp(dy.reshape(h.shape))
+    return vjp(dz.reshape(h.shape))

@@ -450,9 +450,6 @@ def split_blocks(cfg: ModelConfig, size: int | None, resident: tuple) -> dict:
     `size` experts (none when `size` is None; resident blocks stay whole)."""
     if size is None:
         return {}
-    if cfg.sandwich_norms:
-        raise MtjaxError("stream.expert_group_size: expert groups need MoE blocks without sandwich norms; "
-                         "unset it for this model")
     return {i: expert_groups.groups_of(cfg.num_experts, min(size, cfg.num_experts)) for i in cfg.moe_layers
             if f"block.{i}" not in resident}
 
@@ -695,10 +692,9 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
         resident=sum(pb[p].compute + 2 * pb[p].master + pb[p].opt for p in resident),
         saved=shape.accum * sum(residual_bytes(cfg, cfg.layer_specs[i], shape.batch, shape.seq, remat)
                                 for g in saved for i in g),
-        # Kept from a split block's router part to its backward: the MLP input (compute
-        # dtype), the kept weights (fp32) and chosen experts (int32); and one zero expert
-        # on the device standing in for the experts no token reached.
-        routing=(shape.accum * len(split) * (hidden + tokens * cfg.num_experts_per_tok * 8)
+        # Kept from a split block's router part to its backward (expert_groups.kept_bytes);
+        # and one zero expert on the device standing in for the experts no token reached.
+        routing=(shape.accum * sum(expert_groups.kept_bytes(cfg, cfg.layer_specs[i], hidden, tokens) for i in split)
                  + expert_bytes(cfg).compute) if split else 0,
     )
 

@@ -4,10 +4,12 @@ Forward: the router part runs every micro-batch (attention, routing, shared expe
 the experts some token reached are then known on the host (`Routing`: one device read
 per split block and step), and each expert group, staged with only those experts, adds
 its share to every micro-batch's output. The MLP input and routing of each micro-batch
-are kept for the backward. Backward: each group (in reverse) recomputes its forward
-from them inside its vjp; the router part then recomputes attention and routing from
-the block's kept input and takes the summed cotangents of the MLP input and kept
-weights, with the block output's and the router stats' (the load-balancing loss).
+are kept for the backward (with a sandwich norm on the block's output, also the
+feed-forward's output z and the norm's weight, from which the backward first takes z's
+cotangent). Backward: each group (in reverse) recomputes its forward from them inside
+its vjp; the router part then recomputes attention and routing from the block's kept
+input and takes the summed cotangents of the MLP input and kept weights, with the block
+output's, z's and the router stats' (the load-balancing loss).
 
 An expert no token reached stays on the host: a device zero of its shape stands in for
 it in the group's program (it gets no rows, so its gradient is exactly zero there, and
@@ -99,7 +101,7 @@ class SplitBlocks:
 
     def _bytes(self, kept: tuple) -> int:
         """One device's bytes of a micro-batch's kept routing (rows split over the devices)."""
-        return sum(self.mesh.share(a.nbytes) for a in kept)
+        return sum(self.mesh.share(a.nbytes) for a in jax.tree.leaves(kept))
 
     def ids(self, ids: tuple[int, ...]) -> jax.Array:
         if ids not in self._ids:
@@ -117,27 +119,34 @@ class SplitBlocks:
         ys = [None] * len(outs)
         for j, ids in enumerate(groups):
             slot, w = take(f"block.{i}/experts.{j}")
-            ys = [g.group_add[spec](w, h, wt, c, self.ids(ids), y) for (_, _, h, wt, _, c), y in zip(outs, ys)]
+            ys = [g.group_add[spec](w, h, wt, c, self.ids(ids), y) for (_, _, h, wt, _, _, c), y in zip(outs, ys)]
             release(slot, ys)
-        ys = [g.combine(a, y, s) for (a, s, *_), y in zip(outs, ys)]
+        combined = [g.combine[spec](out, a, y, s) for (a, s, _, _, _, out, _), y in zip(outs, ys)]
         kept = None
-        if keep:
-            kept = [(h, wt, c) for _, _, h, wt, _, c in outs]
+        if keep:  # (h, weights, chosen), and (z, the output stage's leaves) where its backward needs them
+            extra = g.keeps_output[spec]
+            kept = [(h, wt, c) + ((z, out) if extra else ())
+                    for (_, _, h, wt, _, out, c), (_, z) in zip(outs, combined)]
             for k in kept:
                 self.ledger.hold(self._bytes(k), "a split block's kept routing", "routing")
-        return ys, [o[4] for o in outs], kept
+        return [y for y, _ in combined], [o[4] for o in outs], kept
 
     def backward(self, i: int, spec: LayerSpec, groups: tuple, take, release, accumulate, xs: list, kept: list,
                  dys: list, dstats: list, segments: list):
         """(gradients w.r.t. the block input of every micro-batch, the block's summed
         gradient {leaf: array}); `accumulate(acc, grads)` sums over micro-batches."""
         g = self.fns
+        # The cotangents of the feed-forward's output z and of the output stage's leaves.
+        if g.keeps_output[spec]:
+            dzs, douts = zip(*(g.output_grad[spec](out, z, dy) for (_, _, _, z, out), dy in zip(kept, dys)))
+        else:
+            dzs, douts = dys, [{}] * len(dys)
         grads, dhs, dws = {}, [None] * len(dys), [None] * len(dys)
         for j in reversed(range(len(groups))):
             slot, w = take(f"block.{i}/experts.{j}")
             acc = None
-            for m, ((h, wt, c), dy) in enumerate(zip(kept, dys)):
-                dw, dh, dwt = g.group_grad[spec](w, h, wt, c, self.ids(groups[j]), dy)
+            for m, ((h, wt, c, *_), dz) in enumerate(zip(kept, dzs)):
+                dw, dh, dwt = g.group_grad[spec](w, h, wt, c, self.ids(groups[j]), dz)
                 acc = accumulate(acc, dw)
                 dhs[m] = dh.astype(jnp.float32) if dhs[m] is None else dhs[m] + dh
                 dws[m] = dwt if dws[m] is None else dws[m] + dwt
@@ -145,8 +154,8 @@ class SplitBlocks:
             grads.update(expert_groups.named(acc, groups[j]))
         slot, w = take(f"block.{i}/router")
         acc, dxs = None, []
-        for x, dy, k, dh, dwt, ds, seg in zip(xs, dys, kept, dhs, dws, dstats, segments):
-            dw, dx = g.router_grad[spec](w, x, dy, dh.astype(k[0].dtype), dwt, ds, seg)
+        for x, dy, dz, k, dh, dwt, ds, dout, seg in zip(xs, dys, dzs, kept, dhs, dws, dstats, douts, segments):
+            dw, dx = g.router_grad[spec](w, x, dy, dz, dh.astype(k[0].dtype), dwt, ds, dout, seg)
             acc = accumulate(acc, dw)
             dxs.append(dx)
             self.ledger.free(self._bytes(k), "routing")
