@@ -6,12 +6,12 @@ import json
 import pytest
 
 from mtjax.config import StoreConfig, StreamConfig
-from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate, hardware, probe
 
-CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, compute_dtype="bfloat16")
+from conftest import tiny_config
+
+CFG = tiny_config(vocab_size=128, hidden_size=64, intermediate_size=128, head_dim=16, compute_dtype="bfloat16")
 TX = make_optimizer(OptimConfig())
 CPU = BUILTIN["cpu-2core"]
 SHAPE = StepShape(batch=1, seq=32)

@@ -15,14 +15,13 @@ import itertools
 import numpy as np
 import pytest
 
-import mtjax.store
 from mtjax import model, parts
 from mtjax.config import StoreConfig, StreamConfig
-from mtjax.model_config import ModelConfig
 from mtjax.optim import make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate, residency
 from mtjax.stream import StreamEngine
 
+from conftest import ONE_KV_HEAD, tiny_config
 from test_stream import OPT, ForwardCounter, batches, reference, rel_errors
 
 PLACEMENTS = {"ram": (StoreConfig(), 2), "disk": (StoreConfig(compute="disk", master="disk", opt="disk"), 2),
@@ -50,7 +49,7 @@ CASES = [("ram", 1, "some"), ("ram", 4, "all"), ("disk", 4, "some"), ("disk", 1,
 
 
 @pytest.mark.parametrize("where,accum,which", CASES, ids=[f"{w}-accum{a}-{r}" for w, a, r in CASES])
-def test_resident_equals_reference(tmp_path, where, accum, which):
+def test_resident_equals_reference(make_store, where, accum, which):
     fused = not which.endswith("-optax")
     which = which.removesuffix("-optax")
     cfg, ref_params, ref_opt, ref_metrics = reference(False, accum)
@@ -62,7 +61,7 @@ def test_resident_equals_reference(tmp_path, where, accum, which):
     assert {"none": len(stream.resident) == 0, "some": 0 < len(stream.resident) < len(names),
             "all": len(stream.resident) == len(names) and stream.remat == "full",
             "all-saved": len(stream.resident) == len(names) and stream.remat != "full"}[which], stream
-    store = mtjax.store.create(tmp_path / "store", cfg, make_optimizer(OPT), copies=copies)
+    store = make_store(cfg, make_optimizer(OPT), copies=copies)
     engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, stream, store_config, store=store,
                           batch_shape=SHAPE, tx=None if fused else make_optimizer(OPT))
     assert engine.resident.on_host == fused  # the fused loop where the device is the host
@@ -90,8 +89,7 @@ def test_resident_equals_reference(tmp_path, where, accum, which):
     store.close()
 
 
-TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=16, compute_dtype="bfloat16")
+TINY = tiny_config(num_hidden_layers=3, **ONE_KV_HEAD, compute_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("hardware", ["h200", "cpu-2core"])
