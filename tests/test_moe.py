@@ -101,11 +101,10 @@ def test_the_planner_prices_a_moe_blocks_backward_as_xla_allocates_it():
     assert temp / residual > 1.3, (temp, residual)  # what the dispatch's term adds is real
 
 
-def test_dispatch_flops_scale_with_the_tokens_not_the_experts(monkeypatch):
+def test_dispatch_flops_scale_with_the_tokens_not_the_experts():
     """Compiled FLOPs of the experts' gradient (its forward included) over the same 128 tokens (k=2)
     with 4 and 16 experts: ragged_dot's grow with E (it is a dense masked dot on the CPU),
     the blocked form's by its padding alone. Unrolled: XLA counts a loop body once."""
-    monkeypatch.setattr(moe, "UNROLL", True)
     rng = np.random.default_rng(2)
     t, d, f = 128, 16, 16
     x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
@@ -113,7 +112,7 @@ def test_dispatch_flops_scale_with_the_tokens_not_the_experts(monkeypatch):
     def flops(e, which):
         kernels = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
         weights, chosen, _ = moe.route(jnp.asarray(rng.normal(size=(t, e)), jnp.float32), 2, True)
-        fn = jax.grad(lambda x, *ks: jnp.sum(moe.experts_forward(x, weights, chosen, *ks, which=which)),
+        fn = jax.grad(lambda x, *ks: jnp.sum(moe.experts_forward(x, weights, chosen, *ks, which=which, unroll=True)),
                       argnums=(0, 1, 2, 3))
         cost = jax.jit(fn).lower(x, *kernels).compile().cost_analysis()
         return (cost[0] if isinstance(cost, list) else cost)["flops"]
