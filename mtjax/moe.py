@@ -233,8 +233,8 @@ def experts_forward(x, weights, chosen, gate, up, down, ids=None, which: str | N
         # Outsiders get a row past the end: dropped below, and masked out after the gather.
         place = jnp.where(expert < e, start[inside] + jnp.arange(t * k) - first[inside], n * b)
         owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n) * b, side="right"), e - 1).astype(jnp.int32)
-        y = blocked_swiglu(jnp.zeros((n * b, x.shape[-1]), x.dtype).at[place].set(rows, mode="drop"), gate, up, down, owner,
-                           unroll)
+        placed = jnp.zeros((n * b, x.shape[-1]), x.dtype).at[place].set(rows, mode="drop")
+        y = blocked_swiglu(placed, gate, up, down, owner, unroll)
     where = jnp.zeros_like(place).at[order].set(place)  # row of each (token, slot) assignment
     y = y[where].reshape(t, k, -1).astype(jnp.float32) * weights[..., None]
     if member is not None:

@@ -45,9 +45,8 @@ def test_optimizer_priced_as_the_engine_runs_it(monkeypatch, fused):
     assert 0 <= extra < 1000  # a few int32 counts per part
 
 
-def test_calibrate_sets_efficiency_from_the_measured_block(monkeypatch):
-    monkeypatch.setattr(probe, "block_flops", lambda cfg, batch, seq: 50e9)
-    cal = probe.calibrate(CPU, CFG, 1, 32)
+def test_calibrate_sets_efficiency_from_the_measured_block():
+    cal = probe.calibrate(CPU, CFG, 1, 32, achieved=50e9)
     assert cal.matmul_flops("bfloat16") == pytest.approx(50e9)
     assert cal.matmul_flops_bf16 == CPU.matmul_flops_bf16  # only the efficiency changes
     slow, fast = plan_of(cal), plan_of(CPU)
