@@ -33,8 +33,8 @@ TINY_MOE = dict(model_type="qwen3_moe", vocab_size=61, intermediate_size=40, num
                 router_aux_loss_coef=0.5, moe_layers=(0, 2))
 
 # The same tiny model on `mtjax train`'s command line (ONE_KV_HEAD's attention).
-TINY_MODEL_ARGS = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_hidden_layers=2",
-                   "--model.num_attention_heads=2", "--model.num_key_value_heads=1", "--model.head_dim=16"]
+TINY_MODEL_ARGS = ("--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_hidden_layers=2",
+                   "--model.num_attention_heads=2", "--model.num_key_value_heads=1", "--model.head_dim=16")
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -18,8 +18,9 @@ from mtjax import run as run_lib
 from mtjax.reference import ReferenceTrainer
 from mtjax.store import hf_export
 
-TINY = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_hidden_layers=2",
-        "--model.num_attention_heads=2", "--model.num_key_value_heads=1", "--model.head_dim=16",
+from conftest import TINY_MODEL_ARGS
+
+TINY = [*TINY_MODEL_ARGS,
         "--data.seq_len=32", "--data.batch_size=4", "--data.grad_accum=2", "--optim.lr=1e-2",
         "--optim.warmup_steps=0", "--optim.decay_steps=8", "--run.steps=8", "--run.log_every=2",
         "--run.eval_every=4", "--run.eval_batches=2", "--run.checkpoint_every=4", "--run.sample_tokens=12"]

@@ -24,8 +24,9 @@ from mtjax.commands import plot
 from mtjax.errors import MissingPackage
 from mtjax.progress import Progress, model_flops_per_token, peak_flops
 
-TINY = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_hidden_layers=2",
-        "--model.num_attention_heads=2", "--model.num_key_value_heads=1", "--model.head_dim=16",
+from conftest import TINY_MODEL_ARGS
+
+TINY = [*TINY_MODEL_ARGS,
         "--data.seq_len=32", "--data.batch_size=2", "--run.steps=4", "--run.log_every=2",
         "--run.eval_every=2", "--run.eval_batches=1", "--run.sample_tokens=0", "--stream.engine=stream"]
 
