@@ -172,7 +172,7 @@ def test_check_names_the_ram_shortfall_and_a_placement_that_fits():
 def test_recommend_puts_state_on_disk_only_when_ram_is_short():
     # Twelve blocks: the disk tier's read buffers and writes in flight cost about three
     # blocks' state, so with three blocks state on disk would need no less RAM.
-    deep = dataclasses.replace(CFG, num_hidden_layers=12)
+    deep = tiny_config(vocab_size=97, intermediate_size=56, num_hidden_layers=12, compute_dtype="bfloat16")
     plan = plan_of(deep, hw=BUILTIN["cpu-2core"])
     assert recommend(plan).placement == StoreConfig()
     # RAM for the plan with the optimizer state on disk (its read buffers and writes in
