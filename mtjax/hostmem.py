@@ -27,11 +27,6 @@ import numpy as np
 PAGE = 4096
 HUGE_PAGE = 2 << 20
 
-# The pool's reuse rule. Only tests turn it off, to show the corruption that follows when
-# a buffer is refilled while a computation still reads it.
-WAIT_FOR_READERS = True
-
-
 def aligned_empty(shape, dtype) -> np.ndarray:
     """A page-aligned array of zeros, every page already written (no page faults later)."""
     dtype = np.dtype(dtype)
@@ -97,9 +92,12 @@ class BufferPool:
     none free it makes a new one: a caller holding every set never waits on itself.
     """
 
-    def __init__(self, sets_per_shape: int = 1, on_new=None):
+    def __init__(self, sets_per_shape: int = 1, on_new=None, wait_for_readers: bool = True):
         self.sets_per_shape = sets_per_shape
         self.on_new = on_new  # called with each new set, once (staging maps it for the device's DMA)
+        # The reuse rule: a set is handed out again only once its fence is ready. Off only
+        # to show the corruption that follows when a buffer is refilled while read.
+        self.wait_for_readers = wait_for_readers
         self._free: dict[tuple, list[tuple[dict, list]]] = {}  # released (set, fence), oldest first
         self._made: dict[tuple, int] = {}
         self._lock = threading.Lock()  # acquire and release run on different threads
@@ -123,7 +121,7 @@ class BufferPool:
             if self.on_new is not None:
                 self.on_new(buffers)
             return buffers
-        if WAIT_FOR_READERS:
+        if self.wait_for_readers:
             # Host sync (on the caller's thread, the prefetch or update worker): the last
             # computation reading these buffers, or their device copy, must be done.
             jax.block_until_ready(fence)

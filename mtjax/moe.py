@@ -40,6 +40,8 @@ of p_l (`aux_loss_and_cotangent`), so every router gets its exact gradient block
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -59,9 +61,6 @@ BLOCK_ROWS = (8, 16, 32, 64, 128)  # the block sizes `block_rows` chooses from
 # out (forward and backward) and adding into their fp32 gradient sums took, on a 2-core
 # CPU, as long as ~16 more rows of the block's forward and backward (measured at d = f = 512).
 BLOCK_COST_ROWS = 16
-# Blocks per loop iteration of `blocked_swiglu`. XLA's cost analysis counts a loop body once,
-# so a FLOPs count of the dispatch needs it unrolled (True); running, one is as fast.
-UNROLL: int | bool = 1
 
 
 def dispatch(backend: str) -> str:
@@ -114,8 +113,8 @@ def backward_transient_bytes(assignments: int, num_experts: int, hidden: int, in
     return rows_ct + 2 * padded * hidden * itemsize + 3 * num_experts * hidden * intermediate * 4
 
 
-@jax.custom_vjp
-def blocked_swiglu(x, gate, up, down, owner):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def blocked_swiglu(x, gate, up, down, owner, unroll: bool = False):
     """SwiGLU experts over rows in blocks: x [n_blocks * rows, d], block b through expert
     owner[b] (gate and up [E, d, f], down [E, f, d]) -> [n_blocks * rows, d], the matmuls
     accumulated in fp32.
@@ -126,8 +125,11 @@ def blocked_swiglu(x, gate, up, down, owner):
     would keep every iteration's kernel slices (n_blocks experts' worth) as residuals; it
     keeps the gate and up projections [n_blocks * rows, f] (what autodiff of ragged_dot
     keeps), slices the kernels again, and sums each expert's kernel gradients into one
-    [E, ...] fp32 buffer per kernel."""
-    return _blocked_forward(x, gate, up, down, owner)[0]
+    [E, ...] fp32 buffer per kernel.
+
+    `unroll`: the loops unrolled. XLA's cost analysis counts a loop body once, so a FLOPs
+    count of the dispatch needs them unrolled; running, the loop is as fast."""
+    return _blocked_forward(x, gate, up, down, owner, unroll)[0]
 
 
 def _blocks(a, n: int):
@@ -138,23 +140,23 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _blocked_forward(x, gate, up, down, owner):
+def _blocked_forward(x, gate, up, down, owner, unroll):
     def one(_, block):
         xb, e = block
         g, u = _dot(xb, gate[e]).astype(x.dtype), _dot(xb, up[e]).astype(x.dtype)
         return None, (_dot(jax.nn.silu(g) * u, down[e]).astype(x.dtype), g, u)
 
     n = owner.shape[0]
-    _, (y, g, u) = jax.lax.scan(one, None, (_blocks(x, n), owner), unroll=UNROLL)
+    _, (y, g, u) = jax.lax.scan(one, None, (_blocks(x, n), owner), unroll=unroll or 1)
     return y.reshape(x.shape), g, u
 
 
-def _blocked_fwd(x, gate, up, down, owner):
-    y, g, u = _blocked_forward(x, gate, up, down, owner)
+def _blocked_fwd(x, gate, up, down, owner, unroll):
+    y, g, u = _blocked_forward(x, gate, up, down, owner, unroll)
     return y, (x, g, u, gate, up, down, owner)
 
 
-def _blocked_bwd(res, dy):
+def _blocked_bwd(unroll, res, dy):
     x, g, u, gate, up, down, owner = res
 
     def one(grads, block):
@@ -173,7 +175,7 @@ def _blocked_bwd(res, dy):
     n = owner.shape[0]
     zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (gate, up, down))
     blocks = (_blocks(x, n), _blocks(g, n), _blocks(u, n), _blocks(dy, n), owner)
-    grads, dx = jax.lax.scan(one, zeros, blocks, unroll=UNROLL)
+    grads, dx = jax.lax.scan(one, zeros, blocks, unroll=unroll or 1)
     dgate, dup, ddown = (d.astype(w.dtype) for d, w in zip(grads, (gate, up, down)))
     return dx.reshape(x.shape), dgate, dup, ddown, None  # no cotangent for the block owners
 
@@ -189,7 +191,7 @@ def _swiglu_ragged(rows, sizes, gate, up, down):
 
 
 def experts_forward(x, weights, chosen, gate, up, down, ids=None, which: str | None = None,
-                    total: int | None = None):
+                    total: int | None = None, unroll: bool = False):
     """sum over k of weight * SwiGLU expert(x) over the experts given: x [T, d], weights
     and chosen (global expert ids) [T, k], gate and up [n, d, f], down [n, f, d] -> [T, d].
 
@@ -198,7 +200,8 @@ def experts_forward(x, weights, chosen, gate, up, down, ids=None, which: str | N
     None: the kernels are all E experts, in order. `which`: the grouped matmul ("ragged" or
     "blocked"; default `dispatch` of the backend being traced for). `total`: the layer's
     expert count (default n), from which "blocked" sizes its blocks, so that a group's
-    experts run in the same blocks as in the whole layer.
+    experts run in the same blocks as in the whole layer. `unroll`: "blocked"'s loops unrolled
+    (`blocked_swiglu`), for a FLOPs count.
     """
     which = which or dispatch(jax.default_backend())
     t, k = chosen.shape
@@ -230,7 +233,8 @@ def experts_forward(x, weights, chosen, gate, up, down, ids=None, which: str | N
         # Outsiders get a row past the end: dropped below, and masked out after the gather.
         place = jnp.where(expert < e, start[inside] + jnp.arange(t * k) - first[inside], n * b)
         owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n) * b, side="right"), e - 1).astype(jnp.int32)
-        y = blocked_swiglu(jnp.zeros((n * b, x.shape[-1]), x.dtype).at[place].set(rows, mode="drop"), gate, up, down, owner)
+        placed = jnp.zeros((n * b, x.shape[-1]), x.dtype).at[place].set(rows, mode="drop")
+        y = blocked_swiglu(placed, gate, up, down, owner, unroll)
     where = jnp.zeros_like(place).at[order].set(place)  # row of each (token, slot) assignment
     y = y[where].reshape(t, k, -1).astype(jnp.float32) * weights[..., None]
     if member is not None:

@@ -35,8 +35,10 @@ RATE_WINDOW = 10  # steps over which tokens/s is measured
 class Progress:
     def __init__(self, run_dir: Path, total_steps: int, tokens_per_step: int, log_every: int = 10,
                  first_step: int = 0, stream: TextIO | None = None, tensorboard: bool = False,
-                 flops_per_token: float | None = None, peak_flops: float | None = None, wandb=None):
+                 flops_per_token: float | None = None, peak_flops: float | None = None, wandb=None,
+                 clock=time.perf_counter):
         self.stream = stream or sys.stderr
+        self._clock = clock  # seconds, read once here and once a step (a test gives its own)
         self.total, self.tokens_per_step, self.log_every = total_steps, tokens_per_step, log_every
         self.step = first_step
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
@@ -48,7 +50,7 @@ class Progress:
         self._live = terminal.columns(self.stream) > 0
         self._bar = tqdm(total=total_steps, initial=first_step, file=self.stream, unit="step",
                          dynamic_ncols=True) if self._live else None
-        self._start = time.perf_counter()
+        self._start = self._clock()
         # (step, time, tokens trained until then) of the last steps; the first entry is the
         # end of the first step, which pays compilation, so rates start from there.
         self._recent = collections.deque(maxlen=RATE_WINDOW + 1)
@@ -57,7 +59,7 @@ class Progress:
     def update(self, step: int, metrics: dict, tokens: int | None = None) -> None:
         """Record the metrics of finished step `step` (1-based), which trained on `tokens`
         (default: tokens_per_step), and refresh the display."""
-        now = time.perf_counter()
+        now = self._clock()
         self._tokens += self.tokens_per_step if tokens is None else tokens
         self._recent.append((step, now, self._tokens))
         first, then, before = self._recent[0]

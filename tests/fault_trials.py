@@ -17,9 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import TINY_MODEL_ARGS
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_hidden_layers=2",
-        "--model.num_attention_heads=2", "--model.num_key_value_heads=1", "--model.head_dim=16",
+TINY = [*TINY_MODEL_ARGS,
         "--data.seq_len=32", "--data.batch_size=4", "--data.grad_accum=2", "--optim.lr=1e-2",
         "--optim.warmup_steps=0", "--optim.decay_steps=8", "--run.eval_every=0", "--run.sample_prompt=",
         "--run.log_every=1"]

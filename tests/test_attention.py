@@ -10,6 +10,8 @@ import pytest
 from mtjax import documents
 from mtjax.attention import _chunks, causal_attention, local_chunks, masked_attention
 
+from conftest import tiny_config
+
 
 def reference(q, k, v, scale, window):
     local = (window - 1, 0) if window else None
@@ -66,11 +68,9 @@ def test_chunks_skip_exactly_the_invisible_keys():
 def test_the_model_uses_the_chunked_path_on_the_cpu():
     """The softmax attention module (mtjax.layers.softmax) goes through attend(), which
     picks causal_attention on this backend."""
-    import mtjax
     from mtjax import model
 
-    cfg = mtjax.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    cfg = tiny_config(num_hidden_layers=1)
     block = model.init_params(cfg, seed=0)["blocks"][0]
     x = jnp.ones((1, 8, 32))
     jaxpr = str(jax.make_jaxpr(lambda b, x: model.block_forward(cfg, cfg.layer_specs[0], b, x))(block, x))

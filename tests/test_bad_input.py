@@ -24,10 +24,10 @@ import pytest
 
 import hf_models
 import small_disk
+from conftest import TINY_MODEL_ARGS
 from mtjax import cli
 
-TINY = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_hidden_layers=2",
-        "--model.num_attention_heads=2", "--model.num_key_value_heads=1", "--model.head_dim=16",
+TINY = [*TINY_MODEL_ARGS,
         "--data.seq_len=32", "--data.batch_size=4", "--optim.warmup_steps=0", "--run.steps=2",
         "--run.eval_every=0", "--run.sample_tokens=0"]
 QWEN_TOKENIZER = str(Path(__file__).parent / "data" / "qwen2" / "tokenizer.json.gz")

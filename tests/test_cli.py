@@ -18,8 +18,9 @@ from mtjax import run as run_lib
 from mtjax.reference import ReferenceTrainer
 from mtjax.store import hf_export
 
-TINY = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_hidden_layers=2",
-        "--model.num_attention_heads=2", "--model.num_key_value_heads=1", "--model.head_dim=16",
+from conftest import TINY_MODEL_ARGS
+
+TINY = [*TINY_MODEL_ARGS,
         "--data.seq_len=32", "--data.batch_size=4", "--data.grad_accum=2", "--optim.lr=1e-2",
         "--optim.warmup_steps=0", "--optim.decay_steps=8", "--run.steps=8", "--run.log_every=2",
         "--run.eval_every=4", "--run.eval_batches=2", "--run.checkpoint_every=4", "--run.sample_tokens=12"]
@@ -279,8 +280,6 @@ def test_long_work_shows_progress_on_a_terminal_only(trained, tmp_path, capsys, 
     """eval, generate and data prepare draw a progress bar on stderr when it is a terminal
     (here: as if it were, with the bar shown at once), nothing otherwise; the results are
     the same either way."""
-    from mtjax import terminal
-
     run_dir, result = trained
     assert result.returncode == 0, result.stderr
     final = str(run_dir / "final")
@@ -295,8 +294,7 @@ def test_long_work_shows_progress_on_a_terminal_only(trained, tmp_path, capsys, 
         assert cli.main(args) == 0
         plain[name] = capsys.readouterr()
         assert plain[name].err == "", (name, plain[name].err)
-    monkeypatch.setattr(terminal, "columns", lambda stream: 80)
-    monkeypatch.setattr(terminal, "SHOW_AFTER_S", 0)
+    monkeypatch.setenv("MTJAX_PROGRESS", "always")  # a bar at once, as on a terminal after a while
     for name, args in commands.items():
         assert cli.main(args) == 0
         shown = capsys.readouterr()

@@ -320,12 +320,9 @@ def test_documents_start_with_bos_where_the_tokenizer_adds_one(tmp_path, bos_tem
 
 
 def test_prepare_shows_progress_on_a_terminal_only(tmp_path, capsys, monkeypatch):
-    from mtjax import terminal
-
     prepare([corpus(tmp_path)], tmp_path / "ds", val_fraction=0)
     assert capsys.readouterr().err == ""  # not a terminal: nothing (a log gets no carriage returns)
-    monkeypatch.setattr(terminal, "columns", lambda stream: 80)
-    monkeypatch.setattr(terminal, "SHOW_AFTER_S", 0)  # as if it had taken long
+    monkeypatch.setenv("MTJAX_PROGRESS", "always")  # as on a terminal, as if it had taken long
     prepare([corpus(tmp_path)], tmp_path / "ds", val_fraction=0, overwrite=True)
     assert "tokenizing" in capsys.readouterr().err
     prepare([corpus(tmp_path)], tmp_path / "bpe", "bpe:300", val_fraction=0)

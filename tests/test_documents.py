@@ -24,14 +24,14 @@ import pytest
 from mtjax import cli, data, documents, hf, model, parts, run, treepath
 from mtjax.attention import causal_attention
 from mtjax.batch import Batch
-from mtjax.model_config import FULL, SLIDING, ModelConfig
+from mtjax.model_config import FULL, SLIDING
 from mtjax.optim import OptimConfig
 from mtjax.reference import ReferenceTrainer, eval_loss, loss_fn
 from mtjax.stream import StreamEngine
 
-CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=3,
-                  layer_types=(FULL, SLIDING))
+from conftest import tiny_config
+
+CFG = tiny_config(vocab_size=97, intermediate_size=48, sliding_window=3, layer_types=(FULL, SLIDING))
 SEQ, LENGTHS = 16, (5, 4, 6)
 OPT = OptimConfig(lr=1e-3, clip_norm=0.05, weight_decay=0.1)  # clipping active: the grad norm is ~1
 

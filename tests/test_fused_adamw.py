@@ -9,17 +9,16 @@ import optax
 import pytest
 
 from mtjax.hostmem import HUGE_PAGE
-from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer, make_schedule
 from mtjax.stream import fused_adamw
 from mtjax.stream.update import PartUpdate
 
+from conftest import tiny_config
 from test_update import _check_equal, _random
 
 pytestmark = pytest.mark.skipif(not fused_adamw.available(), reason="numba is not installed")
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=2, head_dim=16, compute_dtype="bfloat16")
+CFG = tiny_config(num_hidden_layers=1, num_attention_heads=2, head_dim=16, compute_dtype="bfloat16")
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine", decay_steps=10, weight_decay=0.1)
 # A big leaf, odd shapes, a 3-D leaf and 1-D leaves (no decay).
 SHAPES = {"big.kernel": (512, 96), "a.kernel": (300, 7), "c.kernel": (9, 4, 5), "norm.weight": (5,),

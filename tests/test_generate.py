@@ -15,11 +15,12 @@ import pytest
 from mtjax import cli, generate, hf, model
 from mtjax.commands import generate as generate_command
 from mtjax.data import ByteTokenizer, load_tokenizer
-from mtjax.model_config import CHUNKED, FULL, SLIDING, ModelConfig, RopeScaling
+from mtjax.model_config import CHUNKED, FULL, SLIDING, RopeScaling
+
+from conftest import tiny_config
 
 # Large initial weights make greedy decoding of a random model varied rather than constant.
-CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, max_position_embeddings=24, initializer_range=0.5)
+CFG = tiny_config(vocab_size=61, max_position_embeddings=24, initializer_range=0.5)
 _forward = jax.jit(lambda p, t: model.forward(CFG, p, t))
 
 
@@ -110,16 +111,15 @@ def test_long_prompts_are_cut_to_the_context_and_eos_stops(params):
 
 
 def test_complete_decodes_text():
-    cfg = ModelConfig(vocab_size=257, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
+    cfg = tiny_config(vocab_size=257, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     text = generate.complete(cfg, model.init_params(cfg), ByteTokenizer(), "Hi", 5, temperature=0)
     assert isinstance(text, str) and len(text.encode("utf-8", "replace")) <= 5 * 3
 
 
 # --- streamed sampling from a layer store ------------------------------------------------
 
-SLIDING_TIED = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=24,
+SLIDING_TIED = tiny_config(vocab_size=61, num_hidden_layers=4, max_position_embeddings=24,
                            initializer_range=0.5, tie_word_embeddings=True, sliding_window=3,
                            layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"))
 
@@ -202,9 +202,8 @@ def test_generate_command_streams_a_store(tmp_path, monkeypatch, capsys):
     from mtjax import cli
     from mtjax import run as run_lib
 
-    cfg = ModelConfig(vocab_size=257, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
-                      initializer_range=0.5)
+    cfg = tiny_config(vocab_size=257, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.5)
     path = mtjax.store.init_store(cfg, tmp_path / "store", seed=0)
     want = generate.complete(cfg, run_lib.load_weights(path)[1], ByteTokenizer(), "Hi", 6, temperature=0)
     for where in (run_lib, generate_command):  # the command holds its own name for it

@@ -36,11 +36,10 @@ def test_huge_empty_is_huge_page_aligned_above_2_mib():
     assert small.shape == (5, 3) and small.dtype == ml_dtypes.bfloat16 and small.flags.writeable
 
 
-def _reuse(monkeypatch, wait: bool):
+def _reuse(wait: bool):
     """Fill a set, start a long read of its device copy, release it fenced by that read,
     acquire it again and overwrite it: (the read's result, the right result, reused?)."""
-    monkeypatch.setattr(hostmem, "WAIT_FOR_READERS", wait)
-    pool = hostmem.BufferPool(sets_per_shape=1)
+    pool = hostmem.BufferPool(sets_per_shape=1, wait_for_readers=wait)
     bufs = pool.acquire(F32)
     bufs["w"][:] = 1 / 128
     expected = float(_slow_reader(jnp.full((128, 128), 1 / 128, jnp.float32)))
@@ -52,14 +51,14 @@ def _reuse(monkeypatch, wait: bool):
     return float(total), expected, again["w"] is bufs["w"], ready_at_acquire
 
 
-def test_a_reused_set_waits_for_its_fence(monkeypatch):
-    got, expected, reused, ready = _reuse(monkeypatch, wait=True)
+def test_a_reused_set_waits_for_its_fence():
+    got, expected, reused, ready = _reuse(wait=True)
     assert reused and ready and got == expected
 
 
-def test_without_the_wait_reuse_corrupts(monkeypatch):
+def test_without_the_wait_reuse_corrupts():
     """The fence is what keeps the result right: without the wait the sum is wrong."""
-    got, expected, reused, ready = _reuse(monkeypatch, wait=False)
+    got, expected, reused, ready = _reuse(wait=False)
     assert reused and not ready and got != expected
 
 

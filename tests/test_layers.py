@@ -11,32 +11,32 @@ from mtjax import model  # noqa: F401 - registers the built-in kinds
 from mtjax.errors import MtjaxError
 from mtjax.layers import registry
 from mtjax.layers.spec import DenseMLP, LayerSpec, MoE, Rope, SoftmaxAttention
-from mtjax.model_config import CHUNKED, FULL, SLIDING, ModelConfig, RopeScaling, load_hf_config
+from mtjax.model_config import CHUNKED, FULL, SLIDING, RopeScaling, load_hf_config
 from mtjax.plan.cost import block_forward_flops, mfu_flops_per_token
 from mtjax.progress import model_flops_per_token
 
+from conftest import tiny_config
+
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=8)
 
 
 def test_a_config_says_what_each_layer_is_made_of():
     """Gemma 3: sliding layers with their own rope base, soft-capped, sandwich norms; Llama 4:
     chunked RoPE MoE layers with a sigmoid router and L2 q/k norm, full NoPE layers with
     query temperature."""
-    gemma = ModelConfig(model_type="gemma3_text", num_hidden_layers=3, layer_types=(SLIDING, SLIDING, FULL),
+    gemma = tiny_config(model_type="gemma3_text", num_hidden_layers=3, layer_types=(SLIDING, SLIDING, FULL),
                         sliding_window=4, rope_theta=1e6, rope_scaling=RopeScaling("linear", 8.0),
                         local_rope_theta=1e4, attn_logit_softcapping=50.0, sandwich_norms=True,
-                        hidden_act="gelu_pytorch_tanh", **SMALL)
+                        hidden_act="gelu_pytorch_tanh")
     local, full = gemma.block_specs
     assert gemma.layer_specs == (local, local, full)
     assert local.mixer == SoftmaxAttention(window=4, softcap=50.0) and local.rope == Rope(1e4, None)
     assert full.mixer == SoftmaxAttention(softcap=50.0) and full.rope == Rope(1e6, RopeScaling("linear", 8.0))
     assert local.norms.sandwich and local.feed_forward == DenseMLP()
-    llama4 = ModelConfig(model_type="llama4_text", num_hidden_layers=2, layer_types=(CHUNKED, FULL),
+    llama4 = tiny_config(model_type="llama4_text", num_hidden_layers=2, layer_types=(CHUNKED, FULL),
                          attention_chunk_size=8, no_rope_layers=(1,), moe_layers=(0,), num_experts=4,
                          num_experts_per_tok=1, moe_intermediate_size=16, qk_l2_norm=True,
-                         attn_temperature_tuning=True, **SMALL)
+                         attn_temperature_tuning=True)
     chunked, nope = llama4.layer_specs
     assert chunked == LayerSpec(SoftmaxAttention(chunk=8, qk_l2_norm=True), MoE(router="sigmoid_topk"),
                                 Rope(10000.0))
@@ -45,7 +45,7 @@ def test_a_config_says_what_each_layer_is_made_of():
 
 
 def test_equal_layers_share_one_spec_and_specs_are_static_arguments():
-    cfg = ModelConfig(num_hidden_layers=4, **SMALL)
+    cfg = tiny_config(num_hidden_layers=4)
     assert len(cfg.block_specs) == 1 and len({hash(s) for s in cfg.layer_specs}) == 1
     assert dataclasses.replace(cfg).layer_specs == cfg.layer_specs  # a fresh config, equal specs
 
@@ -68,7 +68,7 @@ def test_the_planner_and_mfu_count_a_mixer_by_its_registry_entry(monkeypatch):
 
 
 def test_the_decode_state_is_the_mixers():
-    cfg = ModelConfig(num_hidden_layers=2, compute_dtype="bfloat16", **SMALL)
+    cfg = tiny_config(num_hidden_layers=2, compute_dtype="bfloat16")
     state = registry.mixer(cfg.layer_specs[0]).decode_state(cfg, cfg.layer_specs[0], 1, 32)
     assert {n: (s.shape, str(s.dtype)) for n, s in state.items()} == {
         "k": ((1, 32, 2, 8), "bfloat16"), "v": ((1, 32, 2, 8), "bfloat16")}

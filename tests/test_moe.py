@@ -15,21 +15,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import mtjax.store
 from mtjax import documents, model, moe, parts
 from mtjax.batch import Batch
 from mtjax.config import ConfigError, StoreConfig, StreamConfig
-from mtjax.model_config import CHUNKED, FULL, ModelConfig
+from mtjax.model_config import CHUNKED, FULL
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate
 from mtjax.reference import ReferenceTrainer, eval_loss, loss_terms
 from mtjax.stream import StreamEngine, blockfns, schedule
 
+from conftest import tiny_config, tiny_moe_config, token_batches
+
 # Qwen3-MoE-like: a dense layer between two MoE layers, 7 experts of which 2 are picked.
-CFG = ModelConfig(model_type="qwen3_moe", vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True, num_experts=7,
-                  num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False, router_aux_loss_coef=0.5,
-                  moe_layers=(0, 2))
+CFG = tiny_moe_config()
 OPT = OptimConfig(lr=1e-3, clip_norm=0.05, weight_decay=0.1)
 STEPS = 5
 
@@ -103,11 +101,10 @@ def test_the_planner_prices_a_moe_blocks_backward_as_xla_allocates_it():
     assert temp / residual > 1.3, (temp, residual)  # what the dispatch's term adds is real
 
 
-def test_dispatch_flops_scale_with_the_tokens_not_the_experts(monkeypatch):
+def test_dispatch_flops_scale_with_the_tokens_not_the_experts():
     """Compiled FLOPs of the experts' gradient (its forward included) over the same 128 tokens (k=2)
     with 4 and 16 experts: ragged_dot's grow with E (it is a dense masked dot on the CPU),
     the blocked form's by its padding alone. Unrolled: XLA counts a loop body once."""
-    monkeypatch.setattr(moe, "UNROLL", True)
     rng = np.random.default_rng(2)
     t, d, f = 128, 16, 16
     x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
@@ -115,7 +112,7 @@ def test_dispatch_flops_scale_with_the_tokens_not_the_experts(monkeypatch):
     def flops(e, which):
         kernels = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
         weights, chosen, _ = moe.route(jnp.asarray(rng.normal(size=(t, e)), jnp.float32), 2, True)
-        fn = jax.grad(lambda x, *ks: jnp.sum(moe.experts_forward(x, weights, chosen, *ks, which=which)),
+        fn = jax.grad(lambda x, *ks: jnp.sum(moe.experts_forward(x, weights, chosen, *ks, which=which, unroll=True)),
                       argnums=(0, 1, 2, 3))
         cost = jax.jit(fn).lower(x, *kernels).compile().cost_analysis()
         return (cost[0] if isinstance(cost, list) else cost)["flops"]
@@ -170,8 +167,7 @@ def test_aux_loss_reaches_every_router():
 
 
 def _batches(accum: int):
-    rng = np.random.default_rng(0)
-    return [rng.integers(0, CFG.vocab_size, (accum, 2, 16), dtype=np.int32) for _ in range(STEPS)]
+    return token_batches(CFG.vocab_size, (accum, 2, 16), STEPS)
 
 
 def _rel(a, b):
@@ -236,8 +232,8 @@ def test_packed_documents_through_a_recompute_group_and_a_saved_resident_moe_blo
 
 
 @pytest.mark.slow
-def test_streamed_moe_steps_on_the_disk_tier_equal_the_reference(tmp_path):
-    store = mtjax.store.create(tmp_path / "store", CFG, make_optimizer(OPT))
+def test_streamed_moe_steps_on_the_disk_tier_equal_the_reference(make_store):
+    store = make_store(CFG, make_optimizer(OPT))
     tiers = StoreConfig(compute="disk", master="disk", opt="disk")
     engine = StreamEngine(CFG, _params(), OPT, StreamConfig(keep_every=2), tiers, store=store, batch_shape=(2, 16))
     try:
@@ -250,8 +246,7 @@ def test_streamed_moe_steps_on_the_disk_tier_equal_the_reference(tmp_path):
 # Llama 4 text: a chunked RoPE MoE layer (chunks of 5 in rows of 16), then a dense NoPE
 # layer; 7 experts, top 1, a shared expert; L2 q/k norm and NoPE temperature on (the
 # transformers comparison, tests/test_hf_moe.py, has a NoPE MoE layer too).
-LLAMA4 = ModelConfig(model_type="llama4_text", vocab_size=61, hidden_size=32, intermediate_size=40,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=7,
+LLAMA4 = tiny_config(model_type="llama4_text", vocab_size=61, intermediate_size=40, num_experts=7,
                      num_experts_per_tok=1, moe_intermediate_size=24, shared_expert_intermediate_size=24,
                      moe_layers=(0,), no_rope_layers=(1,), layer_types=(CHUNKED, FULL), attention_chunk_size=5,
                      qk_l2_norm=True, attn_temperature_tuning=True, floor_scale=3.0, temperature_scale=0.3)
@@ -265,7 +260,7 @@ def _llama4_reference():
 
 
 @pytest.mark.parametrize("tier", ["ram", pytest.param("disk", marks=pytest.mark.slow)])
-def test_streamed_llama4_steps_equal_the_reference(tier, tmp_path):
+def test_streamed_llama4_steps_equal_the_reference(tier, make_store):
     """Five AdamW steps of 2 micro-batches, both blocks one recompute group: the weights and
     moments equal the reference's; Llama 4's loss has no load-balancing term."""
     params, reference = _llama4_reference()
@@ -273,7 +268,7 @@ def test_streamed_llama4_steps_equal_the_reference(tier, tmp_path):
     assert [(s.mixer.chunk, s.rope is None, s.feed_forward.kind) for s in LLAMA4.block_specs] == [
         (5, False, "moe"), (None, True, "dense")]
     assert LLAMA4.router_aux_loss_coef == 0 and all(m["aux_loss"] > 0 for m in reference[0])
-    store = mtjax.store.create(tmp_path / "store", LLAMA4, make_optimizer(OPT)) if tier == "disk" else None
+    store = make_store(LLAMA4, make_optimizer(OPT)) if tier == "disk" else None
     tiers = StoreConfig(compute=tier, master=tier, opt=tier)
     engine = StreamEngine(LLAMA4, params, OPT, StreamConfig(keep_every=2), tiers, store=store, batch_shape=(2, 16))
     try:
@@ -311,13 +306,13 @@ def test_active_parameters_price_the_compute_and_all_parameters_the_bytes():
 
 @pytest.mark.parametrize("tier, accum, keep_every",
                          [("ram", 1, 1), pytest.param("disk", 1, 2, marks=[pytest.mark.slow])])
-def test_streamed_steps_with_the_moe_blocks_split_into_expert_groups_equal_the_reference(tmp_path, tier, accum,
+def test_streamed_steps_with_the_moe_blocks_split_into_expert_groups_equal_the_reference(make_store, tier, accum,
                                                                                         keep_every):
     """Groups of 3 of the 7 experts (the last of one), forced; on the disk tier with 4
     micro-batches the dense block 1 is a recompute group of its own between two split blocks."""
     store, tiers = None, StoreConfig()
     if tier == "disk":
-        store = mtjax.store.create(tmp_path / "store", CFG, make_optimizer(OPT))
+        store = make_store(CFG, make_optimizer(OPT))
         tiers = StoreConfig(compute="disk", master="disk", opt="disk")
     engine = StreamEngine(CFG, _params(), OPT, StreamConfig(keep_every=keep_every, expert_group_size=3), tiers,
                           store=store, batch_shape=(2, 16))
@@ -376,7 +371,7 @@ def _counted(engine):
 
 
 @pytest.mark.parametrize("tier", ["ram", pytest.param("disk", marks=pytest.mark.slow)])  # the fast tier's budget
-def test_experts_no_token_reached_stay_on_the_host_as_the_schedule_counts(tmp_path, tier):
+def test_experts_no_token_reached_stay_on_the_host_as_the_schedule_counts(make_store, tier):
     """Rows of one repeated token: every position has the same attention output (the same
     value at every key), so all tokens pick the same k of the 7 experts in each layer and
     the others stay unreached. The bytes staged (and read from a disk tier) equal the
@@ -386,7 +381,7 @@ def test_experts_no_token_reached_stay_on_the_host_as_the_schedule_counts(tmp_pa
     AdamW scales up, so only the losses and the unreached experts are compared.)"""
     store, tiers = None, StoreConfig()
     if tier == "disk":
-        store = mtjax.store.create(tmp_path / "store", CFG, make_optimizer(OPT))
+        store = make_store(CFG, make_optimizer(OPT))
         tiers = StoreConfig(compute="disk", master="disk", opt="disk")
     engine = StreamEngine(CFG, _params(), OPT, StreamConfig(expert_group_size=3), tiers, store=store,
                           batch_shape=(2, 16))

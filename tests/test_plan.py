@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from mtjax import cli, hf, model, parts, treepath
-from mtjax.model_config import ModelConfig, from_hf_dict, load_hf_config
+from mtjax.model_config import from_hf_dict, load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.plan import BUILTIN, HardwareError, StepShape, check, estimate, load, recommend
@@ -22,12 +22,13 @@ from mtjax.progress import model_flops_per_token
 from mtjax.stream import fused_adamw, schedule
 from mtjax.stream.schedule import residual_bytes
 
+from conftest import tiny_config
+
 ROOT = Path(__file__).resolve().parent.parent
 BIG = [ROOT / "experiments/hf_configs/llama-3-70b.json", ROOT / "experiments/hf_configs/llama-175b.json",
        ROOT / "experiments/hf_configs/phi-4.json"]
 BIG_PARAMS = {"llama-3-70b": 70.6e9, "llama-175b": 175.2e9, "phi-4": 14.66e9}
-CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, compute_dtype="bfloat16")
+CFG = tiny_config(vocab_size=97, intermediate_size=56, num_hidden_layers=3, compute_dtype="bfloat16")
 TX = make_optimizer(OptimConfig())
 HW = BUILTIN["h200"]
 
@@ -171,8 +172,7 @@ def test_check_names_the_ram_shortfall_and_a_placement_that_fits():
 def test_recommend_puts_state_on_disk_only_when_ram_is_short():
     # Twelve blocks: the disk tier's read buffers and writes in flight cost about three
     # blocks' state, so with three blocks state on disk would need no less RAM.
-    deep = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=12,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, compute_dtype="bfloat16")
+    deep = tiny_config(vocab_size=97, intermediate_size=56, num_hidden_layers=12, compute_dtype="bfloat16")
     plan = plan_of(deep, hw=BUILTIN["cpu-2core"])
     assert recommend(plan).placement == StoreConfig()
     # RAM for the plan with the optimizer state on disk (its read buffers and writes in

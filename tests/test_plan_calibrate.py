@@ -6,12 +6,12 @@ import json
 import pytest
 
 from mtjax.config import StoreConfig, StreamConfig
-from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate, hardware, probe
 
-CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, compute_dtype="bfloat16")
+from conftest import tiny_config
+
+CFG = tiny_config(vocab_size=128, hidden_size=64, intermediate_size=128, head_dim=16, compute_dtype="bfloat16")
 TX = make_optimizer(OptimConfig())
 CPU = BUILTIN["cpu-2core"]
 SHAPE = StepShape(batch=1, seq=32)
@@ -45,9 +45,8 @@ def test_optimizer_priced_as_the_engine_runs_it(monkeypatch, fused):
     assert 0 <= extra < 1000  # a few int32 counts per part
 
 
-def test_calibrate_sets_efficiency_from_the_measured_block(monkeypatch):
-    monkeypatch.setattr(probe, "block_flops", lambda cfg, batch, seq: 50e9)
-    cal = probe.calibrate(CPU, CFG, 1, 32)
+def test_calibrate_sets_efficiency_from_the_measured_block():
+    cal = probe.calibrate(CPU, CFG, 1, 32, achieved=50e9)
     assert cal.matmul_flops("bfloat16") == pytest.approx(50e9)
     assert cal.matmul_flops_bf16 == CPU.matmul_flops_bf16  # only the efficiency changes
     slow, fast = plan_of(cal), plan_of(CPU)

@@ -15,13 +15,13 @@ import optax
 import pytest
 
 from mtjax import parts, precision
-from mtjax.model_config import ModelConfig
 from mtjax.optim import ADAMW_STATE, OptimConfig, make_optimizer
 from mtjax.stream import fused_adamw
 from mtjax.stream.update import PartUpdate
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+from conftest import tiny_config
+
+CFG = tiny_config(num_hidden_layers=1, num_attention_heads=2, head_dim=16)
 
 # fp32 bits -> the bits of their conversion, per 16-bit dtype.
 KNOWN = {

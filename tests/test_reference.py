@@ -14,14 +14,15 @@ import mtjax
 from mtjax.optim import make_optimizer
 from mtjax.reference import ReferenceTrainer
 
-CFG = mtjax.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+from conftest import tiny_config, tokens as random_tokens
+
+CFG = tiny_config(vocab_size=128)
 SEQ = 16
 
 
 def tokens(batch: int, seed: int = 0, accum: int | None = None) -> np.ndarray:
     shape = (batch, SEQ) if accum is None else (accum, batch, SEQ)
-    return np.random.default_rng(seed).integers(0, CFG.vocab_size, shape, dtype=np.int32)
+    return random_tokens(CFG.vocab_size, shape, seed)
 
 
 @pytest.fixture(scope="module")

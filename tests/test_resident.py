@@ -15,15 +15,13 @@ import itertools
 import numpy as np
 import pytest
 
-import mtjax.store
 from mtjax import model, parts
 from mtjax.config import StoreConfig, StreamConfig
-from mtjax.model_config import ModelConfig
 from mtjax.optim import make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate, residency
 from mtjax.stream import StreamEngine
-from mtjax.stream import resident as resident_mod
 
+from conftest import ONE_KV_HEAD, tiny_config
 from test_stream import OPT, ForwardCounter, batches, reference, rel_errors
 
 PLACEMENTS = {"ram": (StoreConfig(), 2), "disk": (StoreConfig(compute="disk", master="disk", opt="disk"), 2),
@@ -45,16 +43,15 @@ def budget_for(cfg, store: StoreConfig, accum: int, which: str) -> int:
 
 
 # "-optax": resident state updated by the optax program an accelerator runs, not the
-# fused loop the CPU backend gets (mtjax.stream.resident.FUSED_ON_HOST).
+# fused loop the CPU backend gets (the engine given the optimizer as an optax `tx`).
 CASES = [("ram", 1, "some"), ("ram", 4, "all"), ("disk", 4, "some"), ("disk", 1, "none"), ("disk", 4, "all-saved"),
          ("one-copy", 1, "all"), ("one-copy", 4, "some"), ("one-copy", 1, "all-optax")]
 
 
 @pytest.mark.parametrize("where,accum,which", CASES, ids=[f"{w}-accum{a}-{r}" for w, a, r in CASES])
-def test_resident_equals_reference(tmp_path, monkeypatch, where, accum, which):
-    if which.endswith("-optax"):
-        monkeypatch.setattr(resident_mod, "FUSED_ON_HOST", False)
-        which = which.removesuffix("-optax")
+def test_resident_equals_reference(make_store, where, accum, which):
+    fused = not which.endswith("-optax")
+    which = which.removesuffix("-optax")
     cfg, ref_params, ref_opt, ref_metrics = reference(False, accum)
     store_config, copies = PLACEMENTS[where]
     budget = budget_for(cfg, store_config, accum, which)
@@ -64,10 +61,10 @@ def test_resident_equals_reference(tmp_path, monkeypatch, where, accum, which):
     assert {"none": len(stream.resident) == 0, "some": 0 < len(stream.resident) < len(names),
             "all": len(stream.resident) == len(names) and stream.remat == "full",
             "all-saved": len(stream.resident) == len(names) and stream.remat != "full"}[which], stream
-    store = mtjax.store.create(tmp_path / "store", cfg, make_optimizer(OPT), copies=copies)
+    store = make_store(cfg, make_optimizer(OPT), copies=copies)
     engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, stream, store_config, store=store,
-                          batch_shape=SHAPE)
-    assert engine.resident.on_host == resident_mod.FUSED_ON_HOST  # the fused loop where the device is the host
+                          batch_shape=SHAPE, tx=None if fused else make_optimizer(OPT))
+    assert engine.resident.on_host == fused  # the fused loop where the device is the host
     counter = ForwardCounter(engine)  # streamed and recomputed forwards; a saved group's blocks run once, uncounted
     if copies == 1:
         engine.commit(0)
@@ -92,8 +89,7 @@ def test_resident_equals_reference(tmp_path, monkeypatch, where, accum, which):
     store.close()
 
 
-TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=16, compute_dtype="bfloat16")
+TINY = tiny_config(num_hidden_layers=3, **ONE_KV_HEAD, compute_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("hardware", ["h200", "cpu-2core"])

@@ -18,8 +18,9 @@ from mtjax import run as run_lib
 from mtjax.optim import OptimConfig, lr_at, schedule_warnings
 from mtjax.reference import ReferenceTrainer, loss_fn
 
-TINY = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_hidden_layers=2",
-        "--model.num_attention_heads=2", "--model.num_key_value_heads=1", "--model.head_dim=16"]
+from conftest import TINY_MODEL_ARGS
+
+TINY = list(TINY_MODEL_ARGS)
 SHORT = ["--data.seq_len=32", "--data.batch_size=2", "--run.eval_every=0", "--run.sample_prompt=",
          "--optim.warmup_steps=0", "--optim.decay_steps=6", "--stream.engine=reference"]
 

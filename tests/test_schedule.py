@@ -13,18 +13,17 @@ import dataclasses
 import numpy as np
 import pytest
 
-import mtjax.store
 from mtjax import model, parts
 from mtjax.batch import Batch
 from mtjax.config import DataConfig, StoreConfig, StreamConfig
-from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate
 from mtjax.stream import StreamEngine, schedule
 from mtjax.stream.budget import tree_bytes
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=16, compute_dtype="bfloat16")
+from conftest import ONE_KV_HEAD, tiny_config, tokens as random_tokens
+
+CFG = tiny_config(num_hidden_layers=3, **ONE_KV_HEAD, compute_dtype="bfloat16")
 OPT = OptimConfig(lr=1e-3, warmup_steps=0)
 TX = make_optimizer(OPT)
 STEPS = 2
@@ -117,10 +116,10 @@ CASES = [  # (placement, accum, keep_every, tied, activations, resident)
 @pytest.mark.parametrize("where,accum,keep_every,tied,activations,resident", CASES,
                          ids=[f"{w}-accum{a}-k{k}-{'tied' if t else 'untied'}-{x}-resident{r}"
                               for w, a, k, t, x, r in CASES])
-def test_engine_moves_what_the_schedule_says(tmp_path, where, accum, keep_every, tied, activations, resident):
+def test_engine_moves_what_the_schedule_says(make_store, where, accum, keep_every, tied, activations, resident):
     cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
     tiers, copies = PLACEMENTS[where]
-    store = mtjax.store.create(tmp_path / "store", cfg, TX, copies=copies) if tiers else None
+    store = make_store(cfg, TX, copies=copies) if tiers else None
     remat = "full"
     if isinstance(resident, str) and "-" in resident:  # "N-policy": N parts resident, their groups saved
         count, remat = resident.split("-")
@@ -198,7 +197,7 @@ def test_a_packed_step_sends_its_document_ids_and_targets_as_described():
     counts = Counts()
     instrument(engine, counts)
     accum = 2
-    tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (accum, BATCH, SEQ), dtype=np.int32)
+    tokens = random_tokens(CFG.vocab_size, (accum, BATCH, SEQ))
     segments = np.repeat(np.array([1] * (SEQ // 2) + [2] * (SEQ - SEQ // 2), np.int32)[None, None], accum * BATCH,
                          axis=0).reshape(accum, BATCH, SEQ)
     counts.order.append([])

@@ -19,8 +19,9 @@ from mtjax.store import chunks, commit, layout
 from mtjax.store import io as store_io
 from mtjax.store.errors import StoreError
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, compute_dtype="bfloat16")
+from conftest import tiny_config
+
+CFG = tiny_config(intermediate_size=48, compute_dtype="bfloat16")
 KINDS = parts.KINDS
 
 

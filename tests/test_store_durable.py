@@ -19,13 +19,13 @@ import pytest
 import mtjax.store
 from mtjax import model
 from mtjax.config import StoreConfig
-from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.store import chunks, durable, layout, manifest, pending
 from mtjax.stream import StreamEngine
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=16)
+from conftest import ONE_KV_HEAD, tiny_config
+
+CFG = tiny_config(intermediate_size=48, **ONE_KV_HEAD)
 OPT = OptimConfig(lr=1e-2, clip_norm=0.5, warmup_steps=0)
 
 

@@ -27,15 +27,15 @@ import mtjax.store
 from mtjax import config, model
 from mtjax.config import StoreConfig
 from mtjax.errors import MtjaxError
-from mtjax.model_config import ConfigError, ModelConfig
+from mtjax.model_config import ConfigError
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.store.hf_export import export_hf
 from mtjax.stream import StreamEngine
 
 import fault_trials
+from conftest import ONE_KV_HEAD, tiny_config
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=16)
+CFG = tiny_config(num_hidden_layers=3, **ONE_KV_HEAD)
 OPT = OptimConfig(lr=1e-2, clip_norm=0.5, warmup_steps=0)
 DISK = StoreConfig(compute="disk", master="disk", opt="disk")
 TOKENS = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 2, 16)).astype(np.int32)  # accum 2

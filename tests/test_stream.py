@@ -31,8 +31,9 @@ from mtjax.reference import ReferenceTrainer
 from mtjax.stream import DeviceBudgetError, StreamEngine
 from mtjax.stream.schedule import HANDED_AHEAD
 
-CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+from conftest import tiny_config, token_batches
+
+CFG = tiny_config(vocab_size=97, num_hidden_layers=4)
 # Phi-3's fused projections with Phi-4-mini's partial rotary, longrope in its long regime
 # (rows of 16 past a context of 8) and a window of 5.
 PHI3 = dataclasses.replace(
@@ -54,8 +55,7 @@ DISK = StoreConfig(compute="disk", master="disk", opt="disk")
 
 
 def batches(accum: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, CFG.vocab_size, (accum, 2, 16), dtype=np.int32) for _ in range(STEPS)]
+    return token_batches(CFG.vocab_size, (accum, 2, 16), STEPS, seed)
 
 
 @functools.lru_cache(maxsize=None)

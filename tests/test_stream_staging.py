@@ -23,11 +23,11 @@ def _slow_reader(w):
     return jnp.sum(x)
 
 
-def _reuse_result(monkeypatch, wait_for_readers: bool):
+def _reuse_result(wait_for_readers: bool):
     """Stage w, start a long computation on it, release the slot, then refill it."""
-    monkeypatch.setattr(hostmem, "WAIT_FOR_READERS", wait_for_readers)
     # One slot per shape: the second acquire must reuse the buffer the reader still reads.
     pool = staging.StagingPool(staging.Placement(jax.devices("cpu")[0]), DeviceLedger(1 << 30), max_slots=1)
+    pool.buffers.wait_for_readers = wait_for_readers
     schema = {"w": jax.ShapeDtypeStruct((128, 128), np.float32)}
     slot = pool.acquire(schema)
     slot.buffers["w"][:] = 1 / 128
@@ -42,14 +42,14 @@ def _reuse_result(monkeypatch, wait_for_readers: bool):
     return float(total), expected
 
 
-def test_staging_buffer_is_not_refilled_while_read(monkeypatch):
-    got, expected = _reuse_result(monkeypatch, wait_for_readers=True)
+def test_staging_buffer_is_not_refilled_while_read():
+    got, expected = _reuse_result(wait_for_readers=True)
     assert got == expected
 
 
-def test_without_the_wait_reuse_corrupts(monkeypatch):
+def test_without_the_wait_reuse_corrupts():
     """The protection is what keeps the result right: removing it corrupts the sum."""
-    got, expected = _reuse_result(monkeypatch, wait_for_readers=False)
+    got, expected = _reuse_result(wait_for_readers=False)
     assert got != expected
 
 

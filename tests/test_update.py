@@ -10,12 +10,12 @@ import optax
 import pytest
 
 from mtjax import precision, treepath
-from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.stream.update import PartUpdate, _update
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+from conftest import tiny_config, token_batches
+
+CFG = tiny_config(num_hidden_layers=1, num_attention_heads=2, head_dim=16)
 # Odd shapes, remainders, a 3-D leaf, 1-D norms (no weight decay) and a scalar.
 SHAPES = {"a.kernel": (300, 7), "b.kernel": (37, 13), "c.kernel": (9, 4, 5), "norm.weight": (5,),
           "big.bias": (1000,), "gain": ()}
@@ -112,23 +112,20 @@ def test_whole_part_fallback_equals_reference():
 
 
 @pytest.mark.slow  # engine steps against the reference
-def test_engine_with_the_optax_program_commits_its_state_whole(tmp_path):
+def test_engine_with_the_optax_program_commits_its_state_whole(make_store):
     """Streamed steps with the optax program's RAM-tier state (XLA buffers it updates in
     place) equal the in-memory trainer, and a commit writes that state to the store whole."""
-    import mtjax.store
     from mtjax import model, parts
     from mtjax.reference import ReferenceTrainer
     from mtjax.stream import StreamEngine
 
-    cfg = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    cfg = tiny_config(vocab_size=97)
     opt = OptimConfig(lr=1e-3, warmup_steps=1, decay_steps=10, clip_norm=0.05, weight_decay=0.1)
-    rng = np.random.default_rng(0)
-    batches = [rng.integers(0, cfg.vocab_size, (1, 2, 16), dtype=np.int32) for _ in range(3)]
+    batches = token_batches(cfg.vocab_size, (1, 2, 16), 3)
     ref = ReferenceTrainer(cfg, model.init_params(cfg, seed=1), opt)
     # The optax transformation as `tx`, not only its OptimConfig: the update is XLA's program.
     engine = StreamEngine(cfg, model.init_params(cfg, seed=1), opt, batch_shape=(2, 16), tx=make_optimizer(opt),
-                          store=mtjax.store.create(tmp_path / "store", cfg, make_optimizer(opt)))
+                          store=make_store(cfg, make_optimizer(opt)))
     assert engine.update.fused is None
     for b in batches:
         ref.step(b)

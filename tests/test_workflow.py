@@ -13,20 +13,20 @@ import subprocess
 import sys
 import termios
 import tty
-import types
 
 import matplotlib.image
 import pytest
 
 import small_disk
-from mtjax import cli, config, model, progress, wandb_log
+from mtjax import cli, config, model, wandb_log
 from mtjax import run as run_lib
 from mtjax.commands import plot
 from mtjax.errors import MissingPackage
 from mtjax.progress import Progress, model_flops_per_token, peak_flops
 
-TINY = ["--model.hidden_size=32", "--model.intermediate_size=64", "--model.num_hidden_layers=2",
-        "--model.num_attention_heads=2", "--model.num_key_value_heads=1", "--model.head_dim=16",
+from conftest import TINY_MODEL_ARGS
+
+TINY = [*TINY_MODEL_ARGS,
         "--data.seq_len=32", "--data.batch_size=2", "--run.steps=4", "--run.log_every=2",
         "--run.eval_every=2", "--run.eval_batches=1", "--run.sample_tokens=0", "--stream.engine=stream"]
 
@@ -122,19 +122,19 @@ def test_metrics_and_log_lines_carry_the_learning_rate_and_gradient_norm(streame
     assert "warning: optim.warmup_steps (20) is not shorter than run.steps (4)" in log
 
 
-def _clocked(monkeypatch, times):
-    """Progress's clock reads `times` in turn (construction first, then one per update)."""
+def _clocked(times):
+    """A clock for Progress that reads `times` in turn (construction first, then one per update)."""
     it = iter(times)
-    monkeypatch.setattr(progress, "time", types.SimpleNamespace(perf_counter=lambda: next(it)))
+    return lambda: next(it)
 
 
-def test_tokens_per_s_is_the_rate_over_the_last_steps(monkeypatch, tmp_path):
+def test_tokens_per_s_is_the_rate_over_the_last_steps(tmp_path):
     """Steps 2-5 take 1 s, steps 6-15 take 0.5 s: at step 15 the rate over the last 10
     steps is 2 steps/s (the mean since step 1 would be 14 steps in 9 s)."""
     ends = [10.0, 11, 12, 13, 14] + [14 + 0.5 * i for i in range(1, 11)]
-    _clocked(monkeypatch, [0.0, *ends])
+    clock = _clocked([0.0, *ends])
     out = io.StringIO()
-    with Progress(tmp_path, 15, tokens_per_step=100, log_every=5, stream=out) as p:
+    with Progress(tmp_path, 15, tokens_per_step=100, log_every=5, stream=out, clock=clock) as p:
         for step in range(1, 16):
             p.update(step, {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.5})
     lines = out.getvalue().splitlines()
@@ -145,12 +145,12 @@ def test_tokens_per_s_is_the_rate_over_the_last_steps(monkeypatch, tmp_path):
     assert last["tokens_per_s"] == 200.0 and last["rate_steps"] == 10
 
 
-def test_tokens_per_s_counts_only_the_tokens_trained_on(monkeypatch, tmp_path):
+def test_tokens_per_s_counts_only_the_tokens_trained_on(tmp_path):
     """Chat steps train on their counted targets only: the rate is of those, not of
     tokens_per_step (which would give 100 tok/s here)."""
-    _clocked(monkeypatch, [0.0, 1, 2, 3, 4, 5])
+    clock = _clocked([0.0, 1, 2, 3, 4, 5])
     with Progress(tmp_path, 5, tokens_per_step=100, stream=io.StringIO(), flops_per_token=10.0,
-                  peak_flops=1e3) as p:
+                  peak_flops=1e3, clock=clock) as p:
         for step, trained in enumerate([999, 10, 20, 30, 40], start=1):
             p.update(step, {"loss": 2.0}, trained)
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])

@@ -20,7 +20,7 @@ from mtjax import model, parts, treepath
 from mtjax.optim import OptimConfig
 from mtjax.stream import resident
 from mtjax.stream.staging import Placement
-from mtjax.stream.update import update_for
+from mtjax.stream.update import PartUpdate, update_for
 
 
 def main() -> None:
@@ -38,9 +38,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     grads = jax.device_put({n: rng.standard_normal(a.shape, np.float32) for n, a in master.items()})
     ways = {}
-    for fused in (False, True):
-        resident.FUSED_ON_HOST = fused
-        ways[fused] = resident.Resident([part], update, Placement())
+    for fused in (False, True):  # the same AdamW; without `optim`, as its optax program
+        ways[fused] = resident.Resident([part], update if fused else PartUpdate(cfg, update.tx), Placement())
         ways[fused].load(part, master, opt)
 
     def step(res):

@@ -148,10 +148,11 @@ def block_flops(cfg, batch: int, seq: int, repeats: int = 5) -> float:
     return 4 * flops / statistics.median(_timings(fwd_bwd, repeats))
 
 
-def calibrate(profile: HardwareProfile, cfg, batch: int, seq: int) -> HardwareProfile:
+def calibrate(profile: HardwareProfile, cfg, batch: int, seq: int, achieved: float | None = None) -> HardwareProfile:
     """`profile` with compute_efficiency measured on one block of `cfg` at this batch and
-    sequence length (block FLOP/s over square-matmul FLOP/s in the compute dtype)."""
-    achieved = block_flops(cfg, batch, seq)
+    sequence length (block FLOP/s over square-matmul FLOP/s in the compute dtype).
+    `achieved`: that block's FLOP/s measured before (default: `block_flops` now)."""
+    achieved = block_flops(cfg, batch, seq) if achieved is None else achieved
     efficiency = min(1.0, achieved / profile.matmul_flops(cfg.compute_dtype) * profile.compute_efficiency)
     return dataclasses.replace(profile, compute_efficiency=efficiency,
                                notes=profile.notes + f"; compute calibrated on a block of width {cfg.hidden_size}, "

@@ -33,11 +33,6 @@ from mtjax.optim import sum_of_squares
 from mtjax.stream.staging import Placement
 from mtjax.stream.update import PartUpdate
 
-# Where the device is the host, resident state is updated by the one-pass loop. Only tests
-# turn it off, to run on the CPU the optax program an accelerator runs.
-FUSED_ON_HOST = True
-
-
 def _sq_f32(grads: dict):
     return sum_of_squares({n: g.astype(jnp.float32) for n, g in grads.items()})
 
@@ -55,8 +50,10 @@ class Resident:
         self.names = tuple(names)
         self.update_, self.placement = update, placement
         # Where the device is the host (one CPU device; over several, each holds a copy of
-        # its own): state as host arrays, updated by the fused loop.
-        self.on_host = (FUSED_ON_HOST and update.fused is not None and placement.device.platform == "cpu"
+        # its own): state as host arrays, updated by the fused loop. An update without the
+        # loop (a PartUpdate of a plain optax `tx`; StreamEngine's `tx`) runs the optax
+        # program an accelerator runs, on the CPU device too.
+        self.on_host = (update.fused is not None and placement.device.platform == "cpu"
                         and len(placement.mesh.devices) == 1)
         self._state: dict[str, dict] = {}  # part -> {"compute": flat, "master": flat, "opt": tree (flat on host)}
         self._views: dict[str, dict] = {}  # part -> device arrays of the host compute weights (on_host)
