@@ -37,6 +37,7 @@ from safetensors import safe_open
 
 import mtjax
 from mtjax import cli, documents, families, generate, hf, model
+from mtjax.data.tokenizer import ByteTokenizer
 from mtjax.families import hf_config
 from mtjax.layers import registry
 from mtjax.layers.basic import Dense
@@ -265,9 +266,10 @@ def _sampling_store(tmp_dir):
 
 
 @pytest.mark.slow  # compiles a cached block per spec and a whole forward
-def test_streamed_sampling_decodes_the_toy_mixer_with_its_own_state(tmp_path):
+def test_streamed_sampling_decodes_the_toy_mixer_with_its_own_state(tmp_path, capsys):
     """Greedy tokens from the store, each layer carrying its own decode state (the toy's
-    last inputs, attention's KV cache), equal the full forward's argmax at every step."""
+    last inputs, attention's KV cache), equal the full forward's argmax at every step;
+    `mtjax generate` prints them."""
     import mtjax.store
     from mtjax.stream.sample import StreamSampler
 
@@ -280,3 +282,9 @@ def test_streamed_sampling_decodes_the_toy_mixer_with_its_own_state(tmp_path):
         assert got == np.argmax(logits[len(prompt) - 1:-1], axis=-1).tolist()
         assert len(set(got)) > 1  # varied, so a wrong state or position shows
         assert got == generate.generate(cfg, params, prompt, n, temperature=0)
+    # Byte ids of the prompt below the toy's vocabulary of 97.
+    assert cli.main(["generate", str(path), "--tokenizer", "bytes", "--prompt", "AB", "--tokens", "12",
+                     "--temperature", "0"]) == 0
+    greedy = sampler.generate([ord("A"), ord("B")], 12, temperature=0)
+    assert len(set(greedy)) > 1
+    assert capsys.readouterr().out == "AB" + ByteTokenizer().decode(greedy) + "\n"
