@@ -288,3 +288,9 @@ def test_streamed_sampling_decodes_the_toy_mixer_with_its_own_state(tmp_path, ca
     greedy = sampler.generate([ord("A"), ord("B")], 12, temperature=0)
     assert len(set(greedy)) > 1
     assert capsys.readouterr().out == "AB" + ByteTokenizer().decode(greedy) + "\n"
+
+
+def test_no_file_of_the_package_names_the_toy_mixer_or_family():
+    names = (CausalConv.kind, UnpricedConv.kind, FAMILY.model_type, "CausalConv", "ConvMixer")
+    package = Path(mtjax.__file__).parent
+    assert not [p for p in package.rglob("*.py") if any(n in p.read_text() for n in names)]
