@@ -14,10 +14,11 @@ rule), so a convolution's tensors are `model.layers.N.mixer.taps` and
 
 Shown: the streamed engine equals the in-memory reference trainer (plain JAX) over 5
 AdamW steps of 2 micro-batches on the RAM and disk tiers (test_stream's helpers); the
-planner (`mtjax plan`) prices its FLOPs; the streamed sampler decodes it with its own
-state and gives the full forward's greedy tokens; a checkpoint of the toy family goes into
-a store, trains a step and comes out under the same names; a store of the toy family
-opened where the family is not registered is one clear error.
+planner (`mtjax plan`) prices its FLOPs; the streamed sampler (and `mtjax generate`)
+decodes it with its own state and gives the full forward's greedy tokens; a checkpoint of
+the toy family goes into a store and comes out with the same tensors under the same
+names; a store of the toy family opened where the family is not registered is one clear
+error.
 """
 
 from __future__ import annotations
