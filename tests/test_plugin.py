@@ -242,6 +242,7 @@ def test_a_store_of_the_toy_family_opened_without_it_is_one_config_error(tmp_pat
 
     assert layout.config_from_json(layout.config_to_json(TOY)) == TOY
     path = mtjax.store.init_store(TOY, tmp_path / "store", seed=0)
+    before = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
     families.unregister(FAMILY.model_type)
     try:
         with pytest.raises(ConfigError, match=f"model_type '{FAMILY.model_type}' is not supported; supported: llama"):
@@ -250,6 +251,7 @@ def test_a_store_of_the_toy_family_opened_without_it_is_one_config_error(tmp_pat
         err = capsys.readouterr().err.strip()
         assert f"model_type '{FAMILY.model_type}' is not supported" in err and "\n" not in err
         assert "Traceback" not in err
+        assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before
     finally:
         families.register(FAMILY)
 
