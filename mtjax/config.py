@@ -381,7 +381,7 @@ _HELP = {  # help for fields whose class (OptimConfig) has no comment on them
 
 
 def _model_fields():
-    return [f for f in dataclasses.fields(ModelConfig) if f.name not in ("extra_hf", "explicit_layer_specs")]
+    return [f for f in dataclasses.fields(ModelConfig) if f.name != "extra_hf"]
 
 
 def _model_section(values: dict) -> ModelSection:

@@ -95,10 +95,6 @@ class ModelConfig:
     rope_interleaved: bool | None = None  # RoPE turns adjacent pairs, not halves (Llama 4); null: the family's
     moe_router: str | None = None  # MoE router kind: softmax_topk or sigmoid_topk (Llama 4); null: the family's
     shared_expert_gated: bool | None = None  # shared expert scaled by a sigmoid gate (Qwen2-MoE); null: the family's
-    # One mtjax.layers.spec.LayerSpec per layer, given whole (a layer kind of its own,
-    # registered in mtjax.layers.registry): `layer_specs` is then these, not built from
-    # layer_types, no_rope_layers and moe_layers. () builds them.
-    explicit_layer_specs: tuple = ()
 
     def __post_init__(self):
         if not self.layer_types:
@@ -134,9 +130,6 @@ class ModelConfig:
         self._validate_rope_scaling()
         if family.validate:
             family.validate(self)
-        if self.explicit_layer_specs and len(self.explicit_layer_specs) != self.num_hidden_layers:
-            raise ConfigError(f"explicit_layer_specs has {len(self.explicit_layer_specs)} entries for "
-                              f"{self.num_hidden_layers} layers")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries for "
@@ -177,10 +170,8 @@ class ModelConfig:
     @functools.cached_property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
         """What each layer is made of (mtjax.layers.spec): the family's, where it builds
-        them, or `explicit_layer_specs` where given, else from layer_types, no_rope_layers,
-        moe_layers and the fields they qualify."""
-        if self.explicit_layer_specs:
-            return tuple(self.explicit_layer_specs)
+        them (its `layer_specs`), else from layer_types, no_rope_layers, moe_layers and the
+        fields they qualify."""
         if self.family.layer_specs:
             return tuple(self.family.layer_specs(self))
         return self.derived_layer_specs()

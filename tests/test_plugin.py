@@ -1,24 +1,32 @@
-"""A plug-in proof: a token mixer mtjax knows nothing of, defined here and registered
-through the public registry (mtjax.layers.registry), trains, is priced and samples.
+"""A plug-in proof: a token mixer mtjax knows nothing of and a family that uses it, both
+defined here and registered through the public registries (mtjax.layers.registry,
+mtjax.families), train, are priced, sample and go through a store's import and export.
 
 The toy mixer is a causal convolution over each token's last `width` positions of its
 own document (packed rows never mix documents), each head's channels sharing that head's
 taps, then an output projection. Its registry entry gives its FLOPs (the taps' products
 beyond the 2 per parameter and token the planner counts itself) and its decode state (the
-last width - 1 inputs). A tiny model interleaves it with softmax attention through
-`ModelConfig.explicit_layer_specs`; no file in mtjax/ names it.
+last width - 1 inputs). The toy family is Llama's config.json whose layers the family's
+`layer_specs` hook makes a width-3 convolution, softmax attention and a width-2
+convolution in turn; its checkpoints name a block's mixer `mixer` (its `checkpoint_names`
+rule), so a convolution's tensors are `model.layers.N.mixer.taps` and
+`model.layers.N.mixer.out_proj.weight`. No file in mtjax/ names either.
 
 Shown: the streamed engine equals the in-memory reference trainer (plain JAX) over 5
 AdamW steps of 2 micro-batches on the RAM and disk tiers (test_stream's helpers); the
-planner prices its FLOPs; the streamed sampler decodes it with its own state and gives
-the full forward's greedy tokens. (Importing and exporting a Hugging Face checkpoint of a
-family using it waits for family modules, mtjax/families/.)
+planner (`mtjax plan`) prices its FLOPs; the streamed sampler (and `mtjax generate`)
+decodes it with its own state and gives the full forward's greedy tokens; a checkpoint of
+the toy family goes into a store and comes out with the same tensors under the same
+names; a store of the toy family opened where the family is not registered is one clear
+error.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+from pathlib import Path
 from typing import ClassVar
 
 import jax
@@ -26,14 +34,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors import safe_open
 
-from mtjax import documents, generate, model
-from mtjax.config import StoreConfig, StreamConfig
+import mtjax
+from mtjax import cli, documents, families, generate, hf, model
+from mtjax.data.tokenizer import ByteTokenizer
+from mtjax.families import hf_config
 from mtjax.layers import registry
 from mtjax.layers.basic import Dense
-from mtjax.layers.spec import DenseMLP, LayerSpec, Rope, SoftmaxAttention
-from mtjax.model_config import ModelConfig
-from mtjax.plan import BUILTIN, StepShape, estimate
+from mtjax.layers.spec import LayerSpec, SoftmaxAttention
+from mtjax.model_config import ConfigError, ModelConfig
 from mtjax.plan.cost import mfu_flops_per_token
 from test_stream import CFG, DISK, run_case
 
@@ -86,7 +96,7 @@ def conv_state(cfg: ModelConfig, spec: LayerSpec, batch: int, length: int) -> di
 
 
 registry.register_mixer(CausalConv.kind, registry.MixerKind(module=ConvMixer, flops=conv_flops,
-                                                             decode_state=conv_state, spec=CausalConv))
+                                                             decode_state=conv_state))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,17 +107,49 @@ class UnpricedConv(CausalConv):
 
 
 registry.register_mixer(UnpricedConv.kind, registry.MixerKind(module=ConvMixer, flops=lambda *a: 0.0,
-                                                               decode_state=conv_state, spec=UnpricedConv))
+                                                               decode_state=conv_state))
+
+# Layer i's mixer: a width-3 convolution, softmax attention, a width-2 convolution, in turn.
+WIDTHS = (3, None, 2)
 
 
-def toy(conv=CausalConv, **fields) -> ModelConfig:
-    """Three layers, test_stream's sizes: a width-3 convolution, attention, a width-2 one."""
-    specs = (LayerSpec(conv(3), DenseMLP()), LayerSpec(SoftmaxAttention(), DenseMLP(), Rope(10000.0)),
-             LayerSpec(conv(2), DenseMLP()))
-    return dataclasses.replace(CFG, num_hidden_layers=3, layer_types=(), explicit_layer_specs=specs, **fields)
+def _from_hf(hf_dict: dict) -> dict:
+    return hf_config.read_common(hf_dict, (hf_config.FULL,) * int(hf_dict["num_hidden_layers"]))
+
+
+def _to_hf(cfg: ModelConfig) -> dict:
+    return hf_config.write_common(cfg)
+
+
+def _family(model_type: str, conv: type) -> families.Family:
+    """Llama's config.json; its layers take WIDTHS' mixers (`conv` convolutions, unroped)."""
+
+    def layer_specs(cfg: ModelConfig) -> tuple:
+        return tuple(s if WIDTHS[i % 3] is None else dataclasses.replace(s, mixer=conv(WIDTHS[i % 3]), rope=None)
+                     for i, s in enumerate(cfg.derived_layer_specs()))
+
+    return families.Family(model_type, "TestConvForCausalLM", _from_hf, _to_hf, layer_specs=layer_specs,
+                           checkpoint_names=lambda module: ["mixer" if m == "self_attn" else m for m in module])
+
+
+FAMILY, UNPRICED = _family("test_conv_llama", CausalConv), _family("test_conv_llama_unpriced", UnpricedConv)
+for _f in (FAMILY, UNPRICED):
+    families.register(_f)
+
+
+def toy(family: families.Family = FAMILY, **fields) -> ModelConfig:
+    """Three layers of the toy family, test_stream's sizes."""
+    return dataclasses.replace(CFG, model_type=family.model_type, num_hidden_layers=3, layer_types=(), **fields)
 
 
 TOY = toy()
+
+
+def test_the_family_gives_the_toy_layers():
+    assert [type(s.mixer) for s in TOY.layer_specs] == [CausalConv, SoftmaxAttention, CausalConv]
+    assert [s.mixer.width for s in TOY.layer_specs[::2]] == [3, 2]
+    assert [s.rope is None for s in TOY.layer_specs] == [True, False, True]
+    assert mtjax.from_hf_dict(mtjax.to_hf_dict(TOY)).layer_specs == TOY.layer_specs
 
 
 @pytest.mark.slow  # compiles the toy model's forward twice
@@ -133,30 +175,85 @@ def test_the_toy_model_streams_as_the_reference_trains_it(tmp_path, tiers):
     run_case(tmp_path, keep_every=2, depth=2, tiers=tiers, accum=2, tied=False, base=TOY)
 
 
-def test_the_planner_prices_the_toy_mixer_with_its_own_flops():
+def _plan(tmp_path, capsys, family: families.Family) -> dict:
+    """`mtjax plan` of a config.json of `family`'s toy model: 2 micro-batches of 2 x 16."""
+    ckpt = tmp_path / family.model_type
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(mtjax.to_hf_dict(toy(family))))
+    rc = cli.main(["plan", str(ckpt / "config.json"), "--hardware", "cpu-2core", "--batch-size", "2",
+                   "--seq-len", "16", "--grad-accum", "2", "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    return json.loads(out.out)
+
+
+def test_mtjax_plan_prices_the_toy_mixer_with_its_own_flops(tmp_path, capsys, monkeypatch):
     """The plan of the toy model less that of the same model whose mixer costs nothing:
     3 forwards of the conv layers' FLOPs (useful work), in the model FLOPs and in MFU's."""
-    shape, hw = StepShape(2, 16, 2), BUILTIN["cpu-2core"]
-    priced, unpriced = (estimate(c, StreamConfig(), StoreConfig(), shape, hw) for c in (TOY, toy(UnpricedConv)))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # never the user's profile cache
+    priced, unpriced = _plan(tmp_path, capsys, FAMILY), _plan(tmp_path, capsys, UNPRICED)
     convs = [s for s in TOY.layer_specs if isinstance(s.mixer, CausalConv)]
     assert len(convs) == 2
-    per_micro_batch = sum(conv_flops(TOY, s, shape.batch, shape.seq, False) for s in convs)
+    per_micro_batch = sum(conv_flops(TOY, s, 2, 16, False) for s in convs)
     assert per_micro_batch > 0
-    assert priced.model_flops - unpriced.model_flops == pytest.approx(3 * shape.accum * per_micro_batch)
+    assert priced["model_flops"] - unpriced["model_flops"] == pytest.approx(3 * 2 * per_micro_batch)
     per_token = 3 * sum(conv_flops(TOY, s, 1, 16) for s in convs) / 16
-    assert mfu_flops_per_token(TOY, 16) - mfu_flops_per_token(toy(UnpricedConv), 16) == pytest.approx(per_token)
+    assert mfu_flops_per_token(TOY, 16) - mfu_flops_per_token(toy(UNPRICED), 16) == pytest.approx(per_token)
 
 
-def test_a_store_keeps_the_toy_specs_by_kind_and_refuses_an_unknown_kind():
-    """A store's model config keeps explicit layer specs by kind and fields; one whose
-    kind this process never registered is one clear error, not a wrong model."""
+def _tensors(ckpt: Path) -> dict[str, np.ndarray]:
+    with safe_open(str(ckpt / "model.safetensors"), framework="np") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_the_store_imports_and_exports_the_toy_familys_checkpoint(tmp_path):
+    """A checkpoint written from the toy model's params under the family's names goes into
+    a store and out again with the same tensors, names and config.json."""
+    from mtjax.store.hf_export import export_hf
+    from mtjax.store.hf_import import import_hf
+
+    params = model.init_params(TOY, seed=2)
+    hf.save_params(TOY, params, tmp_path / "ckpt")
+    saved = _tensors(tmp_path / "ckpt")
+    heads, d = TOY.num_attention_heads, TOY.hidden_size
+    assert saved["model.layers.0.mixer.taps"].shape == (3, heads)
+    assert saved["model.layers.2.mixer.taps"].shape == (2, heads)
+    np.testing.assert_array_equal(saved["model.layers.0.mixer.taps"], params["blocks"][0]["self_attn"]["taps"])
+    np.testing.assert_array_equal(saved["model.layers.2.mixer.out_proj.weight"],
+                                  np.asarray(params["blocks"][2]["self_attn"]["out_proj"]["kernel"]).T)
+    assert saved["model.layers.1.mixer.q_proj.weight"].shape == (heads * TOY.head_dim, d)
+    assert not [n for n in saved if "self_attn" in n]
+    written = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert written["model_type"] == FAMILY.model_type
+    import_hf(tmp_path / "ckpt", tmp_path / "store")
+    out = export_hf(tmp_path / "store", tmp_path / "out")
+    exported = _tensors(out)
+    assert exported.keys() == saved.keys()
+    for name in saved:
+        np.testing.assert_array_equal(exported[name], saved[name])
+    assert json.loads((out / "config.json").read_text()) == written
+
+
+def test_a_store_of_the_toy_family_opened_without_it_is_one_config_error(tmp_path, capsys):
+    """A store records the model_type and its family rebuilds the layers; where that family
+    is not registered, opening the store says so in one line, not a wrong model."""
+    import mtjax.store
     from mtjax.store import layout
 
-    stored = layout.config_to_json(TOY)
-    assert layout.config_from_json(stored) == TOY
-    stored["explicit_layer_specs"][0]["mixer"]["kind"] = "test_unregistered"
-    with pytest.raises(registry.UnknownKind, match="no mixer kind 'test_unregistered' is registered"):
-        layout.config_from_json(stored)
+    assert layout.config_from_json(layout.config_to_json(TOY)) == TOY
+    path = mtjax.store.init_store(TOY, tmp_path / "store", seed=0)
+    before = {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    families.unregister(FAMILY.model_type)
+    try:
+        with pytest.raises(ConfigError, match=f"model_type '{FAMILY.model_type}' is not supported; supported: llama"):
+            layout.config_from_json(layout.config_to_json(TOY))
+        assert cli.main(["generate", str(path), "--tokenizer", "bytes", "--tokens", "2"]) != 0
+        err = capsys.readouterr().err.strip()
+        assert f"model_type '{FAMILY.model_type}' is not supported" in err and "\n" not in err
+        assert "Traceback" not in err
+        assert {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} == before
+    finally:
+        families.register(FAMILY)
 
 
 @functools.cache
@@ -167,14 +264,15 @@ def _sampling_store(tmp_dir):
     cfg = toy(initializer_range=0.5, max_position_embeddings=24)  # large weights: varied greedy output
     path = mtjax.store.init_store(cfg, tmp_dir / "store", seed=3)
     loaded, params = load_weights(path)
-    assert loaded == cfg  # the explicit layer specs read back from the store
+    assert loaded == cfg  # the family rebuilds the toy layers
     return path, cfg, params
 
 
 @pytest.mark.slow  # compiles a cached block per spec and a whole forward
-def test_streamed_sampling_decodes_the_toy_mixer_with_its_own_state(tmp_path):
+def test_streamed_sampling_decodes_the_toy_mixer_with_its_own_state(tmp_path, capsys):
     """Greedy tokens from the store, each layer carrying its own decode state (the toy's
-    last inputs, attention's KV cache), equal the full forward's argmax at every step."""
+    last inputs, attention's KV cache), equal the full forward's argmax at every step;
+    `mtjax generate` prints them."""
     import mtjax.store
     from mtjax.stream.sample import StreamSampler
 
@@ -187,3 +285,15 @@ def test_streamed_sampling_decodes_the_toy_mixer_with_its_own_state(tmp_path):
         assert got == np.argmax(logits[len(prompt) - 1:-1], axis=-1).tolist()
         assert len(set(got)) > 1  # varied, so a wrong state or position shows
         assert got == generate.generate(cfg, params, prompt, n, temperature=0)
+    # Byte ids of the prompt below the toy's vocabulary of 97.
+    assert cli.main(["generate", str(path), "--tokenizer", "bytes", "--prompt", "AB", "--tokens", "12",
+                     "--temperature", "0"]) == 0
+    greedy = sampler.generate([ord("A"), ord("B")], 12, temperature=0)
+    assert len(set(greedy)) > 1
+    assert capsys.readouterr().out == "AB" + ByteTokenizer().decode(greedy) + "\n"
+
+
+def test_no_file_of_the_package_names_the_toy_mixer_or_family():
+    names = (CausalConv.kind, UnpricedConv.kind, FAMILY.model_type, "CausalConv", "ConvMixer")
+    package = Path(mtjax.__file__).parent
+    assert not [p for p in package.rglob("*.py") if any(n in p.read_text() for n in names)]

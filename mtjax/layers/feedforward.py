@@ -131,10 +131,9 @@ def _moe_inactive(cfg: ModelConfig, spec: LayerSpec) -> int:
 
 
 registry.register_feed_forward(DenseMLP.kind, registry.FeedForwardKind(
-    module=DenseFeedForward, flops=_no_flops, inactive_params=lambda cfg, spec: 0, spec=DenseMLP))
+    module=DenseFeedForward, flops=_no_flops, inactive_params=lambda cfg, spec: 0))
 registry.register_feed_forward(MoE.kind, registry.FeedForwardKind(
-    module=SparseMoE, flops=_moe_flops, inactive_params=_moe_inactive, split_points=("experts",),
-    spec=MoE))
+    module=SparseMoE, flops=_moe_flops, inactive_params=_moe_inactive, split_points=("experts",)))
 registry.register_router("softmax_topk", registry.RouterKind(
     route=lambda cfg, logits: moe.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob),
     experts=moe.experts_forward))

@@ -17,7 +17,7 @@ import dataclasses
 from typing import Callable
 
 from mtjax.errors import MtjaxError
-from mtjax.layers.spec import LayerSpec, Norms, Rope
+from mtjax.layers.spec import LayerSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,6 @@ class MixerKind:
     module: Callable
     flops: Callable
     decode_state: Callable
-    spec: type | None = None  # its spec's class (a frozen dataclass), to read a stored spec back
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +64,6 @@ class FeedForwardKind:
     flops: Callable
     inactive_params: Callable
     split_points: tuple[str, ...] = ()
-    spec: type | None = None  # its spec's class (a frozen dataclass), to read a stored spec back
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,39 +126,3 @@ def feed_forward(spec: LayerSpec) -> FeedForwardKind:
 def router(kind: str) -> RouterKind:
     """The entry of a router kind (a MoE spec's `router`)."""
     return _lookup(ROUTERS, "router", kind)
-
-
-def _part_to_json(part) -> dict:
-    return {"kind": part.kind, **{f.name: getattr(part, f.name) for f in dataclasses.fields(part)}}
-
-
-def _tuples(v):
-    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
-
-
-def _part_from_json(table: dict, what: str, d: dict):
-    d = dict(d)
-    kind = d.pop("kind")
-    entry = _lookup(table, what, kind)
-    if entry.spec is None:
-        raise UnknownKind(f"the {what} kind {kind!r} was registered without its spec class, so a stored spec "
-                          "of it cannot be read back; register it with `spec=`")
-    return entry.spec(**{k: _tuples(v) for k, v in d.items()})
-
-
-def spec_to_json(spec: LayerSpec) -> dict:
-    """A layer spec as JSON values (a store's model config keeps explicit specs so):
-    each part's kind and fields; the rope's scaling as a dict."""
-    return {"mixer": _part_to_json(spec.mixer), "feed_forward": _part_to_json(spec.feed_forward),
-            "rope": None if spec.rope is None else dataclasses.asdict(spec.rope),
-            "norms": dataclasses.asdict(spec.norms)}
-
-
-def spec_from_json(d: dict, rope_scaling: Callable) -> LayerSpec:
-    """`spec_to_json`'s inverse, by the registered kinds' spec classes; `rope_scaling(dict)`
-    builds a rope's scaling."""
-    rope = d.get("rope")
-    if rope is not None:
-        rope = Rope(rope["theta"], None if rope.get("scaling") is None else rope_scaling(rope["scaling"]))
-    return LayerSpec(_part_from_json(MIXERS, "mixer", d["mixer"]),
-                     _part_from_json(FEED_FORWARDS, "feed-forward", d["feed_forward"]), rope, Norms(**d["norms"]))

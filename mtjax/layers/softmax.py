@@ -142,5 +142,4 @@ def kv_cache(cfg: ModelConfig, spec: LayerSpec, batch: int, length: int) -> dict
     return {"k": s, "v": s}
 
 
-registry.register_mixer(SoftmaxAttention.kind, registry.MixerKind(module=Attention, flops=flops, decode_state=kv_cache,
-                                                                   spec=SoftmaxAttention))
+registry.register_mixer(SoftmaxAttention.kind, registry.MixerKind(module=Attention, flops=flops, decode_state=kv_cache))

@@ -26,7 +26,6 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from mtjax.layers import registry
 from mtjax.model_config import ModelConfig, RopeScaling
 from mtjax.store.errors import StoreError
 
@@ -97,7 +96,6 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, target: int | None = None
 def config_to_json(cfg: ModelConfig) -> dict:
     out = dataclasses.asdict(cfg)
     out["layer_types"] = list(cfg.layer_types)
-    out["explicit_layer_specs"] = [registry.spec_to_json(s) for s in cfg.explicit_layer_specs]
     return json.loads(json.dumps(out))  # tuples become lists; the reader turns them back
 
 
@@ -118,8 +116,6 @@ def config_from_json(d: dict) -> ModelConfig:
     d["moe_layers"] = tuple(d.get("moe_layers", ()))
     d["no_rope_layers"] = tuple(d.get("no_rope_layers", ()))
     d["extra_hf"] = _tuples(d.get("extra_hf", []))
-    d["explicit_layer_specs"] = tuple(registry.spec_from_json(s, lambda r: RopeScaling(**r))
-                                      for s in d.get("explicit_layer_specs", ()))
     return ModelConfig(**d)
 
 
