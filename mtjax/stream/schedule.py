@@ -52,7 +52,7 @@ from mtjax.config import StoreConfig, StreamConfig, check_batch_split
 from mtjax.errors import MtjaxError
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
-from mtjax.stream import fused_adamw
+from mtjax.stream import fused_adamw, ops
 from mtjax.stream.budget import DeviceBudgetError
 
 TOKEN_BYTES = 4  # int32 token ids
@@ -226,6 +226,25 @@ class Schedule:
         """Bytes a commit brings from the device to the host: every resident part's
         compute, master and optimizer state."""
         return sum(sum(self.part_bytes[p].get(k) for k in parts.KINDS) for p in self.resident)
+
+    @functools.cached_property
+    def operations(self) -> tuple:
+        """A training step as the runner executes it (mtjax.stream.ops; `ops.listing` prints it)."""
+        return ops.compile_step(self, train=True)
+
+    @functools.cached_property
+    def eval_operations(self) -> tuple:
+        """A forward-only pass (evaluation) as the runner executes it."""
+        return ops.compile_step(self, train=False)
+
+    @property
+    def block_residual_bytes(self) -> int:
+        """One recomputed block's vjp residuals, as the device plan counts them."""
+        return self.device.residuals // max(len(g) for g in self.groups)
+
+    def saved_residual_bytes(self, spec: LayerSpec) -> int:
+        """One micro-batch's residuals a saved block of `spec` keeps from its forward."""
+        return residual_bytes(self.cfg, spec, self.device_batch, self.shape.seq, self.remat)
 
     @property
     def kept_bytes(self) -> int:
