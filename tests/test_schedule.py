@@ -251,3 +251,31 @@ def test_preflight_checks_the_device_plan_the_engine_enforces(tmp_path):
     engine.step(np.zeros((2, 2, 16), np.int32))
     assert engine.schedule.device == plan.device and engine.ledger.budget == need
     engine.close()
+
+
+@pytest.mark.parametrize("where,keep_every,tied", [("ram", 1, False), ("ram", 2, True), ("disk", 0, True),
+                                                   ("disk", 1, False)])
+def test_staging_pool_allocates_what_the_planner_prices(tmp_path, where, keep_every, tied):
+    """The staging slots come from the step's schedule: the engine's pool allocates
+    exactly the bytes the planner prices as host staging (all of it with every kind in
+    RAM; the slots' share with state on disk), before the first step and after steps
+    and an evaluation."""
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
+    tiers, copies = PLACEMENTS[where]
+    store = mtjax.store.create(tmp_path / "store", cfg, TX, copies=copies) if tiers else None
+    stream = StreamConfig(keep_every=keep_every)
+    placement = StoreConfig(**{k: tiers.get(k, "ram") for k in parts.KINDS}, copies=copies)
+    engine = StreamEngine(cfg, model.init_params(cfg, seed=0), OPT, stream, placement, store=store,
+                          batch_shape=(BATCH, SEQ))
+    plan = estimate(cfg, stream, placement, StepShape(BATCH, SEQ), BUILTIN["h200"], tx=TX)
+    assert plan.host.slots == plan.schedule.staging_bytes > 0
+    assert (plan.host.staging == plan.host.slots) == (where == "ram")
+    assert engine.pool.allocated_bytes == plan.host.slots
+    rng = np.random.default_rng(0)
+    for _ in range(STEPS):
+        engine.step(rng.integers(0, cfg.vocab_size, (1, BATCH, SEQ), dtype=np.int32))
+    engine.eval_loss(rng.integers(0, cfg.vocab_size, (1, BATCH, SEQ), dtype=np.int32))
+    assert engine.pool.allocated_bytes == plan.host.slots
+    engine.close()
+    if store is not None:
+        store.close()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from pathlib import Path
 
@@ -34,12 +33,13 @@ import optax
 from mtjax import documents, treepath
 from mtjax import parts as parts_mod
 from mtjax.config import ExperimentConfig, StoreConfig, StreamConfig
-from mtjax.errors import MtjaxError, NonFiniteStep
+from mtjax.errors import MtjaxError
 from mtjax.hostmem import fix_mmap_threshold
 from mtjax.model_config import ModelConfig
-from mtjax.optim import OptimConfig, clip_scale
+from mtjax.optim import OptimConfig
 from mtjax.store.pending import PendingFiles
 from mtjax.stream import budget as budget_mod
+from mtjax.stream import engine_state
 from mtjax.stream import schedule as schedule_mod
 from mtjax.stream.blockfns import block_fns
 from mtjax.stream.commit import OneCopy
@@ -48,17 +48,36 @@ from mtjax.stream.groupfns import group_fns
 from mtjax.stream.mesh import DeviceMesh
 from mtjax.stream.resident import Resident
 from mtjax.stream.runner import Runner
+from mtjax.stream.stager import Stager
 from mtjax.stream.splitblock import SplitBlocks
 from mtjax.stream.staging import Placement, StagingPool, raise_host_memory_limit
-from mtjax.stream.tiers import Tiers, host_device
+from mtjax.stream.tiers import Tiers
 from mtjax.stream.trace import Tracer
-from mtjax.stream.update import PartUpdate, full_opt_state, split_opt_state, update_for
+from mtjax.stream.update import PartUpdate, full_opt_state, update_for
 from mtjax.stream.updater import Updater
 
 
 def _beside(store) -> str | None:
     """The directory holding the store: scratch files go next to it, on the same disk."""
     return str(Path(store.root).absolute().parent) if store is not None else None
+
+
+def _spill(placement_config: StoreConfig, one_copy, store) -> PendingFiles | None:
+    """Where gradients wait for their update: with the master weights on disk, in files
+    (a one-copy store's durable ones); otherwise in host memory (None)."""
+    where = schedule_mod.spill(placement_config)
+    if where == "pending":
+        return one_copy.spill
+    return PendingFiles(_beside(store)) if where == "scratch" else None
+
+
+def _io_bytes(store, spill) -> tuple[int, int]:
+    """(read, written) bytes of disk-tier state (`store`, or None) and parked gradients so far."""
+    r = w = 0
+    for source in (store, spill):
+        if source is not None:
+            r, w = r + source.io_bytes[0], w + source.io_bytes[1]
+    return r, w
 
 
 class StreamEngine:
@@ -115,28 +134,27 @@ class StreamEngine:
         self.tracer = Tracer(trace_steps)
         self.ledger = budget_mod.DeviceLedger(0)
         self.split = SplitBlocks(group_fns(cfg), self.ledger, self.placement.mesh)  # split MoE blocks' passes
-        # Slots per shape: the parts staged ahead, those in use (a recompute group, or
-        # head + tied embedding + the resident last block), one whose readers finish.
-        group = max(len(g) for g in self.groups)
-        self.pool = StagingPool(self.placement, self.ledger, stream.prefetch_depth + max(group, 3) + 1)
+        # Staging slots: each step's schedule says how many of each shape (`check_budget`).
+        self.pool = StagingPool(self.placement, self.ledger, schedule_mod.staged_at_once(stream, self.groups) + 1)
         # A one-copy store keeps a single copy of the state: each step commits the state
         # before its update plus the gradients, durable in the store (docs/store.md).
         self.one_copy = OneCopy(store, self.tiers) if store is not None and store.copies == 1 else None
-        self.grads = GradSink(self.placement, self.tracer, self._spill(), hosts)
+        self.grads = GradSink(self.placement, self.tracer, _spill(self.placement_config, self.one_copy, store), hosts)
         scale = self.one_copy.adopt(self.grads) if self.one_copy is not None and params is None else None
         self.updater = Updater([p.name for p in self.parts], self.update, self.tiers, self.grads, self.tracer,
                                self.derived_compute, self.one_copy, scale, hosts, self.schemas)
         self._schedules: dict[schedule_mod.StepShape, schedule_mod.Schedule] = {}
         self.schedule: schedule_mod.Schedule | None = None  # of the last token shape checked
         if params is None:
-            self._load_ram_kinds()
+            engine_state.load_ram_kinds(self.updater, self.tiers, store, [p.name for p in self.parts])
         else:
             self._init_state(params, opt_state)
         self.resident = Resident(schedule_mod.resident_parts(cfg, stream.resident, self.groups), self.update,
                                  self.placement)
+        self.stager = Stager(cfg, self.pool, self.tracer, self.split, self.updater, self.schemas)
         self.runner = Runner(cfg, self.fns, self.pool, self.tracer, self.ledger, self.placement, self.split,
-                             self.resident, self.grads, self.updater, self.schemas)
-        self._load_resident()
+                             self.resident, self.grads, self.updater, clip_norm=self.clip_norm, hosts=hosts)
+        engine_state.load_resident(self.updater, self.resident)
         if batch_shape is not None:
             self.check_budget(*batch_shape)
 
@@ -158,67 +176,16 @@ class StreamEngine:
 
     # --- state ---------------------------------------------------------------------
 
-    def _spill(self) -> PendingFiles | None:
-        """Where gradients wait for their update: with the master weights on disk, in files
-        (a one-copy store's durable ones); otherwise in host memory (None)."""
-        where = schedule_mod.spill(self.placement_config)
-        if where == "pending":
-            return self.one_copy.spill
-        return PendingFiles(_beside(self.store)) if where == "scratch" else None
-
     def _init_state(self, params, opt_state=None) -> None:
         """Fill the tiers from fp32 `params` and, when resuming, the whole-model `opt_state`."""
-        opt_parts = None if opt_state is None else split_opt_state(self.cfg, self.tx, opt_state)
-        for p in self.parts:
-            master = {n: np.asarray(a, np.float32) for n, a in treepath.flatten(parts_mod.part_params(params, p.name)).items()}
-            if not self.derived_compute:
-                self.updater.write(p.name, "compute", self.update.compute_copy(master))
-            if self.hosts is not None:  # this process's rows of master (and so of the optimizer state)
-                # Copies: device_put may alias a host array on the CPU, and a view of the
-                # rows would keep the whole leaf resident for as long as the tier holds it.
-                master = {n: np.array(self.hosts.shard.take(a)) for n, a in master.items()}
-                if opt_parts is not None:
-                    opt_parts[p.name] = {n: np.array(self.hosts.shard.take(a)) for n, a in opt_parts[p.name].items()}
-            master = jax.device_put(master, host_device())
-            opt = self.update.init_state(master) if opt_parts is None else jax.device_put(opt_parts[p.name], host_device())
-            self.updater.write(p.name, "opt", opt)
-            self.updater.write(p.name, "master", master)
-        self.updater.wait_writes()
-
-    def _load_ram_kinds(self) -> None:
-        """Bring the RAM-tier kinds of a store-backed run into memory."""
-        for kind in self.updater.kept_in_ram():
-            for p in self.parts:
-                arrays = self.store.read(p.name, kind).result()
-                self.tiers.write(p.name, kind, jax.device_put(arrays, host_device()))
-
-    def _load_resident(self) -> None:
-        """Resident parts' state onto the device, from the tiers (a resumed one-copy store's
-        pending update of such a part is applied first, on the host)."""
-        for p in self.resident.names:
-            self.updater.updated(p)
-        self.updater.wait_writes()
-        for p in self.resident.names:
-            self.resident.load(p, self.updater.read(p, "master"), self.updater.read(p, "opt"))
+        engine_state.fill(self.cfg, self.update, self.updater, [p.name for p in self.parts], params, opt_state,
+                          derived_compute=self.derived_compute, hosts=self.hosts)
 
     def _resident_to_tiers(self) -> None:
-        """A commit brings the resident state to the host: into the tiers, from where the
-        commit writes it like any other (no compute copy where none is kept)."""
-        for p in self.resident.names:
-            for kind in parts_mod.KINDS:
-                if not (kind == "compute" and self.derived_compute):
-                    self.updater.write(p, kind, self.resident.to_host(p, kind))
-        self.updater.wait_writes()
+        engine_state.resident_to_tiers(self.updater, self.resident, derived_compute=self.derived_compute)
 
     def _read_state(self, part: str, kind: str) -> dict:
-        """One kind of a part's current state, as host arrays, wherever it lives (in a
-        multi-process run, all-gathered from every process's rows: every process calls it)."""
-        if part in self.resident:
-            return self.resident.to_host(part, kind)
-        arrays = self.updater.read(part, kind)
-        if self.hosts is not None and kind != "compute":
-            arrays = self.hosts.all_gather(arrays, parts_mod.schema(self.cfg, part, kind, self.tx))
-        return arrays
+        return engine_state.read(self.cfg, self.tx, self.updater, self.resident, part, kind, self.hosts)
 
     def flush(self) -> None:
         """Apply every pending update (before reading state, a checkpoint or the end)."""
@@ -305,11 +272,12 @@ class StreamEngine:
         self.ledger.enforce(s.device, schedule_mod.check_budget(s.device, self.options.device_budget_bytes))
         if self.ledger.held_by_use["resident"] == 0 and self.resident:
             self.ledger.hold(self.resident.nbytes, "the resident parts' state", "resident")
+        for name, sets, _ in s.staging:  # the staging slots the schedule prices, made now
+            self.pool.provide(schedule_mod.unit_schema(self.cfg, name, s.split), sets)
         if self.placement.pinned:
-            # Pinned host memory in flight: staged parts of each shape (embedding, blocks,
-            # head), plus the kept activations when they wait in host memory.
-            part = max(b.compute for b in s.part_bytes.values())
-            raise_host_memory_limit(3 * self.pool.max_slots * part + s.traffic.h2d_activations)
+            # Pinned host memory in flight: the staging slots' parts, plus the kept
+            # activations when they wait in host memory.
+            raise_host_memory_limit(s.staging_bytes + s.traffic.h2d_activations)
 
     # --- the step ------------------------------------------------------------------
 
@@ -341,43 +309,27 @@ class StreamEngine:
         mbs, weights = self._inputs(batch, "evaluation")
         s = self.schedule
         self.split.routing.reset()
-        feed = self.runner.feed(s, s.forward, self.options.prefetch_depth)
+        feed = self.stager.feed(s, s.forward, self.options.prefetch_depth)
         try:
             done = self.runner.run(s, s.eval_operations, feed, mbs, list(weights))
         finally:
-            self.runner.close_feed(feed)
-        w = jnp.asarray(weights, jnp.float32)
-        if not self.cfg.moe_layers:
-            out = {"loss": float(jnp.sum(jnp.stack(done.losses) * w))}  # one host sync for all
-        else:
-            auxes = jnp.stack([self.fns.aux(st, mb.tokens, 1.0)[0] for st, mb in zip(done.stats, mbs)])
-            loss = jnp.sum((jnp.stack(done.losses) + self.cfg.router_aux_loss_coef * auxes) * w)
-            out = {"loss": float(loss), "aux_loss": float(jnp.sum(auxes * w))}
-        if self.hosts is not None:  # the sums of every process's shares
-            out = dict(zip(out, (float(x) for x in self.hosts.all_sum(list(out.values())))))
-        return out
-
-    def _io_bytes(self) -> tuple[int, int]:
-        """(read, written) bytes of disk-tier state and parked gradients so far."""
-        r = w = 0
-        for source in (self.store if self.tiers.kinds_in("disk") else None, self.grads.spill):
-            if source is not None:
-                r, w = r + source.io_bytes[0], w + source.io_bytes[1]
-        return r, w
+            self.stager.close(feed)
+        return self.runner.eval_metrics(done)
 
     def step(self, batch) -> dict[str, float]:
-        """One optimizer step: the schedule's operations (mtjax.stream.ops) up to `Update`,
-        run by the runner; then the clip scale and the updates (`_update`)."""
+        """One optimizer step: the schedule's operations (mtjax.stream.ops), run by the
+        runner; `Update` once every gradient's norm is in."""
         mbs, weights = self._inputs(batch)
         s = self.schedule
-        start, io0 = time.perf_counter(), self._io_bytes()
+        disk = self.store if self.tiers.kinds_in("disk") else None
+        start, io0 = time.perf_counter(), _io_bytes(disk, self.grads.spill)
         self.tracer.begin_step(self.step_count)
         self.ledger.reset()  # only resident state stays on the device between steps (even after a failed one)
         self.updater.wait_writes()
         self.split.routing.reset()
         # Once the step's last transfer is read the disk would idle until the clip scale is
         # known: the first updates' reads start then.
-        feed = self.runner.feed(s, s.transfers, self.options.prefetch_depth,
+        feed = self.stager.feed(s, s.transfers, self.options.prefetch_depth,
                                 after=functools.partial(self.updater.read_early, s.streamed))
         try:
             done = self.runner.run(s, s.operations, feed, mbs, [float(w) for w in weights])
@@ -386,46 +338,20 @@ class StreamEngine:
             self.resident.drop()
             raise
         finally:
-            self.runner.close_feed(feed)
-        metrics = self._update(done.losses, done.auxes, weights)
-        if self.tiers.kinds_in("disk"):
-            # Disk bandwidth over the step's wall time: state and gradient bytes moved meanwhile.
-            seconds, io1 = time.perf_counter() - start, self._io_bytes()
-            metrics["disk_read_gbps"] = (io1[0] - io0[0]) / seconds / 1e9
-            metrics["disk_write_gbps"] = (io1[1] - io0[1]) / seconds / 1e9
-        return metrics
-
-    def _update(self, losses: list, auxes: tuple, weights) -> dict[str, float]:
-        """The step's `Update` operation: the clip scale from every part's gradient norm
-        (a host sync), then the updates start; returns the step's metrics."""
+            self.stager.close(feed)
+        # Host sync: the clip scale needs every part's gradient norm.
         sq = self.grads.finish(tag=f"g{self.step_count + 1}")
         if self.resident:  # the resident parts' norms, from the device
             resident_sq = self.resident.finish()
             self.grads.last_sq.update(resident_sq)
             sq = sq + sum(resident_sq.values())
         self.step_count += 1
-        # One host sync per step for the metrics, after the last block is enqueued.
-        loss, norm_sq = float(np.dot([float(x) for x in losses], weights)), float(sq)
-        aux = float(np.dot([float(a) for a in auxes], weights)) if self.cfg.moe_layers else 0.0
-        if self.hosts is not None:  # the step's loss and squared norm: sums of every process's shares
-            loss, norm_sq, aux = (float(x) for x in self.hosts.all_sum([loss, norm_sq, aux]))
-            sq = jnp.float32(norm_sq)
-        if not (math.isfinite(loss) and math.isfinite(norm_sq)):
-            # Checked before any of this step's deferred updates can run: drop them all.
-            order = ["head", *(f"block.{i}" for i in reversed(range(self.cfg.num_hidden_layers))), "embed"]
-            bad = [p for p in order if not math.isfinite(float(self.grads.last_sq.get(p, 0.0)))]
-            self.grads.drop_ready()
-            self.resident.drop()
-            self.updater.wait_writes()
-            raise NonFiniteStep(self.step_count, loss, bad)
-        scale = clip_scale(sq, self.clip_norm)
-        self.updater.ready(scale)  # the updates start (one-copy: at the commit)
-        self.resident.update(scale)  # on the device, now: its state is in no store until a commit
-        if self.hosts is not None:
-            self.updater.flush()  # on this thread, in part order: the all-gathers' order on every process
-        metrics = {"loss": loss, "grad_norm": math.sqrt(norm_sq)}
-        if self.cfg.moe_layers:  # the load-balancing loss, in "loss" times router_aux_loss_coef
-            metrics["aux_loss"] = aux  # weighted as "loss" is
+        metrics = self.runner.update(done, sq, self.step_count)
+        if self.tiers.kinds_in("disk"):
+            # Disk bandwidth over the step's wall time: state and gradient bytes moved meanwhile.
+            seconds, io1 = time.perf_counter() - start, _io_bytes(disk, self.grads.spill)
+            metrics["disk_read_gbps"] = (io1[0] - io0[0]) / seconds / 1e9
+            metrics["disk_write_gbps"] = (io1[1] - io0[1]) / seconds / 1e9
         return metrics
 
     # --- reporting -----------------------------------------------------------------

@@ -1,14 +1,15 @@
 """Runs a step's operations (mtjax.stream.ops), one after another, deciding nothing.
 
-    runner = Runner(cfg, fns, pool, tracer, ledger, placement, split, resident, grads, updater, schemas)
-    feed = runner.feed(schedule, schedule.transfers, depth)        # stages each part ahead
-    done = runner.run(schedule, schedule.operations, feed, mbs, weights)
+    runner = Runner(cfg, fns, pool, tracer, ledger, placement, split, resident, grads, updater, clip_norm=1.0)
+    feed = stager.feed(schedule, schedule.transfers, depth)        # mtjax.stream.stager: stages each part ahead
+    done = runner.run(schedule, schedule.operations, feed, mbs, weights)   # up to `Update`
     done.losses, done.auxes       # per micro-batch; done.stats: router stats (MoE)
+    metrics = runner.update(done, squared_norm, step)                      # `Update`
 
 Every mode of the step (residency, saved groups, split blocks, host activations, the last
 block staying, tied embeddings) is already in which operations the schedule compiled;
-each operation has one handler here. `run` stops at `Update`: the engine computes the
-clip scale (a host sync over every gradient's norm) and starts the updates.
+each operation has one handler here. `run` stops at `Update`, which `update` runs once
+the engine has stopped the prefetcher and summed every gradient's norm (a host sync).
 
 Values flow between operations in a few registers: `flow` (every micro-batch's hidden
 states in the forward, their cotangents in the backward), `held` (staged or resident
@@ -23,9 +24,14 @@ for every hidden state kept for the backward: a seam for tests that count them.
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from mtjax import expert_groups
+import jax.numpy as jnp
+import numpy as np
+
 from mtjax.stream import ops
+from mtjax.errors import NonFiniteStep
+from mtjax.optim import clip_scale
 from mtjax.stream.prefetch import Prefetcher
 
 
@@ -48,10 +54,11 @@ class Pass:
 
 
 class Runner:
-    def __init__(self, cfg, fns, pool, tracer, ledger, placement, split, resident, grads, updater, schemas):
+    def __init__(self, cfg, fns, pool, tracer, ledger, placement, split, resident, grads, updater, *, clip_norm,
+                 hosts=None):
         self.cfg, self.fns, self.pool, self.tracer, self.ledger = cfg, fns, pool, tracer, ledger
         self.placement, self.split, self.resident, self.grads = placement, split, resident, grads
-        self.updater, self.schemas = updater, schemas
+        self.updater, self.clip_norm, self.hosts = updater, clip_norm, hosts
         self.observers: list = []
         self.schedule = None
         self._moe = set(cfg.moe_layers)
@@ -72,45 +79,11 @@ class Runner:
         for fn in self.observers:
             fn(event, value)
 
-    # --- staging (the prefetch worker) ------------------------------------------------
-
-    def load(self, part: str):
-        """Prefetch worker: pending update, then read into a staging slot, then device_put.
-        A split MoE block's sub-part (`part` "block.i/...") stages some of its block's
-        leaves: an expert group only the experts some token reached."""
-        owner = expert_groups.owner(part)
-        fresh = self.updater.updated(owner)
-        schema = self.schemas[owner]
-        if owner == part:
-            slot, leaves = self.pool.acquire(schema), None
-        else:
-            groups = self.schedule.split[expert_groups.block_index(part)]
-            sub = {n: schema[n] for n in expert_groups.leaves(schema, part, groups)}
-            slot, leaves = self.pool.acquire(sub), self.split.staged(part, sub, groups)
-        with self.tracer.span("read", part):
-            if leaves is None or leaves:
-                self.updater.compute_into(owner, slot.buffers if leaves is None else
-                                          {n: slot.buffers[n] for n in leaves}, fresh)
-        start = self.tracer.now()
-        weights = self.pool.put(slot, part, leaves)
-        self.tracer.watch("h2d", part, weights, since=start)  # until the device copy is ready
-        return slot, weights if owner == part else self.split.complete(part, sub, groups, weights)
-
-    def feed(self, schedule, names, depth: int, after=None) -> Prefetcher:
-        """A prefetcher staging `names` of `schedule` (its transfers, or its forward) in order."""
-        self.schedule = schedule
-        return Prefetcher(names, self.load, depth, after=after)
-
-    def close_feed(self, feed: Prefetcher) -> None:
-        """Stop the prefetcher and hand back the slots it staged that no operation took."""
-        self.split.routing.cancel()  # a prefetch worker waiting for routing that will not come
-        for slot, _ in feed.close():
-            self.pool.release(slot, [])
-
     # --- the pass ---------------------------------------------------------------------
 
     def run(self, schedule, operations, feed: Prefetcher, mbs: list, weights: list) -> Pass:
-        """Run `operations` over the micro-batches `mbs` up to (not including) `Update`."""
+        """Run `operations` over the micro-batches `mbs`, taking staged parts from `feed`,
+        up to (not including) `Update`: see `update`."""
         self.schedule, self._feed = schedule, feed
         self._residual = schedule.block_residual_bytes
         st = Pass(mbs, weights, stats=[[] for _ in mbs], kept=[{} for _ in mbs])
@@ -119,6 +92,49 @@ class Runner:
                 break
             self._do[type(op)](st, op)
         return st
+
+    def update(self, st: Pass, sq, step: int) -> dict[str, float]:
+        """The `Update` operation, once the prefetcher is stopped and every gradient's
+        squared norm is summed in `sq` (a host sync): the clip scale, then every part's
+        update starts. Returns the step's metrics; raises NonFiniteStep, dropping them all."""
+        weights = st.weights
+        # One host sync per step for the metrics, after the last block is enqueued.
+        loss, norm_sq = float(np.dot([float(x) for x in st.losses], weights)), float(sq)
+        aux = float(np.dot([float(a) for a in st.auxes], weights)) if self.cfg.moe_layers else 0.0
+        if self.hosts is not None:  # the step's loss and squared norm: sums of every process's shares
+            loss, norm_sq, aux = (float(x) for x in self.hosts.all_sum([loss, norm_sq, aux]))
+            sq = jnp.float32(norm_sq)
+        if not (math.isfinite(loss) and math.isfinite(norm_sq)):
+            # Checked before any of this step's deferred updates can run: drop them all.
+            order = ["head", *(f"block.{i}" for i in reversed(range(self.cfg.num_hidden_layers))), "embed"]
+            bad = [p for p in order if not math.isfinite(float(self.grads.last_sq.get(p, 0.0)))]
+            self.grads.drop_ready()
+            self.resident.drop()
+            self.updater.wait_writes()
+            raise NonFiniteStep(step, loss, bad)
+        scale = clip_scale(sq, self.clip_norm)
+        self.updater.ready(scale)  # the updates start (one-copy: at the commit)
+        self.resident.update(scale)  # on the device, now: its state is in no store until a commit
+        if self.hosts is not None:
+            self.updater.flush()  # on this thread, in part order: the all-gathers' order on every process
+        metrics = {"loss": loss, "grad_norm": math.sqrt(norm_sq)}
+        if self.cfg.moe_layers:  # the load-balancing loss, in "loss" times router_aux_loss_coef
+            metrics["aux_loss"] = aux  # weighted as "loss" is
+        return metrics
+
+    def eval_metrics(self, st: Pass) -> dict[str, float]:
+        """An evaluation pass's {"loss", "aux_loss" (MoE)}: its micro-batches weighted as a
+        step's (in a multi-process run, summed over every process's shares)."""
+        w = jnp.asarray(st.weights, jnp.float32)
+        if not self.cfg.moe_layers:
+            out = {"loss": float(jnp.sum(jnp.stack(st.losses) * w))}  # one host sync for all
+        else:
+            auxes = jnp.stack([self.fns.aux(s, mb.tokens, 1.0)[0] for s, mb in zip(st.stats, st.mbs)])
+            loss = jnp.sum((jnp.stack(st.losses) + self.cfg.router_aux_loss_coef * auxes) * w)
+            out = {"loss": float(loss), "aux_loss": float(jnp.sum(auxes * w))}
+        if self.hosts is not None:  # the sums of every process's shares
+            out = dict(zip(out, (float(x) for x in self.hosts.all_sum(list(out.values())))))
+        return out
 
     def _sum(self, acc, grads, count: int):
         """Running sum of a part's gradients over the micro-batches, on the device (fp32).

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 
 import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from mtjax.hostmem import BufferPool
+from mtjax.hostmem import BufferPool, shape_key
 from mtjax.stream.budget import DeviceLedger
 from mtjax.stream.mesh import DeviceMesh
 from mtjax.stream.tiers import host_device
@@ -150,27 +151,45 @@ class Placement:
 
 
 class StagingPool:
-    """Staging slots for the parts in flight: host buffers from one fenced pool, and the
-    device ledger's count of the weights staged from them."""
+    """Staging slots for the parts in flight: host buffers from fenced pools, one per
+    shape, and the device ledger's count of the weights staged from them.
+
+    `provide` makes a shape's sets up front, as many as the step's schedule says
+    (`schedule.staging_sets`); a shape no schedule named gets up to `max_slots` sets,
+    made on demand."""
 
     def __init__(self, placement: Placement, ledger: DeviceLedger, max_slots: int = 4):
-        self.placement, self.ledger = placement, ledger
-        # Per shape: more slots would only wait for readers anyway.
-        self.buffers = BufferPool(sets_per_shape=max_slots)
+        self.placement, self.ledger, self.max_slots = placement, ledger, max_slots
+        self._pools: dict[tuple, BufferPool] = {}  # per shape: more sets would only wait for readers anyway
 
-    @property
-    def max_slots(self) -> int:
-        return self.buffers.sets_per_shape
+    def provide(self, schema: dict, sets: int) -> None:
+        """Make `sets` buffer sets shaped like `schema` now (none beyond them later while
+        fewer are held), unless that shape has its sets already."""
+        key = shape_key(schema)
+        if key in self._pools:
+            return
+        pool = self._pools[key] = BufferPool(sets_per_shape=sets)
+        made = [pool.acquire(schema) for _ in range(sets)]
+        for buffers in made:
+            pool.release(buffers)
 
     @property
     def allocated(self) -> int:
         """Slots created, for tests and the memory benchmark."""
-        return self.buffers.allocated
+        return sum(p.allocated for p in self._pools.values())
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host bytes of every slot created."""
+        return sum(p.allocated * sum(math.prod(s) * np.dtype(d).itemsize for _, s, d in key)
+                   for key, p in self._pools.items())
 
     def acquire(self, schema: dict) -> Slot:
         """A slot for weights of this schema, safe to overwrite (waits for the readers of
         a reused one: see `BufferPool.acquire`)."""
-        buffers = self.buffers.acquire(schema)
+        pool = self._pools.get(shape_key(schema)) or self._pools.setdefault(shape_key(schema),
+                                                                             BufferPool(sets_per_shape=self.max_slots))
+        buffers = pool.acquire(schema)
         return Slot(buffers, sum(b.nbytes for b in buffers.values()))
 
     def put(self, slot: Slot, what: str, leaves=None) -> dict[str, jax.Array]:
@@ -190,4 +209,4 @@ class StagingPool:
         if slot.on_device:
             self.ledger.free(slot.nbytes, "weights")
             slot.on_device = False
-        self.buffers.release(slot.buffers, fence)
+        self._pools[shape_key(slot.buffers)].release(slot.buffers, fence)
