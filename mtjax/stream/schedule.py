@@ -356,9 +356,12 @@ def staging_sets(cfg: ModelConfig, stream: StreamConfig, groups_: tuple[range, .
                  split: dict) -> tuple[tuple[str, int, int], ...]:
     """The staging pool's buffer sets, per shape of what crosses: (its first transfer, how
     many sets, bytes of one). As many sets as a step has transfers of that shape, at most
-    one more than `staged_at_once` (one whose readers finish). The engine allocates
-    exactly these before its first step, and the planner prices them as host staging."""
-    most = staged_at_once(stream, groups_) + 1
+    the `prefetch_depth` staged ahead plus a recompute group's in use: the prefetcher
+    acquires a set only below `prefetch_depth` staged and untaken, so a set is always
+    free then (its readers may still run: the acquire waits for them). The engine
+    allocates exactly these before its first step, and the planner prices them as host
+    staging."""
+    most = stream.prefetch_depth + max(len(g) for g in groups_)
     by_shape: dict[tuple, list] = {}
     by_kind = {p.name: p.fn_kind for p in parts.parts(cfg)}
     first: dict = {}  # parts of one fn_kind have one schema: look each up once
