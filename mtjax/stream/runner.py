@@ -29,9 +29,9 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax.stream import ops
 from mtjax.errors import NonFiniteStep
 from mtjax.optim import clip_scale
+from mtjax.stream import ops
 from mtjax.stream.prefetch import Prefetcher
 
 
