@@ -73,7 +73,7 @@ def fix_mmap_threshold(nbytes: int = 256 << 10) -> bool:
         return False
 
 
-def _shape_key(arrays) -> tuple:
+def shape_key(arrays) -> tuple:
     """What makes two buffer sets interchangeable: each leaf's name, shape and dtype."""
     return tuple((n, tuple(a.shape), np.dtype(a.dtype).str) for n, a in arrays.items())
 
@@ -105,7 +105,7 @@ class BufferPool:
 
     def acquire(self, schema: dict) -> dict[str, np.ndarray]:
         """A buffer set shaped like `schema` ({leaf: ShapeDtypeStruct}), safe to overwrite."""
-        key = _shape_key(schema)
+        key = shape_key(schema)
         with self._lock:
             free = self._free.setdefault(key, [])
             pick = next((i for i, (_, fence) in enumerate(free) if all(a.is_ready() for a in fence)), None)
@@ -130,7 +130,7 @@ class BufferPool:
     def spare(self, schema: dict) -> bool:
         """Whether a set shaped like `schema` can be acquired while fewer than
         `sets_per_shape` of that shape are held (acquired and not released)."""
-        key = _shape_key(schema)
+        key = shape_key(schema)
         with self._lock:
             return self._made.get(key, 0) - len(self._free.get(key, [])) < self.sets_per_shape
 
@@ -139,4 +139,4 @@ class BufferPool:
         computations that read it or its device copy. Non-jax leaves are already done."""
         fence = [a for a in jax.tree.leaves(fence) if isinstance(a, jax.Array)]
         with self._lock:
-            self._free.setdefault(_shape_key(buffers), []).append((buffers, fence))
+            self._free.setdefault(shape_key(buffers), []).append((buffers, fence))

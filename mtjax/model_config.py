@@ -18,7 +18,7 @@ from typing import Any
 from mtjax import families, jsonfile, textfile
 from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, POSITIVE, out_of_range
 from mtjax.families.hf_config import (  # noqa: F401  (re-exported: mtjax's names for them)
-    CHUNKED, FULL, ROPE_KEYS, ROPE_TYPES, SLIDING, ConfigError, RopeScaling, thaw)
+    CHUNKED, FULL, ROPE_TYPES, SLIDING, ConfigError, RopeScaling, thaw)
 from mtjax.layers.spec import DenseMLP, LayerSpec, MoE, Norms, Rope, SoftmaxAttention
 
 # The built-in families' model_types (mtjax.families; a family registered later is supported too).

@@ -92,18 +92,15 @@ def instrument(engine: StreamEngine, moved: dict, seen: dict) -> None:
         seen.setdefault("grads_out", set()).update(spread(a) for a in jax.tree.leaves(out))
 
     wrap(place, "host_arrays", left)
-    inner_sum, inner_keep = engine._sum, engine._keep
 
-    def summed(acc, grads, count):  # every micro-batch's gradient of every part passes here
-        add("allreduce", tree_bytes(grads))
-        seen.setdefault("grads_made", set()).update(spread(a) for a in jax.tree.leaves(grads))
-        return inner_sum(acc, grads, count)
+    def observed(event, value):
+        if event == "grad":  # every micro-batch's gradient of every part passes here
+            add("allreduce", tree_bytes(value))
+            seen.setdefault("grads_made", set()).update(spread(a) for a in jax.tree.leaves(value))
+        elif event == "keep":
+            seen.setdefault("hidden", set()).add(spread(value))
 
-    def keep(x):
-        seen.setdefault("hidden", set()).add(spread(x))
-        return inner_keep(x)
-
-    engine._sum, engine._keep = summed, keep
+    engine.observe(observed)
 
 
 def rel_error(a, b) -> float:

@@ -13,9 +13,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from mtjax import model, parts
+from mtjax import expert_groups, model, parts
 from mtjax.batch import Batch
 from mtjax.config import DataConfig, StoreConfig, StreamConfig
+from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate
 from mtjax.stream import StreamEngine, schedule
@@ -250,3 +251,79 @@ def test_preflight_checks_the_device_plan_the_engine_enforces(tmp_path):
     engine.step(np.zeros((2, 2, 16), np.int32))
     assert engine.schedule.device == plan.device and engine.ledger.budget == need
     engine.close()
+
+
+@pytest.mark.parametrize("where,keep_every,tied", [("ram", 1, False), ("ram", 2, True), ("disk", 0, True),
+                                                   ("disk", 1, False)])
+def test_staging_pool_allocates_what_the_planner_prices(make_store, where, keep_every, tied):
+    """The staging slots come from the step's schedule: the engine's pool allocates
+    exactly the bytes the planner prices as host staging (all of it with every kind in
+    RAM; the slots' share with state on disk), before the first step and after steps
+    and an evaluation."""
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
+    tiers, copies = PLACEMENTS[where]
+    store = make_store(cfg, TX, copies=copies) if tiers else None
+    stream = StreamConfig(keep_every=keep_every)
+    placement = StoreConfig(**{k: tiers.get(k, "ram") for k in parts.KINDS}, copies=copies)
+    engine = StreamEngine(cfg, model.init_params(cfg, seed=0), OPT, stream, placement, store=store,
+                          batch_shape=(BATCH, SEQ))
+    plan = estimate(cfg, stream, placement, StepShape(BATCH, SEQ), BUILTIN["h200"], tx=TX)
+    assert plan.host.slots == plan.schedule.staging_bytes > 0
+    assert (plan.host.staging == plan.host.slots) == (where == "ram")
+    assert engine.pool.allocated_bytes == plan.host.slots
+    rng = np.random.default_rng(0)
+    for _ in range(STEPS):
+        engine.step(rng.integers(0, cfg.vocab_size, (1, BATCH, SEQ), dtype=np.int32))
+    engine.eval_loss(rng.integers(0, cfg.vocab_size, (1, BATCH, SEQ), dtype=np.int32))
+    assert engine.pool.allocated_bytes == plan.host.slots
+    engine.close()
+    if store is not None:
+        store.close()
+
+
+MOE = ModelConfig(model_type="qwen3_moe", vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=7, num_experts_per_tok=2,
+                  moe_intermediate_size=24, moe_layers=(0, 2), compute_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("cfg,stream", [
+    (CFG, StreamConfig(keep_every=1)),
+    (dataclasses.replace(CFG, tie_word_embeddings=True), StreamConfig(keep_every=0, activations="host")),
+    (dataclasses.replace(CFG, tie_word_embeddings=True), StreamConfig(keep_every=2, resident=("embed", "block.2"))),
+    (CFG, StreamConfig(keep_every=1, resident=3, remat="dots")),
+    (CFG, StreamConfig(resident="all")),
+    (MOE, StreamConfig(keep_every=1, expert_group_size=3)),
+    (MOE, StreamConfig(keep_every=2, expert_group_size=3, activations="host")),
+])
+def test_operations_stage_the_transfers_and_send_every_gradient_once(cfg, stream):
+    """A step's operations take the staged parts in the schedule's transfer order (a split
+    block's sub-parts staged by its own operations), release each staged part once, keep
+    each kept input once and take it back once, and send every part's gradient once:
+    to the host when streamed, staying on the device when resident."""
+    from mtjax.stream import ops
+
+    s = schedule.describe(cfg, stream, StoreConfig(), StepShape(2, 8, 2), make_optimizer(OptimConfig()))
+    staged, released, kept, out, stays = [], [], [], [], []
+    for op in s.operations:
+        if isinstance(op, ops.Stage):
+            staged.append(op.part)
+        elif isinstance(op, (ops.SplitForward, ops.SplitBackward)):
+            names = list(expert_groups.names(f"block.{op.block}", s.split[op.block]))
+            staged += names if isinstance(op, ops.SplitForward) else names[:0:-1] + names[:1]
+        released += [op.part] if isinstance(op, ops.Release) else []
+        kept += [("keep", op.block, op.host)] if isinstance(op, ops.Keep) else []
+        kept += [("unkeep", op.block, op.host)] if isinstance(op, ops.Unkeep) else []
+        out += [op.part] if isinstance(op, ops.GradOut) else []
+        stays += [op.part] if isinstance(op, ops.GradStays) else []
+    assert tuple(staged) == s.transfers
+    whole = [p for p in staged if "/" not in p]
+    assert sorted(released) == sorted(whole)
+    host = stream.activations == "host"
+    assert sorted(k for k in kept if k[0] == "keep") == [("keep", g.start, host) for g in s.groups
+                                                          if g not in s.saved]
+    assert sorted(k for k in kept if k[0] == "unkeep") == [("unkeep", g.start, host) for g in s.groups
+                                                            if g not in s.saved]
+    assert sorted(out) == sorted(s.streamed) and sorted(stays) == sorted(s.resident)
+    assert isinstance(s.operations[-1], ops.Update) and str(s).splitlines()[0] == f"  0  {s.operations[0]}"
+    forward = [op.part for op in s.eval_operations if isinstance(op, ops.Stage)]
+    assert [p for p in s.forward if "/" not in p] == forward

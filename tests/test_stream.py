@@ -79,7 +79,7 @@ class ForwardCounter:
 
     def __init__(self, engine: StreamEngine):
         self.count = 0
-        fns = engine.fns = copy.copy(engine.fns)  # the compiled functions are shared
+        fns = engine.runner.fns = copy.copy(engine.fns)  # the compiled functions are shared
         for attr in ("forward", "recompute", "grad"):
             setattr(fns, attr, {kind: self._wrap(fn) for kind, fn in getattr(fns, attr).items()})
 

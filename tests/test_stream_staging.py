@@ -26,8 +26,8 @@ def _slow_reader(w):
 def _reuse_result(wait_for_readers: bool):
     """Stage w, start a long computation on it, release the slot, then refill it."""
     # One slot per shape: the second acquire must reuse the buffer the reader still reads.
-    pool = staging.StagingPool(staging.Placement(jax.devices("cpu")[0]), DeviceLedger(1 << 30), max_slots=1)
-    pool.buffers.wait_for_readers = wait_for_readers
+    pool = staging.StagingPool(staging.Placement(jax.devices("cpu")[0]), DeviceLedger(1 << 30), max_slots=1,
+                               wait_for_readers=wait_for_readers)
     schema = {"w": jax.ShapeDtypeStruct((128, 128), np.float32)}
     slot = pool.acquire(schema)
     slot.buffers["w"][:] = 1 / 128

@@ -47,6 +47,7 @@ class HostMemory:
     activations: int  # kept block inputs, when they live on the host
     runtime: int
     total: int
+    slots: int = 0  # of staging: the staging pool's buffer sets (`Schedule.staging_bytes`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,9 +184,9 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     biggest = max(pb.values(), key=lambda b: b.compute + b.master + b.opt)
     in_ram = sum(state.get(k) for k in parts.KINDS
                  if getattr(store, k) == "ram" and not (k == "compute" and s.derived_compute))
-    # Compute weights in flight to the device (split MoE blocks: their largest sub-part).
-    staging = (stream.prefetch_depth + 1) * (max(s.unit(p).compute for p in s.transfers) if s.split
-                                             else biggest.compute)
+    # Compute weights in flight to the device: the staging pool's sets, which the engine
+    # allocates as the schedule says (`schedule.staging_sets`).
+    staging = slots = s.staging_bytes
     # The optimizer's disk reads land in reused buffers, per part shape and kind (a
     # mtjax.hostmem.BufferPool): the embedding, the head and each layer spec, two sets of
     # a shape several parts have (a part's update and the next part's reads, started ahead).
@@ -207,7 +208,7 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     grads_in_ram = 0 if s.spill else sum(pb[p].master for p in s.streamed)  # resident parts' stay on the device
     runtime = hw.runtime_bytes
     host = HostMemory(in_ram, grads_in_ram, staging, activations, runtime,
-                      in_ram + grads_in_ram + staging + activations + runtime)
+                      in_ram + grads_in_ram + staging + activations + runtime, slots)
     # A commit writes every RAM-tier kind into the run's store, the compute copy included
     # (rounded from master when none is kept), into the slot not holding the last commit,
     # and the disk-tier kinds of resident parts (their state is in no store between commits).

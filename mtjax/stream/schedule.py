@@ -6,9 +6,11 @@
     s.spill              # where gradients wait for their update: None, "scratch" or "pending"
     s.device.total       # device bytes at the peak on each device, by use (DevicePlan)
     s.allreduce          # {part: gradient bytes summed across the devices in one step} (several devices)
+    s.operations         # the step as the engine runs it (mtjax.stream.ops); print(s) lists them
+    s.staging            # the staging pool's buffer sets per shape, which the engine allocates
 
-The engine streams `transfers` and holds what `device` allows (its ledger enforces each
-use), the planner (mtjax.plan.cost) prices `traffic` with a machine's bandwidths, and the
+The engine runs `operations`, streams `transfers`, allocates `staging` and holds what
+`device` allows (its ledger enforces each use), the planner (mtjax.plan.cost) prices `traffic` with a machine's bandwidths, and the
 trainer's preflight checks `device` against the budget. tests/test_schedule.py counts
 every transfer, disk read and write of real engine steps and finds these numbers.
 
@@ -47,12 +49,12 @@ import math
 import jax
 import numpy as np
 
-from mtjax import expert_groups, model, moe, parts, treepath
+from mtjax import expert_groups, hostmem, model, moe, parts, treepath
 from mtjax.config import StoreConfig, StreamConfig, check_batch_split
 from mtjax.errors import MtjaxError
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
-from mtjax.stream import fused_adamw
+from mtjax.stream import fused_adamw, ops
 from mtjax.stream.budget import DeviceBudgetError
 
 TOKEN_BYTES = 4  # int32 token ids
@@ -180,6 +182,7 @@ class Schedule:
     allreduce: dict = dataclasses.field(default_factory=dict)  # {part: bytes all-reduced per step}; {} on one device
     split: dict = dataclasses.field(default_factory=dict)  # {split block index: its expert groups (tuples of ids)}
     sub_bytes: dict = dataclasses.field(default_factory=dict)  # {sub-part name: StateBytes} of the split blocks
+    staging: tuple = ()  # the staging pool's buffer sets: (first transfer of a shape, sets, bytes of one); staging_sets
 
     @property
     def device_batch(self) -> int:
@@ -226,6 +229,34 @@ class Schedule:
         """Bytes a commit brings from the device to the host: every resident part's
         compute, master and optimizer state."""
         return sum(sum(self.part_bytes[p].get(k) for k in parts.KINDS) for p in self.resident)
+
+    def __str__(self) -> str:
+        """A training step's operations, one a line (`operations`)."""
+        return ops.listing(self.operations)
+
+    @functools.cached_property
+    def operations(self) -> tuple:
+        """A training step as the runner executes it (mtjax.stream.ops; `ops.listing` prints it)."""
+        return ops.compile_step(self, train=True)
+
+    @functools.cached_property
+    def eval_operations(self) -> tuple:
+        """A forward-only pass (evaluation) as the runner executes it."""
+        return ops.compile_step(self, train=False)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes of the staging pool's buffer sets (`staging`)."""
+        return sum(sets * nbytes for _, sets, nbytes in self.staging)
+
+    @property
+    def block_residual_bytes(self) -> int:
+        """One recomputed block's vjp residuals, as the device plan counts them."""
+        return self.device.residuals // max(len(g) for g in self.groups)
+
+    def saved_residual_bytes(self, spec: LayerSpec) -> int:
+        """One micro-batch's residuals a saved block of `spec` keeps from its forward."""
+        return residual_bytes(self.cfg, spec, self.device_batch, self.shape.seq, self.remat)
 
     @property
     def kept_bytes(self) -> int:
@@ -296,6 +327,52 @@ def first_transfers(transfers: tuple[str, ...]) -> set[int]:
             seen.add(owner)
             first.add(i)
     return first
+
+
+def staged_at_once(stream: StreamConfig, groups_: tuple[range, ...]) -> int:
+    """Parts whose compute weights may be staged at once: `prefetch_depth` ahead of use,
+    plus those in use (a recompute group, or the head, a tied embedding and the last
+    block staying on the device)."""
+    return stream.prefetch_depth + max(max(len(g) for g in groups_), 3)
+
+
+def unit_schema(cfg: ModelConfig, name: str, split: dict) -> dict:
+    """The compute schema a transfer stages: its part's, or a split block's sub-part's
+    leaves of it (`split`: {block index: expert groups})."""
+    owner = expert_groups.owner(name)
+    schema = parts.schema(cfg, owner, "compute")
+    if owner == name:
+        return schema
+    return {n: schema[n] for n in expert_groups.leaves(schema, name, split[expert_groups.block_index(name)])}
+
+
+@functools.lru_cache(maxsize=1024)
+def _unit_shape(cfg: ModelConfig, name: str, groups: tuple) -> tuple[tuple, int]:
+    schema = unit_schema(cfg, name, {expert_groups.block_index(name): groups})
+    return hostmem.shape_key(schema), parts.nbytes(schema)
+
+
+def staging_sets(cfg: ModelConfig, stream: StreamConfig, groups_: tuple[range, ...], transfers: tuple[str, ...],
+                 split: dict) -> tuple[tuple[str, int, int], ...]:
+    """The staging pool's buffer sets, per shape of what crosses: (its first transfer, how
+    many sets, bytes of one). As many sets as a step has transfers of that shape, at most
+    the `prefetch_depth` staged ahead plus a recompute group's in use: the prefetcher
+    acquires a set only below `prefetch_depth` staged and untaken, so a set is always
+    free then (its readers may still run: the acquire waits for them). The engine
+    allocates exactly these before its first step, and the planner prices them as host
+    staging."""
+    most = stream.prefetch_depth + max(len(g) for g in groups_)
+    by_shape: dict[tuple, list] = {}
+    by_kind = {p.name: p.fn_kind for p in parts.parts(cfg)}
+    first: dict = {}  # parts of one fn_kind have one schema: look each up once
+    for name in transfers:
+        owner = expert_groups.owner(name)
+        like = first.setdefault(by_kind[owner], owner)
+        like_name = like + name[len(owner):]
+        key, nbytes = _unit_shape(cfg, like_name, split.get(expert_groups.block_index(owner), ()))
+        entry = by_shape.setdefault(key, [name, 0, nbytes])
+        entry[1] += 1
+    return tuple((name, min(count, most), nbytes) for name, count, nbytes in by_shape.values())
 
 
 def residency_order(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[str, ...]:
@@ -612,7 +689,8 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     device = _device_plan(cfg, stream, local, pb, grps, grad, hidden // devices, resident, saved, remat, split, sub,
                           dispatch)
     return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps, split), resident,
-                    remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce, split, sub)
+                    remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce, split, sub,
+                    staging_sets(cfg, stream, grps, transfers, split))
 
 
 def _update_bytes(states, fused: bool, copy: bool) -> int:
@@ -683,7 +761,7 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
     return DevicePlan(
         # depth parts staged ahead, plus the parts in use: a recompute group, or the head,
         # the tied embedding and the last block (resident from its forward to its backward).
-        weights=(stream.prefetch_depth + max(group, 3)) * max_part,
+        weights=staged_at_once(stream, grps) * max_part,
         activations=(len(grps) - len(saved)) * shape.accum * hidden if stream.activations == "device" else 0,
         # A recompute group's (saved groups recompute nothing).
         residuals=max((len(g) for g in grps if g not in saved), default=0) * residual,

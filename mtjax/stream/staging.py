@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 import threading
 import warnings
@@ -42,7 +43,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from mtjax import parts
-from mtjax.hostmem import PAGE, BufferPool, aligned_empty
+from mtjax.hostmem import PAGE, BufferPool, aligned_empty, shape_key
 from mtjax.stream.budget import DeviceLedger
 from mtjax.stream.mesh import DeviceMesh
 from mtjax.stream.tiers import host_device
@@ -240,27 +241,53 @@ class Placement:
 
 
 class StagingPool:
-    """Staging slots for the parts in flight: host buffers from one fenced pool, and the
-    device ledger's count of the weights staged from them."""
+    """Staging slots for the parts in flight: host buffers from fenced pools, one per
+    shape, and the device ledger's count of the weights staged from them.
 
-    def __init__(self, placement: Placement, ledger: DeviceLedger, max_slots: int = 4):
-        self.placement, self.ledger = placement, ledger
-        # Per shape: more slots would only wait for readers anyway.
-        self.buffers = BufferPool(sets_per_shape=max_slots, on_new=placement.register)
+    `provide` makes a shape's sets up front, as many as the step's schedule says
+    (`schedule.staging_sets`); a shape no schedule named gets up to `max_slots` sets,
+    made on demand."""
 
-    @property
-    def max_slots(self) -> int:
-        return self.buffers.sets_per_shape
+    def __init__(self, placement: Placement, ledger: DeviceLedger, max_slots: int = 4,
+                 wait_for_readers: bool = True):
+        self.placement, self.ledger, self.max_slots = placement, ledger, max_slots
+        self.wait_for_readers = wait_for_readers  # BufferPool's reuse rule; off only in the test that shows why
+        self._pools: dict[tuple, BufferPool] = {}  # per shape: more sets would only wait for readers anyway
+
+    def _new_pool(self, key: tuple, sets: int) -> BufferPool:
+        # Each new buffer set is mapped for the device's DMA once, where the client can.
+        pool = self._pools[key] = BufferPool(sets_per_shape=sets, on_new=self.placement.register,
+                                             wait_for_readers=self.wait_for_readers)
+        return pool
+
+    def provide(self, schema: dict, sets: int) -> None:
+        """Make `sets` buffer sets shaped like `schema` now (none beyond them later while
+        fewer are held), unless that shape has its sets already."""
+        key = shape_key(schema)
+        if key in self._pools:
+            return
+        pool = self._new_pool(key, sets)
+        made = [pool.acquire(schema) for _ in range(sets)]
+        for buffers in made:
+            pool.release(buffers)
 
     @property
     def allocated(self) -> int:
         """Slots created, for tests and the memory benchmark."""
-        return self.buffers.allocated
+        return sum(p.allocated for p in self._pools.values())
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host bytes of every slot created."""
+        return sum(p.allocated * sum(math.prod(s) * np.dtype(d).itemsize for _, s, d in key)
+                   for key, p in self._pools.items())
 
     def acquire(self, schema: dict) -> Slot:
         """A slot for weights of this schema, safe to overwrite (waits for the readers of
         a reused one: see `BufferPool.acquire`)."""
-        buffers = self.buffers.acquire(schema)
+        key = shape_key(schema)
+        pool = self._pools.get(key) or self._new_pool(key, self.max_slots)
+        buffers = pool.acquire(schema)
         return Slot(buffers, sum(b.nbytes for b in buffers.values()))
 
     def put(self, slot: Slot, what: str, leaves=None) -> dict[str, jax.Array]:
@@ -280,4 +307,4 @@ class StagingPool:
         if slot.on_device:
             self.ledger.free(slot.nbytes, "weights")
             slot.on_device = False
-        self.buffers.release(slot.buffers, fence)
+        self._pools[shape_key(slot.buffers)].release(slot.buffers, fence)

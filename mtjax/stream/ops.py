@@ -1,0 +1,310 @@
+"""One step as an explicit list of operations, compiled from its schedule.
+
+    s = engine.plan(2, 128, accum=2)
+    s.operations                 # a training step's operations, in the order they run
+    s.eval_operations            # a forward-only pass (evaluation)
+    print(listing(s.operations))
+
+The schedule builder decides; the runner (mtjax.stream.runner) executes one operation
+after another and decides nothing. Each mode of the step is a choice of operations here:
+
+- residency: a resident part is `Resident` (its weights already on the device) instead of
+  `Stage` + `Release`, and its gradient `GradStays` instead of `GradOut`;
+- saved groups: their blocks' forward is `Save` (keeping the vjp) and their backward
+  `SavedBackward`; no input is kept for them (no `Keep`);
+- split MoE blocks: `SplitForward` / `SplitBackward`, which stage their own sub-parts;
+- host activations: `Keep` / `Unkeep` with `host=True`;
+- the last block staying on the device: no `Release` after its forward, no `Stage` before
+  its backward;
+- tied embeddings: the head stages the embedding too (`Head(tied=True)`).
+
+Every `Stage` takes the next part the prefetcher loads: the `Stage` operations, with the
+split blocks' sub-parts, are the schedule's `transfers` in order (forward: `forward`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """Take the next staged part from the prefetcher: its weights are on the device."""
+
+    part: str
+
+    def __str__(self) -> str:
+        return f"stage {self.part}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resident:
+    """A resident part's weights, on the device already: nothing crosses."""
+
+    part: str
+
+    def __str__(self) -> str:
+        return f"resident {self.part}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """Hand a staged part's slot back, fenced by the outputs of its last programs."""
+
+    part: str
+
+    def __str__(self) -> str:
+        return f"release {self.part}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Embed:
+    """The embedding over every micro-batch: token ids -> hidden states."""
+
+    def __str__(self) -> str:
+        return "forward embed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """Block `block` over every micro-batch, nothing kept."""
+
+    block: int
+
+    def __str__(self) -> str:
+        return f"forward block.{self.block}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Save:
+    """Block `block`'s one forward in a saved group: every micro-batch's vjp is kept."""
+
+    block: int
+
+    def __str__(self) -> str:
+        return f"forward block.{self.block}, keep its vjp"
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitForward:
+    """A split MoE block's forward, sub-part by sub-part (stages them itself); `keep`:
+    its routing is kept for the backward."""
+
+    block: int
+    keep: bool
+
+    def __str__(self) -> str:
+        return f"forward split block.{self.block}" + (", keep its routing" if self.keep else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Keep:
+    """Keep every micro-batch's hidden states as block `block`'s input, for the backward
+    (`host`: in host memory)."""
+
+    block: int
+    host: bool = False
+
+    def __str__(self) -> str:
+        return f"keep input of block.{self.block}" + (" in host memory" if self.host else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Unkeep:
+    """Bring back the input kept for block `block`."""
+
+    block: int
+    host: bool = False
+
+    def __str__(self) -> str:
+        return f"take back input of block.{self.block}" + (" from host memory" if self.host else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """Loss and gradients of every micro-batch at the LM head (`tied`: the embedding's
+    weights are the head's kernel); the gradient w.r.t. the hidden states flows back."""
+
+    tied: bool
+
+    def __str__(self) -> str:
+        return "forward+backward head" + (" (tied embedding)" if self.tied else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLoss:
+    """The loss of every micro-batch (evaluation)."""
+
+    tied: bool
+
+    def __str__(self) -> str:
+        return "loss at head" + (" (tied embedding)" if self.tied else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backward:
+    """One block's recompute and backward in one program (a group of one)."""
+
+    block: int
+
+    def __str__(self) -> str:
+        return f"recompute+backward block.{self.block}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeBackward:
+    """A recompute group: its blocks' forward recomputed from the kept input, keeping
+    their vjps, then walked back; per micro-batch."""
+
+    blocks: range
+
+    def __str__(self) -> str:
+        return f"recompute block.{self.blocks.start}..{self.blocks.stop - 1}, backward in reverse"
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedBackward:
+    """A saved group's backward from the vjps its forward kept: nothing recomputed."""
+
+    blocks: range
+
+    def __str__(self) -> str:
+        return f"backward block.{self.blocks.start}..{self.blocks.stop - 1} from the kept vjps"
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitBackward:
+    """A split MoE block's backward, sub-part by sub-part (stages them itself)."""
+
+    block: int
+
+    def __str__(self) -> str:
+        return f"backward split block.{self.block}"
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedBackward:
+    """The embedding lookup's gradient (plus the head's, when tied)."""
+
+    tied: bool
+
+    def __str__(self) -> str:
+        return "backward embed" + (" (+ the head's use of it)" if self.tied else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class GradOut:
+    """A part's gradient, summed over the micro-batches, leaves for the host."""
+
+    part: str
+
+    def __str__(self) -> str:
+        return f"gradient out {self.part}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GradStays:
+    """A resident part's summed gradient stays on the device for its update there."""
+
+    part: str
+
+    def __str__(self) -> str:
+        return f"gradient stays {self.part}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """The clip scale from every gradient's norm (a host sync), then every part's update:
+    streamed parts' deferred to their next staging, resident ones' on the device now."""
+
+    def __str__(self) -> str:
+        return "update (clip scale known)"
+
+
+def listing(operations) -> str:
+    """The operations, one a line, numbered."""
+    return "\n".join(f"{i:3d}  {op}" for i, op in enumerate(operations))
+
+
+class _Builder:
+    def __init__(self, s, train: bool):
+        self.s, self.train, self.out = s, train, []
+        self.host = s.stream.activations == "host"
+        self.saved = {i for g in s.saved for i in g} if train else set()
+        self.starts = {g.start for g in s.groups if g not in s.saved} if train else set()
+
+    def weights(self, part: str) -> None:
+        self.out.append(Resident(part) if part in self.s.resident else Stage(part))
+
+    def release(self, part: str) -> None:
+        if part not in self.s.resident:
+            self.out.append(Release(part))
+
+    def grad(self, part: str) -> None:
+        self.out.append(GradStays(part) if part in self.s.resident else GradOut(part))
+
+    def keep(self, block: int) -> None:
+        if block in self.starts:
+            self.out.append(Keep(block, self.host))
+
+    def forward(self) -> None:
+        s, n = self.s, self.s.cfg.num_hidden_layers
+        self.weights("embed")
+        self.out.append(Embed())
+        self.release("embed")
+        self.keep(0)
+        for i in range(n):
+            name = f"block.{i}"
+            if i in s.split:
+                self.out.append(SplitForward(i, self.train))
+            else:
+                self.weights(name)
+                self.out.append(Save(i) if i in self.saved else Forward(i))
+                if not (self.train and s.last_stays and i == n - 1):  # else the backward starts with it
+                    self.release(name)
+            self.keep(i + 1)
+        tied = s.cfg.tie_word_embeddings
+        self.weights("head")
+        if tied:
+            self.weights("embed")
+        self.out.append(Head(tied) if self.train else HeadLoss(tied))
+        self.release("head")
+        if self.train:
+            self.grad("head")
+        if tied:
+            self.release("embed")  # a tied embedding's gradient from the head waits on the device
+
+    def backward(self) -> None:
+        s, n = self.s, self.s.cfg.num_hidden_layers
+        for group in reversed(s.groups):
+            names = [f"block.{i}" for i in group]
+            if group.start in s.split:
+                self.out += [Unkeep(group.start, self.host), SplitBackward(group.start)]
+                self.grad(names[0])
+                continue
+            if group in s.saved:
+                self.out.append(SavedBackward(group))
+                for name in reversed(names):
+                    self.grad(name)
+                continue
+            self.out.append(Unkeep(group.start, self.host))
+            stays = s.last_stays and group.start == n - 1  # staged since its forward
+            for name in names:
+                if not stays:
+                    self.weights(name)
+            self.out.append(Backward(group.start) if len(group) == 1 else RecomputeBackward(group))
+            for name in reversed(names):
+                self.release(name)
+                self.grad(name)
+        self.out.append(EmbedBackward(s.cfg.tie_word_embeddings))
+        self.grad("embed")
+        self.out.append(Update())
+
+
+def compile_step(s, train: bool = True) -> tuple:
+    """The operations of one training step (`train`) or forward-only pass of schedule `s`."""
+    b = _Builder(s, train)
+    b.forward()
+    if train:
+        b.backward()
+    return tuple(b.out)
