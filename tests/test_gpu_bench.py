@@ -38,7 +38,7 @@ def test_gpu_bench_dry_run_prints_every_figure_and_writes_no_docs(tmp_path):
     assert "DmaMap" in figures["link_mapped_gbps"]["refused"] and figures["link_mapped_gbps"]["value"] is None
     for run in ("stream", "reference", "capped_stream"):
         assert figures[f"{run}_tokens_per_s"]["value"] > 0 and 0 < figures[f"{run}_mfu"]["value"] < 1
-        assert figures[f"{run}_compiles_after_step_1"]["value"] >= 0
+        assert figures[f"{run}_compiles_after_step_1"]["value"] == 0  # the issue: none after step 1
     for run in ("stream", "capped_stream"):  # every forward part waited for, from the last step's trace
         assert list(figures[f"{run}_forward_wait_s"]["value"]) == ["embed", "block.0", "block.1", "head"]
         assert figures[f"{run}_forward_wait_share"]["value"] >= 0

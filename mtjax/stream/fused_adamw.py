@@ -167,6 +167,10 @@ class FusedAdamW:
             return (r1.astype(jnp.float32), r2.astype(jnp.float32), lr), (t, _increment(schedule_count))
 
         self._scalars = scalars
+        # Compiled now, with the int32 scalar counts optax keeps, so that its first use (the
+        # first update, deferred into the second step) compiles nothing.
+        with jax.default_device(host_device()):
+            scalars(np.int32(0), np.int32(0))
         self._last = None  # (counts, their scalars): every part of a step has the same counts
         self.threads = threads or os.cpu_count() or 1
         self.pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="mtjax-adamw")
