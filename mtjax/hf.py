@@ -239,6 +239,17 @@ def load_params(ckpt_dir: str | Path, cfg: ModelConfig | None = None, dtype=np.f
     """(cfg, params) from a checkpoint directory, params as numpy arrays in `dtype`."""
     cfg = cfg or load_hf_config(ckpt_dir)
     reader = SafetensorsReader(ckpt_dir)
+    specs = checked_specs(ckpt_dir, cfg, reader)
+    params = jax.tree.map(lambda _: None, model.abstract_params(cfg))
+    for spec in specs:
+        for path, array in zip(spec.paths, to_mtjax(spec, reader.read(spec.hf_name))):
+            set_path(params, path, array.astype(dtype))
+    return cfg, params
+
+
+def checked_specs(ckpt_dir: str | Path, cfg: ModelConfig, reader: SafetensorsReader) -> list[TensorSpec]:
+    """The tensors `cfg`'s model takes from the checkpoint in `reader` (those it leaves out
+    said), or one line naming the settings in which the checkpoint's model differs."""
     say_left_out(reader)
     try:
         specs = check(cfg, reader)
@@ -253,11 +264,7 @@ def load_params(ckpt_dir: str | Path, cfg: ModelConfig | None = None, dtype=np.f
         raise CheckpointError(f"checkpoint {ckpt_dir} holds another model than this one ({', '.join(diff)}: the "
                               "checkpoint's -> this run's); use the checkpoint's settings, or another checkpoint "
                               "or run.dir") from None
-    params = jax.tree.map(lambda _: None, model.abstract_params(cfg))
-    for spec in specs:
-        for path, array in zip(spec.paths, to_mtjax(spec, reader.read(spec.hf_name))):
-            set_path(params, path, array.astype(dtype))
-    return cfg, params
+    return specs
 
 
 def hf_tensors(cfg: ModelConfig, params) -> Iterator[tuple[str, np.ndarray]]:

@@ -39,7 +39,7 @@ import numpy as np
 import optax
 
 import mtjax.store
-from mtjax.store import layout, shards
+from mtjax.store import fresh, hf_import, layout, shards
 from mtjax.store import tokenizer as store_tokenizer
 from mtjax import checkpoint, textfile, writable
 from mtjax import config as config_lib
@@ -127,10 +127,28 @@ def make_engine(exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None,
 
 
 def initial_params(exp: ExperimentConfig, cfg: ModelConfig):
-    """Weights of the checkpoint the experiment starts from, else a fresh initialisation."""
+    """Weights of the checkpoint the experiment starts from, else a fresh initialisation:
+    the whole model, for a new run's reference engine or multi-process shards (a stream
+    engine's run on one process fills its store part by part instead, `_fill_store`)."""
     if exp.model.checkpoint:
         return hf.load_params(exp.model.checkpoint, cfg)[1]
     return model.init_params(cfg, exp.run.seed)
+
+
+def _fills_store(exp: ExperimentConfig, hosts) -> bool:
+    """Whether a new run's store is filled part by part before its engine starts (the
+    stream engine's run on one process; a shard holds rows, the reference engine the model)."""
+    return exp.stream.engine == "stream" and hosts is None
+
+
+def _fill_store(exp: ExperimentConfig, store) -> None:
+    """The starting weights (initial_params's values) and fresh optimizer state into every
+    part of the run's new `store`, one part at a time (uncommitted)."""
+    tx = make_optimizer(exp.optim)
+    if exp.model.checkpoint:
+        hf_import.fill_parts(store, exp.model.checkpoint, tx)
+    else:
+        fresh.fill_parts(store, exp.run.seed, tx)
 
 
 def weights_provenance(exp: ExperimentConfig, resumed: Path | None = None, step: int = 0,
@@ -377,7 +395,16 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
         val = _eval_batches(dataset, exp) if exp.run.eval_every else None
         loader = data.Loader(dataset, "train", exp.data.seq_len, exp.data.batch_size, exp.data.grad_accum,
                              exp.data.seed, cursor=cursor)
-        if created:
+        if created and _fills_store(exp, hosts):
+            # The new store is filled one part at a time, as `mtjax init` and `mtjax import`
+            # fill theirs, and committed (resumable from the first moment); the engine then
+            # starts from it: the whole model is never on the device nor in host memory.
+            _fill_store(exp, store)
+            store.commit(0, checkpoint.train_state(exp, 0, loader.cursor))
+            engine = make_engine(exp, cfg, None, store=store, step=0, hosts=hosts)
+            _check_sample_budget(exp, cfg, positions, _sample_budget(exp, engine))  # beside its resident parts
+            created, origin = False, {}
+        elif created:  # the reference engine (the whole model in memory by design), a multi-process run's shard
             engine = make_engine(exp, cfg, initial_params(exp, cfg), store=store, hosts=hosts)
             _check_sample_budget(exp, cfg, positions, _sample_budget(exp, engine))  # beside its resident parts
             engine.commit(0, checkpoint.train_state(exp, 0, loader.cursor))  # resumable from the first moment

@@ -310,7 +310,8 @@ DEEP = ["--model.hidden_size=128", "--model.intermediate_size=512", "--model.num
 
 @pytest.mark.slow  # a training run, an export and two samples, compiled
 def test_the_closing_sample_streams_within_a_device_budget_below_the_weights(tmp_path, capsys):
-    """`mtjax train` with stream.device_budget_bytes below the model's weights trains and
+    """A fresh `mtjax train` with stream.device_budget_bytes below the model's weights starts
+    from its new store filled part by part (as `mtjax init` fills one), trains and
     samples: the closing sample streams the store's last commit part by part (the text
     `mtjax generate` gives from that store), and the device ledger's peak stays in the budget."""
     from mtjax import parts
@@ -326,6 +327,31 @@ def test_the_closing_sample_streams_within_a_device_budget_below_the_weights(tmp
     assert 0 < summary["device_peak_bytes"] <= budget < weights
     assert cli.main(["generate", str(run_dir / "store"), "--prompt", "CLEOPATRA.\n", "--tokens", "12"]) == 0
     assert capsys.readouterr().out == "CLEOPATRA.\n" + summary["sample"] + "\n"
+
+
+@pytest.mark.parametrize("copies, tiers", [(2, ["--store.master=ram", "--store.opt=disk"]),
+                                           (1, ["--store.compute=disk", "--store.master=disk", "--store.opt=disk"])])
+def test_a_fresh_streamed_run_starts_from_the_weights_mtjax_init_gives(tmp_path, copies, tiers):
+    """A new stream-engine run fills its store part by part, as `mtjax init` does (whose
+    weights are init_params's, test_store_hf): its step-0 commit holds, bit for bit, the
+    master, compute and optimizer state `mtjax init` writes for the same config and seed."""
+    from mtjax import parts
+
+    args = [*TINY, "--stream.engine=stream", "--run.steps=0", "--run.seed=5", f"--store.copies={copies}", *tiers,
+            "--run.sample_prompt=", f"--run.dir={tmp_path / 'run'}"]
+    config.dump(config.load(None, args), tmp_path / "exp.yaml")
+    assert cli.main(["init", str(tmp_path / "exp.yaml"), str(tmp_path / "init"), "--seed", "5",
+                     "--copies", str(copies)]) == 0
+    assert cli.main(["train", *args]) == 0
+    with store_lib.open(tmp_path / "run" / "store") as ran, store_lib.open(tmp_path / "init") as made:
+        assert ran.step == made.step == 0 and ran.load_train_state() is not None
+        assert ran.config == made.config
+        for part in made.parts:
+            for kind in parts.KINDS:
+                want, got = made.read(part, kind).result(), ran.read(part, kind).result()
+                assert want.keys() == got.keys()
+                for leaf in want:
+                    np.testing.assert_array_equal(np.asarray(got[leaf]), np.asarray(want[leaf]), err_msg=(part, kind, leaf))
 
 
 @pytest.mark.parametrize("extra, says", [

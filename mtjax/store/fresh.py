@@ -39,12 +39,19 @@ def init_store(cfg: ModelConfig, store_dir: str | Path, seed: int = 0, tx=None, 
     tx = tx or make_optimizer(OptimConfig())
     fill.check_destination(Path(store_dir))
     with fill.staged(store_dir, cfg, tx, copies) as store:
-        for part, params in _part_params(cfg, seed, store.parts):
-            named = treepath.flatten(params)
-            fill.write_part(store, part, {k: np.asarray(v, np.float32) for k, v in named.items()}, tx)
-            del params, named  # one part in host memory at a time: models larger than RAM
+        fill_parts(store, seed, tx)
         store.commit(0)
     return Path(store_dir)
+
+
+def fill_parts(store, seed: int, tx) -> None:
+    """Write fresh weights (`init_params(store.config, seed)`'s values) and tx.init state
+    into every part of the new, writable `store`, one part at a time (uncommitted): the
+    whole model is never on the device nor in host memory at once."""
+    for part, params in _part_params(store.config, seed, store.parts):
+        named = treepath.flatten(params)
+        fill.write_part(store, part, {k: np.asarray(v, np.float32) for k, v in named.items()}, tx)
+        del params, named  # one part in host memory at a time: models larger than RAM
 
 
 def _part_params(cfg: ModelConfig, seed: int, names: list[str]):

@@ -90,22 +90,36 @@ def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "b
     tx = tx or make_optimizer(OptimConfig())
     grouped = by_part(specs)
     with fill.staged(store_dir, cfg, tx, copies) as store:
-        for part in store.parts:
-            reader = hf.SafetensorsReader(hf_dir)  # fresh mappings: the last part's pages leave RSS
-            master = {}
-            for spec in grouped[part]:
-                try:
-                    tensor = reader.read(spec.hf_name)
-                except MtjaxError as e:
-                    raise StoreError(f"cannot import {hf_dir}: {e}") from None
-                for leaf, array in zip(leaf_names(spec), hf.to_mtjax(spec, tensor)):
-                    master[leaf] = array.astype(np.float32, copy=False)
-                del tensor
-            del reader
-            fill.write_part(store, part, master, tx)
-            del master
-            if progress:
-                progress(part)
+        try:
+            _fill(store, hf_dir, grouped, tx, progress)
+        except StoreError:
+            raise
+        except MtjaxError as e:  # an unreadable tensor
+            raise StoreError(f"cannot import {hf_dir}: {e}") from None
         tokenizer.keep(hf_dir, store.root)  # eval, generate and export then use the checkpoint's own
         store.commit(0)
     return Path(store_dir)
+
+
+def fill_parts(store, hf_dir: str | Path, tx) -> None:
+    """The checkpoint's weights (hf.load_params's values for the store's model config, which
+    the checkpoint must hold) and tx.init state into every part of the new, writable
+    `store`, one part at a time (uncommitted): a run's start from an HF checkpoint."""
+    specs = hf.checked_specs(hf_dir, store.config, hf.SafetensorsReader(hf_dir))
+    _fill(store, Path(hf_dir), by_part(specs), tx)
+
+
+def _fill(store, hf_dir: Path, grouped: dict[str, list[hf.TensorSpec]], tx, progress=None) -> None:
+    for part in store.parts:
+        reader = hf.SafetensorsReader(hf_dir)  # fresh mappings: the last part's pages leave RSS
+        master = {}
+        for spec in grouped[part]:
+            tensor = reader.read(spec.hf_name)
+            for leaf, array in zip(leaf_names(spec), hf.to_mtjax(spec, tensor)):
+                master[leaf] = array.astype(np.float32, copy=False)
+            del tensor
+        del reader
+        fill.write_part(store, part, master, tx)
+        del master
+        if progress:
+            progress(part)
