@@ -140,6 +140,12 @@ def _abstract(cfg: ModelConfig, part: str | LayerSpec) -> dict:
     return nnx.to_pure_dict(_skeleton(cfg, part)[1])
 
 
+def abstract_part(cfg: ModelConfig, part: str | LayerSpec) -> dict:
+    """One part's parameters ("embed", "head", or a block by its LayerSpec) as a pytree of
+    float32 ShapeDtypeStructs: a part's alone, without building the whole model's."""
+    return _abstract(cfg, part)
+
+
 def abstract_block(cfg: ModelConfig, spec: LayerSpec | None = None) -> dict:
     """One block's parameters as a pytree of float32 ShapeDtypeStructs (default: the first layer's)."""
     return _abstract(cfg, cfg.layer_specs[0] if spec is None else spec)

@@ -48,8 +48,11 @@ def part_params(params, name: str):
 
 
 def abstract_part(cfg: ModelConfig, name: str):
-    """The fp32 parameter pytree of one part as ShapeDtypeStructs."""
-    return part_params(model.abstract_params(cfg), name)
+    """The fp32 parameter pytree of one part as ShapeDtypeStructs (that part's alone: a
+    3000-block model's schemas stay linear in its blocks)."""
+    if name.startswith("block."):
+        return model.abstract_part(cfg, cfg.layer_specs[int(name.split(".")[1])])
+    return model.abstract_part(cfg, name)
 
 
 def schema(cfg: ModelConfig, name: str, kind: str, tx=None) -> dict[str, jax.ShapeDtypeStruct]:
