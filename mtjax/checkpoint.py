@@ -29,11 +29,12 @@ from pathlib import Path
 import numpy as np
 
 import mtjax.store
-from mtjax import distributed, parts, rundir, treepath
+from mtjax import distributed, partid, parts, rundir, treepath
 from mtjax.config import ConfigError, ExperimentConfig
 from mtjax.data import chat
 from mtjax.model_config import ModelConfig
 from mtjax.optim import make_optimizer
+from mtjax.partid import EMBED, HEAD
 from mtjax.store import fill, hf_export, layout, lock, manifest, shards
 from mtjax.store.errors import StoreError
 from mtjax.stream.update import full_opt_state, split_opt_state
@@ -211,8 +212,7 @@ def read_params(store):
     cfg = store.config
     named = {p.name: store.read(p.name, "master").result() for p in parts.parts(cfg)}
     tree = {name: treepath.unflatten(parts.abstract_part(cfg, name), named[name]) for name in named}
-    return {"embed": tree["embed"], "blocks": [tree[f"block.{i}"] for i in range(cfg.num_hidden_layers)],
-            "head": tree["head"]}
+    return parts.whole_params(cfg, tree)
 
 
 def read_model(store, tx):
@@ -239,7 +239,7 @@ def export_final(exp: ExperimentConfig, out: Path, tokenizer, step: int, chat_te
         (tmp / EXPORT_NOTE).write_text(json.dumps({"step": step, "tokenizer": spec, "eos_id": tokenizer.eos_id},
                                                   indent=2))
 
-    names = [] if params is None else ["embed", *(f"block.{i}" for i in range(len(params["blocks"]))), "head"]
+    names = [] if params is None else [EMBED, *map(partid.block, range(len(params["blocks"]))), HEAD]
     masters = None if params is None else {
         name: {n: np.asarray(a) for n, a in treepath.flatten(parts.part_params(params, name)).items()} for name in names}
     return hf_export.export_hf(store_dir or store_path(exp), out, replace=True, extra=extra, masters=masters,

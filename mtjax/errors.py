@@ -1,5 +1,7 @@
 """Errors a user can act on. The command line prints their message as one line."""
 
+from mtjax.partid import PartId
+
 
 class MtjaxError(Exception):
     """Base of every error caused by input (config, checkpoint, data, disk state)."""
@@ -12,9 +14,9 @@ class NonFiniteStep(MtjaxError):
     pass produced them (head first, then blocks from the last to the first, then embed).
     """
 
-    def __init__(self, step: int, loss: float, parts: list[str]):
+    def __init__(self, step: int, loss: float, parts: list[PartId]):
         self.step, self.loss, self.parts = step, loss, list(parts)
-        blocks = [p for p in self.parts if p.startswith("block.")]
+        blocks = [p for p in self.parts if PartId(p).is_block]
         where = (f"first block with non-finite gradients: {blocks[0]} (of {', '.join(self.parts)})" if blocks
                  else f"non-finite gradients in: {', '.join(self.parts)}" if self.parts else "gradients finite")
         super().__init__(f"step {step}: loss {loss} or gradients are not finite ({where}); no state was changed. "

@@ -13,8 +13,8 @@ Routing happens once, in the router part (whatever the router: softmax top-k, si
 top-1); a group only takes the MLP input, the kept weights and the chosen experts, so
 it assumes nothing about how they were scored. The router part's leaves are every
 block leaf outside `mlp.experts.*`; a group's are its experts' (the store keeps one
-array per expert, so a group reads alone). Sub-part names are "block.3/router" and
-"block.3/experts.J", J the group's index.
+array per expert, so a group reads alone). Sub-parts are mtjax.partid.PartIds: block 3's
+router part (named "block.3/router") and its group J ("block.3/experts.J").
 """
 
 from __future__ import annotations
@@ -24,12 +24,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtjax import model
-from mtjax.layers import feedforward
+from mtjax.layers import feedforward, registry
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
+from mtjax.partid import PartId
 
 EXPERTS = "mlp.experts."
-ROUTER = "router"
+
+
+def splits(spec: LayerSpec) -> bool:
+    """Whether a block of `spec` can be split into a router part and expert groups: its
+    feed-forward's registry entry has the "experts" split point."""
+    return "experts" in registry.feed_forward(spec).split_points
+
+
+def split_blocks(cfg: ModelConfig) -> tuple[int, ...]:
+    """The blocks of `cfg` that can be split (`splits`)."""
+    return tuple(i for i, spec in enumerate(cfg.layer_specs) if splits(spec))
 
 
 def expert_of(leaf: str) -> int | None:
@@ -42,29 +53,18 @@ def groups_of(num_experts: int, size: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(range(s, min(s + size, num_experts))) for s in range(0, num_experts, size))
 
 
-def names(block: str, groups: tuple) -> tuple[str, ...]:
+def names(block: PartId | str, groups: tuple) -> tuple[PartId, ...]:
     """The sub-parts of a split block, in forward order: its router part, then its groups."""
-    return (f"{block}/{ROUTER}", *(f"{block}/experts.{j}" for j in range(len(groups))))
+    block = PartId(block)
+    return (block.router(), *(block.experts(j) for j in range(len(groups))))
 
 
-def owner(name: str) -> str:
-    """The part a (sub-)part name belongs to: "block.3/experts.1" -> "block.3"."""
-    return name.split("/")[0]
-
-
-def block_index(name: str) -> int | None:
-    """The block index of a (sub-)part name ("block.3/router" -> 3); None for embed, head."""
-    part = owner(name)
-    return int(part.split(".")[1]) if part.startswith("block.") else None
-
-
-def group_ids(name: str, groups: tuple) -> tuple[int, ...] | None:
+def group_ids(name: PartId, groups: tuple) -> tuple[int, ...] | None:
     """The experts of sub-part `name` (None for the router part)."""
-    sub = name.split("/")[1]
-    return None if sub == ROUTER else groups[int(sub.split(".")[1])]
+    return None if name.group is None else groups[name.group]
 
 
-def leaves(schema: dict, name: str, groups: tuple) -> list[str]:
+def leaves(schema: dict, name: PartId, groups: tuple) -> list[str]:
     """The leaves of sub-part `name` among a split block's `schema` ({leaf: ...})."""
     ids = group_ids(name, groups)
     if ids is None:

@@ -1,6 +1,7 @@
 """The model as an ordered list of parts: the unit of storage, streaming and update.
 
-Part names are "embed", "block.0" ... "block.{N-1}" and "head". Each part has three
+Parts are embed, block 0 ... block N-1 and head, each named by a mtjax.partid.PartId
+(its name, "embed", "block.3", "head", is the store's key). Each part has three
 kinds of state, each a flat {leaf name: array} dict (see mtjax.treepath):
 
     compute  the weights the device computes with (mtjax.precision: the master rounded
@@ -19,40 +20,50 @@ import math
 import jax
 import numpy as np
 
-from mtjax import model, precision, treepath
+from mtjax import model, partid, precision, treepath
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
+from mtjax.partid import EMBED, HEAD, PartId
 
 KINDS = ("compute", "master", "opt")
 
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    name: str  # "embed", "block.3", "head"
+    name: PartId  # embed, block 3, head
     fn_kind: str | LayerSpec  # which compiled function runs it: "embed", a block's LayerSpec, "head"
     index: int  # position in the model, 0 = embed
 
 
 def parts(cfg: ModelConfig) -> list[Part]:
-    out = [Part("embed", "embed", 0)]
-    out += [Part(f"block.{i}", spec, i + 1) for i, spec in enumerate(cfg.layer_specs)]
-    out.append(Part("head", "head", cfg.num_hidden_layers + 1))
+    out = [Part(EMBED, "embed", 0)]
+    out += [Part(partid.block(i), spec, i + 1) for i, spec in enumerate(cfg.layer_specs)]
+    out.append(Part(HEAD, "head", cfg.num_hidden_layers + 1))
     return out
 
 
-def part_params(params, name: str):
+def part_params(params, name: PartId | str):
     """The params subtree of one part of a model params pytree."""
-    if name.startswith("block."):
-        return params["blocks"][int(name.split(".")[1])]
-    return params[name]
+    name = PartId(name)
+    return params["blocks"][name.block] if name.is_block else params[name.kind]
 
 
-def abstract_part(cfg: ModelConfig, name: str):
+def whole_params(cfg: ModelConfig, by_part: dict):
+    """The model params pytree from each part's subtree {part: subtree} (`part_params`' inverse)."""
+    blocks = [by_part[partid.block(i)] for i in range(cfg.num_hidden_layers)]
+    return {"embed": by_part[EMBED], "blocks": blocks, "head": by_part[HEAD]}
+
+
+def fn_kind(cfg: ModelConfig, name: PartId | str) -> str | LayerSpec:
+    """Which compiled function runs a part: "embed", a block's LayerSpec, "head"."""
+    name = PartId(name)
+    return cfg.layer_specs[name.block] if name.is_block else name.kind
+
+
+def abstract_part(cfg: ModelConfig, name: PartId | str):
     """The fp32 parameter pytree of one part as ShapeDtypeStructs (that part's alone: a
     3000-block model's schemas stay linear in its blocks)."""
-    if name.startswith("block."):
-        return model.abstract_part(cfg, cfg.layer_specs[int(name.split(".")[1])])
-    return model.abstract_part(cfg, name)
+    return model.abstract_part(cfg, fn_kind(cfg, name))
 
 
 def schema(cfg: ModelConfig, name: str, kind: str, tx=None) -> dict[str, jax.ShapeDtypeStruct]:

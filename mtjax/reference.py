@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mtjax import documents, model, moe
+from mtjax import documents, model, moe, partid
 from mtjax.documents import Inputs
 from mtjax.errors import NonFiniteStep
 from mtjax.loss import cross_entropy
@@ -167,7 +167,7 @@ class ReferenceTrainer:
             out["aux_loss"] = float(aux)  # included in "loss", times router_aux_loss_coef
         if not (np.isfinite(out["loss"]) and np.isfinite(out["grad_norm"])):
             n = self.cfg.num_hidden_layers
-            names = ["head", *(f"block.{i}" for i in reversed(range(n))), "embed"]
+            names = [partid.HEAD, *(partid.block(i) for i in reversed(range(n))), partid.EMBED]
             self.skipped += 1
             bad = [m for m, s in zip(names, part_sq) if not np.isfinite(s)]
             raise NonFiniteStep(self.skipped + self.steps, out["loss"], bad)

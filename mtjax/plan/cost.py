@@ -27,7 +27,7 @@ import collections
 import dataclasses
 import math
 
-from mtjax import model, moe, parts
+from mtjax import model, moe, partid, parts
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.layers import registry
 from mtjax.layers.spec import LayerSpec
@@ -150,9 +150,10 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
 
     def forward(executed):
         # A MoE block computes with its active parameters (k experts); its bytes are all of them.
-        return sum(block_forward_flops(cfg, spec, pb[f"block.{i}"].compute // c_item - model.inactive_params(cfg, spec),
-                                       shape.batch, shape.seq, executed, dispatch)
-                   for i, spec in enumerate(cfg.layer_specs))
+        active = [pb[partid.block(i)].compute // c_item - model.inactive_params(cfg, spec)
+                  for i, spec in enumerate(cfg.layer_specs)]
+        return sum(block_forward_flops(cfg, spec, n, shape.batch, shape.seq, executed, dispatch)
+                   for n, spec in zip(active, cfg.layer_specs))
 
     head_fwd = 2.0 * cfg.hidden_size * cfg.vocab_size * tokens
     # Blocks: forward, recompute forward, backward (2x) = 4 forwards; head: forward + backward.
@@ -161,7 +162,7 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     saved = 0.0
     for i in (i for g in s.saved for i in g):
         spec = cfg.layer_specs[i]
-        params_i = pb[f"block.{i}"].compute // c_item - model.inactive_params(cfg, spec)
+        params_i = pb[partid.block(i)].compute // c_item - model.inactive_params(cfg, spec)
         whole = block_forward_flops(cfg, spec, params_i, shape.batch, shape.seq, dispatch=dispatch)
         saved += whole if s.remat == "none" else 2.0 * params_i * tokens
     flops = shape.accum * (4 * forward(True) - saved + 3 * head_fwd)
@@ -245,12 +246,12 @@ def _times(s: Schedule, hw: HardwareProfile, flops: float, t: Traffic) -> Times:
         # cost per part streamed (`part_overhead_s`, measured per transfer of a step).
         fixed = hw.part_overhead_s * len(s.transfers)
         return Times(device, link, disk, host_mem, fixed, sum(stages.values()) + fixed, max(stages, key=stages.get))
-    if "embed" in s.resident:  # the first part needed is already there, updated
+    if partid.EMBED in s.resident:  # the first part needed is already there, updated
         bound = max(stages, key=stages.get)
         return Times(device, link, disk, host_mem, 0.0, stages[bound], bound, interconnect)
     # The embedding's gradient leaves the device last and its new weights are needed first.
-    e = s.part_bytes["embed"]
-    startup = s.grad_bytes["embed"] / d2h_rate + e.compute / h2d_rate  # its gradient is a dense fp32 table
+    e = s.part_bytes[partid.EMBED]
+    startup = s.grad_bytes[partid.EMBED] / d2h_rate + e.compute / h2d_rate  # its gradient is a dense fp32 table
     startup += (2 * e.master + 2 * e.opt + e.master + e.compute) / hw.host_memory_bytes_per_s
     for kind in parts.KINDS:
         if getattr(s.store, kind) == "disk":

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import psutil
 
-from mtjax import model, moe, parts
+from mtjax import model, moe, partid, parts
 from mtjax.model_config import ModelConfig
 from mtjax.plan.cost import block_forward_flops
 from mtjax.plan.hardware import HardwareProfile
@@ -132,7 +132,7 @@ def block_flops(cfg, batch: int, seq: int, repeats: int = 5) -> float:
     machine's other work as often as the probe is, and on the shared 2-core machine the
     best of three ran 1.2-1.5x faster than the steps it was meant to price."""
     spec = cfg.layer_specs[0]
-    name = "block.0"
+    name = partid.block(0)
     rng = np.random.default_rng(0)
     schema = parts.schema(cfg, name, "compute")
     w = {k: jnp.asarray(rng.normal(0, 0.02, v.shape).astype(v.dtype)) for k, v in schema.items()}

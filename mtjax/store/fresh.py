@@ -9,10 +9,11 @@ import numpy as np
 from flax import nnx
 
 from mtjax import config as experiment  # the one module that reads YAML
-from mtjax import model, treepath
+from mtjax import model, parts, treepath
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig, load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.partid import EMBED, HEAD
 from mtjax.store import fill
 from mtjax.store.errors import StoreError
 
@@ -57,8 +58,7 @@ def fill_parts(store, seed: int, tx) -> None:
 def _part_params(cfg: ModelConfig, seed: int, names: list[str]):
     """Yield (part, fresh fp32 params) one part at a time, drawing from one nnx.Rngs in
     init_params's order (embed, blocks, head), so the values equal init_params(cfg, seed)."""
-    assert names[0] == "embed" and names[-1] == "head", names
+    assert names[0] == EMBED and names[-1] == HEAD, names
     rngs = nnx.Rngs(seed)
     for name in names:
-        factory = cfg.layer_specs[int(name.split(".")[1])] if name.startswith("block.") else name
-        yield name, model.init_part(cfg, factory, rngs)
+        yield name, model.init_part(cfg, parts.fn_kind(cfg, name), rngs)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtjax import hf, textfile
+from mtjax import hf, partid, textfile
 from mtjax.errors import MtjaxError
 from mtjax.model_config import load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
@@ -24,11 +24,11 @@ from mtjax.store.errors import StoreError
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
-def locate(path: tuple) -> tuple[str, str]:
-    """(part name, leaf name) of a leaf, from its path in the params pytree."""
+def locate(path: tuple) -> tuple[partid.PartId, str]:
+    """(part, leaf name) of a leaf, from its path in the params pytree."""
     if path[0] == "blocks":
-        return f"block.{path[1]}", ".".join(map(str, path[2:]))  # expert numbers are ints
-    return path[0], ".".join(path[1:])
+        return partid.block(path[1]), ".".join(map(str, path[2:]))  # expert numbers are ints
+    return partid.PartId(path[0]), ".".join(path[1:])
 
 
 def leaf_names(spec: hf.TensorSpec) -> list[str]:

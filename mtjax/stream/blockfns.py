@@ -23,6 +23,7 @@ from mtjax import model, moe, parts, treepath
 from mtjax.loss import cross_entropy
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
+from mtjax.partid import EMBED, HEAD
 
 
 @functools.lru_cache(maxsize=8)
@@ -72,7 +73,7 @@ def _flat_forward(cfg: ModelConfig, spec: LayerSpec):
 
 def _embed(cfg: ModelConfig, w: dict, tokens):
     """Token ids [b, t] -> hidden [b, t, d]."""
-    return model.embed_forward(cfg, treepath.unflatten(parts.abstract_part(cfg, "embed"), w), tokens)
+    return model.embed_forward(cfg, treepath.unflatten(parts.abstract_part(cfg, EMBED), w), tokens)
 
 
 def _block(cfg: ModelConfig, spec: LayerSpec, w: dict, x, segments=None):
@@ -117,8 +118,8 @@ def _aux(cfg: ModelConfig, stats: list, tokens, weight):
 
 
 def _head_trees(cfg: ModelConfig, head: dict, embed: dict | None):
-    head_t = treepath.unflatten(parts.abstract_part(cfg, "head"), head)
-    embed_t = treepath.unflatten(parts.abstract_part(cfg, "embed"), embed) if embed is not None else None
+    head_t = treepath.unflatten(parts.abstract_part(cfg, HEAD), head)
+    embed_t = treepath.unflatten(parts.abstract_part(cfg, EMBED), embed) if embed is not None else None
     return head_t, embed_t
 
 

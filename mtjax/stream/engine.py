@@ -199,8 +199,7 @@ class StreamEngine:
             tree = treepath.unflatten(parts_mod.abstract_part(self.cfg, p.name), self._read_state(p.name, "master"))
             # Copies: the next update overwrites RAM-tier arrays in place.
             out[p.name] = jax.tree.map(lambda a: jnp.asarray(np.array(a)), tree)
-        n = self.cfg.num_hidden_layers
-        return {"embed": out["embed"], "blocks": [out[f"block.{i}"] for i in range(n)], "head": out["head"]}
+        return parts_mod.whole_params(self.cfg, out)
 
     def opt_state(self):
         """The optimizer state shaped as the reference trainer's `tx.init(params)`."""

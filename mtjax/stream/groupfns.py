@@ -25,7 +25,6 @@ import functools
 import jax
 
 from mtjax import expert_groups
-from mtjax.layers import registry
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
 
@@ -37,7 +36,7 @@ def group_fns(cfg: ModelConfig) -> GroupFns:
 
 class GroupFns:
     def __init__(self, cfg: ModelConfig):
-        specs = [s for s in cfg.block_specs if "experts" in registry.feed_forward(s).split_points]
+        specs = [s for s in cfg.block_specs if expert_groups.splits(s)]
 
         def per_spec(fn):
             return {s: jax.jit(functools.partial(fn, cfg, s)) for s in specs}

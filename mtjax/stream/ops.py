@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from mtjax import partid
+from mtjax.partid import EMBED, HEAD, PartId
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """Take the next staged part from the prefetcher: its weights are on the device."""
 
-    part: str
+    part: PartId
 
     def __str__(self) -> str:
         return f"stage {self.part}"
@@ -41,7 +44,7 @@ class Stage:
 class Resident:
     """A resident part's weights, on the device already: nothing crosses."""
 
-    part: str
+    part: PartId
 
     def __str__(self) -> str:
         return f"resident {self.part}"
@@ -51,7 +54,7 @@ class Resident:
 class Release:
     """Hand a staged part's slot back, fenced by the outputs of its last programs."""
 
-    part: str
+    part: PartId
 
     def __str__(self) -> str:
         return f"release {self.part}"
@@ -72,7 +75,7 @@ class Forward:
     block: int
 
     def __str__(self) -> str:
-        return f"forward block.{self.block}"
+        return f"forward {partid.block(self.block)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +85,7 @@ class Save:
     block: int
 
     def __str__(self) -> str:
-        return f"forward block.{self.block}, keep its vjp"
+        return f"forward {partid.block(self.block)}, keep its vjp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +97,7 @@ class SplitForward:
     keep: bool
 
     def __str__(self) -> str:
-        return f"forward split block.{self.block}" + (", keep its routing" if self.keep else "")
+        return f"forward split {partid.block(self.block)}" + (", keep its routing" if self.keep else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +109,7 @@ class Keep:
     host: bool = False
 
     def __str__(self) -> str:
-        return f"keep input of block.{self.block}" + (" in host memory" if self.host else "")
+        return f"keep input of {partid.block(self.block)}" + (" in host memory" if self.host else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +120,7 @@ class Unkeep:
     host: bool = False
 
     def __str__(self) -> str:
-        return f"take back input of block.{self.block}" + (" from host memory" if self.host else "")
+        return f"take back input of {partid.block(self.block)}" + (" from host memory" if self.host else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +151,7 @@ class Backward:
     block: int
 
     def __str__(self) -> str:
-        return f"recompute+backward block.{self.block}"
+        return f"recompute+backward {partid.block(self.block)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +162,7 @@ class RecomputeBackward:
     blocks: range
 
     def __str__(self) -> str:
-        return f"recompute block.{self.blocks.start}..{self.blocks.stop - 1}, backward in reverse"
+        return f"recompute {partid.block(self.blocks.start)}..{self.blocks.stop - 1}, backward in reverse"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +172,7 @@ class SavedBackward:
     blocks: range
 
     def __str__(self) -> str:
-        return f"backward block.{self.blocks.start}..{self.blocks.stop - 1} from the kept vjps"
+        return f"backward {partid.block(self.blocks.start)}..{self.blocks.stop - 1} from the kept vjps"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +182,7 @@ class SplitBackward:
     block: int
 
     def __str__(self) -> str:
-        return f"backward split block.{self.block}"
+        return f"backward split {partid.block(self.block)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +199,7 @@ class EmbedBackward:
 class GradOut:
     """A part's gradient, summed over the micro-batches, leaves for the host."""
 
-    part: str
+    part: PartId
 
     def __str__(self) -> str:
         return f"gradient out {self.part}"
@@ -206,7 +209,7 @@ class GradOut:
 class GradStays:
     """A resident part's summed gradient stays on the device for its update there."""
 
-    part: str
+    part: PartId
 
     def __str__(self) -> str:
         return f"gradient stays {self.part}"
@@ -233,14 +236,14 @@ class _Builder:
         self.saved = {i for g in s.saved for i in g} if train else set()
         self.starts = {g.start for g in s.groups if g not in s.saved} if train else set()
 
-    def weights(self, part: str) -> None:
+    def weights(self, part: PartId) -> None:
         self.out.append(Resident(part) if part in self.s.resident else Stage(part))
 
-    def release(self, part: str) -> None:
+    def release(self, part: PartId) -> None:
         if part not in self.s.resident:
             self.out.append(Release(part))
 
-    def grad(self, part: str) -> None:
+    def grad(self, part: PartId) -> None:
         self.out.append(GradStays(part) if part in self.s.resident else GradOut(part))
 
     def keep(self, block: int) -> None:
@@ -249,12 +252,12 @@ class _Builder:
 
     def forward(self) -> None:
         s, n = self.s, self.s.cfg.num_hidden_layers
-        self.weights("embed")
+        self.weights(EMBED)
         self.out.append(Embed())
-        self.release("embed")
+        self.release(EMBED)
         self.keep(0)
         for i in range(n):
-            name = f"block.{i}"
+            name = partid.block(i)
             if i in s.split:
                 self.out.append(SplitForward(i, self.train))
             else:
@@ -264,20 +267,20 @@ class _Builder:
                     self.release(name)
             self.keep(i + 1)
         tied = s.cfg.tie_word_embeddings
-        self.weights("head")
+        self.weights(HEAD)
         if tied:
-            self.weights("embed")
+            self.weights(EMBED)
         self.out.append(Head(tied) if self.train else HeadLoss(tied))
-        self.release("head")
+        self.release(HEAD)
         if self.train:
-            self.grad("head")
+            self.grad(HEAD)
         if tied:
-            self.release("embed")  # a tied embedding's gradient from the head waits on the device
+            self.release(EMBED)  # a tied embedding's gradient from the head waits on the device
 
     def backward(self) -> None:
         s, n = self.s, self.s.cfg.num_hidden_layers
         for group in reversed(s.groups):
-            names = [f"block.{i}" for i in group]
+            names = [partid.block(i) for i in group]
             if group.start in s.split:
                 self.out += [Unkeep(group.start, self.host), SplitBackward(group.start)]
                 self.grad(names[0])
@@ -297,7 +300,7 @@ class _Builder:
                 self.release(name)
                 self.grad(name)
         self.out.append(EmbedBackward(s.cfg.tie_word_embeddings))
-        self.grad("embed")
+        self.grad(EMBED)
         self.out.append(Update())
 
 

@@ -29,8 +29,10 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from mtjax import partid
 from mtjax.errors import NonFiniteStep
 from mtjax.optim import clip_scale
+from mtjax.partid import EMBED, HEAD, PartId
 from mtjax.stream import ops
 from mtjax.stream.prefetch import Prefetcher
 
@@ -106,7 +108,7 @@ class Runner:
             sq = jnp.float32(norm_sq)
         if not (math.isfinite(loss) and math.isfinite(norm_sq)):
             # Checked before any of this step's deferred updates can run: drop them all.
-            order = ["head", *(f"block.{i}" for i in reversed(range(self.cfg.num_hidden_layers))), "embed"]
+            order = [HEAD, *(partid.block(i) for i in reversed(range(self.cfg.num_hidden_layers))), EMBED]
             bad = [p for p in order if not math.isfinite(float(self.grads.last_sq.get(p, 0.0)))]
             self.grads.drop_ready()
             self.resident.drop()
@@ -158,23 +160,23 @@ class Runner:
         self.pool.release(slot, st.flow)  # fenced by the programs that last read the weights
 
     def _embed(self, st: Pass, op: ops.Embed) -> None:
-        w = st.held["embed"][1]
+        w = st.held[EMBED][1]
         st.flow = [self.fns.embed_forward(w, mb.tokens) for mb in st.mbs]
-        self.tracer.watch("compute", "embed", st.flow)
+        self.tracer.watch("compute", EMBED, st.flow)
 
     def _block(self, st: Pass, i: int, outs: list) -> None:
         st.flow = [y for y, _ in outs]
         for per_batch, (_, stats) in zip(st.stats, outs):
             per_batch += [stats] if stats else []
-        self.tracer.watch("compute", f"block.{i}", st.flow)
+        self.tracer.watch("compute", partid.block(i), st.flow)
 
     def _forward(self, st: Pass, op: ops.Forward) -> None:
-        w, fn = st.held[f"block.{op.block}"][1], self.fns.forward[self.cfg.layer_specs[op.block]]
+        w, fn = st.held[partid.block(op.block)][1], self.fns.forward[self.cfg.layer_specs[op.block]]
         self._block(st, op.block, [fn(w, x, mb.segments) for x, mb in zip(st.flow, st.mbs)])
 
     def _save(self, st: Pass, op: ops.Save) -> None:
         spec = self.cfg.layer_specs[op.block]
-        w, fn = st.held[f"block.{op.block}"][1], self.fns.save[self.schedule.remat][spec]
+        w, fn = st.held[partid.block(op.block)][1], self.fns.save[self.schedule.remat][spec]
         outs = [fn(w, x, mb.segments) for x, mb in zip(st.flow, st.mbs)]
         for k, (_, vjp) in zip(st.kept, outs):
             self.ledger.hold(self.schedule.saved_residual_bytes(spec), "residuals kept from the forward", "saved")
@@ -190,9 +192,9 @@ class Runner:
             st.stats[m].append(one)
             if op.keep:
                 st.kept[m]["routing", i] = routing[m]
-        self.tracer.watch("compute", f"block.{i}", st.flow)
+        self.tracer.watch("compute", partid.block(i), st.flow)
 
-    def _take(self, st: Pass, part: str):
+    def _take(self, st: Pass, part: PartId):
         self._stage(st, ops.Stage(part))
         return st.held.pop(part)
 
@@ -218,7 +220,7 @@ class Runner:
         fns, n = self.fns, len(st.mbs)
         st.auxes, st.dstats = zip(*(fns.aux(s, mb.tokens, weight) if s else (0.0, {})
                                     for s, mb, weight in zip(st.stats, st.mbs, st.weights)))
-        head_w, embed_w = st.held["head"][1], st.held["embed"][1] if op.tied else None
+        head_w, embed_w = st.held[HEAD][1], st.held[EMBED][1] if op.tied else None
         losses, dxs, dhead, dembed = [], [], None, None
         for x, mb, weight, aux in zip(st.flow, st.mbs, st.weights, st.auxes):
             loss, dh, de, dx = fns.head(head_w, embed_w, x, mb.tokens, weight, mb.targets)
@@ -226,11 +228,11 @@ class Runner:
             dxs.append(dx)
             dhead = self._sum(dhead, dh, n)
             dembed = self._sum(dembed, de, n) if op.tied else None
-        st.losses, st.flow, st.summed["head"], st.dembed = losses, dxs, dhead, dembed
-        self.tracer.watch("compute", "head", dxs)
+        st.losses, st.flow, st.summed[HEAD], st.dembed = losses, dxs, dhead, dembed
+        self.tracer.watch("compute", HEAD, dxs)
 
     def _head_loss(self, st: Pass, op: ops.HeadLoss) -> None:
-        head_w, embed_w = st.held["head"][1], st.held["embed"][1] if op.tied else None
+        head_w, embed_w = st.held[HEAD][1], st.held[EMBED][1] if op.tied else None
         st.losses = [self.fns.head_loss(head_w, embed_w, x, mb.tokens, mb.targets) for x, mb in zip(st.flow, st.mbs)]
         st.flow = st.losses  # the releases' fence
 
@@ -239,14 +241,14 @@ class Runner:
 
     def _backward(self, st: Pass, op: ops.Backward) -> None:
         i, count = op.block, len(st.mbs)
-        w, fn = st.held[f"block.{i}"][1], self.fns.grad[self.cfg.layer_specs[i]]
+        w, fn = st.held[partid.block(i)][1], self.fns.grad[self.cfg.layer_specs[i]]
         acc, out = None, []
         for m, (x, dx, mb) in enumerate(zip(st.inputs, st.flow, st.mbs)):
             dw, dx = fn(w, x, dx, self._cotangent(st, i, m), mb.segments)
             acc = self._sum(acc, dw, count)
             out.append(dx)
-        st.flow, st.inputs, st.summed[f"block.{i}"] = out, None, acc
-        self.tracer.watch("compute", f"block.{i}", out)
+        st.flow, st.inputs, st.summed[partid.block(i)] = out, None, acc
+        self.tracer.watch("compute", partid.block(i), out)
 
     def _recompute_backward(self, st: Pass, op: ops.RecomputeBackward) -> None:
         fns, specs, count = self.fns, self.cfg.layer_specs, len(st.mbs)
@@ -254,7 +256,7 @@ class Runner:
         for m, (x, dx, mb) in enumerate(zip(st.inputs, st.flow, st.mbs)):
             vjps = []
             for i in op.blocks:
-                (x, _), vjp = fns.recompute[specs[i]](st.held[f"block.{i}"][1], x, mb.segments)
+                (x, _), vjp = fns.recompute[specs[i]](st.held[partid.block(i)][1], x, mb.segments)
                 self.ledger.hold(self._residual, "recompute residuals", "residuals")
                 vjps.append((i, vjp))
             while vjps:
@@ -267,8 +269,8 @@ class Runner:
         del x
         st.flow, st.inputs = out, None
         for i in reversed(op.blocks):
-            st.summed[f"block.{i}"] = accs[i]
-            self.tracer.watch("compute", f"block.{i}", out)
+            st.summed[partid.block(i)] = accs[i]
+            self.tracer.watch("compute", partid.block(i), out)
 
     def _saved_backward(self, st: Pass, op: ops.SavedBackward) -> None:
         specs, count = self.cfg.layer_specs, len(st.mbs)
@@ -281,17 +283,17 @@ class Runner:
             out.append(dx)
         st.flow = out
         for i in reversed(op.blocks):
-            st.summed[f"block.{i}"] = accs[i]
-            self.tracer.watch("compute", f"block.{i}", out)
+            st.summed[partid.block(i)] = accs[i]
+            self.tracer.watch("compute", partid.block(i), out)
 
     def _split_backward(self, st: Pass, op: ops.SplitBackward) -> None:
         i, count = op.block, len(st.mbs)
-        st.flow, st.summed[f"block.{i}"] = self.split.backward(
+        st.flow, st.summed[partid.block(i)] = self.split.backward(
             i, self.cfg.layer_specs[i], self.schedule.split[i], lambda p: self._take(st, p), self.pool.release,
             lambda acc, g: self._sum(acc, g, count), st.inputs, [k.pop(("routing", i)) for k in st.kept], st.flow,
             st.dstats, [mb.segments for mb in st.mbs])
         st.inputs = None
-        self.tracer.watch("compute", f"block.{i}", st.flow)
+        self.tracer.watch("compute", partid.block(i), st.flow)
 
     def _embed_backward(self, st: Pass, op: ops.EmbedBackward) -> None:
         fns, de = self.fns, None
@@ -300,8 +302,8 @@ class Runner:
         if op.tied:  # the head's use of the embedding plus the lookup's
             de = fns.grad_add(fns.grad_to_f32(st.dembed), de)
             st.dembed = None
-        st.summed["embed"] = de
-        self.tracer.watch("compute", "embed", de)
+        st.summed[EMBED] = de
+        self.tracer.watch("compute", EMBED, de)
 
     def _grad_out(self, st: Pass, op: ops.GradOut) -> None:
         self.grads.add(op.part, st.summed.pop(op.part))

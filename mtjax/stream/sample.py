@@ -31,6 +31,7 @@ import numpy as np
 from mtjax import generate, model, parts, terminal, treepath
 from mtjax.layers import registry
 from mtjax.model_config import ModelConfig
+from mtjax.partid import EMBED, HEAD
 from mtjax.stream.blockfns import block_fns
 from mtjax.stream.budget import DeviceLedger, tree_bytes
 from mtjax.stream.prefetch import Prefetcher
@@ -66,8 +67,8 @@ def _fns(cfg: ModelConfig):
                                           x, cache, start)
 
     def head(w, embed, x, key, greedy, top_k, temperature):
-        head_t = treepath.unflatten(parts.abstract_part(cfg, "head"), w)
-        embed_t = treepath.unflatten(parts.abstract_part(cfg, "embed"), embed) if embed is not None else None
+        head_t = treepath.unflatten(parts.abstract_part(cfg, HEAD), w)
+        embed_t = treepath.unflatten(parts.abstract_part(cfg, EMBED), embed) if embed is not None else None
         logits = model.head_forward(cfg, head_t, embed_t, x[:, -1:])[0, 0]  # fp32 [vocab] of the last position
         token, key = generate.pick(logits, key, greedy, top_k, temperature)
         return token.astype(jnp.int32).reshape(1, 1), key
@@ -130,7 +131,7 @@ class StreamSampler:
         embed_fn, block_fn, head_fn = _fns(self.cfg)
         tied = self.cfg.tie_word_embeddings
         _, embed_slot = prefetch.get()
-        embed = self.pool.put(embed_slot, "embed")
+        embed = self.pool.put(embed_slot, EMBED)
         x = embed_fn(embed, tokens)
         if not tied:
             self.pool.release(embed_slot, x)
@@ -140,7 +141,7 @@ class StreamSampler:
             x, caches[i] = block_fn[spec](self.pool.put(slot, name), x, caches[i], start)
             self.pool.release(slot, x)  # x's program read the slot: its buffer is free once x is ready
         _, head_slot = prefetch.get()
-        token, key = head_fn(self.pool.put(head_slot, "head"), embed if tied else None, x, key, *sampling)
+        token, key = head_fn(self.pool.put(head_slot, HEAD), embed if tied else None, x, key, *sampling)
         self.pool.release(head_slot, token)
         if tied:
             self.pool.release(embed_slot, token)  # the head read the embedding too

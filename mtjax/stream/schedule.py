@@ -49,11 +49,12 @@ import math
 import jax
 import numpy as np
 
-from mtjax import expert_groups, hostmem, model, moe, parts, treepath
+from mtjax import expert_groups, hostmem, model, moe, partid, parts, treepath
 from mtjax.config import StoreConfig, StreamConfig, check_batch_split
 from mtjax.errors import MtjaxError
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
+from mtjax.partid import EMBED, HEAD, PartId
 from mtjax.stream import fused_adamw, ops
 from mtjax.stream.budget import DeviceBudgetError
 
@@ -181,7 +182,7 @@ class Schedule:
     devices: int = 1  # data parallel over this many devices
     allreduce: dict = dataclasses.field(default_factory=dict)  # {part: bytes all-reduced per step}; {} on one device
     split: dict = dataclasses.field(default_factory=dict)  # {split block index: its expert groups (tuples of ids)}
-    sub_bytes: dict = dataclasses.field(default_factory=dict)  # {sub-part name: StateBytes} of the split blocks
+    sub_bytes: dict = dataclasses.field(default_factory=dict)  # {sub-part: StateBytes} of the split blocks
     staging: tuple = ()  # the staging pool's buffer sets: (first transfer of a shape, sets, bytes of one); staging_sets
 
     @property
@@ -189,9 +190,9 @@ class Schedule:
         """Rows of a micro-batch on each device."""
         return self.shape.batch // self.devices
 
-    def unit(self, name: str) -> StateBytes:
+    def unit(self, name: PartId) -> StateBytes:
         """The state bytes of a transfer: a part's, or a split block's sub-part's."""
-        return self.sub_bytes[name] if "/" in name else self.part_bytes[name]
+        return self.sub_bytes[name] if name.is_sub else self.part_bytes[name]
 
     def routed_traffic(self, routed: dict, names: tuple | None = None) -> Traffic:
         """`traffic` for a step whose split MoE blocks' experts were reached as `routed`
@@ -201,10 +202,9 @@ class Schedule:
         (default: a training step's; `forward` for an evaluation)."""
         compute = master = 0
         for p in self.transfers if names is None else names:
-            block = expert_groups.block_index(p)
-            ids = expert_groups.group_ids(p, self.split[block]) if "/" in p else None
+            ids = expert_groups.group_ids(p, self.split[p.block]) if p.is_sub else None
             if ids:  # the experts of a group are alike: each 1/n of its bytes
-                left, b = sum(1 for e in ids if not routed[block][e]), self.sub_bytes[p]
+                left, b = sum(1 for e in ids if not routed[p.block][e]), self.sub_bytes[p]
                 compute, master = compute + left * b.compute // len(ids), master + left * b.master // len(ids)
         t = self.traffic
         reads = dict(t.disk_read, compute=t.disk_read["compute"] - compute) if self.store.compute == "disk" \
@@ -220,7 +220,7 @@ class Schedule:
         return StateBytes(*(sum(b.get(k) for b in self.part_bytes.values()) for k in parts.KINDS))
 
     @property
-    def streamed(self) -> tuple[str, ...]:
+    def streamed(self) -> tuple[PartId, ...]:
         """The parts that are not resident, in model order."""
         return tuple(p for p in self.part_bytes if p not in self.resident)
 
@@ -293,23 +293,23 @@ def last_stays(groups_: tuple[range, ...], split=()) -> bool:
     return len(groups_[-1]) == 1 and groups_[-1].start not in split
 
 
-def _block_units(i: int, split: dict, backward: bool = False) -> list[str]:
+def _block_units(i: int, split: dict, backward: bool = False) -> list[PartId]:
     """What crosses for block i: the block, or a split block's sub-parts (router part,
     then its expert groups; in the backward the groups in reverse, then the router part)."""
     if i not in split:
-        return [f"block.{i}"]
-    names = list(expert_groups.names(f"block.{i}", split[i]))
+        return [partid.block(i)]
+    names = list(expert_groups.names(partid.block(i), split[i]))
     return names[:0:-1] + names[:1] if backward else names
 
 
-def forward_parts(cfg: ModelConfig, split=None) -> tuple[str, ...]:
+def forward_parts(cfg: ModelConfig, split=None) -> tuple[PartId, ...]:
     """embed, the blocks (split ones as their sub-parts), head, and embed again when tied
     (the head's kernel)."""
-    fwd = ["embed", *(u for i in range(cfg.num_hidden_layers) for u in _block_units(i, split or {})), "head"]
-    return tuple(fwd + (["embed"] if cfg.tie_word_embeddings else []))
+    fwd = [EMBED, *(u for i in range(cfg.num_hidden_layers) for u in _block_units(i, split or {})), HEAD]
+    return tuple(fwd + ([EMBED] if cfg.tie_word_embeddings else []))
 
 
-def train_parts(cfg: ModelConfig, groups_: tuple[range, ...], split=None) -> tuple[str, ...]:
+def train_parts(cfg: ModelConfig, groups_: tuple[range, ...], split=None) -> tuple[PartId, ...]:
     """The forward, then the blocks of each recompute group, groups in reverse, blocks in
     forward order within a group; without the last block when it stays on the device."""
     split = split or {}
@@ -317,14 +317,13 @@ def train_parts(cfg: ModelConfig, groups_: tuple[range, ...], split=None) -> tup
     return forward_parts(cfg, split) + tuple(bwd[1:] if last_stays(groups_, split) else bwd)
 
 
-def first_transfers(transfers: tuple[str, ...]) -> set[int]:
+def first_transfers(transfers: tuple[PartId, ...]) -> set[int]:
     """Indices of the transfers that first stage each part (a split block: its first
     sub-part): those a pending update hands its new compute copy to."""
     seen, first = set(), set()
     for i, p in enumerate(transfers):
-        owner = expert_groups.owner(p)
-        if owner not in seen:
-            seen.add(owner)
+        if p.owner not in seen:
+            seen.add(p.owner)
             first.add(i)
     return first
 
@@ -336,24 +335,23 @@ def staged_at_once(stream: StreamConfig, groups_: tuple[range, ...]) -> int:
     return stream.prefetch_depth + max(max(len(g) for g in groups_), 3)
 
 
-def unit_schema(cfg: ModelConfig, name: str, split: dict) -> dict:
+def unit_schema(cfg: ModelConfig, name: PartId, split: dict) -> dict:
     """The compute schema a transfer stages: its part's, or a split block's sub-part's
     leaves of it (`split`: {block index: expert groups})."""
-    owner = expert_groups.owner(name)
-    schema = parts.schema(cfg, owner, "compute")
-    if owner == name:
+    schema = parts.schema(cfg, name.owner, "compute")
+    if not name.is_sub:
         return schema
-    return {n: schema[n] for n in expert_groups.leaves(schema, name, split[expert_groups.block_index(name)])}
+    return {n: schema[n] for n in expert_groups.leaves(schema, name, split[name.block])}
 
 
 @functools.lru_cache(maxsize=1024)
-def _unit_shape(cfg: ModelConfig, name: str, groups: tuple) -> tuple[tuple, int]:
-    schema = unit_schema(cfg, name, {expert_groups.block_index(name): groups})
+def _unit_shape(cfg: ModelConfig, name: PartId, groups: tuple) -> tuple[tuple, int]:
+    schema = unit_schema(cfg, name, {name.block: groups})
     return hostmem.shape_key(schema), parts.nbytes(schema)
 
 
-def staging_sets(cfg: ModelConfig, stream: StreamConfig, groups_: tuple[range, ...], transfers: tuple[str, ...],
-                 split: dict) -> tuple[tuple[str, int, int], ...]:
+def staging_sets(cfg: ModelConfig, stream: StreamConfig, groups_: tuple[range, ...], transfers: tuple[PartId, ...],
+                 split: dict) -> tuple[tuple[PartId, int, int], ...]:
     """The staging pool's buffer sets, per shape of what crosses: (its first transfer, how
     many sets, bytes of one). As many sets as a step has transfers of that shape, at most
     the `prefetch_depth` staged ahead plus a recompute group's in use: the prefetcher
@@ -366,16 +364,14 @@ def staging_sets(cfg: ModelConfig, stream: StreamConfig, groups_: tuple[range, .
     by_kind = {p.name: p.fn_kind for p in parts.parts(cfg)}
     first: dict = {}  # parts of one fn_kind have one schema: look each up once
     for name in transfers:
-        owner = expert_groups.owner(name)
-        like = first.setdefault(by_kind[owner], owner)
-        like_name = like + name[len(owner):]
-        key, nbytes = _unit_shape(cfg, like_name, split.get(expert_groups.block_index(owner), ()))
+        like = first.setdefault(by_kind[name.owner], name.owner)
+        key, nbytes = _unit_shape(cfg, name.in_block(like.block) if name.is_block else name, split.get(name.block, ()))
         entry = by_shape.setdefault(key, [name, 0, nbytes])
         entry[1] += 1
     return tuple((name, min(count, most), nbytes) for name, count, nbytes in by_shape.values())
 
 
-def residency_order(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[str, ...]:
+def residency_order(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[PartId, ...]:
     """Every part, those whose streaming costs most first: by how often a step streams it
     (blocks of multi-block recompute groups and a tied embedding twice, the rest once),
     then in model order. `stream.resident: N` keeps the first N resident."""
@@ -386,9 +382,10 @@ def residency_order(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[str, 
     return tuple(sorted(names, key=lambda p: -crossings.get(p, 0)))
 
 
-def resident_parts(cfg: ModelConfig, spec, groups_: tuple[range, ...]) -> tuple[str, ...]:
-    """The resident parts `stream.resident` names, in model order. "auto" is the planner's
-    to resolve (mtjax.plan.residency); unresolved, nothing is resident."""
+def resident_parts(cfg: ModelConfig, spec, groups_: tuple[range, ...]) -> tuple[PartId, ...]:
+    """The resident parts `stream.resident` names (a list of part names, or PartIds), in
+    model order. "auto" is the planner's to resolve (mtjax.plan.residency); unresolved,
+    nothing is resident."""
     names = [p.name for p in parts.parts(cfg)]
     if spec in ("auto", "none"):
         chosen = ()
@@ -400,7 +397,7 @@ def resident_parts(cfg: ModelConfig, spec, groups_: tuple[range, ...]) -> tuple[
         unknown = [p for p in spec if p not in names]
         if unknown:
             raise MtjaxError(f"stream.resident names {unknown}, which this model does not have; its parts are "
-                             f"embed, block.0 ... block.{cfg.num_hidden_layers - 1}, head")
+                             f"{EMBED}, {names[1]} ... {names[-2]}, {HEAD}")
         chosen = tuple(spec)
     return tuple(p for p in names if p in chosen)
 
@@ -410,13 +407,13 @@ def remat_of(stream: StreamConfig) -> str:
     return "full" if stream.remat == "auto" else stream.remat
 
 
-def saved_groups(groups_: tuple[range, ...], resident: tuple[str, ...], remat: str) -> tuple[range, ...]:
+def saved_groups(groups_: tuple[range, ...], resident: tuple[PartId, ...], remat: str) -> tuple[range, ...]:
     """The recompute groups whose blocks are all resident, when the policy keeps their
     vjps from the forward (remat dots or none): their backward needs no kept input and
     their weights never leave, so nothing is recomputed beyond what the policy drops."""
     if remat == "full":
         return ()
-    return tuple(g for g in groups_ if all(f"block.{i}" in resident for i in g))
+    return tuple(g for g in groups_ if all(partid.block(i) in resident for i in g))
 
 
 def derives_compute(fused: bool, store: StoreConfig) -> bool:
@@ -435,9 +432,9 @@ def spill(store: StoreConfig) -> str | None:
     return "scratch" if store.master == "disk" else None
 
 
-def part_bytes(cfg: ModelConfig, tx) -> dict[str, StateBytes]:
-    """{part name: bytes of its compute, master and opt state}, from `parts.schema`."""
-    by_kind: dict[str, StateBytes] = {}
+def part_bytes(cfg: ModelConfig, tx) -> dict[PartId, StateBytes]:
+    """{part: bytes of its compute, master and opt state}, from `parts.schema`."""
+    by_kind: dict = {}
     out = {}
     for p in parts.parts(cfg):
         # Parts of one fn_kind (layer spec) have one parameter layout: derive its schema once.
@@ -479,7 +476,7 @@ def residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, poli
 
 @functools.lru_cache(maxsize=64)
 def _traced_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, policy: str) -> int:
-    name = f"block.{cfg.layer_specs.index(spec)}"
+    name = partid.block(cfg.layer_specs.index(spec))
     weights = parts.schema(cfg, name, "compute")
     template = parts.abstract_part(cfg, name)
     x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype))
@@ -493,7 +490,7 @@ def _traced_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: i
 
 
 def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, tx,
-             fused: bool | None = None, part_bytes_: dict[str, StateBytes] | None = None,
+             fused: bool | None = None, part_bytes_: dict[PartId, StateBytes] | None = None,
              devices: int = 1, dispatch: str | None = None) -> Schedule:
     """The schedule of one step of `shape` under `stream` and `store`'s placement, data
     parallel over `devices` devices (shape.batch splits over them: mtjax.config.check_batch_split).
@@ -512,7 +509,7 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     fused = fused_adamw.supports(cfg.compute_dtype) if fused is None else fused
     pb = part_bytes(cfg, tx) if part_bytes_ is None else part_bytes_
     size, budget = stream.expert_group_size, stream.device_budget_bytes
-    if size is not None or budget is None or not cfg.moe_layers:
+    if size is not None or budget is None or not expert_groups.split_blocks(cfg):
         return _describe(cfg, stream, store, shape, tx, fused, pb, size, devices, dispatch)
     plans, size = [_describe(cfg, stream, store, shape, tx, fused, pb, None, devices, dispatch)], cfg.num_experts
     while plans[-1].device.total > budget and size >= 1:  # groups of E, E // 2, ... 1 experts
@@ -523,19 +520,20 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
 
 
 def split_blocks(cfg: ModelConfig, size: int | None, resident: tuple) -> dict:
-    """{block index: expert groups} of the streamed MoE blocks split into groups of
-    `size` experts (none when `size` is None; resident blocks stay whole)."""
+    """{block index: expert groups} of the streamed blocks whose feed-forward can split
+    before its experts (its registry entry's split_points), split into groups of `size`
+    experts (none when `size` is None; resident blocks stay whole)."""
     if size is None:
         return {}
-    return {i: expert_groups.groups_of(cfg.num_experts, min(size, cfg.num_experts)) for i in cfg.moe_layers
-            if f"block.{i}" not in resident}
+    return {i: expert_groups.groups_of(cfg.num_experts, min(size, cfg.num_experts))
+            for i in expert_groups.split_blocks(cfg) if partid.block(i) not in resident}
 
 
-def sub_part_bytes(cfg: ModelConfig, tx, split: dict) -> dict[str, StateBytes]:
-    """{sub-part name: StateBytes} of the split blocks (leaves of the block's schemas)."""
+def sub_part_bytes(cfg: ModelConfig, tx, split: dict) -> dict[PartId, StateBytes]:
+    """{sub-part: StateBytes} of the split blocks (leaves of the block's schemas)."""
     out = {}
     for i, grps in split.items():
-        block = f"block.{i}"
+        block = partid.block(i)
         schemas = {k: parts.schema(cfg, block, k, tx) for k in ("compute", "master")}
         for name in expert_groups.names(block, grps):
             mine = expert_groups.leaves(schemas["compute"], name, grps)
@@ -546,7 +544,7 @@ def sub_part_bytes(cfg: ModelConfig, tx, split: dict) -> dict[str, StateBytes]:
 
 def expert_bytes(cfg: ModelConfig) -> StateBytes:
     """One expert's compute and master bytes (every expert of every MoE layer is alike)."""
-    block = f"block.{cfg.moe_layers[0]}"
+    block = partid.block(expert_groups.split_blocks(cfg)[0])
     got = [sum(parts.nbytes({n: x}) for n, x in parts.schema(cfg, block, k).items() if expert_groups.expert_of(n) == 0)
            for k in ("compute", "master")]
     return StateBytes(*got, 0)
@@ -562,9 +560,9 @@ def split_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int
 
 @functools.lru_cache(maxsize=64)
 def _traced_split_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, size: int) -> int:
-    name = f"block.{cfg.layer_specs.index(spec)}"
+    name = partid.block(cfg.layer_specs.index(spec))
     schema = parts.schema(cfg, name, "compute")
-    router = {n: schema[n] for n in expert_groups.leaves(schema, f"{name}/router", ())}
+    router = {n: schema[n] for n in expert_groups.leaves(schema, name.router(), ())}
     x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype))
     rows, k = batch * seq, cfg.num_experts_per_tok
     h = jax.ShapeDtypeStruct((rows, cfg.hidden_size), x.dtype)
@@ -611,20 +609,21 @@ def _beyond(saved: list, weights: list) -> int:
     return total
 
 
-def allreduce_bytes(cfg: ModelConfig, pb: dict[str, StateBytes], accum: int, devices: int) -> dict[str, int]:
+def allreduce_bytes(cfg: ModelConfig, pb: dict[PartId, StateBytes], accum: int, devices: int) -> dict[PartId, int]:
     """{part: bytes its gradients all-reduce in one step}: every micro-batch's gradient, as
     the program that makes it returns it (the compute dtype; the embedding lookup's fp32,
     plus the head's use of a tied embedding); nothing on one device."""
     if devices == 1:
         return {}
-    out = {p: accum * (b.master if p == "embed" else b.compute) for p, b in pb.items()}
+    out = {p: accum * (b.master if p == EMBED else b.compute) for p, b in pb.items()}
     if cfg.tie_word_embeddings:
-        out["embed"] += accum * pb["embed"].compute
+        out[EMBED] += accum * pb[EMBED].compute
     return out
 
 
 def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, tx, fused: bool,
-              pb: dict[str, StateBytes], size: int | None, devices: int = 1, dispatch: str | None = None) -> Schedule:
+              pb: dict[PartId, StateBytes], size: int | None, devices: int = 1,
+              dispatch: str | None = None) -> Schedule:
     """`describe` with the MoE blocks split into groups of `size` experts (None: whole)."""
     resident = resident_parts(cfg, stream.resident, groups(cfg.num_hidden_layers, stream.keep_every))
     split = split_blocks(cfg, size, resident)
@@ -641,7 +640,7 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     hidden = shape.batch * shape.seq * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize
     # Summed over several micro-batches a gradient is fp32; alone it leaves as computed,
     # in the compute dtype, except the embedding's (a dense fp32 table, also when tied).
-    grad = {p: b.master if shape.accum > 1 or p == "embed" else b.compute for p, b in pb.items()}
+    grad = {p: b.master if shape.accum > 1 or p == EMBED else b.compute for p, b in pb.items()}
     kept = (len(grps) - len(saved)) * shape.accum * hidden
     on_host = stream.activations == "host"
 
@@ -708,7 +707,7 @@ def _update_bytes(states, fused: bool, copy: bool) -> int:
     return 3 * o + 2 * m + 3 * m + sum(b.compute for b in states)
 
 
-def _host_memory(pb: dict[str, StateBytes], transfers: list[tuple[StateBytes, bool]], grad: dict, fused: bool,
+def _host_memory(pb: dict[PartId, StateBytes], transfers: list[tuple[StateBytes, bool]], grad: dict, fused: bool,
                  derived: bool, store: StoreConfig, disk_io: int) -> int:
     """Bytes the host CPU reads and writes in one step (DMA is the link's: the planner
     adds it where the device is not the host). `transfers`: each transfer's bytes, and
@@ -728,7 +727,7 @@ def _host_memory(pb: dict[str, StateBytes], transfers: list[tuple[StateBytes, bo
     return optimizer + grads + staging + disk_io  # disk I/O: the kernel copies through the page cache
 
 
-def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: dict[str, StateBytes],
+def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: dict[PartId, StateBytes],
                  grps: tuple[range, ...], grad: dict, hidden: int, resident: tuple = (), saved: tuple = (),
                  remat: str = "full", split: dict | None = None, sub: dict | None = None,
                  dispatch: str | None = None) -> DevicePlan:
@@ -739,7 +738,7 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
     split, sub = split or {}, sub or {}
     group = max(len(g) for g in grps)
     # Staging slots hold streamed parts only (a split block's sub-parts); none when everything is resident.
-    units = {**{p: b for p, b in pb.items() if p not in resident and expert_groups.block_index(p) not in split},
+    units = {**{p: b for p, b in pb.items() if p not in resident and p.block not in split},
              **sub}
     max_part = max((b.compute for b in units.values()), default=0)
     whole = {spec for i, spec in enumerate(cfg.layer_specs) if i not in split}
@@ -755,8 +754,8 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
     transient = dispatch_bytes(cfg, tokens, None if any(i not in split for i in cfg.moe_layers) else size, dispatch)
     # Several micro-batches: the fp32 sums in progress, a group's blocks' or the head's
     # (with the tied embedding's).
-    blocks = max(b.master for p, b in pb.items() if p.startswith("block."))
-    at_head = pb["head"].master + (pb["embed"].master if cfg.tie_word_embeddings else 0)
+    blocks = max(b.master for p, b in pb.items() if p.is_block)
+    at_head = pb[HEAD].master + (pb[EMBED].master if cfg.tie_word_embeddings else 0)
     sums = max(group * blocks, at_head) if shape.accum > 1 else 0
     return DevicePlan(
         # depth parts staged ahead, plus the parts in use: a recompute group, or the head,

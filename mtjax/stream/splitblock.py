@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import expert_groups
+from mtjax import expert_groups, partid
 from mtjax.errors import MtjaxError
 from mtjax.layers.spec import LayerSpec
+from mtjax.partid import PartId
 
 
 class RoutingCancelled(MtjaxError):
@@ -75,16 +76,16 @@ class SplitBlocks:
         self._zeros: dict = {}
         self._ids: dict = {}
 
-    def staged(self, name: str, sub: dict, groups: tuple) -> list[str]:
+    def staged(self, name: PartId, sub: dict, groups: tuple) -> list[str]:
         """The leaves of sub-part `name` (its leaves' schema `sub`, of a block split into
         `groups`) that cross: the router part's all; a group's, those of its experts some
         token reached (waits for the forward's routing)."""
         if expert_groups.group_ids(name, groups) is None:
             return list(sub)
-        reached = self.routing.wait(expert_groups.block_index(name))
+        reached = self.routing.wait(name.block)
         return [n for n in sub if reached[expert_groups.expert_of(n)]]
 
-    def complete(self, name: str, sub: dict, groups: tuple, weights: dict):
+    def complete(self, name: PartId, sub: dict, groups: tuple, weights: dict):
         """A sub-part's staged weights as its program takes them: a group's in
         `expert_groups.kernels` form, device zeros for the experts left behind."""
         ids = expert_groups.group_ids(name, groups)
@@ -111,14 +112,14 @@ class SplitBlocks:
     def forward(self, i: int, spec: LayerSpec, groups: tuple, take, release, xs: list, segments: list, keep: bool):
         """(outputs, router stats, kept MLP inputs and routing or None) of every micro-batch."""
         g = self.fns
-        slot, w = take(f"block.{i}/router")
+        slot, w = take(partid.block(i).router())
         outs = [g.router_forward[spec](w, x, seg) for x, seg in zip(xs, segments)]
         release(slot, [o[0] for o in outs])
         reached = np.any([np.asarray(o[4]["counts"]) > 0 for o in outs], axis=0)  # host sync: which experts cross
         self.routing.set(i, reached)
         ys = [None] * len(outs)
         for j, ids in enumerate(groups):
-            slot, w = take(f"block.{i}/experts.{j}")
+            slot, w = take(partid.block(i).experts(j))
             ys = [g.group_add[spec](w, h, wt, c, self.ids(ids), y) for (_, _, h, wt, _, _, c), y in zip(outs, ys)]
             release(slot, ys)
         combined = [g.combine[spec](out, a, y, s) for (a, s, _, _, _, out, _), y in zip(outs, ys)]
@@ -143,7 +144,7 @@ class SplitBlocks:
             dzs, douts = dys, [{}] * len(dys)
         grads, dhs, dws = {}, [None] * len(dys), [None] * len(dys)
         for j in reversed(range(len(groups))):
-            slot, w = take(f"block.{i}/experts.{j}")
+            slot, w = take(partid.block(i).experts(j))
             acc = None
             for m, ((h, wt, c, *_), dz) in enumerate(zip(kept, dzs)):
                 dw, dh, dwt = g.group_grad[spec](w, h, wt, c, self.ids(groups[j]), dz)
@@ -152,7 +153,7 @@ class SplitBlocks:
                 dws[m] = dwt if dws[m] is None else dws[m] + dwt
             release(slot, [dhs, acc])
             grads.update(expert_groups.named(acc, groups[j]))
-        slot, w = take(f"block.{i}/router")
+        slot, w = take(partid.block(i).router())
         acc, dxs = None, []
         for x, dy, dz, k, dh, dwt, ds, dout, seg in zip(xs, dys, dzs, kept, dhs, dws, dstats, douts, segments):
             dw, dx = g.router_grad[spec](w, x, dy, dz, dh.astype(k[0].dtype), dwt, ds, dout, seg)

@@ -11,7 +11,7 @@ evaluation), in order: the runner's `Stage` operations take them in that order.
 
 from __future__ import annotations
 
-from mtjax import expert_groups
+from mtjax.partid import PartId
 from mtjax.stream.prefetch import Prefetcher
 from mtjax.stream.schedule import unit_schema
 
@@ -22,16 +22,16 @@ class Stager:
         self.updater, self.schemas = updater, schemas
         self.schedule = None
 
-    def load(self, part: str):
+    def load(self, part: PartId):
         """Prefetch worker: pending update, then read into a staging slot, then device_put.
-        A split MoE block's sub-part (`part` "block.i/...") stages some of its block's
-        leaves: an expert group only the experts some token reached."""
-        owner = expert_groups.owner(part)
+        A split MoE block's sub-part (`part.is_sub`) stages some of its block's leaves: an
+        expert group only the experts some token reached."""
+        owner = part.owner
         fresh = self.updater.updated(owner)
-        if owner == part:
+        if not part.is_sub:
             slot, leaves = self.pool.acquire(self.schemas[owner]), None
         else:
-            groups = self.schedule.split[expert_groups.block_index(part)]
+            groups = self.schedule.split[part.block]
             sub = unit_schema(self.cfg, part, self.schedule.split)
             slot, leaves = self.pool.acquire(sub), self.split.staged(part, sub, groups)
         with self.tracer.span("read", part):
@@ -41,7 +41,7 @@ class Stager:
         start = self.tracer.now()
         weights = self.pool.put(slot, part, leaves)
         self.tracer.watch("h2d", part, weights, since=start)  # until the device copy is ready
-        return slot, weights if owner == part else self.split.complete(part, sub, groups, weights)
+        return slot, weights if not part.is_sub else self.split.complete(part, sub, groups, weights)
 
     def feed(self, schedule, names, depth: int, after=None) -> Prefetcher:
         """A prefetcher staging `names` of `schedule` (its transfers, or its forward) in order;

@@ -148,7 +148,7 @@ def update_for(cfg: ModelConfig, optim: OptimConfig) -> PartUpdate:
 
 def _part_leaf_names(cfg: ModelConfig, tx, part: parts.Part):
     """(per-part opt leaf name, whole-model opt leaf name) pairs of one part."""
-    path = "blocks." + part.name.split(".")[1] if part.name.startswith("block.") else part.name
+    path = f"blocks.{part.name.block}" if part.name.is_block else part.name.kind  # in the whole model's tree
     leaves = sorted(parts.schema(cfg, part.name, "master"), key=len, reverse=True)
     for name in parts.schema(cfg, part.name, "opt", tx):
         leaf = next((x for x in leaves if name == x or name.endswith("." + x)), None)
