@@ -1,14 +1,20 @@
 """Part ids: one name per part, fields read once, names kept byte for byte."""
 
+import dataclasses
 import json
 import pickle
+import types
+from typing import ClassVar
 
 import pytest
 
 from mtjax import expert_groups, parts, partid
 from mtjax.errors import NonFiniteStep
+from mtjax.layers import registry
+from mtjax.layers.spec import MoE
 from mtjax.partid import EMBED, HEAD, ROUTER, PartId
-from tests.conftest import tiny_config
+from mtjax.stream import schedule
+from conftest import tiny_config, tiny_moe_config
 
 NAMES = {"embed": ("embed", None, None), "head": ("head", None, None), "block.0": ("block", 0, None),
          "block.12": ("block", 12, None), "block.3/router": ("block", 3, ROUTER),
@@ -59,3 +65,26 @@ def test_the_package_hands_out_part_ids_under_the_old_names():
                                                                 "block.2/experts.1")
     e = NonFiniteStep(5, float("nan"), [HEAD, partid.block(1), EMBED])
     assert "first block with non-finite gradients: block.1 (of head, block.1, embed)" in str(e)
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeMoE(MoE):
+    """A MoE feed-forward whose registry entry has no split point: its blocks stream whole."""
+
+    kind: ClassVar[str] = "test_moe_whole"
+
+
+def test_the_blocks_that_split_are_those_whose_feed_forward_has_the_split_point():
+    """schedule.split_blocks asks each layer's feed-forward entry (its split_points), not
+    which layers a config calls MoE: a stand-in config whose moe_layers say otherwise."""
+    moe = tiny_moe_config()
+    moe_spec = moe.layer_specs[moe.moe_layers[0]]
+    registry.register_feed_forward(WholeMoE.kind, dataclasses.replace(registry.feed_forward(moe_spec), split_points=()))
+    whole = dataclasses.replace(moe_spec, feed_forward=WholeMoE())
+    dense = tiny_config().layer_specs[0]
+    cfg = types.SimpleNamespace(layer_specs=(dense, whole, moe_spec, moe_spec), moe_layers=(0, 1, 2),
+                                num_experts=moe.num_experts)
+    groups = expert_groups.groups_of(moe.num_experts, 2)
+    assert schedule.split_blocks(cfg, 2, resident=()) == {2: groups, 3: groups}
+    assert schedule.split_blocks(cfg, 2, resident=(partid.block(3),)) == {2: groups}
+    assert schedule.split_blocks(cfg, None, resident=()) == {}
