@@ -244,6 +244,7 @@ class StreamEngine:
         here on the ledger holds the step to this schedule's device plan."""
         self.schedule = s = self.plan(batch, seq, accum, documents)
         self.ledger.enforce(s.device, schedule_mod.check_budget(s.device, self.options.device_budget_bytes))
+        self.updater.order(s.needed)  # the updates run in the order the forward needs the parts
         if self.ledger.held_by_use["resident"] == 0 and self.resident:
             self.ledger.hold(self.resident.nbytes, "the resident parts' state", "resident")
         for name, sets, _ in s.staging:  # the staging slots the schedule prices, made now

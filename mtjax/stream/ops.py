@@ -221,6 +221,19 @@ class Update:
         return "update (clip scale known)"
 
 
+def needed(operations) -> tuple[str, ...]:
+    """Every part whose weights `operations` take, in the order they first take them (a
+    split block's when it stages its first sub-part): the order in which the next step's
+    forward needs the parts' updates done."""
+    seen: dict[str, None] = {}
+    for op in operations:
+        if isinstance(op, (Stage, Resident)):
+            seen.setdefault(op.part)
+        elif isinstance(op, SplitForward):
+            seen.setdefault(f"block.{op.block}")
+    return tuple(seen)
+
+
 def listing(operations) -> str:
     """The operations, one a line, numbered."""
     return "\n".join(f"{i:3d}  {op}" for i, op in enumerate(operations))

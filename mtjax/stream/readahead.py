@@ -39,6 +39,11 @@ class ReadAhead:
         self._begun: set[str] = set()  # parts whose update has begun and not yet taken its gradient
         self._lock = threading.Lock()  # updates run on a worker and on the caller's thread
 
+    def order(self, parts) -> None:
+        """The parts in the order their updates run (the next forward's need)."""
+        with self._lock:
+            self.parts = list(parts)
+
     @property
     def reading(self) -> set[str]:
         """The parts whose reads were started early and not yet taken by their update."""

@@ -244,6 +244,12 @@ class Schedule:
         """A forward-only pass (evaluation) as the runner executes it."""
         return ops.compile_step(self, train=False)
 
+    @functools.cached_property
+    def needed(self) -> tuple[str, ...]:
+        """Every part in the order a step's forward first takes its weights: the order its
+        deferred update must be done in (mtjax.stream.updates)."""
+        return ops.needed(self.eval_operations)
+
     @property
     def staging_bytes(self) -> int:
         """Host bytes of the staging pool's buffer sets (`staging`)."""
