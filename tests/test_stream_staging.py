@@ -247,11 +247,12 @@ def test_mtjax_train_sets_the_pinned_host_limit_before_the_backend_starts(tmp_pa
     assert r.stdout.strip() == "limit at the first backend start: 100", r.stdout + r.stderr
 
 
-def test_the_plans_pinned_bound_covers_the_engines_figure_and_the_cap_is_only_raised(monkeypatch):
-    """`pinned_host_bytes` (settings alone) >= what the engine stages through pinned memory
-    (its schedule); the limit is raised to whole GiB, never lowered, and a backend already
+def test_the_plans_pinned_bound_is_the_engines_figure_and_the_cap_is_only_raised(monkeypatch):
+    """`pinned_host_bytes` (settings alone) is what the engine stages through pinned memory
+    (its schedule's staging sets and kept activations), read from the same step
+    description; the limit is raised to whole GiB, never lowered, and a backend already
     started leaves it as it is, with a warning."""
-    from mtjax import model, model_config, parts
+    from mtjax import model, model_config
     from mtjax.config import StreamConfig
     from mtjax.optim import OptimConfig
     from mtjax.stream import StreamEngine
@@ -262,9 +263,9 @@ def test_the_plans_pinned_bound_covers_the_engines_figure_and_the_cap_is_only_ra
     for stream in (StreamConfig(activations="host", keep_every=0), StreamConfig(prefetch_depth=3)):
         eng = StreamEngine(cfg, params, OptimConfig(), stream, batch_shape=(2, 16))
         eng.check_budget(2, 16, accum=2)
-        part = max(parts.nbytes(s) for s in eng.schemas.values())
-        exact = 3 * eng.pool.max_slots * part + eng.schedule.traffic.h2d_activations
-        assert exact <= staging.pinned_host_bytes(cfg, stream, 2, 16, 2) < 2 * exact
+        assert not eng.schedule.resident and not eng.schedule.split  # every part streams whole
+        exact = eng.schedule.staging_bytes + eng.schedule.traffic.h2d_activations
+        assert staging.pinned_host_bytes(cfg, stream, 2, 16, 2) == exact
         eng.close()
     monkeypatch.setenv(staging.HOST_MEMORY_LIMIT, "96")
     monkeypatch.setattr("jax._src.xla_bridge.backends_are_initialized", lambda: False)
