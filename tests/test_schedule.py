@@ -256,10 +256,10 @@ def test_preflight_checks_the_device_plan_the_engine_enforces(tmp_path):
 @pytest.mark.parametrize("where,keep_every,tied", [("ram", 1, False), ("ram", 2, True), ("disk", 0, True),
                                                    ("disk", 1, False)])
 def test_staging_pool_allocates_what_the_planner_prices(make_store, where, keep_every, tied):
-    """The staging slots come from the step's schedule: the engine's pool allocates
-    exactly the bytes the planner prices as host staging (all of it with every kind in
-    RAM; the slots' share with state on disk), before the first step and after steps
-    and an evaluation."""
+    """The staging slots and the update's read buffers come from the step's schedule: the
+    engine's pools allocate exactly the bytes the planner prices as host staging (all of
+    it with every kind in RAM; the slots' and read buffers' share with state on disk),
+    before the first step and after steps and an evaluation."""
     cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
     tiers, copies = PLACEMENTS[where]
     store = make_store(cfg, TX, copies=copies) if tiers else None
@@ -271,11 +271,15 @@ def test_staging_pool_allocates_what_the_planner_prices(make_store, where, keep_
     assert plan.host.slots == plan.schedule.staging_bytes > 0
     assert (plan.host.staging == plan.host.slots) == (where == "ram")
     assert engine.pool.allocated_bytes == plan.host.slots
+    reads = engine.updater.read_ahead.buffers
+    assert (plan.schedule.read_bytes > 0) == (where == "disk")
+    assert reads.allocated_bytes == plan.schedule.read_bytes
+    assert plan.host.staging >= plan.host.slots + reads.allocated_bytes
     rng = np.random.default_rng(0)
     for _ in range(STEPS):
         engine.step(rng.integers(0, cfg.vocab_size, (1, BATCH, SEQ), dtype=np.int32))
     engine.eval_loss(rng.integers(0, cfg.vocab_size, (1, BATCH, SEQ), dtype=np.int32))
-    assert engine.pool.allocated_bytes == plan.host.slots
+    assert engine.pool.allocated_bytes == plan.host.slots and reads.allocated_bytes == plan.schedule.read_bytes
     engine.close()
     if store is not None:
         store.close()

@@ -187,13 +187,10 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     # Compute weights in flight to the device: the staging pool's sets, which the engine
     # allocates as the schedule says (`schedule.staging_sets`).
     staging = slots = s.staging_bytes
-    # The optimizer's disk reads land in reused buffers, per part shape and kind (a
-    # mtjax.hostmem.BufferPool): the embedding, the head and each layer spec, two sets of
-    # a shape several parts have (a part's update and the next part's reads, started ahead).
-    shapes = {p.fn_kind: pb[p.name] for p in parts.parts(cfg)}
+    # The optimizer's disk reads land in reused buffers, as the schedule says
+    # (`schedule.read_sets`) and the engine allocates them.
+    staging += s.read_bytes
     sets = collections.Counter(p.fn_kind for p in parts.parts(cfg))
-    staging += sum(min(2, sets[kind]) * b.get(k) for kind, b in shapes.items() for k in ("master", "opt")
-                   if getattr(store, k) == "disk")
     # With the next part read ahead, an update can finish while the last one's new state
     # still waits for the disk: one more part's new disk-tier state in flight, and no more
     # (an update waits for the writes of the update before last; RAM-tier kinds are

@@ -249,6 +249,8 @@ class StreamEngine:
             self.ledger.hold(self.resident.nbytes, "the resident parts' state", "resident")
         for name, sets, _ in s.staging:  # the staging slots the schedule prices, made now
             self.pool.provide(schedule_mod.unit_schema(self.cfg, name, s.split), sets)
+        for part, kind, sets, _ in s.reads:  # and the update's read buffers
+            self.updater.read_ahead.provide(part, kind, sets)
         if self.placement.pinned:
             # Pinned host memory in flight: the staging slots' parts, plus the kept
             # activations when they wait in host memory.

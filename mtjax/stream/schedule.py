@@ -8,8 +8,9 @@
     s.allreduce          # {part: gradient bytes summed across the devices in one step} (several devices)
     s.operations         # the step as the engine runs it (mtjax.stream.ops); print(s) lists them
     s.staging            # the staging pool's buffer sets per shape, which the engine allocates
+    s.reads              # the update's read buffer sets per shape of disk-tier state, likewise
 
-The engine runs `operations`, streams `transfers`, allocates `staging` and holds what
+The engine runs `operations`, streams `transfers`, allocates `staging` and `reads` and holds what
 `device` allows (its ledger enforces each use), the planner (mtjax.plan.cost) prices `traffic` with a machine's bandwidths, and the
 trainer's preflight checks `device` against the budget. tests/test_schedule.py counts
 every transfer, disk read and write of real engine steps and finds these numbers.
@@ -183,6 +184,7 @@ class Schedule:
     split: dict = dataclasses.field(default_factory=dict)  # {split block index: its expert groups (tuples of ids)}
     sub_bytes: dict = dataclasses.field(default_factory=dict)  # {sub-part name: StateBytes} of the split blocks
     staging: tuple = ()  # the staging pool's buffer sets: (first transfer of a shape, sets, bytes of one); staging_sets
+    reads: tuple = ()  # the update's read buffer sets: (first part of a shape, kind, sets, bytes of one); read_sets
 
     @property
     def device_batch(self) -> int:
@@ -254,6 +256,11 @@ class Schedule:
     def staging_bytes(self) -> int:
         """Host bytes of the staging pool's buffer sets (`staging`)."""
         return sum(sets * nbytes for _, sets, nbytes in self.staging)
+
+    @property
+    def read_bytes(self) -> int:
+        """Host bytes of the update's read buffer sets (`reads`)."""
+        return sum(sets * nbytes for _, _, sets, nbytes in self.reads)
 
     @property
     def block_residual_bytes(self) -> int:
@@ -379,6 +386,23 @@ def staging_sets(cfg: ModelConfig, stream: StreamConfig, groups_: tuple[range, .
         entry = by_shape.setdefault(key, [name, 0, nbytes])
         entry[1] += 1
     return tuple((name, min(count, most), nbytes) for name, count, nbytes in by_shape.values())
+
+
+def read_sets(cfg: ModelConfig, store: StoreConfig, pb: dict[str, StateBytes],
+              streamed: tuple[str, ...]) -> tuple[tuple[str, str, int, int], ...]:
+    """The update's read buffer sets, per shape of the disk-tier state it reads (master
+    and optimizer state of the `streamed` parts): (the first part of that shape, kind, how
+    many sets, bytes of one). Two sets of a shape several parts have (one part's update
+    computing while the next part's reads run ahead, mtjax.stream.readahead), one of a
+    shape a single part has. The engine allocates exactly these before its first step,
+    and the planner prices them as host staging."""
+    by_kind = {p.name: p.fn_kind for p in parts.parts(cfg)}
+    by_shape: dict[str, list] = {}
+    for part in streamed:
+        entry = by_shape.setdefault(by_kind[part], [part, 0])
+        entry[1] += 1
+    return tuple((part, kind, min(2, count), pb[part].get(kind)) for part, count in by_shape.values()
+                 for kind in ("master", "opt") if getattr(store, kind) == "disk")
 
 
 def residency_order(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[str, ...]:
@@ -696,7 +720,7 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
                           dispatch)
     return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps, split), resident,
                     remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce, split, sub,
-                    staging_sets(cfg, stream, grps, transfers, split))
+                    staging_sets(cfg, stream, grps, transfers, split), read_sets(cfg, store, pb, tuple(streamed)))
 
 
 def _update_bytes(states, fused: bool, copy: bool) -> int:
