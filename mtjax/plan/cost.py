@@ -125,8 +125,9 @@ def block_forward_flops(cfg: ModelConfig, spec: LayerSpec, block_params: int, ba
 def mfu_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     """Training FLOPs per token that MFU counts: 6 per active parameter (forward and
     backward matmuls) plus 3 forwards of each layer's mixer over rows of `seq` as
-    executed (for softmax attention the usual 12 x seq x heads x head_dim per layer,
-    progress.model_flops_per_token)."""
+    executed (for softmax attention the usual convention, 12 x seq x heads x head_dim
+    per layer; heads x head_dim is not hidden_size in Gemma). The MFU of `mtjax train`'s
+    progress line and of experiments/gpu/bench.py counts this."""
     mixers = sum(registry.mixer(spec).flops(cfg, spec, 1, seq, True) for spec in cfg.layer_specs)
     return 6.0 * model.num_active_params(cfg) + 3.0 * mixers / seq
 
