@@ -139,10 +139,10 @@ def test_full_disk_during_a_step_fails_cleanly_and_resumes(work, clean, small_di
     real_step = StreamEngine.step
     ballast = []
 
-    def step(self, tokens):
+    def step(self, tokens, *train_state):
         if self.step_count == 2 and not ballast:
             ballast.append(small_disk_lib.fill(small_disk))  # the disk fills up during step 3
-        return real_step(self, tokens)
+        return real_step(self, tokens, *train_state)
 
     monkeypatch.setattr(StreamEngine, "step", step)
     with pytest.raises(MtjaxError, match="No space left|free disk space"):
@@ -186,13 +186,13 @@ def _poison_stream(monkeypatch, at_steps):
     """Block 1's gradients become NaN in the given (1-based) steps of any StreamEngine."""
     real = StreamEngine.step
 
-    def step(self, tokens):
+    def step(self, tokens, *train_state):
         if self.step_count + 1 in at_steps:
             add = self.grads.add
             self.grads.add = lambda part, g: add(part, {n: x * jnp.nan for n, x in g.items()}
                                                  if part == "block.1" else g)
         try:
-            return real(self, tokens)
+            return real(self, tokens, *train_state)
         finally:
             self.grads.__dict__.pop("add", None)
 

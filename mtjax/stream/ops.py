@@ -16,7 +16,8 @@ after another and decides nothing. Each mode of the step is a choice of operatio
 - host activations: `Keep` / `Unkeep` with `host=True`;
 - the last block staying on the device: no `Release` after its forward, no `Stage` before
   its backward;
-- tied embeddings: the head stages the embedding too (`Head(tied=True)`).
+- tied embeddings: the head stages the embedding too (`Head(tied=True)`);
+- a one-copy store: the step ends with its `Commit`, which starts the updates.
 
 Every `Stage` takes the next part the prefetcher loads: the `Stage` operations, with the
 split blocks' sub-parts, are the schedule's `transfers` in order (forward: `forward`).
@@ -221,6 +222,15 @@ class Update:
         return "update (clip scale known)"
 
 
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    """The step into the store: a one-copy store's (the state before its update plus its
+    gradients, durable); only then may the updates overwrite the one copy, and they start."""
+
+    def __str__(self) -> str:
+        return "commit (state before the update + gradients)"
+
+
 def needed(operations) -> tuple[str, ...]:
     """Every part whose weights `operations` take, in the order they first take them (a
     split block's when it stages its first sub-part): the order in which the next step's
@@ -312,6 +322,8 @@ class _Builder:
         self.out.append(EmbedBackward(s.cfg.tie_word_embeddings))
         self.grad("embed")
         self.out.append(Update())
+        if s.store.copies == 1:  # one copy of the state: committed before an update may overwrite it
+            self.out.append(Commit())
 
 
 def compile_step(s, train: bool = True) -> tuple:
