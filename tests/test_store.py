@@ -458,19 +458,17 @@ def test_chunks_are_a_few_mib_of_whole_rows():
     assert layout.chunk_shape((3, 50_000_000), 4) == [1, 50_000_000]
 
 
-def test_multi_chunk_arrays_with_a_padded_last_chunk(tmp_path, monkeypatch):
+def test_multi_chunk_arrays_with_a_padded_last_chunk(tmp_path):
     """Arrays of several chunks (the last one partial, stored padded) read back exactly,
     and a flipped byte in any chunk, padding included, is caught."""
-    monkeypatch.setattr(layout, "CHUNK_BYTES", 1000)  # embed: 64 rows of 64 B bf16 -> 15 rows per chunk
-    store = mtjax.store.create(tmp_path / "s", CFG)
+    store = mtjax.store.create(tmp_path / "s", CFG, chunk_bytes=1000)  # embed: 64 rows of 64 B bf16, 15 a chunk
     vals = values(store, 4)
     write_all(store, vals)
     store.commit(1)
     array_dir = tmp_path / "s" / layout.PARTS_DIR / "embed" / "compute.a" / "embedding"
     chunk_files = sorted(array_dir.glob("c.*"), key=lambda p: int(p.name.split(".")[1]))
     assert [p.name for p in chunk_files] == [f"c.{i}.0" for i in range(5)]  # rows 0-14, ..., 60-63 (+11 padding)
-    monkeypatch.setattr(layout, "CHUNK_BYTES", 16 << 20)  # readers use the stored chunking, not today's default
-    with mtjax.store.open(tmp_path / "s") as reader:
+    with mtjax.store.open(tmp_path / "s") as reader:  # the default chunking: readers use the stored one
         assert same(read_all(reader), vals)
     last = chunk_files[-1]
     data = bytearray(last.read_bytes())
