@@ -133,15 +133,19 @@ def mfu_flops_per_token(cfg: ModelConfig, seq: int) -> float:
 
 
 def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
-             tx=None, part_bytes_: dict[str, StateBytes] | None = None, devices: int | None = None) -> Plan:
+             tx=None, part_bytes_: dict[str, StateBytes] | None = None, devices: int | None = None,
+             fused: bool | None = None) -> Plan:
     """Price one training step of `cfg` of `shape` under `stream` and `store` on `hardware`.
     `tx`: the optax transformation (default: mtjax's AdamW). `devices`: data parallel over
-    that many (default: stream.devices, "all" being the profile's `devices`)."""
+    that many (default: stream.devices, "all" being the profile's `devices`). `fused`:
+    whether the update is the one-pass AdamW loop (default: where numba is installed and
+    the compute dtype allows it, as the engine decides)."""
     tx = make_optimizer(OptimConfig()) if tx is None and part_bytes_ is None else tx
     if devices is None:
         devices = stream.devices if isinstance(stream.devices, int) else hardware.devices
     dispatch = moe.dispatch("cpu" if hardware.device_is_host else "gpu")  # the planned device's grouped matmul
-    s = describe(cfg, stream, store, shape, tx, part_bytes_=part_bytes_, devices=devices, dispatch=dispatch)
+    s = describe(cfg, stream, store, shape, tx, fused=fused, part_bytes_=part_bytes_, devices=devices,
+                 dispatch=dispatch)
     pb, hw, state = s.part_bytes, hardware, s.state
     num_params = state.master // 4
 
