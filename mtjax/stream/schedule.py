@@ -477,34 +477,41 @@ def part_bytes(cfg: ModelConfig, tx) -> dict[str, StateBytes]:
     return out
 
 
-# Tracing a block takes time in proportion to its rows' attention chunks (about 0.5 s per
-# thousand tokens of a 70B block here), while what it keeps for the backward grows by the
-# same bytes with every token. Rows longer than LONG_SEQ are therefore priced from
-# traces at 1, 2 and 3 x AFFINE_STEP tokens, when those lie on one line.
-LONG_SEQ = 8192
-AFFINE_STEP = 512
+@dataclasses.dataclass(frozen=True)
+class LongRows:
+    """How the bytes a block keeps are priced for long rows. Tracing a block takes time in
+    proportion to its rows' attention chunks (about 0.5 s per thousand tokens of a 70B
+    block here), while what it keeps for the backward grows by the same bytes with every
+    token: rows longer than `threshold` tokens are priced from traces at 1, 2 and 3 x
+    `step` tokens, when those lie on one line."""
+
+    threshold: int = 8192
+    step: int = 512
+
+    def price(self, traced, seq: int) -> int:
+        """traced(seq), the bytes of a trace at `seq` tokens per row; for long rows, the
+        line through short traces where they are affine in the row's length, else the trace."""
+        if seq <= self.threshold:
+            return traced(seq)
+        a, b, c = (traced(i * self.step) for i in (1, 2, 3))
+        per_step = b - a
+        if c - b != per_step or per_step % self.step:
+            return traced(seq)
+        return a + per_step // self.step * (seq - self.step)
 
 
-def _by_seq(traced, seq: int) -> int:
-    """traced(seq), the bytes of a trace at `seq` tokens per row; for long rows, the line
-    through short traces where they are affine in the row's length, else the trace."""
-    if seq <= LONG_SEQ:
-        return traced(seq)
-    a, b, c = (traced(i * AFFINE_STEP) for i in (1, 2, 3))
-    per_step = b - a
-    if c - b != per_step or per_step % AFFINE_STEP:
-        return traced(seq)
-    return a + per_step // AFFINE_STEP * (seq - AFFINE_STEP)
+LONG_ROWS = LongRows()
 
 
 @functools.lru_cache(maxsize=64)
-def residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, policy: str = "none") -> int:
+def residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, policy: str = "none",
+                   rows: LongRows = LONG_ROWS) -> int:
     """Bytes a block's vjp keeps beyond its own weights, traced from the real block
     (`jax.eval_shape` of `jax.vjp`: nothing runs, nothing is allocated). Includes
     whatever the attention implementation saves, e.g. [batch, heads, seq, seq] scores.
     `policy`: the block under that model.REMAT_POLICIES entry ("none": the plain block,
-    as a recompute keeps it; "dots": its projections and inputs). Long rows: `_by_seq`."""
-    return _by_seq(lambda s: _traced_residual_bytes(cfg, spec, batch, s, policy), seq)
+    as a recompute keeps it; "dots": its projections and inputs). Long rows: `rows`."""
+    return rows.price(lambda s: _traced_residual_bytes(cfg, spec, batch, s, policy), seq)
 
 
 @functools.lru_cache(maxsize=64)
@@ -583,11 +590,12 @@ def expert_bytes(cfg: ModelConfig) -> StateBytes:
 
 
 @functools.lru_cache(maxsize=64)
-def split_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, size: int) -> int:
+def split_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, size: int,
+                         rows: LongRows = LONG_ROWS) -> int:
     """Bytes the larger of a split block's sub-part programs keeps for its vjp beyond its
     weights: the router part's (attention included) or a group of `size` experts',
     traced as `residual_bytes` traces a whole block (long rows too)."""
-    return _by_seq(lambda s: _traced_split_residual_bytes(cfg, spec, batch, s, size), seq)
+    return rows.price(lambda s: _traced_split_residual_bytes(cfg, spec, batch, s, size), seq)
 
 
 @functools.lru_cache(maxsize=64)
