@@ -160,20 +160,18 @@ def test_trace_times_device_work_and_writes_chrome_json(tmp_path):
     tracer.close()
 
 
-def test_pinned_staging_copies_each_leaf_on_its_own_thread(monkeypatch):
+def test_pinned_staging_copies_each_leaf_on_its_own_thread():
     """The GPU path (host buffer -> pinned -> device), forced on the CPU backend: every
     leaf arrives intact, on the device's memory, staged by the placement's threads."""
     place = staging.Placement(jax.devices("cpu")[0], pinned=True)
     assert place.pinned
     threads = set()
-    stage = place._stage
 
     def recording(buffer):
         threads.add(__import__("threading").current_thread().name)
         time.sleep(0.05)  # long enough that the leaves overlap
-        return stage(buffer)
 
-    monkeypatch.setattr(place, "_stage", recording)
+    place.observe(recording)
     rng = np.random.default_rng(0)
     buffers = {f"w{i}": hostmem.aligned_empty((64, 48), np.float32) for i in range(4)}
     for b in buffers.values():
@@ -305,12 +303,11 @@ class _MappingClient:
         self.unmapped.append(self.live.pop(address))
 
 
-def test_mapped_staging_buffers_are_mapped_once_and_sent_without_the_pinned_copy(monkeypatch):
+def test_mapped_staging_buffers_are_mapped_once_and_sent_without_the_pinned_copy():
     place = staging.Placement(jax.devices("cpu")[0], pinned=True)
     place.client, place.mapped = _MappingClient(refuse=7 * 4), True
     staged = []
-    stage = place._stage
-    monkeypatch.setattr(place, "_stage", lambda b: staged.append(b.nbytes) or stage(b))
+    place.observe(lambda b: staged.append(b.nbytes))
     pool = staging.StagingPool(place, DeviceLedger(1 << 30), max_slots=1)
     schema = {"a": jax.ShapeDtypeStruct((64, 8), np.float32), "b": jax.ShapeDtypeStruct((7,), np.float32),
               "c": jax.ShapeDtypeStruct((3, 5), np.float32)}
