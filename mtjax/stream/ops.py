@@ -26,209 +26,199 @@ split blocks' sub-parts, are the schedule's `transfers` in order (forward: `forw
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 
 @dataclasses.dataclass(frozen=True)
-class Stage:
+class Op:
+    """One operation. Its line in a listing is `verb` formatted with the operation (`op`),
+    then `flagged` where its one bool field is set."""
+
+    verb: ClassVar[str] = ""
+    flagged: ClassVar[str] = ""
+
+    def __str__(self) -> str:
+        flags = [getattr(self, f.name) for f in dataclasses.fields(self) if f.type == "bool"]
+        return self.verb.format(op=self) + (self.flagged if any(flags) else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage(Op):
     """Take the next staged part from the prefetcher: its weights are on the device."""
 
+    verb = "stage {op.part}"
     part: str
-
-    def __str__(self) -> str:
-        return f"stage {self.part}"
 
 
 @dataclasses.dataclass(frozen=True)
-class Resident:
+class Resident(Op):
     """A resident part's weights, on the device already: nothing crosses."""
 
+    verb = "resident {op.part}"
     part: str
-
-    def __str__(self) -> str:
-        return f"resident {self.part}"
 
 
 @dataclasses.dataclass(frozen=True)
-class Release:
+class Release(Op):
     """Hand a staged part's slot back, fenced by the outputs of its last programs."""
 
+    verb = "release {op.part}"
     part: str
 
-    def __str__(self) -> str:
-        return f"release {self.part}"
-
 
 @dataclasses.dataclass(frozen=True)
-class Embed:
+class Embed(Op):
     """The embedding over every micro-batch: token ids -> hidden states."""
 
-    def __str__(self) -> str:
-        return "forward embed"
+    verb = "forward embed"
 
 
 @dataclasses.dataclass(frozen=True)
-class Forward:
+class Forward(Op):
     """Block `block` over every micro-batch, nothing kept."""
 
+    verb = "forward block.{op.block}"
     block: int
-
-    def __str__(self) -> str:
-        return f"forward block.{self.block}"
 
 
 @dataclasses.dataclass(frozen=True)
-class Save:
+class Save(Op):
     """Block `block`'s one forward in a saved group: every micro-batch's vjp is kept."""
 
+    verb = "forward block.{op.block}, keep its vjp"
     block: int
-
-    def __str__(self) -> str:
-        return f"forward block.{self.block}, keep its vjp"
 
 
 @dataclasses.dataclass(frozen=True)
-class SplitForward:
+class SplitForward(Op):
     """A split MoE block's forward, sub-part by sub-part (stages them itself); `keep`:
     its routing is kept for the backward."""
 
+    verb, flagged = "forward split block.{op.block}", ", keep its routing"
     block: int
     keep: bool
 
-    def __str__(self) -> str:
-        return f"forward split block.{self.block}" + (", keep its routing" if self.keep else "")
-
 
 @dataclasses.dataclass(frozen=True)
-class Keep:
+class Keep(Op):
     """Keep every micro-batch's hidden states as block `block`'s input, for the backward
     (`host`: in host memory)."""
 
+    verb, flagged = "keep input of block.{op.block}", " in host memory"
     block: int
     host: bool = False
 
-    def __str__(self) -> str:
-        return f"keep input of block.{self.block}" + (" in host memory" if self.host else "")
-
 
 @dataclasses.dataclass(frozen=True)
-class Unkeep:
+class Unkeep(Op):
     """Bring back the input kept for block `block`."""
 
+    verb, flagged = "take back input of block.{op.block}", " from host memory"
     block: int
     host: bool = False
 
-    def __str__(self) -> str:
-        return f"take back input of block.{self.block}" + (" from host memory" if self.host else "")
-
 
 @dataclasses.dataclass(frozen=True)
-class Head:
+class Head(Op):
     """Loss and gradients of every micro-batch at the LM head (`tied`: the embedding's
     weights are the head's kernel); the gradient w.r.t. the hidden states flows back."""
 
+    verb, flagged = "forward+backward head", " (tied embedding)"
     tied: bool
-
-    def __str__(self) -> str:
-        return "forward+backward head" + (" (tied embedding)" if self.tied else "")
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadLoss:
+class HeadLoss(Op):
     """The loss of every micro-batch (evaluation)."""
 
+    verb, flagged = "loss at head", " (tied embedding)"
     tied: bool
 
-    def __str__(self) -> str:
-        return "loss at head" + (" (tied embedding)" if self.tied else "")
-
 
 @dataclasses.dataclass(frozen=True)
-class Backward:
+class Backward(Op):
     """One block's recompute and backward in one program (a group of one)."""
 
+    verb = "recompute+backward block.{op.block}"
     block: int
-
-    def __str__(self) -> str:
-        return f"recompute+backward block.{self.block}"
 
 
 @dataclasses.dataclass(frozen=True)
-class RecomputeBackward:
+class GroupOp(Op):
+    """An operation on the blocks of a group, `first`..`last`."""
+
+    blocks: range
+
+    @property
+    def first(self) -> int:
+        return self.blocks.start
+
+    @property
+    def last(self) -> int:
+        return self.blocks[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeBackward(GroupOp):
     """A recompute group: its blocks' forward recomputed from the kept input, keeping
     their vjps, then walked back; per micro-batch."""
 
-    blocks: range
-
-    def __str__(self) -> str:
-        return f"recompute block.{self.blocks.start}..{self.blocks.stop - 1}, backward in reverse"
+    verb = "recompute block.{op.first}..{op.last}, backward in reverse"
 
 
 @dataclasses.dataclass(frozen=True)
-class SavedBackward:
+class SavedBackward(GroupOp):
     """A saved group's backward from the vjps its forward kept: nothing recomputed."""
 
-    blocks: range
-
-    def __str__(self) -> str:
-        return f"backward block.{self.blocks.start}..{self.blocks.stop - 1} from the kept vjps"
+    verb = "backward block.{op.first}..{op.last} from the kept vjps"
 
 
 @dataclasses.dataclass(frozen=True)
-class SplitBackward:
+class SplitBackward(Op):
     """A split MoE block's backward, sub-part by sub-part (stages them itself)."""
 
+    verb = "backward split block.{op.block}"
     block: int
 
-    def __str__(self) -> str:
-        return f"backward split block.{self.block}"
-
 
 @dataclasses.dataclass(frozen=True)
-class EmbedBackward:
+class EmbedBackward(Op):
     """The embedding lookup's gradient (plus the head's, when tied)."""
 
+    verb, flagged = "backward embed", " (+ the head's use of it)"
     tied: bool
 
-    def __str__(self) -> str:
-        return "backward embed" + (" (+ the head's use of it)" if self.tied else "")
-
 
 @dataclasses.dataclass(frozen=True)
-class GradOut:
+class GradOut(Op):
     """A part's gradient, summed over the micro-batches, leaves for the host."""
 
+    verb = "gradient out {op.part}"
     part: str
-
-    def __str__(self) -> str:
-        return f"gradient out {self.part}"
 
 
 @dataclasses.dataclass(frozen=True)
-class GradStays:
+class GradStays(Op):
     """A resident part's summed gradient stays on the device for its update there."""
 
+    verb = "gradient stays {op.part}"
     part: str
-
-    def __str__(self) -> str:
-        return f"gradient stays {self.part}"
 
 
 @dataclasses.dataclass(frozen=True)
-class Update:
+class Update(Op):
     """The clip scale from every gradient's norm (a host sync), then every part's update:
     streamed parts' deferred to their next staging, resident ones' on the device now."""
 
-    def __str__(self) -> str:
-        return "update (clip scale known)"
+    verb = "update (clip scale known)"
 
 
 @dataclasses.dataclass(frozen=True)
-class Commit:
+class Commit(Op):
     """The step into the store: a one-copy store's (the state before its update plus its
     gradients, durable); only then may the updates overwrite the one copy, and they start."""
 
-    def __str__(self) -> str:
-        return "commit (state before the update + gradients)"
+    verb = "commit (state before the update + gradients)"
 
 
 def needed(operations) -> tuple[str, ...]:
