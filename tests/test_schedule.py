@@ -19,7 +19,7 @@ from mtjax.config import DataConfig, StoreConfig, StreamConfig
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate
-from mtjax.stream import StreamEngine, schedule
+from mtjax.stream import StreamEngine, ops, schedule
 from mtjax.stream.budget import tree_bytes
 
 from conftest import ONE_KV_HEAD, tiny_config, tokens as random_tokens
@@ -330,3 +330,20 @@ def test_operations_stage_the_transfers_and_send_every_gradient_once(cfg, stream
     assert isinstance(s.operations[-1], ops.Update) and str(s).splitlines()[0] == f"  0  {s.operations[0]}"
     forward = [op.part for op in s.eval_operations if isinstance(op, ops.Stage)]
     assert [p for p in s.forward if "/" not in p] == forward
+
+
+def test_the_pipeline_docs_list_a_steps_operations_as_the_schedule_compiles_them():
+    """docs/pipeline.md's operation list of a 2-block step (keep_every=1, accum 2), and the
+    commit that ends a one-copy store's step, are the schedule's own listing."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "pipeline.md").read_text()
+    section = text[text.index("## The step as operations"):]
+    blocks = section.split("```")[1::2]  # the fenced listings, in order
+    cfg = tiny_config(num_hidden_layers=2)
+    shape = schedule.StepShape(2, 16, 2)
+    s = schedule.describe(cfg, StreamConfig(keep_every=1), StoreConfig(), shape, TX)
+    assert blocks[0].strip("\n") == ops.listing(s.operations)
+    one_copy = StoreConfig(compute="disk", master="disk", opt="disk", copies=1)
+    listed = ops.listing(schedule.describe(cfg, StreamConfig(keep_every=1), one_copy, shape, TX).operations)
+    assert listed.endswith(blocks[2].strip("\n"))
