@@ -175,12 +175,15 @@ def _platform() -> tuple[str, float | None]:
         return platform, None
 
 
-def attend(q, k, v, scale: float, window: int | None = None, softcap: float | None = None, segments=None):
+def attend(q, k, v, scale: float, window: int | None = None, softcap: float | None = None, segments=None, *,
+           platform: tuple[str, float | None] | None = None):
     """Causal attention by the fastest exact path of the platform being traced for (`kernel`);
     `softcap`: soft-capped scores (Gemma 2); `segments` [b, t]: document ids of packed rows,
     which confine attention to each document. Both take the chunked path on every platform.
-    Where cuDNN refuses what `kernel` expected it to take, XLA's implementation computes it."""
-    backend, capability = _platform()
+    Where cuDNN refuses what `kernel` expected it to take, XLA's implementation computes it.
+    `platform`: (backend, CUDA capability) to choose for instead of the one being traced
+    for (how the GPU's choice is checked without a GPU)."""
+    backend, capability = _platform() if platform is None else platform
     which = kernel(backend, q.dtype, q.shape[-1], window, softcap, segments=segments is not None,
                    capability=capability)
     if which == "chunked":

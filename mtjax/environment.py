@@ -1,9 +1,9 @@
 """The environment a command starts in: variables that choose JAX's platform and device
-count, and the numeric ones mtjax reads itself.
+count, and the ones mtjax reads itself (counts, and MTJAX_PROGRESS's one value).
 
 `check` runs in `mtjax.cli.main` before any command module (and so JAX) is imported: a
-count that is not a whole number, or asks for no devices, is one line naming the
-variable (JAX itself reads some of them when it is imported and raises a ValueError
+count that is not a whole number, or asks for no devices, or a variable of mtjax's with a
+value it does not know, is one line naming the variable (JAX itself reads some of them when it is imported and raises a ValueError
 there, or XLA aborts the process with its whole flag list). `backend_failure` words an
 exception raised while JAX starts its backend, which is where a platform that is not
 there shows itself (JAX_PLATFORMS=cuda or tpu on a machine without one, or with
@@ -31,6 +31,10 @@ _COUNTS = {
     "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": 1,  # read by mtjax.stream.staging
     "SLURM_NTASKS": 1,  # read by mtjax.distributed
 }
+# Variables of mtjax's that take one of a few words.
+_WORDS = {
+    "MTJAX_PROGRESS": ("always",),  # read by mtjax.terminal
+}
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count(?:=(\S*))?")
 
 
@@ -45,6 +49,11 @@ def check(environ=os.environ) -> None:
         value = environ.get(name)
         if value is not None and value.strip() and not _count(value, least):
             raise EnvironmentProblem(f"environment variable {name}={value!r} must be a whole number >= {least}; "
+                                     f"set it to one, or unset it")
+    for name, words in _WORDS.items():
+        value = environ.get(name)
+        if value is not None and value.strip() and value.strip() not in words:
+            raise EnvironmentProblem(f"environment variable {name}={value!r} is not one of: {', '.join(words)}; "
                                      f"set it to one, or unset it")
     for m in _DEVICE_COUNT_FLAG.finditer(environ.get("XLA_FLAGS", "")):
         if m.group(1) is None or not _count(m.group(1), 1):

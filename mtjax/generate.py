@@ -3,7 +3,7 @@
 A KV-cache-free loop for small models held in memory: every new token recomputes the
 forward pass over a fixed-length buffer, so the whole generation is one compiled
 `fori_loop` (one compile per buffer length, no per-token dispatch), called for
-PROGRESS_TOKENS positions at a time so that a progress bar can move. Causal attention
+`progress_tokens` (PROGRESS_TOKENS) positions at a time so that a progress bar can move. Causal attention
 makes the padding to the right of the current position invisible to it. `check_fits`
 refuses a prompt and token count that pass the model's context (the commands call it);
 `generate` itself cuts such a prompt on the left.
@@ -89,11 +89,13 @@ def _sample_loop(cfg: ModelConfig, params, buffer, start, stop, greedy: bool, to
 
 
 def generate(cfg: ModelConfig, params, prompt: list[int], max_new_tokens: int, temperature: float = 0.8,
-             top_k: int | None = 40, seed: int = 0, eos_id: int | None = None) -> list[int]:
+             top_k: int | None = 40, seed: int = 0, eos_id: int | None = None,
+             progress_tokens: int = PROGRESS_TOKENS) -> list[int]:
     """`max_new_tokens` ids sampled after `prompt` (cut at the first EOS when given).
 
     temperature 0 is greedy decoding. The prompt is truncated on the left so prompt and
-    continuation fit in the model's context.
+    continuation fit in the model's context. The loop samples `progress_tokens` positions
+    a call (the progress bar moves between calls); the tokens are those of one call.
     """
     if max_new_tokens <= 0:
         return []
@@ -104,8 +106,8 @@ def generate(cfg: ModelConfig, params, prompt: list[int], max_new_tokens: int, t
     greedy, scale = temperature <= 0, jnp.float32(max(temperature, 1e-6))
     out, key = jnp.asarray(buffer), jax.random.key(seed)
     with terminal.bar(max_new_tokens, "sampling", unit="token") as bar:
-        for start in range(len(prompt), out.shape[1], PROGRESS_TOKENS):  # the same tokens as one loop
-            stop = min(start + PROGRESS_TOKENS, out.shape[1])
+        for start in range(len(prompt), out.shape[1], progress_tokens):  # the same tokens as one loop
+            stop = min(start + progress_tokens, out.shape[1])
             out, key = _sample_loop(cfg, params, out, start, stop, greedy, top_k, scale, key)
             if not bar.disable:
                 out.block_until_ready()  # the bar shows tokens sampled, not queued

@@ -88,8 +88,9 @@ class BufferPool:
     >>> pool.release(bufs, fence=y)      # bufs are reused only once y is ready
 
     `acquire` prefers a free set whose readers have finished, then a new set (up to
-    `sets_per_shape` per shape), then waits for the free set released longest ago. With
-    none free it makes a new one: a caller holding every set never waits on itself.
+    `sets_per_shape` per shape, or what `provide` said for that shape), then waits for the
+    free set released longest ago. With none free it makes a new one: a caller holding
+    every set never waits on itself.
     """
 
     def __init__(self, sets_per_shape: int = 1, on_new=None, wait_for_readers: bool = True):
@@ -100,8 +101,25 @@ class BufferPool:
         self.wait_for_readers = wait_for_readers
         self._free: dict[tuple, list[tuple[dict, list]]] = {}  # released (set, fence), oldest first
         self._made: dict[tuple, int] = {}
+        self._sets: dict[tuple, int] = {}  # sets of a shape `provide` made, instead of `sets_per_shape`
         self._lock = threading.Lock()  # acquire and release run on different threads
         self.allocated = 0  # sets made, for tests and the memory benchmark
+        self.allocated_bytes = 0  # their bytes
+
+    def provide(self, schema: dict, sets: int) -> None:
+        """Make `sets` buffer sets shaped like `schema` now, the most that shape gets while
+        fewer are held, unless that shape has its sets already."""
+        key = shape_key(schema)
+        with self._lock:
+            if key in self._sets:
+                return
+            self._sets[key] = sets
+        made = [self.acquire(schema) for _ in range(sets - self._made.get(key, 0))]
+        for buffers in made:
+            self.release(buffers)
+
+    def _most(self, key: tuple) -> int:
+        return self._sets.get(key, self.sets_per_shape)
 
     def acquire(self, schema: dict) -> dict[str, np.ndarray]:
         """A buffer set shaped like `schema` ({leaf: ShapeDtypeStruct}), safe to overwrite."""
@@ -109,11 +127,12 @@ class BufferPool:
         with self._lock:
             free = self._free.setdefault(key, [])
             pick = next((i for i, (_, fence) in enumerate(free) if all(a.is_ready() for a in fence)), None)
-            if pick is None and free and self._made.get(key, 0) >= self.sets_per_shape:
+            if pick is None and free and self._made.get(key, 0) >= self._most(key):
                 pick = 0
             if pick is None:
                 self._made[key] = self._made.get(key, 0) + 1
                 self.allocated += 1
+                self.allocated_bytes += sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in schema.values())
             else:
                 buffers, fence = free.pop(pick)
         if pick is None:
@@ -128,11 +147,11 @@ class BufferPool:
         return buffers
 
     def spare(self, schema: dict) -> bool:
-        """Whether a set shaped like `schema` can be acquired while fewer than
-        `sets_per_shape` of that shape are held (acquired and not released)."""
+        """Whether a set shaped like `schema` can be acquired while fewer than the sets of
+        that shape (`sets_per_shape`, or `provide`'s) are held (acquired and not released)."""
         key = shape_key(schema)
         with self._lock:
-            return self._made.get(key, 0) - len(self._free.get(key, [])) < self.sets_per_shape
+            return self._made.get(key, 0) - len(self._free.get(key, [])) < self._most(key)
 
     def release(self, buffers: dict[str, np.ndarray], fence=()) -> None:
         """Hand a set back; `fence` (any pytree) holds the outputs of the last

@@ -150,15 +150,6 @@ def _duration(seconds: float) -> str:
         else f"{seconds // 60}:{seconds % 60:02d}"
 
 
-def model_flops_per_token(num_params: int, num_layers: int, seq_len: int, attention_width: int) -> float:
-    """Training FLOPs per token: 6 per parameter (fwd + bwd matmuls) plus attention's
-    score and value products, 12 x layers x seq x attention width (the usual MFU convention
-    for softmax attention; the width is heads x head_dim, which is not hidden_size in Gemma).
-    The MFU line counts mtjax.plan.cost.mfu_flops_per_token, which asks each layer's mixer
-    and equals this for softmax-attention models."""
-    return 6.0 * num_params + 12.0 * num_layers * seq_len * attention_width
-
-
 # Built-in hardware profiles by the device kind JAX reports (substring, lower case).
 _PROFILE_BY_KIND = (("gh200", "gh200"), ("h200", "h200"), ("h100", "h100-pcie5"), ("a100", "a100-80gb-pcie4"))
 

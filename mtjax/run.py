@@ -5,13 +5,14 @@
 `mtjax train` is a thin wrapper around `train`. The engine that runs a step is chosen
 by `stream.engine` in `make_engine`; any object with the `Engine` protocol plugs in:
 
-    engine.step(batch)    a mtjax.batch.Batch (or int32 tokens) [accum, batch, seq] -> {"loss", "grad_norm",
-                          ...} (floats); the loss is the mean over the step's counted targets
+    engine.step(batch, train_state)   a mtjax.batch.Batch (or int32 tokens) [accum, batch, seq] -> {"loss",
+                          "grad_norm", ...} (floats); the loss is the mean over the step's counted
+                          targets; an engine that commits every step records train_state then
     engine.params()       fp32 params pytree on the host, every pending update applied
     engine.opt_state()    optimizer state shaped as optax's init(params)
     engine.eval_loss(b)   {"loss", "aux_loss" (MoE)} over the counted targets of a batch [n, batch, seq], no update
     engine.stage_seconds()   seconds per stage of the last step (may be empty)
-    engine.commits_every_step   whether each step must be committed before its update runs
+    engine.commits_every_step   whether each step commits itself (before its update runs)
     engine.commit(step, train_state, flush=False)   write the whole state into the run's
                           store and commit it (mtjax.checkpoint): `--run.resume=true`
                           continues from the last commit exactly
@@ -64,7 +65,7 @@ class Engine(Protocol):
     commits_every_step: bool
     store: mtjax.store.Store
 
-    def step(self, batch: Batch | np.ndarray) -> dict[str, float]: ...
+    def step(self, batch: Batch | np.ndarray, train_state: dict | None = None) -> dict[str, float]: ...
 
     def params(self): ...
 
@@ -88,8 +89,8 @@ class ReferenceEngine:
         self.cfg, self.store = cfg, store
         self.trainer = ReferenceTrainer(cfg, params, exp.optim, opt_state=opt_state)
 
-    def step(self, batch) -> dict[str, float]:
-        return self.trainer.step(batch)
+    def step(self, batch, train_state: dict | None = None) -> dict[str, float]:
+        return self.trainer.step(batch)  # commits only when asked (`commit`)
 
     def params(self):
         return jax.device_get(self.trainer.params)
@@ -599,7 +600,8 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
             try:
                 batch = loader.next()
                 trained += documents.trained_tokens(batch)  # a skipped step's too, as it always was
-                metrics = engine.step(batch)
+                # A one-copy store's step commits itself, recording the data cursor past its batch.
+                metrics = engine.step(batch, checkpoint.train_state(exp, step, loader.cursor))
                 # Waits for the tracer's watchers; the step's own host sync already
                 # finished its compute, so this costs little.
                 metrics = {**metrics, **{f"stage_{k}_s": round(v, 4) for k, v in engine.stage_seconds().items()}}
@@ -611,9 +613,9 @@ def _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out,
             if metrics is not None:
                 losses[step] = metrics["loss"]
                 progress.update(step, {**metrics, "lr": lr_at(exp.optim, step)}, documents.trained_tokens(batch))
-            if engine.commits_every_step:
-                # One copy of the state on disk: an update may only overwrite it once this
-                # step (state + pending gradients) is committed. Cheap: nothing is flushed.
+            if metrics is None and engine.commits_every_step:
+                # A skipped step's commit did not run: the cursor past its batch is committed
+                # here (the state is unchanged, nothing is pending).
                 engine.commit(step, checkpoint.train_state(exp, step, loader.cursor))
             if val is not None and (step % exp.run.eval_every == 0 or step == exp.run.steps):
                 terms = engine.eval_loss(val)  # the training objective; a MoE model's aux loss beside it

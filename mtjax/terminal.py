@@ -6,7 +6,7 @@ SHOW_AFTER_S (short work shows nothing), and it is cleared when the work ends; a
 or a pipe gets no carriage returns, and the command prints its result when done.
 MTJAX_PROGRESS=always in the environment draws bars (and `mtjax train`'s live line) on any
 stream, at once, 80 columns wide where the stream reports no width: progress through a
-pipe, and what tests check.
+pipe, and what tests check. Another value is refused in one line (mtjax.environment).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ SHOW_AFTER_S = 2.0
 
 
 def _always() -> bool:
-    return os.environ.get("MTJAX_PROGRESS") == "always"
+    return os.environ.get("MTJAX_PROGRESS", "").strip() == "always"  # another value: mtjax.environment refuses it
 
 
 def columns(stream) -> int:

@@ -59,6 +59,32 @@ def token_batches(vocab_size: int, shape: tuple[int, ...], count: int, seed: int
     return [rng.integers(0, vocab_size, shape, dtype=np.int32) for _ in range(count)]
 
 
+def checkpoint_tensors(ckpt: Path) -> dict[str, np.ndarray]:
+    """{name: array} of a Hugging Face checkpoint directory's model.safetensors."""
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt / "model.safetensors"), framework="np") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def assert_store_round_trip(ckpt: Path, work: Path) -> Path:
+    """`ckpt` imported into a layer store under `work` and exported again: the same tensor
+    names and values, and the same config.json. Returns the exported directory."""
+    import json
+
+    from mtjax.store.hf_export import export_hf
+    from mtjax.store.hf_import import import_hf
+
+    import_hf(ckpt, work / "store")
+    out = export_hf(work / "store", work / "out")
+    saved, exported = checkpoint_tensors(ckpt), checkpoint_tensors(out)
+    assert exported.keys() == saved.keys()
+    for name in saved:
+        np.testing.assert_array_equal(exported[name], saved[name])
+    assert json.loads((out / "config.json").read_text()) == json.loads((ckpt / "config.json").read_text())
+    return out
+
+
 @pytest.fixture
 def make_store(tmp_path):
     """A factory of new layer stores under this test's tmp_path:

@@ -213,6 +213,7 @@ def test_an_environment_that_asks_for_what_is_not_there(tmp_path):
         ({"PJRT_NPROC": "abc"}, "PJRT_NPROC='abc' must be a whole number >= 1"),
         ({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "lots"}, "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB='lots' must be"),
         ({"SLURM_NTASKS": "two"}, "SLURM_NTASKS='two' must be a whole number"),
+        ({"MTJAX_PROGRESS": "yes"}, "MTJAX_PROGRESS='yes' is not one of: always"),
     ]
     for i in range(0, len(cases), 4):
         batch = [(env, expect, start(tmp_path, [*train, f"--run.dir=r{j}"], env))
@@ -276,8 +277,8 @@ def test_environment_check_in_process():
     from mtjax import environment
 
     environment.check({"JAX_NUM_CPU_DEVICES": "4", "PJRT_NPROC": " 8 ", "JAX_PLATFORMS": "",
-                       "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-    for env in ({"JAX_NUM_CPU_DEVICES": "²"}, {"PJRT_NPROC": "-3"},
+                       "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "MTJAX_PROGRESS": "always"})
+    for env in ({"JAX_NUM_CPU_DEVICES": "²"}, {"PJRT_NPROC": "-3"}, {"MTJAX_PROGRESS": "Always"},
                 {"XLA_FLAGS": "--xla_force_host_platform_device_count"}):
         with pytest.raises(environment.EnvironmentProblem):
             environment.check(env)

@@ -11,7 +11,6 @@ import crc32c
 import numpy as np
 import pytest
 
-from mtjax.errors import MissingPackage
 from mtjax.store import checksum
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,10 +31,24 @@ def test_fallback_reads_any_buffer_as_its_bytes():
         assert checksum._fallback(buf) == crc32c.crc32c(buf)
 
 
-def test_without_numba_either_it_names_the_package_to_install(monkeypatch):
-    monkeypatch.setattr(checksum, "numba", None)
-    with pytest.raises(MissingPackage, match=r"needs the crc32c package, which is not installed: pip install crc32c"):
-        checksum._fallback(b"abc")
+def test_without_numba_either_it_names_the_package_to_install(tmp_path):
+    """An interpreter where neither package imports: the checksum names crc32c to install
+    (the store's modules alone: nothing imports JAX)."""
+    for package in ("crc32c", "numba"):
+        (tmp_path / f"{package}.py").write_text(f"raise ImportError('{package} is not installed here')\n")
+    code = """
+from mtjax.errors import MissingPackage
+from mtjax.store import checksum
+assert checksum.IMPLEMENTATION is None, checksum.IMPLEMENTATION
+try:
+    checksum.crc32c(b"abc")
+except MissingPackage as e:
+    print(e)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "needs the crc32c package, which is not installed: pip install crc32c" in r.stdout
 
 
 @pytest.mark.slow  # imports jax in a subprocess and compiles the fallback there

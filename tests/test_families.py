@@ -11,7 +11,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from safetensors import safe_open
 
 import mtjax
 from mtjax import families, hf, model
@@ -19,8 +18,8 @@ from mtjax.families import hf_config
 from mtjax.layers.spec import Norms
 from mtjax.model_config import SWITCHES, ConfigError, ModelConfig
 from mtjax.store import layout
-from mtjax.store.hf_export import export_hf
-from mtjax.store.hf_import import import_hf
+
+from conftest import assert_store_round_trip, checkpoint_tensors
 
 TOY = "toy_llama"
 # Its own config.json key: q, k and v in one tensor and gate and up in another.
@@ -63,11 +62,6 @@ def toy():
         families.unregister(TOY)
 
 
-def _tensors(ckpt: Path) -> dict[str, np.ndarray]:
-    with safe_open(str(ckpt / "model.safetensors"), framework="np") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
-
-
 def test_config_json_round_trips_through_the_registered_family(toy):
     cfg = mtjax.from_hf_dict(HF)
     assert cfg.model_type == TOY and cfg.family is toy
@@ -84,7 +78,7 @@ def test_checkpoint_round_trips_under_its_names_directly_and_through_a_store(toy
     cfg = mtjax.from_hf_dict(HF)
     params = model.init_params(cfg, seed=3)
     hf.save_params(cfg, params, tmp_path / "ckpt")
-    saved = _tensors(tmp_path / "ckpt")
+    saved = checkpoint_tensors(tmp_path / "ckpt")
     assert {"model.layers.0.attn.qkv_proj.weight", "model.layers.1.ffn.gate_up_proj.bias",
             "model.layers.0.ffn_in_norm.weight", "model.layers.1.ffn_out_norm.weight"} <= set(saved)
     assert not [n for n in saved if "self_attn" in n or ".mlp." in n]
@@ -94,13 +88,7 @@ def test_checkpoint_round_trips_under_its_names_directly_and_through_a_store(toy
     assert jax.tree.structure(loaded) == jax.tree.structure(params)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
         np.testing.assert_array_equal(np.asarray(a), b)
-    import_hf(tmp_path / "ckpt", tmp_path / "store")
-    out = export_hf(tmp_path / "store", tmp_path / "out")
-    exported = _tensors(out)
-    assert exported.keys() == saved.keys()
-    for name in saved:
-        np.testing.assert_array_equal(exported[name], saved[name])
-    assert json.loads((out / "config.json").read_text()) == HF
+    assert_store_round_trip(tmp_path / "ckpt", tmp_path)  # the same tensors, names and config.json
 
 
 def test_a_family_not_registered_is_one_config_error_naming_the_registered_ones():

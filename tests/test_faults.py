@@ -30,6 +30,7 @@ from mtjax import reference as reference_mod
 from mtjax import run as run_lib
 from mtjax.errors import MtjaxError, NonFiniteStep
 from mtjax.reference import ReferenceTrainer
+from mtjax.store import durable
 from mtjax.stream import StreamEngine
 
 import fault_trials
@@ -131,26 +132,28 @@ def small_disk(tmp_path):
         yield mnt
 
 
-def test_full_disk_during_a_step_fails_cleanly_and_resumes(work, clean, small_disk, monkeypatch):
+def test_full_disk_during_a_step_fails_cleanly_and_resumes(work, clean, small_disk):
     run = work / "diskfull"
     shutil.rmtree(run, ignore_errors=True)
     store = small_disk / "store"
     exp = exp_of(run, STEPS, f"--store.path={store}")
-    real_step = StreamEngine.step
-    ballast = []
+    ballast, armed = [], []
 
-    def step(self, tokens):
-        if self.step_count == 2 and not ballast:
+    def fill_during_step_3(event, *args):  # the store's file I/O seam (mtjax.store.durable)
+        if event == "manifest" and args[0].step == 2:  # step 2's commit (it waited for every write)
+            armed.append(True)
+        elif event == "write" and armed and not ballast:  # the next write is step 3's
             ballast.append(small_disk_lib.fill(small_disk))  # the disk fills up during step 3
-        return real_step(self, tokens)
 
-    monkeypatch.setattr(StreamEngine, "step", step)
-    with pytest.raises(MtjaxError, match="No space left|free disk space"):
-        run_lib.train(exp, QUIET)
+    stop = durable.observe(fill_during_step_3)
+    try:
+        with pytest.raises(MtjaxError, match="No space left|free disk space"):
+            run_lib.train(exp, QUIET)
+    finally:
+        stop()
     with mtjax.store.open(store) as reader:
         assert reader.step == 2 and reader.load_train_state()["step"] == 2  # the last commit is intact
     ballast[0].unlink()
-    monkeypatch.setattr(StreamEngine, "step", real_step)
     run_lib.train(exp, QUIET)  # the same command resumes from step 2
     assert final_bytes(run) == final_bytes(clean)
 
@@ -186,13 +189,13 @@ def _poison_stream(monkeypatch, at_steps):
     """Block 1's gradients become NaN in the given (1-based) steps of any StreamEngine."""
     real = StreamEngine.step
 
-    def step(self, tokens):
+    def step(self, tokens, *train_state):
         if self.step_count + 1 in at_steps:
             add = self.grads.add
             self.grads.add = lambda part, g: add(part, {n: x * jnp.nan for n, x in g.items()}
                                                  if part == "block.1" else g)
         try:
-            return real(self, tokens)
+            return real(self, tokens, *train_state)
         finally:
             self.grads.__dict__.pop("add", None)
 

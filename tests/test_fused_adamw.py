@@ -1,6 +1,8 @@
 """The one-pass AdamW loop computes what the optax program computes."""
 
 import dataclasses
+import threading
+import time
 
 import jax
 import ml_dtypes
@@ -11,6 +13,7 @@ import pytest
 from mtjax.hostmem import HUGE_PAGE
 from mtjax.optim import OptimConfig, make_optimizer, make_schedule
 from mtjax.stream import fused_adamw
+from mtjax.stream.ranked_pool import RankedPool
 from mtjax.stream.update import PartUpdate
 
 from conftest import tiny_config
@@ -154,3 +157,50 @@ def test_ram_tier_state_gets_huge_page_arrays():
     for arr in (new[0]["big.kernel"], new[1]["0.mu.big.kernel"], new[1]["0.nu.big.kernel"]):
         assert arr.shape == big and arr.flags.writeable
         assert arr.nbytes < HUGE_PAGE or arr.ctypes.data % HUGE_PAGE == 0
+
+
+def test_ranked_pool_runs_the_lowest_rank_first():
+    """Jobs waiting for a thread run by rank, equal ranks in the order they came: first
+    come, first served would run them as submitted (backward: the head first)."""
+    pool, hold, ran = RankedPool(1), threading.Event(), []
+    pool.submit(-1, hold.wait)
+    while pool.waiting:  # the thread holds the blocker
+        time.sleep(0.001)
+    jobs = [pool.submit(rank, ran.append, (rank, i)) for rank in (3, 2, 1, 0) for i in range(2)]
+    hold.set()
+    for job in jobs:
+        job.result()
+    assert ran == [(rank, i) for rank in (0, 1, 2, 3) for i in range(2)]
+    pool.shutdown()
+
+
+def test_updates_in_flight_finish_in_the_order_the_forward_needs_them():
+    """Several parts' updates share the loop's threads. Queued in backward order (the head
+    first, the embedding last), they finish in the order the forward needs the parts:
+    the embedding first."""
+    update = PartUpdate(CFG, make_optimizer(OPTIM))
+    update.fused = fused_adamw.FusedAdamW(OPTIM, threads=1)  # one thread: a strict order
+    shapes = {"w.kernel": (2048, 2048)}  # a part's pieces take milliseconds: longer than a thread's wake-up
+    master, opt, _ = _state(update, shapes=shapes)
+    grads = _random(shapes, 1, 0.01)
+    pool, hold, finished = update.fused.pool, threading.Event(), []
+    pool.submit(-1, hold.wait)
+    while pool.waiting:
+        time.sleep(0.001)
+
+    def run(part: str, rank: int) -> None:
+        update(part, master, opt, None, grads, 1.0, rank=rank)
+        finished.append(part)
+
+    needed = ["embed", "block.0", "block.1", "head"]
+    threads = []
+    for rank, part in reversed(list(enumerate(needed))):
+        queued = pool.waiting
+        threads.append(threading.Thread(target=run, args=(part, rank)))
+        threads[-1].start()
+        while pool.waiting == queued:  # its pieces wait behind the blocker
+            time.sleep(0.001)
+    hold.set()
+    for t in threads:
+        t.join()
+    assert finished == needed

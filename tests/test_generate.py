@@ -263,10 +263,9 @@ def test_generate_refuses_what_does_not_fit_the_context(tmp_path, monkeypatch, c
 
 
 @pytest.mark.slow  # compiles a decode loop
-def test_sampling_in_pieces_gives_the_same_tokens(params, monkeypatch):
-    """The loop runs PROGRESS_TOKENS positions per call (a progress bar moves between
+def test_sampling_in_pieces_gives_the_same_tokens(params):
+    """The loop runs `progress_tokens` positions per call (a progress bar moves between
     calls); the key carries over, so sampled tokens are those of a single call."""
-    whole = generate.generate(CFG, params, [3, 14], 20, temperature=1.0, top_k=0, seed=5)
-    monkeypatch.setattr(generate, "PROGRESS_TOKENS", 3)
-    assert generate.generate(CFG, params, [3, 14], 20, temperature=1.0, top_k=0, seed=5) == whole
+    whole = generate.generate(CFG, params, [3, 14], 20, temperature=1.0, top_k=0, seed=5, progress_tokens=20)
+    assert generate.generate(CFG, params, [3, 14], 20, temperature=1.0, top_k=0, seed=5, progress_tokens=3) == whole
     assert len(set(whole)) > 1

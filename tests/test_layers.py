@@ -13,7 +13,6 @@ from mtjax.layers import registry
 from mtjax.layers.spec import DenseMLP, LayerSpec, MoE, Rope, SoftmaxAttention
 from mtjax.model_config import CHUNKED, FULL, SLIDING, RopeScaling, load_hf_config
 from mtjax.plan.cost import block_forward_flops, mfu_flops_per_token
-from mtjax.progress import model_flops_per_token
 
 from conftest import tiny_config
 
@@ -55,8 +54,9 @@ def test_the_planner_and_mfu_count_a_mixer_by_its_registry_entry(monkeypatch):
     the MFU figure by exactly its own FLOPs; the built-in one equals the usual convention."""
     cfg = load_hf_config(ROOT / "experiments/hf_configs/gemma-2-27b.json")
     seq, spec = 4096, cfg.layer_specs[0]
-    usual = model_flops_per_token(model.num_active_params(cfg), cfg.num_hidden_layers, seq,
-                                  cfg.num_attention_heads * cfg.head_dim)
+    # The usual MFU convention: 6 per parameter, 12 x layers x seq x heads x head_dim.
+    width = cfg.num_attention_heads * cfg.head_dim
+    usual = 6.0 * model.num_active_params(cfg) + 12.0 * cfg.num_hidden_layers * seq * width
     assert mfu_flops_per_token(cfg, seq) == pytest.approx(usual, rel=1e-12)
     plain = block_forward_flops(cfg, spec, 1000, 2, seq)
     entry = registry.MIXERS[SoftmaxAttention.kind]

@@ -18,7 +18,6 @@ from mtjax.config import StoreConfig, StreamConfig
 from mtjax.plan import BUILTIN, HardwareError, StepShape, check, estimate, load, recommend
 from mtjax.plan.cost import block_forward_flops
 from mtjax.plan.report import size
-from mtjax.progress import model_flops_per_token
 from mtjax.stream import fused_adamw, schedule
 from mtjax.stream.schedule import residual_bytes
 
@@ -286,7 +285,7 @@ def test_mfu_and_planner_count_attention_by_heads_times_head_dim():
     cfg = load_hf_config(ROOT / "experiments/hf_configs/gemma-2-27b.json")
     assert cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size
     seq = 4096
-    mfu_attention = model_flops_per_token(0, 1, seq, cfg.num_attention_heads * cfg.head_dim)
+    mfu_attention = 12.0 * seq * cfg.num_attention_heads * cfg.head_dim  # the usual MFU convention, per layer
     planner_attention = 3 * block_forward_flops(cfg, cfg.layer_specs[1], 0, 1, seq, executed=True) / seq
     assert mfu_attention == planner_attention
     wider = dataclasses.replace(cfg, head_dim=2 * cfg.head_dim)
@@ -294,26 +293,27 @@ def test_mfu_and_planner_count_attention_by_heads_times_head_dim():
         cfg, cfg.layer_specs[1], 0, 1, seq)
 
 
-def _priced_and_traced(cfg, kind, seq, monkeypatch, policy="none"):
+SHORT_LONG_ROWS = schedule.LongRows(threshold=256, step=128)  # the long-row path, brought down to short rows
+
+
+def _priced_and_traced(cfg, kind, seq, policy="none"):
     """residual_bytes of `seq`-token rows priced from short traces (the long-row path,
     brought down to short rows) and traced whole."""
-    monkeypatch.setattr(schedule, "LONG_SEQ", 256)
-    monkeypatch.setattr(schedule, "AFFINE_STEP", 128)
-    return (schedule.residual_bytes.__wrapped__(cfg, kind, 2, seq, policy),
+    return (schedule.residual_bytes(cfg, kind, 2, seq, policy, SHORT_LONG_ROWS),
             schedule._traced_residual_bytes(cfg, kind, 2, seq, policy))
 
 
 @pytest.mark.parametrize("policy", ["none", "dots"])
-def test_long_rows_price_residuals_as_a_whole_trace_does(monkeypatch, policy):
+def test_long_rows_price_residuals_as_a_whole_trace_does(policy):
     """The bytes a block keeps grow by the same amount with every token: the line through
     traces at 128, 256 and 384 tokens gives a 1000-token trace's bytes exactly."""
-    priced, traced = _priced_and_traced(CFG, CFG.layer_specs[0], 1000, monkeypatch, policy)
+    priced, traced = _priced_and_traced(CFG, CFG.layer_specs[0], 1000, policy)
     assert priced == traced > 0
 
 
 @pytest.mark.slow  # traces blocks of four families at 1000 tokens, ~20 s
 @pytest.mark.parametrize("name", ["gemma-2-27b", "gemma-3-27b", "llama-4-scout"])
-def test_long_rows_price_residuals_as_a_whole_trace_does_for_every_attention(monkeypatch, name):
+def test_long_rows_price_residuals_as_a_whole_trace_does_for_every_attention(name):
     """Sliding windows, soft-capping, chunked and NoPE layers and MoE blocks (whole and
     split into expert groups) keep per-token bytes too."""
     hf_dict = json.loads((ROOT / f"experiments/hf_configs/{name}.json").read_text())
@@ -326,25 +326,25 @@ def test_long_rows_price_residuals_as_a_whole_trace_does_for_every_attention(mon
         small.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=32)
     cfg = from_hf_dict(hf_dict, **small)
     for kind in cfg.block_specs:
-        priced, traced = _priced_and_traced(cfg, kind, 1000, monkeypatch)
+        priced, traced = _priced_and_traced(cfg, kind, 1000)
         assert priced == traced > 0, kind
     if cfg.moe_layers:
         kind = next(k for k in cfg.block_specs if k.feed_forward.kind == "moe")
-        assert schedule.split_residual_bytes.__wrapped__(cfg, kind, 2, 1000, 2) == \
+        assert schedule.split_residual_bytes(cfg, kind, 2, 1000, 2, SHORT_LONG_ROWS) == \
             schedule._traced_split_residual_bytes(cfg, kind, 2, 1000, 2)
 
 
 def test_a_long_row_is_never_traced_whole(monkeypatch):
     """Planning a 131072-token row (a context a model may have) traces blocks at short
     rows only, so the plan takes as long as a short row's does."""
-    seqs = []
-    real = schedule._traced_residual_bytes.__wrapped__
+    seqs, real = [], jax.eval_shape
 
-    def recording(cfg, kind, batch, seq, policy):
-        seqs.append(seq)
-        return real(cfg, kind, batch, seq, policy)
+    def recording(fn, *args, **kwargs):  # a trace's rows: its [batch, seq, hidden] arguments
+        seqs.extend(a.shape[1] for a in args if isinstance(a, jax.ShapeDtypeStruct) and len(a.shape) == 3
+                    and a.shape[-1] == CFG.hidden_size)
+        return real(fn, *args, **kwargs)
 
-    monkeypatch.setattr(schedule, "_traced_residual_bytes", recording)
+    monkeypatch.setattr(jax, "eval_shape", recording)  # JAX's own function: the traces go through it
     cfg = dataclasses.replace(CFG, max_position_embeddings=131072)
     plan = plan_of(cfg, shape=StepShape(1, 131072))
-    assert plan.device.residuals > 0 and seqs and max(seqs) <= schedule.LONG_SEQ
+    assert plan.device.residuals > 0 and seqs and max(seqs) <= schedule.LONG_ROWS.threshold

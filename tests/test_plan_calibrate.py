@@ -17,18 +17,13 @@ CPU = BUILTIN["cpu-2core"]
 SHAPE = StepShape(batch=1, seq=32)
 
 
-def plan_of(hw=CPU):
-    return estimate(CFG, StreamConfig(), StoreConfig(), SHAPE, hw, tx=TX)
+def plan_of(hw=CPU, fused=None):
+    return estimate(CFG, StreamConfig(), StoreConfig(), SHAPE, hw, tx=TX, fused=fused)
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_optimizer_priced_as_the_engine_runs_it(monkeypatch, fused):
-    from mtjax.stream import fused_adamw
-
-    if fused and not fused_adamw.available():
-        pytest.skip("numba is not installed")
-    monkeypatch.setattr(fused_adamw, "available", lambda: fused)
-    plan = plan_of()
+def test_optimizer_priced_as_the_engine_runs_it(fused):
+    plan = plan_of(fused=fused)
     n = plan.num_params
     embed = plan.part_bytes["embed"].master // 4  # its gradient arrives in fp32; the others in bf16
     # Each gradient is read as it arrives, cast to fp32 where it is bf16, its norm read.

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors import safe_open
 
 import mtjax
 from mtjax import cli, documents, families, generate, hf, model
@@ -45,6 +44,7 @@ from mtjax.layers.basic import Dense
 from mtjax.layers.spec import LayerSpec, SoftmaxAttention
 from mtjax.model_config import ConfigError, ModelConfig
 from mtjax.plan.cost import mfu_flops_per_token
+from conftest import assert_store_round_trip, checkpoint_tensors
 from test_stream import CFG, DISK, run_case
 
 
@@ -201,20 +201,12 @@ def test_mtjax_plan_prices_the_toy_mixer_with_its_own_flops(tmp_path, capsys, mo
     assert mfu_flops_per_token(TOY, 16) - mfu_flops_per_token(toy(UNPRICED), 16) == pytest.approx(per_token)
 
 
-def _tensors(ckpt: Path) -> dict[str, np.ndarray]:
-    with safe_open(str(ckpt / "model.safetensors"), framework="np") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
-
-
 def test_the_store_imports_and_exports_the_toy_familys_checkpoint(tmp_path):
     """A checkpoint written from the toy model's params under the family's names goes into
     a store and out again with the same tensors, names and config.json."""
-    from mtjax.store.hf_export import export_hf
-    from mtjax.store.hf_import import import_hf
-
     params = model.init_params(TOY, seed=2)
     hf.save_params(TOY, params, tmp_path / "ckpt")
-    saved = _tensors(tmp_path / "ckpt")
+    saved = checkpoint_tensors(tmp_path / "ckpt")
     heads, d = TOY.num_attention_heads, TOY.hidden_size
     assert saved["model.layers.0.mixer.taps"].shape == (3, heads)
     assert saved["model.layers.2.mixer.taps"].shape == (2, heads)
@@ -225,13 +217,7 @@ def test_the_store_imports_and_exports_the_toy_familys_checkpoint(tmp_path):
     assert not [n for n in saved if "self_attn" in n]
     written = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert written["model_type"] == FAMILY.model_type
-    import_hf(tmp_path / "ckpt", tmp_path / "store")
-    out = export_hf(tmp_path / "store", tmp_path / "out")
-    exported = _tensors(out)
-    assert exported.keys() == saved.keys()
-    for name in saved:
-        np.testing.assert_array_equal(exported[name], saved[name])
-    assert json.loads((out / "config.json").read_text()) == written
+    assert_store_round_trip(tmp_path / "ckpt", tmp_path)  # the same tensors, names and config.json
 
 
 def test_a_store_of_the_toy_family_opened_without_it_is_one_config_error(tmp_path, capsys):

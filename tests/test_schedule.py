@@ -19,7 +19,7 @@ from mtjax.config import DataConfig, StoreConfig, StreamConfig
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate
-from mtjax.stream import StreamEngine, schedule
+from mtjax.stream import StreamEngine, ops, schedule
 from mtjax.stream.budget import tree_bytes
 
 from conftest import ONE_KV_HEAD, tiny_config, tokens as random_tokens
@@ -145,9 +145,8 @@ def test_engine_moves_what_the_schedule_says(make_store, where, accum, keep_ever
     rng = np.random.default_rng(0)
     for step in range(STEPS):
         counts.order.append([])
+        # A one-copy store's step ends with its commit, which its updates wait for.
         engine.step(rng.integers(0, cfg.vocab_size, (accum, BATCH, SEQ), dtype=np.int32))
-        if copies == 1:
-            engine.commit(step + 1)  # a one-copy store's updates wait for the step's commit
     engine.flush()  # the last step's deferred update: every step streams once and updates once
     t = s.traffic
 
@@ -256,10 +255,10 @@ def test_preflight_checks_the_device_plan_the_engine_enforces(tmp_path):
 @pytest.mark.parametrize("where,keep_every,tied", [("ram", 1, False), ("ram", 2, True), ("disk", 0, True),
                                                    ("disk", 1, False)])
 def test_staging_pool_allocates_what_the_planner_prices(make_store, where, keep_every, tied):
-    """The staging slots come from the step's schedule: the engine's pool allocates
-    exactly the bytes the planner prices as host staging (all of it with every kind in
-    RAM; the slots' share with state on disk), before the first step and after steps
-    and an evaluation."""
+    """The staging slots and the update's read buffers come from the step's schedule: the
+    engine's pools allocate exactly the bytes the planner prices as host staging (all of
+    it with every kind in RAM; the slots' and read buffers' share with state on disk),
+    before the first step and after steps and an evaluation."""
     cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
     tiers, copies = PLACEMENTS[where]
     store = make_store(cfg, TX, copies=copies) if tiers else None
@@ -271,11 +270,15 @@ def test_staging_pool_allocates_what_the_planner_prices(make_store, where, keep_
     assert plan.host.slots == plan.schedule.staging_bytes > 0
     assert (plan.host.staging == plan.host.slots) == (where == "ram")
     assert engine.pool.allocated_bytes == plan.host.slots
+    reads = engine.updater.read_ahead.buffers
+    assert (plan.schedule.read_bytes > 0) == (where == "disk")
+    assert reads.allocated_bytes == plan.schedule.read_bytes
+    assert plan.host.staging >= plan.host.slots + reads.allocated_bytes
     rng = np.random.default_rng(0)
     for _ in range(STEPS):
         engine.step(rng.integers(0, cfg.vocab_size, (1, BATCH, SEQ), dtype=np.int32))
     engine.eval_loss(rng.integers(0, cfg.vocab_size, (1, BATCH, SEQ), dtype=np.int32))
-    assert engine.pool.allocated_bytes == plan.host.slots
+    assert engine.pool.allocated_bytes == plan.host.slots and reads.allocated_bytes == plan.schedule.read_bytes
     engine.close()
     if store is not None:
         store.close()
@@ -327,3 +330,20 @@ def test_operations_stage_the_transfers_and_send_every_gradient_once(cfg, stream
     assert isinstance(s.operations[-1], ops.Update) and str(s).splitlines()[0] == f"  0  {s.operations[0]}"
     forward = [op.part for op in s.eval_operations if isinstance(op, ops.Stage)]
     assert [p for p in s.forward if "/" not in p] == forward
+
+
+def test_the_pipeline_docs_list_a_steps_operations_as_the_schedule_compiles_them():
+    """docs/pipeline.md's operation list of a 2-block step (keep_every=1, accum 2), and the
+    commit that ends a one-copy store's step, are the schedule's own listing."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "pipeline.md").read_text()
+    section = text[text.index("## The step as operations"):]
+    blocks = section.split("```")[1::2]  # the fenced listings, in order
+    cfg = tiny_config(num_hidden_layers=2)
+    shape = schedule.StepShape(2, 16, 2)
+    s = schedule.describe(cfg, StreamConfig(keep_every=1), StoreConfig(), shape, TX)
+    assert blocks[0].strip("\n") == ops.listing(s.operations)
+    one_copy = StoreConfig(compute="disk", master="disk", opt="disk", copies=1)
+    listed = ops.listing(schedule.describe(cfg, StreamConfig(keep_every=1), one_copy, shape, TX).operations)
+    assert listed.endswith(blocks[2].strip("\n"))

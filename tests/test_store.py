@@ -15,7 +15,7 @@ import pytest
 import mtjax.store
 from mtjax import hostmem, model, parts
 from mtjax.model_config import ModelConfig, RopeScaling
-from mtjax.store import chunks, commit, layout
+from mtjax.store import commit, durable, layout
 from mtjax.store import io as store_io
 from mtjax.store.errors import StoreError
 
@@ -172,29 +172,29 @@ def test_write_then_read_same_part_is_ordered(filled):
         assert same({0: store.read("block.0", "opt").result()}, {0: vals})
 
 
-def test_a_read_does_not_queue_behind_writes(filled, monkeypatch):
+def test_a_read_does_not_queue_behind_writes(filled):
     """Writes held up (a busy disk) must not hold up a read of other state: the next
     computation waits for reads, while nothing waits for the writes until the commit."""
     store, vals = filled
     release, started = threading.Event(), threading.Semaphore(0)
-    write_chunk = chunks.write_chunk
 
-    def slow_write(*args, **kw):
-        started.release()
-        release.wait(30)
-        write_chunk(*args, **kw)
+    def slow_write(event, *args):
+        if event == "write":
+            started.release()
+            release.wait(30)
 
-    monkeypatch.setattr(chunks, "write_chunk", slow_write)
-    new = values(store, 7)
-    writes = [store.write(p, k, new[p, k]) for p in store.parts for k in ("master", "opt")]
-    for _ in range(store_io.IO_THREADS):  # every write thread is taken
-        assert started.acquire(timeout=30)
+    stop = durable.observe(slow_write)  # the store I/O layer's seam: each chunk write waits first
     try:
+        new = values(store, 7)
+        writes = [store.write(p, k, new[p, k]) for p in store.parts for k in ("master", "opt")]
+        for _ in range(store_io.IO_THREADS):  # every write thread is taken
+            assert started.acquire(timeout=30)
         read = store.read("block.0", "compute")
         assert same({0: read.result(timeout=30)}, {0: vals["block.0", "compute"]})
         assert not any(w.done() for w in writes)
     finally:
         release.set()
+        stop()
     for w in writes:
         w.result(timeout=60)
     assert same({0: store.read("head", "opt").result()}, {0: new["head", "opt"]})
@@ -458,19 +458,17 @@ def test_chunks_are_a_few_mib_of_whole_rows():
     assert layout.chunk_shape((3, 50_000_000), 4) == [1, 50_000_000]
 
 
-def test_multi_chunk_arrays_with_a_padded_last_chunk(tmp_path, monkeypatch):
+def test_multi_chunk_arrays_with_a_padded_last_chunk(tmp_path):
     """Arrays of several chunks (the last one partial, stored padded) read back exactly,
     and a flipped byte in any chunk, padding included, is caught."""
-    monkeypatch.setattr(layout, "CHUNK_BYTES", 1000)  # embed: 64 rows of 64 B bf16 -> 15 rows per chunk
-    store = mtjax.store.create(tmp_path / "s", CFG)
+    store = mtjax.store.create(tmp_path / "s", CFG, chunk_bytes=1000)  # embed: 64 rows of 64 B bf16, 15 a chunk
     vals = values(store, 4)
     write_all(store, vals)
     store.commit(1)
     array_dir = tmp_path / "s" / layout.PARTS_DIR / "embed" / "compute.a" / "embedding"
     chunk_files = sorted(array_dir.glob("c.*"), key=lambda p: int(p.name.split(".")[1]))
     assert [p.name for p in chunk_files] == [f"c.{i}.0" for i in range(5)]  # rows 0-14, ..., 60-63 (+11 padding)
-    monkeypatch.setattr(layout, "CHUNK_BYTES", 16 << 20)  # readers use the stored chunking, not today's default
-    with mtjax.store.open(tmp_path / "s") as reader:
+    with mtjax.store.open(tmp_path / "s") as reader:  # the default chunking: readers use the stored one
         assert same(read_all(reader), vals)
     last = chunk_files[-1]
     data = bytearray(last.read_bytes())

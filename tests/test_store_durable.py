@@ -20,7 +20,7 @@ import mtjax.store
 from mtjax import model
 from mtjax.config import StoreConfig
 from mtjax.optim import OptimConfig, make_optimizer
-from mtjax.store import chunks, durable, layout, manifest, pending
+from mtjax.store import chunks, durable, layout
 from mtjax.stream import StreamEngine
 
 from conftest import ONE_KV_HEAD, tiny_config
@@ -32,47 +32,40 @@ OPT = OptimConfig(lr=1e-2, clip_norm=0.5, warmup_steps=0)
 class Recorder:
     """A file is durable once fsynced after its last write; its name, once its directory
     was fsynced after the write (re)named it there. A later entry in the same directory
-    does not make the names fsynced before it volatile again."""
+    does not make the names fsynced before it volatile again. It follows the store's file
+    operations through their public seam (mtjax.store.durable.observe) until `stop`."""
 
-    def __init__(self, monkeypatch, root: Path):
+    def __init__(self, root: Path):
         self.root, self.lock, self.checked = root, threading.Lock(), 0
         self.dirty: set[Path] = set()  # files written since their last fsync
         self.unnamed: dict[Path, set[Path]] = {}  # directory -> entries made since its last fsync
-        write_chunk, fsync_path, write = chunks.write_chunk, durable.fsync_path, manifest.write
-        rename = pending.PendingFiles.rename
+        self.syncing: dict[tuple[Path, int], set[Path]] = {}  # (directory, thread) -> entries its fsync covers
+        self.stop = durable.observe(self.on)
 
-        def recording_write(path, *args, **kw):
-            write_chunk(path, *args, **kw)
+    def on(self, event: str, *args) -> None:
+        if event == "written":
+            path = Path(args[0])
             with self.lock:
-                self.dirty.add(Path(path))
-                self.unnamed.setdefault(Path(path).parent, set()).add(Path(path))
-
-        def recording_rename(files, key, new):  # a step's sums take their tag: new entries, the same data
-            olds = {leaf: files._path(key, leaf) for leaf in files._meta[key]}
-            rename(files, key, new)
+                self.dirty.add(path)
+                self.unnamed.setdefault(path.parent, set()).add(path)
+        elif event == "renamed":  # a step's sums take their tag: new entries, the same data
+            old, path = Path(args[0]), Path(args[1])
             with self.lock:
-                for leaf, old in olds.items():
-                    path = files._path(new, leaf)
-                    if old in self.dirty:
-                        self.dirty.add(path)
-                    self.unnamed.setdefault(path.parent, set()).add(path)
-
-        def recording_fsync(path):
+                if old in self.dirty:
+                    self.dirty.add(path)
+                self.unnamed.setdefault(path.parent, set()).add(path)
+        elif event == "fsync":
+            path = Path(args[0])
             with self.lock:  # before: a write racing the fsync stays dirty
-                self.dirty.discard(Path(path))
-                entries = set(self.unnamed.get(Path(path), ()))
-            fsync_path(path)
+                self.dirty.discard(path)
+                self.syncing[path, threading.get_ident()] = set(self.unnamed.get(path, ()))
+        elif event == "synced":
+            path = Path(args[0])
             with self.lock:
-                self.unnamed.get(Path(path), set()).difference_update(entries)
-
-        def checking_write(root, new):
-            self.check(new)
-            write(root, new)
-
-        monkeypatch.setattr(chunks, "write_chunk", recording_write)
-        monkeypatch.setattr(durable, "fsync_path", recording_fsync)
-        monkeypatch.setattr(manifest, "write", checking_write)
-        monkeypatch.setattr(pending.PendingFiles, "rename", recording_rename)
+                entries = self.syncing.pop((path, threading.get_ident()))
+                self.unnamed.get(path, set()).difference_update(entries)
+        elif event == "manifest":
+            self.check(args[0])
 
     def check(self, m) -> None:
         named = []
@@ -93,9 +86,17 @@ class Recorder:
         self.checked += 1
 
 
-def test_two_copy_commits_sync_what_they_name(tmp_path, monkeypatch):
+@pytest.fixture
+def recorder():
+    made = []
+    yield lambda root: made.append(Recorder(root)) or made[-1]
+    for rec in made:
+        rec.stop()
+
+
+def test_two_copy_commits_sync_what_they_name(tmp_path, recorder):
     root = tmp_path / "s"
-    rec = Recorder(monkeypatch, root)
+    rec = recorder(root)
     store = mtjax.store.create(root, CFG, make_optimizer(OPT))
     rng = np.random.default_rng(0)
     for commit in range(3):
@@ -111,17 +112,18 @@ def test_two_copy_commits_sync_what_they_name(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("copies", [1, 2])
-def test_engine_commits_sync_what_they_name(tmp_path, monkeypatch, copies):
+def test_engine_commits_sync_what_they_name(tmp_path, recorder, copies):
     root = tmp_path / "s"
-    rec = Recorder(monkeypatch, root)
+    rec = recorder(root)
     store = mtjax.store.create(root, CFG, make_optimizer(OPT), copies=copies)
     engine = StreamEngine(CFG, model.init_params(CFG, 0), OPT,
                           store_config=StoreConfig(compute="disk", master="disk", opt="disk"), store=store)
     tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (1, 2, 8)).astype(np.int32)
     engine.commit(0)
     for i in range(2):
-        engine.step(tokens)
-        engine.commit(i + 1)
+        engine.step(tokens)  # one copy: the step's last operation commits it
+        if copies == 2:
+            engine.commit(i + 1)
     engine.close()
     store.close()
     # one-copy: each step's commit plus one commit per updated part

@@ -42,8 +42,9 @@ TOKENS = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 2, 16)).astype
 
 
 def _train(path: Path, copies: int, steps: int, close: bool = True):
-    """`steps` committed steps. The last step's update is left pending, as if the process
-    died right after its commit (the engine would otherwise start it at once)."""
+    """`steps` committed steps (a one-copy step commits itself; two copies are committed
+    after each). The last step's update is left pending, as if the process died right
+    after its commit (the engine would otherwise start it at once)."""
     store = mtjax.store.create(path, CFG, make_optimizer(OPT), copies=copies)
     engine = StreamEngine(CFG, model.init_params(CFG, 0), OPT, store_config=DISK, store=store)
     start = engine.updater.start
@@ -51,7 +52,8 @@ def _train(path: Path, copies: int, steps: int, close: bool = True):
     engine.commit(0)
     for i in range(steps):
         engine.step(TOKENS)
-        engine.commit(i + 1)
+        if copies == 2:
+            engine.commit(i + 1)
     if close:
         engine.close()
         store.close()
@@ -99,8 +101,7 @@ def test_resume_applies_the_committed_update_exactly(tmp_path):
     with mtjax.store.open(tmp_path / "broken", writable=True) as store:
         assert sorted(store.pending["parts"]) == sorted(store.parts)
         engine = StreamEngine(CFG, optim=OPT, store_config=DISK, store=store, step=2)
-        engine.step(TOKENS)
-        engine.commit(3)
+        engine.step(TOKENS)  # committed as step 3 by its own last operation
         engine.flush()
         engine.close()
     clean_engine, clean_store = _train(tmp_path / "clean2", 1, 3, close=False)
@@ -111,10 +112,18 @@ def test_resume_applies_the_committed_update_exactly(tmp_path):
 
 
 def test_a_step_must_be_committed_before_its_update(tmp_path):
-    engine, store = _train(tmp_path / "s", 1, 1, close=False)
-    engine.step(TOKENS)
+    """A one-copy step's last operation is its commit, of the train state the step was
+    given, and only that starts its updates; an update of a step not committed is refused."""
+    engine, store = _train(tmp_path / "s", 1, 1, close=False)  # step 1's update left pending
+    assert [str(op) for op in engine.schedule.operations[-2:]] == ["update (clip scale known)",
+                                                                  "commit (state before the update + gradients)"]
+    engine.updater.start = lambda: None  # step 2's update, too, waits (as if the process died after its commit)
+    engine.step(TOKENS, {"step": 2, "note": "given to the step"})
+    assert store.step == 2 and store.load_train_state() == {"step": 2, "note": "given to the step"}
+    assert sorted(store.pending["parts"]) == sorted(store.parts)
+    engine.one_copy.step_finished()  # as if a third step's gradients were final, its commit not yet run
     with pytest.raises(MtjaxError, match="must be committed"):
-        engine.step(TOKENS)
+        engine.flush()
     engine.close()
     store.close()
 
@@ -224,8 +233,9 @@ def test_final_commit_right_after_a_step_commit(tmp_path):
         engine = StreamEngine(CFG, model.init_params(CFG, 0), OPT, store_config=DISK, store=store)
         engine.commit(0)
         for i in range(3):
-            engine.step(TOKENS)
-            engine.commit(i + 1)
+            engine.step(TOKENS)  # one copy: committed by the step itself
+            if copies == 2:
+                engine.commit(i + 1)
         engine.commit(3, flush=True)
         assert store.pending is None
         engine.close()

@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import functools
 import json
+import threading
 import time
 
 import jax
@@ -345,6 +346,34 @@ def test_disk_tier_updates_run_only_a_few_parts_ahead_of_staging(tmp_path):
     assert max(rel_errors(engine.params(), ref_params)) <= 1e-5
     engine.close()
     store.close()
+
+
+def test_updates_are_ranked_by_the_forwards_need():
+    """The step's gradients come in backward order (head first, the embedding last); the
+    updates start in the order the next forward needs the parts, as the schedule's
+    operations take them (a tied embedding: first, not after the head), and each gives
+    the fused AdamW's threads that rank."""
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=True)
+    engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, StreamConfig(keep_every=2), batch_shape=(2, 16))
+    needed = ("embed", "block.0", "block.1", "block.2", "block.3", "head")
+    assert engine.schedule.needed == needed
+    assert engine.updater.updates.parts == list(needed)
+    update, calls, lock = engine.updater.updates.update, [], threading.Lock()
+
+    class Recording:  # the queue's update, seen through its public attribute
+        def __getattr__(self, name):
+            return getattr(update, name)
+
+        def __call__(self, part, *args, rank, **kw):
+            with lock:
+                calls.append((part, rank))
+            return update(part, *args, rank=rank, **kw)
+
+    engine.updater.updates.update = Recording()
+    engine.step(token_batches(cfg.vocab_size, (1, 2, 16), 1)[0])
+    engine.flush()
+    assert sorted(calls, key=lambda c: c[1]) == [(p, i) for i, p in enumerate(needed)]
+    engine.close()
 
 
 def test_disk_tier_reads_the_first_updates_state_during_the_backward(tmp_path):

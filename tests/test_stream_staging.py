@@ -160,20 +160,18 @@ def test_trace_times_device_work_and_writes_chrome_json(tmp_path):
     tracer.close()
 
 
-def test_pinned_staging_copies_each_leaf_on_its_own_thread(monkeypatch):
+def test_pinned_staging_copies_each_leaf_on_its_own_thread():
     """The GPU path (host buffer -> pinned -> device), forced on the CPU backend: every
     leaf arrives intact, on the device's memory, staged by the placement's threads."""
     place = staging.Placement(jax.devices("cpu")[0], pinned=True)
     assert place.pinned
     threads = set()
-    stage = place._stage
 
     def recording(buffer):
         threads.add(__import__("threading").current_thread().name)
         time.sleep(0.05)  # long enough that the leaves overlap
-        return stage(buffer)
 
-    monkeypatch.setattr(place, "_stage", recording)
+    place.observe(recording)
     rng = np.random.default_rng(0)
     buffers = {f"w{i}": hostmem.aligned_empty((64, 48), np.float32) for i in range(4)}
     for b in buffers.values():
@@ -247,11 +245,12 @@ def test_mtjax_train_sets_the_pinned_host_limit_before_the_backend_starts(tmp_pa
     assert r.stdout.strip() == "limit at the first backend start: 100", r.stdout + r.stderr
 
 
-def test_the_plans_pinned_bound_covers_the_engines_figure_and_the_cap_is_only_raised(monkeypatch):
-    """`pinned_host_bytes` (settings alone) >= what the engine stages through pinned memory
-    (its schedule); the limit is raised to whole GiB, never lowered, and a backend already
+def test_the_plans_pinned_bound_is_the_engines_figure_and_the_cap_is_only_raised(monkeypatch):
+    """`pinned_host_bytes` (settings alone) is what the engine stages through pinned memory
+    (its schedule's staging sets and kept activations), read from the same step
+    description; the limit is raised to whole GiB, never lowered, and a backend already
     started leaves it as it is, with a warning."""
-    from mtjax import model, model_config, parts
+    from mtjax import model, model_config
     from mtjax.config import StreamConfig
     from mtjax.optim import OptimConfig
     from mtjax.stream import StreamEngine
@@ -262,9 +261,9 @@ def test_the_plans_pinned_bound_covers_the_engines_figure_and_the_cap_is_only_ra
     for stream in (StreamConfig(activations="host", keep_every=0), StreamConfig(prefetch_depth=3)):
         eng = StreamEngine(cfg, params, OptimConfig(), stream, batch_shape=(2, 16))
         eng.check_budget(2, 16, accum=2)
-        part = max(parts.nbytes(s) for s in eng.schemas.values())
-        exact = 3 * eng.pool.max_slots * part + eng.schedule.traffic.h2d_activations
-        assert exact <= staging.pinned_host_bytes(cfg, stream, 2, 16, 2) < 2 * exact
+        assert not eng.schedule.resident and not eng.schedule.split  # every part streams whole
+        exact = eng.schedule.staging_bytes + eng.schedule.traffic.h2d_activations
+        assert staging.pinned_host_bytes(cfg, stream, 2, 16, 2) == exact
         eng.close()
     monkeypatch.setenv(staging.HOST_MEMORY_LIMIT, "96")
     monkeypatch.setattr("jax._src.xla_bridge.backends_are_initialized", lambda: False)
@@ -304,12 +303,11 @@ class _MappingClient:
         self.unmapped.append(self.live.pop(address))
 
 
-def test_mapped_staging_buffers_are_mapped_once_and_sent_without_the_pinned_copy(monkeypatch):
+def test_mapped_staging_buffers_are_mapped_once_and_sent_without_the_pinned_copy():
     place = staging.Placement(jax.devices("cpu")[0], pinned=True)
     place.client, place.mapped = _MappingClient(refuse=7 * 4), True
     staged = []
-    stage = place._stage
-    monkeypatch.setattr(place, "_stage", lambda b: staged.append(b.nbytes) or stage(b))
+    place.observe(lambda b: staged.append(b.nbytes))
     pool = staging.StagingPool(place, DeviceLedger(1 << 30), max_slots=1)
     schema = {"a": jax.ShapeDtypeStruct((64, 8), np.float32), "b": jax.ShapeDtypeStruct((7,), np.float32),
               "c": jax.ShapeDtypeStruct((3, 5), np.float32)}

@@ -66,12 +66,11 @@ def test_a_cudnn_refusal_falls_back_to_xla(monkeypatch):
             raise NotImplementedError("cuDNN flash attention does not take this")
         return real(*a, implementation=implementation, **kw)
 
-    monkeypatch.setattr(attention, "_platform", lambda: ("cuda", 9.0))
     monkeypatch.setattr(jax.nn, "dot_product_attention", refusing)
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(kq, (1, 12, 4, 8), BF16)
     k, v = jax.random.normal(kk, (1, 12, 2, 8), BF16), jax.random.normal(kv, (1, 12, 2, 8), BF16)
-    got = jax.jit(lambda q, k, v: attention.attend(q, k, v, 0.4))(q, k, v)
+    got = jax.jit(lambda q, k, v: attention.attend(q, k, v, 0.4, platform=("cuda", 9.0)))(q, k, v)
     assert calls == ["cudnn", "xla"]
     want = jax.jit(lambda q, k, v: causal_attention(q, k, v, 0.4))(*(x.astype(jnp.float32) for x in (q, k, v)))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)

@@ -22,7 +22,8 @@ from mtjax import cli, config, model, wandb_log
 from mtjax import run as run_lib
 from mtjax.commands import plot
 from mtjax.errors import MissingPackage
-from mtjax.progress import Progress, model_flops_per_token, peak_flops
+from mtjax.plan.cost import mfu_flops_per_token
+from mtjax.progress import Progress, peak_flops
 
 from conftest import TINY_MODEL_ARGS
 
@@ -51,7 +52,7 @@ def test_each_step_records_rss_mfu_and_stage_times(streamed):
         assert {"stage_read_s", "stage_compute_s", "stage_optimizer_s"} <= set(r)
         assert r["stage_compute_s"] > 0
     cfg = config.model_config(config.load(None, TINY))
-    flops = model_flops_per_token(model.num_params(cfg), 2, 32, 32)
+    flops = mfu_flops_per_token(cfg, 32)
     peak, _ = peak_flops(__import__("jax").devices()[0], "float32")
     for r in steps[1:]:  # the first step pays compilation: no rate yet
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / peak, rel=1e-2, abs=1e-4)
@@ -82,7 +83,9 @@ def test_disk_tier_reports_the_bandwidth_it_moved(tmp_path):
 
 
 def test_flops_per_token_is_six_per_param_plus_attention():
-    assert model_flops_per_token(1000, 2, 16, 8) == 6 * 1000 + 12 * 2 * 16 * 8
+    cfg = config.model_config(config.load(None, TINY))
+    width = cfg.num_attention_heads * cfg.head_dim
+    assert mfu_flops_per_token(cfg, 16) == 6 * model.num_params(cfg) + 12 * cfg.num_hidden_layers * 16 * width
 
 
 def test_peak_of_a_gpu_comes_from_its_builtin_profile():

@@ -71,7 +71,8 @@ def child_train(args) -> None:
         r0, w0 = io_bytes()
         t0 = time.perf_counter()
         out = engine.step(tokens)  # the same batch each step: the loss must fall
-        engine.commit(i + 1)  # every step durable (one copy: the state + the pending gradients)
+        if not engine.commits_every_step:  # one copy: the step committed itself (state + pending gradients)
+            engine.commit(i + 1)  # every step durable
         dt = time.perf_counter() - t0
         r1, w1 = io_bytes()
         steps.append({"step": i + 1, "s": dt, "loss": out["loss"], "read": r1 - r0, "written": w1 - w0,

@@ -22,7 +22,8 @@ measured (details go to --out DIR: bench.jsonl as it goes, then bench.json, benc
 
 Parameters are created on the host (mtjax.stream.tiers.host_device). MFU counts model
 FLOPs of real tokens only: 6 x params + 12 x layers x seq x width per token
-(mtjax.progress.model_flops_per_token; the recompute's extra forward is not counted),
+(mtjax.plan.cost.mfu_flops_per_token, as `mtjax train` counts them; the recompute's extra
+forward is not counted),
 against the device's dense bf16 peak (mtjax.plan built-in profile). A full run writes
 its section (gpu-path: date, machine, every figure) into docs/benchmarks.md; `--dry`
 runs every path at tiny sizes on the CPU in seconds, marks each figure dry and writes
@@ -54,7 +55,8 @@ from mtjax.config import StreamConfig  # noqa: E402
 from mtjax.hostmem import aligned_empty  # noqa: E402
 from mtjax.model_config import ModelConfig  # noqa: E402
 from mtjax.optim import OptimConfig  # noqa: E402
-from mtjax.progress import model_flops_per_token, peak_flops  # noqa: E402
+from mtjax.plan.cost import mfu_flops_per_token  # noqa: E402
+from mtjax.progress import peak_flops  # noqa: E402
 from mtjax.reference import ReferenceTrainer  # noqa: E402
 from mtjax.stream import StreamEngine  # noqa: E402
 from mtjax.stream.staging import Placement  # noqa: E402
@@ -205,8 +207,7 @@ def batches_of(a, cfg: ModelConfig) -> list[np.ndarray]:
 def measure(figs: Figures, a, cfg: ModelConfig, name: str, make) -> dict:
     """Step time, tokens/s, MFU and compiles after step 1 of the engine `make()` builds."""
     tokens = a.accum * a.batch * a.seq
-    flops = model_flops_per_token(model.num_params(cfg), cfg.num_hidden_layers, a.seq,
-                                  cfg.num_attention_heads * cfg.head_dim)
+    flops = mfu_flops_per_token(cfg, a.seq)
     peak, _ = peak_flops(jax.devices()[0], "bfloat16")
     eng = make()
     times, compiles = timed_steps(eng, batches_of(a, cfg))

@@ -125,22 +125,27 @@ def block_forward_flops(cfg: ModelConfig, spec: LayerSpec, block_params: int, ba
 def mfu_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     """Training FLOPs per token that MFU counts: 6 per active parameter (forward and
     backward matmuls) plus 3 forwards of each layer's mixer over rows of `seq` as
-    executed (for softmax attention the usual 12 x seq x heads x head_dim per layer,
-    progress.model_flops_per_token)."""
+    executed (for softmax attention the usual convention, 12 x seq x heads x head_dim
+    per layer; heads x head_dim is not hidden_size in Gemma). The MFU of `mtjax train`'s
+    progress line and of experiments/gpu/bench.py counts this."""
     mixers = sum(registry.mixer(spec).flops(cfg, spec, 1, seq, True) for spec in cfg.layer_specs)
     return 6.0 * model.num_active_params(cfg) + 3.0 * mixers / seq
 
 
 def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
-             tx=None, part_bytes_: dict[str, StateBytes] | None = None, devices: int | None = None) -> Plan:
+             tx=None, part_bytes_: dict[str, StateBytes] | None = None, devices: int | None = None,
+             fused: bool | None = None) -> Plan:
     """Price one training step of `cfg` of `shape` under `stream` and `store` on `hardware`.
     `tx`: the optax transformation (default: mtjax's AdamW). `devices`: data parallel over
-    that many (default: stream.devices, "all" being the profile's `devices`)."""
+    that many (default: stream.devices, "all" being the profile's `devices`). `fused`:
+    whether the update is the one-pass AdamW loop (default: where numba is installed and
+    the compute dtype allows it, as the engine decides)."""
     tx = make_optimizer(OptimConfig()) if tx is None and part_bytes_ is None else tx
     if devices is None:
         devices = stream.devices if isinstance(stream.devices, int) else hardware.devices
     dispatch = moe.dispatch("cpu" if hardware.device_is_host else "gpu")  # the planned device's grouped matmul
-    s = describe(cfg, stream, store, shape, tx, part_bytes_=part_bytes_, devices=devices, dispatch=dispatch)
+    s = describe(cfg, stream, store, shape, tx, fused=fused, part_bytes_=part_bytes_, devices=devices,
+                 dispatch=dispatch)
     pb, hw, state = s.part_bytes, hardware, s.state
     num_params = state.master // 4
 
@@ -188,13 +193,10 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     # Compute weights in flight to the device: the staging pool's sets, which the engine
     # allocates as the schedule says (`schedule.staging_sets`).
     staging = slots = s.staging_bytes
-    # The optimizer's disk reads land in reused buffers, per part shape and kind (a
-    # mtjax.hostmem.BufferPool): the embedding, the head and each layer spec, two sets of
-    # a shape several parts have (a part's update and the next part's reads, started ahead).
-    shapes = {p.fn_kind: pb[p.name] for p in parts.parts(cfg)}
+    # The optimizer's disk reads land in reused buffers, as the schedule says
+    # (`schedule.read_sets`) and the engine allocates them.
+    staging += s.read_bytes
     sets = collections.Counter(p.fn_kind for p in parts.parts(cfg))
-    staging += sum(min(2, sets[kind]) * b.get(k) for kind, b in shapes.items() for k in ("master", "opt")
-                   if getattr(store, k) == "disk")
     # With the next part read ahead, an update can finish while the last one's new state
     # still waits for the disk: one more part's new disk-tier state in flight, and no more
     # (an update waits for the writes of the update before last; RAM-tier kinds are

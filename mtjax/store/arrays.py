@@ -40,9 +40,11 @@ def spec(path: Path, shape: tuple[int, ...], dtype: np.dtype, chunks: list[int] 
 
 
 class ArrayCache:
-    """Opened tensorstore handles by path; opening reads and checks `zarr.json` once."""
+    """Opened tensorstore handles by path; opening reads and checks `zarr.json` once. An
+    array created here is chunked in about `chunk_bytes` (layout.chunk_shape)."""
 
-    def __init__(self):
+    def __init__(self, chunk_bytes: int | None = None):
+        self.chunk_bytes = chunk_bytes
         self._context = ts.Context()  # shared I/O and copy thread pools for the whole store
         self._open: dict[Path, ts.TensorStore] = {}
         self._lock = threading.Lock()
@@ -53,7 +55,7 @@ class ArrayCache:
             handle = self._open.get(path)
         if handle is None:
             if create and not (path / "zarr.json").exists():
-                chunks = layout.chunk_shape(tuple(shape), np.dtype(dtype).itemsize)
+                chunks = layout.chunk_shape(tuple(shape), np.dtype(dtype).itemsize, self.chunk_bytes)
                 handle = ts.open(spec(path, shape, dtype, chunks), create=True, open=True, context=self._context)
             else:
                 handle = ts.open(spec(path, shape, dtype), open=True, context=self._context)

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from mtjax.store.checksum import crc32c
-from mtjax.store.durable import Writeback
+from mtjax.store.durable import Writeback, event
 
 assert sys.byteorder == "little", "stored arrays are little-endian; moving them in place needs a little-endian host"
 
@@ -125,6 +125,7 @@ def write_chunk(path: Path, src: memoryview, padding: int, writeback: Writeback 
     Nothing waits for the disk here: the commit that names the chunk fsyncs it and the
     array's directory first (mtjax.store.durable), which makes both durable.
     """
+    event("write", path)
     pad = bytes(padding)
     crc = crc32c(pad, crc32c(src)) if padding else crc32c(src)
     tmp = path.with_name(path.name + TMP_SUFFIX)
@@ -138,6 +139,7 @@ def write_chunk(path: Path, src: memoryview, padding: int, writeback: Writeback 
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    event("written", path)
     if writeback is not None:
         writeback.start(path)
 

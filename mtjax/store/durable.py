@@ -11,6 +11,10 @@ on disk and the fsyncs return quickly. Waiting per file at write time (an fsync 
 kept an I/O thread blocked on the disk per chunk and wrote at 0.3-0.6 GB/s on the
 2-core machine; starting the writeback inside the write held the I/O thread until the
 request queue had room, so a read queued behind writes (docs/store.md has both).
+
+`observe(fn)` is the store I/O layer's one seam for tests: fn(event, *args) is called
+around every file operation a commit's durability depends on (`event` below), on the
+thread doing it, so a test can follow what is durable, or hold or fail an operation.
 """
 
 from __future__ import annotations
@@ -22,6 +26,29 @@ import os
 from pathlib import Path
 
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
+_observers: list = []
+
+
+def observe(fn):
+    """Call fn(event, *args) at each of the store's file operations:
+
+        ("write", path)          a chunk or gradient file is about to be written
+        ("written", path)        it is written and renamed into place (not yet durable)
+        ("renamed", old, new)    a gradient file took a new name (its step's tag)
+        ("fsync", path)          a file or directory is about to be fsynced
+        ("synced", path)         it is
+        ("manifest", manifest)   a manifest (mtjax.store.manifest.Manifest) is about to be written
+
+    An exception fn raises fails the operation, as the disk's own error would. Returns
+    the function that stops calling fn."""
+    _observers.append(fn)
+    return lambda: _observers.remove(fn)
+
+
+def event(name: str, *args) -> None:
+    """Tell the observers of one file operation (`observe`)."""
+    for fn in list(_observers):
+        fn(name, *args)
 
 
 def _sync_file_range():
@@ -76,11 +103,13 @@ class Writeback:
 
 def fsync_path(path: Path) -> None:
     """fsync a file or a directory by name."""
+    event("fsync", path)
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+    event("synced", path)
 
 
 def sync(pool: concurrent.futures.Executor, files, dirs) -> None:

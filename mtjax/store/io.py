@@ -43,7 +43,7 @@ class StoreIO:
     def __init__(self, store):
         self.store = store
         self.broken: str | None = None  # why the store refuses to commit until reopened
-        self._arrays = arrays.ArrayCache()
+        self._arrays = arrays.ArrayCache(store.chunk_bytes)
         self._io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mtjax-store-read")
         self._write_io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mtjax-store-write")
         self._writeback = durable.Writeback()  # off the I/O threads: a read never queues behind it

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from mtjax.store import layout
-from mtjax.store.durable import fsync_path
+from mtjax.store.durable import event, fsync_path
 from mtjax.store.errors import StoreError
 
 
@@ -99,6 +99,7 @@ def write(root: Path, manifest: Manifest, name: str = layout.MANIFEST) -> None:
     this version's format (an older store is upgraded by its first commit). `name`
     layout.PREPARED writes a shard's prepared commit instead (mtjax.store.shards)."""
     manifest = dataclasses.replace(manifest, layout_version=layout.LAYOUT_VERSION)
+    event("manifest", manifest)
     write_atomic(root / name, json.dumps(manifest.to_json(), indent=1))
 
 

@@ -104,7 +104,9 @@ class PendingFiles:
 
     def rename(self, key: str, new: str) -> None:
         for leaf in self._meta[key]:
-            self._path(key, leaf).rename(self._path(new, leaf))
+            old, path = self._path(key, leaf), self._path(new, leaf)
+            old.rename(path)
+            durable.event("renamed", old, path)
         self._meta[new] = self._meta.pop(key)
 
     def __contains__(self, key: str) -> bool:

@@ -52,9 +52,10 @@ class Store:
     writes, mtjax.store.io) and `commits` (the commit protocols, mtjax.store.commit).
     """
 
-    def __init__(self, root: Path, writable: bool, config: ModelConfig | None = None):
+    def __init__(self, root: Path, writable: bool, config: ModelConfig | None = None, chunk_bytes: int | None = None):
         self.root = Path(root)
         self.writable = writable
+        self.chunk_bytes = chunk_bytes or layout.CHUNK_BYTES  # of the arrays it creates; a reader takes theirs
         self._lock = WriterLock(self.root) if writable else None
         self.io = self.commits = None
         try:
@@ -284,12 +285,15 @@ def open(path, writable: bool = False, config: ModelConfig | None = None) -> Sto
     return Store(root, writable, config)
 
 
-def create(path, cfg: ModelConfig, tx=None, copies: int = 2, hosts: dict | None = None) -> Store:
+def create(path, cfg: ModelConfig, tx=None, copies: int = 2, hosts: dict | None = None,
+           chunk_bytes: int | None = None) -> Store:
     """Create an empty store for `cfg` (manifest at step 0, nothing written) and open it
     for writing. `tx` (an optax transformation; default AdamW from OptimConfig()) fixes the
     optimizer-state leaves. `copies=1` keeps one copy of the state on disk instead of two
     (a trainer must then commit every step; docs/store.md). `hosts` ({"index", "count",
-    "run"}): the store is that process's shard of a multi-process run (mtjax.store.shards)."""
+    "run"}): the store is that process's shard of a multi-process run (mtjax.store.shards).
+    `chunk_bytes`: about how many bytes each chunk of the arrays this open store creates
+    holds (default layout.CHUNK_BYTES); a reader takes the chunking stored with an array."""
     if copies not in (1, 2):
         raise StoreError(f"store copies must be 1 or 2, got {copies!r}")
     root = Path(path)
@@ -320,7 +324,7 @@ def create(path, cfg: ModelConfig, tx=None, copies: int = 2, hosts: dict | None 
         manifest.write(root, empty)
     except OSError as e:
         raise StoreError(f"cannot create store at {root} ({e.strerror or e})") from None
-    return Store(root, writable=True)
+    return Store(root, writable=True, chunk_bytes=chunk_bytes)
 
 
 def remove(path) -> None:

@@ -86,6 +86,7 @@ class StreamEngine:
 
     >>> engine = StreamEngine(cfg, params, OptimConfig(lr=1e-3), StreamConfig(keep_every=2))
     >>> metrics = engine.step(batch)    # a mtjax.batch.Batch, or int tokens [accum, batch, seq] / [batch, seq]
+    >>> engine.commit(step)             # the state into the layer store (a one-copy store's steps commit themselves)
     >>> engine.params()                 # fp32 master params, pending updates applied
 
     This constructor is for tests and scripts; `from_experiment` builds a run's engine.
@@ -153,7 +154,8 @@ class StreamEngine:
                                  self.placement)
         self.stager = Stager(cfg, self.pool, self.tracer, self.split, self.updater, self.schemas)
         self.runner = Runner(cfg, self.fns, self.pool, self.tracer, self.ledger, self.placement, self.split,
-                             self.resident, self.grads, self.updater, clip_norm=self.clip_norm, hosts=hosts)
+                             self.resident, self.grads, self.updater, clip_norm=self.clip_norm, hosts=hosts,
+                             commit=lambda train_state: self.commit(self.step_count, train_state))
         engine_state.load_resident(self.updater, self.resident)
         if batch_shape is not None:
             self.check_budget(*batch_shape)
@@ -171,7 +173,8 @@ class StreamEngine:
 
     @property
     def commits_every_step(self) -> bool:
-        """One copy of the state: each step must be committed before its update can run."""
+        """One copy of the state: each step is committed before its update can run, by its
+        own `Commit` operation (`step`'s train_state)."""
         return self.one_copy is not None
 
     # --- state ---------------------------------------------------------------------
@@ -243,10 +246,13 @@ class StreamEngine:
         here on the ledger holds the step to this schedule's device plan."""
         self.schedule = s = self.plan(batch, seq, accum, documents)
         self.ledger.enforce(s.device, schedule_mod.check_budget(s.device, self.options.device_budget_bytes))
+        self.updater.order(s.needed)  # the updates run in the order the forward needs the parts
         if self.ledger.held_by_use["resident"] == 0 and self.resident:
             self.ledger.hold(self.resident.nbytes, "the resident parts' state", "resident")
         for name, sets, _ in s.staging:  # the staging slots the schedule prices, made now
             self.pool.provide(schedule_mod.unit_schema(self.cfg, name, s.split), sets)
+        for part, kind, sets, _ in s.reads:  # and the update's read buffers
+            self.updater.read_ahead.provide(part, kind, sets)
         if self.placement.pinned:
             # Pinned host memory in flight: the staging slots' parts, plus the kept
             # activations when they wait in host memory.
@@ -289,9 +295,11 @@ class StreamEngine:
             self.stager.close(feed)
         return self.runner.eval_metrics(done)
 
-    def step(self, batch) -> dict[str, float]:
+    def step(self, batch, train_state: dict | None = None) -> dict[str, float]:
         """One optimizer step: the schedule's operations (mtjax.stream.ops), run by the
-        runner; `Update` once every gradient's norm is in."""
+        runner; `Update` once every gradient's norm is in. With a one-copy store the step
+        ends with its `Commit` (`commits_every_step`), recording `train_state` (the run's
+        data cursor; mtjax.checkpoint.train_state) beside the state."""
         mbs, weights = self._inputs(batch)
         s = self.schedule
         disk = self.store if self.tiers.kinds_in("disk") else None
@@ -305,7 +313,7 @@ class StreamEngine:
         feed = self.stager.feed(s, s.transfers, self.options.prefetch_depth,
                                 after=functools.partial(self.updater.read_early, s.streamed))
         try:
-            done = self.runner.run(s, s.operations, feed, mbs, [float(w) for w in weights])
+            done = self.runner.run(s, s.operations, feed, mbs, [float(w) for w in weights], train_state)
         except BaseException:
             self.grads.discard()  # a failed step's partial sums must not reach the next step
             self.resident.drop()

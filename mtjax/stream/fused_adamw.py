@@ -20,13 +20,13 @@ so the two agree within fp32 rounding, not bit for bit; over 8 steps about 45% o
 elements differ in the last bits. tests/test_fused_adamw.py checks both, so a jax that
 contracts differently shows up there.
 
-Each leaf is split into one piece per core, run on a pool of threads; the loops release
-the GIL.
+Each leaf is split into one piece per core, run on a pool of threads that every update
+in flight shares; the loops release the GIL. The pool runs the pieces of the part the
+next forward needs first before the others' (`rank`, mtjax.stream.ranked_pool).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import os
 
@@ -36,6 +36,7 @@ import numpy as np
 
 from mtjax import precision
 from mtjax.optim import ADAMW_STATE, OptimConfig, make_schedule
+from mtjax.stream.ranked_pool import RankedPool
 from mtjax.stream.tiers import host_device
 
 try:
@@ -146,8 +147,9 @@ class FusedAdamW:
     """The update of `make_optimizer(optim)` on host arrays, one pass per leaf.
 
     `state` says where its optimizer state keeps moments and counts (`ADAMW_STATE`);
-    `step(counts)` gives the step's scalars and new step counts; `run(leaves, scalars)`
-    updates the leaves (in place where each Leaf's outputs are its inputs).
+    `step(counts)` gives the step's scalars and new step counts; `run(leaves, scalars,
+    rank)` updates the leaves (in place where each Leaf's outputs are its inputs), its
+    pieces queued behind those of lower `rank` (a part the forward needs earlier).
     """
 
     state = ADAMW_STATE
@@ -173,7 +175,7 @@ class FusedAdamW:
             scalars(np.int32(0), np.int32(0))
         self._last = None  # (counts, their scalars): every part of a step has the same counts
         self.threads = threads or os.cpu_count() or 1
-        self.pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="mtjax-adamw")
+        self.pool = RankedPool(self.threads, name="mtjax-adamw")
 
     def step(self, adam_count, schedule_count, scale) -> tuple[tuple, tuple]:
         """(kernel scalars for a decaying leaf, for a non-decaying one), (new counts)."""
@@ -187,11 +189,11 @@ class FusedAdamW:
         base = (f(scale), f(o.b1), f(1 - o.b1), f(o.b2), f(1 - o.b2), f(r1), f(r2), f(o.eps))
         return ((*base, f(o.weight_decay), f(lr)), (*base, f(0), f(lr))), tuple(np.asarray(c) for c in counts)
 
-    def run(self, leaves: list[Leaf], scalars: tuple) -> None:
+    def run(self, leaves: list[Leaf], scalars: tuple, rank: int = 0) -> None:
         """Update every leaf; returns when all are done (waits on the kernel threads)."""
         # One contiguous piece of each leaf per thread: each streams its own region of
         # memory (measured faster than many small pieces taken in turn).
-        jobs = [self.pool.submit(fn, *args, scalars[0] if leaf.decay else scalars[1])
+        jobs = [self.pool.submit(rank, fn, *args, scalars[0] if leaf.decay else scalars[1])
                 for leaf in leaves for fn, args in leaf.pieces(self.threads)]
         for job in jobs:
             job.result()

@@ -16,7 +16,8 @@ after another and decides nothing. Each mode of the step is a choice of operatio
 - host activations: `Keep` / `Unkeep` with `host=True`;
 - the last block staying on the device: no `Release` after its forward, no `Stage` before
   its backward;
-- tied embeddings: the head stages the embedding too (`Head(tied=True)`).
+- tied embeddings: the head stages the embedding too (`Head(tied=True)`);
+- a one-copy store: the step ends with its `Commit`, which starts the updates.
 
 Every `Stage` takes the next part the prefetcher loads: the `Stage` operations, with the
 split blocks' sub-parts, are the schedule's `transfers` in order (forward: `forward`).
@@ -25,203 +26,215 @@ split blocks' sub-parts, are the schedule's `transfers` in order (forward: `forw
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from mtjax import partid
 from mtjax.partid import EMBED, HEAD, PartId
 
 
 @dataclasses.dataclass(frozen=True)
-class Stage:
+class Op:
+    """One operation. Its line in a listing is `verb` formatted with the operation (`op`),
+    then `flagged` where its one bool field is set."""
+
+    verb: ClassVar[str] = ""
+    flagged: ClassVar[str] = ""
+
+    def __str__(self) -> str:
+        flags = [getattr(self, f.name) for f in dataclasses.fields(self) if f.type == "bool"]
+        return self.verb.format(op=self) + (self.flagged if any(flags) else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage(Op):
     """Take the next staged part from the prefetcher: its weights are on the device."""
 
+    verb = "stage {op.part}"
     part: PartId
-
-    def __str__(self) -> str:
-        return f"stage {self.part}"
 
 
 @dataclasses.dataclass(frozen=True)
-class Resident:
+class Resident(Op):
     """A resident part's weights, on the device already: nothing crosses."""
 
+    verb = "resident {op.part}"
     part: PartId
-
-    def __str__(self) -> str:
-        return f"resident {self.part}"
 
 
 @dataclasses.dataclass(frozen=True)
-class Release:
+class Release(Op):
     """Hand a staged part's slot back, fenced by the outputs of its last programs."""
 
+    verb = "release {op.part}"
     part: PartId
 
-    def __str__(self) -> str:
-        return f"release {self.part}"
-
 
 @dataclasses.dataclass(frozen=True)
-class Embed:
+class Embed(Op):
     """The embedding over every micro-batch: token ids -> hidden states."""
 
-    def __str__(self) -> str:
-        return "forward embed"
+    verb = "forward embed"
 
 
 @dataclasses.dataclass(frozen=True)
-class Forward:
+class Forward(Op):
     """Block `block` over every micro-batch, nothing kept."""
 
+    verb = "forward block.{op.block}"
     block: int
-
-    def __str__(self) -> str:
-        return f"forward {partid.block(self.block)}"
 
 
 @dataclasses.dataclass(frozen=True)
-class Save:
+class Save(Op):
     """Block `block`'s one forward in a saved group: every micro-batch's vjp is kept."""
 
+    verb = "forward block.{op.block}, keep its vjp"
     block: int
-
-    def __str__(self) -> str:
-        return f"forward {partid.block(self.block)}, keep its vjp"
 
 
 @dataclasses.dataclass(frozen=True)
-class SplitForward:
+class SplitForward(Op):
     """A split MoE block's forward, sub-part by sub-part (stages them itself); `keep`:
     its routing is kept for the backward."""
 
+    verb, flagged = "forward split block.{op.block}", ", keep its routing"
     block: int
     keep: bool
 
-    def __str__(self) -> str:
-        return f"forward split {partid.block(self.block)}" + (", keep its routing" if self.keep else "")
-
 
 @dataclasses.dataclass(frozen=True)
-class Keep:
+class Keep(Op):
     """Keep every micro-batch's hidden states as block `block`'s input, for the backward
     (`host`: in host memory)."""
 
+    verb, flagged = "keep input of block.{op.block}", " in host memory"
     block: int
     host: bool = False
 
-    def __str__(self) -> str:
-        return f"keep input of {partid.block(self.block)}" + (" in host memory" if self.host else "")
-
 
 @dataclasses.dataclass(frozen=True)
-class Unkeep:
+class Unkeep(Op):
     """Bring back the input kept for block `block`."""
 
+    verb, flagged = "take back input of block.{op.block}", " from host memory"
     block: int
     host: bool = False
 
-    def __str__(self) -> str:
-        return f"take back input of {partid.block(self.block)}" + (" from host memory" if self.host else "")
-
 
 @dataclasses.dataclass(frozen=True)
-class Head:
+class Head(Op):
     """Loss and gradients of every micro-batch at the LM head (`tied`: the embedding's
     weights are the head's kernel); the gradient w.r.t. the hidden states flows back."""
 
+    verb, flagged = "forward+backward head", " (tied embedding)"
     tied: bool
-
-    def __str__(self) -> str:
-        return "forward+backward head" + (" (tied embedding)" if self.tied else "")
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadLoss:
+class HeadLoss(Op):
     """The loss of every micro-batch (evaluation)."""
 
+    verb, flagged = "loss at head", " (tied embedding)"
     tied: bool
 
-    def __str__(self) -> str:
-        return "loss at head" + (" (tied embedding)" if self.tied else "")
-
 
 @dataclasses.dataclass(frozen=True)
-class Backward:
+class Backward(Op):
     """One block's recompute and backward in one program (a group of one)."""
 
+    verb = "recompute+backward block.{op.block}"
     block: int
-
-    def __str__(self) -> str:
-        return f"recompute+backward {partid.block(self.block)}"
 
 
 @dataclasses.dataclass(frozen=True)
-class RecomputeBackward:
+class GroupOp(Op):
+    """An operation on the blocks of a group, `first`..`last`."""
+
+    blocks: range
+
+    @property
+    def first(self) -> int:
+        return self.blocks.start
+
+    @property
+    def last(self) -> int:
+        return self.blocks[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeBackward(GroupOp):
     """A recompute group: its blocks' forward recomputed from the kept input, keeping
     their vjps, then walked back; per micro-batch."""
 
-    blocks: range
-
-    def __str__(self) -> str:
-        return f"recompute {partid.block(self.blocks.start)}..{self.blocks.stop - 1}, backward in reverse"
+    verb = "recompute block.{op.first}..{op.last}, backward in reverse"
 
 
 @dataclasses.dataclass(frozen=True)
-class SavedBackward:
+class SavedBackward(GroupOp):
     """A saved group's backward from the vjps its forward kept: nothing recomputed."""
 
-    blocks: range
-
-    def __str__(self) -> str:
-        return f"backward {partid.block(self.blocks.start)}..{self.blocks.stop - 1} from the kept vjps"
+    verb = "backward block.{op.first}..{op.last} from the kept vjps"
 
 
 @dataclasses.dataclass(frozen=True)
-class SplitBackward:
+class SplitBackward(Op):
     """A split MoE block's backward, sub-part by sub-part (stages them itself)."""
 
+    verb = "backward split block.{op.block}"
     block: int
 
-    def __str__(self) -> str:
-        return f"backward split {partid.block(self.block)}"
-
 
 @dataclasses.dataclass(frozen=True)
-class EmbedBackward:
+class EmbedBackward(Op):
     """The embedding lookup's gradient (plus the head's, when tied)."""
 
+    verb, flagged = "backward embed", " (+ the head's use of it)"
     tied: bool
 
-    def __str__(self) -> str:
-        return "backward embed" + (" (+ the head's use of it)" if self.tied else "")
-
 
 @dataclasses.dataclass(frozen=True)
-class GradOut:
+class GradOut(Op):
     """A part's gradient, summed over the micro-batches, leaves for the host."""
 
+    verb = "gradient out {op.part}"
     part: PartId
-
-    def __str__(self) -> str:
-        return f"gradient out {self.part}"
 
 
 @dataclasses.dataclass(frozen=True)
-class GradStays:
+class GradStays(Op):
     """A resident part's summed gradient stays on the device for its update there."""
 
+    verb = "gradient stays {op.part}"
     part: PartId
-
-    def __str__(self) -> str:
-        return f"gradient stays {self.part}"
 
 
 @dataclasses.dataclass(frozen=True)
-class Update:
+class Update(Op):
     """The clip scale from every gradient's norm (a host sync), then every part's update:
     streamed parts' deferred to their next staging, resident ones' on the device now."""
 
-    def __str__(self) -> str:
-        return "update (clip scale known)"
+    verb = "update (clip scale known)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit(Op):
+    """The step into the store: a one-copy store's (the state before its update plus its
+    gradients, durable); only then may the updates overwrite the one copy, and they start."""
+
+    verb = "commit (state before the update + gradients)"
+
+
+def needed(operations) -> tuple[PartId, ...]:
+    """Every part whose weights `operations` take, in the order they first take them (a
+    split block's when it stages its first sub-part): the order in which the next step's
+    forward needs the parts' updates done."""
+    seen: dict[PartId, None] = {}
+    for op in operations:
+        if isinstance(op, (Stage, Resident)):
+            seen.setdefault(op.part)
+        elif isinstance(op, SplitForward):
+            seen.setdefault(partid.block(op.block))
+    return tuple(seen)
 
 
 def listing(operations) -> str:
@@ -302,6 +315,8 @@ class _Builder:
         self.out.append(EmbedBackward(s.cfg.tie_word_embeddings))
         self.grad(EMBED)
         self.out.append(Update())
+        if s.store.copies == 1:  # one copy of the state: committed before an update may overwrite it
+            self.out.append(Commit())
 
 
 def compile_step(s, train: bool = True) -> tuple:

@@ -7,10 +7,12 @@
     ahead.end(part)           its gradient is taken: no read-ahead picks the part again
     ahead.forget(part)        new state of the part from outside its update: drop its early reads
 
-Disk-tier reads land in reused buffers (`buffers`, a BufferPool): two sets per part shape
-with read-ahead (one for the update computing, one for the next part's reads), one
-without. Read-ahead runs only when master or optimizer state is on disk, and not in a
-multi-process run (whose updates run in part order on the caller's thread).
+Disk-tier reads land in reused buffers (`buffers`, a BufferPool), as many sets per part
+shape as the step description says (`schedule.read_sets`: two of a shape several parts
+have, one for the update computing and one for the next part's reads), made by
+`provide`. Read-ahead runs only when master or optimizer state is on disk, and not in a
+multi-process run (whose updates run in part order on the caller's thread: one set of a
+shape is all they hold).
 """
 
 from __future__ import annotations
@@ -34,10 +36,20 @@ class ReadAhead:
 
     def __init__(self, parts: list[str], tiers: Tiers, grads: GradSink, enabled: bool):
         self.parts, self.tiers, self.grads, self.enabled = parts, tiers, grads, enabled
-        self.buffers = BufferPool(sets_per_shape=2 if enabled else 1)
+        self.buffers = BufferPool(sets_per_shape=1)  # a shape no schedule named: one set
         self._ahead: dict[str, tuple] = {}  # part: its reads started early
         self._begun: set[str] = set()  # parts whose update has begun and not yet taken its gradient
         self._lock = threading.Lock()  # updates run on a worker and on the caller's thread
+
+    def provide(self, part: str, kind: str, sets: int) -> None:
+        """Make `sets` read buffer sets for `part`'s `kind` (and every part of its shape):
+        a schedule's `reads`. Without read-ahead an update holds one set at a time."""
+        self.buffers.provide(self.tiers.schema(part, kind), sets if self.enabled else 1)
+
+    def order(self, parts) -> None:
+        """The parts in the order their updates run (the next forward's need)."""
+        with self._lock:
+            self.parts = list(parts)
 
     @property
     def reading(self) -> set[str]:

@@ -1,15 +1,18 @@
 """Runs a step's operations (mtjax.stream.ops), one after another, deciding nothing.
 
-    runner = Runner(cfg, fns, pool, tracer, ledger, placement, split, resident, grads, updater, clip_norm=1.0)
+    runner = Runner(cfg, fns, pool, tracer, ledger, placement, split, resident, grads, updater, clip_norm=1.0,
+                    commit=commit)
     feed = stager.feed(schedule, schedule.transfers, depth)        # mtjax.stream.stager: stages each part ahead
-    done = runner.run(schedule, schedule.operations, feed, mbs, weights)   # up to `Update`
+    done = runner.run(schedule, schedule.operations, feed, mbs, weights, train_state)   # up to `Update`
     done.losses, done.auxes       # per micro-batch; done.stats: router stats (MoE)
-    metrics = runner.update(done, squared_norm, step)                      # `Update`
+    metrics = runner.update(done, squared_norm, step)          # `Update`, then the rest (`Commit`)
 
 Every mode of the step (residency, saved groups, split blocks, host activations, the last
 block staying, tied embeddings) is already in which operations the schedule compiled;
 each operation has one handler here. `run` stops at `Update`, which `update` runs once
-the engine has stopped the prefetcher and summed every gradient's norm (a host sync).
+the engine has stopped the prefetcher and summed every gradient's norm (a host sync),
+followed by the operations after it: a one-copy store's `Commit`, which calls
+`commit(train_state)` (the engine's commit of the step, recording the run's `train_state`).
 
 Values flow between operations in a few registers: `flow` (every micro-batch's hidden
 states in the forward, their cotangents in the backward), `held` (staged or resident
@@ -53,14 +56,16 @@ class Pass:
     dembed: dict | None = None  # a tied embedding's gradient from the head
     losses: list = None
     auxes: tuple = ()
+    train_state: dict | None = None  # what the step's commit records beside the state (the run's data cursor)
+    after: tuple = ()  # the operations after `Update`
 
 
 class Runner:
     def __init__(self, cfg, fns, pool, tracer, ledger, placement, split, resident, grads, updater, *, clip_norm,
-                 hosts=None):
+                 hosts=None, commit=None):
         self.cfg, self.fns, self.pool, self.tracer, self.ledger = cfg, fns, pool, tracer, ledger
         self.placement, self.split, self.resident, self.grads = placement, split, resident, grads
-        self.updater, self.clip_norm, self.hosts = updater, clip_norm, hosts
+        self.updater, self.clip_norm, self.hosts, self.commit = updater, clip_norm, hosts, commit
         self.observers: list = []
         self.schedule = None
         self._moe = set(cfg.moe_layers)
@@ -71,7 +76,7 @@ class Runner:
             ops.Head: self._head, ops.HeadLoss: self._head_loss, ops.Backward: self._backward,
             ops.RecomputeBackward: self._recompute_backward, ops.SavedBackward: self._saved_backward,
             ops.SplitBackward: self._split_backward, ops.EmbedBackward: self._embed_backward,
-            ops.GradOut: self._grad_out, ops.GradStays: self._grad_stays,
+            ops.GradOut: self._grad_out, ops.GradStays: self._grad_stays, ops.Commit: self._commit,
         }
 
     def observe(self, fn) -> None:
@@ -83,14 +88,17 @@ class Runner:
 
     # --- the pass ---------------------------------------------------------------------
 
-    def run(self, schedule, operations, feed: Prefetcher, mbs: list, weights: list) -> Pass:
+    def run(self, schedule, operations, feed: Prefetcher, mbs: list, weights: list,
+            train_state: dict | None = None) -> Pass:
         """Run `operations` over the micro-batches `mbs`, taking staged parts from `feed`,
-        up to (not including) `Update`: see `update`."""
+        up to (not including) `Update`: see `update`. `train_state`: what the step's
+        `Commit` records, if it has one."""
         self.schedule, self._feed = schedule, feed
         self._residual = schedule.block_residual_bytes
-        st = Pass(mbs, weights, stats=[[] for _ in mbs], kept=[{} for _ in mbs])
-        for op in operations:
+        st = Pass(mbs, weights, stats=[[] for _ in mbs], kept=[{} for _ in mbs], train_state=train_state)
+        for i, op in enumerate(operations):
             if isinstance(op, ops.Update):
+                st.after = operations[i + 1:]
                 break
             self._do[type(op)](st, op)
         return st
@@ -98,7 +106,8 @@ class Runner:
     def update(self, st: Pass, sq, step: int) -> dict[str, float]:
         """The `Update` operation, once the prefetcher is stopped and every gradient's
         squared norm is summed in `sq` (a host sync): the clip scale, then every part's
-        update starts. Returns the step's metrics; raises NonFiniteStep, dropping them all."""
+        update starts; then the operations after it. Returns the step's metrics; raises
+        NonFiniteStep, dropping the updates, before any operation after `Update`."""
         weights = st.weights
         # One host sync per step for the metrics, after the last block is enqueued.
         loss, norm_sq = float(np.dot([float(x) for x in st.losses], weights)), float(sq)
@@ -122,6 +131,8 @@ class Runner:
         metrics = {"loss": loss, "grad_norm": math.sqrt(norm_sq)}
         if self.cfg.moe_layers:  # the load-balancing loss, in "loss" times router_aux_loss_coef
             metrics["aux_loss"] = aux  # weighted as "loss" is
+        for op in st.after:
+            self._do[type(op)](st, op)
         return metrics
 
     def eval_metrics(self, st: Pass) -> dict[str, float]:
@@ -310,3 +321,6 @@ class Runner:
 
     def _grad_stays(self, st: Pass, op: ops.GradStays) -> None:
         self.resident.add_grad(op.part, st.summed.pop(op.part))
+
+    def _commit(self, st: Pass, op: ops.Commit) -> None:
+        self.commit(st.train_state)

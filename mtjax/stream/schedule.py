@@ -8,8 +8,9 @@
     s.allreduce          # {part: gradient bytes summed across the devices in one step} (several devices)
     s.operations         # the step as the engine runs it (mtjax.stream.ops); print(s) lists them
     s.staging            # the staging pool's buffer sets per shape, which the engine allocates
+    s.reads              # the update's read buffer sets per shape of disk-tier state, likewise
 
-The engine runs `operations`, streams `transfers`, allocates `staging` and holds what
+The engine runs `operations`, streams `transfers`, allocates `staging` and `reads` and holds what
 `device` allows (its ledger enforces each use), the planner (mtjax.plan.cost) prices `traffic` with a machine's bandwidths, and the
 trainer's preflight checks `device` against the budget. tests/test_schedule.py counts
 every transfer, disk read and write of real engine steps and finds these numbers.
@@ -184,6 +185,7 @@ class Schedule:
     split: dict = dataclasses.field(default_factory=dict)  # {split block index: its expert groups (tuples of ids)}
     sub_bytes: dict = dataclasses.field(default_factory=dict)  # {sub-part: StateBytes} of the split blocks
     staging: tuple = ()  # the staging pool's buffer sets: (first transfer of a shape, sets, bytes of one); staging_sets
+    reads: tuple = ()  # the update's read buffer sets: (first part of a shape, kind, sets, bytes of one); read_sets
 
     @property
     def device_batch(self) -> int:
@@ -244,10 +246,21 @@ class Schedule:
         """A forward-only pass (evaluation) as the runner executes it."""
         return ops.compile_step(self, train=False)
 
+    @functools.cached_property
+    def needed(self) -> tuple[str, ...]:
+        """Every part in the order a step's forward first takes its weights: the order its
+        deferred update must be done in (mtjax.stream.updates)."""
+        return ops.needed(self.eval_operations)
+
     @property
     def staging_bytes(self) -> int:
         """Host bytes of the staging pool's buffer sets (`staging`)."""
         return sum(sets * nbytes for _, sets, nbytes in self.staging)
+
+    @property
+    def read_bytes(self) -> int:
+        """Host bytes of the update's read buffer sets (`reads`)."""
+        return sum(sets * nbytes for _, _, sets, nbytes in self.reads)
 
     @property
     def block_residual_bytes(self) -> int:
@@ -371,6 +384,23 @@ def staging_sets(cfg: ModelConfig, stream: StreamConfig, groups_: tuple[range, .
     return tuple((name, min(count, most), nbytes) for name, count, nbytes in by_shape.values())
 
 
+def read_sets(cfg: ModelConfig, store: StoreConfig, pb: dict[str, StateBytes],
+              streamed: tuple[str, ...]) -> tuple[tuple[str, str, int, int], ...]:
+    """The update's read buffer sets, per shape of the disk-tier state it reads (master
+    and optimizer state of the `streamed` parts): (the first part of that shape, kind, how
+    many sets, bytes of one). Two sets of a shape several parts have (one part's update
+    computing while the next part's reads run ahead, mtjax.stream.readahead), one of a
+    shape a single part has. The engine allocates exactly these before its first step,
+    and the planner prices them as host staging."""
+    by_kind = {p.name: p.fn_kind for p in parts.parts(cfg)}
+    by_shape: dict[str, list] = {}
+    for part in streamed:
+        entry = by_shape.setdefault(by_kind[part], [part, 0])
+        entry[1] += 1
+    return tuple((part, kind, min(2, count), pb[part].get(kind)) for part, count in by_shape.values()
+                 for kind in ("master", "opt") if getattr(store, kind) == "disk")
+
+
 def residency_order(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[PartId, ...]:
     """Every part, those whose streaming costs most first: by how often a step streams it
     (blocks of multi-block recompute groups and a tied embedding twice, the rest once),
@@ -444,34 +474,41 @@ def part_bytes(cfg: ModelConfig, tx) -> dict[PartId, StateBytes]:
     return out
 
 
-# Tracing a block takes time in proportion to its rows' attention chunks (about 0.5 s per
-# thousand tokens of a 70B block here), while what it keeps for the backward grows by the
-# same bytes with every token. Rows longer than LONG_SEQ are therefore priced from
-# traces at 1, 2 and 3 x AFFINE_STEP tokens, when those lie on one line.
-LONG_SEQ = 8192
-AFFINE_STEP = 512
+@dataclasses.dataclass(frozen=True)
+class LongRows:
+    """How the bytes a block keeps are priced for long rows. Tracing a block takes time in
+    proportion to its rows' attention chunks (about 0.5 s per thousand tokens of a 70B
+    block here), while what it keeps for the backward grows by the same bytes with every
+    token: rows longer than `threshold` tokens are priced from traces at 1, 2 and 3 x
+    `step` tokens, when those lie on one line."""
+
+    threshold: int = 8192
+    step: int = 512
+
+    def price(self, traced, seq: int) -> int:
+        """traced(seq), the bytes of a trace at `seq` tokens per row; for long rows, the
+        line through short traces where they are affine in the row's length, else the trace."""
+        if seq <= self.threshold:
+            return traced(seq)
+        a, b, c = (traced(i * self.step) for i in (1, 2, 3))
+        per_step = b - a
+        if c - b != per_step or per_step % self.step:
+            return traced(seq)
+        return a + per_step // self.step * (seq - self.step)
 
 
-def _by_seq(traced, seq: int) -> int:
-    """traced(seq), the bytes of a trace at `seq` tokens per row; for long rows, the line
-    through short traces where they are affine in the row's length, else the trace."""
-    if seq <= LONG_SEQ:
-        return traced(seq)
-    a, b, c = (traced(i * AFFINE_STEP) for i in (1, 2, 3))
-    per_step = b - a
-    if c - b != per_step or per_step % AFFINE_STEP:
-        return traced(seq)
-    return a + per_step // AFFINE_STEP * (seq - AFFINE_STEP)
+LONG_ROWS = LongRows()
 
 
 @functools.lru_cache(maxsize=64)
-def residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, policy: str = "none") -> int:
+def residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, policy: str = "none",
+                   rows: LongRows = LONG_ROWS) -> int:
     """Bytes a block's vjp keeps beyond its own weights, traced from the real block
     (`jax.eval_shape` of `jax.vjp`: nothing runs, nothing is allocated). Includes
     whatever the attention implementation saves, e.g. [batch, heads, seq, seq] scores.
     `policy`: the block under that model.REMAT_POLICIES entry ("none": the plain block,
-    as a recompute keeps it; "dots": its projections and inputs). Long rows: `_by_seq`."""
-    return _by_seq(lambda s: _traced_residual_bytes(cfg, spec, batch, s, policy), seq)
+    as a recompute keeps it; "dots": its projections and inputs). Long rows: `rows`."""
+    return rows.price(lambda s: _traced_residual_bytes(cfg, spec, batch, s, policy), seq)
 
 
 @functools.lru_cache(maxsize=64)
@@ -551,11 +588,12 @@ def expert_bytes(cfg: ModelConfig) -> StateBytes:
 
 
 @functools.lru_cache(maxsize=64)
-def split_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, size: int) -> int:
+def split_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, size: int,
+                         rows: LongRows = LONG_ROWS) -> int:
     """Bytes the larger of a split block's sub-part programs keeps for its vjp beyond its
     weights: the router part's (attention included) or a group of `size` experts',
     traced as `residual_bytes` traces a whole block (long rows too)."""
-    return _by_seq(lambda s: _traced_split_residual_bytes(cfg, spec, batch, s, size), seq)
+    return rows.price(lambda s: _traced_split_residual_bytes(cfg, spec, batch, s, size), seq)
 
 
 @functools.lru_cache(maxsize=64)
@@ -689,7 +727,7 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
                           dispatch)
     return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps, split), resident,
                     remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce, split, sub,
-                    staging_sets(cfg, stream, grps, transfers, split))
+                    staging_sets(cfg, stream, grps, transfers, split), read_sets(cfg, store, pb, tuple(streamed)))
 
 
 def _update_bytes(states, fused: bool, copy: bool) -> int:

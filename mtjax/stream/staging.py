@@ -44,6 +44,7 @@ from jax.sharding import SingleDeviceSharding
 
 from mtjax import parts
 from mtjax.hostmem import PAGE, BufferPool, aligned_empty, shape_key
+from mtjax.stream import schedule
 from mtjax.stream.budget import DeviceLedger
 from mtjax.stream.mesh import DeviceMesh
 from mtjax.stream.tiers import host_device
@@ -56,17 +57,16 @@ DEFAULT_HOST_MEMORY_GIB = 64  # XLA's cap on its pinned host pool when the varia
 
 
 def pinned_host_bytes(cfg, stream, batch: int, seq: int, accum: int) -> int:
-    """An upper bound on the pinned host memory a streamed run of `cfg` holds at once, from
-    its settings alone (no JAX backend needed): the staging slots of each part shape
-    (three shapes: embedding, blocks, head; `StreamEngine`'s slots per shape, counting a
-    whole-model recompute group when stream.keep_every=0) at the largest part's compute
-    bytes, plus every block's kept input when activations wait in host memory."""
-    largest = max(parts.nbytes(parts.schema(cfg, p.name, "compute")) for p in parts.parts(cfg))
-    blocks = cfg.num_hidden_layers
-    group = min(stream.keep_every or blocks, blocks)
-    slots = stream.prefetch_depth + max(group, 3) + 1
-    kept = blocks * accum * batch * seq * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize
-    return 3 * slots * largest + (kept if stream.activations == "host" else 0)
+    """The pinned host memory a streamed run of `cfg` holds at once, from its settings
+    alone (no JAX backend needed): the staging sets the step description gives
+    (`schedule.staging_sets`) for a step that streams every part whole, plus every kept
+    block input when activations wait in host memory (`traffic.h2d_activations`). The
+    engine's own schedule stages no more: resident parts cross nothing, and a split
+    block's sub-parts stage in its place."""
+    groups = schedule.groups(cfg.num_hidden_layers, stream.keep_every)
+    sets = schedule.staging_sets(cfg, stream, groups, schedule.train_parts(cfg, groups), {})
+    kept = len(groups) * accum * batch * seq * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize
+    return sum(count * nbytes for _, count, nbytes in sets) + (kept if stream.activations == "host" else 0)
 
 
 def raise_host_memory_limit(nbytes: int) -> bool:
@@ -133,6 +133,13 @@ class Placement:
         # Threads start on first use: none on the CPU path, which never stages through pinned memory.
         self._stagers = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="mtjax-stage") \
             if threads > 1 else None
+        self._observers: list = []
+
+    def observe(self, fn) -> None:
+        """Call fn(buffer) for every host buffer copied into pinned memory, on the thread
+        that copies it, before it does (a buffer mapped for the device's DMA is not copied):
+        a seam for tests of the staging threads and of the mapping."""
+        self._observers.append(fn)
 
     def _probe_dma_map(self) -> tuple[bool, str | None]:
         """Whether the client maps host memory for its DMA (tried once, on a page of our own)."""
@@ -169,6 +176,8 @@ class Placement:
         return buffer.ctypes.data in self._mapped
 
     def _stage(self, buffer: np.ndarray) -> jax.Array:
+        for fn in self._observers:
+            fn(buffer)
         pinned = jax.device_put(buffer, self.on_host)  # host buffer -> pinned: a host memcpy
         return jax.device_put(pinned, self.on_device)  # pinned -> device: a DMA, asynchronous
 

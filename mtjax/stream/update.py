@@ -77,15 +77,17 @@ class PartUpdate:
         return self._update(master, opt_tree, compute, grads, scale)
 
     def __call__(self, part: str, master: dict, opt: dict, compute: dict | None, grads: dict, scale,
-                 own: Collection[str] = (), copy: bool = True):
+                 own: Collection[str] = (), copy: bool = True, rank: int = 0):
         """(master, opt, compute) of `part` after one update; all flat dicts on the host.
 
         `own`: the kinds ("master", "opt", "compute") whose arrays the fused update may
         overwrite when they are its own earlier results (the RAM tier's). `copy=False`
-        (fused only): no compute copy is written, and None is returned for it.
+        (fused only): no compute copy is written, and None is returned for it. `rank`
+        (fused only): where the part comes in the next forward; the loop's threads run
+        the pieces of lower ranks first when several updates share them.
         """
         if self.fused is not None:
-            return self._fused(master, opt, compute or {}, grads, scale, own, copy)
+            return self._fused(master, opt, compute or {}, grads, scale, own, copy, rank)
         # Arrays read from disk arrive as numpy: place them on the CPU backend, not the
         # default (accelerator) device.
         master, opt, compute, grads = jax.device_put((master, opt, compute, grads), self.cpu)
@@ -93,7 +95,7 @@ class PartUpdate:
         master, opt_tree, compute = self._update(master, opt_tree, compute, grads, scale)
         return master, treepath.flatten(opt_tree), compute
 
-    def _fused(self, master, opt, compute, grads, scale, own, copy):
+    def _fused(self, master, opt, compute, grads, scale, own, copy, rank):
         state = self.fused.state  # where mu, nu and the counts are in `opt`
         scalars, counts = self.fused.step(opt[state.count], opt[state.schedule_count], scale)
         new_opt = dict(zip((state.count, state.schedule_count), counts))
@@ -108,7 +110,7 @@ class PartUpdate:
             grad = np.ascontiguousarray(np.asarray(grads[n]), np.float32)  # host sync: the gradient transfer
             leaves.append(fused_adamw.Leaf(*ins, grad, (*outs, rounded), decay=len(p.shape) > 1))
             new_master[n], new_opt[mu], new_opt[nu], new_compute[n] = *outs, rounded
-        self.fused.run(leaves, scalars)
+        self.fused.run(leaves, scalars, rank)
         if copy:  # an fp32 copy is the new master; a copy, since it may be overwritten
             new_compute.update({n: np.array(new_master[n]) for n, c in new_compute.items() if c is None})
         return new_master, {o: new_opt[o] for o in opt}, new_compute if copy else None

@@ -61,6 +61,12 @@ class Updater:
         """The clip scale of the pending updates (on the host device), or None."""
         return self.updates.scale
 
+    def order(self, parts) -> None:
+        """The parts in the order the next forward needs them (a schedule's `needed`): the
+        updates, and the reads ahead of them, follow it."""
+        self.updates.order(parts)
+        self.read_ahead.order(parts)
+
     def read_early(self, updated) -> list[str]:
         """The step's reads of compute weights are done (its prefetch has loaded every
         transfer) while its backward goes on: start the reads the step's updates (of the

@@ -6,7 +6,10 @@
     updates.flush()           apply every pending update
 
 Updates run on a few host threads (one when state is on disk: each update in flight
-holds a part's state in read buffers), in the order the forward needs the parts. With
+holds a part's state in read buffers), in the order the next forward needs the parts
+(`order`: the schedule's `needed`, from its operations). The updates in flight share the
+fused AdamW's threads, which run the pieces of the part needed first before the others'
+(each update's `rank`), so they finish in that order too, the embedding first. With
 the compute copy on disk updates run at most `schedule.HANDED_AHEAD` parts ahead of the
 staging that takes their new copies, so that the copies waiting for it stay few. With a
 one-copy store the updates of a step wait for its commit (`OneCopy`,
@@ -53,6 +56,12 @@ class UpdateQueue:
         self._max_started = HANDED_AHEAD if tiers.placement["compute"] == "disk" else len(parts)
         self._lock = threading.Lock()  # the prefetch worker takes updates while the caller may start them
 
+    def order(self, parts) -> None:
+        """The parts in the order the next forward needs them (a schedule's `needed`):
+        the order updates start and their rank on the fused AdamW's threads."""
+        with self._lock:
+            self.parts = list(parts)
+
     @property
     def started(self) -> dict[str, cf.Future]:
         """The updates started whose new compute copy no staging has taken yet, in order."""
@@ -93,7 +102,8 @@ class UpdateQueue:
             cf.wait(state.throttle())
         with self.tracer.span("optimizer", part) if self.update.fused else contextlib.nullcontext():
             master, opt, compute = self.update(part, master, opt, old, grads, self.scale,
-                                               own=state.tiers.kinds_in("ram"), copy=not state.derived_compute)
+                                               own=state.tiers.kinds_in("ram"), copy=not state.derived_compute,
+                                               rank=self.parts.index(part))
         self.ahead.release(reads, fence=master)
         if not self.update.fused:  # the XLA program runs asynchronously: time it until done
             self.tracer.watch("optimizer", part, master)
