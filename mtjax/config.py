@@ -281,7 +281,7 @@ class ExperimentConfig:
 # architecture): numerics, initialisation and loss weights, and the context, which rope
 # scaling extends. Every other field is the architecture, which the HF config gives: a
 # different value there is refused, not applied on top of it.
-BESIDE_HF_CONFIG = ("compute_dtype", "param_dtype", "initializer_range", "router_aux_loss_coef",
+BESIDE_HF_CONFIG = ("compute_dtype", "freeze", "param_dtype", "initializer_range", "router_aux_loss_coef",
                     "max_position_embeddings", "rope_scaling")
 
 

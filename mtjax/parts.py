@@ -8,7 +8,11 @@ kinds of state, each a flat {leaf name: array} dict (see mtjax.treepath):
     master   the fp32 master weights
     opt      the optimizer state of the part (e.g. AdamW mu and nu)
 
-Every byte count, store schema and staging buffer derives from `schema`.
+Each leaf is described once, by its `Leaf` spec (`leaves`): shape, master dtype, compute
+representation (mtjax.precision) and role (mtjax.roles). The three kinds are views of
+it: every leaf has a compute copy; trained leaves and buffers have a master; only
+trained leaves have optimizer state (and a gradient). Every byte count, store schema
+and staging buffer derives from `schema`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import math
 import jax
 import numpy as np
 
-from mtjax import model, precision, treepath
+from mtjax import model, precision, roles, treepath
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
 
@@ -55,21 +59,61 @@ def abstract_part(cfg: ModelConfig, name: str):
     return model.abstract_part(cfg, name)
 
 
-def schema(cfg: ModelConfig, name: str, kind: str, tx=None) -> dict[str, jax.ShapeDtypeStruct]:
-    """{leaf name: ShapeDtypeStruct} of one kind of state of one part.
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One leaf of a part, described once: every kind of its state is a view of this."""
 
-    `tx` (an optax transformation) is needed for kind "opt".
-    """
-    tree = abstract_part(cfg, name)
-    if kind == "compute":  # each leaf's compute representation (mtjax.precision)
-        return precision.policy(cfg).schema(treepath.flatten(tree))
+    name: str  # dotted, within its part ("attn.q_proj.kernel")
+    shape: tuple[int, ...]
+    master: np.dtype  # the fp32 master weights' dtype (trained leaves and buffers)
+    compute: precision.Compute  # what the device computes with
+    role: str  # mtjax.roles: trained, frozen or buffer
+
+
+def leaves(cfg: ModelConfig, name: str) -> dict[str, Leaf]:
+    """{leaf name: Leaf} of one part, in the part's flat order."""
+    policy = precision.policy(cfg)
+    return {n: Leaf(n, tuple(s.shape), np.dtype(s.dtype), policy.leaf(n, s), roles.role(cfg, name, n))
+            for n, s in treepath.flatten(abstract_part(cfg, name)).items()}
+
+
+def trained(cfg: ModelConfig, name: str) -> tuple[str, ...]:
+    """The names of a part's trained leaves (those its vjp is taken against)."""
+    return tuple(n for n, leaf in leaves(cfg, name).items() if leaf.role == roles.TRAINED)
+
+
+def frozen_any(cfg: ModelConfig) -> bool:
+    """Whether any leaf of the model is not trained."""
+    return any(leaf.role != roles.TRAINED for p in parts(cfg) for leaf in leaves(cfg, p.name).values())
+
+
+def check_roles(cfg: ModelConfig) -> None:
+    """Refuse bad freeze patterns in one line (mtjax.roles.check)."""
+    if cfg.freeze:
+        roles.check(cfg, {p.name: list(treepath.flatten(abstract_part(cfg, p.name))) for p in parts(cfg)})
+
+
+def schema(cfg: ModelConfig, name: str, kind: str, tx=None) -> dict[str, jax.ShapeDtypeStruct]:
+    """{leaf name: ShapeDtypeStruct} of one kind of state of one part: a view of its
+    leaves (`leaves`) by role. `tx` (an optax transformation) is needed for kind "opt"."""
+    specs = leaves(cfg, name)
+    if kind == "compute":  # every leaf's compute representation (mtjax.precision)
+        return {n: leaf.compute.struct(leaf.shape) for n, leaf in specs.items()}
+    if kind == "master":
+        return {n: jax.ShapeDtypeStruct(leaf.shape, leaf.master) for n, leaf in specs.items()
+                if leaf.role in roles.HAS_MASTER}
     if kind == "opt":
         if tx is None:
             raise ValueError("schema of kind 'opt' needs the optax transformation")
-        tree = jax.eval_shape(tx.init, tree)
-    elif kind != "master":
-        raise ValueError(f"unknown state kind {kind!r}; one of {KINDS}")
-    return treepath.flatten(tree)
+        return treepath.flatten(jax.eval_shape(tx.init, trained_master(cfg, name)))
+    raise ValueError(f"unknown state kind {kind!r}; one of {KINDS}")
+
+
+def trained_master(cfg: ModelConfig, name: str) -> dict[str, jax.ShapeDtypeStruct]:
+    """{leaf: ShapeDtypeStruct} of the trained leaves' masters: what the optimizer and the
+    gradient cover (a flat dict: the optimizer state's names are "<prefix>.<leaf>")."""
+    return {n: jax.ShapeDtypeStruct(leaf.shape, leaf.master) for n, leaf in leaves(cfg, name).items()
+            if leaf.role == roles.TRAINED}
 
 
 def nbytes(named: dict) -> int:

@@ -29,6 +29,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from mtjax import parts
 from mtjax.errors import NonFiniteStep
 from mtjax.optim import clip_scale
 from mtjax.stream import ops
@@ -62,6 +63,9 @@ class Runner:
         self.observers: list = []
         self.schedule = None
         self._moe = set(cfg.moe_layers)
+        # Each part's trained leaves, the vjp's arguments (mtjax.roles); None: every leaf.
+        self._trained = {p.name: None if len(t := parts.trained(cfg, p.name)) == len(parts.leaves(cfg, p.name)) else t
+                         for p in parts.parts(cfg)}
         self._do = {
             ops.Stage: self._stage, ops.Resident: self._resident, ops.Release: self._release,
             ops.Embed: self._embed, ops.Forward: self._forward, ops.Save: self._save,
@@ -175,7 +179,8 @@ class Runner:
     def _save(self, st: Pass, op: ops.Save) -> None:
         spec = self.cfg.layer_specs[op.block]
         w, fn = st.held[f"block.{op.block}"][1], self.fns.save[self.schedule.remat][spec]
-        outs = [fn(w, x, mb.segments) for x, mb in zip(st.flow, st.mbs)]
+        trained = self._trained[f"block.{op.block}"]
+        outs = [fn(w, x, mb.segments, trained=trained) for x, mb in zip(st.flow, st.mbs)]
         for k, (_, vjp) in zip(st.kept, outs):
             self.ledger.hold(self.schedule.saved_residual_bytes(spec), "residuals kept from the forward", "saved")
             k["vjp", op.block] = vjp
@@ -221,7 +226,8 @@ class Runner:
         head_w, embed_w = st.held["head"][1], st.held["embed"][1] if op.tied else None
         losses, dxs, dhead, dembed = [], [], None, None
         for x, mb, weight, aux in zip(st.flow, st.mbs, st.weights, st.auxes):
-            loss, dh, de, dx = fns.head(head_w, embed_w, x, mb.tokens, weight, mb.targets)
+            loss, dh, de, dx = fns.head(head_w, embed_w, x, mb.tokens, weight, mb.targets,
+                                        trained=self._trained["head"], embed_trained=self._trained["embed"])
             losses.append(loss + self.cfg.router_aux_loss_coef * aux if self.cfg.moe_layers else loss)
             dxs.append(dx)
             dhead = self._sum(dhead, dh, n)
@@ -242,7 +248,7 @@ class Runner:
         w, fn = st.held[f"block.{i}"][1], self.fns.grad[self.cfg.layer_specs[i]]
         acc, out = None, []
         for m, (x, dx, mb) in enumerate(zip(st.inputs, st.flow, st.mbs)):
-            dw, dx = fn(w, x, dx, self._cotangent(st, i, m), mb.segments)
+            dw, dx = fn(w, x, dx, self._cotangent(st, i, m), mb.segments, trained=self._trained[f"block.{i}"])
             acc = self._sum(acc, dw, count)
             out.append(dx)
         st.flow, st.inputs, st.summed[f"block.{i}"] = out, None, acc
@@ -254,7 +260,8 @@ class Runner:
         for m, (x, dx, mb) in enumerate(zip(st.inputs, st.flow, st.mbs)):
             vjps = []
             for i in op.blocks:
-                (x, _), vjp = fns.recompute[specs[i]](st.held[f"block.{i}"][1], x, mb.segments)
+                (x, _), vjp = fns.recompute[specs[i]](st.held[f"block.{i}"][1], x, mb.segments,
+                                                      trained=self._trained[f"block.{i}"])
                 self.ledger.hold(self._residual, "recompute residuals", "residuals")
                 vjps.append((i, vjp))
             while vjps:
@@ -295,6 +302,9 @@ class Runner:
 
     def _embed_backward(self, st: Pass, op: ops.EmbedBackward) -> None:
         fns, de = self.fns, None
+        if self._trained["embed"] == ():  # a frozen embedding: no gradient
+            st.summed["embed"], st.dembed = {}, None
+            return
         for mb, dx in zip(st.mbs, st.flow):
             de = self._sum(de, fns.embed_backward(mb.tokens, dx), len(st.mbs))
         if op.tied:  # the head's use of the embedding plus the lookup's
@@ -304,7 +314,9 @@ class Runner:
         self.tracer.watch("compute", "embed", de)
 
     def _grad_out(self, st: Pass, op: ops.GradOut) -> None:
-        self.grads.add(op.part, st.summed.pop(op.part))
+        grads = st.summed.pop(op.part)
+        if grads:  # a part with no trained leaf has no gradient, and no update
+            self.grads.add(op.part, grads)
 
     def _grad_stays(self, st: Pass, op: ops.GradStays) -> None:
         self.resident.add_grad(op.part, st.summed.pop(op.part))

@@ -84,6 +84,13 @@ class PartUpdate:
         overwrite when they are its own earlier results (the RAM tier's). `copy=False`
         (fused only): no compute copy is written, and None is returned for it.
         """
+        # Leaves with a master but no gradient are buffers (mtjax.roles): changed by their
+        # owner's rule, not here; they pass through (no rule today).
+        buffers = {n: a for n, a in master.items() if n not in grads}
+        if buffers:
+            master = {n: a for n, a in master.items() if n in grads}
+            new_master, new_opt, new_compute = self(part, master, opt, compute, grads, scale, own, copy)
+            return {**buffers, **new_master}, new_opt, new_compute
         if self.fused is not None:
             return self._fused(master, opt, compute or {}, grads, scale, own, copy)
         # Arrays read from disk arrive as numpy: place them on the CPU backend, not the
