@@ -105,7 +105,8 @@ def schema(cfg: ModelConfig, name: str, kind: str, tx=None) -> dict[str, jax.Sha
     if kind == "opt":
         if tx is None:
             raise ValueError("schema of kind 'opt' needs the optax transformation")
-        return treepath.flatten(jax.eval_shape(tx.init, trained_master(cfg, name)))
+        trained_ = trained_master(cfg, name)  # a part with none has no optimizer state at all
+        return treepath.flatten(jax.eval_shape(tx.init, trained_)) if trained_ else {}
     raise ValueError(f"unknown state kind {kind!r}; one of {KINDS}")
 
 

@@ -126,7 +126,6 @@ class StreamEngine:
         parts_mod.check_roles(cfg)
         if parts_mod.frozen_any(cfg):
             _check_frozen(cfg, store_config, hosts)
-            stream = dataclasses.replace(stream, resident="none")  # frozen leaves stream: no resident update path yet
         self.cfg, self.options, self.step_count = cfg, stream, step
         self.update = update_for(cfg, optim) if tx is None else PartUpdate(cfg, tx)
         self.tx, self.clip_norm = self.update.tx, optim.clip_norm

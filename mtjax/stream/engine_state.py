@@ -30,7 +30,7 @@ def fill(cfg, update, updater, names, params, opt_state=None, *, derived_compute
                 opt_parts[name] = {n: np.array(hosts.shard.take(a)) for n, a in opt_parts[name].items()}
         master = jax.device_put(master, host_device())
         trained = {n: master[n] for n in parts.trained(cfg, name)}
-        opt = update.init_state(trained) if opt_parts is None else jax.device_put(opt_parts[name], host_device())
+        opt = (update.init_state(trained) if trained else {}) if opt_parts is None else jax.device_put(opt_parts[name], host_device())
         updater.write(name, "opt", opt)
         updater.write(name, "master", master)
     updater.wait_writes()

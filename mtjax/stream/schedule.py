@@ -394,9 +394,11 @@ def residency_order(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[str, 
 
 def resident_parts(cfg: ModelConfig, spec, groups_: tuple[range, ...]) -> tuple[str, ...]:
     """The resident parts `stream.resident` names, in model order. "auto" is the planner's
-    to resolve (mtjax.plan.residency); unresolved, nothing is resident."""
+    to resolve (mtjax.plan.residency); unresolved, nothing is resident. A model with
+    frozen leaves (mtjax.roles) streams every part: the device-side update has no path for
+    them yet."""
     names = [p.name for p in parts.parts(cfg)]
-    if spec in ("auto", "none"):
+    if spec in ("auto", "none") or parts.frozen_any(cfg):
         chosen = ()
     elif spec == "all":
         chosen = tuple(names)
