@@ -149,6 +149,10 @@ def test_the_description_counts_no_state_for_frozen_leaves_and_a_step_moves_what
         counts.order.append([])
         engine.step(rng.integers(0, cfg.vocab_size, (accum, BATCH, SEQ), dtype=np.int32))
     engine.flush()
+    expected = {"h2d_weights": t.h2d_weights, "h2d_tokens": t.h2d_tokens, "d2h_grads": t.d2h_grads,
+                **{f"disk_read.{k}": b for k, b in t.disk_read.items()},
+                **{f"disk_write.{k}": b for k, b in t.disk_write.items()}}
+    assert dict(counts.bytes) == {k: 2 * b for k, b in expected.items() if b}
     # The frozen leaves are still their first compute copy, bit for bit (bf16 here).
     now, start = treepath.flatten(engine.params()), treepath.flatten(model.init_params(cfg, seed=0))
     for p, names in frozen.items():
@@ -156,10 +160,6 @@ def test_the_description_counts_no_state_for_frozen_leaves_and_a_step_moves_what
             name = f"{'blocks.' + p[6:] if p.startswith('block.') else p}.{n}"
             first = precision.reference(np.asarray(start[name]), cfg.compute_dtype).astype(np.float32)
             np.testing.assert_array_equal(np.asarray(now[name]), first, err_msg=name)
-    expected = {"h2d_weights": t.h2d_weights, "h2d_tokens": t.h2d_tokens, "d2h_grads": t.d2h_grads,
-                **{f"disk_read.{k}": b for k, b in t.disk_read.items()},
-                **{f"disk_write.{k}": b for k, b in t.disk_write.items()}}
-    assert dict(counts.bytes) == {k: 2 * b for k, b in expected.items() if b}
     engine.close()
     if store is not None:
         store.close()
