@@ -78,7 +78,7 @@ def check(cfg, leaves_of) -> None:
         if (m := _RANGE.match(selector)) and int(m.group(1)) > int(m.group(2)):
             raise ConfigError(f"model.freeze pattern {pattern!r}: the range {selector} is empty; write block.A-B with A <= B")
         if not any(matches(pattern, p, n) for p, names in leaves_of.items() for n in names):
-            raise ConfigError(f"model.freeze pattern {pattern!r} names no leaf of this model "
-                              f"(parts embed, block.0-{len(leaves_of) - 3}, head; `mtjax store` lists leaf names)")
+            raise ConfigError(f"model.freeze pattern {pattern!r} names no leaf of this model (parts embed, "
+                              f"block.0-{len(leaves_of) - 3}, head; block.0's leaves: {', '.join(leaves_of['block.0'])})")
     if cfg.freeze and not any(role(cfg, p, n) == TRAINED for p, names in leaves_of.items() for n in names):
         raise ConfigError("model.freeze freezes every leaf: nothing is left to train")

@@ -24,6 +24,7 @@ for every hidden state kept for the backward: a seam for tests that count them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax.numpy as jnp
@@ -178,9 +179,8 @@ class Runner:
 
     def _save(self, st: Pass, op: ops.Save) -> None:
         spec = self.cfg.layer_specs[op.block]
-        w, fn = st.held[f"block.{op.block}"][1], self.fns.save[self.schedule.remat][spec]
-        trained = self._trained[f"block.{op.block}"]
-        outs = [fn(w, x, mb.segments, trained=trained) for x, mb in zip(st.flow, st.mbs)]
+        w, fn = st.held[f"block.{op.block}"][1], self._against(self.fns.save[self.schedule.remat][spec], op.block)
+        outs = [fn(w, x, mb.segments) for x, mb in zip(st.flow, st.mbs)]
         for k, (_, vjp) in zip(st.kept, outs):
             self.ledger.hold(self.schedule.saved_residual_bytes(spec), "residuals kept from the forward", "saved")
             k["vjp", op.block] = vjp
@@ -225,9 +225,10 @@ class Runner:
                                     for s, mb, weight in zip(st.stats, st.mbs, st.weights)))
         head_w, embed_w = st.held["head"][1], st.held["embed"][1] if op.tied else None
         losses, dxs, dhead, dembed = [], [], None, None
+        head = fns.head if self._trained["head"] is self._trained["embed"] is None else functools.partial(
+            fns.head, trained=self._trained["head"], embed_trained=self._trained["embed"] if op.tied else None)
         for x, mb, weight, aux in zip(st.flow, st.mbs, st.weights, st.auxes):
-            loss, dh, de, dx = fns.head(head_w, embed_w, x, mb.tokens, weight, mb.targets,
-                                        trained=self._trained["head"], embed_trained=self._trained["embed"])
+            loss, dh, de, dx = head(head_w, embed_w, x, mb.tokens, weight, mb.targets)
             losses.append(loss + self.cfg.router_aux_loss_coef * aux if self.cfg.moe_layers else loss)
             dxs.append(dx)
             dhead = self._sum(dhead, dh, n)
@@ -240,15 +241,21 @@ class Runner:
         st.losses = [self.fns.head_loss(head_w, embed_w, x, mb.tokens, mb.targets) for x, mb in zip(st.flow, st.mbs)]
         st.flow = st.losses  # the releases' fence
 
+    def _against(self, fn, block: int):
+        """Block function `fn` (a vjp's maker) taking the vjp against the block's trained
+        leaves only (mtjax.roles)."""
+        trained = self._trained[f"block.{block}"]
+        return fn if trained is None else functools.partial(fn, trained=trained)
+
     def _cotangent(self, st: Pass, i: int, m: int):
         return st.dstats[m] if i in self._moe else {}
 
     def _backward(self, st: Pass, op: ops.Backward) -> None:
         i, count = op.block, len(st.mbs)
-        w, fn = st.held[f"block.{i}"][1], self.fns.grad[self.cfg.layer_specs[i]]
+        w, fn = st.held[f"block.{i}"][1], self._against(self.fns.grad[self.cfg.layer_specs[i]], i)
         acc, out = None, []
         for m, (x, dx, mb) in enumerate(zip(st.inputs, st.flow, st.mbs)):
-            dw, dx = fn(w, x, dx, self._cotangent(st, i, m), mb.segments, trained=self._trained[f"block.{i}"])
+            dw, dx = fn(w, x, dx, self._cotangent(st, i, m), mb.segments)
             acc = self._sum(acc, dw, count)
             out.append(dx)
         st.flow, st.inputs, st.summed[f"block.{i}"] = out, None, acc
@@ -260,8 +267,7 @@ class Runner:
         for m, (x, dx, mb) in enumerate(zip(st.inputs, st.flow, st.mbs)):
             vjps = []
             for i in op.blocks:
-                (x, _), vjp = fns.recompute[specs[i]](st.held[f"block.{i}"][1], x, mb.segments,
-                                                      trained=self._trained[f"block.{i}"])
+                (x, _), vjp = self._against(fns.recompute[specs[i]], i)(st.held[f"block.{i}"][1], x, mb.segments)
                 self.ledger.hold(self._residual, "recompute residuals", "residuals")
                 vjps.append((i, vjp))
             while vjps:

@@ -223,7 +223,8 @@ class Schedule:
     @property
     def state(self) -> StateBytes:
         """Totals over all parts."""
-        return StateBytes(*(sum(b.get(k) for b in self.part_bytes.values()) for k in parts.KINDS))
+        return StateBytes(*(sum(b.get(k) for b in self.part_bytes.values()) for k in parts.KINDS),
+                          trained=sum(b.trained for b in self.part_bytes.values()))
 
     @property
     def streamed(self) -> tuple[str, ...]:
