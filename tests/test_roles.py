@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 import optax
 import pytest
 
+import mtjax.store
 from mtjax import model, parts, precision, roles, treepath
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.model_config import ConfigError
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate
 from mtjax.reference import ReferenceTrainer
+from mtjax.store.errors import StoreError
 from mtjax.stream import StreamEngine
 
 from conftest import ONE_KV_HEAD, tiny_config, token_batches
@@ -33,6 +34,7 @@ FREEZE = ("embed", "block.*/mlp.*", "block.*/input_layernorm.weight", "block.0-2
           "head/lm_head.kernel")
 BATCH, SEQ = 2, 8
 PLACEMENTS = {"ram": {}, "master-disk": {"master": "disk"}, "state-disk": {"master": "disk", "opt": "disk"}}
+CASES = [("ram", False), ("ram", True), ("master-disk", False), ("state-disk", True)]  # (placement, tied)
 
 
 def _frozen_names(cfg) -> dict[str, set[str]]:
@@ -86,9 +88,11 @@ def _masked_reference(cfg, params, opt: OptimConfig) -> ReferenceTrainer:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", PLACEMENTS)
-def test_frozen_leaves_stay_and_trained_ones_match_a_masked_reference(make_store, where):
-    cfg = tiny_config(num_hidden_layers=3, **ONE_KV_HEAD, freeze=FREEZE)
+@pytest.mark.parametrize("where,tied", CASES, ids=[f"{w}-{'tied' if t else 'untied'}" for w, t in CASES])
+def test_frozen_leaves_stay_and_trained_ones_match_a_masked_reference(make_store, where, tied):
+    # Tied: the frozen embedding is also the head's projection (the head's own leaf, its norm, trains).
+    freeze = tuple(p for p in FREEZE if not (tied and p.startswith("head")))
+    cfg = tiny_config(num_hidden_layers=3, **ONE_KV_HEAD, freeze=freeze, tie_word_embeddings=tied)
     opt = OptimConfig(lr=1e-3, warmup_steps=0, clip_norm=None)  # optax's masked chain has no global clip
     params = model.init_params(cfg, seed=0)
     tiers = PLACEMENTS[where]
@@ -180,3 +184,18 @@ def test_frozen_leaves_shrink_the_planned_host_and_disk_bytes():
     assert frozen.traffic.d2h < plain.traffic.d2h
     plain, frozen = plans(StoreConfig(master="disk", opt="disk"))
     assert frozen.disk_bytes < plain.disk_bytes and frozen.traffic.disk_write < plain.traffic.disk_write / 2
+
+
+
+@pytest.mark.parametrize("other", [(), ("embed",), (*FREEZE, "block.*/self_attn.q_proj.kernel")])
+def test_a_store_written_with_one_freeze_set_refuses_another(make_store, other):
+    """A frozen leaf has no master to be un-frozen from, and a newly frozen leaf's master and
+    optimizer state would be left behind: the store names the difference, in one line."""
+    cfg = tiny_config(freeze=FREEZE)
+    store = make_store(cfg, make_optimizer(OptimConfig()))
+    root = store.root
+    store.close()
+    mtjax.store.open(root, config=cfg).close()
+    with pytest.raises(StoreError, match="freeze") as e:
+        mtjax.store.open(root, config=dataclasses.replace(cfg, freeze=other))
+    assert "\n" not in str(e.value)
