@@ -87,6 +87,19 @@ def frozen_any(cfg: ModelConfig) -> bool:
     return any(leaf.role != roles.TRAINED for p in parts(cfg) for leaf in leaves(cfg, p.name).values())
 
 
+def trained_only(cfg: ModelConfig, params):
+    """A model-layout params pytree (mtjax.model) with every leaf that is not trained
+    replaced by None: what the whole-model gradient and optimizer state cover."""
+    def part(name: str, tree):
+        keep = trained(cfg, name)
+        flat = treepath.flatten(tree)
+        return treepath.unflatten(tree, {n: a if n in keep else None for n, a in flat.items()}) \
+            if len(keep) < len(flat) else tree
+
+    return {"embed": part("embed", params["embed"]), "head": part("head", params["head"]),
+            "blocks": [part(f"block.{i}", b) for i, b in enumerate(params["blocks"])]}
+
+
 def check_roles(cfg: ModelConfig) -> None:
     """Refuse bad freeze patterns in one line (mtjax.roles.check)."""
     if cfg.freeze:

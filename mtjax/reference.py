@@ -116,27 +116,22 @@ def eval_loss(cfg: ModelConfig, params, batch, on_micro=None) -> dict[str, float
 
 class Roles:
     """A model's parameters split by leaf role (mtjax.roles): the trained leaves, which the
-    gradient and the optimizer see, and the others, held fixed. Trees keep the model's
-    layout with the other leaves left out (None)."""
+    gradient and the optimizer see (`parts.trained_only`), and the others, held fixed.
+    Trees keep the model's layout with the other leaves left out (None)."""
 
     def __init__(self, cfg: ModelConfig):
-        self.cfg = cfg
-        names = {p.name: parts.trained(cfg, p.name) for p in parts.parts(cfg)}
-        mask = {p: treepath.unflatten(parts.abstract_part(cfg, p), {n: n in names[p] for n in
-                                      treepath.flatten(parts.abstract_part(cfg, p))}) for p in names}
-        self.mask = {"embed": mask["embed"], "head": mask["head"],
-                     "blocks": [mask[f"block.{i}"] for i in range(cfg.num_hidden_layers)]}
-        self.frozen = not all(jax.tree.leaves(self.mask))
-        self._template = model.abstract_params(cfg)
-
-    def _select(self, tree, keep: bool):
-        return jax.tree.map(lambda m, x: x if m == keep else None, self.mask, tree)
+        self.cfg, self._template = cfg, model.abstract_params(cfg)
+        self._keep = set(treepath.flatten(parts.trained_only(cfg, self._template)))
+        self.frozen = len(self._keep) < len(treepath.flatten(self._template))
 
     def trained(self, tree):
-        return tree if not self.frozen else self._select(tree, True)
+        return parts.trained_only(self.cfg, tree) if self.frozen else tree
 
     def fixed(self, tree):
-        return {} if not self.frozen else self._select(tree, False)
+        if not self.frozen:
+            return {}
+        return treepath.unflatten(self._template, {n: None if n in self._keep else a
+                                                   for n, a in treepath.flatten(tree).items()})
 
     def merge(self, trained, fixed):
         if not self.frozen:

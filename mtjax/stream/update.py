@@ -176,7 +176,7 @@ def full_opt_state(cfg: ModelConfig, tx: optax.GradientTransformation, per_part:
     the whole model's `<prefix>.<part path>.<param leaf>`; other leaves (step counts)
     are the same in every part and appear once.
     """
-    template = jax.eval_shape(tx.init, model.abstract_params(cfg))
+    template = jax.eval_shape(tx.init, parts.trained_only(cfg, model.abstract_params(cfg)))  # frozen leaves: none
     named = {}
     for p in parts.parts(cfg):
         for mine, whole in _part_leaf_names(cfg, tx, p):
