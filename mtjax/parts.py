@@ -18,6 +18,7 @@ and staging buffer derives from `schema`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -70,8 +71,9 @@ class Leaf:
     role: str  # mtjax.roles: trained, frozen or buffer
 
 
+@functools.lru_cache(maxsize=4096)
 def leaves(cfg: ModelConfig, name: str) -> dict[str, Leaf]:
-    """{leaf name: Leaf} of one part, in the part's flat order."""
+    """{leaf name: Leaf} of one part, in the part's flat order (shared: do not change it)."""
     policy = precision.policy(cfg)
     return {n: Leaf(n, tuple(s.shape), np.dtype(s.dtype), policy.leaf(n, s), roles.role(cfg, name, n))
             for n, s in treepath.flatten(abstract_part(cfg, name)).items()}
@@ -84,6 +86,8 @@ def trained(cfg: ModelConfig, name: str) -> tuple[str, ...]:
 
 def frozen_any(cfg: ModelConfig) -> bool:
     """Whether any leaf of the model is not trained."""
+    if not cfg.freeze and not roles.BUFFER_RULES:
+        return False
     return any(leaf.role != roles.TRAINED for p in parts(cfg) for leaf in leaves(cfg, p.name).values())
 
 
