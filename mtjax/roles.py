@@ -37,7 +37,7 @@ HAS_MASTER = (TRAINED, BUFFER)  # the roles with fp32 master weights in the stor
 BUFFER_RULES: dict = {}
 
 _RANGE = re.compile(r"^block\.(\d+)-(\d+)$")
-_PART = re.compile(r"^(embed|head|block\.\d+|block\.\d+-\d+|[A-Za-z0-9_.*?\[\]-]+)$")
+_PART = re.compile(r"^[A-Za-z0-9_.*?\[\]-]+$")  # a part name, a block range or a glob
 
 
 def _part_matches(selector: str, part: str) -> bool:
