@@ -16,7 +16,7 @@ A pattern is `PART` or `PART/LEAF`:
     PART  `embed`, `head`, `block.N`, `block.A-B` (A to B, both included) or a glob
           (`block.*`, `*`)
     LEAF  a glob over the leaf's dotted name in its part (`mlp.*`, `*.kernel`,
-          `attn.q_proj.kernel`); no LEAF: every leaf of the part
+          `self_attn.q_proj.kernel`); no LEAF: every leaf of the part
 e.g. `embed`, `block.0-15`, `block.*/mlp.*`.
 """
 
@@ -31,9 +31,10 @@ TRAINED, FROZEN, BUFFER = "trained", "frozen", "buffer"
 ROLES = (TRAINED, FROZEN, BUFFER)
 HAS_MASTER = (TRAINED, BUFFER)  # the roles with fp32 master weights in the store
 
-# Declared buffers: {leaf name glob: rule}; a rule maps (part, {leaf: old master}) to the
-# new master. None today; DeepSeek-V3's routing bias will be the first (its rule reads
-# the step's expert loads). A buffer without a rule keeps its value.
+# Declared buffers: {leaf name glob: rule}. None today; DeepSeek-V3's routing bias will be
+# the first (its rule reads the step's expert loads). No rule runs yet: the update
+# (mtjax.stream.update.PartUpdate) passes a buffer's master through unchanged, and that
+# is where a rule mapping (part, {leaf: old master}) to the new master plugs in.
 BUFFER_RULES: dict = {}
 
 _RANGE = re.compile(r"^block\.(\d+)-(\d+)$")
