@@ -36,6 +36,7 @@ from mtjax.model_config import ModelConfig
 from mtjax.optim import make_optimizer
 from mtjax.partid import EMBED, HEAD
 from mtjax.store import fill, hf_export, layout, lock, manifest, shards
+from mtjax.store import store as store_mod
 from mtjax.store.errors import StoreError
 from mtjax.stream.update import full_opt_state, split_opt_state
 
@@ -208,9 +209,10 @@ def write_model(store, params, opt_state, tx) -> None:
 
 
 def read_params(store):
-    """The fp32 params pytree of the store's committed master weights."""
+    """The fp32 params pytree of the store's committed master weights (a frozen leaf's:
+    its compute copy, mtjax.store.store.weights)."""
     cfg = store.config
-    named = {p.name: store.read(p.name, "master").result() for p in parts.parts(cfg)}
+    named = {p.name: store_mod.weights(store, p.name) for p in parts.parts(cfg)}
     tree = {name: treepath.unflatten(parts.abstract_part(cfg, name), named[name]) for name in named}
     return parts.whole_params(cfg, tree)
 

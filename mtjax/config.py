@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from mtjax import textfile, writable
+from mtjax import parts, textfile, writable
 from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, EVERY, FRACTION, POSITIVE, STEPS, Range, out_of_range
 from mtjax.data.format import FORMATS, PACKING, TRAIN_ON
 from mtjax.model_config import ConfigError, ModelConfig, RopeScaling, load_hf_config
@@ -281,7 +281,7 @@ class ExperimentConfig:
 # architecture): numerics, initialisation and loss weights, and the context, which rope
 # scaling extends. Every other field is the architecture, which the HF config gives: a
 # different value there is refused, not applied on top of it.
-BESIDE_HF_CONFIG = ("compute_dtype", "param_dtype", "initializer_range", "router_aux_loss_coef",
+BESIDE_HF_CONFIG = ("compute_dtype", "freeze", "param_dtype", "initializer_range", "router_aux_loss_coef",
                     "max_position_embeddings", "rope_scaling")
 
 
@@ -292,9 +292,13 @@ def model_config(exp: ExperimentConfig) -> ModelConfig:
     try:
         if section.hf_config is not None:
             _refuse_architecture_beside(section, load_hf_config(section.hf_config), overrides)
-            return load_hf_config(section.hf_config, **overrides)
+            cfg = load_hf_config(section.hf_config, **overrides)
+            parts.check_roles(cfg)
+            return cfg
         base = dict(PRESETS[section.preset]) if section.preset else {}
-        return ModelConfig(**{**base, **overrides})
+        cfg = ModelConfig(**{**base, **overrides})
+        parts.check_roles(cfg)  # model.freeze names leaves of this model (mtjax.roles)
+        return cfg
     except TypeError as e:  # a ModelConfig rejecting a field combination
         raise ConfigError(f"model: {e}") from None
 

@@ -74,6 +74,7 @@ class ModelConfig:
     local_rope_scaling: RopeScaling | None = None  # their rescaling, with local_rope_theta set
     param_dtype: str = "float32"  # dtype of the checkpoint's tensors (export writes it)
     compute_dtype: str = "float32"  # dtype of activations and streamed weights
+    freeze: tuple[str, ...] = ()  # leaves kept as they are, no gradient or optimizer state (mtjax.roles: embed, block.0-15, block.*/mlp.*)
     extra_hf: tuple[tuple[str, Any], ...] = ()  # other config.json keys, kept for export
     # Mixture of experts (mtjax.moe); num_experts 0 means a dense model.
     num_experts: int = 0
@@ -97,6 +98,8 @@ class ModelConfig:
     shared_expert_gated: bool | None = None  # shared expert scaled by a sigmoid gate (Qwen2-MoE); null: the family's
 
     def __post_init__(self):
+        if isinstance(self.freeze, (list, str)):  # from YAML or JSON: one pattern or a list
+            object.__setattr__(self, "freeze", (self.freeze,) if isinstance(self.freeze, str) else tuple(self.freeze))
         if not self.layer_types:
             object.__setattr__(self, "layer_types", (FULL,) * self.num_hidden_layers)
         for name, value in SWITCHES.items():

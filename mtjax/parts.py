@@ -9,18 +9,23 @@ kinds of state, each a flat {leaf name: array} dict (see mtjax.treepath):
     master   the fp32 master weights
     opt      the optimizer state of the part (e.g. AdamW mu and nu)
 
-Every byte count, store schema and staging buffer derives from `schema`.
+Each leaf is described once, by its `Leaf` spec (`leaves`): shape, master dtype, compute
+representation (mtjax.precision) and role (mtjax.roles). The three kinds are views of
+it: every leaf has a compute copy; trained leaves and buffers have a master; only
+trained leaves have optimizer state (and a gradient). Every byte count, store schema
+and staging buffer derives from `schema`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import numpy as np
 
-from mtjax import model, partid, precision, treepath
+from mtjax import model, partid, precision, roles, treepath
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
 from mtjax.partid import EMBED, HEAD, PartId
@@ -66,21 +71,78 @@ def abstract_part(cfg: ModelConfig, name: PartId | str):
     return model.abstract_part(cfg, fn_kind(cfg, name))
 
 
-def schema(cfg: ModelConfig, name: str, kind: str, tx=None) -> dict[str, jax.ShapeDtypeStruct]:
-    """{leaf name: ShapeDtypeStruct} of one kind of state of one part.
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One leaf of a part, described once: every kind of its state is a view of this."""
 
-    `tx` (an optax transformation) is needed for kind "opt".
-    """
-    tree = abstract_part(cfg, name)
-    if kind == "compute":  # each leaf's compute representation (mtjax.precision)
-        return precision.policy(cfg).schema(treepath.flatten(tree))
+    name: str  # dotted, within its part ("attn.q_proj.kernel")
+    shape: tuple[int, ...]
+    master: np.dtype  # the fp32 master weights' dtype (trained leaves and buffers)
+    compute: precision.Compute  # what the device computes with
+    role: str  # mtjax.roles: trained, frozen or buffer
+
+
+@functools.lru_cache(maxsize=4096)
+def leaves(cfg: ModelConfig, name: str) -> dict[str, Leaf]:
+    """{leaf name: Leaf} of one part, in the part's flat order (shared: do not change it)."""
+    policy = precision.policy(cfg)
+    return {n: Leaf(n, tuple(s.shape), np.dtype(s.dtype), policy.leaf(n, s), roles.role(cfg, name, n))
+            for n, s in treepath.flatten(abstract_part(cfg, name)).items()}
+
+
+def trained(cfg: ModelConfig, name: str) -> tuple[str, ...]:
+    """The names of a part's trained leaves (those its vjp is taken against)."""
+    return tuple(n for n, leaf in leaves(cfg, name).items() if leaf.role == roles.TRAINED)
+
+
+def frozen_any(cfg: ModelConfig) -> bool:
+    """Whether any leaf of the model is not trained."""
+    if not cfg.freeze and not roles.BUFFER_RULES:
+        return False
+    return any(leaf.role != roles.TRAINED for p in parts(cfg) for leaf in leaves(cfg, p.name).values())
+
+
+def trained_only(cfg: ModelConfig, params):
+    """A model-layout params pytree (mtjax.model) with every leaf that is not trained
+    replaced by None: what the whole-model gradient and optimizer state cover."""
+    def part(name: str, tree):
+        keep = trained(cfg, name)
+        flat = treepath.flatten(tree)
+        return treepath.unflatten(tree, {n: a if n in keep else None for n, a in flat.items()}) \
+            if len(keep) < len(flat) else tree
+
+    return {"embed": part("embed", params["embed"]), "head": part("head", params["head"]),
+            "blocks": [part(partid.block(i), b) for i, b in enumerate(params["blocks"])]}
+
+
+def check_roles(cfg: ModelConfig) -> None:
+    """Refuse bad freeze patterns in one line (mtjax.roles.check)."""
+    if cfg.freeze:
+        roles.check(cfg, {p.name: list(treepath.flatten(abstract_part(cfg, p.name))) for p in parts(cfg)})
+
+
+def schema(cfg: ModelConfig, name: str, kind: str, tx=None) -> dict[str, jax.ShapeDtypeStruct]:
+    """{leaf name: ShapeDtypeStruct} of one kind of state of one part: a view of its
+    leaves (`leaves`) by role. `tx` (an optax transformation) is needed for kind "opt"."""
+    specs = leaves(cfg, name)
+    if kind == "compute":  # every leaf's compute representation (mtjax.precision)
+        return {n: leaf.compute.struct(leaf.shape) for n, leaf in specs.items()}
+    if kind == "master":
+        return {n: jax.ShapeDtypeStruct(leaf.shape, leaf.master) for n, leaf in specs.items()
+                if leaf.role in roles.HAS_MASTER}
     if kind == "opt":
         if tx is None:
             raise ValueError("schema of kind 'opt' needs the optax transformation")
-        tree = jax.eval_shape(tx.init, tree)
-    elif kind != "master":
-        raise ValueError(f"unknown state kind {kind!r}; one of {KINDS}")
-    return treepath.flatten(tree)
+        trained_ = trained_master(cfg, name)  # a part with none has no optimizer state at all
+        return treepath.flatten(jax.eval_shape(tx.init, trained_)) if trained_ else {}
+    raise ValueError(f"unknown state kind {kind!r}; one of {KINDS}")
+
+
+def trained_master(cfg: ModelConfig, name: str) -> dict[str, jax.ShapeDtypeStruct]:
+    """{leaf: ShapeDtypeStruct} of the trained leaves' masters: what the optimizer and the
+    gradient cover (a flat dict: the optimizer state's names are "<prefix>.<leaf>")."""
+    return {n: jax.ShapeDtypeStruct(leaf.shape, leaf.master) for n, leaf in leaves(cfg, name).items()
+            if leaf.role == roles.TRAINED}
 
 
 def nbytes(named: dict) -> int:

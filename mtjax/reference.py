@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mtjax import documents, model, moe, partid
+from mtjax import documents, model, moe, partid, parts, precision, treepath
 from mtjax.documents import Inputs
 from mtjax.errors import NonFiniteStep
 from mtjax.loss import cross_entropy
@@ -47,12 +47,19 @@ def _inputs_terms(cfg: ModelConfig, params, inputs: Inputs, remat: bool | str):
     return loss_terms(cfg, params, inputs.tokens, remat, inputs.segments, inputs.targets)
 
 
-def _accumulated_grads(cfg: ModelConfig, params, inputs: Inputs, weights, remat: str = "full"):
+def _accumulated_grads(cfg: ModelConfig, params, inputs: Inputs, weights, remat: str = "full", whole=None):
     """Mean (loss, load-balancing loss) and gradient over micro-batches [accum, batch, seq],
     summed in fp32: each micro-batch's weighted by `weights` [accum], or all alike when the
-    batch is plain."""
+    batch is plain. `whole(params)`: the model's parameters from the ones differentiated
+    (the trained leaves, mtjax.roles), when they are not all of them."""
+    if whole is not None:
+        def loss_terms_of(p, tokens, remat, segments=None, targets=None):
+            return loss_terms(cfg, whole(p), tokens, remat, segments, targets)
+    else:
+        loss_terms_of = functools.partial(loss_terms, cfg)
+
     if inputs.targets is None:  # plain: the mean of equal means (`weights` are all 1 / accum)
-        grad_fn = jax.value_and_grad(functools.partial(loss_terms, cfg, remat=remat), has_aux=True)
+        grad_fn = jax.value_and_grad(functools.partial(loss_terms_of, remat=remat), has_aux=True)
         micro_batches = inputs.tokens
         if micro_batches.shape[0] == 1:  # no accumulator: saves three passes over every gradient
             return grad_fn(params, micro_batches[0])
@@ -69,7 +76,7 @@ def _accumulated_grads(cfg: ModelConfig, params, inputs: Inputs, weights, remat:
 
     # Weighting the loss weights the gradient through the backward's first cotangent: no pass over it.
     def weighted_terms(p, mb, w):
-        loss, aux = _inputs_terms(cfg, p, mb, remat)
+        loss, aux = loss_terms_of(p, mb.tokens, remat, mb.segments, mb.targets)
         return w * loss, w * aux
 
     grad_fn = jax.value_and_grad(weighted_terms, has_aux=True)
@@ -107,6 +114,36 @@ def eval_loss(cfg: ModelConfig, params, batch, on_micro=None) -> dict[str, float
     return {"loss": loss, "aux_loss": aux} if cfg.moe_layers else {"loss": loss}
 
 
+class Roles:
+    """A model's parameters split by leaf role (mtjax.roles): the trained leaves, which the
+    gradient and the optimizer see (`parts.trained_only`), and the others, held fixed.
+    Trees keep the model's layout with the other leaves left out (None)."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg, self._template = cfg, model.abstract_params(cfg)
+        self._keep = set(treepath.flatten(parts.trained_only(cfg, self._template)))
+        self.frozen = len(self._keep) < len(treepath.flatten(self._template))
+
+    def trained(self, tree):
+        return parts.trained_only(self.cfg, tree) if self.frozen else tree
+
+    def fixed(self, tree):
+        if not self.frozen:
+            return {}
+        return treepath.unflatten(self._template, {n: None if n in self._keep else a
+                                                   for n, a in treepath.flatten(tree).items()})
+
+    def merge(self, trained, fixed):
+        if not self.frozen:
+            return trained
+        return treepath.unflatten(self._template, {**treepath.flatten(fixed), **treepath.flatten(trained)})
+
+    def rounded(self, tree):
+        """fp32 leaves rounded to their compute representation and back (mtjax.precision)."""
+        policy = precision.policy(self.cfg)
+        return jax.tree.map(lambda x: policy.to_compute_jax({"x": x})["x"].astype(jnp.float32), tree)
+
+
 class ReferenceTrainer:
     """Whole-model AdamW training.
 
@@ -132,7 +169,12 @@ class ReferenceTrainer:
         self.tx, self.clip_norm = optimizer, clip_norm
         # A copy: the step donates its inputs, which must not delete the caller's arrays.
         self.params = jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params)
-        self.opt_state = self.tx.init(self.params) if opt_state is None else jax.tree.map(jnp.array, opt_state)
+        self._roles = Roles(cfg)
+        if self._roles.frozen:  # a frozen leaf is its compute copy (mtjax.roles), as the streaming engine keeps it
+            self.params = self._roles.merge(self._roles.trained(self.params),
+                                            self._roles.rounded(self._roles.fixed(self.params)))
+        trained = self._roles.trained(self.params)
+        self.opt_state = self.tx.init(trained) if opt_state is None else jax.tree.map(jnp.array, opt_state)
         # Two programs with a host check between them: the update runs only on a finite
         # step, so it needs no select over the whole state (which made XLA copy m and v).
         self._grads = jax.jit(self._grad_step, donate_argnums=(3,), keep_unused=True)
@@ -140,20 +182,24 @@ class ReferenceTrainer:
         # The last step's gradients, donated to the next gradient program so that XLA writes
         # into pages already mapped: fresh ones cost ~0.2 s per GiB of page faults, 3-5% of a
         # step at 119M params on 2 cores. One gradient set stays allocated between steps.
-        self._spent = jax.tree.map(jnp.zeros_like, self.params)
+        self._spent = jax.tree.map(jnp.zeros_like, trained)
         self.steps = self.skipped = 0  # applied and skipped (non-finite) steps
 
     def _grad_step(self, params, inputs, weights, spent):
         del spent  # only its buffers are wanted
-        (loss, aux), grads = _accumulated_grads(self.cfg, params, inputs, weights, self.remat)
-        part_sq = jnp.stack([sum_of_squares(grads["head"]), *(sum_of_squares(b) for b in reversed(grads["blocks"])),
-                             sum_of_squares(grads["embed"])])  # in backward order, for NonFiniteStep
+        roles, fixed = self._roles, self._roles.fixed(params)
+        (loss, aux), grads = _accumulated_grads(self.cfg, roles.trained(params), inputs, weights, self.remat,
+                                                lambda t: roles.merge(t, fixed))
+        whole = roles.merge(grads, jax.tree.map(jnp.zeros_like, fixed))  # for the per-part norms
+        part_sq = jnp.stack([sum_of_squares(whole["head"]), *(sum_of_squares(b) for b in reversed(whole["blocks"])),
+                             sum_of_squares(whole["embed"])])  # in backward order, for NonFiniteStep
         return (loss, aux), grads, part_sq
 
     def _apply(self, params, opt_state, grads, sq):
         scale = clip_scale(sq, self.clip_norm)
-        updates, opt_state = self.tx.update(jax.tree.map(lambda g: g * scale, grads), opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        trained = self._roles.trained(params)
+        updates, opt_state = self.tx.update(jax.tree.map(lambda g: g * scale, grads), opt_state, trained)
+        return self._roles.merge(optax.apply_updates(trained, updates), self._roles.fixed(params)), opt_state
 
     def step(self, batch) -> dict[str, float]:
         inputs, weights = documents.step_inputs(batch)

@@ -27,6 +27,8 @@ import collections
 import dataclasses
 import math
 
+import numpy as np
+
 from mtjax import model, moe, partid, parts
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.layers import registry
@@ -147,7 +149,7 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     s = describe(cfg, stream, store, shape, tx, fused=fused, part_bytes_=part_bytes_, devices=devices,
                  dispatch=dispatch)
     pb, hw, state = s.part_bytes, hardware, s.state
-    num_params = state.master // 4
+    num_params = state.compute // np.dtype(cfg.compute_dtype).itemsize  # every leaf's, frozen ones too (mtjax.roles)
 
     # --- FLOPs, per micro-batch then per step: every micro-batch runs through every part.
     tokens = shape.batch * shape.seq

@@ -27,13 +27,15 @@ def write_part(store, part: str, master: dict[str, np.ndarray], tx=None, opt: di
     One kind at a time, waiting for each, so host memory holds about one part.
     """
     cfg = store.config
-    store.write(part, "master", master).result()  # waits: the next kind reuses the memory
+    # The leaves with a master, and below those with optimizer state (mtjax.roles: not the frozen ones).
+    store.write(part, "master", {n: master[n] for n in parts.schema(cfg, part, "master")}).result()  # waits: the next kind reuses the memory
     compute = precision.policy(cfg).to_compute(master)
     store.write(part, "compute", compute).result()  # waits: the writer reads `compute` until then
     del compute
     if opt is None:
         # numpy leaves: optax allocates its state (zeros_like) without a device copy of the weights
-        opt = treepath.flatten(tx.init(treepath.unflatten(parts.abstract_part(cfg, part), master)))
+        trained = {n: master[n] for n in parts.trained(cfg, part)}
+        opt = treepath.flatten(tx.init(trained)) if trained else {}
     store.write(part, "opt", {k: np.asarray(v) for k, v in opt.items()}).result()
 
 

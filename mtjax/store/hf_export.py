@@ -35,7 +35,7 @@ def hf_tensors(store, masters: dict | None = None) -> Iterator[tuple[str, np.nda
     grouped = by_part(hf.layout(cfg))
     for part in store.parts:
         # Waits: one part in memory at a time.
-        master = store.read(part, "master").result() if masters is None else masters[part]
+        master = store_mod.weights(store, part) if masters is None else masters[part]
         for spec in grouped[part]:
             yield spec.hf_name, hf.to_hf(spec, [master[leaf] for leaf in leaf_names(spec)]).astype(dtype)
         del master

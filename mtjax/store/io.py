@@ -139,6 +139,8 @@ class StoreIO:
         store = self.store
         try:
             handles = self.handles(part, kind, slot, create=True)
+            if not handles:  # a kind with no leaves (a frozen part's master, mtjax.roles): an empty slot
+                layout.slot_dir(store.root, part, kind, slot).mkdir(parents=True, exist_ok=True)
         except StoreError as e:
             self.broken = self.broken or f"creating {part} {kind} failed ({e})"  # no partial step may commit
             raise

@@ -37,14 +37,18 @@ class BlockFns:
         self.cfg = cfg
         self.embed_forward = jax.jit(functools.partial(_embed, cfg))
         self.forward = {k: jax.jit(functools.partial(_block, cfg, k)) for k in cfg.block_specs}
-        self.recompute = {k: jax.jit(functools.partial(_recompute, cfg, k)) for k in cfg.block_specs}
-        self.grad = {k: jax.jit(functools.partial(_grad, cfg, k)) for k in cfg.block_specs}
+        # The backward programs take `trained` (static): the names of the part's trained
+        # leaves, the only ones the vjp is taken against (None: every leaf).
+        self.recompute = {k: jax.jit(functools.partial(_recompute, cfg, k), static_argnames="trained")
+                          for k in cfg.block_specs}
+        self.grad = {k: jax.jit(functools.partial(_grad, cfg, k), static_argnames="trained") for k in cfg.block_specs}
         self.backward = jax.jit(_backward)
         # The forward of a saved group's block: (output, vjp) under a remat policy, the
         # vjp kept for the backward (no recompute beyond what the policy drops).
-        self.save = {policy: {k: jax.jit(functools.partial(_save, cfg, k, policy)) for k in cfg.block_specs}
+        self.save = {policy: {k: jax.jit(functools.partial(_save, cfg, k, policy), static_argnames="trained")
+                              for k in cfg.block_specs}
                      for policy in ("dots", "none")}
-        self.head = jax.jit(functools.partial(_head, cfg))
+        self.head = jax.jit(functools.partial(_head, cfg), static_argnames=("trained", "embed_trained"))
         self.head_loss = jax.jit(functools.partial(_head_loss, cfg))
         self.embed_backward = jax.jit(functools.partial(_embed_backward, cfg))
         self.aux = jax.jit(functools.partial(_aux, cfg))
@@ -82,29 +86,41 @@ def _block(cfg: ModelConfig, spec: LayerSpec, w: dict, x, segments=None):
         return _flat_forward(cfg, spec)(w, x, segments)
 
 
-def _recompute(cfg: ModelConfig, spec: LayerSpec, w: dict, x, segments=None):
-    """The second forward: ((hidden, router stats), vjp) where vjp((dy, dstats)) -> (dw, dx)."""
-    fn = _flat_forward(cfg, spec)
+def against(w: dict, trained: tuple[str, ...] | None):
+    """(the trained leaves of flat weights `w`, the others): a vjp is taken against the
+    first and closes over the second (mtjax.roles; `trained` None: every leaf)."""
+    if trained is None:
+        return w, {}
+    return {n: w[n] for n in trained}, {n: a for n, a in w.items() if n not in trained}
+
+
+def _vjp(fn, w: dict, x, segments, trained):
+    """jax.vjp of block function `fn` against `w`'s trained leaves and `x`."""
+    mine, fixed = against(w, trained)
+    return jax.vjp(lambda t, x: fn({**fixed, **t}, x, segments), mine, x)
+
+
+def _recompute(cfg: ModelConfig, spec: LayerSpec, w: dict, x, segments=None, trained=None):
+    """The second forward: ((hidden, router stats), vjp) where vjp((dy, dstats)) -> (dw, dx),
+    dw of the `trained` leaves."""
     with jax.named_scope(f"recompute_{spec.label}"):
-        return jax.vjp(lambda w, x: fn(w, x, segments), w, x)
+        return _vjp(_flat_forward(cfg, spec), w, x, segments, trained)
 
 
-def _save(cfg: ModelConfig, spec: LayerSpec, policy: str, w: dict, x, segments=None):
+def _save(cfg: ModelConfig, spec: LayerSpec, policy: str, w: dict, x, segments=None, trained=None):
     """The one forward of a block whose vjp is kept: ((hidden, router stats), vjp) keeping
     what `policy` (model.REMAT_POLICIES) saves; vjp((dy, dstats)) -> (dw, dx)."""
-    fn = model.remat_block(_flat_forward(cfg, spec), policy)
     with jax.named_scope(f"save_{spec.label}"):
-        return jax.vjp(lambda w, x: fn(w, x, segments), w, x)
+        return _vjp(model.remat_block(_flat_forward(cfg, spec), policy), w, x, segments, trained)
 
 
 def _backward(vjp, dy):
     return vjp(dy)
 
 
-def _grad(cfg: ModelConfig, spec: LayerSpec, w: dict, x, dy, dstats, segments=None):
+def _grad(cfg: ModelConfig, spec: LayerSpec, w: dict, x, dy, dstats, segments=None, trained=None):
     """Recompute and backward of one block in one program (a recompute group of 1)."""
-    fn = _flat_forward(cfg, spec)
-    _, vjp = jax.vjp(lambda w, x: fn(w, x, segments), w, x)
+    _, vjp = _vjp(_flat_forward(cfg, spec), w, x, segments, trained)
     return vjp((dy, dstats))
 
 
@@ -129,24 +145,27 @@ def _head_loss(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, targ
     return cross_entropy(model.head_forward(cfg, head_t, embed_t, x), tokens, targets)
 
 
-def _head(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, weight, targets=None):
+def _head(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, weight, targets=None, trained=None,
+          embed_trained=None):
     """Loss of one micro-batch and its gradients: (loss, dhead, dembed | None, dx).
 
     `weight` (the micro-batch's share of the step's counted targets, mtjax.documents;
     1 / micro-batches for plain batches) scales the gradients, so their sum over
     micro-batches is the gradient of the step's mean. With tied embeddings the head
-    kernel is the embedding's transpose.
+    kernel is the embedding's transpose. `trained`, `embed_trained`: the leaves of each
+    the vjp is taken against (None: every leaf).
     """
-    head_t, embed_t = _head_trees(cfg, head, embed)
+    head_mine, head_fixed = against(head, trained)
+    embed_mine, embed_fixed = against(embed, embed_trained) if embed is not None else (None, {})
 
     def loss_fn(h, e, x):
-        return cross_entropy(model.head_forward(cfg, h, e, x), tokens, targets)
+        head_t, embed_t = _head_trees(cfg, {**head_fixed, **h}, None if e is None else {**embed_fixed, **e})
+        return cross_entropy(model.head_forward(cfg, head_t, embed_t, x), tokens, targets)
 
     with jax.named_scope("head"):
-        loss, vjp = jax.vjp(loss_fn, head_t, embed_t, x)
+        loss, vjp = jax.vjp(loss_fn, head_mine, embed_mine, x)
         dh, de, dx = vjp(jnp.asarray(weight, loss.dtype))
-    flat = lambda t: treepath.flatten(t) if t is not None else None  # noqa: E731
-    return loss, flat(dh), flat(de), dx
+    return loss, dh, de, dx
 
 
 def _embed_backward(cfg: ModelConfig, tokens, dx):

@@ -80,6 +80,17 @@ def _io_bytes(store, spill) -> tuple[int, int]:
     return r, w
 
 
+def _check_frozen(cfg: ModelConfig, store_config: StoreConfig, hosts) -> None:
+    """Refuse, in one line, what frozen leaves (mtjax.roles) do not run with yet."""
+    if store_config.compute == "disk":
+        raise MtjaxError("model.freeze needs store.compute=ram: a frozen leaf's compute copy is its only state, "
+                         "and the disk tier rewrites whole parts")
+    if hosts is not None:
+        raise MtjaxError("model.freeze is not supported in a multi-process run yet")
+    if cfg.moe_layers:
+        raise MtjaxError("model.freeze is not supported for MoE models yet (split expert blocks)")
+
+
 class StreamEngine:
     """Streams one part at a time through the device; state stays in host RAM or on disk,
     except resident parts' (`stream.resident`), which stays on the device between commits.
@@ -113,6 +124,9 @@ class StreamEngine:
                 raise MtjaxError(f"store {store.root} is not process {hosts.index}'s shard of {hosts.count}")
             stream = dataclasses.replace(stream, resident="none")  # every part's state is split over the hosts
         self.hosts = hosts
+        parts_mod.check_roles(cfg)
+        if parts_mod.frozen_any(cfg):
+            _check_frozen(cfg, store_config, hosts)
         self.cfg, self.options, self.step_count = cfg, stream, step
         self.update = update_for(cfg, optim) if tx is None else PartUpdate(cfg, tx)
         self.tx, self.clip_norm = self.update.tx, optim.clip_norm
@@ -125,7 +139,8 @@ class StreamEngine:
         # instead of the update writing 2 that the prefetcher then reads; 2 bytes/param
         # less RAM). docs/pipeline.md, "The compute copy".
         self.derived_compute = hosts is None and schedule_mod.derives_compute(self.update.fused is not None,
-                                                                             self.placement_config)
+                                                                             self.placement_config,
+                                                                             parts_mod.frozen_any(cfg))
         if self.tiers.kinds_in("disk"):
             fix_mmap_threshold()  # state on disk promises host memory flat in depth
         self.parts = parts_mod.parts(cfg)
@@ -195,11 +210,16 @@ class StreamEngine:
         self.updater.flush()
 
     def params(self):
-        """The fp32 master parameters, pending updates applied."""
+        """The fp32 master parameters, pending updates applied (a frozen leaf's: its compute
+        copy in fp32, all it has)."""
         self.flush()
         out = {}
         for p in self.parts:
-            tree = treepath.unflatten(parts_mod.abstract_part(self.cfg, p.name), self._read_state(p.name, "master"))
+            flat = self._read_state(p.name, "master")
+            if len(flat) < len(self.schemas[p.name]):
+                compute = self._read_state(p.name, "compute")
+                flat = {n: flat[n] if n in flat else np.asarray(compute[n], np.float32) for n in self.schemas[p.name]}
+            tree = treepath.unflatten(parts_mod.abstract_part(self.cfg, p.name), flat)
             # Copies: the next update overwrites RAM-tier arrays in place.
             out[p.name] = jax.tree.map(lambda a: jnp.asarray(np.array(a)), tree)
         return parts_mod.whole_params(self.cfg, out)

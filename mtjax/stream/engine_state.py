@@ -21,6 +21,7 @@ def fill(cfg, update, updater, names, params, opt_state=None, *, derived_compute
         master = {n: np.asarray(a, np.float32) for n, a in treepath.flatten(parts.part_params(params, name)).items()}
         if not derived_compute:
             updater.write(name, "compute", update.compute_copy(master))
+        master = {n: master[n] for n in parts.schema(cfg, name, "master")}  # frozen leaves have none (mtjax.roles)
         if hosts is not None:  # this process's rows of master (and so of the optimizer state)
             # Copies: device_put may alias a host array on the CPU, and a view of the
             # rows would keep the whole leaf resident for as long as the tier holds it.
@@ -28,7 +29,8 @@ def fill(cfg, update, updater, names, params, opt_state=None, *, derived_compute
             if opt_parts is not None:
                 opt_parts[name] = {n: np.array(hosts.shard.take(a)) for n, a in opt_parts[name].items()}
         master = jax.device_put(master, host_device())
-        opt = update.init_state(master) if opt_parts is None else jax.device_put(opt_parts[name], host_device())
+        trained = {n: master[n] for n in parts.trained(cfg, name)}
+        opt = (update.init_state(trained) if trained else {}) if opt_parts is None else jax.device_put(opt_parts[name], host_device())
         updater.write(name, "opt", opt)
         updater.write(name, "master", master)
     updater.wait_writes()

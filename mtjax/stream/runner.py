@@ -27,12 +27,13 @@ for every hidden state kept for the backward: a seam for tests that count them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import partid
+from mtjax import partid, parts
 from mtjax.errors import NonFiniteStep
 from mtjax.optim import clip_scale
 from mtjax.partid import EMBED, HEAD, PartId
@@ -69,6 +70,9 @@ class Runner:
         self.observers: list = []
         self.schedule = None
         self._moe = set(cfg.moe_layers)
+        # Each part's trained leaves, the vjp's arguments (mtjax.roles); None: every leaf.
+        self._trained = {p.name: None if len(t := parts.trained(cfg, p.name)) == len(parts.leaves(cfg, p.name)) else t
+                         for p in parts.parts(cfg)}
         self._do = {
             ops.Stage: self._stage, ops.Resident: self._resident, ops.Release: self._release,
             ops.Embed: self._embed, ops.Forward: self._forward, ops.Save: self._save,
@@ -187,7 +191,7 @@ class Runner:
 
     def _save(self, st: Pass, op: ops.Save) -> None:
         spec = self.cfg.layer_specs[op.block]
-        w, fn = st.held[partid.block(op.block)][1], self.fns.save[self.schedule.remat][spec]
+        w, fn = st.held[partid.block(op.block)][1], self._against(self.fns.save[self.schedule.remat][spec], op.block)
         outs = [fn(w, x, mb.segments) for x, mb in zip(st.flow, st.mbs)]
         for k, (_, vjp) in zip(st.kept, outs):
             self.ledger.hold(self.schedule.saved_residual_bytes(spec), "residuals kept from the forward", "saved")
@@ -233,8 +237,10 @@ class Runner:
                                     for s, mb, weight in zip(st.stats, st.mbs, st.weights)))
         head_w, embed_w = st.held[HEAD][1], st.held[EMBED][1] if op.tied else None
         losses, dxs, dhead, dembed = [], [], None, None
+        head = fns.head if self._trained[HEAD] is self._trained[EMBED] is None else functools.partial(
+            fns.head, trained=self._trained[HEAD], embed_trained=self._trained[EMBED] if op.tied else None)
         for x, mb, weight, aux in zip(st.flow, st.mbs, st.weights, st.auxes):
-            loss, dh, de, dx = fns.head(head_w, embed_w, x, mb.tokens, weight, mb.targets)
+            loss, dh, de, dx = head(head_w, embed_w, x, mb.tokens, weight, mb.targets)
             losses.append(loss + self.cfg.router_aux_loss_coef * aux if self.cfg.moe_layers else loss)
             dxs.append(dx)
             dhead = self._sum(dhead, dh, n)
@@ -247,12 +253,18 @@ class Runner:
         st.losses = [self.fns.head_loss(head_w, embed_w, x, mb.tokens, mb.targets) for x, mb in zip(st.flow, st.mbs)]
         st.flow = st.losses  # the releases' fence
 
+    def _against(self, fn, block: int):
+        """Block function `fn` (a vjp's maker) taking the vjp against the block's trained
+        leaves only (mtjax.roles)."""
+        trained = self._trained[partid.block(block)]
+        return fn if trained is None else functools.partial(fn, trained=trained)
+
     def _cotangent(self, st: Pass, i: int, m: int):
         return st.dstats[m] if i in self._moe else {}
 
     def _backward(self, st: Pass, op: ops.Backward) -> None:
         i, count = op.block, len(st.mbs)
-        w, fn = st.held[partid.block(i)][1], self.fns.grad[self.cfg.layer_specs[i]]
+        w, fn = st.held[partid.block(i)][1], self._against(self.fns.grad[self.cfg.layer_specs[i]], i)
         acc, out = None, []
         for m, (x, dx, mb) in enumerate(zip(st.inputs, st.flow, st.mbs)):
             dw, dx = fn(w, x, dx, self._cotangent(st, i, m), mb.segments)
@@ -267,7 +279,7 @@ class Runner:
         for m, (x, dx, mb) in enumerate(zip(st.inputs, st.flow, st.mbs)):
             vjps = []
             for i in op.blocks:
-                (x, _), vjp = fns.recompute[specs[i]](st.held[partid.block(i)][1], x, mb.segments)
+                (x, _), vjp = self._against(fns.recompute[specs[i]], i)(st.held[partid.block(i)][1], x, mb.segments)
                 self.ledger.hold(self._residual, "recompute residuals", "residuals")
                 vjps.append((i, vjp))
             while vjps:
@@ -308,6 +320,9 @@ class Runner:
 
     def _embed_backward(self, st: Pass, op: ops.EmbedBackward) -> None:
         fns, de = self.fns, None
+        if self._trained[EMBED] == ():  # a frozen embedding: no gradient
+            st.summed[EMBED], st.dembed = {}, None
+            return
         for mb, dx in zip(st.mbs, st.flow):
             de = self._sum(de, fns.embed_backward(mb.tokens, dx), len(st.mbs))
         if op.tied:  # the head's use of the embedding plus the lookup's
@@ -317,7 +332,9 @@ class Runner:
         self.tracer.watch("compute", EMBED, de)
 
     def _grad_out(self, st: Pass, op: ops.GradOut) -> None:
-        self.grads.add(op.part, st.summed.pop(op.part))
+        grads = st.summed.pop(op.part)
+        if grads:  # a part with no trained leaf has no gradient, and no update
+            self.grads.add(op.part, grads)
 
     def _grad_stays(self, st: Pass, op: ops.GradStays) -> None:
         self.resident.add_grad(op.part, st.summed.pop(op.part))

@@ -87,11 +87,17 @@ class StepShape:
 
 @dataclasses.dataclass(frozen=True)
 class StateBytes:
-    """Bytes of one part's (or all parts') three kinds of state."""
+    """Bytes of one part's (or all parts') three kinds of state, and of its gradient: a
+    view of its leaves by role (mtjax.parts.Leaf): frozen leaves count in `compute` only."""
 
     compute: int
     master: int
     opt: int
+    trained: int | None = None  # the trained leaves' compute bytes (a gradient as computed); None: all of `compute`
+
+    def __post_init__(self):
+        if self.trained is None:
+            object.__setattr__(self, "trained", self.compute)
 
     def get(self, kind: str) -> int:
         return getattr(self, kind)
@@ -219,7 +225,8 @@ class Schedule:
     @property
     def state(self) -> StateBytes:
         """Totals over all parts."""
-        return StateBytes(*(sum(b.get(k) for b in self.part_bytes.values()) for k in parts.KINDS))
+        return StateBytes(*(sum(b.get(k) for b in self.part_bytes.values()) for k in parts.KINDS),
+                          trained=sum(b.trained for b in self.part_bytes.values()))
 
     @property
     def streamed(self) -> tuple[PartId, ...]:
@@ -415,9 +422,10 @@ def residency_order(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[PartI
 def resident_parts(cfg: ModelConfig, spec, groups_: tuple[range, ...]) -> tuple[PartId, ...]:
     """The resident parts `stream.resident` names (a list of part names, or PartIds), in
     model order. "auto" is the planner's to resolve (mtjax.plan.residency); unresolved,
-    nothing is resident."""
+    nothing is resident. A model with frozen leaves (mtjax.roles) streams every part: the
+    device-side update has no path for them yet."""
     names = [p.name for p in parts.parts(cfg)]
-    if spec in ("auto", "none"):
+    if spec in ("auto", "none") or parts.frozen_any(cfg):
         chosen = ()
     elif spec == "all":
         chosen = tuple(names)
@@ -446,11 +454,12 @@ def saved_groups(groups_: tuple[range, ...], resident: tuple[PartId, ...], remat
     return tuple(g for g in groups_ if all(partid.block(i) in resident for i in g))
 
 
-def derives_compute(fused: bool, store: StoreConfig) -> bool:
+def derives_compute(fused: bool, store: StoreConfig, frozen: bool = False) -> bool:
     """Whether no compute copy is kept: with the fused update and both master and compute
     weights in RAM, the prefetcher rounds master straight into the staging slot
-    (docs/pipeline.md, "The compute copy")."""
-    return fused and store.master == "ram" and store.compute == "ram"
+    (docs/pipeline.md, "The compute copy"). Not with `frozen` leaves (mtjax.roles): their
+    compute copy is all they have."""
+    return fused and store.master == "ram" and store.compute == "ram" and not frozen
 
 
 def spill(store: StoreConfig) -> str | None:
@@ -463,14 +472,18 @@ def spill(store: StoreConfig) -> str | None:
 
 
 def part_bytes(cfg: ModelConfig, tx) -> dict[PartId, StateBytes]:
-    """{part: bytes of its compute, master and opt state}, from `parts.schema`."""
+    """{part: bytes of its compute, master and opt state and of its trained leaves'
+    compute weights}, from `parts.schema`."""
     by_kind: dict = {}
     out = {}
     for p in parts.parts(cfg):
-        # Parts of one fn_kind (layer spec) have one parameter layout: derive its schema once.
-        if p.fn_kind not in by_kind:
-            by_kind[p.fn_kind] = StateBytes(*(parts.nbytes(parts.schema(cfg, p.name, k, tx)) for k in parts.KINDS))
-        out[p.name] = by_kind[p.fn_kind]
+        # Parts of one fn_kind (layer spec) and roles have one layout: derive its schema once.
+        key = p.fn_kind, parts.trained(cfg, p.name)
+        if key not in by_kind:
+            compute = parts.schema(cfg, p.name, "compute")
+            by_kind[key] = StateBytes(*(parts.nbytes(parts.schema(cfg, p.name, k, tx)) for k in parts.KINDS),
+                                      trained=parts.nbytes({n: compute[n] for n in key[1]}))
+        out[p.name] = by_kind[key]
     return out
 
 
@@ -653,9 +666,9 @@ def allreduce_bytes(cfg: ModelConfig, pb: dict[PartId, StateBytes], accum: int, 
     plus the head's use of a tied embedding); nothing on one device."""
     if devices == 1:
         return {}
-    out = {p: accum * (b.master if p == EMBED else b.compute) for p, b in pb.items()}
+    out = {p: accum * (b.master if p == EMBED else b.trained) for p, b in pb.items()}
     if cfg.tie_word_embeddings:
-        out[EMBED] += accum * pb[EMBED].compute
+        out[EMBED] += accum * pb[EMBED].trained
     return out
 
 
@@ -672,13 +685,14 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     streamed = {p: b for p, b in pb.items() if p not in resident}  # state that lives on the host
     remat = remat_of(stream)
     saved = saved_groups(grps, resident, remat)
-    derived = derives_compute(fused, store)
+    derived = derives_compute(fused, store, parts.frozen_any(cfg))
     where = spill(store)
     check_batch_split(shape.batch, devices)
     hidden = shape.batch * shape.seq * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize
     # Summed over several micro-batches a gradient is fp32; alone it leaves as computed,
     # in the compute dtype, except the embedding's (a dense fp32 table, also when tied).
-    grad = {p: b.master if shape.accum > 1 or p == EMBED else b.compute for p, b in pb.items()}
+    # Only trained leaves have one (mtjax.roles).
+    grad = {p: b.master if shape.accum > 1 or p == EMBED else b.trained for p, b in pb.items()}
     kept = (len(grps) - len(saved)) * shape.accum * hidden
     on_host = stream.activations == "host"
 
@@ -692,7 +706,7 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
         if getattr(store, kind) == "disk":
             reads[kind] = writes[kind] = sum(b.get(kind) for b in streamed.values())
     if store.compute == "disk":  # the update writes the new copy (and hands it to the next step's staging)
-        writes["compute"] = sum(b.compute for b in streamed.values())
+        writes["compute"] = sum(b.trained for b in streamed.values())
     grad32 = sum(b.master for b in streamed.values())
     if where is not None:  # each fp32 sum goes to its file once and comes back for the update
         reads["grads"] = writes["grads"] = grad32
@@ -735,14 +749,14 @@ def _update_bytes(states, fused: bool, copy: bool) -> int:
     `copy`: it writes their compute copy."""
     m = sum(b.master for b in states)
     o = sum(b.opt for b in states)
-    c = sum(b.compute for b in states) if copy else 0
+    c = sum(b.trained for b in states) if copy else 0  # frozen leaves' copies are not rewritten
     if fused:  # one loop: reads master, both moments, gradient; writes master, moments (+ copy)
         return 2 * m + 2 * o + m + c
     # XLA's CPU backend runs the update as four passes (no multi-output fusion): mu and nu
     # (each reads its moment and the gradient, writes the moment), master (reads master and
     # both moments, writes master), the compute copy (reads master): 46 bytes/param for
     # AdamW + bf16. It writes the copy always.
-    return 3 * o + 2 * m + 3 * m + sum(b.compute for b in states)
+    return 3 * o + 2 * m + 3 * m + sum(b.trained for b in states)
 
 
 def _host_memory(pb: dict[PartId, StateBytes], transfers: list[tuple[StateBytes, bool]], grad: dict, fused: bool,

@@ -86,6 +86,13 @@ class PartUpdate:
         (fused only): where the part comes in the next forward; the loop's threads run
         the pieces of lower ranks first when several updates share them.
         """
+        # Leaves with a master but no gradient are buffers (mtjax.roles): changed by their
+        # owner's rule, not here; they pass through (no rule today).
+        buffers = {n: a for n, a in master.items() if n not in grads}
+        if buffers:
+            master = {n: a for n, a in master.items() if n in grads}
+            new_master, new_opt, new_compute = self(part, master, opt, compute, grads, scale, own, copy)
+            return {**buffers, **new_master}, new_opt, new_compute
         if self.fused is not None:
             return self._fused(master, opt, compute or {}, grads, scale, own, copy, rank)
         # Arrays read from disk arrive as numpy: place them on the CPU backend, not the
@@ -171,7 +178,7 @@ def full_opt_state(cfg: ModelConfig, tx: optax.GradientTransformation, per_part:
     the whole model's `<prefix>.<part path>.<param leaf>`; other leaves (step counts)
     are the same in every part and appear once.
     """
-    template = jax.eval_shape(tx.init, model.abstract_params(cfg))
+    template = jax.eval_shape(tx.init, parts.trained_only(cfg, model.abstract_params(cfg)))  # frozen leaves: none
     named = {}
     for p in parts.parts(cfg):
         for mine, whole in _part_leaf_names(cfg, tx, p):

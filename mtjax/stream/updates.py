@@ -98,6 +98,10 @@ class UpdateQueue:
         # updated in place: nothing else reads it while its part's update is pending.
         state = self.state
         old = state.read(part, "compute") if "compute" in state.kept_in_ram() and self.hosts is None else None
+        # Only trained leaves have a gradient and get a new compute copy; the others'
+        # (frozen, mtjax.roles) stay as they are, out of the update's reach.
+        kept = {} if old is None else {n: a for n, a in old.items() if n not in grads}
+        old = None if old is None else {n: a for n, a in old.items() if n in grads}
         with self.tracer.span("write", part):
             cf.wait(state.throttle())
         with self.tracer.span("optimizer", part) if self.update.fused else contextlib.nullcontext():
@@ -113,6 +117,7 @@ class UpdateQueue:
         state.write(part, "master", master)
         state.write(part, "opt", opt)
         if compute is not None:
+            compute = {**kept, **compute}
             state.write(part, "compute", compute)
         if self.one_copy is not None:
             # Once the new state is on disk the manifest names it and its gradient can go.
