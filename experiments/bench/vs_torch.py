@@ -49,7 +49,20 @@ from mtjax.stream import StreamEngine
 SECTION = "vs-torch"
 
 # What was tried to close the gap, with how it was measured (kept with the table it explains).
-NOTES = """What changed to get here, each measured in one process with the variants interleaved and
+NOTES = """Intel Xeon (Sapphire Rapids), 2026-12-04 (issue 33; docs/cpu.md has the tables): the
+fp32 flags tried before were tried again on one block, by CPU time (the machine was shared,
+load 6-9): YNNPACK off, oneDNN, `--xla_cpu_prefer_vector_width=512`, the old runtime (no
+longer accepted) were all equal or slower; oneDNN dot fusions crashed XLA. Fused q/k/v and
+gate/up matmuls measured the same as separate ones. What is left in fp32 is the matmul
+kernel: XLA's (YNNPACK, oneDNN or Eigen) 140-160 GFLOP per CPU-second on [512 x 1024] @
+[1024 x 2816], torch's 164-175. With bf16 compute the forward's matmuls run on AMX (one
+block forward ~37 ms CPU against ~135 in fp32); the projections' backward is written out
+(mtjax.layers.basic `_low_dot`) so its data-gradient dots are bf16 too (block forward +
+backward 310-323 -> 226-252 ms CPU); the weight-gradient dots stay fp32 (XLA upcasts a bf16
+dot whose left operand contracts over its major axis), where torch's bf16 block forward +
+backward is ~140 ms CPU.
+
+What changed to get here (2026-11-30 and before, AMD Zen 4), each measured in one process with the variants interleaved and
 compared by CPU seconds (the machine was shared, load 3-10; CPU time was stable to ~3% where wall
 time was not), width 1024, seq 512, fp32:
 
