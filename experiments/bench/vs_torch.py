@@ -57,10 +57,10 @@ gate/up matmuls measured the same as separate ones. What is left in fp32 is the 
 kernel: XLA's (YNNPACK, oneDNN or Eigen) 140-160 GFLOP per CPU-second on [512 x 1024] @
 [1024 x 2816], torch's 164-175. With bf16 compute the forward's matmuls run on AMX (one
 block forward ~37 ms CPU against ~135 in fp32); the projections' backward is written out
-(mtjax.layers.basic `_low_dot`) so its data-gradient dots are bf16 too (block forward +
-backward 310-323 -> 226-252 ms CPU); the weight-gradient dots stay fp32 (XLA upcasts a bf16
-dot whose left operand contracts over its major axis), where torch's bf16 block forward +
-backward is ~140 ms CPU.
+(mtjax.layers.basic `_low_dot`) so that its dots are bf16 too: JAX's derivative made them
+fp32, and XLA upcasts the weight gradient's dot unless its token-major operand is a copy
+transposed of its own (block forward + backward 294-323 -> 148-168 ms CPU; torch's bf16
+block ~131-145).
 
 What changed to get here (2026-11-30 and before, AMD Zen 4), each measured in one process with the variants interleaved and
 compared by CPU seconds (the machine was shared, load 3-10; CPU time was stable to ~3% where wall
