@@ -31,7 +31,7 @@ from flax import nnx
 
 from mtjax import documents, rope, treepath
 from mtjax.layers import feedforward, registry, softmax  # noqa: F401 - these register the built-in kinds
-from mtjax.layers.basic import Dense, RMSNorm, rms_norm
+from mtjax.layers.basic import LOW_DOT, Dense, RMSNorm, rms_norm
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
 
@@ -279,7 +279,10 @@ def remat_block(fn, policy: str):
     if policy == "full":
         return jax.checkpoint(fn)
     if policy == "dots":
-        return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        policies = jax.checkpoint_policies
+        keep = policies.save_from_both_policies(policies.dots_with_no_batch_dims_saveable,
+                                                policies.save_only_these_names(LOW_DOT))
+        return jax.checkpoint(fn, policy=keep)
     raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {policy!r}")
 
 

@@ -1,8 +1,10 @@
 """Side by side with what a CPU user would otherwise run: Hugging Face transformers + torch.
 
 The same Llama shape (8 blocks x width 1024, 16 heads, SwiGLU 2816, vocab 8192, seq 512,
-batch 1, fp32) trained three ways in one process, steps interleaved so drift in machine
-load hits all alike: transformers' LlamaForCausalLM with per-layer gradient checkpointing,
+batch 1) trained three ways in one process, steps interleaved so drift in machine load hits
+all alike, in fp32 and then with bf16 compute (fp32 master weights and optimizer state in
+both frameworks: torch under `torch.autocast("cpu", torch.bfloat16)`, mtjax with the model's
+compute_dtype bfloat16): transformers' LlamaForCausalLM with per-layer gradient checkpointing,
 SDPA attention and torch.optim.AdamW(fused=True) (in a worker process, so torch's OpenMP
 threads and XLA's never spin against each other); mtjax's in-memory ReferenceTrainer (remat
 per block, either rerunning whole blocks in the backward as torch does, or keeping the
@@ -10,9 +12,9 @@ blocks' projection outputs: remat policy "dots"); mtjax's StreamEngine (RAM tier
 prefetch depth 2). All clip gradients at 1.0. Prints tokens/s and the ratios to torch, then
 the time of each piece of a step in both frameworks (one block forward, one block forward +
 backward, head + loss forward + backward, clip + AdamW); writes its section of
-docs/benchmarks.md.
+docs/benchmarks.md, headed by the CPU's model name.
 
-    .venv/bin/python experiments/bench/vs_torch.py                  # ~3-4 minutes on 2 cores
+    .venv/bin/python experiments/bench/vs_torch.py                  # ~6-8 minutes on 2 cores (both dtypes)
     .venv/bin/python experiments/bench/vs_torch.py --layers 2 --width 256 --seq 128 --no-doc   # smoke
 """
 
@@ -47,7 +49,20 @@ from mtjax.stream import StreamEngine
 SECTION = "vs-torch"
 
 # What was tried to close the gap, with how it was measured (kept with the table it explains).
-NOTES = """What changed to get here, each measured in one process with the variants interleaved and
+NOTES = """Intel Xeon (Sapphire Rapids), 2026-12-04 (issue 33; docs/cpu.md has the tables): the
+fp32 flags tried before were tried again on one block, by CPU time (the machine was shared,
+load 6-9): YNNPACK off, oneDNN, `--xla_cpu_prefer_vector_width=512`, the old runtime (no
+longer accepted) were all equal or slower; oneDNN dot fusions crashed XLA. Fused q/k/v and
+gate/up matmuls measured the same as separate ones. What is left in fp32 is the matmul
+kernel: XLA's (YNNPACK, oneDNN or Eigen) 140-160 GFLOP per CPU-second on [512 x 1024] @
+[1024 x 2816], torch's 164-175. With bf16 compute the forward's matmuls run on AMX (one
+block forward ~37 ms CPU against ~135 in fp32); the projections' backward is written out
+(mtjax.layers.basic `_low_dot`) so that its dots are bf16 too: JAX's derivative made them
+fp32, and XLA upcasts the weight gradient's dot unless its token-major operand is a copy
+transposed of its own (block forward + backward 294-323 -> 148-168 ms CPU; torch's bf16
+block ~131-145).
+
+What changed to get here (2026-11-30 and before, AMD Zen 4), each measured in one process with the variants interleaved and
 compared by CPU seconds (the machine was shared, load 3-10; CPU time was stable to ~3% where wall
 time was not), width 1024, seq 512, fp32:
 
@@ -98,7 +113,8 @@ time was not), width 1024, seq 512, fp32:
 
 
 class TorchTrainer:
-    """transformers Llama, gradient checkpointing per layer, fused AdamW, fp32."""
+    """transformers Llama, gradient checkpointing per layer, fused AdamW, fp32 weights; the
+    forward and backward under bf16 autocast when `args.dtype` is bfloat16."""
 
     def __init__(self, args):
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -114,10 +130,12 @@ class TorchTrainer:
         self.model.config.use_cache = False
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        self.autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
 
     def step(self, tokens: np.ndarray) -> float:
         ids = torch.from_numpy(tokens[0].astype(np.int64))
-        loss = self.model(input_ids=ids, labels=ids).loss
+        with self.autocast:
+            loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
         self.update()
         return float(loss.detach())
@@ -136,15 +154,17 @@ class TorchTrainer:
         layer = m.layers[0]
 
         def block_fwd():
-            with torch.no_grad():
+            with torch.no_grad(), self.autocast:
                 layer(x, position_embeddings=pe)
 
         def block_fwd_bwd():
-            out = layer(x, position_embeddings=pe)
-            (out[0] if isinstance(out, tuple) else out).sum().backward()
+            with self.autocast:
+                out = layer(x, position_embeddings=pe)
+            (out[0] if isinstance(out, tuple) else out).float().sum().backward()
 
         def head():
-            logits = self.model.lm_head(m.norm(x))
+            with self.autocast:
+                logits = self.model.lm_head(m.norm(x))
             torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()
 
         def update():
@@ -239,37 +259,37 @@ def batches(args) -> list[np.ndarray]:
     return [rng.integers(0, args.vocab, (1, 1, args.seq), dtype=np.int32) for _ in range(args.steps + 1)]
 
 
-def piece_table(pieces: dict, reps: int) -> list[str]:
+def piece_table(pieces: dict, reps: int, dtype: str) -> list[str]:
     if not pieces:
         return []
     (a, ta), (b, tb) = pieces.items()
-    return [f"Pieces of a step, each timed alone (best of {reps}, ms; torch without checkpointing while timed):", "",
+    return [f"Pieces of a step in {dtype}, each timed alone (best of {reps}, ms; torch without checkpointing while "
+            "timed):", "",
             f"| piece | {a} | {b} | {b} / {a} |", "|---|---|---|---|",
             *(f"| {k} | {ta[k]:.1f} | {tb[k]:.1f} | {tb[k] / ta[k]:.2f} |" for k in ta), ""]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per trainer (after one warm-up)")
-    ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
-    ap.add_argument("--piece-reps", type=int, default=5, help="timed calls per piece (0 skips the pieces table)")
-    ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    load_at_start = os.getloadavg()[0]
-    torch.set_num_threads(os.cpu_count() or 1)
-    if args.torch_worker:
-        return torch_worker(args)
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo) and its vector units that matter here."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+    units = [u for u, f in (("AVX-512", "avx512f"), ("AVX-512 BF16", "avx512_bf16"), ("AMX", "amx_bf16"))
+             if f in flags]
+    return f"{name or platform.machine()}" + (f" ({', '.join(units)})" if units else "")
 
-    cfg = harness.llama(args.layers, args.width, vocab=args.vocab)
-    params = model.init_params(cfg, seed=0)
+
+def run_dtype(args, dtype: str) -> tuple[ModelConfig, dict, dict]:
+    """(config, {trainer: every timed step's seconds}, {framework: piece ms}) of one compute dtype."""
+    cfg = harness.llama(args.layers, args.width, vocab=args.vocab, dtype=dtype)
+    params = model.init_params(cfg, seed=0)  # fp32 masters whatever the compute dtype
     opt = OptimConfig(lr=1e-4, clip_norm=1.0, schedule="constant")
     trainers = {
         "transformers + torch (grad checkpointing, fused AdamW)": TorchWorker(
-            [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "seq", "vocab", "steps")]),
+            [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "seq", "vocab", "steps")] + [f"--dtype={dtype}"]),
         "mtjax reference (in memory, remat per block)": ReferenceTrainer(cfg, params, opt),
         "mtjax reference (in memory, remat per block keeping projections)": ReferenceTrainer(cfg, params, opt,
                                                                                              remat="dots"),
@@ -288,7 +308,7 @@ def main() -> None:
                 t.flush()
             if i:  # step 0 compiles / warms up
                 times[name].append(took if isinstance(t, TorchWorker) else time.perf_counter() - t0)
-        print(i, {k: round(v[-1], 2) for k, v in times.items() if v}, flush=True)
+        print(dtype, i, {k: round(v[-1], 2) for k, v in times.items() if v}, flush=True)
     torch_trainer, reference = list(trainers.values())[:2]
     pieces = {}
     if args.piece_reps:
@@ -297,24 +317,58 @@ def main() -> None:
     for t in trainers.values():
         if hasattr(t, "close"):
             t.close()
+    return cfg, times, pieces
 
-    med = {k: statistics.median(v) for k, v in times.items()}
-    torch_s = next(iter(med.values()))
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per trainer (after one warm-up)")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="compute dtypes to run, in turn (comma-separated)")
+    ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    ap.add_argument("--piece-reps", type=int, default=5, help="timed calls per piece (0 skips the pieces table)")
+    ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)  # the torch worker's
+    args = ap.parse_args()
+    load_at_start = os.getloadavg()[0]
+    torch.set_num_threads(os.cpu_count() or 1)
+    if args.torch_worker:
+        return torch_worker(args)
+    dtypes = args.dtypes.split(",")
+    bad = [d for d in dtypes if d not in ("float32", "bfloat16")]
+    if bad:
+        sys.exit(f"--dtypes: {', '.join(bad)} not float32 or bfloat16")
+
+    runs = {dtype: run_dtype(args, dtype) for dtype in dtypes}
+    cfg = next(iter(runs.values()))[0]
+    torch_fp32 = statistics.median(next(iter(runs["float32"][1].values()))) if "float32" in runs else None
+    rows = []
+    for dtype, (_, times, _) in runs.items():
+        med = {k: statistics.median(v) for k, v in times.items()}
+        torch_s = next(iter(med.values()))
+        for k, sec in med.items():
+            vs_fp32 = f"{torch_fp32 / sec:.2f}x" if torch_fp32 else ""
+            rows.append(f"| {k} | {dtype} | {sec:.2f} | {args.seq / sec:.0f} | {torch_s / sec:.2f}x | {vs_fp32} | "
+                        f"{', '.join(f'{t:.2f}' for t in times[k])} |")
     lines = [
-        f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, torch "
-        f"{torch.__version__}, load average {load_at_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end "
-        f"(the run itself keeps both cores busy). Llama {args.layers} blocks x width "
-        f"{args.width} ({model.num_params(cfg) / 1e6:.1f}M params), vocab {args.vocab}, batch 1 x seq {args.seq}, fp32, "
-        f"AdamW + clip 1.0; median of {args.steps} steps after one warm-up, the trainers' steps interleaved "
-        f"(torch in a worker process; the streamed step includes finishing its deferred update, so that none of "
-        f"it runs during another trainer's step).",
+        f"{datetime.date.today()}, {cpu_name()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, "
+        f"torch {torch.__version__}, load average {load_at_start:.1f} at the start and {os.getloadavg()[0]:.1f} at "
+        f"the end (the run itself keeps both cores busy). Llama {args.layers} blocks x width "
+        f"{args.width} ({model.num_params(cfg) / 1e6:.1f}M params), vocab {args.vocab}, batch 1 x seq {args.seq}, "
+        f"fp32 master weights and AdamW state, compute in the row's dtype (torch: bf16 autocast), clip 1.0; median "
+        f"of {args.steps} steps after one warm-up, the trainers' steps interleaved (torch in a worker process; the "
+        f"streamed step includes finishing its deferred update, so that none of it runs during another trainer's "
+        f"step); each dtype's trainers run together, one dtype after the other.",
         "",
-        "| trainer | step (s) | tokens/s | vs torch (tokens/s ratio) | every timed step (s) |",
-        "|---|---|---|---|---|",
-        *(f"| {k} | {s:.2f} | {args.seq / s:.0f} | {torch_s / s:.2f}x | {', '.join(f'{t:.2f}' for t in times[k])} |"
-          for k, s in med.items()),
+        "| trainer | compute | step (s) | tokens/s | vs torch, same compute (tokens/s ratio) | vs torch fp32 | "
+        "every timed step (s) |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
         "",
-        "Goal: reference >= 1.0x torch, stream >= 0.9x torch.",
+        "Goal (issue 33): in fp32, reference >= 1.0x torch and stream >= 0.97x torch.",
         "",
         "Runs before 2026-11-30 let the streamed engine's deferred optimizer update run during torch's next timed "
         "step (in its worker process, on the same 2 cores). That slowed torch by about 10% (3.38 s per step then, "
@@ -322,7 +376,7 @@ def main() -> None:
         "1.04x) overstated mtjax. Measured fairly, before the flat-matrix, cross-entropy and gradient-donation "
         "changes below, the reference with whole-block remat was 0.90-0.95x torch.",
         "",
-        *piece_table(pieces, args.piece_reps),
+        *(line for dtype, (_, _, pieces) in runs.items() for line in piece_table(pieces, args.piece_reps, dtype)),
         NOTES,
     ]
     harness.publish(SECTION, "mtjax vs transformers + torch on the CPU (experiments/bench/vs_torch.py)",
