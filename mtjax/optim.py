@@ -152,6 +152,31 @@ class AdamWState:
 ADAMW_STATE = AdamWState(mu="0.mu", nu="0.nu", count="0.count", schedule_count="2.count")
 
 
+_grad_taps: list = []
+
+
+def tap_grads(fn):
+    """Pass each part's gradient of every step (summed over its micro-batches, before its
+    norm is taken) through fn(part, grads) -> grads, in either engine of this process;
+    `grads` is {leaf: array} over the part's trained leaves, parts in the backward's order:
+    a test's way to make a chosen step's gradients non-finite. Returns the function that
+    stops it."""
+    _grad_taps.append(fn)
+    return lambda: _grad_taps.remove(fn)
+
+
+def tapping() -> bool:
+    """Whether any `tap_grads` function is registered (an engine skips the seam if not)."""
+    return bool(_grad_taps)
+
+
+def tapped(part, grads: dict) -> dict:
+    """A part's gradient through every `tap_grads` function (unchanged when none)."""
+    for fn in list(_grad_taps):
+        grads = fn(part, grads)
+    return grads
+
+
 def sum_of_squares(tree) -> jnp.ndarray:
     """Sum of squared entries over all leaves, in fp32."""
     return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))

@@ -22,7 +22,7 @@ from mtjax.documents import Inputs
 from mtjax.errors import NonFiniteStep
 from mtjax.loss import cross_entropy
 from mtjax.model_config import ConfigError, ModelConfig
-from mtjax.optim import OptimConfig, clip_scale, make_optimizer, sum_of_squares
+from mtjax.optim import OptimConfig, clip_scale, make_optimizer, sum_of_squares, tapped, tapping
 
 
 def loss_terms(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str = True, segments=None,
@@ -191,9 +191,25 @@ class ReferenceTrainer:
         (loss, aux), grads = _accumulated_grads(self.cfg, roles.trained(params), inputs, weights, self.remat,
                                                 lambda t: roles.merge(t, fixed))
         whole = roles.merge(grads, jax.tree.map(jnp.zeros_like, fixed))  # for the per-part norms
-        part_sq = jnp.stack([sum_of_squares(whole["head"]), *(sum_of_squares(b) for b in reversed(whole["blocks"])),
-                             sum_of_squares(whole["embed"])])  # in backward order, for NonFiniteStep
-        return (loss, aux), grads, part_sq
+        return (loss, aux), grads, self._part_sq(whole)
+
+    def _part_sq(self, grads):
+        """Each part's squared gradient norm, in backward order (for NonFiniteStep)."""
+        return jnp.stack([sum_of_squares(parts.part_params(grads, p)) for p in self._backward_order()])
+
+    def _backward_order(self):
+        n = self.cfg.num_hidden_layers
+        return [partid.HEAD, *(partid.block(i) for i in reversed(range(n))), partid.EMBED]
+
+    def _tapped(self, grads):
+        """The step's gradients through `mtjax.optim.tap_grads`'s functions, part by part,
+        and their new squared norms (outside the program: only while a tap is registered)."""
+        by_part = {p.name: parts.part_params(grads, p.name) for p in parts.parts(self.cfg)}
+        for p in self._backward_order():
+            if flat := treepath.flatten(by_part[p]):  # a part with no trained leaf has no gradient
+                by_part[p] = treepath.unflatten(by_part[p], tapped(p, flat))
+        grads = parts.whole_params(self.cfg, by_part)
+        return grads, self._part_sq(grads)
 
     def _apply(self, params, opt_state, grads, sq):
         scale = clip_scale(sq, self.clip_norm)
@@ -205,6 +221,8 @@ class ReferenceTrainer:
         inputs, weights = documents.step_inputs(batch)
         weights = jnp.asarray(weights, jnp.float32)
         (loss, aux), grads, part_sq = self._grads(self.params, jax.device_put(inputs), weights, self._spent)
+        if tapping():
+            grads, part_sq = self._tapped(grads)
         self._spent = grads
         part_sq = np.asarray(part_sq)  # host sync: the update may run only on a finite step
         sq = np.float32(np.sum(part_sq, dtype=np.float32))
@@ -212,10 +230,8 @@ class ReferenceTrainer:
         if self.cfg.moe_layers:
             out["aux_loss"] = float(aux)  # included in "loss", times router_aux_loss_coef
         if not (np.isfinite(out["loss"]) and np.isfinite(out["grad_norm"])):
-            n = self.cfg.num_hidden_layers
-            names = [partid.HEAD, *(partid.block(i) for i in reversed(range(n))), partid.EMBED]
             self.skipped += 1
-            bad = [m for m, s in zip(names, part_sq) if not np.isfinite(s)]
+            bad = [m for m, s in zip(self._backward_order(), part_sq) if not np.isfinite(s)]
             raise NonFiniteStep(self.skipped + self.steps, out["loss"], bad)
         self.params, self.opt_state = self._update(self.params, self.opt_state, grads, sq)
         jax.block_until_ready(self.params)  # a returned step is a finished step (as before)

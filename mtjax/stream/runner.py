@@ -21,7 +21,8 @@ weights by part), `kept` (per micro-batch: kept inputs, saved vjps, split routin
 
 `observe(fn)` registers fn(event, value), called with ("grad", g) for every gradient a
 program makes (every micro-batch's, of every part, before it is summed) and ("keep", x)
-for every hidden state kept for the backward: a seam for tests that count them.
+for every hidden state kept for the backward: a seam for tests that count them. Each
+part's summed gradient goes out through `mtjax.optim.tap_grads`'s functions, if any.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import numpy as np
 
 from mtjax import partid, parts
 from mtjax.errors import NonFiniteStep
-from mtjax.optim import clip_scale
+from mtjax.optim import clip_scale, tapped
 from mtjax.partid import EMBED, HEAD, PartId
 from mtjax.stream import ops
 from mtjax.stream.prefetch import Prefetcher
@@ -334,10 +335,11 @@ class Runner:
     def _grad_out(self, st: Pass, op: ops.GradOut) -> None:
         grads = st.summed.pop(op.part)
         if grads:  # a part with no trained leaf has no gradient, and no update
-            self.grads.add(op.part, grads)
+            self.grads.add(op.part, tapped(op.part, grads))
 
     def _grad_stays(self, st: Pass, op: ops.GradStays) -> None:
-        self.resident.add_grad(op.part, st.summed.pop(op.part))
+        grads = st.summed.pop(op.part)
+        self.resident.add_grad(op.part, tapped(op.part, grads) if grads else grads)
 
     def _commit(self, st: Pass, op: ops.Commit) -> None:
         self.commit(st.train_state)
