@@ -219,15 +219,14 @@ _FIRST_BACKEND = """
 import os, sys
 import jax._src.xla_bridge as xla_bridge
 from mtjax.stream import staging
-staging.pinned_host_bytes = lambda *a: 100 << 30  # a plan that needs more than XLA's 64 GiB default
 
-def first_backend(*a, **k):  # what the GPU client would read as it starts
+def first_backend(*a, **k):  # what the GPU client would read as it starts (JAX has no public hook)
     print("limit at the first backend start:", os.environ.get(staging.HOST_MEMORY_LIMIT), flush=True)
     os._exit(0)
 
 xla_bridge.backends = first_backend
 from mtjax import cli
-cli.main(["train", "--run.steps=1", "--run.dir=" + sys.argv[1]])
+cli.main(["train", "--run.steps=1", "--run.dir=" + sys.argv[1], *sys.argv[2:]])
 print("no backend started", flush=True)
 """
 
@@ -235,12 +234,21 @@ print("no backend started", flush=True)
 def test_mtjax_train_sets_the_pinned_host_limit_before_the_backend_starts(tmp_path):
     """XLA's GPU client reads XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB once, as it starts: `mtjax
     train` raises it to its plan's need before anything starts a JAX backend."""
+    import dataclasses
     import os
     import subprocess
     import sys
 
+    from mtjax import config
+
+    # Every micro-batch's kept block inputs wait in pinned host memory: a plan past XLA's 64 GiB default.
+    settings = ["--stream.activations=host", "--data.grad_accum=17000"]
+    exp = config.ExperimentConfig()
+    need = staging.pinned_host_bytes(config.model_config(exp), dataclasses.replace(exp.stream, activations="host"),
+                                     exp.data.batch_size, exp.data.seq_len, 17000)
+    assert -(-need // 2**30) == 100
     env = {k: v for k, v in os.environ.items() if k != staging.HOST_MEMORY_LIMIT}
-    r = subprocess.run([sys.executable, "-c", _FIRST_BACKEND, str(tmp_path / "run")], capture_output=True,
+    r = subprocess.run([sys.executable, "-c", _FIRST_BACKEND, str(tmp_path / "run"), *settings], capture_output=True,
                        text=True, env=env, timeout=300)
     assert r.stdout.strip() == "limit at the first backend start: 100", r.stdout + r.stderr
 
