@@ -15,7 +15,7 @@ import pytest
 from mtjax import cli, generate, hf, model
 from mtjax.commands import generate as generate_command
 from mtjax.data import ByteTokenizer, load_tokenizer
-from mtjax.model_config import CHUNKED, FULL, SLIDING, RopeScaling
+from mtjax.model_config import CHUNKED, FULL, SLIDING, ModelConfig, RopeScaling
 
 from conftest import tiny_config
 
@@ -217,30 +217,42 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['con
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def test_chat_renders_the_template_and_stops_at_its_end_of_turn(tmp_path, monkeypatch, capsys):
+def _bigram_params(cfg: ModelConfig, chain: dict[int, int]):
+    """Weights under which a model's next token depends on the last token alone: for each
+    `chain` pair, token a is followed by token b (every block adds nothing to the residual
+    stream; the embedding of a is a basis direction the head reads as b)."""
+    params = jax.tree.map(np.array, model.init_params(cfg, seed=1))
+    for block in params["blocks"]:
+        block["self_attn"]["o_proj"]["kernel"][:] = 0
+        block["mlp"]["down_proj"]["kernel"][:] = 0
+    params["embed"]["embedding"][:] = 0
+    params["head"]["lm_head"]["kernel"][:] = 0
+    params["head"]["norm"]["weight"][:] = 1
+    for k, (a, b) in enumerate(chain.items()):
+        params["embed"]["embedding"][a, k] = 1
+        params["head"]["lm_head"]["kernel"][k, b] = 100  # far past any other logit at temperature 0.8
+    return params
+
+
+def test_chat_renders_the_template_and_stops_at_its_end_of_turn(tmp_path, capsys):
     """`generate --chat`: the model is given the user's message as the checkpoint's template
     renders it, and the answer is cut at the template's end of turn, <|im_end|>."""
     ckpt = tmp_path / "ckpt"
-    hf.save_params(CFG, model.init_params(CFG, seed=1), ckpt)
     qwen = Path(__file__).parent / "data" / "qwen2"
+    (ckpt / "tokenizer.json").parent.mkdir()
     (ckpt / "tokenizer.json").write_bytes(gzip.decompress((qwen / "tokenizer.json.gz").read_bytes()))
     config = json.loads((qwen / "tokenizer_config.json").read_text())
     (ckpt / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
     tok = load_tokenizer(str(ckpt / "tokenizer.json"))
     want_prompt = tok.encode("<|im_start|>user\nIn the beginning?<|im_end|>\n<|im_start|>assistant\n")
     answer, end = tok.encode(" God created"), tok.encode("<|im_end|>")[0]
-    seen = {}
-
-    def sample_loop(cfg, params, buffer, prompt_len, stop, *args):  # the model's answer, then an end of turn
-        seen["prompt"] = np.asarray(buffer)[0, :prompt_len].tolist()
-        out = np.asarray(buffer).copy()
-        new = (answer + [end] + answer)[:out.shape[1] - prompt_len]
-        out[0, prompt_len:prompt_len + len(new)] = new
-        return out, args[-1]
-
-    monkeypatch.setattr(generate, "_sample_loop", sample_loop)
+    prompt, stop = generate_command.chat_prompt(ckpt, tok, "In the beginning?")
+    assert tok.encode(prompt) == want_prompt and stop == end
+    # The model's answer to the rendered prompt's last token, then an end of turn, then more.
+    cfg = dataclasses.replace(CFG, vocab_size=tok.vocab_size)
+    chain = {want_prompt[-1]: answer[0], **dict(zip(answer, answer[1:] + [end])), end: answer[0]}
+    hf.save_params(cfg, _bigram_params(cfg, chain), ckpt)
     assert cli.main(["generate", str(ckpt), "--chat", "--prompt", "In the beginning?", "--tokens", "6"]) == 0
-    assert seen["prompt"] == want_prompt[-(CFG.max_position_embeddings - 6):]
     assert capsys.readouterr().out == " God created\n"
 
 
