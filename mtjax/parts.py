@@ -115,6 +115,17 @@ def trained_only(cfg: ModelConfig, params):
             "blocks": [part(partid.block(i), b) for i, b in enumerate(params["blocks"])]}
 
 
+def fp32_weights(cfg: ModelConfig, name: PartId | str, master: dict, read_compute) -> dict:
+    """A part's fp32 weights, {leaf: array}: its `master` ({leaf: array}), and where a leaf
+    has none (frozen, mtjax.roles) its compute copy in fp32, which is all it has;
+    `read_compute()` gives the compute copy, read only when a leaf needs it."""
+    names = leaves(cfg, name)
+    if len(master) == len(names):
+        return master
+    compute = read_compute()
+    return {n: master[n] if n in master else np.asarray(compute[n], np.float32) for n in names}
+
+
 def check_roles(cfg: ModelConfig) -> None:
     """Refuse bad freeze patterns in one line (mtjax.roles.check)."""
     if cfg.freeze:

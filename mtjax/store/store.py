@@ -23,8 +23,6 @@ import shutil
 import uuid
 from pathlib import Path
 
-import numpy as np
-
 from mtjax import parts as model_parts
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
@@ -281,12 +279,8 @@ class Store:
 def weights(store: Store, part: str) -> dict:
     """A part's committed fp32 weights, {leaf: array}: its master, and where a leaf has
     none (frozen, mtjax.roles) its compute copy in fp32, which is all it has."""
-    master = store.read(part, "master").result()
-    leaves = store.schema(part, "compute")
-    if len(master) == len(leaves):
-        return master
-    compute = store.read(part, "compute").result()
-    return {n: master[n] if n in master else compute[n].astype(np.float32) for n in leaves}
+    return model_parts.fp32_weights(store.config, part, store.read(part, "master").result(),
+                                    lambda: store.read(part, "compute").result())
 
 
 def open(path, writable: bool = False, config: ModelConfig | None = None) -> Store:  # noqa: A001

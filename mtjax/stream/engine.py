@@ -215,10 +215,8 @@ class StreamEngine:
         self.flush()
         out = {}
         for p in self.parts:
-            flat = self._read_state(p.name, "master")
-            if len(flat) < len(self.schemas[p.name]):
-                compute = self._read_state(p.name, "compute")
-                flat = {n: flat[n] if n in flat else np.asarray(compute[n], np.float32) for n in self.schemas[p.name]}
+            flat = parts_mod.fp32_weights(self.cfg, p.name, self._read_state(p.name, "master"),
+                                          lambda: self._read_state(p.name, "compute"))
             tree = treepath.unflatten(parts_mod.abstract_part(self.cfg, p.name), flat)
             # Copies: the next update overwrites RAM-tier arrays in place.
             out[p.name] = jax.tree.map(lambda a: jnp.asarray(np.array(a)), tree)
