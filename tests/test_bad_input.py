@@ -198,6 +198,8 @@ def test_settings_that_cannot_be_meant(work):
                                            "got 1000000000000"),
             ([*train, "--model.rope_theta=-1"], "model.rope_theta must be positive, got -1.0"),
             ([*train, "--optim.weight_decay=-0.1"], "optim.weight_decay must be >= 0, got -0.1"),
+            ([*train, "--model.freeze=block.99"], "model.freeze pattern 'block.99' names no leaf of this model"),
+            ([*train, "--model.freeze=*"], "model.freeze freezes every leaf: nothing is left to train"),
             (["train", "--model.checkpoint=ckpt", "--model.num_hidden_layers=3", "--run.dir=r2", "--data.dataset=ds",
               "--data.seq_len=32"], "the architecture comes from model.checkpoint ckpt, and the experiment also sets "
                                     "num_hidden_layers 2 -> 3 (its -> yours)"),
