@@ -2,6 +2,7 @@
 the device budget and the trace. The host buffer pool itself: tests/test_hostmem.py."""
 
 import json
+import threading
 import time
 
 import jax
@@ -157,6 +158,32 @@ def test_trace_times_device_work_and_writes_chrome_json(tmp_path):
     names = {e["name"] for e in data["traceEvents"] if e["ph"] == "X"}
     assert names == {"read block.0", "compute block.0"}
     assert tracer.step_totals(0)["read"] >= 0.01
+    tracer.close()
+
+
+def test_a_transfer_is_timed_on_its_own_lane_not_behind_a_computation():
+    """Each lane has its own watcher: a transfer watched after a computation that has not
+    finished is timed when its array is ready, not when the computation ends."""
+
+    class Unfinished:  # a computation's output, ready when the test says so
+        def __init__(self):
+            self.done = threading.Event()
+
+        def block_until_ready(self):
+            self.done.wait(60)
+            return self
+
+    tracer = Tracer()
+    compute = Unfinished()
+    tracer.watch("compute", "block.1", compute)
+    tracer.watch("h2d", "block.2", jnp.ones(8))  # already on the device
+    deadline = time.monotonic() + 30
+    while not [e for e in tracer.events if e.stage == "h2d"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [e.stage for e in tracer.events] == ["h2d"]  # timed while the computation still runs
+    compute.done.set()
+    tracer.drain()
+    assert sorted(e.stage for e in tracer.events) == ["compute", "h2d"]
     tracer.close()
 
 

@@ -4,7 +4,9 @@ Host-side stages (store read, optimizer, store write, device->host wait) are tim
 where they run. Device work is dispatched asynchronously, so its span is measured by a
 watcher thread that waits for the outputs: it starts when the work was dispatched or
 when the previous work on that lane ended, whichever is later, and ends when the
-outputs are ready. The main loop itself never waits for a timing.
+outputs are ready. Each lane (h2d, compute, d2h) has its own watcher: one watcher for
+all would take a transfer's end only after the computation queued before it had
+finished. The main loop itself never waits for a timing.
 """
 
 from __future__ import annotations
@@ -46,9 +48,8 @@ class Tracer:
         self.events: list[Event] = []
         self._lock = threading.Lock()
         self._lane_end: dict[str, float] = defaultdict(float)
-        self._pending: queue.Queue = queue.Queue()
-        self._watcher = threading.Thread(target=self._watch_loop, name="mtjax-trace", daemon=True)
-        self._watcher.start()
+        self._pending: dict[str, queue.Queue] = {}  # a watcher's queue per lane
+        self._watchers: list[threading.Thread] = []
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -75,13 +76,23 @@ class Tracer:
     def watch(self, stage: str, part: str, arrays, since: float | None = None) -> None:
         """Time asynchronous device work from now (or `since`, a `now()` taken when it
         began) until `arrays` are ready."""
-        self._pending.put((stage, part, self.now() if since is None else since, self.step, jax.tree.leaves(arrays)))
+        self._lane(stage).put((stage, part, self.now() if since is None else since, self.step,
+                               jax.tree.leaves(arrays)))
 
-    def _watch_loop(self) -> None:
+    def _lane(self, stage: str) -> queue.Queue:
+        with self._lock:
+            if stage not in self._pending:
+                self._pending[stage] = q = queue.Queue()
+                t = threading.Thread(target=self._watch_loop, args=(q,), name=f"mtjax-trace-{stage}", daemon=True)
+                self._watchers.append(t)
+                t.start()
+            return self._pending[stage]
+
+    def _watch_loop(self, pending: queue.Queue) -> None:
         while True:
-            item = self._pending.get()
+            item = pending.get()
             if item is None:
-                self._pending.task_done()
+                pending.task_done()
                 return
             stage, part, dispatched, step, arrays = item
             try:
@@ -93,11 +104,14 @@ class Tracer:
             self._lane_end[stage] = end
             self._record(stage, part, start, end, step)
             del arrays, item  # let the device buffers go
-            self._pending.task_done()
+            pending.task_done()
 
     def drain(self) -> None:
         """Wait until every watched computation has been timed."""
-        self._pending.join()
+        with self._lock:
+            lanes = list(self._pending.values())
+        for q in lanes:
+            q.join()
 
     def step_totals(self, step: int) -> dict[str, float]:
         """Seconds per stage in one step (summed over parts)."""
@@ -132,5 +146,9 @@ class Tracer:
         return path
 
     def close(self) -> None:
-        self._pending.put(None)
-        self._watcher.join()
+        with self._lock:
+            lanes, watchers = list(self._pending.values()), list(self._watchers)
+        for q in lanes:
+            q.put(None)
+        for t in watchers:
+            t.join()
