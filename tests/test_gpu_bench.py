@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FIGURES = {"link_pinned_gbps", "link_mapped_gbps", "block_staging_s", "stream_vs_reference", "capped_vs_reference",
            "capped_stream_state_over_cap"} | {
     f"{run}_{name}" for run in ("stream", "reference", "capped_stream")
-    for name in ("step_s", "tokens_per_s", "mfu", "compiles_after_step_1")} | {
-    f"{run}_{name}" for run in ("stream", "capped_stream") for name in ("forward_wait_s", "forward_wait_share")}
+    for name in ("step_s", "tokens_per_s", "mfu", "compiles_after_step_1", "allocator_peak_bytes")} | {
+    f"{run}_{name}" for run in ("stream", "capped_stream")
+    for name in ("forward_wait_s", "forward_wait_share", "device_bytes_at_peak")}
 
 
 def test_gpu_bench_dry_run_prints_every_figure_and_writes_no_docs(tmp_path):
@@ -42,6 +43,8 @@ def test_gpu_bench_dry_run_prints_every_figure_and_writes_no_docs(tmp_path):
     for run in ("stream", "capped_stream"):  # every forward part waited for, from the last step's trace
         assert list(figures[f"{run}_forward_wait_s"]["value"]) == ["embed", "block.0", "block.1", "head"]
         assert figures[f"{run}_forward_wait_share"]["value"] >= 0
+        at_peak = figures[f"{run}_device_bytes_at_peak"]  # what held the device at its fullest, by shape
+        assert at_peak["value"] == at_peak["live_arrays"] > 0 and sum(at_peak["largest"].values()) <= at_peak["value"]
     assert figures["block_staging_s"]["value"] > 0 and figures["capped_vs_reference"]["value"] > 0
     md = (tmp_path / "bench.md").read_text()
     assert "dry run on the CPU" in md and "| capped_vs_reference |" in md

@@ -204,6 +204,33 @@ def batches_of(a, cfg: ModelConfig) -> list[np.ndarray]:
     return [rng.integers(0, cfg.vocab_size, (a.accum, a.batch, a.seq), dtype=np.int32) for _ in range(a.steps + 2)]
 
 
+def device_memory_at_peak(eng, tokens) -> dict:
+    """One more step with an observer on the engine's runner: at each gradient and kept
+    activation, the device's bytes in use (XLA's allocator, where it reports) and the live
+    arrays on it; returns the moment with the most in use and the largest arrays then, so
+    that a device peak above the plan names what holds it."""
+    device = jax.devices()[0]
+    seen = {"bytes_in_use": -1}
+
+    def observe(event, _value):
+        used = (device.memory_stats() or {}).get("bytes_in_use", 0)
+        live = [x for x in jax.live_arrays()  # in device memory (not pinned host copies)
+                if device in x.devices() and getattr(x.sharding, "memory_kind", None) in (None, "device")]
+        total = sum(x.nbytes for x in live)
+        if max(used, total) > seen["bytes_in_use"]:
+            groups = {}
+            for x in live:
+                key = f"{x.dtype}{list(x.shape)}"
+                groups[key] = groups.get(key, 0) + x.nbytes
+            top = sorted(groups.items(), key=lambda kv: -kv[1])[:12]
+            seen.update(bytes_in_use=max(used, total), allocator=used, live_arrays=total, at=event,
+                        largest={k: v for k, v in top})
+
+    eng.runner.observe(observe)
+    eng.step(tokens)
+    return seen
+
+
 def measure(figs: Figures, a, cfg: ModelConfig, name: str, make) -> dict:
     """Step time, tokens/s, MFU and compiles after step 1 of the engine `make()` builds."""
     tokens = a.accum * a.batch * a.seq
@@ -214,16 +241,24 @@ def measure(figs: Figures, a, cfg: ModelConfig, name: str, make) -> dict:
     step_s = statistics.median(times[2:])
     rec = {"step_s": step_s, "tokens_per_s": tokens / step_s, "mfu": tokens / step_s * flops / peak if peak else None,
            "compiles_after_step_1": compiles}
+    rec["allocator_peak_bytes"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     if isinstance(eng, StreamEngine):
-        rec.update(trace_figures(eng), device_peak=eng.ledger.peak, stages_s=eng.stage_seconds())
+        rec.update(trace_figures(eng), device_peak=eng.ledger.peak, planned=eng.schedule.device.total,
+                   stages_s=eng.stage_seconds())
         if a.out:
             eng.write_trace(Path(a.out) / f"{name}_trace.json")
+        rec["memory_at_peak"] = device_memory_at_peak(eng, batches_of(a, cfg)[0])  # after the timed steps
         eng.close()
     del eng
-    figs.figure(f"{name}_step_s", rec["step_s"], "s", tokens_per_step=tokens)
+    figs.figure(f"{name}_step_s", rec["step_s"], "s", tokens_per_step=tokens, micro_batch=[a.batch, a.seq])
     figs.figure(f"{name}_tokens_per_s", rec["tokens_per_s"], "tokens/s")
     figs.figure(f"{name}_mfu", rec["mfu"], "of bf16 peak", target=">= 0.45")
     figs.figure(f"{name}_compiles_after_step_1", compiles, "compiles", target="0")
+    figs.figure(f"{name}_allocator_peak_bytes", rec["allocator_peak_bytes"], "bytes",
+                ledger_peak=rec.get("device_peak"), planned=rec.get("planned"))
+    if "memory_at_peak" in rec:
+        figs.figure(f"{name}_device_bytes_at_peak", rec["memory_at_peak"]["bytes_in_use"], "bytes",
+                    **{k: v for k, v in rec["memory_at_peak"].items() if k != "bytes_in_use"})
     if "forward_wait_s" in rec:
         figs.figure(f"{name}_forward_wait_s", rec["forward_wait_s"], "s per part")
         figs.figure(f"{name}_forward_wait_share", rec["forward_wait_share"], "of the block's compute",
@@ -249,9 +284,13 @@ def capped(a, cfg: ModelConfig, figs: Figures) -> dict:
         total = limit / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))  # this process's share: JAX's default
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{cap / total:.4f}"
     child_out = Path(a.out or os.environ.get("TMPDIR", "/tmp")) / "capped.json"
-    sizes = ("layers", "width", "ffn", "vocab", "head_dim", "batch", "seq", "accum", "steps", "prefetch", "activations")
+    sizes = ("layers", "width", "ffn", "vocab", "head_dim", "seq", "steps", "prefetch", "activations")
+    # The same tokens per step in smaller micro-batches: a quarter of the state leaves less
+    # room for one micro-batch's residuals and logits than the whole device did.
+    batch = min(a.capped_batch, a.batch)
+    args_shape = (f"--batch={batch}", f"--accum={a.accum * a.batch // batch}")
     args = [sys.executable, __file__, "--capped-child", str(child_out), *(["--dry"] if a.dry else []),
-            *(f"--{k.replace('_', '-')}={getattr(a, k)}" for k in sizes)]
+            *(f"--{k.replace('_', '-')}={getattr(a, k)}" for k in sizes), *args_shape]
     r = subprocess.run(args, env=env)
     if r.returncode:
         raise RuntimeError(f"the capped run's process failed (exit {r.returncode})")
@@ -301,7 +340,7 @@ def markdown(a, cfg: ModelConfig, figs: Figures) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry", action="store_true", help="tiny sizes on the CPU: every path, figures marked dry, no docs")
-    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--ffn", type=int, default=14336)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -309,8 +348,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--accum", type=int, default=8, help="micro-batches per step (8 x 16 x 512 = 64k tokens)")
-    ap.add_argument("--steps", type=int, default=2, help="timed steps after two untimed ones")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps after two untimed ones (their median counts)")
     ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--capped-batch", type=int, default=4, help="rows per micro-batch of the capped run (same tokens per step)")
     ap.add_argument("--activations", default="host", choices=("device", "host"))
     ap.add_argument("--link-mib", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
@@ -343,17 +383,17 @@ def main() -> int:
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         failed = True
-    if not a.skip_capped:  # before the reference, whose device memory this process keeps (JAX's allocator)
-        try:
-            capped(a, cfg, figs)
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-            failed = True
     try:
         measure(figs, a, cfg, "reference", lambda: ReferenceTrainer(cfg, params, OptimConfig()))
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         failed = True
+    if not a.skip_capped:  # last: its own process, beside the device memory this one's allocator keeps
+        try:
+            capped(a, cfg, figs)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            failed = True
     ref = figs.values.get("reference_step_s")
     if ref and figs.values.get("stream_step_s"):
         figs.figure("stream_vs_reference", ref / figs.values["stream_step_s"], "x", target=">= 0.97")
