@@ -99,14 +99,15 @@ class Policy:
         self.into(master, out)
         return out
 
-    def into(self, master: dict, out: dict) -> None:
+    def into(self, master: dict, out: dict, submit=None) -> None:
         """Write the compute weights of the leaves in `out` (all of `master`'s, or some)
-        into its arrays (C-contiguous, of the leaf's shape and compute dtype)."""
+        into its arrays (C-contiguous, of the leaf's shape and compute dtype); `submit`:
+        the threads that convert the pieces (`round_into`)."""
         for n, buf in out.items():
             want = self.leaf(n, master[n]).dtype
             if buf.dtype != want:
                 raise ValueError(f"{n}: compute weights are {want.name}, got a {buf.dtype.name} array")
-            round_into(np.ascontiguousarray(master[n], np.float32), buf)
+            round_into(np.ascontiguousarray(master[n], np.float32), buf, submit=submit)
 
     def to_compute_jax(self, master: dict) -> dict:
         """The compute weights of flat master weights, traced (XLA's convert: `reference` on
@@ -190,10 +191,11 @@ def pieces(size: int, count: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def round_into(src: np.ndarray, out: np.ndarray, threads: int | None = None) -> None:
+def round_into(src: np.ndarray, out: np.ndarray, threads: int | None = None, submit=None) -> None:
     """Write fp32 `src` into `out` (same shape, both C-contiguous) converted to `out`'s
     dtype as `reference` does. A big array is converted in up to `threads` (default
-    THREADS) pieces at once, on a pool of threads; returns when every piece is written."""
+    THREADS) pieces at once, on a pool of threads (`submit(fn, *args)` -> a Future: another
+    pool's, e.g. a ranked one; default this module's); returns when every piece is written."""
     if src.shape != out.shape or not (src.flags.c_contiguous and out.flags.c_contiguous):
         raise ValueError(f"round_into needs C-contiguous arrays of one shape, got {src.shape} and {out.shape}")
     if out.dtype not in SUPPORTED:
@@ -203,6 +205,6 @@ def round_into(src: np.ndarray, out: np.ndarray, threads: int | None = None) -> 
     if len(cut) == 1:
         _convert_piece(src, out)
         return
-    jobs = [_pool().submit(_convert_piece, src[s], out[s]) for s in cut]
+    jobs = [(submit or _pool().submit)(_convert_piece, src[s], out[s]) for s in cut]
     for job in jobs:
         job.result()

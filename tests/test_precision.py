@@ -8,15 +8,17 @@ on every other value.
 """
 
 import dataclasses
+import threading
 
 import jax
 import numpy as np
 import optax
 import pytest
 
-from mtjax import parts, precision
+from mtjax import model, parts, precision
 from mtjax.optim import ADAMW_STATE, OptimConfig, make_optimizer
-from mtjax.stream import fused_adamw
+from mtjax.stream import StreamEngine, fused_adamw
+from mtjax.stream.ranked_pool import RankedPool
 from mtjax.stream.update import PartUpdate
 
 from conftest import tiny_config
@@ -148,3 +150,42 @@ def test_a_big_array_converts_in_pieces_to_the_same_bits(dtype):
         _bits(out)[...] = 0x7FFF  # a NaN with payload: no conversion writes it
         precision.round_into(src, out, threads=threads)
         np.testing.assert_array_equal(_bits(out), _bits(want), err_msg=f"{threads} threads")
+
+
+def test_pieces_run_on_the_threads_the_caller_names():
+    """`round_into(..., submit=...)`: every piece goes through the caller's submit (the
+    staging's rounding on the fused AdamW's ranked threads), with the same bits."""
+    src = np.resize(_values(), 4 * precision.MIN_PIECE)
+    want = precision.reference(src, "bfloat16")
+    pool = RankedPool(3, name="test-ranked")
+    calls = []
+
+    def submit(fn, *args):
+        calls.append(len(args[0]))
+        return pool.submit(0, fn, *args)
+
+    out = np.empty(src.shape, "bfloat16")
+    precision.round_into(src, out, threads=4, submit=submit)
+    pool.shutdown()
+    assert len(calls) == 4 and sum(calls) == src.size
+    np.testing.assert_array_equal(_bits(out), _bits(want))
+
+
+def test_staging_rounds_a_derived_copy_on_the_fused_adamw_threads_at_the_part_rank():
+    """A RAM-tier run with the fused AdamW derives each part's compute copy from master:
+    the staging's rounding of a part is submitted to the AdamW's ranked threads at the
+    rank the forward needs it (before the pieces of any update needed later)."""
+    cfg = tiny_config()
+    eng = StreamEngine(cfg, model.init_params(cfg, seed=0), OptimConfig())
+    try:
+        eng.step(np.zeros((1, 2, 16), np.int32))
+        queue = eng.updater.updates
+        order = list(queue.parts)
+        submit = queue.ranked("block.0")
+        assert submit is not None and submit.args == (order.index("block.0"),)
+        assert submit.func.__self__ is eng.update.fused.pool
+        assert queue.ranked("no.such.part") is None
+        names = submit(lambda: threading.current_thread().name).result()
+        assert names.startswith("mtjax-adamw")
+    finally:
+        eng.close()

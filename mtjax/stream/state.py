@@ -77,22 +77,22 @@ class State:
             self._earlier_writes, self._last_writes = self._last_writes, []
         return older
 
-    def round_master(self, part: str, out: dict | None = None) -> dict:
+    def round_master(self, part: str, out: dict | None = None, submit=None) -> dict:
         """The derived compute copy of `part`: its master weights converted by the precision
         policy into `out` ({leaf: array}: every leaf, or a split MoE block's sub-part's;
-        new arrays when None)."""
+        new arrays when None), its pieces run by `submit` (`precision.round_into`)."""
         master = {n: np.asarray(a) for n, a in self.read(part, "master").items()}
         if out is None:
             return self.policy.to_compute(master)
-        self.policy.into(master, out)
+        self.policy.into(master, out, submit)
         return out
 
-    def compute_into(self, part: str, out: dict, fresh: dict | None) -> None:
+    def compute_into(self, part: str, out: dict, fresh: dict | None, submit=None) -> None:
         """The current compute weights of `part` into `out` (all its leaves, or some: a
         split MoE block's sub-part); `fresh` is its update's new copy (staged without a
-        round trip through the tier)."""
+        round trip through the tier); `submit`: the threads of a derived copy's rounding."""
         if self.derived_compute:
-            self.round_master(part, out)  # the updated master, straight into the slot
+            self.round_master(part, out, submit)  # the updated master, straight into the slot
         elif fresh is not None:
             # np.asarray waits for the update (host sync on this worker thread).
             for n, buf in out.items():

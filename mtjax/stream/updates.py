@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import os
 import threading
 
@@ -61,6 +62,14 @@ class UpdateQueue:
         the order updates start and their rank on the fused AdamW's threads."""
         with self._lock:
             self.parts = list(parts)
+
+    def ranked(self, part: str):
+        """`submit(fn, *args)` running jobs on the fused AdamW's threads at `part`'s rank
+        (where the next forward needs it), or None (no fused loop, or a part not updated here)."""
+        with self._lock:
+            if self.update.fused is None or part not in self.parts:
+                return None
+            return functools.partial(self.update.fused.pool.submit, self.parts.index(part))
 
     @property
     def started(self) -> dict[str, cf.Future]:
