@@ -45,6 +45,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mtjax import target
+
 
 def route(logits: jnp.ndarray, k: int, normalize: bool):
     """Router logits [T, E] -> (kept weights [T, k] fp32, chosen experts [T, k] int32,
@@ -64,8 +66,8 @@ BLOCK_COST_ROWS = 16
 
 
 def dispatch(backend: str) -> str:
-    """Which grouped matmul `experts_forward` uses on `backend` (as jax.default_backend()
-    names it): "ragged" (`jax.lax.ragged_dot`) where XLA has a grouped kernel for it (GPU,
+    """Which grouped matmul `experts_forward` uses on `backend` (a platform as
+    `mtjax.target.platform` names the one a program is traced for): "ragged" (`jax.lax.ragged_dot`) where XLA has a grouped kernel for it (GPU,
     TPU), "blocked" (`blocked_swiglu`) on the CPU, whose ragged_dot is a dense masked dot over
     every expert. A pure function of the platform, so that the choice is tested anywhere."""
     return "blocked" if backend == "cpu" else "ragged"
@@ -203,7 +205,7 @@ def experts_forward(x, weights, chosen, gate, up, down, ids=None, which: str | N
     experts run in the same blocks as in the whole layer. `unroll`: "blocked"'s loops unrolled
     (`blocked_swiglu`), for a FLOPs count.
     """
-    which = which or dispatch(jax.default_backend())
+    which = which or dispatch(target.platform())
     t, k = chosen.shape
     e = gate.shape[0]
     member = None

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from mtjax import attention, target
+from mtjax import attention, moe, target
 from mtjax.attention import causal_attention
 from mtjax.layers.basic import _dot
 
@@ -53,6 +53,19 @@ def test_chunked_attention_is_the_cpus_and_cuda_gets_xlas_without_a_capability()
         assert "custom_vjp_call" not in str(jax.make_jaxpr(attend)(*args))
     cpu, cuda = (_lowered(attend, *shapes, platform=p) for p in ("cpu", "cuda"))
     assert "256x256" not in cpu and "256x256" in cuda  # chunked: no full [t, t] score matrix
+
+
+def test_experts_take_the_cpus_blocked_matmul_and_cudas_ragged_dot():
+    def experts(x, weights, chosen, gate, up, down):
+        return moe.experts_forward(x, weights, chosen, gate, up, down)
+
+    t, k, e, d, f = 8, 2, 4, 16, 24
+    args = [jax.ShapeDtypeStruct((t, d), BF16), jax.ShapeDtypeStruct((t, k), jnp.float32),
+            jax.ShapeDtypeStruct((t, k), jnp.int32), jax.ShapeDtypeStruct((e, d, f), BF16),
+            jax.ShapeDtypeStruct((e, d, f), BF16), jax.ShapeDtypeStruct((e, f, d), BF16)]
+    assert "ragged_dot" not in str(jax.make_jaxpr(experts)(*args))
+    with jax.sharding.use_abstract_mesh(CUDA):
+        assert "ragged_dot" in str(jax.make_jaxpr(experts)(*args))
 
 
 @pytest.mark.slow  # two attention compiles
