@@ -19,6 +19,7 @@ import optax
 from mtjax import treepath
 from mtjax.bounds import AT_LEAST_0, FRACTION, POSITIVE, STEPS, Range, out_of_range
 from mtjax.model_config import ConfigError
+from mtjax.observers import Observers
 
 # What each number may be (mtjax.bounds); clip_norm has its own check (null disables it).
 RANGES = {"lr": POSITIVE, "warmup_steps": STEPS, "decay_steps": STEPS, "min_lr_ratio": Range(0, 1),
@@ -152,7 +153,7 @@ class AdamWState:
 ADAMW_STATE = AdamWState(mu="0.mu", nu="0.nu", count="0.count", schedule_count="2.count")
 
 
-_grad_taps: list = []
+_grad_taps = Observers()
 
 
 def tap_grads(fn):
@@ -161,8 +162,7 @@ def tap_grads(fn):
     `grads` is {leaf: array} over the part's trained leaves, parts in the backward's order:
     a test's way to make a chosen step's gradients non-finite. Returns the function that
     stops it."""
-    _grad_taps.append(fn)
-    return lambda: _grad_taps.remove(fn)
+    return _grad_taps.add(fn)
 
 
 def tapping() -> bool:
@@ -172,9 +172,7 @@ def tapping() -> bool:
 
 def tapped(part, grads: dict) -> dict:
     """A part's gradient through every `tap_grads` function (unchanged when none)."""
-    for fn in list(_grad_taps):
-        grads = fn(part, grads)
-    return grads
+    return _grad_taps.through(grads, part)
 
 
 def sum_of_squares(tree) -> jnp.ndarray:

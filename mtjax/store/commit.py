@@ -32,26 +32,25 @@ import os
 import threading
 
 from mtjax.errors import MtjaxError
+from mtjax.observers import Observers
 from mtjax.store import durable, layout, manifest
 from mtjax.store import train_state as saved_state
 from mtjax.store.errors import StoreError
 from mtjax.store.pending import PendingFiles
 
 PHASES = ("written", "synced", "train_state", "prepared", "finish", "committed")
-_observers: list = []
+_observers = Observers()
 
 
 def observe(fn):
     """Call `fn(store, phase, generation)` at each phase of every commit of a step in this
     process (PHASES, in order; `generation`: the one being committed): a test's way to
     act (write, crash) at a chosen point of the protocol. Returns the function that stops it."""
-    _observers.append(fn)
-    return lambda: _observers.remove(fn)
+    return _observers.add(fn)
 
 
 def _phase(store, phase: str, generation: int) -> None:
-    for fn in list(_observers):
-        fn(store, phase, generation)
+    _observers(store, phase, generation)
 
 
 class Commits:

@@ -25,8 +25,10 @@ import ctypes.util
 import os
 from pathlib import Path
 
+from mtjax.observers import Observers
+
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
-_observers: list = []
+_observers = Observers()
 
 
 def observe(fn):
@@ -41,14 +43,12 @@ def observe(fn):
 
     An exception fn raises fails the operation, as the disk's own error would. Returns
     the function that stops calling fn."""
-    _observers.append(fn)
-    return lambda: _observers.remove(fn)
+    return _observers.add(fn)
 
 
 def event(name: str, *args) -> None:
     """Tell the observers of one file operation (`observe`)."""
-    for fn in list(_observers):
-        fn(name, *args)
+    _observers(name, *args)
 
 
 def _sync_file_range():

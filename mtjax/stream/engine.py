@@ -284,10 +284,11 @@ class StreamEngine:
         (for `schedule.routed_traffic`)."""
         return dict(self.split.routing.reached)
 
-    def observe(self, fn) -> None:
+    def observe(self, fn):
         """Call fn(event, value) for every gradient a program makes ("grad") and every
-        hidden state kept for the backward ("keep"): mtjax.stream.runner."""
-        self.runner.observe(fn)
+        hidden state kept for the backward ("keep"): mtjax.stream.runner. Returns the
+        function that stops it."""
+        return self.runner.observe(fn)
 
     def _inputs(self, batch, what: str = "step") -> tuple[list[documents.Inputs], np.ndarray]:
         """The micro-batches' device inputs (each put on the device once, tokens with their

@@ -36,6 +36,7 @@ import numpy as np
 
 from mtjax import partid, parts
 from mtjax.errors import NonFiniteStep
+from mtjax.observers import Observers
 from mtjax.optim import clip_scale, tapped
 from mtjax.partid import EMBED, HEAD, PartId
 from mtjax.stream import ops
@@ -68,7 +69,7 @@ class Runner:
         self.cfg, self.fns, self.pool, self.tracer, self.ledger = cfg, fns, pool, tracer, ledger
         self.placement, self.split, self.resident, self.grads = placement, split, resident, grads
         self.updater, self.clip_norm, self.hosts, self.commit = updater, clip_norm, hosts, commit
-        self.observers: list = []
+        self.observers = Observers()
         self.schedule = None
         self._moe = set(cfg.moe_layers)
         # Each part's trained leaves, the vjp's arguments (mtjax.roles); None: every leaf.
@@ -84,12 +85,10 @@ class Runner:
             ops.GradOut: self._grad_out, ops.GradStays: self._grad_stays, ops.Commit: self._commit,
         }
 
-    def observe(self, fn) -> None:
-        self.observers.append(fn)
-
-    def _notify(self, event: str, value) -> None:
-        for fn in self.observers:
-            fn(event, value)
+    def observe(self, fn):
+        """Call fn(event, value) for every gradient a program makes ("grad") and every
+        hidden state kept for the backward ("keep"); returns the function that stops it."""
+        return self.observers.add(fn)
 
     # --- the pass ---------------------------------------------------------------------
 
@@ -157,7 +156,7 @@ class Runner:
     def _sum(self, acc, grads, count: int):
         """Running sum of a part's gradients over the micro-batches, on the device (fp32).
         With one micro-batch the gradient goes as it is (the host casts it)."""
-        self._notify("grad", grads)
+        self.observers("grad", grads)
         if count == 1:
             return grads
         return self.fns.grad_to_f32(grads) if acc is None else self.fns.grad_add(acc, grads)
@@ -216,7 +215,7 @@ class Runner:
 
     def _keep(self, st: Pass, op: ops.Keep) -> None:
         for k, x in zip(st.kept, st.flow):
-            self._notify("keep", x)
+            self.observers("keep", x)
             if op.host:
                 k[op.block] = self.placement.stash(x)
             else:

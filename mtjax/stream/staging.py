@@ -42,8 +42,8 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from mtjax import parts
 from mtjax.hostmem import PAGE, BufferPool, aligned_empty, shape_key
+from mtjax.observers import Observers
 from mtjax.stream import schedule
 from mtjax.stream.budget import DeviceLedger
 from mtjax.stream.mesh import DeviceMesh
@@ -133,13 +133,14 @@ class Placement:
         # Threads start on first use: none on the CPU path, which never stages through pinned memory.
         self._stagers = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="mtjax-stage") \
             if threads > 1 else None
-        self._observers: list = []
+        self._observers = Observers()
 
-    def observe(self, fn) -> None:
+    def observe(self, fn):
         """Call fn(buffer) for every host buffer copied into pinned memory, on the thread
         that copies it, before it does (a buffer mapped for the device's DMA is not copied):
-        a seam for tests of the staging threads and of the mapping."""
-        self._observers.append(fn)
+        a seam for tests of the staging threads and of the mapping. Returns the function
+        that stops it."""
+        return self._observers.add(fn)
 
     def _probe_dma_map(self) -> tuple[bool, str | None]:
         """Whether the client maps host memory for its DMA (tried once, on a page of our own)."""
@@ -176,8 +177,7 @@ class Placement:
         return buffer.ctypes.data in self._mapped
 
     def _stage(self, buffer: np.ndarray) -> jax.Array:
-        for fn in self._observers:
-            fn(buffer)
+        self._observers(buffer)
         pinned = jax.device_put(buffer, self.on_host)  # host buffer -> pinned: a host memcpy
         return jax.device_put(pinned, self.on_device)  # pinned -> device: a DMA, asynchronous
 
