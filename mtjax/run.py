@@ -132,7 +132,7 @@ def initial_params(exp: ExperimentConfig, cfg: ModelConfig):
     the whole model, for a new run's reference engine or multi-process shards (a stream
     engine's run on one process fills its store part by part instead, `_fill_store`)."""
     if exp.model.checkpoint:
-        return hf.load_params(exp.model.checkpoint, cfg)[1]
+        return hf.load_params(exp.model.checkpoint, cfg, seed=exp.run.seed)[1]
     return model.init_params(cfg, exp.run.seed)
 
 
@@ -147,7 +147,7 @@ def _fill_store(exp: ExperimentConfig, store) -> None:
     part of the run's new `store`, one part at a time (uncommitted)."""
     tx = make_optimizer(exp.optim)
     if exp.model.checkpoint:
-        hf_import.fill_parts(store, exp.model.checkpoint, tx)
+        hf_import.fill_parts(store, exp.model.checkpoint, tx, exp.run.seed)
     else:
         fresh.fill_parts(store, exp.run.seed, tx)
 

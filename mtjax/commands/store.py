@@ -42,10 +42,14 @@ def register(subparsers) -> None:
         "export", help="write a store's weights as a Hugging Face checkpoint",
         description="Write a store's last committed master weights as a Hugging Face checkpoint (config.json, "
                     "safetensors shards in the checkpoint's dtype) with the tokenizer files of its model, so "
-                    "transformers' from_pretrained loads both.")
+                    "transformers' from_pretrained loads both. A store with LoRA adapters is written as a PEFT "
+                    "adapter directory (adapter_config.json, adapter_model.safetensors), or merged with --merge.")
     e.add_argument("store_dir")
     e.add_argument("out_dir", help="new output directory (must not exist or be empty)")
     e.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    e.add_argument("--merge", action="store_true",
+                   help="a store with LoRA adapters: write the merged model (base + adapters) instead of the "
+                        "PEFT adapter directory")
     e.set_defaults(func=run_export)
 
     i = subparsers.add_parser(
@@ -94,7 +98,8 @@ def run_export(args) -> int:
 
     writable.check(args.out_dir, "output directory")
     notes = []  # a byte-level model's: it has no tokenizer
-    out = hf_export.export_hf(args.store_dir, args.out_dir, parse_size(args.max_shard_size), say=notes.append)
+    out = hf_export.export_hf(args.store_dir, args.out_dir, parse_size(args.max_shard_size), say=notes.append,
+                              merge=args.merge)
     print(f"exported {args.store_dir} to {out}")
     for line in notes:
         print(line)

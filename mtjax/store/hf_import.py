@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtjax import hf, partid, textfile
+from mtjax import hf, lora, partid, parts, textfile
 from mtjax.errors import MtjaxError
 from mtjax.model_config import load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
@@ -101,16 +101,17 @@ def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "b
     return Path(store_dir)
 
 
-def fill_parts(store, hf_dir: str | Path, tx) -> None:
+def fill_parts(store, hf_dir: str | Path, tx, seed: int = 0) -> None:
     """The checkpoint's weights (hf.load_params's values for the store's model config, which
     the checkpoint must hold) and tx.init state into every part of the new, writable
-    `store`, one part at a time (uncommitted): a run's start from an HF checkpoint."""
+    `store`, one part at a time (uncommitted): a run's start from an HF checkpoint. LoRA
+    adapters, which no checkpoint holds, start fresh (mtjax.lora.fresh, from `seed`)."""
     specs = hf.checked_specs(hf_dir, store.config, hf.SafetensorsReader(hf_dir))
-    _fill(store, Path(hf_dir), by_part(specs), tx)
+    _fill(store, Path(hf_dir), by_part(specs), tx, seed=seed)
 
 
-def _fill(store, hf_dir: Path, grouped: dict[str, list[hf.TensorSpec]], tx, progress=None) -> None:
-    for part in store.parts:
+def _fill(store, hf_dir: Path, grouped: dict[str, list[hf.TensorSpec]], tx, progress=None, seed: int = 0) -> None:
+    for index, part in enumerate(store.parts):
         reader = hf.SafetensorsReader(hf_dir)  # fresh mappings: the last part's pages leave RSS
         master = {}
         for spec in grouped[part]:
@@ -119,6 +120,7 @@ def _fill(store, hf_dir: Path, grouped: dict[str, list[hf.TensorSpec]], tx, prog
                 master[leaf] = array.astype(np.float32, copy=False)
             del tensor
         del reader
+        master.update(lora.fresh(parts.leaves(store.config, part), seed, index))
         fill.write_part(store, part, master, tx)
         del master
         if progress:

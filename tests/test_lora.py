@@ -1,0 +1,155 @@
+"""LoRA adapters over a frozen base (mtjax.lora): they train as PEFT trains them.
+
+A tiny Llama with adapters trained 3 AdamW steps by the streaming engine gives PEFT +
+transformers' losses (1e-6) and adapter weights (1e-4 relative) from the same start, the
+base bit-identical; streamed equals the in-memory reference for 5 steps of 2
+micro-batches with the state in RAM and on disk; bad `lora:` settings are one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mtjax import config, hf, lora, model, parts, roles, treepath
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.model_config import ConfigError
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.reference import ReferenceTrainer
+from mtjax.stream import StreamEngine
+
+from conftest import ONE_KV_HEAD, tiny_config, token_batches
+
+# AdamW as torch.optim.AdamW runs it: constant lr, decoupled decay, no clipping.
+OPT = OptimConfig(lr=1e-2, schedule="constant", warmup_steps=0, clip_norm=None, weight_decay=0.1)
+BATCH, SEQ = 2, 8
+# (target modules, rsLoRA): some layers, and every linear layer with rank-stabilised scaling
+ADAPTERS = {"some": (("q_proj", "v_proj", "down_proj"), False), "all-linear": (("all-linear",), True)}
+
+
+def _config(targets=("all-linear",), rslora=False, **overrides):
+    adapters = lora.LoraConfig(rank=4, alpha=8.0, rslora=rslora, target_modules=targets)
+    return tiny_config(**{"num_hidden_layers": 2, **ONE_KV_HEAD, "lora": adapters, **overrides})
+
+
+def _peft_model(cfg, params, tmp_path):
+    """transformers' model of the base weights in `params`, PEFT's adapters on it holding
+    the adapters of `params` (PEFT's lora_A [r, in] and lora_B [out, r]: ours transposed)."""
+    import peft
+    import torch
+    import transformers
+
+    hf.save_params(cfg, params, tmp_path / "base")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    adapters = cfg.lora
+    peft_model = peft.get_peft_model(base, peft.LoraConfig(
+        r=adapters.rank, lora_alpha=adapters.alpha, use_rslora=adapters.rslora, lora_dropout=0.0,
+        target_modules=list(adapters.target_modules) if lora.ALL_LINEAR not in adapters.target_modules
+        else lora.ALL_LINEAR))
+    ours = treepath.flatten(params)
+    found = 0
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_" in name:
+                leaf = _our_name(name)
+                p.copy_(torch.from_numpy(np.asarray(ours[leaf]).T.copy()))
+                found += 1
+    assert found == sum(lora.is_adapter(n) for n in ours)
+    return peft_model
+
+
+def _our_name(peft_name: str) -> str:
+    """PEFT's `base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight` ->
+    mtjax's `blocks.0.self_attn.q_proj.lora_a`."""
+    module, _, rest = peft_name.removeprefix("base_model.model.model.layers.").partition(".lora_")
+    return f"blocks.{module}.lora_{rest[0].lower()}"
+
+
+def _rel_error(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapters", ADAPTERS)
+def test_training_equals_peft_and_the_base_stays(adapters, tmp_path):
+    import torch
+
+    cfg = _config(*ADAPTERS[adapters])
+    params = model.init_params(cfg, seed=0)
+    peft_model = _peft_model(cfg, params, tmp_path)
+    trained = [p for p in peft_model.parameters() if p.requires_grad]
+    assert len(trained) == sum(leaf.role == roles.TRAINED for p in parts.parts(cfg)
+                               for leaf in parts.leaves(cfg, p.name).values())
+    torch_opt = torch.optim.AdamW(trained, lr=OPT.lr, betas=(OPT.b1, OPT.b2), eps=OPT.eps,
+                                  weight_decay=OPT.weight_decay)
+    engine = StreamEngine(cfg, params, OPT, StreamConfig(keep_every=2), StoreConfig())
+    for batch in token_batches(cfg.vocab_size, (BATCH, SEQ), 3):
+        ids = torch.as_tensor(batch, dtype=torch.long)
+        loss = peft_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+        assert engine.step(batch)["loss"] == pytest.approx(loss.item(), abs=1e-6)
+    ours, start = treepath.flatten(engine.params()), treepath.flatten(params)
+    theirs = {_our_name(n): p.detach().numpy().T for n, p in peft_model.named_parameters() if ".lora_" in n}
+    for name, w in ours.items():
+        if lora.is_adapter(name):
+            assert _rel_error(w, theirs[name]) <= 1e-4, name
+            assert not np.array_equal(np.asarray(w), np.asarray(start[name])), name
+        else:  # the base, bit for bit (fp32: the compute copy is the weight)
+            np.testing.assert_array_equal(np.asarray(w), np.asarray(start[name]), err_msg=name)
+    engine.close()
+
+
+PLACEMENTS = {"ram": {}, "state-disk": {"master": "disk", "opt": "disk"}}
+
+
+@pytest.mark.parametrize("where", [pytest.param(w, marks=() if w == "ram" else pytest.mark.slow) for w in PLACEMENTS])
+def test_streamed_equals_the_reference(make_store, where):
+    cfg = _config(("q_proj", "o_proj", "up_proj"), num_hidden_layers=3, tie_word_embeddings=True)
+    opt = dataclasses.replace(OPT, clip_norm=1.0, lr=1e-3)
+    params = model.init_params(cfg, seed=1)
+    tiers = PLACEMENTS[where]
+    store = make_store(cfg, make_optimizer(opt)) if tiers else None
+    engine = StreamEngine(cfg, params, opt, StreamConfig(keep_every=2), StoreConfig(**tiers), store=store)
+    reference = ReferenceTrainer(cfg, params, opt)
+    for batch in token_batches(cfg.vocab_size, (2, BATCH, SEQ), 5):
+        assert engine.step(batch)["loss"] == pytest.approx(reference.step(batch)["loss"], abs=1e-5)
+    streamed, expected = treepath.flatten(engine.params()), treepath.flatten(reference.params)
+    for name, w in streamed.items():
+        assert _rel_error(w, expected[name]) <= 1e-5, name
+    engine.close()
+    if store is not None:
+        store.close()
+
+
+def test_adapters_are_the_only_trained_leaves_and_start_as_peft_draws_them():
+    cfg = _config(("q_proj", "down_proj"))
+    for p in parts.parts(cfg):
+        for name, leaf in parts.leaves(cfg, p.name).items():
+            assert (leaf.role == roles.TRAINED) == lora.is_adapter(name), name
+    block = parts.leaves(cfg, "block.0")
+    assert {n for n in block if lora.is_adapter(n)} == {
+        f"{m}.lora_{ab}" for m in ("self_attn.q_proj", "mlp.down_proj") for ab in "ab"}
+    assert block["mlp.down_proj.lora_a"].shape == (cfg.intermediate_size, 4)
+    assert block["mlp.down_proj.lora_b"].shape == (4, cfg.hidden_size)
+    params = model.init_params(cfg, seed=0)["blocks"][0]["mlp"]["down_proj"]
+    bound = 1 / np.sqrt(cfg.intermediate_size)  # kaiming-uniform, a = sqrt(5)
+    assert np.abs(params["lora_a"]).max() <= bound and np.abs(params["lora_a"]).max() > 0.9 * bound
+    assert not np.asarray(params["lora_b"]).any()
+    assert _config(rslora=True).lora.scale == 4.0 and _config().lora.scale == 2.0
+
+
+@pytest.mark.parametrize("setting,words", [
+    ("lora.rank=0", "lora.rank must be a positive integer"),
+    ("lora.target_modules=qkv", "names no linear layer"),
+    ("lora.dropout=0.1", "not supported yet"),
+    ("lora.alpha=0", "lora.alpha must be a positive number")])
+def test_bad_settings_are_one_line(setting, words):
+    extra = [] if setting.startswith("lora.rank") else ["lora.rank=4"]
+    with pytest.raises(ConfigError, match=words) as e:
+        config.model_config(config.load(None, [setting, *extra]))
+    assert "\n" not in str(e.value)
