@@ -102,6 +102,12 @@ def frozen_any(cfg: ModelConfig) -> bool:
     return any(leaf.role != roles.TRAINED for p in parts(cfg) for leaf in leaves(cfg, p.name).values())
 
 
+def trained_params(cfg: ModelConfig) -> int:
+    """How many parameters a step trains: those of the trained leaves (mtjax.roles)."""
+    return sum(math.prod(leaf.shape) for p in parts(cfg) for leaf in leaves(cfg, p.name).values()
+               if leaf.role == roles.TRAINED)
+
+
 def trained_only(cfg: ModelConfig, params):
     """A model-layout params pytree (mtjax.model) with every leaf that is not trained
     replaced by None: what the whole-model gradient and optimizer state cover."""

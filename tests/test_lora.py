@@ -153,3 +153,92 @@ def test_bad_settings_are_one_line(setting, words):
     with pytest.raises(ConfigError, match=words) as e:
         config.model_config(config.load(None, [setting, *extra]))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_peft_export_reloads_merges_and_imports_to_continue(make_store, tmp_path):
+    """3 streamed steps; after 2 the store's adapters go out as PEFT's directory (PEFT
+    loads them onto transformers with mtjax's logits), merged (transformers alone gives
+    them), and back in with the base checkpoint: the imported store's next step has the
+    uninterrupted run's loss."""
+    import peft
+    import torch
+    import transformers
+
+    import mtjax
+    import mtjax.store
+    from mtjax.store.hf_export import export_hf
+    from mtjax.store.hf_import import import_hf
+
+    cfg = _config(("q_proj", "v_proj", "down_proj"))
+    start = model.init_params(cfg, seed=0)
+    batches = token_batches(cfg.vocab_size, (BATCH, SEQ), 3)
+    store = make_store(cfg, make_optimizer(OPT))
+    engine = StreamEngine(cfg, start, OPT, StreamConfig(), StoreConfig(), store=store)
+    for batch in batches[:2]:
+        engine.step(batch)
+    engine.commit(2)
+    trained = engine.params()
+    uninterrupted = engine.step(batches[2])["loss"]
+    engine.close()
+    store.close()
+
+    export_hf(tmp_path / "store", tmp_path / "adapter")
+    export_hf(tmp_path / "store", tmp_path / "merged", merge=True)
+    hf.save_params(cfg, start, tmp_path / "base")  # the base is frozen: the start's is the trained one's
+    ids = torch.as_tensor(batches[2], dtype=torch.long)
+    ours = np.asarray(mtjax.forward(cfg, trained, batches[2]))
+    scale = np.abs(ours).max()
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    with torch.no_grad():
+        loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")(input_ids=ids).logits.numpy()
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(
+            input_ids=ids).logits.numpy()
+    assert np.abs(loaded - ours).max() <= 1e-5 * scale
+    assert np.abs(merged - ours).max() <= 1e-5 * scale
+
+    import_hf(tmp_path / "base", tmp_path / "again", compute_dtype="float32", adapter=tmp_path / "adapter")
+    with mtjax.store.open(tmp_path / "again", writable=True) as again:
+        assert again.config.lora == dataclasses.replace(cfg.lora, target_modules=("down_proj", "q_proj", "v_proj"))
+        resumed = StreamEngine(again.config, None, OPT, StreamConfig(), StoreConfig(), store=again)
+        assert resumed.step(batches[2])["loss"] == pytest.approx(uninterrupted, abs=1e-6)
+        resumed.close()
+
+
+def test_bad_exports_and_imports_are_one_line_and_write_nothing(make_store, tmp_path):
+    import json
+
+    from mtjax.store import adapters
+    from mtjax.store.errors import StoreError
+    from mtjax.store.hf_export import export_hf
+    from mtjax.store.hf_import import import_hf
+
+    plain = tiny_config(**ONE_KV_HEAD)
+    make_store(plain).close()
+    with pytest.raises(StoreError, match="has none") as e:  # --merge of a store without adapters
+        export_hf(tmp_path / "store", tmp_path / "merged", merge=True)
+    assert "\n" not in str(e.value) and not (tmp_path / "merged").exists()
+
+    cfg = _config(("q_proj",))
+    params = model.init_params(cfg)
+    (tmp_path / "adapter").mkdir()
+    adapters.write(cfg, lambda part: treepath.flatten(parts.part_params(params, part)), tmp_path / "adapter")
+    wide = tiny_config(**{**ONE_KV_HEAD, "hidden_size": 48})
+    hf.save_params(wide, model.init_params(wide), tmp_path / "wide")
+    with pytest.raises(StoreError, match="another shape") as e:  # an adapter trained on another model
+        import_hf(tmp_path / "wide", tmp_path / "imported", adapter=tmp_path / "adapter")
+    assert "\n" not in str(e.value) and not (tmp_path / "imported").exists()
+    peft_config = json.loads((tmp_path / "adapter" / adapters.CONFIG_FILE).read_text())
+    (tmp_path / "adapter" / adapters.CONFIG_FILE).write_text(json.dumps({**peft_config, "target_modules": ["qkv"]}))
+    with pytest.raises(StoreError, match="names no linear layer") as e:  # targets this model lacks
+        import_hf(tmp_path / "wide", tmp_path / "imported", adapter=tmp_path / "adapter")
+    assert "\n" not in str(e.value) and not (tmp_path / "imported").exists()
+
+
+def test_the_progress_line_counts_the_trained_parameters():
+    from mtjax import run
+
+    cfg = _config(("q_proj",))  # per block A [32, 4] and B [4, 32]
+    assert parts.trained_params(cfg) == 2 * (32 * 4 + 4 * 32)
+    assert run._trained_text(cfg) == ", 512 of them trained (LoRA rank 4)"
+    assert run._trained_text(tiny_config()) == ""

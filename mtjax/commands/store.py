@@ -36,6 +36,9 @@ def register(subparsers) -> None:
     p.add_argument("--compute-dtype", choices=DTYPES, default="bfloat16", help="dtype of the streamed weights")
     p.add_argument("--copies", type=int, choices=(1, 2), default=2,
                    help="copies of the state on disk: 2 (default) or 1 (train it with --store.copies=1)")
+    p.add_argument("--adapter", metavar="DIR",
+                   help="a PEFT LoRA adapter directory trained on this checkpoint: imported with it, to continue "
+                        "training the adapter (the store's model has its lora: settings)")
     p.set_defaults(func=run_import)
 
     e = subparsers.add_parser(
@@ -87,7 +90,7 @@ def run_import(args) -> int:
     total = load_hf_config(args.hf_dir).num_hidden_layers + 2
     live = sys.stdout.isatty()
     out = hf_import.import_hf(args.hf_dir, args.store_dir, compute_dtype=args.compute_dtype, progress=_progress(total, live),
-                     copies=args.copies)
+                     copies=args.copies, adapter=args.adapter)
     if live:
         print()  # ends the line the progress rewrote
     print(f"imported {args.hf_dir} into {out}")
