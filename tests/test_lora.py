@@ -1,6 +1,6 @@
 """LoRA adapters over a frozen base (mtjax.lora): they train as PEFT trains them.
 
-A tiny Llama with adapters trained 3 AdamW steps by the streaming engine gives PEFT +
+Tiny dense models (Llama, Qwen2 with biases, Phi-3 fused) with adapters trained 3 AdamW steps by the streaming engine give PEFT +
 transformers' losses (1e-6) and adapter weights (1e-4 relative) from the same start, the
 base bit-identical; streamed equals the in-memory reference for 5 steps of 2
 micro-batches with the state in RAM and on disk; bad `lora:` settings are one line.
@@ -25,8 +25,12 @@ from conftest import ONE_KV_HEAD, tiny_config, token_batches
 # AdamW as torch.optim.AdamW runs it: constant lr, decoupled decay, no clipping.
 OPT = OptimConfig(lr=1e-2, schedule="constant", warmup_steps=0, clip_norm=None, weight_decay=0.1)
 BATCH, SEQ = 2, 8
-# (target modules, rsLoRA): some layers, and every linear layer with rank-stabilised scaling
-ADAPTERS = {"some": (("q_proj", "v_proj", "down_proj"), False), "all-linear": (("all-linear",), True)}
+# (target modules, rsLoRA, model fields): some layers of a Llama, and every linear layer with
+# rank-stabilised scaling; a Qwen2's q/k/v with biases; a Phi-3's fused projections
+ADAPTERS = {"some": (("q_proj", "v_proj", "down_proj"), False, {}), "all-linear": (("all-linear",), True, {}),
+            "qwen2-biases": (("q_proj", "k_proj", "v_proj"), False, {"model_type": "qwen2", "attention_bias": True}),
+            "phi3-fused": (("qkv_proj", "gate_up_proj"), False, {"model_type": "phi3", "extra_hf": (  # token ids in its vocabulary
+                ("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", None))})}
 
 
 def _config(targets=("all-linear",), rslora=False, **overrides):
@@ -77,7 +81,8 @@ def _rel_error(a, b) -> float:
 def test_training_equals_peft_and_the_base_stays(adapters, tmp_path):
     import torch
 
-    cfg = _config(*ADAPTERS[adapters])
+    targets, rslora, fields = ADAPTERS[adapters]
+    cfg = _config(targets, rslora, **fields)
     params = model.init_params(cfg, seed=0)
     peft_model = _peft_model(cfg, params, tmp_path)
     trained = [p for p in peft_model.parameters() if p.requires_grad]
