@@ -1,7 +1,7 @@
 """LoRA adapters over a frozen base (mtjax.lora): they train as PEFT trains them.
 
-Tiny dense models (Llama, Qwen2 with biases, Phi-3 fused) with adapters trained 3 AdamW steps by the streaming engine give PEFT +
-transformers' losses (1e-6) and adapter weights (1e-4 relative) from the same start, the
+Tiny dense models (Llama, Qwen2 with biases, Phi-3 fused) with adapters trained 3 AdamW
+steps by the streaming engine give PEFT + transformers' losses (1e-6) and adapter weights (1e-4 relative) from the same start, the
 base bit-identical; streamed equals the in-memory reference for 5 steps of 2
 micro-batches with the state in RAM and on disk; bad `lora:` settings are one line.
 """
@@ -247,3 +247,33 @@ def test_the_progress_line_counts_the_trained_parameters():
     assert parts.trained_params(cfg) == 2 * (32 * 4 + 4 * 32)
     assert run._trained_text(cfg) == ", 512 of them trained (LoRA rank 4)"
     assert run._trained_text(tiny_config()) == ""
+
+
+@pytest.mark.slow  # a training run in a subprocess
+def test_a_run_with_adapters_ends_in_a_peft_directory(tmp_path):
+    """`mtjax train --lora.rank=...`: the progress line counts the adapters, the run's
+    final/ is PEFT's adapter directory, and `mtjax generate` samples base + adapters."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import TINY_MODEL_ARGS
+    from mtjax.store import adapters
+
+    def mtjax_cli(*args):
+        return subprocess.run([sys.executable, "-m", "mtjax", *args], capture_output=True, text=True, cwd=tmp_path,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
+
+    run = mtjax_cli("train", *TINY_MODEL_ARGS, "--lora.rank=4", "--lora.target_modules=q_proj,v_proj",
+                    "--data.seq_len=32", "--data.batch_size=2", "--run.steps=2", "--run.eval_every=0",
+                    "--run.sample_tokens=4", "--run.dir=run")
+    assert run.returncode == 0, run.stderr
+    # per block q_proj: A [32, 4], B [4, 32]; v_proj: A [32, 4], B [4, 16]
+    assert "of them trained (LoRA rank 4)" in run.stdout + run.stderr
+    assert f"{2 * (256 + 128 + 64):,} of them trained" in run.stdout + run.stderr
+    peft_config = json.loads((tmp_path / "run" / "final" / adapters.CONFIG_FILE).read_text())
+    assert peft_config["r"] == 4 and peft_config["target_modules"] == ["q_proj", "v_proj"]
+    assert (tmp_path / "run" / "final" / adapters.WEIGHTS_FILE).is_file()
+    sample = mtjax_cli("generate", "run/store", "--tokenizer", "bytes", "--prompt", "Hi", "--tokens", "3")
+    assert sample.returncode == 0, sample.stderr
