@@ -164,8 +164,8 @@ def test_bad_settings_are_one_line(setting, words):
 def test_peft_export_reloads_merges_and_imports_to_continue(make_store, tmp_path):
     """3 streamed steps; after 2 the store's adapters go out as PEFT's directory (PEFT
     loads them onto transformers with mtjax's logits), merged (transformers alone gives
-    them), and back in with the base checkpoint: the imported store's next step has the
-    uninterrupted run's loss."""
+    them), and back in as PEFT saves it, with the base checkpoint: the imported store's
+    next step has the uninterrupted run's loss."""
     import peft
     import torch
     import transformers
@@ -195,14 +195,16 @@ def test_peft_export_reloads_merges_and_imports_to_continue(make_store, tmp_path
     ours = np.asarray(mtjax.forward(cfg, trained, batches[2]))
     scale = np.abs(ours).max()
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    reloaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    reloaded.save_pretrained(tmp_path / "resaved")  # PEFT's own files: what the import below reads
     with torch.no_grad():
-        loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")(input_ids=ids).logits.numpy()
+        loaded = reloaded(input_ids=ids).logits.numpy()
         merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(
             input_ids=ids).logits.numpy()
     assert np.abs(loaded - ours).max() <= 1e-5 * scale
     assert np.abs(merged - ours).max() <= 1e-5 * scale
 
-    import_hf(tmp_path / "base", tmp_path / "again", compute_dtype="float32", adapter=tmp_path / "adapter")
+    import_hf(tmp_path / "base", tmp_path / "again", compute_dtype="float32", adapter=tmp_path / "resaved")
     with mtjax.store.open(tmp_path / "again", writable=True) as again:
         assert again.config.lora == dataclasses.replace(cfg.lora, target_modules=("down_proj", "q_proj", "v_proj"))
         resumed = StreamEngine(again.config, None, OPT, StreamConfig(), StoreConfig(), store=again)
@@ -237,6 +239,21 @@ def test_bad_exports_and_imports_are_one_line_and_write_nothing(make_store, tmp_
     (tmp_path / "adapter" / adapters.CONFIG_FILE).write_text(json.dumps({**peft_config, "target_modules": ["qkv"]}))
     with pytest.raises(StoreError, match="names no linear layer") as e:  # targets this model lacks
         import_hf(tmp_path / "wide", tmp_path / "imported", adapter=tmp_path / "adapter")
+    assert "\n" not in str(e.value) and not (tmp_path / "imported").exists()
+
+    from safetensors.numpy import load_file, save_file
+
+    hf.save_params(plain, model.init_params(plain), tmp_path / "base")
+    (tmp_path / "adapter" / adapters.CONFIG_FILE).write_text(json.dumps({**peft_config, "use_dora": True}))
+    with pytest.raises(StoreError, match="use_dora=True") as e:  # more than plain LoRA
+        import_hf(tmp_path / "base", tmp_path / "imported", adapter=tmp_path / "adapter")
+    assert "\n" not in str(e.value) and not (tmp_path / "imported").exists()
+    (tmp_path / "adapter" / adapters.CONFIG_FILE).write_text(json.dumps(peft_config))
+    weights = tmp_path / "adapter" / adapters.WEIGHTS_FILE
+    save_file({**load_file(weights), "base_model.model.lm_head.lora_A.weight": np.zeros((4, 32), np.float32)},
+              weights)
+    with pytest.raises(StoreError, match="tensors this model's adapters do not take") as e:  # an adapter on the head
+        import_hf(tmp_path / "base", tmp_path / "imported", adapter=tmp_path / "adapter")
     assert "\n" not in str(e.value) and not (tmp_path / "imported").exists()
 
 

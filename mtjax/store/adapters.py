@@ -24,6 +24,8 @@ from mtjax.store.errors import StoreError
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model.model.layers"
+# PEFT LoraConfig settings that make an adapter more than plain LoRA on the blocks' linear layers.
+UNSUPPORTED = ("use_dora", "bias", "modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern")
 
 
 def _names(cfg: ModelConfig, block: int) -> dict[str, str]:
@@ -69,8 +71,25 @@ def lora_config(adapter_dir: str | Path) -> lora.LoraConfig:
     peft = loads(path.read_text(), str(path))
     if peft.get("peft_type") != "LORA" or not isinstance(peft.get("target_modules"), (list, str)):
         raise StoreError(f"{path} is not a PEFT LoRA adapter's config (peft_type LORA, target_modules)")
+    beyond = [k for k in UNSUPPORTED if peft.get(k) not in (None, False, "none", [], {})]
+    if beyond:
+        raise StoreError(f"{path} sets {', '.join(f'{k}={peft[k]!r}' for k in beyond)}: mtjax's adapters are plain "
+                         "LoRA on the blocks' linear layers (no DoRA, bias training, saved modules or per-layer ranks)")
     return lora.LoraConfig(rank=peft.get("r"), alpha=float(peft.get("lora_alpha", 8)),
                            rslora=bool(peft.get("use_rslora", False)), target_modules=peft["target_modules"])
+
+
+def read_all(cfg: ModelConfig, adapter_dir: str | Path) -> dict[str, dict[str, np.ndarray]]:
+    """Every block's adapter leaves {part: {leaf: array}} (`read`), refused in one line if
+    the directory holds tensors this model's adapters do not take (other modules, layers)."""
+    out = {partid.block(i): read(cfg, adapter_dir, i) for i in range(cfg.num_hidden_layers)}
+    path = Path(adapter_dir) / WEIGHTS_FILE
+    with safe_open(str(path), "np") as f:
+        extra = sorted(set(f.keys()) - {n for i in range(cfg.num_hidden_layers) for n in _names(cfg, i).values()})
+    if extra:
+        raise StoreError(f"adapter {adapter_dir} holds {len(extra)} tensors this model's adapters do not take "
+                         f"({extra[0]}, ...): it was trained on another model or other target modules")
+    return out
 
 
 def read(cfg: ModelConfig, adapter_dir: str | Path, block: int) -> dict[str, np.ndarray]:

@@ -82,8 +82,7 @@ def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "b
         cfg = load_hf_config(hf_dir, compute_dtype=compute_dtype, lora=lora_config)
         parts.check_roles(cfg)
         # Every block's adapter read (and checked against this model) before anything is written.
-        adapter_weights = {partid.block(i): adapters.read(cfg, adapter, i)
-                           for i in range(cfg.num_hidden_layers)} if adapter is not None else {}
+        adapter_weights = adapters.read_all(cfg, adapter) if adapter is not None else {}
         reader = hf.SafetensorsReader(hf_dir)
         hf.say_left_out(reader)
         specs = hf.check(cfg, reader)
