@@ -46,9 +46,10 @@ class LoraConfig:
     target_modules: tuple[str, ...] = (ALL_LINEAR,)  # linear layers by module name (q_proj, v_proj, ...), or all-linear
 
     def __post_init__(self):
-        if isinstance(self.target_modules, (list, str)):  # from YAML or JSON: one name or a list
-            names = (self.target_modules,) if isinstance(self.target_modules, str) else self.target_modules
-            object.__setattr__(self, "target_modules", tuple(names))
+        # One name or a list (YAML, JSON, PEFT's config, whose order is a set's), in one order:
+        # the same targets are the same config, which a store compares.
+        names = (self.target_modules,) if isinstance(self.target_modules, str) else self.target_modules
+        object.__setattr__(self, "target_modules", tuple(sorted(set(names))))
         if self.rank is None:
             return
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
