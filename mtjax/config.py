@@ -26,6 +26,7 @@ from mtjax import parts, textfile, writable
 from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, EVERY, FRACTION, POSITIVE, STEPS, Range, out_of_range
 from mtjax.data.format import FORMATS, PACKING, TRAIN_ON
 from mtjax.model_config import ConfigError, ModelConfig, RopeScaling, load_hf_config
+from mtjax.lora import LoraConfig
 from mtjax.optim import OptimConfig
 
 __all__ = [
@@ -258,6 +259,7 @@ class ExperimentConfig:
     data: DataConfig = DataConfig()
     run: RunConfig = RunConfig()
     distributed: DistributedConfig = DistributedConfig()
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
         if isinstance(self.stream.devices, int):  # "all" is checked once the devices are known
@@ -289,14 +291,15 @@ def model_config(exp: ExperimentConfig) -> ModelConfig:
     """The ModelConfig an experiment describes: preset or hf_config, then inline overrides."""
     section = exp.model
     overrides = dict(section.overrides)
+    adapters = dict(lora=exp.lora)  # the `lora:` section (mtjax.lora; no rank: none)
     try:
         if section.hf_config is not None:
             _refuse_architecture_beside(section, load_hf_config(section.hf_config), overrides)
-            cfg = load_hf_config(section.hf_config, **overrides)
+            cfg = load_hf_config(section.hf_config, **overrides, **adapters)
             parts.check_roles(cfg)
             return cfg
         base = dict(PRESETS[section.preset]) if section.preset else {}
-        cfg = ModelConfig(**{**base, **overrides})
+        cfg = ModelConfig(**{**base, **overrides, **adapters})
         parts.check_roles(cfg)  # model.freeze names leaves of this model (mtjax.roles)
         return cfg
     except TypeError as e:  # a ModelConfig rejecting a field combination
@@ -375,7 +378,7 @@ def valid_keys() -> dict[str, tuple[Any, Any, str]]:
 
 
 _GROUPS = {"model": ModelSection, "store": StoreConfig, "stream": StreamConfig, "optim": OptimConfig,
-           "data": DataConfig, "run": RunConfig, "distributed": DistributedConfig}
+           "data": DataConfig, "run": RunConfig, "distributed": DistributedConfig, "lora": LoraConfig}
 _SOURCES = ("preset", "hf_config", "checkpoint")
 _HELP = {  # help for fields whose class (OptimConfig) has no comment on them
     "optim.b1": "AdamW decay of the first moment",
@@ -385,7 +388,7 @@ _HELP = {  # help for fields whose class (OptimConfig) has no comment on them
 
 
 def _model_fields():
-    return [f for f in dataclasses.fields(ModelConfig) if f.name != "extra_hf"]
+    return [f for f in dataclasses.fields(ModelConfig) if f.name not in ("extra_hf", "lora")]  # lora: its own section
 
 
 def _model_section(values: dict) -> ModelSection:

@@ -25,7 +25,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from mtjax import model, textfile
+from mtjax import lora, model, partid, parts, textfile
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig, differences, load_hf_config, to_hf_dict
 
@@ -62,7 +62,7 @@ def _leaves(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, jax.ShapeDt
             yield prefix + (key,), value
 
 
-def _hub_names(cfg: ModelConfig, module: list[str]) -> list[str]:
+def hub_names(cfg: ModelConfig, module: list[str]) -> list[str]:
     """mtjax module names of a block -> the family's checkpoint names (its `checkpoint_names`)."""
     rename = cfg.family.checkpoint_names
     return rename(module) if rename else module
@@ -71,7 +71,7 @@ def _hub_names(cfg: ModelConfig, module: list[str]) -> list[str]:
 def _spec(cfg: ModelConfig, hf_prefix: str, path: tuple, leaf) -> TensorSpec:
     """A block's tensor: `path` is ("blocks", i, module names and expert numbers..., leaf name)."""
     *module, name = [str(p) for p in path[2:]]
-    module = _hub_names(cfg, module)
+    module = hub_names(cfg, module)
     transpose = name == "kernel"
     hf_name = ".".join([hf_prefix, *module, "weight" if transpose else name]).strip(".")
     shape = tuple(reversed(leaf.shape)) if transpose else tuple(leaf.shape)
@@ -81,7 +81,7 @@ def _spec(cfg: ModelConfig, hf_prefix: str, path: tuple, leaf) -> TensorSpec:
 def _stacked_experts(cfg: ModelConfig, i: int) -> list[TensorSpec]:
     """The two stacked expert tensors of MoE block i, input-major as its kernels are (no transpose)."""
     d, f, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    prefix = ".".join([f"model.layers.{i}", *_hub_names(cfg, ["mlp", "experts"])])
+    prefix = ".".join([f"model.layers.{i}", *hub_names(cfg, ["mlp", "experts"])])
     experts = ("blocks", i, "mlp", "experts")
     gate_up = tuple(experts + (e, proj, "kernel") for e in range(n) for proj in ("gate_proj", "up_proj"))
     down = tuple(experts + (e, "down_proj", "kernel") for e in range(n))
@@ -90,13 +90,15 @@ def _stacked_experts(cfg: ModelConfig, i: int) -> list[TensorSpec]:
 
 
 def layout(cfg: ModelConfig) -> list[TensorSpec]:
-    """Every tensor of a Hugging Face checkpoint of this architecture, in file order."""
+    """Every tensor of a Hugging Face checkpoint of this architecture, in file order (the
+    base model's: LoRA adapters are not in it)."""
     abstract = model.abstract_params(cfg)
     specs = [TensorSpec("model.embed_tokens.weight", (("embed", "embedding"),),
                         (cfg.vocab_size, cfg.hidden_size), False)]
     stacked = cfg.family.stacked_experts
     for i, block in enumerate(abstract["blocks"]):
-        leaves = [(p, leaf) for p, leaf in _leaves(block) if not (stacked and p[:2] == ("mlp", "experts"))]
+        leaves = [(p, leaf) for p, leaf in _leaves(block) if not (stacked and p[:2] == ("mlp", "experts"))
+                  and not lora.is_adapter(p[-1])]  # adapters are no checkpoint's (mtjax.lora: PEFT's own files)
         specs += [_spec(cfg, f"model.layers.{i}", ("blocks", i) + p, leaf) for p, leaf in leaves]
         specs += _stacked_experts(cfg, i) if stacked and i in cfg.moe_layers else []
     specs.append(TensorSpec("model.norm.weight", (("head", "norm", "weight"),), (cfg.hidden_size,), False))
@@ -235,8 +237,10 @@ def get_path(tree, path: tuple):
     return tree
 
 
-def load_params(ckpt_dir: str | Path, cfg: ModelConfig | None = None, dtype=np.float32):
-    """(cfg, params) from a checkpoint directory, params as numpy arrays in `dtype`."""
+def load_params(ckpt_dir: str | Path, cfg: ModelConfig | None = None, dtype=np.float32, seed: int = 0):
+    """(cfg, params) from a checkpoint directory, params as numpy arrays in `dtype`; LoRA
+    adapters, which no checkpoint holds, fresh from `seed` (mtjax.lora.fresh, as a run's
+    store gets them: mtjax.store.hf_import.fill_parts)."""
     cfg = cfg or load_hf_config(ckpt_dir)
     reader = SafetensorsReader(ckpt_dir)
     specs = checked_specs(ckpt_dir, cfg, reader)
@@ -244,6 +248,9 @@ def load_params(ckpt_dir: str | Path, cfg: ModelConfig | None = None, dtype=np.f
     for spec in specs:
         for path, array in zip(spec.paths, to_mtjax(spec, reader.read(spec.hf_name))):
             set_path(params, path, array.astype(dtype))
+    for i, block in enumerate(params["blocks"] if cfg.lora is not None else ()):
+        for name, array in lora.fresh(parts.leaves(cfg, partid.block(i)), seed, i + 1).items():
+            set_path(block, tuple(name.split(".")), array.astype(dtype))
     return cfg, params
 
 
@@ -256,7 +263,8 @@ def checked_specs(ckpt_dir: str | Path, cfg: ModelConfig, reader: SafetensorsRea
     except CheckpointError:
         # Name the settings that differ rather than the tensors that follow from them.
         try:
-            diff = differences(load_hf_config(ckpt_dir), cfg, ignore=("param_dtype", "compute_dtype", "freeze", "extra_hf"))
+            diff = differences(load_hf_config(ckpt_dir), cfg, ignore=("param_dtype", "compute_dtype", "freeze", "lora",
+                                                                             "extra_hf"))
         except MtjaxError:
             diff = []  # no readable config.json: the tensor list is all there is to say
         if not diff:

@@ -22,6 +22,7 @@ fused here too: one matmul, its output split for compute.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtjax import documents, rope, treepath
+from mtjax import documents, lora, rope, treepath
 from mtjax.layers import feedforward, registry, softmax  # noqa: F401 - these register the built-in kinds
 from mtjax.layers.basic import LOW_DOT, Dense, RMSNorm, rms_norm
 from mtjax.layers.spec import LayerSpec
@@ -98,6 +99,26 @@ class Block(nnx.Module):
         return out, stats
 
 
+def _with_adapters(cfg: ModelConfig, block: Block, rngs: nnx.Rngs) -> Block:
+    """`block` with a LoRA adapter on each linear layer `cfg.lora` targets (mtjax.lora)."""
+    if cfg.lora is not None:
+        for path, node in nnx.iter_graph(block):
+            if isinstance(node, Dense) and cfg.lora.targets(path):
+                node.add_adapter(cfg.lora.rank, cfg.lora.scale, rngs)
+    return block
+
+
+def linear_names(cfg: ModelConfig) -> set[str]:
+    """The module names of the blocks' linear layers LoRA may adapt (mtjax.lora.check)."""
+    plain, anything = dataclasses.replace(cfg, lora=None), lora.LoraConfig(rank=1)
+    names = set()
+    for spec in cfg.block_specs:
+        block = nnx.eval_shape(lambda spec=spec: Block(plain, spec, nnx.Rngs(0)))
+        names |= {str(path[-1]) for path, node in nnx.iter_graph(block)
+                  if isinstance(node, Dense) and anything.targets(path)}
+    return names
+
+
 class Embed(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         init = jax.nn.initializers.normal(cfg.initializer_range)
@@ -116,9 +137,10 @@ class Head(nnx.Module):
 
 
 def _module_factory(cfg: ModelConfig, part: str | LayerSpec):
-    """The module of a part: "embed", "head", or a block of a LayerSpec."""
+    """The module of a part: "embed", "head", or a block of a LayerSpec (with its LoRA
+    adapters where the config has them, drawn after the block's own weights)."""
     if isinstance(part, LayerSpec):
-        return lambda rngs: Block(cfg, part, rngs)
+        return lambda rngs: _with_adapters(cfg, Block(cfg, part, rngs), rngs)
     return {"embed": lambda rngs: Embed(cfg, rngs), "head": lambda rngs: Head(cfg, rngs)}[part]
 
 

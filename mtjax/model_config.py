@@ -20,6 +20,7 @@ from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, POSITIVE, out_of_range
 from mtjax.families.hf_config import (  # noqa: F401  (re-exported: mtjax's names for them)
     CHUNKED, FULL, ROPE_TYPES, SLIDING, ConfigError, RopeScaling, thaw)
 from mtjax.layers.spec import DenseMLP, LayerSpec, MoE, Norms, Rope, SoftmaxAttention
+from mtjax.lora import LoraConfig
 
 # The built-in families' model_types (mtjax.families; a family registered later is supported too).
 SUPPORTED_MODEL_TYPES = families.model_types()
@@ -75,6 +76,7 @@ class ModelConfig:
     param_dtype: str = "float32"  # dtype of the checkpoint's tensors (export writes it)
     compute_dtype: str = "float32"  # dtype of activations and streamed weights
     freeze: tuple[str, ...] = ()  # leaves kept as they are, no gradient or optimizer state (mtjax.roles: embed, block.0-15, block.*/mlp.*)
+    lora: LoraConfig | None = None  # LoRA adapters over a frozen base (mtjax.lora); the experiment's `lora:` section
     extra_hf: tuple[tuple[str, Any], ...] = ()  # other config.json keys, kept for export
     # Mixture of experts (mtjax.moe); num_experts 0 means a dense model.
     num_experts: int = 0
@@ -100,6 +102,10 @@ class ModelConfig:
     def __post_init__(self):
         if isinstance(self.freeze, (list, str)):  # from YAML or JSON: one pattern or a list
             object.__setattr__(self, "freeze", (self.freeze,) if isinstance(self.freeze, str) else tuple(self.freeze))
+        if isinstance(self.lora, dict):  # from a store's JSON
+            object.__setattr__(self, "lora", LoraConfig(**self.lora))
+        if self.lora is not None and self.lora.rank is None:  # a `lora:` section without a rank: no adapters
+            object.__setattr__(self, "lora", None)
         if not self.layer_types:
             object.__setattr__(self, "layer_types", (FULL,) * self.num_hidden_layers)
         for name, value in SWITCHES.items():

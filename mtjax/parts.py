@@ -25,7 +25,7 @@ import math
 import jax
 import numpy as np
 
-from mtjax import model, partid, precision, roles, treepath
+from mtjax import lora, model, partid, precision, roles, treepath
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
 from mtjax.partid import EMBED, HEAD, PartId
@@ -97,9 +97,15 @@ def trained(cfg: ModelConfig, name: str) -> tuple[str, ...]:
 
 def frozen_any(cfg: ModelConfig) -> bool:
     """Whether any leaf of the model is not trained."""
-    if not cfg.freeze and not roles.BUFFER_RULES:
+    if not cfg.freeze and not roles.BUFFER_RULES and cfg.lora is None:
         return False
     return any(leaf.role != roles.TRAINED for p in parts(cfg) for leaf in leaves(cfg, p.name).values())
+
+
+def trained_params(cfg: ModelConfig) -> int:
+    """How many parameters a step trains: those of the trained leaves (mtjax.roles)."""
+    return sum(math.prod(leaf.shape) for p in parts(cfg) for leaf in leaves(cfg, p.name).values()
+               if leaf.role == roles.TRAINED)
 
 
 def trained_only(cfg: ModelConfig, params):
@@ -127,7 +133,10 @@ def fp32_weights(cfg: ModelConfig, name: PartId | str, master: dict, read_comput
 
 
 def check_roles(cfg: ModelConfig) -> None:
-    """Refuse bad freeze patterns in one line (mtjax.roles.check)."""
+    """Refuse bad freeze patterns (mtjax.roles.check) and LoRA targets (mtjax.lora.check)
+    in one line."""
+    if cfg.lora is not None:
+        lora.check(cfg, model.linear_names(cfg))
     if cfg.freeze:
         roles.check(cfg, {p.name: list(treepath.flatten(abstract_part(cfg, p.name))) for p in parts(cfg)})
 

@@ -10,7 +10,8 @@
 `role(cfg, part, leaf)` is the only function that decides; a leaf's spec
 (mtjax.parts.Leaf) carries the answer and every schema, byte count and vjp reads it
 there. A model's `freeze` patterns (ModelConfig.freeze, the experiment's `model.freeze`)
-freeze leaves; a layer declares its buffers.
+freeze leaves; with LoRA adapters (ModelConfig.lora, mtjax.lora) every leaf but the
+adapters' is frozen; a layer declares its buffers.
 
 A pattern is `PART` or `PART/LEAF`:
     PART  `embed`, `head`, `block.N`, `block.A-B` (A to B, both included) or a glob
@@ -25,7 +26,7 @@ from __future__ import annotations
 import fnmatch
 import re
 
-from mtjax import partid
+from mtjax import lora, partid
 from mtjax.model_config import ConfigError
 from mtjax.partid import PartId
 
@@ -67,6 +68,8 @@ def role(cfg, part: str, leaf: str) -> str:
     if any(fnmatch.fnmatchcase(leaf, glob) for glob in BUFFER_RULES):
         return BUFFER
     if any(matches(p, part, leaf) for p in cfg.freeze):
+        return FROZEN
+    if cfg.lora is not None and not lora.is_adapter(leaf):  # LoRA: the adapters train, the base is frozen
         return FROZEN
     return TRAINED
 

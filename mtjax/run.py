@@ -44,7 +44,7 @@ from mtjax.store import fresh, hf_import, layout, shards
 from mtjax.store import tokenizer as store_tokenizer
 from mtjax import checkpoint, textfile, writable
 from mtjax import config as config_lib
-from mtjax import data, distributed, documents, generate, hf, model, preflight, rundir, wandb_log
+from mtjax import data, distributed, documents, generate, hf, model, parts, preflight, rundir, wandb_log
 from mtjax import reference as reference_mod
 from mtjax.batch import Batch, concat
 from mtjax.config import ConfigError, ExperimentConfig, RunConfig, StoreConfig, StreamConfig
@@ -127,12 +127,20 @@ def make_engine(exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None,
     return StreamEngine.from_experiment(exp, cfg, params, opt_state, store=store, step=step)
 
 
+def _trained_text(cfg: ModelConfig) -> str:
+    """', 12,288 of them trained (LoRA rank 8)' where a step trains only some parameters (mtjax.roles), else ''."""
+    if not parts.frozen_any(cfg):
+        return ""
+    adapters = f" (LoRA rank {cfg.lora.rank})" if cfg.lora is not None else ""
+    return f", {parts.trained_params(cfg):,} of them trained{adapters}"
+
+
 def initial_params(exp: ExperimentConfig, cfg: ModelConfig):
     """Weights of the checkpoint the experiment starts from, else a fresh initialisation:
     the whole model, for a new run's reference engine or multi-process shards (a stream
     engine's run on one process fills its store part by part instead, `_fill_store`)."""
     if exp.model.checkpoint:
-        return hf.load_params(exp.model.checkpoint, cfg)[1]
+        return hf.load_params(exp.model.checkpoint, cfg, seed=exp.run.seed)[1]
     return model.init_params(cfg, exp.run.seed)
 
 
@@ -147,7 +155,7 @@ def _fill_store(exp: ExperimentConfig, store) -> None:
     part of the run's new `store`, one part at a time (uncommitted)."""
     tx = make_optimizer(exp.optim)
     if exp.model.checkpoint:
-        hf_import.fill_parts(store, exp.model.checkpoint, tx)
+        hf_import.fill_parts(store, exp.model.checkpoint, tx, exp.run.seed)
     else:
         fresh.fill_parts(store, exp.run.seed, tx)
 
@@ -423,7 +431,8 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
             (records / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
             wandb_log.forget(records)  # and a new W&B run
         tokens_per_step = exp.data.grad_accum * exp.data.batch_size * exp.data.seq_len
-        print(f"mtjax: {model.num_params(cfg) / 1e6:.2f}M-parameter {cfg.model_type} ({cfg.num_hidden_layers} blocks, "
+        print(f"mtjax: {model.num_params(cfg) / 1e6:.2f}M-parameter {cfg.model_type}{_trained_text(cfg)} "
+              f"({cfg.num_hidden_layers} blocks, "
               f"width {cfg.hidden_size}), {exp.stream.engine} engine on {_devices_text(engine, hosts)}; "
               f"{dataset.meta['num_tokens']:,} tokens ({dataset.meta['tokenizer_source']}); "
               f"{_steps_text(first, exp.run.steps)} of {tokens_per_step:,} tokens; run dir {run_dir}",

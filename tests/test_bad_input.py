@@ -200,6 +200,10 @@ def test_settings_that_cannot_be_meant(work):
             ([*train, "--optim.weight_decay=-0.1"], "optim.weight_decay must be >= 0, got -0.1"),
             ([*train, "--model.freeze=block.99"], "model.freeze pattern 'block.99' names no leaf of this model"),
             ([*train, "--model.freeze=*"], "model.freeze freezes every leaf: nothing is left to train"),
+            ([*train, "--lora.rank=0"], "lora.rank must be a positive integer (or null: no adapters), got 0"),
+            ([*train, "--lora.rank=4", "--lora.target_modules=qkv"], "lora.target_modules qkv names no linear layer"),
+            (["export", "run/store", "merged", "--merge"], "has none; export it without --merge"),
+            (["import", "ckpt", "s2", "--adapter", "nowhere"], "no adapter_config.json in nowhere"),
             (["train", "--model.checkpoint=ckpt", "--model.num_hidden_layers=3", "--run.dir=r2", "--data.dataset=ds",
               "--data.seq_len=32"], "the architecture comes from model.checkpoint ckpt, and the experiment also sets "
                                     "num_hidden_layers 2 -> 3 (its -> yours)"),

@@ -36,16 +36,23 @@ def register(subparsers) -> None:
     p.add_argument("--compute-dtype", choices=DTYPES, default="bfloat16", help="dtype of the streamed weights")
     p.add_argument("--copies", type=int, choices=(1, 2), default=2,
                    help="copies of the state on disk: 2 (default) or 1 (train it with --store.copies=1)")
+    p.add_argument("--adapter", metavar="DIR",
+                   help="a PEFT LoRA adapter directory trained on this checkpoint: imported with it, to continue "
+                        "training the adapter (the store's model has its lora: settings)")
     p.set_defaults(func=run_import)
 
     e = subparsers.add_parser(
         "export", help="write a store's weights as a Hugging Face checkpoint",
         description="Write a store's last committed master weights as a Hugging Face checkpoint (config.json, "
                     "safetensors shards in the checkpoint's dtype) with the tokenizer files of its model, so "
-                    "transformers' from_pretrained loads both.")
+                    "transformers' from_pretrained loads both. A store with LoRA adapters is written as a PEFT "
+                    "adapter directory (adapter_config.json, adapter_model.safetensors), or merged with --merge.")
     e.add_argument("store_dir")
     e.add_argument("out_dir", help="new output directory (must not exist or be empty)")
     e.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    e.add_argument("--merge", action="store_true",
+                   help="a store with LoRA adapters: write the merged model (base + adapters) instead of the "
+                        "PEFT adapter directory")
     e.set_defaults(func=run_export)
 
     i = subparsers.add_parser(
@@ -83,7 +90,7 @@ def run_import(args) -> int:
     total = load_hf_config(args.hf_dir).num_hidden_layers + 2
     live = sys.stdout.isatty()
     out = hf_import.import_hf(args.hf_dir, args.store_dir, compute_dtype=args.compute_dtype, progress=_progress(total, live),
-                     copies=args.copies)
+                     copies=args.copies, adapter=args.adapter)
     if live:
         print()  # ends the line the progress rewrote
     print(f"imported {args.hf_dir} into {out}")
@@ -94,7 +101,8 @@ def run_export(args) -> int:
 
     writable.check(args.out_dir, "output directory")
     notes = []  # a byte-level model's: it has no tokenizer
-    out = hf_export.export_hf(args.store_dir, args.out_dir, parse_size(args.max_shard_size), say=notes.append)
+    out = hf_export.export_hf(args.store_dir, args.out_dir, parse_size(args.max_shard_size), say=notes.append,
+                              merge=args.merge)
     print(f"exported {args.store_dir} to {out}")
     for line in notes:
         print(line)

@@ -22,6 +22,7 @@ _GROUP_TITLES = {
     "data": "data (dataset, tokenizer, batching)",
     "run": "run (length, logging, evaluation, checkpoints, sample)",
     "distributed": "distributed (one process per host: coordinator, process count and id)",
+    "lora": "lora (LoRA adapters over a frozen base: rank, alpha, target modules)",
 }
 
 

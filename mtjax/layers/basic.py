@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from mtjax import target
+from mtjax import lora, target
 from mtjax.model_config import ModelConfig
 
 
@@ -78,14 +78,32 @@ _low_dot.defvjp(_low_dot_fwd, _low_dot_bwd)
 
 
 class Dense(nnx.Module):
+    """y = x @ kernel (+ bias), plus a LoRA adapter's scale * (x @ lora_a) @ lora_b where
+    one is added (`add_adapter`, mtjax.lora)."""
+
     def __init__(self, d_in: int, d_out: int, bias: bool, cfg: ModelConfig, rngs: nnx.Rngs):
         init = jax.nn.initializers.normal(cfg.initializer_range)
         self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), jnp.float32))
         self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32)) if bias else None
+        self.lora_a = self.lora_b = None
+        self.lora_scale = 0.0
+
+    def add_adapter(self, rank: int, scale: float, rngs: nnx.Rngs) -> None:
+        """A fresh LoRA adapter of `rank` (A as PEFT draws it, B zero: the output unchanged)."""
+        d_in, d_out = self.kernel.shape
+        # nnx.data: the attributes held None (static) until now
+        self.lora_a = nnx.data(nnx.Param(lora.init_a(rngs.params(), d_in, rank)))
+        self.lora_b = nnx.data(nnx.Param(jnp.zeros((rank, d_out), jnp.float32)))
+        self.lora_scale = scale
 
     def __call__(self, x):
         y = _dot(x, self.kernel[...])
-        return y + self.bias[...].astype(y.dtype) if self.bias is not None else y
+        y = y + self.bias[...].astype(y.dtype) if self.bias is not None else y
+        if self.lora_a is None:
+            return y
+        with jax.named_scope("lora"):
+            h = _dot(x, self.lora_a[...])  # [..., r]
+            return y + (self.lora_scale * _dot(h, self.lora_b[...])).astype(y.dtype)
 
 
 class RMSNorm(nnx.Module):

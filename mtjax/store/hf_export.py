@@ -17,8 +17,9 @@ from typing import Callable, Iterator
 import numpy as np
 from safetensors import SafetensorError
 
-from mtjax import hf
+from mtjax import hf, lora
 from mtjax.data import tokenizer as toklib
+from mtjax.store import adapters
 from mtjax.store import store as store_mod
 from mtjax.store import tokenizer
 from mtjax.store.errors import StoreError
@@ -27,15 +28,21 @@ from mtjax.store.hf_import import by_part, leaf_names
 CARD_FILE = "README.md"  # a byte-level export's note (a model card: transformers reads nothing from it)
 
 
-def hf_tensors(store, masters: dict | None = None) -> Iterator[tuple[str, np.ndarray]]:
+def _weights(store, masters: dict | None, part: str) -> dict:
+    # Waits: one part in memory at a time.
+    return store_mod.weights(store, part) if masters is None else masters[part]
+
+
+def hf_tensors(store, masters: dict | None = None, merge: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """(hf name, array) in checkpoint order, cast to the config's param dtype: of the
-    store's master weights, or of `masters` ({part: {leaf: array}}, whole) when given."""
+    store's master weights, or of `masters` ({part: {leaf: array}}, whole) when given;
+    with `merge`, LoRA adapters folded into their kernels (mtjax.lora.merged)."""
     cfg = store.config
     dtype = hf.NP_DTYPES[cfg.param_dtype]
     grouped = by_part(hf.layout(cfg))
     for part in store.parts:
-        # Waits: one part in memory at a time.
-        master = store_mod.weights(store, part) if masters is None else masters[part]
+        master = _weights(store, masters, part)
+        master = lora.merged(cfg, master) if merge else master
         for spec in grouped[part]:
             yield spec.hf_name, hf.to_hf(spec, [master[leaf] for leaf in leaf_names(spec)]).astype(dtype)
         del master
@@ -84,9 +91,11 @@ or sample with mtjax: `mtjax generate {out} --tokenizer bytes --prompt "In the b
 
 def export_hf(store_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 10**9, replace: bool = False,
               extra: Callable[[Path], None] | None = None, masters: dict | None = None,
-              say: Callable[[str], None] | None = None) -> Path:
+              say: Callable[[str], None] | None = None, merge: bool = False) -> Path:
     """Write the store's committed master weights, and its model's tokenizer (see
-    mtjax.store.tokenizer; none for a byte-level one), as a checkpoint at `out_dir`.
+    mtjax.store.tokenizer; none for a byte-level one), as a checkpoint at `out_dir`; a
+    store with LoRA adapters (mtjax.lora) as a PEFT adapter directory
+    (mtjax.store.adapters), or with `merge` as the merged model's checkpoint.
 
     `out_dir` must not exist or be empty, unless `replace` (a run's final/ export, which a
     longer resumed run writes again). `extra(dir)` adds files (a run's tokenizer) to the
@@ -106,12 +115,19 @@ def export_hf(store_dir: str | Path, out_dir: str | Path, max_shard_bytes: int =
         old.rename(out)  # a replacing export was killed between its two renames
     store_mod.remove(old)
     with store_mod.open(store_dir) as store:
+        if merge and store.config.lora is None:
+            raise StoreError(f"--merge folds LoRA adapters into the base model, and store {store_dir} has none; "
+                             "export it without --merge")
         store.check_complete("export it")
         if store.shard is not None and masters is None:
             raise StoreError(f"store {store_dir} is one shard of a multi-process run's store (its rows of the master "
                              "weights only); export the run's final/ checkpoint instead, which holds the whole model")
         try:
-            hf.save_checkpoint(store.config, hf_tensors(store, masters), tmp, max_shard_bytes)
+            if store.config.lora is not None and not merge:  # the adapters alone, as PEFT saves them
+                tmp.mkdir()
+                adapters.write(store.config, lambda part: _weights(store, masters, part), tmp)
+            else:
+                hf.save_checkpoint(store.config, hf_tensors(store, masters, merge), tmp, max_shard_bytes)
             _write_tokenizer(tokenizer.export_source(store), tmp)
             byte_level = tokenizer.trained_spec(store) == toklib.ByteTokenizer.spec
             if byte_level:

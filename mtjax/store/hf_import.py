@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from mtjax import hf, partid, textfile
+from mtjax import hf, lora, partid, parts, textfile
 from mtjax.errors import MtjaxError
 from mtjax.model_config import load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
-from mtjax.store import fill, tokenizer
+from mtjax.store import adapters, fill, tokenizer
 from mtjax.store.errors import StoreError
 
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -66,17 +66,23 @@ def _check_dtypes(cfg, reader: hf.SafetensorsReader, specs) -> None:
 
 
 def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "bfloat16", tx=None,
-              progress=None, copies: int = 2) -> Path:
+              progress=None, copies: int = 2, adapter: str | Path | None = None) -> Path:
     """Convert the checkpoint in `hf_dir` into a new store at `store_dir` (step 0).
 
     Master weights are the checkpoint's values in fp32 (exact for fp32/bf16/fp16 files),
     compute weights are cast to `compute_dtype`, optimizer state is `tx.init` (default
     AdamW). The checkpoint's tokenizer files are kept in the store (mtjax.store.tokenizer).
-    `progress(part_name)` is called after each part.
+    `progress(part_name)` is called after each part. `adapter`: a PEFT LoRA adapter
+    directory (mtjax.store.adapters) trained on this checkpoint, imported with it to train
+    on: the store's model has its adapters (mtjax.lora), the checkpoint frozen under them.
     """
     hf_dir = Path(hf_dir)
     try:
-        cfg = load_hf_config(hf_dir, compute_dtype=compute_dtype)
+        lora_config = adapters.lora_config(adapter) if adapter is not None else None
+        cfg = load_hf_config(hf_dir, compute_dtype=compute_dtype, lora=lora_config)
+        parts.check_roles(cfg)
+        # Every block's adapter read (and checked against this model) before anything is written.
+        adapter_weights = adapters.read_all(cfg, adapter) if adapter is not None else {}
         reader = hf.SafetensorsReader(hf_dir)
         hf.say_left_out(reader)
         specs = hf.check(cfg, reader)
@@ -91,7 +97,7 @@ def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "b
     grouped = by_part(specs)
     with fill.staged(store_dir, cfg, tx, copies) as store:
         try:
-            _fill(store, hf_dir, grouped, tx, progress)
+            _fill(store, hf_dir, grouped, tx, progress, adapter_weights=adapter_weights)
         except StoreError:
             raise
         except MtjaxError as e:  # an unreadable tensor
@@ -101,16 +107,20 @@ def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "b
     return Path(store_dir)
 
 
-def fill_parts(store, hf_dir: str | Path, tx) -> None:
+def fill_parts(store, hf_dir: str | Path, tx, seed: int = 0) -> None:
     """The checkpoint's weights (hf.load_params's values for the store's model config, which
     the checkpoint must hold) and tx.init state into every part of the new, writable
-    `store`, one part at a time (uncommitted): a run's start from an HF checkpoint."""
+    `store`, one part at a time (uncommitted): a run's start from an HF checkpoint. LoRA
+    adapters, which no checkpoint holds, start fresh (mtjax.lora.fresh, from `seed`)."""
     specs = hf.checked_specs(hf_dir, store.config, hf.SafetensorsReader(hf_dir))
-    _fill(store, Path(hf_dir), by_part(specs), tx)
+    _fill(store, Path(hf_dir), by_part(specs), tx, seed=seed)
 
 
-def _fill(store, hf_dir: Path, grouped: dict[str, list[hf.TensorSpec]], tx, progress=None) -> None:
-    for part in store.parts:
+def _fill(store, hf_dir: Path, grouped: dict[str, list[hf.TensorSpec]], tx, progress=None, seed: int = 0,
+          adapter_weights: dict | None = None) -> None:
+    """Each part's weights from the checkpoint, its LoRA adapters from `adapter_weights`
+    ({part: {leaf: array}}) or else fresh."""
+    for index, part in enumerate(store.parts):
         reader = hf.SafetensorsReader(hf_dir)  # fresh mappings: the last part's pages leave RSS
         master = {}
         for spec in grouped[part]:
@@ -119,6 +129,8 @@ def _fill(store, hf_dir: Path, grouped: dict[str, list[hf.TensorSpec]], tx, prog
                 master[leaf] = array.astype(np.float32, copy=False)
             del tensor
         del reader
+        given = (adapter_weights or {}).get(part)
+        master.update(given if given is not None else lora.fresh(parts.leaves(store.config, part), seed, index))
         fill.write_part(store, part, master, tx)
         del master
         if progress:

@@ -1,0 +1,114 @@
+"""A LoRA step against a full fine-tuning step: same model, engine and placement.
+
+Each run is a process of its own (its peak RSS is its own): the stream engine on a fp32
+Llama, compute copy in RAM, master weights and optimizer state on disk in a layer store,
+so the bytes a step writes are the state it updates. The full fine-tune trains every
+leaf; the LoRA run adapts every linear layer of the blocks (rank 16) over the frozen
+base. Prints a table and writes its section of docs/benchmarks.md.
+
+    .venv/bin/python experiments/bench/lora_step.py                 # ~3 minutes on 2 cores
+    .venv/bin/python experiments/bench/lora_step.py --layers 2 --width 256 --no-doc   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import harness  # first: the checkout on sys.path, JAX on the CPU
+
+import dataclasses
+
+import jax
+import numpy as np
+
+import mtjax.store
+from mtjax import lora, model, parts
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.stream import StreamEngine
+
+SECTION = "lora-step"
+RANK = 16
+
+
+def _config(args, adapters: bool):
+    cfg = harness.llama(args.layers, args.width, vocab=args.vocab)
+    return dataclasses.replace(cfg, lora=lora.LoraConfig(rank=RANK, alpha=2.0 * RANK)) if adapters else cfg
+
+
+def child(args) -> None:
+    cfg = _config(args, args.child == "lora")
+    opt = OptimConfig(lr=1e-4, clip_norm=1.0)
+    rng = np.random.default_rng(0)
+    data = [rng.integers(0, cfg.vocab_size, (1, args.batch, args.seq), dtype=np.int32) for _ in range(args.steps + 1)]
+    with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
+        store = mtjax.store.create(Path(tmp) / "store", cfg, make_optimizer(opt))
+        placement = StoreConfig(master="disk", opt="disk")
+        engine = StreamEngine(cfg, model.init_params(cfg, seed=0), opt, StreamConfig(keep_every=1), placement,
+                              store=store)
+        engine.step(data[0])  # compiles
+        written, times = store.io_bytes[1], []
+        for batch in data[1:]:
+            t = time.perf_counter()
+            engine.step(batch)  # returns floats: the step has finished
+            times.append(time.perf_counter() - t)
+        written = (store.io_bytes[1] - written) / args.steps
+        traffic = engine.plan(args.batch, args.seq).traffic
+        engine.close()
+        store.close()
+    harness.report(step=statistics.median(times), h2d=traffic.h2d, planned_write=traffic.disk_write_bytes,
+                   written=written, rss=harness.peak_rss(), trained=parts.trained_params(cfg),
+                   params=model.num_params(cfg))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (after one that compiles)")
+    ap.add_argument("--scratch", default=None, help="directory of the runs' stores (default: the system's temp)")
+    ap.add_argument("--child", choices=("full", "lora"), help=argparse.SUPPRESS)
+    ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    passed = [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "seq", "batch", "vocab", "steps")]
+    passed += [f"--scratch={args.scratch}"] if args.scratch else []
+    load = os.getloadavg()[0]
+    runs = {mode: harness.run_child(__file__, mode, *passed) for mode in ("full", "lora")}
+    full, adapted = runs["full"], runs["lora"]
+    mib = 2 ** 20
+    lines = [
+        f"Model: Llama {args.layers} blocks x width {args.width}, vocab {args.vocab}, {full['params'] / 1e6:.1f}M "
+        f"params, float32; batch {args.batch} x seq {args.seq}; AdamW; stream engine, keep_every 1; compute copy in "
+        f"RAM, master and optimizer state on disk. LoRA: rank {RANK} on every linear layer of the blocks "
+        f"({adapted['trained'] / 1e6:.2f}M trained).",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} on {jax.devices()[0].platform}; "
+        f"median of {args.steps} steps after one that compiles; each run a process of its own; load average "
+        f"{load:.1f} when it started (other work on the machine slows both runs).",
+        "",
+        "| run | step (s) | host->device per step (MiB) | disk written per step (MiB, planned) | peak RSS (MiB) |",
+        "|---|---|---|---|---|",
+        *(f"| {name} | {r['step']:.2f} | {r['h2d'] / mib:.1f} | {r['written'] / mib:.1f} ({r['planned_write'] / mib:.1f}) "
+          f"| {r['rss'] / mib:.0f} |" for name, r in (("full fine-tune", full), ("LoRA", adapted))),
+        "",
+        f"**LoRA step / full step = {adapted['step'] / full['step']:.2f}**; disk written per step "
+        f"{full['written'] / max(adapted['written'], 1):.0f}x less.",
+    ]
+    harness.publish(SECTION, "LoRA step against a full fine-tuning step (experiments/bench/lora_step.py)",
+                    "\n".join(lines), f"experiments/bench/lora_step.py --layers {args.layers} --width {args.width} "
+                    f"--seq {args.seq}", write=not args.no_doc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""LoRA adapters over a frozen base, as PEFT defines them.
+
+A targeted linear layer (mtjax.layers.basic.Dense, kernel [in, out]) gains two trained
+leaves beside its kernel, `lora_a` [in, r] and `lora_b` [r, out], and computes
+
+    y = x @ kernel (+ bias) + scale * (x @ lora_a) @ lora_b,   scale = alpha / r  (alpha / sqrt(r): rsLoRA)
+
+PEFT's `lora_A.weight` [r, in] and `lora_B.weight` [out, r] are their transposes. A is
+drawn as PEFT's default draws it (kaiming-uniform with a = sqrt(5): uniform within
++-1/sqrt(in)), B is zero, so a fresh adapter leaves the model's output unchanged.
+
+With adapters every other leaf of the model is frozen (mtjax.roles): its compute copy
+is streamed to the device and never written again; the adapters have the fp32 master,
+the optimizer state and the gradients. Targets are module names as PEFT's
+`target_modules` gives them (`q_proj`, `down_proj`, ...), or "all-linear": every linear
+layer of the blocks. The experts and the router of a mixture of experts are not adapted
+(their kernels run stacked, mtjax.moe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtjax.families.hf_config import ConfigError
+
+A, B = "lora_a", "lora_b"  # the adapter leaves of a targeted linear layer
+ALL_LINEAR = "all-linear"
+# The linear layers of a MoE block that LoRA leaves alone: its router and shared expert's
+# gate (PEFT's all-linear skips them too), and its experts (their kernels run stacked).
+NOT_ADAPTED = ("gate", "shared_expert_gate")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters on the blocks' linear layers; the rest of the model is frozen."""
+
+    rank: int | None = None  # adapter rank r; null: no adapters (every leaf trains, unless model.freeze)
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / r
+    rslora: bool = False  # scale by alpha / sqrt(r) instead (rank-stabilised LoRA)
+    dropout: float = 0.0  # dropout on the adapter's input; only 0 is supported yet
+    target_modules: tuple[str, ...] = (ALL_LINEAR,)  # linear layers by module name (q_proj, v_proj, ...), or all-linear
+
+    def __post_init__(self):
+        # One name or a list (YAML, JSON, PEFT's config, whose order is a set's), in one order:
+        # the same targets are the same config, which a store compares.
+        names = (self.target_modules,) if isinstance(self.target_modules, str) else self.target_modules
+        object.__setattr__(self, "target_modules", tuple(sorted(set(names))))
+        if self.rank is None:
+            return
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ConfigError(f"lora.rank must be a positive integer (or null: no adapters), got {self.rank!r}")
+        if not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise ConfigError(f"lora.alpha must be a positive number, got {self.alpha!r}")
+        if self.dropout != 0:
+            raise ConfigError(f"lora.dropout {self.dropout} is not supported yet: mtjax's adapters train without "
+                              "dropout; set lora.dropout=0")
+        if not self.target_modules:
+            raise ConfigError("lora.target_modules is empty; name linear layers (q_proj, v_proj, ...) or all-linear")
+
+    @property
+    def scale(self) -> float:
+        """What the adapter's output is multiplied by."""
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def targets(self, path: tuple) -> bool:
+        """Whether the linear layer at module path `path` in a block (e.g. ("self_attn",
+        "q_proj")) gets an adapter."""
+        names = [str(p) for p in path]
+        if names[-1] in NOT_ADAPTED or "experts" in names:
+            return False
+        return ALL_LINEAR in self.target_modules or names[-1] in self.target_modules
+
+
+def is_adapter(leaf: str) -> bool:
+    """Whether a part's leaf (dotted name) is an adapter's."""
+    return leaf.rpartition(".")[2] in (A, B)
+
+
+def init_a(key, d_in: int, rank: int) -> jnp.ndarray:
+    """A fresh adapter's A [in, r]: PEFT's kaiming-uniform (a = sqrt(5)), uniform within +-1/sqrt(in)."""
+    bound = 1.0 / math.sqrt(d_in)
+    return jax.random.uniform(key, (d_in, rank), jnp.float32, -bound, bound)
+
+
+def fresh(leaves: dict, seed: int, salt: int) -> dict[str, np.ndarray]:
+    """Fresh values of the adapter leaves among `leaves` ({name: Leaf or ShapeDtypeStruct}
+    of one part): for a base that comes from a checkpoint. `salt` (the part's index)
+    gives each part its own draws."""
+    key = jax.random.fold_in(jax.random.key(seed), salt)
+    out = {}
+    for i, (name, leaf) in enumerate(sorted(leaves.items())):
+        if name.endswith("." + A):
+            out[name] = np.asarray(init_a(jax.random.fold_in(key, i), *leaf.shape))
+        elif name.endswith("." + B):
+            out[name] = np.zeros(leaf.shape, np.float32)
+    return out
+
+
+def check(cfg, linear_names: set[str]) -> None:
+    """Refuse, in one line, targets that name no linear layer of the model (`linear_names`:
+    the module names of the blocks' adaptable linear layers), or a model with none."""
+    lora = cfg.lora
+    unknown = [t for t in lora.target_modules if t != ALL_LINEAR and t not in linear_names]
+    if unknown or not linear_names:
+        have = ", ".join(sorted(linear_names)) or "none"
+        raise ConfigError(f"lora.target_modules {', '.join(unknown) or ALL_LINEAR} names no linear layer of this "
+                          f"model's blocks; its linear layers: {have} (or all-linear)")
+
+
+def merged(cfg, weights: dict) -> dict:
+    """A part's fp32 weights ({leaf: array}) with each adapter folded into its kernel
+    (kernel + scale * A @ B) and the adapter leaves dropped: the merged model's."""
+    out = {n: w for n, w in weights.items() if not is_adapter(n)}
+    for name in weights:
+        if name.endswith("." + A):
+            module = name[:-len(A) - 1]
+            a, b = (np.asarray(weights[f"{module}.{x}"], np.float32) for x in (A, B))
+            out[f"{module}.kernel"] = np.asarray(weights[f"{module}.kernel"], np.float32) + cfg.lora.scale * (a @ b)
+    return out

@@ -1,0 +1,296 @@
+"""LoRA adapters over a frozen base (mtjax.lora): they train as PEFT trains them.
+
+Tiny dense models (Llama, Qwen2 with biases, Phi-3 fused) with adapters trained 3 AdamW
+steps by the streaming engine give PEFT + transformers' losses (1e-6) and adapter weights (1e-4 relative) from the same start, the
+base bit-identical; streamed equals the in-memory reference for 5 steps of 2
+micro-batches with the state in RAM and on disk; bad `lora:` settings are one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mtjax import config, hf, lora, model, parts, roles, treepath
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.model_config import ConfigError
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.reference import ReferenceTrainer
+from mtjax.stream import StreamEngine
+
+from conftest import ONE_KV_HEAD, tiny_config, token_batches
+
+# AdamW as torch.optim.AdamW runs it: constant lr, decoupled decay, no clipping.
+OPT = OptimConfig(lr=1e-2, schedule="constant", warmup_steps=0, clip_norm=None, weight_decay=0.1)
+BATCH, SEQ = 2, 8
+# (target modules, rsLoRA, model fields): some layers of a Llama, and every linear layer with
+# rank-stabilised scaling; a Qwen2's q/k/v with biases; a Phi-3's fused projections
+ADAPTERS = {"some": (("q_proj", "v_proj", "down_proj"), False, {}), "all-linear": (("all-linear",), True, {}),
+            "qwen2-biases": (("q_proj", "k_proj", "v_proj"), False, {"model_type": "qwen2", "attention_bias": True}),
+            "phi3-fused": (("qkv_proj", "gate_up_proj"), False, {"model_type": "phi3", "extra_hf": (  # token ids in its vocabulary
+                ("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", None))})}
+
+
+def _config(targets=("all-linear",), rslora=False, **overrides):
+    adapters = lora.LoraConfig(rank=4, alpha=8.0, rslora=rslora, target_modules=targets)
+    return tiny_config(**{"num_hidden_layers": 2, **ONE_KV_HEAD, "lora": adapters, **overrides})
+
+
+def _peft_model(cfg, params, tmp_path):
+    """transformers' model of the base weights in `params`, PEFT's adapters on it holding
+    the adapters of `params` (PEFT's lora_A [r, in] and lora_B [out, r]: ours transposed)."""
+    import peft
+    import torch
+    import transformers
+
+    hf.save_params(cfg, params, tmp_path / "base")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    adapters = cfg.lora
+    peft_model = peft.get_peft_model(base, peft.LoraConfig(
+        r=adapters.rank, lora_alpha=adapters.alpha, use_rslora=adapters.rslora, lora_dropout=0.0,
+        target_modules=list(adapters.target_modules) if lora.ALL_LINEAR not in adapters.target_modules
+        else lora.ALL_LINEAR))
+    ours = treepath.flatten(params)
+    found = 0
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_" in name:
+                leaf = _our_name(name)
+                p.copy_(torch.from_numpy(np.asarray(ours[leaf]).T.copy()))
+                found += 1
+    assert found == sum(lora.is_adapter(n) for n in ours)
+    return peft_model
+
+
+def _our_name(peft_name: str) -> str:
+    """PEFT's `base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight` ->
+    mtjax's `blocks.0.self_attn.q_proj.lora_a`."""
+    module, _, rest = peft_name.removeprefix("base_model.model.model.layers.").partition(".lora_")
+    return f"blocks.{module}.lora_{rest[0].lower()}"
+
+
+def _rel_error(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapters", ADAPTERS)
+def test_training_equals_peft_and_the_base_stays(adapters, tmp_path):
+    import torch
+
+    targets, rslora, fields = ADAPTERS[adapters]
+    cfg = _config(targets, rslora, **fields)
+    params = model.init_params(cfg, seed=0)
+    peft_model = _peft_model(cfg, params, tmp_path)
+    trained = [p for p in peft_model.parameters() if p.requires_grad]
+    assert len(trained) == sum(leaf.role == roles.TRAINED for p in parts.parts(cfg)
+                               for leaf in parts.leaves(cfg, p.name).values())
+    torch_opt = torch.optim.AdamW(trained, lr=OPT.lr, betas=(OPT.b1, OPT.b2), eps=OPT.eps,
+                                  weight_decay=OPT.weight_decay)
+    engine = StreamEngine(cfg, params, OPT, StreamConfig(keep_every=2), StoreConfig())
+    for batch in token_batches(cfg.vocab_size, (BATCH, SEQ), 3):
+        ids = torch.as_tensor(batch, dtype=torch.long)
+        loss = peft_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+        assert engine.step(batch)["loss"] == pytest.approx(loss.item(), abs=1e-6)
+    ours, start = treepath.flatten(engine.params()), treepath.flatten(params)
+    theirs = {_our_name(n): p.detach().numpy().T for n, p in peft_model.named_parameters() if ".lora_" in n}
+    for name, w in ours.items():
+        if lora.is_adapter(name):
+            assert _rel_error(w, theirs[name]) <= 1e-4, name
+            assert not np.array_equal(np.asarray(w), np.asarray(start[name])), name
+        else:  # the base, bit for bit (fp32: the compute copy is the weight)
+            np.testing.assert_array_equal(np.asarray(w), np.asarray(start[name]), err_msg=name)
+    engine.close()
+
+
+PLACEMENTS = {"ram": {}, "state-disk": {"master": "disk", "opt": "disk"}}
+
+
+@pytest.mark.parametrize("where", [pytest.param(w, marks=() if w == "ram" else pytest.mark.slow) for w in PLACEMENTS])
+def test_streamed_equals_the_reference(make_store, where):
+    cfg = _config(("q_proj", "o_proj", "up_proj"), num_hidden_layers=3, tie_word_embeddings=True)
+    opt = dataclasses.replace(OPT, clip_norm=1.0, lr=1e-3)
+    params = model.init_params(cfg, seed=1)
+    tiers = PLACEMENTS[where]
+    store = make_store(cfg, make_optimizer(opt)) if tiers else None
+    engine = StreamEngine(cfg, params, opt, StreamConfig(keep_every=2), StoreConfig(**tiers), store=store)
+    reference = ReferenceTrainer(cfg, params, opt)
+    for batch in token_batches(cfg.vocab_size, (2, BATCH, SEQ), 5):
+        assert engine.step(batch)["loss"] == pytest.approx(reference.step(batch)["loss"], abs=1e-5)
+    streamed, expected = treepath.flatten(engine.params()), treepath.flatten(reference.params)
+    for name, w in streamed.items():
+        assert _rel_error(w, expected[name]) <= 1e-5, name
+    engine.close()
+    if store is not None:
+        store.close()
+
+
+def test_adapters_are_the_only_trained_leaves_and_start_as_peft_draws_them():
+    cfg = _config(("q_proj", "down_proj"))
+    for p in parts.parts(cfg):
+        for name, leaf in parts.leaves(cfg, p.name).items():
+            assert (leaf.role == roles.TRAINED) == lora.is_adapter(name), name
+    block = parts.leaves(cfg, "block.0")
+    assert {n for n in block if lora.is_adapter(n)} == {
+        f"{m}.lora_{ab}" for m in ("self_attn.q_proj", "mlp.down_proj") for ab in "ab"}
+    assert block["mlp.down_proj.lora_a"].shape == (cfg.intermediate_size, 4)
+    assert block["mlp.down_proj.lora_b"].shape == (4, cfg.hidden_size)
+    params = model.init_params(cfg, seed=0)["blocks"][0]["mlp"]["down_proj"]
+    bound = 1 / np.sqrt(cfg.intermediate_size)  # kaiming-uniform, a = sqrt(5)
+    assert np.abs(params["lora_a"]).max() <= bound and np.abs(params["lora_a"]).max() > 0.9 * bound
+    assert not np.asarray(params["lora_b"]).any()
+    assert _config(rslora=True).lora.scale == 4.0 and _config().lora.scale == 2.0
+
+
+@pytest.mark.parametrize("setting,words", [
+    ("lora.rank=0", "lora.rank must be a positive integer"),
+    ("lora.target_modules=qkv", "names no linear layer"),
+    ("lora.dropout=0.1", "not supported yet"),
+    ("lora.alpha=0", "lora.alpha must be a positive number")])
+def test_bad_settings_are_one_line(setting, words):
+    extra = [] if setting.startswith("lora.rank") else ["lora.rank=4"]
+    with pytest.raises(ConfigError, match=words) as e:
+        config.model_config(config.load(None, [setting, *extra]))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_peft_export_reloads_merges_and_imports_to_continue(make_store, tmp_path):
+    """3 streamed steps; after 2 the store's adapters go out as PEFT's directory (PEFT
+    loads them onto transformers with mtjax's logits), merged (transformers alone gives
+    them), and back in as PEFT saves it, with the base checkpoint: the imported store's
+    next step has the uninterrupted run's loss."""
+    import peft
+    import torch
+    import transformers
+
+    import mtjax
+    import mtjax.store
+    from mtjax.store.hf_export import export_hf
+    from mtjax.store.hf_import import import_hf
+
+    cfg = _config(("q_proj", "v_proj", "down_proj"))
+    start = model.init_params(cfg, seed=0)
+    batches = token_batches(cfg.vocab_size, (BATCH, SEQ), 3)
+    store = make_store(cfg, make_optimizer(OPT))
+    engine = StreamEngine(cfg, start, OPT, StreamConfig(), StoreConfig(), store=store)
+    for batch in batches[:2]:
+        engine.step(batch)
+    engine.commit(2)
+    trained = engine.params()
+    uninterrupted = engine.step(batches[2])["loss"]
+    engine.close()
+    store.close()
+
+    export_hf(tmp_path / "store", tmp_path / "adapter")
+    export_hf(tmp_path / "store", tmp_path / "merged", merge=True)
+    hf.save_params(cfg, start, tmp_path / "base")  # the base is frozen: the start's is the trained one's
+    ids = torch.as_tensor(batches[2], dtype=torch.long)
+    ours = np.asarray(mtjax.forward(cfg, trained, batches[2]))
+    scale = np.abs(ours).max()
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    reloaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    reloaded.save_pretrained(tmp_path / "resaved")  # PEFT's own files: what the import below reads
+    with torch.no_grad():
+        loaded = reloaded(input_ids=ids).logits.numpy()
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(
+            input_ids=ids).logits.numpy()
+    assert np.abs(loaded - ours).max() <= 1e-5 * scale
+    assert np.abs(merged - ours).max() <= 1e-5 * scale
+
+    import_hf(tmp_path / "base", tmp_path / "again", compute_dtype="float32", adapter=tmp_path / "resaved")
+    with mtjax.store.open(tmp_path / "again", writable=True) as again:
+        assert again.config.lora == cfg.lora
+        resumed = StreamEngine(again.config, None, OPT, StreamConfig(), StoreConfig(), store=again)
+        assert resumed.step(batches[2])["loss"] == pytest.approx(uninterrupted, abs=1e-6)
+        resumed.close()
+
+
+def test_bad_exports_and_imports_are_one_line_and_write_nothing(make_store, tmp_path):
+    import json
+
+    from mtjax.store import adapters
+    from mtjax.store.errors import StoreError
+    from mtjax.store.hf_export import export_hf
+    from mtjax.store.hf_import import import_hf
+
+    plain = tiny_config(**ONE_KV_HEAD)
+    make_store(plain).close()
+    with pytest.raises(StoreError, match="has none") as e:  # --merge of a store without adapters
+        export_hf(tmp_path / "store", tmp_path / "merged", merge=True)
+    assert "\n" not in str(e.value) and not (tmp_path / "merged").exists()
+
+    cfg = _config(("q_proj",))
+    params = model.init_params(cfg)
+    (tmp_path / "adapter").mkdir()
+    adapters.write(cfg, lambda part: treepath.flatten(parts.part_params(params, part)), tmp_path / "adapter")
+    wide = tiny_config(**{**ONE_KV_HEAD, "hidden_size": 48})
+    hf.save_params(wide, model.init_params(wide), tmp_path / "wide")
+    with pytest.raises(StoreError, match="another shape") as e:  # an adapter trained on another model
+        import_hf(tmp_path / "wide", tmp_path / "imported", adapter=tmp_path / "adapter")
+    assert "\n" not in str(e.value) and not (tmp_path / "imported").exists()
+    peft_config = json.loads((tmp_path / "adapter" / adapters.CONFIG_FILE).read_text())
+    (tmp_path / "adapter" / adapters.CONFIG_FILE).write_text(json.dumps({**peft_config, "target_modules": ["qkv"]}))
+    with pytest.raises(StoreError, match="names no linear layer") as e:  # targets this model lacks
+        import_hf(tmp_path / "wide", tmp_path / "imported", adapter=tmp_path / "adapter")
+    assert "\n" not in str(e.value) and not (tmp_path / "imported").exists()
+
+    from safetensors.numpy import load_file, save_file
+
+    hf.save_params(plain, model.init_params(plain), tmp_path / "base")
+    (tmp_path / "adapter" / adapters.CONFIG_FILE).write_text(json.dumps({**peft_config, "use_dora": True}))
+    with pytest.raises(StoreError, match="use_dora=True") as e:  # more than plain LoRA
+        import_hf(tmp_path / "base", tmp_path / "imported", adapter=tmp_path / "adapter")
+    assert "\n" not in str(e.value) and not (tmp_path / "imported").exists()
+    (tmp_path / "adapter" / adapters.CONFIG_FILE).write_text(json.dumps(peft_config))
+    weights = tmp_path / "adapter" / adapters.WEIGHTS_FILE
+    save_file({**load_file(weights), "base_model.model.lm_head.lora_A.weight": np.zeros((4, 32), np.float32)},
+              weights)
+    with pytest.raises(StoreError, match="tensors this model's adapters do not take") as e:  # an adapter on the head
+        import_hf(tmp_path / "base", tmp_path / "imported", adapter=tmp_path / "adapter")
+    assert "\n" not in str(e.value) and not (tmp_path / "imported").exists()
+
+
+def test_the_progress_line_counts_the_trained_parameters():
+    from mtjax import run
+
+    cfg = _config(("q_proj",))  # per block A [32, 4] and B [4, 32]
+    assert parts.trained_params(cfg) == 2 * (32 * 4 + 4 * 32)
+    assert run._trained_text(cfg) == ", 512 of them trained (LoRA rank 4)"
+    assert run._trained_text(tiny_config()) == ""
+
+
+@pytest.mark.slow  # a training run in a subprocess
+def test_a_run_with_adapters_ends_in_a_peft_directory(tmp_path):
+    """`mtjax train --lora.rank=...`: the progress line counts the adapters, the run's
+    final/ is PEFT's adapter directory, and `mtjax generate` samples base + adapters."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import TINY_MODEL_ARGS
+    from mtjax.store import adapters
+
+    def mtjax_cli(*args):
+        return subprocess.run([sys.executable, "-m", "mtjax", *args], capture_output=True, text=True, cwd=tmp_path,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
+
+    run = mtjax_cli("train", *TINY_MODEL_ARGS, "--lora.rank=4", "--lora.target_modules=q_proj,v_proj",
+                    "--data.seq_len=32", "--data.batch_size=2", "--run.steps=2", "--run.eval_every=0",
+                    "--run.sample_tokens=4", "--run.dir=run")
+    assert run.returncode == 0, run.stderr
+    # per block q_proj: A [32, 4], B [4, 32]; v_proj: A [32, 4], B [4, 16]
+    assert "of them trained (LoRA rank 4)" in run.stdout + run.stderr
+    assert f"{2 * (256 + 128 + 64):,} of them trained" in run.stdout + run.stderr
+    peft_config = json.loads((tmp_path / "run" / "final" / adapters.CONFIG_FILE).read_text())
+    assert peft_config["r"] == 4 and peft_config["target_modules"] == ["q_proj", "v_proj"]
+    assert (tmp_path / "run" / "final" / adapters.WEIGHTS_FILE).is_file()
+    sample = mtjax_cli("generate", "run/store", "--tokenizer", "bytes", "--prompt", "Hi", "--tokens", "3")
+    assert sample.returncode == 0, sample.stderr
