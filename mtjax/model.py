@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtjax import documents, rope, treepath
+from mtjax import documents, roles, rope, treepath
 from mtjax.layers import feedforward, latent, registry, softmax  # noqa: F401 - these register the built-in kinds
 from mtjax.layers.basic import LOW_DOT, Dense, RMSNorm, rms_norm
 from mtjax.layers.spec import LayerSpec
@@ -163,8 +163,14 @@ def abstract_params(cfg: ModelConfig) -> Params:
 
 
 def num_params(cfg: ModelConfig) -> int:
-    """How many parameters the model has (tied embeddings counted once)."""
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
+    """How many parameters the model has (tied embeddings counted once; buffers, such as
+    DeepSeek-V3's routing bias, are not parameters: mtjax.roles)."""
+    abstract = abstract_params(cfg)
+
+    def count(part: dict) -> int:
+        return sum(math.prod(x.shape) for n, x in treepath.flatten(part).items() if not roles.is_buffer(n))
+
+    return count(abstract["embed"]) + count(abstract["head"]) + sum(count(b) for b in abstract["blocks"])
 
 
 def inactive_params(cfg: ModelConfig, spec: LayerSpec) -> int:

@@ -102,6 +102,11 @@ def frozen_any(cfg: ModelConfig) -> bool:
     return any(leaf.role != roles.TRAINED for p in parts(cfg) for leaf in leaves(cfg, p.name).values())
 
 
+def frozen_leaves_any(cfg: ModelConfig) -> bool:
+    """Whether any leaf of the model is frozen (buffers aside: they have masters)."""
+    return bool(cfg.freeze) and any(leaf.role == roles.FROZEN for p in parts(cfg) for leaf in leaves(cfg, p.name).values())
+
+
 def trained_only(cfg: ModelConfig, params):
     """A model-layout params pytree (mtjax.model) with every leaf that is not trained
     replaced by None: what the whole-model gradient and optimizer state cover."""

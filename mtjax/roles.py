@@ -64,9 +64,14 @@ def matches(pattern: str, part: str, leaf: str) -> bool:
     return _part_matches(selector, part) and fnmatch.fnmatchcase(leaf, leaf_glob)
 
 
+def is_buffer(leaf: str) -> bool:
+    """Whether a leaf (its dotted name in its part) is a declared buffer: not a parameter."""
+    return any(fnmatch.fnmatchcase(leaf, glob) for glob in BUFFER_RULES)
+
+
 def role(cfg, part: str, leaf: str) -> str:
     """The role of leaf `leaf` of part `part` of a model config (a ModelConfig)."""
-    if any(fnmatch.fnmatchcase(leaf, glob) for glob in BUFFER_RULES):
+    if is_buffer(leaf):
         return BUFFER
     if any(matches(p, part, leaf) for p in cfg.freeze):
         return FROZEN

@@ -34,7 +34,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import partid, parts
+from mtjax import partid, parts, roles
 from mtjax.errors import NonFiniteStep
 from mtjax.optim import clip_scale, tapped
 from mtjax.partid import EMBED, HEAD, PartId
@@ -334,12 +334,21 @@ class Runner:
 
     def _grad_out(self, st: Pass, op: ops.GradOut) -> None:
         grads = st.summed.pop(op.part)
+        if grads and self._buffers(op.part):  # a split block's router part differentiates its buffers too: zeros
+            grads = {n: g for n, g in grads.items() if n not in self._buffers(op.part)}
         if grads:  # a part with no trained leaf has no gradient, and no update
             self.grads.add(op.part, tapped(op.part, grads))
 
     def _grad_stays(self, st: Pass, op: ops.GradStays) -> None:
         grads = st.summed.pop(op.part)
+        if grads and self._buffers(op.part):
+            grads = {n: g for n, g in grads.items() if n not in self._buffers(op.part)}
         self.resident.add_grad(op.part, tapped(op.part, grads) if grads else grads)
+
+    @functools.lru_cache(maxsize=None)
+    def _buffers(self, part: PartId) -> frozenset:
+        """The buffer leaves (mtjax.roles) of a part or sub-part: changed by their rule, never by a gradient."""
+        return frozenset(n for n, leaf in parts.leaves(self.cfg, part).items() if leaf.role == roles.BUFFER)
 
     def _commit(self, st: Pass, op: ops.Commit) -> None:
         self.commit(st.train_state)
