@@ -207,8 +207,14 @@ def check(cfg: ModelConfig, reader: SafetensorsReader) -> list[TensorSpec]:
     present = set(reader.names())
     # Tied checkpoints sometimes carry a redundant lm_head.weight: accept and ignore it.
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    trailing = sorted(n for n in present - set(expected) if _layer(n) >= cfg.num_hidden_layers) \
+        if cfg.family.trailing_layers else []
+    if trailing:
+        layers = sorted({_layer(n) for n in trailing})
+        print(f"mtjax: {reader.dir}: layers {', '.join(map(str, layers))} are its {cfg.family.trailing_layers} "
+              f"({len(trailing)} tensors): left out")
     missing = sorted(set(expected) - present)
-    unexpected = sorted(present - set(expected) - ignorable)
+    unexpected = sorted(present - set(expected) - ignorable - set(trailing))
     misshaped = sorted(
         f"{n} {reader.shape(n)} (expected {expected[n].shape})"
         for n in set(expected) & present if reader.shape(n) != expected[n].shape
@@ -221,6 +227,12 @@ def check(cfg: ModelConfig, reader: SafetensorsReader) -> list[TensorSpec]:
     if problems:
         raise CheckpointError(f"checkpoint {reader.dir} does not match its config: " + "; ".join(problems))
     return specs
+
+
+def _layer(name: str) -> int:
+    """The layer index of a `model.layers.N.` tensor name; -1 for other names."""
+    parts = name.split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit() else -1
 
 
 def set_path(tree, path: tuple, value) -> None:

@@ -104,7 +104,8 @@ def frozen_any(cfg: ModelConfig) -> bool:
 
 def frozen_leaves_any(cfg: ModelConfig) -> bool:
     """Whether any leaf of the model is frozen (buffers aside: they have masters)."""
-    return bool(cfg.freeze) and any(leaf.role == roles.FROZEN for p in parts(cfg) for leaf in leaves(cfg, p.name).values())
+    return bool(cfg.freeze) and any(leaf.role == roles.FROZEN for p in parts(cfg)
+                                    for leaf in leaves(cfg, p.name).values())
 
 
 def trained_only(cfg: ModelConfig, params):

@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +22,7 @@ import transformers
 import hf_models
 import mtjax
 import mtjax.store
-from mtjax import model, moe, parts, roles, treepath
+from mtjax import model, parts, roles, treepath
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.layers import registry
 from mtjax.model_config import ConfigError, ModelConfig
@@ -42,8 +40,8 @@ def _router_case(version: str):
     """(transformers router, hidden rows [T, d]) with group 3 never chosen: its experts'
     logits are about -8 on every row (a constant feature the other experts ignore), and
     V3's bias for them lower than the others'."""
-    common = dict(hidden_size=24, num_attention_heads=4, n_routed_experts=EXPERTS, n_group=GROUPS, topk_group=KEPT_GROUPS,
-                  num_experts_per_tok=K, routed_scaling_factor=1.7)
+    common = dict(hidden_size=24, num_attention_heads=4, n_routed_experts=EXPERTS, n_group=GROUPS,
+                  topk_group=KEPT_GROUPS, num_experts_per_tok=K, routed_scaling_factor=1.7)
     torch.manual_seed(0)
     if version == "v3":
         router = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(
@@ -191,3 +189,40 @@ def test_cached_greedy_decoding_equals_transformers_generate(family, overrides, 
                                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert sampler.generate(prompt, 10, temperature=0) == want, prompt
         assert len(set(want)) > 1  # varied output, so a wrong cache or position shows
+
+
+@pytest.mark.slow  # two tiny transformers checkpoints
+def test_the_multi_token_prediction_layer_is_left_out_with_one_line(tmp_path, capsys):
+    """The hub's V3 and R1 hold a layer past num_hidden_layers (model.layers.61): mtjax
+    leaves it out, saying so in one line; a V2 checkpoint with one is refused."""
+    from safetensors.numpy import load_file, save_file
+
+    from mtjax import hf
+
+    for family in ("deepseek_v3", "deepseek_v2"):
+        ckpt, _ = hf_models.checkpoint(tmp_path / family, family, num_key_value_heads=4)
+        file = ckpt / hf.SINGLE_FILE
+        tensors = load_file(str(file))
+        _, plain = mtjax.load_params(ckpt)
+        capsys.readouterr()
+        mtp = {f"model.layers.2.{n}": np.ones((4, 4), np.float32) for n in ("eh_proj.weight", "enorm.weight")}
+        save_file({**tensors, **mtp}, str(file), metadata={"format": "pt"})
+        if family == "deepseek_v2":
+            with pytest.raises(hf.CheckpointError, match="unexpected: model.layers.2.eh_proj.weight"):
+                mtjax.load_params(ckpt)
+            continue
+        _, params = mtjax.load_params(ckpt)
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert len(lines) == 1 and "layers 2 are its multi-token-prediction module" in lines[0]
+        assert "(2 tensors): left out" in lines[0]
+        for (name, a), b in zip(treepath.flatten(params).items(), treepath.flatten(plain).values()):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+def test_the_planner_prices_latent_attention_by_its_own_widths():
+    """Useful work: QK^T at qk_nope + rope (10) and AV at v (6) per head over the causal
+    half; executed: both at the padded width (10) over every key."""
+    spec = TINY_V3.layer_specs[0]
+    entry = registry.mixer(spec)
+    assert entry.flops(TINY_V3, spec, 2, 8, executed=False) == 2.0 * 2 * 8 * 4 * (10 + 6) * 4.5
+    assert entry.flops(TINY_V3, spec, 2, 8, executed=True) == 2.0 * 2 * 8 * 4 * 20 * 8

@@ -71,8 +71,9 @@ CASES = [
     Case("deepseek-v3-yarn", "deepseek_v3", dict(num_hidden_layers=3, num_key_value_heads=4, rope_parameters=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=32, mscale=0.9, mscale_all_dim=0.7,
         rope_theta=10000.0)), (1, 2), shared=24, aux=False),
-    Case("deepseek-v3-rotate-half", "deepseek_v3", dict(num_key_value_heads=4, rope_interleave=False, n_shared_experts=2,
-                                                        norm_topk_prob=False, routed_scaling_factor=1.7),
+    Case("deepseek-v3-rotate-half", "deepseek_v3", dict(num_key_value_heads=4, rope_interleave=False,
+                                                        n_shared_experts=2, norm_topk_prob=False,
+                                                        routed_scaling_factor=1.7),
          (1,), shared=48, aux=False),
     Case("deepseek-v2-grouped", "deepseek_v2", dict(num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None,
                                                     topk_method="group_limited_greedy", routed_scaling_factor=1.5),

@@ -8,6 +8,8 @@ summed width, `shared_experts` in the checkpoint), routed group-limited
 (`topk_method` "greedy" is one group). As transformers computes them: no load-balancing
 loss is added, V2 ignores `norm_topk_prob`, RoPE turns interleaved pairs (V3 where
 `rope_interleave` says, V2 always), and the latents' norms use epsilon 1e-6.
+V3 checkpoints' multi-token-prediction layer (model.layers.61 of the hub's V3 and R1) is
+left out on import with one line (`Family.trailing_layers`).
 `num_key_value_heads` is kept as written (transformers needs it equal to the heads) and
 read by nothing: every head has its own keys and values, expanded from the latent.
 """
@@ -53,7 +55,8 @@ def _to_hf(cfg) -> dict:
                 q_lora_rank=cfg.q_lora_rank or None, kv_lora_rank=cfg.kv_lora_rank,
                 qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim,
                 n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-                moe_intermediate_size=width, n_shared_experts=cfg.shared_expert_intermediate_size // width if width else 0,
+                moe_intermediate_size=width,
+                n_shared_experts=cfg.shared_expert_intermediate_size // width if width else 0,
                 routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group, topk_group=cfg.topk_group,
                 first_k_dense_replace=min(cfg.moe_layers) if cfg.moe_layers else cfg.num_hidden_layers)
 
@@ -72,10 +75,12 @@ def v3_to_hf(cfg) -> dict:
 def v2_from_hf(hf: dict) -> dict:
     method = hf.get("topk_method", "greedy")
     if method not in ("greedy", "group_limited_greedy"):
-        raise ConfigError(f"topk_method {method!r} is not supported for deepseek_v2; use greedy or group_limited_greedy")
+        raise ConfigError(f"topk_method {method!r} is not supported for deepseek_v2; "
+                          "use greedy or group_limited_greedy")
     grouped = method == "group_limited_greedy"
     # V2's router ignores norm_topk_prob: the key stays in extra_hf, read by nothing.
-    return dict(_fields(hf, frozenset({"topk_method"})), n_group=int(hf["n_group"]) if grouped else 1, topk_group=int(hf["topk_group"]) if grouped else 1)
+    return dict(_fields(hf, frozenset({"topk_method"})), n_group=int(hf["n_group"]) if grouped else 1,
+                topk_group=int(hf["topk_group"]) if grouped else 1)
 
 
 def v2_to_hf(cfg) -> dict:
@@ -109,4 +114,5 @@ register(Family("deepseek_v2", "DeepseekV2ForCausalLM", v2_from_hf, v2_to_hf,
                 validate=validate, layer_specs=layer_specs, checkpoint_names=checkpoint_names))
 register(Family("deepseek_v3", "DeepseekV3ForCausalLM", v3_from_hf, v3_to_hf,
                 defaults={"moe_router": "sigmoid_group_topk", "rope_interleaved": True},
-                validate=validate, layer_specs=layer_specs, checkpoint_names=checkpoint_names))
+                validate=validate, layer_specs=layer_specs, checkpoint_names=checkpoint_names,
+                trailing_layers="multi-token-prediction module (num_nextn_predict_layers)"))

@@ -123,10 +123,12 @@ class LatentAttentionModule(nnx.Module):
 
 def flops(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, executed: bool = True) -> float:
     """QK^T over qk_nope_head_dim + head_dim and AV over v_head_dim per head and (query,
-    key) pair; `executed`: every query against every key, else the causal half."""
-    keys = seq if executed else (seq + 1) / 2
-    width = cfg.qk_nope_head_dim + cfg.head_dim + cfg.v_head_dim
-    return 2.0 * batch * seq * cfg.num_attention_heads * width * keys
+    key) pair; `executed`: every query against every key, both products at the padded
+    width the kernels run (`_attend`), else the causal half at the true widths."""
+    qk = cfg.qk_nope_head_dim + cfg.head_dim
+    if executed:
+        return 2.0 * batch * seq * cfg.num_attention_heads * 2 * max(qk, cfg.v_head_dim) * seq
+    return 2.0 * batch * seq * cfg.num_attention_heads * (qk + cfg.v_head_dim) * (seq + 1) / 2
 
 
 def latent_cache(cfg: ModelConfig, spec: LayerSpec, batch: int, length: int) -> dict:
