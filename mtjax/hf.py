@@ -9,7 +9,8 @@ stacked experts of a family with `stacked_experts` (Llama 4) are many:
 `experts.down_proj` [E, f, d] their down kernels, which mtjax keeps one array each
 (`to_mtjax` splits them, `to_hf` joins them back, bit for bit). The loader reads one
 tensor at a time from memory-mapped safetensors files, so the store importer reuses it
-with a peak memory of one tensor.
+with a peak memory of one tensor. FP8 weights (DeepSeek-V3 and R1 as the hub stores them,
+mtjax.fp8) are dequantized as they are read, their `weight_scale_inv` tensors consumed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from mtjax import model, textfile
+from mtjax import fp8, model, textfile
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig, differences, load_hf_config, to_hf_dict
 
@@ -154,6 +155,7 @@ class SafetensorsReader:
             for key in handle.keys():
                 self._where[key] = (name, key)
         self.left_out = self._language_model_only()
+        self._scales = self._fp8_scales()
 
     def _language_model_only(self) -> list[str]:
         """In a multimodal checkpoint, name the language model's tensors as a text-only
@@ -172,6 +174,16 @@ class SafetensorsReader:
         self._where = text
         return sorted(left_out)
 
+    def _fp8_scales(self) -> dict[str, tuple[str, str]]:
+        """{weight name: (file, key) of its weight_scale_inv} of the FP8 weights (mtjax.fp8),
+        their scales taken out of the names: reading such a weight dequantizes it."""
+        scales = {}
+        for name in [n for n in self._where if n.endswith(fp8.SCALE_SUFFIX)]:
+            weight = name.removesuffix(fp8.SCALE_SUFFIX)
+            if weight in self._where and self._slice(weight).get_dtype() == fp8.DTYPE:
+                scales[weight] = self._where.pop(name)
+        return scales
+
     def names(self) -> list[str]:
         return list(self._where)
 
@@ -183,13 +195,18 @@ class SafetensorsReader:
         return tuple(self._slice(name).get_shape())
 
     def dtype(self, name: str) -> str:
-        return self._slice(name).get_dtype()
+        """The dtype `read` gives, as safetensors names it (an FP8 weight's: F32)."""
+        return "F32" if name in self._scales else self._slice(name).get_dtype()
 
     def read(self, name: str) -> np.ndarray:
         file, key = self._where[name]
         try:
+            if name in self._scales:  # e4m3 times its blocks' scales
+                scale_file, scale_key = self._scales[name]
+                scale = self._handles[scale_file].get_tensor(scale_key)
+                return fp8.dequantize(fp8.raw(self.dir / file, key), scale)
             return self._handles[file].get_tensor(key)
-        except SafetensorError as e:
+        except (SafetensorError, ValueError) as e:
             raise CheckpointError(f"tensor {name} in {self.dir} is unreadable ({e}); the file may be truncated") from None
 
 

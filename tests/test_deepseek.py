@@ -226,3 +226,71 @@ def test_the_planner_prices_latent_attention_by_its_own_widths():
     entry = registry.mixer(spec)
     assert entry.flops(TINY_V3, spec, 2, 8, executed=False) == 2.0 * 2 * 8 * 4 * (10 + 6) * 4.5
     assert entry.flops(TINY_V3, spec, 2, 8, executed=True) == 2.0 * 2 * 8 * 4 * 20 * 8
+
+
+def _quantized(weight: torch.Tensor):
+    """(e4m3 weight, weight_scale_inv) of an fp32 weight in blocks of 128 x 128, as the
+    hub's V3 stores it: each block scaled by its largest magnitude over e4m3's 448."""
+    rows, cols = weight.shape
+    padded = torch.nn.functional.pad(weight, (0, -cols % 128, 0, -rows % 128))
+    blocks = padded.unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
+    scale = blocks.abs().amax(dim=(1, 3)) / 448.0  # [row blocks, col blocks]
+    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+    return (weight / full).to(torch.float8_e4m3fn), scale
+
+
+def test_fp8_weights_are_read_as_transformers_dequantizes_them(tmp_path):
+    """An e4m3 weight of 300 x 260 (blocks cut short on both axes) beside its scales, and a
+    bf16 one: the reader names the weights only and reads the FP8 one as transformers'
+    own dequantization gives it, bit for bit."""
+    from safetensors.torch import save_file
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    from mtjax import hf
+
+    torch.manual_seed(0)
+    weight, scale = _quantized(torch.randn(300, 260))
+    plain = torch.randn(5, 7).to(torch.bfloat16)
+    save_file({"a.weight": weight, "a.weight_scale_inv": scale, "b.weight": plain}, str(tmp_path / hf.SINGLE_FILE))
+    reader = hf.SafetensorsReader(tmp_path)
+    assert sorted(reader.names()) == ["a.weight", "b.weight"] and reader.dtype("a.weight") == "F32"
+    want = _dequantize_fp8_weight(weight, scale, [128, 128], torch.float32).numpy()
+    got = reader.read("a.weight")
+    assert got.dtype == np.float32 and not np.array_equal(got, weight.float().numpy())  # the scales were applied
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(reader.read("b.weight").astype(np.float32), plain.float().numpy())
+
+
+@pytest.mark.slow  # a tiny transformers checkpoint
+def test_an_fp8_checkpoint_imports_dequantized_and_exports_unquantized(tmp_path):
+    """A tiny V3 whose projections and experts are stored FP8 with quantization_config
+    set, as the hub's: its params are the dequantized weights, and the export's
+    config.json has no quantization_config."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from mtjax import hf
+
+    ckpt, _ = hf_models.checkpoint(tmp_path, "deepseek_v3", num_key_value_heads=4)
+    tensors = load_file(str(ckpt / hf.SINGLE_FILE))
+    stored = {}
+    for name, t in tensors.items():
+        if t.ndim == 2 and (".self_attn." in name or ".experts." in name):
+            stored[name], stored[name + "_scale_inv"] = _quantized(t)
+        else:
+            stored[name] = t
+    save_file(stored, str(ckpt / hf.SINGLE_FILE), metadata={"format": "pt"})
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": [128, 128]}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    cfg, params = mtjax.load_params(ckpt)
+    assert "quantization_config" not in dict(cfg.extra_hf)
+    reader = hf.SafetensorsReader(ckpt)
+    quantized = [n for n in stored if n.endswith("_scale_inv")]
+    assert len(quantized) > 20
+    for spec in hf.layout(cfg):
+        np.testing.assert_array_equal(hf.from_tree(spec, params), reader.read(spec.hf_name), err_msg=spec.hf_name)
+    mtjax.save_params(cfg, params, tmp_path / "out")
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())

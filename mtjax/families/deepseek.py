@@ -28,11 +28,17 @@ _KEYS = frozenset({
     "moe_intermediate_size", "n_shared_experts", "n_routed_experts", "routed_scaling_factor", "kv_lora_rank",
     "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "qk_head_dim", "n_group", "topk_group",
     "num_experts_per_tok", "first_k_dense_replace",
+    "quantization_config",  # FP8 weights are dequantized on import (mtjax.fp8): an export is not quantized
 })
 
 
 def _fields(hf: dict, known: frozenset) -> dict:
     """The fields both families read alike."""
+    quant = hf.get("quantization_config")
+    if quant and (quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3"
+                  or list(quant.get("weight_block_size") or ()) != [128, 128]):
+        raise ConfigError(f"quantization_config {quant} is not supported; mtjax reads FP8 e4m3 weights in blocks "
+                          "of 128 x 128 (DeepSeek-V3's) or unquantized ones")
     layers = int(hf["num_hidden_layers"])
     rope_dim = int(hf["qk_rope_head_dim"])
     fields = hf_config.read_common(hf, (FULL,) * layers, known=_KEYS | known, head_dim=rope_dim)
