@@ -9,7 +9,8 @@ stacked experts of a family with `stacked_experts` (Llama 4) are many:
 `experts.down_proj` [E, f, d] their down kernels, which mtjax keeps one array each
 (`to_mtjax` splits them, `to_hf` joins them back, bit for bit). The loader reads one
 tensor at a time from memory-mapped safetensors files, so the store importer reuses it
-with a peak memory of one tensor.
+with a peak memory of one tensor. FP8 weights (DeepSeek-V3 and R1 as the hub stores them,
+mtjax.fp8) are dequantized as they are read, their `weight_scale_inv` tensors consumed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from mtjax import lora, model, partid, parts, textfile
+from mtjax import fp8, lora, model, partid, parts, textfile
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig, differences, load_hf_config, to_hf_dict
 
@@ -156,6 +157,7 @@ class SafetensorsReader:
             for key in handle.keys():
                 self._where[key] = (name, key)
         self.left_out = self._language_model_only()
+        self._scales = self._fp8_scales()
 
     def _language_model_only(self) -> list[str]:
         """In a multimodal checkpoint, name the language model's tensors as a text-only
@@ -174,6 +176,16 @@ class SafetensorsReader:
         self._where = text
         return sorted(left_out)
 
+    def _fp8_scales(self) -> dict[str, tuple[str, str]]:
+        """{weight name: (file, key) of its weight_scale_inv} of the FP8 weights (mtjax.fp8),
+        their scales taken out of the names: reading such a weight dequantizes it."""
+        scales = {}
+        for name in [n for n in self._where if n.endswith(fp8.SCALE_SUFFIX)]:
+            weight = name.removesuffix(fp8.SCALE_SUFFIX)
+            if weight in self._where and self._slice(weight).get_dtype() == fp8.DTYPE:
+                scales[weight] = self._where.pop(name)
+        return scales
+
     def names(self) -> list[str]:
         return list(self._where)
 
@@ -185,13 +197,18 @@ class SafetensorsReader:
         return tuple(self._slice(name).get_shape())
 
     def dtype(self, name: str) -> str:
-        return self._slice(name).get_dtype()
+        """The dtype `read` gives, as safetensors names it (an FP8 weight's: F32)."""
+        return "F32" if name in self._scales else self._slice(name).get_dtype()
 
     def read(self, name: str) -> np.ndarray:
         file, key = self._where[name]
         try:
+            if name in self._scales:  # e4m3 times its blocks' scales
+                scale_file, scale_key = self._scales[name]
+                scale = self._handles[scale_file].get_tensor(scale_key)
+                return fp8.dequantize(fp8.raw(self.dir / file, key), scale)
             return self._handles[file].get_tensor(key)
-        except SafetensorError as e:
+        except (SafetensorError, ValueError) as e:
             raise CheckpointError(f"tensor {name} in {self.dir} is unreadable ({e}); the file may be truncated") from None
 
 
@@ -209,8 +226,14 @@ def check(cfg: ModelConfig, reader: SafetensorsReader) -> list[TensorSpec]:
     present = set(reader.names())
     # Tied checkpoints sometimes carry a redundant lm_head.weight: accept and ignore it.
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    trailing = sorted(n for n in present - set(expected) if _layer(n) >= cfg.num_hidden_layers) \
+        if cfg.family.trailing_layers else []
+    if trailing:
+        layers = sorted({_layer(n) for n in trailing})
+        print(f"mtjax: {reader.dir}: layers {', '.join(map(str, layers))} are its {cfg.family.trailing_layers} "
+              f"({len(trailing)} tensors): left out")
     missing = sorted(set(expected) - present)
-    unexpected = sorted(present - set(expected) - ignorable)
+    unexpected = sorted(present - set(expected) - ignorable - set(trailing))
     misshaped = sorted(
         f"{n} {reader.shape(n)} (expected {expected[n].shape})"
         for n in set(expected) & present if reader.shape(n) != expected[n].shape
@@ -223,6 +246,12 @@ def check(cfg: ModelConfig, reader: SafetensorsReader) -> list[TensorSpec]:
     if problems:
         raise CheckpointError(f"checkpoint {reader.dir} does not match its config: " + "; ".join(problems))
     return specs
+
+
+def _layer(name: str) -> int:
+    """The layer index of a `model.layers.N.` tensor name; -1 for other names."""
+    parts = name.split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit() else -1
 
 
 def set_path(tree, path: tuple, value) -> None:

@@ -8,7 +8,7 @@ Modules are Flax NNX (here and in mtjax.layers), but everything else sees plain 
 One block is a pure function of (block params, hidden states): `block_forward`. That
 list of per-block pytrees is the streaming unit of mtjax. A block's parts are built from
 its LayerSpec by the registry's entries (mtjax.layers.registry; the built-in kinds are
-in mtjax.layers.softmax and mtjax.layers.feedforward). A MoE block's MLP is a
+in mtjax.layers.softmax, mtjax.layers.latent and mtjax.layers.feedforward). A MoE block's MLP is a
 `SparseMoE` (routing and expert dispatch in mtjax.moe), whose router statistics
 `block_forward_stats` returns for the load-balancing loss. `abstract_block` describes one
 block's parameters as ShapeDtypeStructs, from which stores, byte budgets and staging
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtjax import documents, lora, rope, treepath
-from mtjax.layers import feedforward, registry, softmax  # noqa: F401 - these register the built-in kinds
+from mtjax import documents, lora, roles, rope, treepath
+from mtjax.layers import feedforward, latent, registry, softmax  # noqa: F401 - these register the built-in kinds
 from mtjax.layers.basic import LOW_DOT, Dense, RMSNorm, rms_norm
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
@@ -185,8 +185,14 @@ def abstract_params(cfg: ModelConfig) -> Params:
 
 
 def num_params(cfg: ModelConfig) -> int:
-    """How many parameters the model has (tied embeddings counted once)."""
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
+    """How many parameters the model has (tied embeddings counted once; buffers, such as
+    DeepSeek-V3's routing bias, are not parameters: mtjax.roles)."""
+    abstract = abstract_params(cfg)
+
+    def count(part: dict) -> int:
+        return sum(math.prod(x.shape) for n, x in treepath.flatten(part).items() if not roles.is_buffer(n))
+
+    return count(abstract["embed"]) + count(abstract["head"]) + sum(count(b) for b in abstract["blocks"])
 
 
 def inactive_params(cfg: ModelConfig, spec: LayerSpec) -> int:

@@ -35,7 +35,10 @@ SWITCHES = {"fused_projections": False, "rope_interleaved": False, "moe_router":
 NUMBER_RANGES = {"rope_theta": POSITIVE, "max_position_embeddings": AT_LEAST_1, "rms_norm_eps": POSITIVE,
                  "initializer_range": AT_LEAST_0, "sliding_window": AT_LEAST_1, "attention_chunk_size": AT_LEAST_1,
                  "num_experts": AT_LEAST_0, "num_experts_per_tok": AT_LEAST_0, "moe_intermediate_size": AT_LEAST_0,
-                 "shared_expert_intermediate_size": AT_LEAST_0, "router_aux_loss_coef": AT_LEAST_0}
+                 "shared_expert_intermediate_size": AT_LEAST_0, "router_aux_loss_coef": AT_LEAST_0,
+                 "n_group": AT_LEAST_1, "topk_group": AT_LEAST_1, "routed_scaling_factor": POSITIVE,
+                 "q_lora_rank": AT_LEAST_0, "kv_lora_rank": AT_LEAST_0, "qk_nope_head_dim": AT_LEAST_0,
+                 "v_head_dim": AT_LEAST_0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +89,17 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in the training loss
     moe_layers: tuple[int, ...] = ()  # indices of the MoE layers; the others are dense
+    # Grouped routing (DeepSeek): experts in n_group groups, each token's k picked from its
+    # topk_group best groups; the kept weights times routed_scaling_factor.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # Multi-head latent attention (DeepSeek V2/V3, mtjax.layers.latent): head_dim is the
+    # rotary part of each query and key head, qk_nope_head_dim the rest, v_head_dim the values'.
+    q_lora_rank: int = 0  # queries through a rank-q_lora_rank bottleneck with a norm; 0: one q_proj
+    kv_lora_rank: int = 0  # the latent every head's keys and values are expanded from
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
     # Llama 4: NoPE layers, chunked local attention, L2 q/k norm, NoPE temperature tuning.
     no_rope_layers: tuple[int, ...] = ()  # indices of the layers without RoPE
     attention_chunk_size: int | None = None  # chunked_attention layers: a query sees its own chunk's keys
@@ -175,6 +189,11 @@ class ModelConfig:
             if not set(self.moe_layers) <= set(range(self.num_hidden_layers)):
                 raise ConfigError(f"moe_layers {list(self.moe_layers)} name layers outside 0.."
                                   f"{self.num_hidden_layers - 1}")
+            if self.num_experts % self.n_group or self.topk_group > self.n_group \
+                    or self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+                raise ConfigError(f"n_group ({self.n_group}) must divide num_experts ({self.num_experts}), with "
+                                  f"topk_group ({self.topk_group}) <= n_group and num_experts_per_tok "
+                                  f"({self.num_experts_per_tok}) within the experts of topk_group groups")
 
     @functools.cached_property
     def layer_specs(self) -> tuple[LayerSpec, ...]:

@@ -283,3 +283,33 @@ def input_scaled_experts(x, weights, chosen, gate, up, down, ids=None, total: in
     rows = (jnp.repeat(x, k, axis=0).astype(jnp.float32) * weights.reshape(-1, 1)).astype(x.dtype)
     y = experts_forward(rows, jnp.ones((t * k, 1), jnp.float32), chosen.reshape(-1, 1), gate, up, down, ids, total=total)
     return jnp.sum(y.reshape(t, k, -1).astype(jnp.float32), axis=1).astype(x.dtype)
+
+
+def route_grouped(logits: jnp.ndarray, k: int, groups: int, kept_groups: int, scale: float,
+                  sigmoid: bool, normalize: bool, bias=None):
+    """DeepSeek's group-limited routing of logits [T, E] over `groups` equal groups of
+    experts: each token picks its k experts from its `kept_groups` best groups only.
+
+    sigmoid (V3): scores are the logits' sigmoids; a group's score is the sum of its two
+        best scores plus `bias` [E] (the correction bias, for choosing only: the weights
+        are the chosen experts' scores without it), renormalised to sum to 1 with
+        `normalize`.
+    softmax (V2): scores are the softmax over all experts; a group's score is its best
+        one; the weights are the chosen scores.
+    Either way the weights are then multiplied by `scale` (routed_scaling_factor).
+    Returns (weights [T, k] fp32, chosen experts [T, k], the scores [T, E] fp32 for the
+    router statistics)."""
+    logits = logits.astype(jnp.float32)
+    scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)
+    choice = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    t, e = choice.shape
+    grouped = choice.reshape(t, groups, e // groups)
+    group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1) if sigmoid else jnp.max(grouped, axis=-1)
+    _, best = jax.lax.top_k(group_score, kept_groups)
+    kept = jnp.zeros((t, groups), bool).at[jnp.arange(t)[:, None], best].set(True)
+    kept = jnp.repeat(kept, e // groups, axis=-1)
+    _, chosen = jax.lax.top_k(jnp.where(kept, choice, -jnp.inf), k)
+    weights = jnp.take_along_axis(scores, chosen, axis=-1)
+    if normalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scale, chosen, scores

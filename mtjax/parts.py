@@ -108,6 +108,12 @@ def trained_params(cfg: ModelConfig) -> int:
                if leaf.role == roles.TRAINED)
 
 
+def frozen_leaves_any(cfg: ModelConfig) -> bool:
+    """Whether any leaf of the model is frozen (by `model.freeze` or under LoRA adapters;
+    buffers aside: they have masters)."""
+    return any(leaf.role == roles.FROZEN for p in parts(cfg) for leaf in leaves(cfg, p.name).values())
+
+
 def trained_only(cfg: ModelConfig, params):
     """A model-layout params pytree (mtjax.model) with every leaf that is not trained
     replaced by None: what the whole-model gradient and optimizer state cover."""

@@ -34,11 +34,13 @@ TRAINED, FROZEN, BUFFER = "trained", "frozen", "buffer"
 ROLES = (TRAINED, FROZEN, BUFFER)
 HAS_MASTER = (TRAINED, BUFFER)  # the roles with fp32 master weights in the store
 
-# Declared buffers: {leaf name glob: rule}. None today; DeepSeek-V3's routing bias will be
-# the first (its rule reads the step's expert loads). No rule runs yet: the update
+# Declared buffers: {leaf name glob: rule}. DeepSeek-V3's routing bias is the first: used
+# by its router to choose experts (mtjax.moe.route_grouped), never differentiated. No
+# rule runs yet (None: the bias stays as imported, i.e. frozen; DeepSeek's aux-loss-free
+# update, which reads the step's expert loads, is not written): the update
 # (mtjax.stream.update.PartUpdate) passes a buffer's master through unchanged, and that
 # is where a rule mapping (part, {leaf: old master}) to the new master plugs in.
-BUFFER_RULES: dict = {}
+BUFFER_RULES: dict = {"mlp.gate.e_score_correction_bias": None}
 
 _RANGE = re.compile(r"^block\.(\d+)-(\d+)$")
 _PART = re.compile(r"^[A-Za-z0-9_.*?\[\]-]+$")  # a part name, a block range or a glob
@@ -63,9 +65,14 @@ def matches(pattern: str, part: str, leaf: str) -> bool:
     return _part_matches(selector, part) and fnmatch.fnmatchcase(leaf, leaf_glob)
 
 
+def is_buffer(leaf: str) -> bool:
+    """Whether a leaf (its dotted name in its part) is a declared buffer: not a parameter."""
+    return any(fnmatch.fnmatchcase(leaf, glob) for glob in BUFFER_RULES)
+
+
 def role(cfg, part: str, leaf: str) -> str:
     """The role of leaf `leaf` of part `part` of a model config (a ModelConfig)."""
-    if any(fnmatch.fnmatchcase(leaf, glob) for glob in BUFFER_RULES):
+    if is_buffer(leaf):
         return BUFFER
     if any(matches(p, part, leaf) for p in cfg.freeze):
         return FROZEN

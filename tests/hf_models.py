@@ -1,7 +1,8 @@
 """Tiny random Hugging Face models of every supported family, built offline.
 
 Every 1-D parameter (norm weights, biases) is perturbed away from its initial value so
-that a missing bias or norm in mtjax shows up as a mismatch.
+that a missing bias or norm in mtjax shows up as a mismatch, and so is DeepSeek-V3's
+routing bias (a buffer), so that routing without it picks other experts.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ FAMILIES = {
     "gemma3": _gemma3_multimodal,
     "llama4_text": transformers.Llama4TextConfig,
     "llama4": _llama4_multimodal,
+    "deepseek_v2": transformers.DeepseekV2Config,
+    "deepseek_v3": transformers.DeepseekV3Config,
 }
 # What mtjax calls each family's model (a multimodal checkpoint is imported as its text model).
 MODEL_TYPE = {**{f: f for f in FAMILIES}, "gemma3": "gemma3_text", "llama4": "llama4_text"}
@@ -105,6 +108,12 @@ def hf_config(family: str, **overrides):
         # Odd on purpose: a scale of head_dim ** -0.5 or a window of 4096 would pass unseen.
         kwargs.setdefault("query_pre_attn_scalar", 5)
         kwargs.setdefault("sliding_window", 5)
+    if family.startswith("deepseek"):  # latent attention: odd widths, the rotary part head_dim 8
+        kwargs = dict(dict(kv_lora_rank=12, qk_rope_head_dim=8, qk_nope_head_dim=6, v_head_dim=10,
+                           moe_intermediate_size=24, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=2,
+                           first_k_dense_replace=1, n_group=4, topk_group=2), **kwargs)
+        if family == "deepseek_v3":
+            kwargs.setdefault("q_lora_rank", 14)
     if family == "phi3":  # its defaults name token ids beyond this vocabulary
         kwargs = dict(bos_token_id=1, eos_token_id=2, pad_token_id=None, **kwargs)
     return FAMILIES[family](**kwargs)
@@ -122,6 +131,9 @@ def build(family: str, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # DeepSeek-V3's routing bias: enough to change picks
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.3 * torch.randn_like(b))
     return model.eval()
 
 

@@ -131,6 +131,10 @@ KNOWN_SIZES = {  # parameters of the real models the shipped shapes copy
     "mixtral-8x7b-plan.yaml": 46_702_792_704,
     "qwen3-30b-a3b-plan.yaml": 30_532_122_624,
     "qwen3-235b-a22b-plan.yaml": 235_093_634_560,
+    # 671_026_404_352 parameters (the multi-token-prediction layer left out) and the 58 MoE
+    # layers' routing biases, 256 each: buffers, but leaves (counted here)
+    "deepseek-v3-plan.yaml": 671_026_419_200,
+    "deepseek-coder-v2-lite-plan.yaml": 15_706_484_224,
 }
 
 

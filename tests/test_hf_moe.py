@@ -63,6 +63,21 @@ CASES = [
                                             moe_layers=[0, 2], interleave_moe_layer_step=2, no_rope_layers=[1, 0, 0],
                                             attention_chunk_size=5, router_aux_loss_coef=0.05),
          (0, 2), k=1, shared=56, aux=False),
+    # DeepSeek: latent attention, the first layer dense, 16 experts in 4 groups of which each
+    # token's 2 come from its best 2, a shared expert, no load-balancing term. V3: sigmoid
+    # scores with the (perturbed) correction bias, a q bottleneck, yarn with mscale folded
+    # into the softmax scale, or RoPE over halves, two shared experts, weights not
+    # renormalised; V2: softmax, plain q_proj, scaled weights.
+    Case("deepseek-v3-yarn", "deepseek_v3", dict(num_hidden_layers=3, num_key_value_heads=4, rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32, mscale=0.9, mscale_all_dim=0.7,
+        rope_theta=10000.0)), (1, 2), shared=24, aux=False),
+    Case("deepseek-v3-rotate-half", "deepseek_v3", dict(num_key_value_heads=4, rope_interleave=False,
+                                                        n_shared_experts=2, norm_topk_prob=False,
+                                                        routed_scaling_factor=1.7),
+         (1,), shared=48, aux=False),
+    Case("deepseek-v2-grouped", "deepseek_v2", dict(num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None,
+                                                    topk_method="group_limited_greedy", routed_scaling_factor=1.5),
+         (1, 2), shared=24, aux=False),
 ]
 
 
@@ -92,6 +107,9 @@ def case(request, tmp_path_factory) -> tuple[Case, Result]:
         out = torch_model(input_ids=ids, labels=ids, output_router_logits=True)
         out.loss.backward()
         grads = hf_models.hub_names(c.family, {n: p.grad.numpy().copy() for n, p in torch_model.named_parameters()})
+        # A buffer the checkpoint holds (DeepSeek-V3's routing bias) has no gradient: zero.
+        grads.update({n: np.zeros(b.shape, np.float32) for n, b in torch_model.state_dict().items()
+                      if n.endswith("e_score_correction_bias")})
         cfg, params = mtjax.load_params(ckpt)
         _RESULTS[c.id] = Result(cfg, params, tokens, torch_model, out.logits.detach().numpy(), out.loss.item(), grads,
                                 [r.detach().numpy() for r in out.router_logits], ckpt)

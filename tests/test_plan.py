@@ -243,6 +243,7 @@ def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     ("mixtral-8x7b-plan.yaml", "compute=ram,master=ram,opt=ram"),
     ("qwen3-30b-a3b-plan.yaml", "compute=ram,master=ram,opt=ram"),
     ("qwen3-235b-a22b-plan.yaml", "compute=ram,master=ram,opt=disk"),
+    ("deepseek-coder-v2-lite-plan.yaml", "compute=ram,master=ram,opt=ram"),
 ])
 def test_shipped_plan_experiments_plan(name, placement, capsys):
     assert cli.main(["plan", str(ROOT / "experiments" / name), "--hardware", "h200"]) == 0

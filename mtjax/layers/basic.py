@@ -107,12 +107,13 @@ class Dense(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm with fp32 statistics, as transformers computes it (see `rms_norm`)."""
+    """RMSNorm with fp32 statistics, as transformers computes it (see `rms_norm`); `eps`:
+    where not the config's rms_norm_eps."""
 
-    def __init__(self, dim: int, cfg: ModelConfig):
+    def __init__(self, dim: int, cfg: ModelConfig, eps: float | None = None):
         # Gemma's (1 + w) norms start at w = 0, the others' w at 1: both the identity scale.
         self.weight = nnx.Param(jnp.full((dim,), 0.0 if cfg.rms_norm_offset else 1.0, jnp.float32))
-        self.eps, self.offset = cfg.rms_norm_eps, cfg.rms_norm_offset
+        self.eps, self.offset = cfg.rms_norm_eps if eps is None else eps, cfg.rms_norm_offset
 
     def __call__(self, x):
         return rms_norm(x, self.weight[...], self.eps, self.offset)

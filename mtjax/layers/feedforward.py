@@ -2,9 +2,11 @@
 
 Their registry entries: the dense MLP ("dense") and the mixture of experts ("moe",
 routing and expert dispatch in mtjax.moe) with its routers: "softmax_topk" (top-k of the
-softmax, renormalised with norm_topk_prob) and "sigmoid_topk" (Llama 4: top-k of the
-logits, each kept one's sigmoid scaling its expert's input). Each expert is a module of
-its own, so the store holds every expert's weights as separate arrays.
+softmax, renormalised with norm_topk_prob), "sigmoid_topk" (Llama 4: top-k of the
+logits, each kept one's sigmoid scaling its expert's input), and DeepSeek's group-limited
+ones (mtjax.moe.route_grouped): "sigmoid_group_topk" (V3: sigmoid scores, chosen with a
+correction bias) and "softmax_group_topk" (V2). Each expert is a module of its own, so
+the store holds every expert's weights as separate arrays.
 """
 
 from __future__ import annotations
@@ -48,6 +50,20 @@ class MLP(nnx.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class RouterGate(Dense):
+    """The router's projection to one logit per expert, with the router kind's correction
+    bias [E] (`e_score_correction_bias`, zeros at first) where it keeps one."""
+
+    def __init__(self, cfg: ModelConfig, correction_bias: bool, rngs: nnx.Rngs):
+        super().__init__(cfg.hidden_size, cfg.num_experts, False, cfg, rngs)
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32)) \
+            if correction_bias else None
+
+    def correction(self):
+        """The correction bias, or None."""
+        return None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
+
+
 EXPERT_KERNELS = ("gate_proj", "up_proj", "down_proj")  # each expert's, in moe.experts_forward's order
 
 
@@ -59,7 +75,7 @@ class SparseMoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, rngs: nnx.Rngs):
         spec = spec.feed_forward
         self.cfg, self.router = cfg, registry.router(spec.router)
-        self.gate = Dense(cfg.hidden_size, cfg.num_experts, False, cfg, rngs)
+        self.gate = RouterGate(cfg, self.router.correction_bias, rngs)
         self.experts = nnx.List([MLP(cfg, rngs, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)])
         shared = cfg.shared_expert_intermediate_size
         self.shared_expert = MLP(cfg, rngs, shared) if shared else None
@@ -73,7 +89,7 @@ class SparseMoE(nnx.Module):
     def before_experts(self, flat):
         """Token rows [T, d] -> (kept weights [T, k] fp32, chosen experts [T, k], router
         statistics, the shared expert's output [T, d]: zeros without one)."""
-        weights, chosen, probs = self.router.route(self.cfg, self.gate(flat))
+        weights, chosen, probs = self.router.route(self.cfg, self.gate(flat), self.gate.correction())
         return weights, chosen, moe.router_stats(probs, chosen), self.shared(flat)
 
     def routed(self, flat, weights, chosen, kernels=None, ids=None):
@@ -135,7 +151,21 @@ registry.register_feed_forward(DenseMLP.kind, registry.FeedForwardKind(
 registry.register_feed_forward(MoE.kind, registry.FeedForwardKind(
     module=SparseMoE, flops=_moe_flops, inactive_params=_moe_inactive, split_points=("experts",)))
 registry.register_router("softmax_topk", registry.RouterKind(
-    route=lambda cfg, logits: moe.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob),
+    route=lambda cfg, logits, bias: moe.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob),
     experts=moe.experts_forward))
 registry.register_router("sigmoid_topk", registry.RouterKind(
-    route=lambda cfg, logits: moe.route_sigmoid(logits, cfg.num_experts_per_tok), experts=moe.input_scaled_experts))
+    route=lambda cfg, logits, bias: moe.route_sigmoid(logits, cfg.num_experts_per_tok),
+    experts=moe.input_scaled_experts))
+
+
+def _grouped(sigmoid: bool):
+    def route(cfg: ModelConfig, logits, bias):
+        return moe.route_grouped(logits, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                                 cfg.routed_scaling_factor, sigmoid, cfg.norm_topk_prob, bias)
+    return route
+
+
+registry.register_router("sigmoid_group_topk", registry.RouterKind(
+    route=_grouped(sigmoid=True), experts=moe.experts_forward, correction_bias=True))
+registry.register_router("softmax_group_topk", registry.RouterKind(
+    route=_grouped(sigmoid=False), experts=moe.experts_forward))

@@ -70,13 +70,18 @@ class FeedForwardKind:
 class RouterKind:
     """How a mixture of experts routes and weighs.
 
-    route(cfg, logits [T, E]) -> (kept weights [T, k], chosen experts [T, k], probabilities [T, E]).
+    route(cfg, logits [T, E], bias) -> (kept weights [T, k], chosen experts [T, k],
+        probabilities [T, E]); `bias` is the router's correction bias [E] where it has
+        one, else None.
     experts(x, weights, chosen, gate, up, down, ids, total): the chosen experts' weighted
         sum over rows x [T, d] (mtjax.moe.experts_forward's arguments).
+    correction_bias: the router keeps a per-expert bias for choosing experts, the leaf
+        `mlp.gate.e_score_correction_bias` [E]: a buffer (mtjax.roles), never trained.
     """
 
     route: Callable
     experts: Callable
+    correction_bias: bool = False
 
 
 MIXERS: dict[str, MixerKind] = {}

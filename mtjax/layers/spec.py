@@ -42,6 +42,20 @@ class SoftmaxAttention:
 
 
 @dataclasses.dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek V2/V3, mtjax.layers.latent): every head's keys
+    and values expanded from one low-rank latent per token plus one shared rotary key,
+    causal over all earlier tokens; the sizes are the config's (q_lora_rank, kv_lora_rank,
+    qk_nope_head_dim, head_dim as the rotary part, v_head_dim)."""
+
+    kind: ClassVar[str] = "latent_attention"
+
+    @property
+    def label(self) -> str:
+        return "latent_attention"
+
+
+@dataclasses.dataclass(frozen=True)
 class DenseMLP:
     """The gated MLP of the config's intermediate_size and hidden_act."""
 

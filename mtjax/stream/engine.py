@@ -127,7 +127,7 @@ class StreamEngine:
             stream = dataclasses.replace(stream, resident="none")  # every part's state is split over the hosts
         self.hosts = hosts
         parts_mod.check_roles(cfg)
-        if parts_mod.frozen_any(cfg):
+        if parts_mod.frozen_leaves_any(cfg):  # buffers have masters: every tier and split block takes them
             _check_frozen(cfg, store_config, hosts)
         self.cfg, self.options, self.step_count = cfg, stream, step
         self.update = update_for(cfg, optim) if tx is None else PartUpdate(cfg, tx)

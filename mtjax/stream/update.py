@@ -91,7 +91,11 @@ class PartUpdate:
         buffers = {n: a for n, a in master.items() if n not in grads}
         if buffers:
             master = {n: a for n, a in master.items() if n in grads}
+            kept = {n: c for n, c in (compute or {}).items() if n in buffers}  # their compute copies stay too
+            compute = None if compute is None else {n: c for n, c in compute.items() if n not in buffers}
             new_master, new_opt, new_compute = self(part, master, opt, compute, grads, scale, own, copy)
+            if new_compute is not None:
+                new_compute = {**(kept or self.policy.to_compute(buffers)), **new_compute}
             return {**buffers, **new_master}, new_opt, new_compute
         if self.fused is not None:
             return self._fused(master, opt, compute or {}, grads, scale, own, copy, rank)
