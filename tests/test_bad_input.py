@@ -200,6 +200,13 @@ def test_settings_that_cannot_be_meant(work):
             ([*train, "--optim.weight_decay=-0.1"], "optim.weight_decay must be >= 0, got -0.1"),
             ([*train, "--model.freeze=block.99"], "model.freeze pattern 'block.99' names no leaf of this model"),
             ([*train, "--model.freeze=*"], "model.freeze freezes every leaf: nothing is left to train"),
+            ([*train, "--model.base_format=int4"], "model.base_format must be one of compute, int8, nf4, got 'int4'"),
+            ([*train, "--model.base_format=nf4"], "model.base_format nf4 applies to frozen 2-D kernels of blocks, and "
+                                                  "model.freeze freezes none"),
+            ([*train, "--model.freeze=block.*/*.kernel", "--model.base_format=int8", "--stream.engine=reference"],
+             "model.base_format int8 needs stream.engine=stream"),
+            (["import", "ckpt", "q", "--base-format", "nf4", "--freeze", "embed"], "model.base_format nf4 applies to "
+                                                                                   "frozen 2-D kernels of blocks"),
             (["train", "--model.checkpoint=ckpt", "--model.num_hidden_layers=3", "--run.dir=r2", "--data.dataset=ds",
               "--data.seq_len=32"], "the architecture comes from model.checkpoint ckpt, and the experiment also sets "
                                     "num_hidden_layers 2 -> 3 (its -> yours)"),

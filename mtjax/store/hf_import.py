@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtjax import hf, partid, textfile
+from mtjax import hf, partid, parts, textfile
 from mtjax.errors import MtjaxError
 from mtjax.model_config import load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
@@ -66,17 +66,20 @@ def _check_dtypes(cfg, reader: hf.SafetensorsReader, specs) -> None:
 
 
 def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "bfloat16", tx=None,
-              progress=None, copies: int = 2) -> Path:
+              progress=None, copies: int = 2, freeze: tuple[str, ...] = (), base_format: str = "compute") -> Path:
     """Convert the checkpoint in `hf_dir` into a new store at `store_dir` (step 0).
 
     Master weights are the checkpoint's values in fp32 (exact for fp32/bf16/fp16 files),
     compute weights are cast to `compute_dtype`, optimizer state is `tx.init` (default
-    AdamW). The checkpoint's tokenizer files are kept in the store (mtjax.store.tokenizer).
-    `progress(part_name)` is called after each part.
+    AdamW). `freeze` (model.freeze patterns, mtjax.roles) freezes leaves: they keep their
+    compute copy only, the frozen 2-D kernels of blocks quantized to `base_format` (int8,
+    nf4: mtjax.quant) if it is not "compute". The checkpoint's tokenizer files are kept
+    in the store (mtjax.store.tokenizer). `progress(part_name)` is called after each part.
     """
     hf_dir = Path(hf_dir)
     try:
-        cfg = load_hf_config(hf_dir, compute_dtype=compute_dtype)
+        cfg = load_hf_config(hf_dir, compute_dtype=compute_dtype, freeze=tuple(freeze), base_format=base_format)
+        parts.check_roles(cfg)
         reader = hf.SafetensorsReader(hf_dir)
         hf.say_left_out(reader)
         specs = hf.check(cfg, reader)
