@@ -11,13 +11,15 @@ equals the reference trainer, and the bytes a step stages are the quantized ones
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 
 import numpy as np
 import pytest
 
 import mtjax.store
-from mtjax import cli, hf, model, parts, precision, quant, treepath
+from mtjax import cli, config, hf, model, parts, precision, quant, treepath
+from mtjax import run as run_lib
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.model_config import ConfigError, load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
@@ -255,3 +257,30 @@ def test_mtjax_import_base_format_writes_a_quantized_frozen_base(tmp_path, capsy
     assert cli.main(["import", str(ckpt), str(bad), "--base-format", "int8", "--freeze", "embed"]) == 2
     err = capsys.readouterr().err.strip()
     assert "freezes none" in err and "\n" not in err and not bad.exists()
+
+
+@pytest.mark.slow
+def test_a_run_trains_an_imported_nf4_store_leaving_its_base_as_imported(tmp_path):
+    """The README's path: `mtjax import --base-format nf4`, then `mtjax train` on that store
+    with the same freeze and base format; the quantized kernels come out byte-identical."""
+    ckpt = hf_models.checkpoint(tmp_path, "qwen2", vocab_size=300)[0]
+    store_dir = tmp_path / "store"
+    assert cli.main(["import", str(ckpt), str(store_dir), "--compute-dtype", "float32", "--base-format", "nf4"]) == 0
+    with mtjax.store.open(store_dir) as store:
+        before = store.read("block.1", "compute").result()
+        before = {n: np.array(a) for n, a in before.items()}
+    args = ["--data.seq_len=32", "--data.batch_size=2", "--run.eval_every=0", "--run.sample_prompt=",
+            "--optim.warmup_steps=0", "--stream.engine=stream", f"--model.hf_config={ckpt}",
+            "--model.compute_dtype=float32", f"--model.freeze={BASE[0]}", "--model.base_format=nf4",
+            f"--store.path={store_dir}", "--store.master=disk", "--store.opt=disk", f"--run.dir={tmp_path / 'run'}",
+            "--run.steps=2"]
+    summary = run_lib.train(config.load(None, args), io.StringIO())
+    assert np.isfinite(summary["first_loss"])
+    with mtjax.store.open(store_dir) as store:
+        assert store.step == 2
+        after = store.read("block.1", "compute").result()
+        master = store.read("block.1", "master").result()
+    for n, a in before.items():
+        if a.dtype == np.uint8:
+            np.testing.assert_array_equal(np.asarray(after[n]), a, err_msg=n)
+    assert any(not np.array_equal(np.asarray(after[n]), before[n]) for n in master)  # the rest trained
