@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import mtjax.store
-from mtjax import cli, config, hf, model, parts, precision, quant, treepath
+from mtjax import checkpoint, cli, config, generate, hf, model, parts, precision, quant, treepath
 from mtjax import run as run_lib
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.model_config import ConfigError, load_hf_config
@@ -28,6 +28,7 @@ from mtjax.reference import ReferenceTrainer
 from mtjax.store import store as store_mod
 from mtjax.store.errors import StoreError
 from mtjax.stream import StreamEngine
+from mtjax.stream.sample import StreamSampler
 
 import hf_models
 from conftest import ONE_KV_HEAD, tiny_config, token_batches
@@ -284,3 +285,10 @@ def test_a_run_trains_an_imported_nf4_store_leaving_its_base_as_imported(tmp_pat
         if a.dtype == np.uint8:
             np.testing.assert_array_equal(np.asarray(after[n]), a, err_msg=n)
     assert any(not np.array_equal(np.asarray(after[n]), before[n]) for n in master)  # the rest trained
+    # Sampling streamed from the store decodes the base as training did: the same greedy
+    # tokens as the in-memory loop over the store's weights (the base decoded on the host).
+    with mtjax.store.open(store_dir) as store:
+        params = checkpoint.read_params(store)
+        cfg = store.config
+        streamed = StreamSampler(store).generate([1, 2, 3], 6, temperature=0)
+    assert streamed == generate.generate(cfg, params, [1, 2, 3], 6, temperature=0)
