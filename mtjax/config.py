@@ -299,7 +299,8 @@ def model_config(exp: ExperimentConfig) -> ModelConfig:
     except TypeError as e:  # a ModelConfig rejecting a field combination
         raise ConfigError(f"model: {e}") from None
     parts.check_roles(cfg)  # model.freeze names leaves of this model (mtjax.roles)
-    if cfg.base_format != "compute" and exp.stream.engine == "reference":  # its commits would quantize the decoded base again
+    # The reference engine holds the base decoded, and its commits would quantize it again.
+    if cfg.base_format != "compute" and exp.stream.engine == "reference":
         raise ConfigError(f"model.base_format {cfg.base_format} needs stream.engine=stream: the reference engine holds "
                           "the whole model in device memory, its frozen base decoded")
     return cfg

@@ -174,7 +174,8 @@ def trained_master(cfg: ModelConfig, name: str) -> dict[str, jax.ShapeDtypeStruc
 def quantized_bytes(cfg: ModelConfig) -> tuple[int, int]:
     """(bytes of the quantized leaves' compute copies (mtjax.precision), the bytes they
     would take in the compute dtype): what a base format saves on each pass of the stream."""
-    specs = [leaf for p in parts(cfg) for leaf in leaves(cfg, p.name).values() if isinstance(leaf.compute, precision.Quantized)]
+    specs = [leaf for p in parts(cfg) for leaf in leaves(cfg, p.name).values()
+             if isinstance(leaf.compute, precision.Quantized)]
     return (sum(nbytes({leaf.name: leaf.compute.struct(leaf.shape)}) for leaf in specs),
             sum(math.prod(leaf.shape) * leaf.compute.dtype.itemsize for leaf in specs))
 

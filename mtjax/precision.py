@@ -186,7 +186,10 @@ class Policy:
 @functools.lru_cache(maxsize=64)
 def policy(cfg) -> Policy:
     """The precision policy of a model config (a ModelConfig)."""
-    return Policy(str(cfg.compute_dtype), cfg.base_format, lambda part, leaf: roles.role(cfg, part, leaf) == roles.FROZEN)
+    def frozen(part: str, leaf: str) -> bool:
+        return roles.role(cfg, part, leaf) == roles.FROZEN
+
+    return Policy(str(cfg.compute_dtype), cfg.base_format, frozen)
 
 
 def reference(src: np.ndarray, dtype) -> np.ndarray:

@@ -21,8 +21,8 @@ holds.
           weight. Nothing is transposed, so encode and decode are elementwise work.
 
 `encode(fmt, kernel)` and `decode(fmt, packed, shape, dtype)` are traceable; `to_host`
-and `from_host` run them on the CPU backend. tests/test_quant.py checks both formats against a numpy
-reference written from the QLoRA paper's definitions.
+and `from_host` run them on the CPU backend. tests/test_quant.py checks both formats
+against a numpy reference written from the QLoRA paper's definitions.
 """
 
 from __future__ import annotations
