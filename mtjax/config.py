@@ -283,7 +283,7 @@ class ExperimentConfig:
 # architecture): numerics, initialisation and loss weights, and the context, which rope
 # scaling extends. Every other field is the architecture, which the HF config gives: a
 # different value there is refused, not applied on top of it.
-BESIDE_HF_CONFIG = ("compute_dtype", "freeze", "param_dtype", "initializer_range", "router_aux_loss_coef",
+BESIDE_HF_CONFIG = ("compute_dtype", "base_format", "freeze", "param_dtype", "initializer_range", "router_aux_loss_coef",
                     "max_position_embeddings", "rope_scaling")
 
 
@@ -296,14 +296,17 @@ def model_config(exp: ExperimentConfig) -> ModelConfig:
         if section.hf_config is not None:
             _refuse_architecture_beside(section, load_hf_config(section.hf_config), overrides)
             cfg = load_hf_config(section.hf_config, **overrides, **adapters)
-            parts.check_roles(cfg)
-            return cfg
-        base = dict(PRESETS[section.preset]) if section.preset else {}
-        cfg = ModelConfig(**{**base, **overrides, **adapters})
-        parts.check_roles(cfg)  # model.freeze names leaves of this model (mtjax.roles)
-        return cfg
+        else:
+            base = dict(PRESETS[section.preset]) if section.preset else {}
+            cfg = ModelConfig(**{**base, **overrides, **adapters})
     except TypeError as e:  # a ModelConfig rejecting a field combination
         raise ConfigError(f"model: {e}") from None
+    parts.check_roles(cfg)  # model.freeze names leaves of this model (mtjax.roles)
+    # The reference engine holds the base decoded, and its commits would quantize it again.
+    if cfg.base_format != "compute" and exp.stream.engine == "reference":
+        raise ConfigError(f"model.base_format {cfg.base_format} needs stream.engine=stream: the reference engine holds "
+                          "the whole model in device memory, its frozen base decoded")
+    return cfg
 
 
 def _refuse_architecture_beside(section: ModelSection, given: ModelConfig, overrides: dict) -> None:

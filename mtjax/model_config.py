@@ -30,6 +30,9 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SWITCHES = {"fused_projections": False, "rope_interleaved": False, "moe_router": "softmax_topk",
             "shared_expert_gated": False}
 
+# model.base_format: how frozen 2-D kernels of blocks are kept (mtjax.precision, mtjax.quant)
+BASE_FORMATS = ("compute", "int8", "nf4")
+
 
 # What the numbers not checked elsewhere in `ModelConfig.validate` may be (mtjax.bounds).
 NUMBER_RANGES = {"rope_theta": POSITIVE, "max_position_embeddings": AT_LEAST_1, "rms_norm_eps": POSITIVE,
@@ -78,6 +81,7 @@ class ModelConfig:
     local_rope_scaling: RopeScaling | None = None  # their rescaling, with local_rope_theta set
     param_dtype: str = "float32"  # dtype of the checkpoint's tensors (export writes it)
     compute_dtype: str = "float32"  # dtype of activations and streamed weights
+    base_format: str = "compute"  # frozen 2-D kernels of blocks stored and streamed as: compute (the compute dtype), int8 or nf4 (mtjax.quant)
     freeze: tuple[str, ...] = ()  # leaves kept as they are, no gradient or optimizer state (mtjax.roles: embed, block.0-15, block.*/mlp.*)
     lora: LoraConfig | None = None  # LoRA adapters over a frozen base (mtjax.lora); the experiment's `lora:` section
     extra_hf: tuple[tuple[str, Any], ...] = ()  # other config.json keys, kept for export
@@ -179,6 +183,8 @@ class ModelConfig:
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ConfigError(f"model.{name} must be float32, bfloat16 or float16")
+        if self.base_format not in BASE_FORMATS:
+            raise ConfigError(f"model.base_format must be one of {', '.join(BASE_FORMATS)}, got {self.base_format!r}")
         if self.moe_layers:
             if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
                 raise ConfigError(f"MoE layers need 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= "

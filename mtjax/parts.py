@@ -27,7 +27,7 @@ import numpy as np
 
 from mtjax import lora, model, partid, precision, roles, treepath
 from mtjax.layers.spec import LayerSpec
-from mtjax.model_config import ModelConfig
+from mtjax.model_config import ConfigError, ModelConfig
 from mtjax.partid import EMBED, HEAD, PartId
 
 KINDS = ("compute", "master", "opt")
@@ -51,6 +51,15 @@ def part_params(params, name: PartId | str):
     """The params subtree of one part of a model params pytree."""
     name = PartId(name)
     return params["blocks"][name.block] if name.is_block else params[name.kind]
+
+
+def block_tree(cfg: ModelConfig, spec: LayerSpec, flat: dict):
+    """A block's params pytree as its layers take it, from the flat compute weights the
+    stream moves: a quantized kernel's bytes decoded (mtjax.precision; traced, so inside
+    the block's own programs, on the device)."""
+    template = model.abstract_block(cfg, spec)
+    shapes = {n: s.shape for n, s in treepath.flatten(template).items()}
+    return treepath.unflatten(template, precision.policy(cfg).decoded(flat, shapes))
 
 
 def whole_params(cfg: ModelConfig, by_part: dict):
@@ -78,7 +87,7 @@ class Leaf:
     name: str  # dotted, within its part ("attn.q_proj.kernel")
     shape: tuple[int, ...]
     master: np.dtype  # the fp32 master weights' dtype (trained leaves and buffers)
-    compute: precision.Compute  # what the device computes with
+    compute: precision.Compute | precision.Quantized  # what is staged; the device computes with it (decoded)
     role: str  # mtjax.roles: trained, frozen or buffer
 
 
@@ -86,7 +95,7 @@ class Leaf:
 def leaves(cfg: ModelConfig, name: str) -> dict[str, Leaf]:
     """{leaf name: Leaf} of one part, in the part's flat order (shared: do not change it)."""
     policy = precision.policy(cfg)
-    return {n: Leaf(n, tuple(s.shape), np.dtype(s.dtype), policy.leaf(n, s), roles.role(cfg, name, n))
+    return {n: Leaf(n, tuple(s.shape), np.dtype(s.dtype), policy.leaf(n, s, name), roles.role(cfg, name, n))
             for n, s in treepath.flatten(abstract_part(cfg, name)).items()}
 
 
@@ -129,22 +138,27 @@ def trained_only(cfg: ModelConfig, params):
 
 def fp32_weights(cfg: ModelConfig, name: PartId | str, master: dict, read_compute) -> dict:
     """A part's fp32 weights, {leaf: array}: its `master` ({leaf: array}), and where a leaf
-    has none (frozen, mtjax.roles) its compute copy in fp32, which is all it has;
-    `read_compute()` gives the compute copy, read only when a leaf needs it."""
-    names = leaves(cfg, name)
-    if len(master) == len(names):
+    has none (frozen, mtjax.roles) its compute copy in fp32 (a quantized one's decoded),
+    which is all it has; `read_compute()` gives the compute copy, read only when a leaf
+    needs it."""
+    specs = leaves(cfg, name)
+    if len(master) == len(specs):
         return master
     compute = read_compute()
-    return {n: master[n] if n in master else np.asarray(compute[n], np.float32) for n in names}
+    return {n: master[n] if n in master else leaf.compute.to_fp32(compute[n], leaf.shape) for n, leaf in specs.items()}
 
 
 def check_roles(cfg: ModelConfig) -> None:
-    """Refuse bad freeze patterns (mtjax.roles.check) and LoRA targets (mtjax.lora.check)
-    in one line."""
+    """Refuse bad freeze patterns (mtjax.roles.check), LoRA targets (mtjax.lora.check)
+    and a base format (mtjax.precision) with no frozen leaf to apply to, in one line."""
     if cfg.lora is not None:
         lora.check(cfg, model.linear_names(cfg))
     if cfg.freeze:
         roles.check(cfg, {p.name: list(treepath.flatten(abstract_part(cfg, p.name))) for p in parts(cfg)})
+    if cfg.base_format != "compute" and not any(isinstance(leaf.compute, precision.Quantized)
+                                                 for p in parts(cfg) for leaf in leaves(cfg, p.name).values()):
+        raise ConfigError(f"model.base_format {cfg.base_format} applies to frozen 2-D kernels of blocks, and "
+                          "model.freeze freezes none; freeze them, e.g. model.freeze=block.*/*.kernel")
 
 
 def schema(cfg: ModelConfig, name: str, kind: str, tx=None) -> dict[str, jax.ShapeDtypeStruct]:
@@ -169,6 +183,15 @@ def trained_master(cfg: ModelConfig, name: str) -> dict[str, jax.ShapeDtypeStruc
     gradient cover (a flat dict: the optimizer state's names are "<prefix>.<leaf>")."""
     return {n: jax.ShapeDtypeStruct(leaf.shape, leaf.master) for n, leaf in leaves(cfg, name).items()
             if leaf.role == roles.TRAINED}
+
+
+def quantized_bytes(cfg: ModelConfig) -> tuple[int, int]:
+    """(bytes of the quantized leaves' compute copies (mtjax.precision), the bytes they
+    would take in the compute dtype): what a base format saves on each pass of the stream."""
+    specs = [leaf for p in parts(cfg) for leaf in leaves(cfg, p.name).values()
+             if isinstance(leaf.compute, precision.Quantized)]
+    return (sum(nbytes({leaf.name: leaf.compute.struct(leaf.shape)}) for leaf in specs),
+            sum(math.prod(leaf.shape) * leaf.compute.dtype.itemsize for leaf in specs))
 
 
 def nbytes(named: dict) -> int:

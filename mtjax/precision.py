@@ -8,10 +8,12 @@ conversion from a leaf's fp32 master weights to it.
     policy.into(master, out)          # host: into given arrays (a staging slot)
     policy.to_compute_jax(master)     # traced, inside a jitted program
 
-Today a leaf's compute representation is its master rounded to the model's compute
-dtype (fp32, bf16 or fp16); a leaf's description is its name and master shape, and a
-later description (a frozen weight kept only in its compute form, int8 with scales)
-maps to a new kind of `Compute` here, not to a new cast in each writer.
+A leaf's compute representation is its master rounded to the model's compute dtype
+(fp32, bf16 or fp16), `Compute`; or, for a frozen 2-D kernel of a block when the model's
+`base_format` is int8 or nf4, its packed quantized bytes (mtjax.quant), `Quantized`,
+which the block decodes on the device into the compute dtype (`decoded`). Which one is
+decided by the leaf's part, name and shape (`Policy.leaf`); a caller converting frozen
+leaves names their part.
 
 The conversion, written once as `reference`: round to nearest, ties to even (subnormals
 included, values past the largest finite one become infinities), infinities kept, and a
@@ -39,6 +41,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from mtjax import partid, quant, roles
+from mtjax.model_config import BASE_FORMATS
+
 try:
     import numba
     from llvmlite import ir
@@ -63,66 +68,129 @@ class Compute:
     def struct(self, shape) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(tuple(shape), self.dtype)
 
+    def into(self, master: np.ndarray, out: np.ndarray, submit=None) -> None:
+        round_into(np.ascontiguousarray(master, np.float32), out, submit=submit)
+
+    def traced(self, master):
+        return jnp.asarray(master).astype(self.dtype)
+
+    def round_trip(self, master):
+        """Traced: the weights the device computes with for fp32 `master`, in fp32."""
+        return self.traced(master).astype(jnp.float32)
+
+    def to_fp32(self, stored, shape) -> np.ndarray:
+        """The weights the device computes with, in fp32, from the stored copy."""
+        del shape
+        return np.asarray(stored, np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """A frozen kernel's compute representation: its master quantized to `fmt`
+    (mtjax.quant), stored and staged as packed bytes, decoded on the device into `dtype`."""
+
+    fmt: str
+    dtype: np.dtype  # what the block computes with
+
+    def struct(self, shape) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((quant.nbytes(self.fmt, tuple(shape)),), quant.PACKED)
+
+    def into(self, master: np.ndarray, out: np.ndarray, submit=None) -> None:  # encoded whole (no pieces)
+        np.copyto(out, quant.to_host(self.fmt, master))
+
+    def traced(self, master):
+        return quant.encode(self.fmt, master)
+
+    def round_trip(self, master):
+        return quant.decode(self.fmt, self.traced(master), np.shape(master), self.dtype).astype(jnp.float32)
+
+    def to_fp32(self, stored, shape) -> np.ndarray:
+        return quant.from_host(self.fmt, np.asarray(stored), tuple(shape), self.dtype)
+
+
+def quantizable(part: str, name: str, shape) -> bool:
+    """Whether a leaf is one that a base format quantizes when frozen: a 2-D kernel (a
+    linear layer's weight) of a block."""
+    return partid.PartId(part).is_block and name.endswith("kernel") and len(shape) == 2
+
 
 class Policy:
-    """The compute representation of every leaf of one model, and the conversion to it."""
+    """The compute representation of every leaf of one model, and the conversion to it.
+    `base_format` (BASE_FORMATS) applies to the frozen quantizable leaves, `frozen(part,
+    leaf)` says which leaves are frozen (mtjax.roles)."""
 
-    def __init__(self, compute_dtype):
+    def __init__(self, compute_dtype, base_format: str = "compute", frozen=None):
         dtype = np.dtype(compute_dtype)
         if dtype not in SUPPORTED:
             raise ValueError(f"compute dtype {dtype.name} is not one of {', '.join(d.name for d in SUPPORTED)}")
-        self._all = Compute(dtype)  # every leaf's, today
+        if base_format not in BASE_FORMATS:
+            raise ValueError(f"base format {base_format!r} is not one of {', '.join(BASE_FORMATS)}")
+        self._all = Compute(dtype)  # every leaf's but a quantized one's
+        self._quantized = Quantized(base_format, dtype) if base_format != "compute" else None
+        self._frozen = frozen or (lambda part, leaf: False)
 
-    def leaf(self, name: str, master) -> Compute:
-        """The compute representation of the leaf `name` whose master is `master` (anything
-        with a shape: an array or a ShapeDtypeStruct)."""
-        del name, master  # one dtype for the model today
+    def leaf(self, name: str, master, part: str | None = None) -> Compute | Quantized:
+        """The compute representation of the leaf `name` of `part` whose master is `master`
+        (anything with a shape: an array or a ShapeDtypeStruct). Without `part`, the
+        leaf is taken to be trained (never quantized)."""
+        if (self._quantized is not None and part is not None and quantizable(part, name, np.shape(master))
+                and self._frozen(part, name)):
+            return self._quantized
         return self._all
 
     @property
     def dtypes(self) -> frozenset:
-        """Every compute dtype a leaf of the model may have."""
+        """Every dtype a trained leaf's compute copy may have (what an update writes)."""
         return frozenset({self._all.dtype})
 
     @property
     def master_is_compute(self) -> bool:
-        """Whether every leaf's compute weights equal its fp32 master (no rounding)."""
+        """Whether every trained leaf's compute weights equal its fp32 master (no rounding)."""
         return self.dtypes == {FP32}
 
-    def schema(self, master: dict) -> dict[str, jax.ShapeDtypeStruct]:
+    def schema(self, master: dict, part: str | None = None) -> dict[str, jax.ShapeDtypeStruct]:
         """{leaf: ShapeDtypeStruct} of the compute weights of flat master weights `master`."""
-        return {n: self.leaf(n, m).struct(m.shape) for n, m in master.items()}
+        return {n: self.leaf(n, m, part).struct(np.shape(m)) for n, m in master.items()}
 
-    def to_compute(self, master: dict) -> dict[str, np.ndarray]:
+    def to_compute(self, master: dict, part: str | None = None) -> dict[str, np.ndarray]:
         """Host compute weights of flat master weights, in new arrays."""
-        out = {n: np.empty(np.shape(m), self.leaf(n, m).dtype) for n, m in master.items()}
-        self.into(master, out)
+        out = {n: np.empty(s.shape, s.dtype) for n, s in self.schema(master, part).items()}
+        self.into(master, out, part)
         return out
 
-    def into(self, master: dict, out: dict, submit=None) -> None:
+    def into(self, master: dict, out: dict, part: str | None = None, submit=None) -> None:
         """Write the compute weights of the leaves in `out` (all of `master`'s, or some)
-        into its arrays (C-contiguous, of the leaf's shape and compute dtype); `submit`:
+        into its arrays (C-contiguous, of the leaf's compute shape and dtype); `submit`:
         the threads that convert the pieces (`round_into`)."""
         for n, buf in out.items():
-            want = self.leaf(n, master[n]).dtype
+            rep = self.leaf(n, master[n], part)
+            want = rep.struct(np.shape(master[n])).dtype
             if buf.dtype != want:
                 raise ValueError(f"{n}: compute weights are {want.name}, got a {buf.dtype.name} array")
-            round_into(np.ascontiguousarray(master[n], np.float32), buf, submit=submit)
+            rep.into(master[n], buf, submit)
 
-    def to_compute_jax(self, master: dict) -> dict:
+    def to_compute_jax(self, master: dict, part: str | None = None) -> dict:
         """The compute weights of flat master weights, traced (XLA's convert: `reference` on
         every non-NaN value)."""
-        return {n: jnp.asarray(m).astype(self.leaf(n, m).dtype) for n, m in master.items()}
+        return {n: self.leaf(n, m, part).traced(m) for n, m in master.items()}
+
+    def decoded(self, w: dict, shapes: dict) -> dict:
+        """Flat compute weights `w` as the layers take them, traced: each packed leaf
+        (a quantized one's bytes) decoded into the compute dtype; `shapes`: {leaf:
+        master shape}. Runs inside the block's programs, on the device."""
+        if self._quantized is None:
+            return w
+        return {n: quant.decode(self._quantized.fmt, a, tuple(shapes[n]), self._quantized.dtype)
+                if a.dtype == quant.PACKED else a for n, a in w.items()}
 
 
-@functools.lru_cache(maxsize=None)
-def _policy(compute_dtype: str) -> Policy:
-    return Policy(compute_dtype)
-
-
+@functools.lru_cache(maxsize=64)
 def policy(cfg) -> Policy:
     """The precision policy of a model config (a ModelConfig)."""
-    return _policy(str(cfg.compute_dtype))
+    def frozen(part: str, leaf: str) -> bool:
+        return roles.role(cfg, part, leaf) == roles.FROZEN
+
+    return Policy(str(cfg.compute_dtype), cfg.base_format, frozen)
 
 
 def reference(src: np.ndarray, dtype) -> np.ndarray:

@@ -139,9 +139,14 @@ class Roles:
         return treepath.unflatten(self._template, {**treepath.flatten(fixed), **treepath.flatten(trained)})
 
     def rounded(self, tree):
-        """fp32 leaves rounded to their compute representation and back (mtjax.precision)."""
-        policy = precision.policy(self.cfg)
-        return jax.tree.map(lambda x: policy.to_compute_jax({"x": x})["x"].astype(jnp.float32), tree)
+        """fp32 leaves as the device computes with them, in fp32: converted to their compute
+        representation and back (mtjax.precision; a quantized kernel decoded)."""
+        policy, by_part = precision.policy(self.cfg), {}
+        for p in parts.parts(self.cfg):
+            sub = parts.part_params(tree, p.name)
+            by_part[p.name] = treepath.unflatten(sub, {n: policy.leaf(n, x, p.name).round_trip(x)
+                                                       for n, x in treepath.flatten(sub).items()})
+        return parts.whole_params(self.cfg, by_part)
 
 
 class ReferenceTrainer:

@@ -204,6 +204,13 @@ def test_settings_that_cannot_be_meant(work):
             ([*train, "--lora.rank=4", "--lora.target_modules=qkv"], "lora.target_modules qkv names no linear layer"),
             (["export", "run/store", "merged", "--merge"], "has none; export it without --merge"),
             (["import", "ckpt", "s2", "--adapter", "nowhere"], "no adapter_config.json in nowhere"),
+            ([*train, "--model.base_format=int4"], "model.base_format must be one of compute, int8, nf4, got 'int4'"),
+            ([*train, "--model.base_format=nf4"], "model.base_format nf4 applies to frozen 2-D kernels of blocks, and "
+                                                  "model.freeze freezes none"),
+            ([*train, "--model.freeze=block.*/*.kernel", "--model.base_format=int8", "--stream.engine=reference"],
+             "model.base_format int8 needs stream.engine=stream"),
+            (["import", "ckpt", "q", "--base-format", "nf4", "--freeze", "embed"], "model.base_format nf4 applies to "
+                                                                                   "frozen 2-D kernels of blocks"),
             (["train", "--model.checkpoint=ckpt", "--model.num_hidden_layers=3", "--run.dir=r2", "--data.dataset=ds",
               "--data.seq_len=32"], "the architecture comes from model.checkpoint ckpt, and the experiment also sets "
                                     "num_hidden_layers 2 -> 3 (its -> yours)"),

@@ -8,10 +8,11 @@ from pathlib import Path
 
 from mtjax import writable
 from mtjax.errors import MtjaxError
-from mtjax.model_config import load_hf_config
+from mtjax.model_config import BASE_FORMATS, load_hf_config
 from mtjax.store import fresh, hf_export, hf_import
 
 DTYPES = ("bfloat16", "float32", "float16")
+QUANTIZED_BASE = "block.*/*.kernel"  # what --base-format freezes (and quantizes) unless --freeze says otherwise
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -39,6 +40,12 @@ def register(subparsers) -> None:
     p.add_argument("--adapter", metavar="DIR",
                    help="a PEFT LoRA adapter directory trained on this checkpoint: imported with it, to continue "
                         "training the adapter (the store's model has its lora: settings)")
+    p.add_argument("--freeze", metavar="PATTERNS",
+                   help="model.freeze: leaves kept as they are, comma-separated PART or PART/LEAF patterns "
+                        f"(e.g. embed,block.0-15); with --base-format, default {QUANTIZED_BASE}")
+    p.add_argument("--base-format", choices=BASE_FORMATS, default="compute",
+                   help="how the frozen 2-D kernels of blocks are stored and streamed: compute (the compute "
+                        "dtype, default), int8 (per output channel) or nf4 (QLoRA's 4-bit NormalFloat)")
     p.set_defaults(func=run_import)
 
     e = subparsers.add_parser(
@@ -89,11 +96,14 @@ def run_import(args) -> int:
     writable.check(args.store_dir, "store directory")
     total = load_hf_config(args.hf_dir).num_hidden_layers + 2
     live = sys.stdout.isatty()
+    freeze = args.freeze.split(",") if args.freeze else [QUANTIZED_BASE] if args.base_format != "compute" else []
     out = hf_import.import_hf(args.hf_dir, args.store_dir, compute_dtype=args.compute_dtype, progress=_progress(total, live),
-                     copies=args.copies, adapter=args.adapter)
+                              copies=args.copies, adapter=args.adapter, freeze=tuple(p.strip() for p in freeze),
+                              base_format=args.base_format)
     if live:
         print()  # ends the line the progress rewrote
-    print(f"imported {args.hf_dir} into {out}")
+    kept = f" (frozen {','.join(freeze)}; base format {args.base_format})" if freeze else ""
+    print(f"imported {args.hf_dir} into {out}{kept}")
     return 0
 
 

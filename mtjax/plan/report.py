@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from mtjax import parts
 from mtjax.plan.cost import Plan
 from mtjax.plan.fit import Advice, Option
 from mtjax.plan.units import duration, rate, seconds, size
@@ -46,6 +47,7 @@ def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None 
         f"of {size(hw.disk_bytes)}",
         f"  state          compute {size(plan.state.compute)}, master {size(plan.state.master)}, "
         f"opt {size(plan.state.opt)}",
+        *([_base(plan.cfg)] if plan.cfg.base_format != "compute" else []),
         "",
         f"{'stage':<22}{'bytes/step':>12}{'time':>11}{'rate':>12}",
     ]
@@ -139,6 +141,13 @@ def _run_lines(run: RunCost) -> list[str]:
     return lines
 
 
+def _base(cfg) -> str:
+    """The frozen base's quantized kernels: their bytes each pass streams, against the compute dtype's."""
+    packed, plain = parts.quantized_bytes(cfg)
+    return (f"  frozen base    {cfg.base_format}: its kernels stream {size(packed)} a pass, {plain / packed:.2f}x less "
+            f"than {size(plain)} in {cfg.compute_dtype}")
+
+
 def _hours(h: float) -> str:
     return f"{h:,.1f}" if h >= 10 else f"{h:.3g}"
 
@@ -147,7 +156,8 @@ def as_dict(plan: Plan, advice: Advice | None = None, options: list[Option] | No
             run: RunCost | None = None, profile_from: str | None = None) -> dict:
     out = {
         "model": {"num_params": plan.num_params, "num_blocks": plan.cfg.num_hidden_layers,
-                  "compute_dtype": plan.cfg.compute_dtype},
+                  "compute_dtype": plan.cfg.compute_dtype, "base_format": plan.cfg.base_format,
+                  "quantized_bytes": dict(zip(("stored", "in_compute_dtype"), parts.quantized_bytes(plan.cfg)))},
         "shape": dataclasses.asdict(plan.shape),
         "stream": dataclasses.asdict(plan.stream),
         "store": dataclasses.asdict(plan.store),

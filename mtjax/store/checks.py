@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mtjax import model_config
+from mtjax import model_config, precision, roles
 from mtjax import parts as model_parts
 from mtjax.model_config import ModelConfig
 from mtjax.shard import Shard
@@ -39,9 +39,22 @@ def not_prepared(root: Path) -> None:
 
 
 def same_config(root: Path, stored: ModelConfig, given: ModelConfig | None) -> None:
+    if given is not None:
+        quantized_stay_frozen(root, stored, given)
     if given is not None and (diff := model_config.differences(stored, given)):
         raise StoreError(f"store {root} was written for another model config ({', '.join(diff)}: "
                          "the store's -> yours); use the store's settings or another store")
+
+
+def quantized_stay_frozen(root: Path, stored: ModelConfig, given: ModelConfig) -> None:
+    """A quantized leaf (mtjax.precision) has only its quantized bytes: asked to train
+    by `given`'s freeze patterns, it is refused by name."""
+    for part in model_parts.parts(stored):
+        for name, leaf in model_parts.leaves(stored, part.name).items():
+            if isinstance(leaf.compute, precision.Quantized) and roles.role(given, part.name, name) != roles.FROZEN:
+                raise StoreError(f"store {root} keeps {part.name}/{name} quantized ({stored.base_format}), which "
+                                 f"cannot be trained; keep the store's model.freeze ({','.join(stored.freeze)}) "
+                                 f"and base_format")
 
 
 def schema(root: Path, config: ModelConfig, shard: Shard | None) -> dict:

@@ -29,7 +29,7 @@ def write_part(store, part: str, master: dict[str, np.ndarray], tx=None, opt: di
     cfg = store.config
     # The leaves with a master, and below those with optimizer state (mtjax.roles: not the frozen ones).
     store.write(part, "master", {n: master[n] for n in parts.schema(cfg, part, "master")}).result()  # waits: the next kind reuses the memory
-    compute = precision.policy(cfg).to_compute(master)
+    compute = precision.policy(cfg).to_compute(master, part)  # a frozen kernel's quantized, as its base format says
     store.write(part, "compute", compute).result()  # waits: the writer reads `compute` until then
     del compute
     if opt is None:

@@ -66,20 +66,25 @@ def _check_dtypes(cfg, reader: hf.SafetensorsReader, specs) -> None:
 
 
 def import_hf(hf_dir: str | Path, store_dir: str | Path, compute_dtype: str = "bfloat16", tx=None,
-              progress=None, copies: int = 2, adapter: str | Path | None = None) -> Path:
+              progress=None, copies: int = 2, adapter: str | Path | None = None, freeze: tuple[str, ...] = (),
+              base_format: str = "compute") -> Path:
     """Convert the checkpoint in `hf_dir` into a new store at `store_dir` (step 0).
 
     Master weights are the checkpoint's values in fp32 (exact for fp32/bf16/fp16 files),
     compute weights are cast to `compute_dtype`, optimizer state is `tx.init` (default
-    AdamW). The checkpoint's tokenizer files are kept in the store (mtjax.store.tokenizer).
-    `progress(part_name)` is called after each part. `adapter`: a PEFT LoRA adapter
-    directory (mtjax.store.adapters) trained on this checkpoint, imported with it to train
-    on: the store's model has its adapters (mtjax.lora), the checkpoint frozen under them.
+    AdamW). `freeze` (model.freeze patterns, mtjax.roles) freezes leaves: they keep their
+    compute copy only, the frozen 2-D kernels of blocks quantized to `base_format` (int8,
+    nf4: mtjax.quant) if it is not "compute". The checkpoint's tokenizer files are kept
+    in the store (mtjax.store.tokenizer). `progress(part_name)` is called after each part.
+    `adapter`: a PEFT LoRA adapter directory (mtjax.store.adapters) trained on this
+    checkpoint, imported with it to train on: the store's model has its adapters
+    (mtjax.lora), the checkpoint frozen under them.
     """
     hf_dir = Path(hf_dir)
     try:
         lora_config = adapters.lora_config(adapter) if adapter is not None else None
-        cfg = load_hf_config(hf_dir, compute_dtype=compute_dtype, lora=lora_config)
+        cfg = load_hf_config(hf_dir, compute_dtype=compute_dtype, lora=lora_config, freeze=tuple(freeze),
+                             base_format=base_format)
         parts.check_roles(cfg)
         # Every block's adapter read (and checked against this model) before anything is written.
         adapter_weights = adapters.read_all(cfg, adapter) if adapter is not None else {}

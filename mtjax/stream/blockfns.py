@@ -66,11 +66,11 @@ def _add_f32(acc, grads):
 
 
 def _flat_forward(cfg: ModelConfig, spec: LayerSpec):
-    """block_forward_stats over the flat {leaf name: array} dicts that the stream moves."""
-    template = model.abstract_block(cfg, spec)
+    """block_forward_stats over the flat {leaf name: array} dicts that the stream moves
+    (a quantized frozen kernel's bytes decoded here, on the device: parts.block_tree)."""
 
     def fn(flat, x, segments=None):
-        return model.block_forward_stats(cfg, spec, treepath.unflatten(template, flat), x, segments)
+        return model.block_forward_stats(cfg, spec, parts.block_tree(cfg, spec, flat), x, segments)
 
     return fn
 

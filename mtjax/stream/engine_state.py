@@ -20,7 +20,7 @@ def fill(cfg, update, updater, names, params, opt_state=None, *, derived_compute
     for name in names:
         master = {n: np.asarray(a, np.float32) for n, a in treepath.flatten(parts.part_params(params, name)).items()}
         if not derived_compute:
-            updater.write(name, "compute", update.compute_copy(master))
+            updater.write(name, "compute", update.compute_copy(master, name))
         master = {n: master[n] for n in parts.schema(cfg, name, "master")}  # frozen leaves have none (mtjax.roles)
         if hosts is not None:  # this process's rows of master (and so of the optimizer state)
             # Copies: device_put may alias a host array on the CPU, and a view of the

@@ -63,8 +63,7 @@ def _fns(cfg: ModelConfig):
     """(embed, {layer spec: cached block}, head) compiled once per config; weights are arguments."""
 
     def block(spec, w, x, cache, start):
-        return model.block_forward_cached(cfg, spec, treepath.unflatten(model.abstract_block(cfg, spec), w),
-                                          x, cache, start)
+        return model.block_forward_cached(cfg, spec, parts.block_tree(cfg, spec, w), x, cache, start)
 
     def head(w, embed, x, key, greedy, top_k, temperature):
         head_t = treepath.unflatten(parts.abstract_part(cfg, HEAD), w)

@@ -50,7 +50,7 @@ import math
 import jax
 import numpy as np
 
-from mtjax import expert_groups, hostmem, model, moe, partid, parts, treepath
+from mtjax import expert_groups, hostmem, model, moe, partid, parts
 from mtjax.config import StoreConfig, StreamConfig, check_batch_split
 from mtjax.errors import MtjaxError
 from mtjax.layers.spec import LayerSpec
@@ -528,11 +528,10 @@ def residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, poli
 def _traced_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, policy: str) -> int:
     name = partid.block(cfg.layer_specs.index(spec))
     weights = parts.schema(cfg, name, "compute")
-    template = parts.abstract_part(cfg, name)
     x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype))
 
-    def forward(w, x):
-        return model.block_forward(cfg, spec, treepath.unflatten(template, w), x)
+    def forward(w, x):  # as the step runs it: a quantized kernel decoded inside (kept for the backward)
+        return model.block_forward(cfg, spec, parts.block_tree(cfg, spec, w), x)
 
     block = model.remat_block(forward, policy)
     saved = jax.tree.leaves(jax.eval_shape(lambda w, x: jax.vjp(block, w, x)[1], weights, x))

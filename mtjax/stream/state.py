@@ -84,7 +84,7 @@ class State:
         master = {n: np.asarray(a) for n, a in self.read(part, "master").items()}
         if out is None:
             return self.policy.to_compute(master)
-        self.policy.into(master, out, submit)
+        self.policy.into(master, out, part, submit=submit)
         return out
 
     def compute_into(self, part: str, out: dict, fresh: dict | None, submit=None) -> None:

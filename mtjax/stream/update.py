@@ -61,15 +61,16 @@ class PartUpdate:
         # donation, so every update would page-fault a fresh compute-copy buffer.
         self._update = jax.jit(functools.partial(_update, tx, self.policy), donate_argnums=(0, 1, 2), keep_unused=True)
         self._init = jax.jit(tx.init)
-        self._convert = jax.jit(self.policy.to_compute_jax)
+        self._convert = jax.jit(self.policy.to_compute_jax, static_argnums=1)
 
     def init_state(self, master: dict) -> dict:
         """Flat optimizer state of one part from its flat fp32 master weights."""
         return treepath.flatten(self._init(jax.device_put(master, self.cpu)))
 
-    def compute_copy(self, master: dict) -> dict:
-        """The compute-dtype copy of flat master weights, in XLA buffers the update can donate."""
-        return self._convert(jax.device_put(master, self.cpu))
+    def compute_copy(self, master: dict, part: str | None = None) -> dict:
+        """The compute copy of flat master weights of `part` (its frozen leaves quantized
+        where the base format says), in XLA buffers the update can donate."""
+        return self._convert(jax.device_put(master, self.cpu), None if part is None else str(part))
 
     def in_place(self, master: dict, opt_tree, compute: dict, grads: dict, scale):
         """(master, opt tree, compute) after one update by the optax program, run where the
