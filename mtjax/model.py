@@ -286,9 +286,10 @@ def remat_block(fn, policy: str):
     raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {policy!r}")
 
 
-def forward_stats(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False,
-                  segments=None):
-    """(whole-model logits fp32 [b, t, vocab], router statistics of each MoE layer in order).
+def hidden_stats(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False,
+                 segments=None):
+    """(the last block's output [b, t, d], router statistics of each MoE layer in order):
+    the model up to its head (the loss takes it from there: mtjax.loss.head_loss).
     `remat`: a REMAT_POLICIES name (True = "full"); `segments`: document ids of packed rows
     (see `block_forward_stats`)."""
     policy = {True: "full", False: "none"}.get(remat, remat)
@@ -296,6 +297,14 @@ def forward_stats(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: 
     for spec, block in zip(cfg.layer_specs, params["blocks"]):
         x, s = remat_block(functools.partial(block_forward_stats, cfg, spec), policy)(block, x, segments)
         stats += [s] if s else []
+    return x, stats
+
+
+def forward_stats(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False,
+                  segments=None):
+    """(whole-model logits fp32 [b, t, vocab], router statistics of each MoE layer in order):
+    `hidden_stats` and the head."""
+    x, stats = hidden_stats(cfg, params, tokens, remat, segments)
     return head_forward(cfg, params["head"], params["embed"], x), stats
 
 
