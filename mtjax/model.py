@@ -65,6 +65,7 @@ class Block(nnx.Module):
         sandwich = spec.norms.sandwich
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg) if sandwich else None
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg) if sandwich else None
+        self.ffn_chunk = cfg.ffn_chunk_tokens
 
     def mixer_stage(self, x, mix):
         """(a, h, aux): a = x + the mixer's output (normed first with sandwich norms), h =
@@ -89,8 +90,22 @@ class Block(nnx.Module):
         with jax.named_scope("attention"):
             a, h, aux = self.mixer_stage(x, mix)
         with jax.named_scope("mlp"):
-            y, stats = self.mlp(h)
+            y, stats = self.feed_forward(h)
             return self.output_stage(a, y), stats, aux
+
+    def feed_forward(self, h):
+        """(the feed-forward's output, router statistics) of h [b, t, d]. A dense one with
+        `ffn_chunk_tokens` set and more tokens than that runs over chunks of them, each under
+        jax.checkpoint: its backward keeps only h, not the [tokens, intermediate] products,
+        and recomputes one chunk at a time (the output is the same, row by row)."""
+        n = h.shape[0] * h.shape[1]
+        if not self.ffn_chunk or n <= self.ffn_chunk or not isinstance(self.mlp, feedforward.DenseFeedForward):
+            return self.mlp(h)
+        rows = self.ffn_chunk
+        chunks = -(-n // rows)
+        flat = jnp.pad(h.reshape(n, h.shape[-1]), ((0, chunks * rows - n), (0, 0)))
+        y = jax.lax.map(jax.checkpoint(lambda c: self.mlp(c)[0]), flat.reshape(chunks, rows, h.shape[-1]))
+        return y.reshape(chunks * rows, -1)[:n].reshape(h.shape), {}
 
     def __call__(self, x, cos, sin, positions, segments=None):
         """(hidden, router statistics: {} unless the MLP routes)."""

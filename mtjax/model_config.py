@@ -34,7 +34,8 @@ SWITCHES = {"fused_projections": False, "rope_interleaved": False, "moe_router":
 NUMBER_RANGES = {"rope_theta": POSITIVE, "max_position_embeddings": AT_LEAST_1, "rms_norm_eps": POSITIVE,
                  "initializer_range": AT_LEAST_0, "sliding_window": AT_LEAST_1, "attention_chunk_size": AT_LEAST_1,
                  "num_experts": AT_LEAST_0, "num_experts_per_tok": AT_LEAST_0, "moe_intermediate_size": AT_LEAST_0,
-                 "shared_expert_intermediate_size": AT_LEAST_0, "router_aux_loss_coef": AT_LEAST_0}
+                 "shared_expert_intermediate_size": AT_LEAST_0, "router_aux_loss_coef": AT_LEAST_0,
+                 "ffn_chunk_tokens": AT_LEAST_0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,9 @@ class ModelConfig:
     local_rope_scaling: RopeScaling | None = None  # their rescaling, with local_rope_theta set
     param_dtype: str = "float32"  # dtype of the checkpoint's tensors (export writes it)
     compute_dtype: str = "float32"  # dtype of activations and streamed weights
+    # Dense feed-forwards over chunks of this many tokens, each recomputed in the backward
+    # (long rows: mtjax.model.Block.feed_forward); 0: whole.
+    ffn_chunk_tokens: int = 0
     freeze: tuple[str, ...] = ()  # leaves kept as they are, no gradient or optimizer state (mtjax.roles: embed, block.0-15, block.*/mlp.*)
     extra_hf: tuple[tuple[str, Any], ...] = ()  # other config.json keys, kept for export
     # Mixture of experts (mtjax.moe); num_experts 0 means a dense model.

@@ -521,7 +521,11 @@ def residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, poli
     (`jax.eval_shape` of `jax.vjp`: nothing runs, nothing is allocated). Includes
     whatever the attention implementation saves, e.g. [batch, heads, seq, seq] scores.
     `policy`: the block under that model.REMAT_POLICIES entry ("none": the plain block,
-    as a recompute keeps it; "dots": its projections and inputs). Long rows: `rows`."""
+    as a recompute keeps it; "dots": its projections and inputs). Long rows: `rows`; a
+    chunked feed-forward (model.ffn_chunk_tokens) shorter than the row keeps the same
+    bytes a token whatever its chunk, so long rows trace it with chunks of a quarter step."""
+    if seq > rows.threshold and 0 < cfg.ffn_chunk_tokens < seq:
+        cfg = dataclasses.replace(cfg, ffn_chunk_tokens=min(cfg.ffn_chunk_tokens, rows.step // 4))
     return rows.price(lambda s: _traced_residual_bytes(cfg, spec, batch, s, policy), seq)
 
 
