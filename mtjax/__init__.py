@@ -21,7 +21,7 @@ cpu_pool.ensure()  # before any mtjax code starts JAX's backend
 # before it has installed its Ctrl-C handler and checked the environment) imports no JAX.
 _API = {
     "CheckpointError": "mtjax.hf", "load_params": "mtjax.hf", "save_params": "mtjax.hf",
-    "cross_entropy": "mtjax.loss",
+    "cross_entropy": "mtjax.loss", "head_loss": "mtjax.loss",
     "abstract_block": "mtjax.model", "abstract_params": "mtjax.model", "forward": "mtjax.model",
     "init_params": "mtjax.model",
     "ConfigError": "mtjax.model_config", "ModelConfig": "mtjax.model_config", "from_hf_dict": "mtjax.model_config",
@@ -44,7 +44,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "ConfigError", "ModelConfig", "OptimConfig", "ReferenceTrainer",
-    "abstract_block", "abstract_params", "cross_entropy", "forward", "from_hf_dict",
+    "abstract_block", "abstract_params", "cross_entropy", "forward", "head_loss", "from_hf_dict",
     "init_params", "load_hf_config", "load_params", "loss_fn", "make_optimizer",
     "save_params", "to_hf_dict", "train_reference",
 ]

@@ -1,9 +1,66 @@
-"""Next-token cross-entropy, averaged over the counted targets in fp32 (as transformers does)."""
+"""Next-token cross-entropy, averaged over the counted targets in fp32 (as transformers does).
+
+Two forms of one loss:
+
+    head_loss(cfg, head, embed, x, tokens, targets)   final norm, LM head and loss over chunks of
+                                                      tokens: [tokens, vocab] logits never exist
+    cross_entropy(logits, tokens, targets)            the loss of logits already computed
+
+Training and evaluation (the in-memory reference and the streaming engine alike) call
+`head_loss`; its memory is one chunk's logits whatever the sequence length. A custom vjp
+keeps only the head's input and each token's log-partition from the forward and
+recomputes each chunk's logits in the backward (two head matmuls forward, as a remat).
+"""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from mtjax import model
+from mtjax.layers.basic import rms_norm
+from mtjax.model_config import ModelConfig
+
+# The largest fp32 logits of one chunk of tokens: the head's working memory is about three
+# of these (logits, softmax, their gradient), flat in the sequence length.
+HEAD_CHUNK_BYTES = 256 * 2**20
+CHUNK_MULTIPLE = 128  # chunk rows are a multiple of this (matmul tiles)
+
+
+def chunk_rows(vocab_size: int, tokens: int | None = None) -> int:
+    """Tokens per chunk of the head: HEAD_CHUNK_BYTES of fp32 logits (a multiple of
+    CHUNK_MULTIPLE, at least one), and no more than `tokens` when given."""
+    rows = max(CHUNK_MULTIPLE, HEAD_CHUNK_BYTES // (4 * vocab_size) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+    return rows if tokens is None else max(1, min(rows, tokens))
+
+
+def head_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """Device bytes `head_loss` and its gradient work in, beyond their inputs and outputs, for
+    `tokens` tokens (a micro-batch's): three chunks of fp32 logits (logits, softmax, their
+    gradient), a tied kernel's transposed copy, and per token the final norm's output and
+    its gradient in the compute dtype plus 16 bytes (log-partition, weight, id, padding).
+    Flat in the sequence length but for the per-token terms (checked against the compiled
+    head's temporaries in tests/test_loss.py)."""
+    item = np.dtype(cfg.compute_dtype).itemsize
+    logits = 3 * chunk_rows(cfg.vocab_size, tokens) * cfg.vocab_size * 4
+    tied = cfg.hidden_size * cfg.vocab_size * item if cfg.tie_word_embeddings else 0
+    return logits + tied + tokens * (2 * cfg.hidden_size * item + 16)
+
+
+def _counted(tokens: jnp.ndarray, targets=None):
+    """(next token ids [b * t], counted [b * t] bool, count): row i predicts token i + 1; the
+    last position of each row and (with `targets`, mtjax.documents.targets) the unmarked
+    ones do not count; count is at least 1 with targets (the mean of none is 0)."""
+    b, t = tokens.shape
+    next_ids = jnp.roll(tokens, -1, axis=1).reshape(b * t)
+    counted = jnp.broadcast_to(jnp.arange(t) < t - 1, (b, t))
+    if targets is not None:
+        counted = counted & jnp.roll(targets, -1, axis=1)
+    count = b * (t - 1) if targets is None else jnp.maximum(jnp.sum(counted), 1)
+    return next_ids, counted.reshape(b * t), count
 
 
 def cross_entropy(logits: jnp.ndarray, tokens: jnp.ndarray, targets=None) -> jnp.ndarray:
@@ -19,12 +76,79 @@ def cross_entropy(logits: jnp.ndarray, tokens: jnp.ndarray, targets=None) -> jnp
     """
     b, t, v = logits.shape
     logits = logits.reshape(b * t, v).astype(jnp.float32)
-    next_ids = jnp.roll(tokens, -1, axis=1).reshape(b * t, 1)
-    counted = jnp.broadcast_to(jnp.arange(t) < t - 1, (b, t))
-    if targets is not None:
-        counted = counted & jnp.roll(targets, -1, axis=1)  # row i predicts token i + 1
-    counted = counted.reshape(b * t)
+    next_ids, counted, count = _counted(tokens, targets)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.sum(jnp.where(jnp.arange(v)[None, :] == next_ids, logits, 0.0), axis=-1)
-    count = b * (t - 1) if targets is None else jnp.maximum(jnp.sum(counted), 1)
+    picked = jnp.sum(jnp.where(jnp.arange(v)[None, :] == next_ids[:, None], logits, 0.0), axis=-1)
     return jnp.sum(jnp.where(counted, logz - picked, 0.0)) / count
+
+
+def head_loss(cfg: ModelConfig, head: dict, embed: dict | None, x: jnp.ndarray, tokens: jnp.ndarray, targets=None,
+              chunk: int | None = None) -> jnp.ndarray:
+    """`cross_entropy(model.head_forward(cfg, head, embed, x), tokens, targets)` computed
+    over chunks of `chunk` tokens (default `chunk_rows`): hidden [b, t, d] -> the mean loss.
+    The final norm runs on the whole [b, t, d] (its autodiff keeps O(tokens x d)); the
+    head's matmul, soft-cap and loss run chunk by chunk (`_summed_loss`)."""
+    b, t, d = x.shape
+    h = rms_norm(x, head["norm"]["weight"], cfg.rms_norm_eps, cfg.rms_norm_offset).reshape(b * t, d)
+    kernel = model.head_kernel(cfg, head, embed).astype(x.dtype)
+    next_ids, counted, count = _counted(tokens, targets)
+    rows = chunk_rows(cfg.vocab_size, b * t) if chunk is None else min(chunk, b * t)
+    n = -(-(b * t) // rows)
+    pad = n * rows - b * t  # padded rows count for nothing
+    h = jnp.pad(h, ((0, pad), (0, 0))).reshape(n, rows, d)
+    next_ids = jnp.pad(next_ids, (0, pad)).reshape(n, rows)
+    weights = jnp.pad(counted.astype(jnp.float32), (0, pad)).reshape(n, rows)
+    return _summed_loss(cfg.final_logit_softcapping or 0.0, h, kernel, next_ids, weights) / count
+
+
+def _logits(cap: float, h, kernel):
+    """fp32 logits [rows, v] of one chunk: h [rows, d] @ kernel [d, v], soft-capped (cap > 0)."""
+    z = jnp.einsum("td,dv->tv", h, kernel, preferred_element_type=jnp.float32)
+    return jnp.tanh(z / cap) * cap if cap else z
+
+
+def _chunk_terms(cap: float, h, kernel, ids, weights):
+    """(summed weighted loss, log-partition [rows]) of one chunk."""
+    y = _logits(cap, h, kernel)
+    logz = jax.nn.logsumexp(y, axis=-1)
+    picked = jnp.sum(jnp.where(jnp.arange(y.shape[-1])[None, :] == ids[:, None], y, 0.0), axis=-1)
+    return jnp.sum(weights * (logz - picked)), logz
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _summed_loss(cap: float, h, kernel, ids, weights):
+    """Sum over chunks [n, rows, ...] of each token's weighted loss: h [n, rows, d], kernel
+    [d, v], ids and weights [n, rows]."""
+    return _loss_fwd(cap, h, kernel, ids, weights)[0]
+
+
+def _loss_fwd(cap: float, h, kernel, ids, weights):
+    def chunk(total, xs):
+        loss, logz = _chunk_terms(cap, xs[0], kernel, xs[1], xs[2])
+        return total + loss, logz
+
+    total, logz = jax.lax.scan(chunk, jnp.float32(0), (h, ids, weights))
+    # Kept for the backward: the inputs and each token's log-partition ([n, rows] fp32).
+    return total, (h, kernel, ids, weights, logz)
+
+
+def _loss_bwd(cap: float, saved, g):
+    """Each chunk's logits again; d(loss)/d(logits) = g w (softmax - onehot), through the
+    soft-cap's tanh; dh per chunk, dkernel summed over chunks in fp32."""
+    h, kernel, ids, weights, logz = saved
+
+    def chunk(dkernel, xs):
+        hc, ic, wc, lc = xs
+        y = _logits(cap, hc, kernel)
+        probs = jnp.exp(y - lc[:, None])
+        dy = (g * wc)[:, None] * (probs - (jnp.arange(y.shape[-1])[None, :] == ic[:, None]))
+        dz = dy * (1.0 - jnp.square(y / cap)) if cap else dy
+        dz = dz.astype(hc.dtype)
+        dh = jnp.einsum("tv,dv->td", dz, kernel, preferred_element_type=jnp.float32).astype(hc.dtype)
+        return dkernel + jnp.einsum("td,tv->dv", hc, dz, preferred_element_type=jnp.float32), dh
+
+    dkernel, dh = jax.lax.scan(chunk, jnp.zeros(kernel.shape, jnp.float32), (h, ids, weights, logz))
+    return dh, dkernel.astype(kernel.dtype), None, None
+
+
+_summed_loss.defvjp(_loss_fwd, _loss_bwd)

@@ -66,6 +66,7 @@ class Block(nnx.Module):
         sandwich = spec.norms.sandwich
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg) if sandwich else None
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg) if sandwich else None
+        self.ffn_chunk = cfg.ffn_chunk_tokens
 
     def mixer_stage(self, x, mix):
         """(a, h, aux): a = x + the mixer's output (normed first with sandwich norms), h =
@@ -90,8 +91,22 @@ class Block(nnx.Module):
         with jax.named_scope("attention"):
             a, h, aux = self.mixer_stage(x, mix)
         with jax.named_scope("mlp"):
-            y, stats = self.mlp(h)
+            y, stats = self.feed_forward(h)
             return self.output_stage(a, y), stats, aux
+
+    def feed_forward(self, h):
+        """(the feed-forward's output, router statistics) of h [b, t, d]. A dense one with
+        `ffn_chunk_tokens` set and more tokens than that runs over chunks of them, each under
+        jax.checkpoint: its backward keeps only h, not the [tokens, intermediate] products,
+        and recomputes one chunk at a time (the output is the same, row by row)."""
+        n = h.shape[0] * h.shape[1]
+        if not self.ffn_chunk or n <= self.ffn_chunk or not isinstance(self.mlp, feedforward.DenseFeedForward):
+            return self.mlp(h)
+        rows = self.ffn_chunk
+        chunks = -(-n // rows)
+        flat = jnp.pad(h.reshape(n, h.shape[-1]), ((0, chunks * rows - n), (0, 0)))
+        y = jax.lax.map(jax.checkpoint(lambda c: self.mlp(c)[0]), flat.reshape(chunks, rows, h.shape[-1]))
+        return y.reshape(chunks * rows, -1)[:n].reshape(h.shape), {}
 
     def __call__(self, x, cos, sin, positions, segments=None):
         """(hidden, router statistics: {} unless the MLP routes)."""
@@ -314,9 +329,10 @@ def remat_block(fn, policy: str):
     raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {policy!r}")
 
 
-def forward_stats(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False,
-                  segments=None):
-    """(whole-model logits fp32 [b, t, vocab], router statistics of each MoE layer in order).
+def hidden_stats(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False,
+                 segments=None):
+    """(the last block's output [b, t, d], router statistics of each MoE layer in order):
+    the model up to its head (the loss takes it from there: mtjax.loss.head_loss).
     `remat`: a REMAT_POLICIES name (True = "full"); `segments`: document ids of packed rows
     (see `block_forward_stats`)."""
     policy = {True: "full", False: "none"}.get(remat, remat)
@@ -324,6 +340,14 @@ def forward_stats(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: 
     for spec, block in zip(cfg.layer_specs, params["blocks"]):
         x, s = remat_block(functools.partial(block_forward_stats, cfg, spec), policy)(block, x, segments)
         stats += [s] if s else []
+    return x, stats
+
+
+def forward_stats(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False,
+                  segments=None):
+    """(whole-model logits fp32 [b, t, vocab], router statistics of each MoE layer in order):
+    `hidden_stats` and the head."""
+    x, stats = hidden_stats(cfg, params, tokens, remat, segments)
     return head_forward(cfg, params["head"], params["embed"], x), stats
 
 

@@ -20,7 +20,7 @@ import optax
 from mtjax import documents, model, moe, partid, parts, precision, treepath
 from mtjax.documents import Inputs
 from mtjax.errors import NonFiniteStep
-from mtjax.loss import cross_entropy
+from mtjax.loss import head_loss
 from mtjax.model_config import ConfigError, ModelConfig
 from mtjax.optim import OptimConfig, clip_scale, make_optimizer, sum_of_squares, tapped, tapping
 
@@ -32,9 +32,9 @@ def loss_terms(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str 
     the MoE layers over all the batch's tokens (mtjax.moe; 0 for a dense model), as
     transformers computes with output_router_logits=True. remat: model.REMAT_POLICIES;
     `segments` and `targets` as mtjax.documents.Inputs has them (None: a plain batch)."""
-    logits, stats = model.forward_stats(cfg, params, tokens, remat=remat, segments=segments)
+    x, stats = model.hidden_stats(cfg, params, tokens, remat=remat, segments=segments)
     aux = moe.aux_loss(stats, tokens.size) if stats else jnp.float32(0)
-    return cross_entropy(logits, tokens, targets) + cfg.router_aux_loss_coef * aux, aux
+    return head_loss(cfg, params["head"], params["embed"], x, tokens, targets) + cfg.router_aux_loss_coef * aux, aux
 
 
 def loss_fn(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str = True, segments=None,

@@ -10,6 +10,7 @@ from pathlib import Path
 from mtjax import plan as planner
 from mtjax.errors import MtjaxError
 from mtjax.plan import fit, hosts, inputs, machine, probe, report, residency, wholerun
+from mtjax.plan import longest as planner_longest
 from mtjax.plan.hardware import choices
 from mtjax.plan.units import size
 
@@ -18,7 +19,8 @@ PLAN_DESCRIPTION = (
     "each link moves per step, the step time and what bounds it, and what the whole run costs (wall time, "
     "device-hours, price, bytes written to the store's drive). Every placement of the compute, master and "
     "optimizer state is priced in a table, marked where it does not fit; a placement, prefetch depth and "
-    "checkpoint interval are recommended. Exits with status 2 and one line when the configured run does not "
+    "checkpoint interval are recommended; with --longest, the longest row (sequence length) the machine trains with "
+    "every part streamed is named. Exits with status 2 and one line when the configured run does not "
     "fit the machine's RAM, disk or device memory."
 )
 
@@ -58,6 +60,9 @@ def register(subparsers) -> None:
                         "network traffic per step against the profile's network_bytes_per_s (default: 1)")
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16", "float16"),
                    help="dtype of streamed weights and activations (default: the config's)")
+    p.add_argument("--longest", action="store_true",
+                   help="also name the longest row (sequence length) this machine trains with every part streamed "
+                        "and the run's other settings (a search over plans: seconds)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run_plan)
 
@@ -147,14 +152,15 @@ def run_plan(args) -> int:
     room = fit.limits(hw)
     options = fit.placements(plan, room)
     run = wholerun.price(plan, steps, steps_from, args.price_per_hour)
+    longest = planner_longest.search(plan, room) if args.longest else None
     per_host = hosts.per_host(plan, args.processes) if args.processes > 1 else None
     if args.json:
-        shown = report.as_dict(plan, advice, options, run, profile_from)
+        shown = report.as_dict(plan, advice, options, run, profile_from, longest)
         if per_host is not None:
             shown["per_host"] = {**per_host._asdict(), "collectives": per_host.collectives._asdict()}
         shown = json.dumps(shown, indent=2)
     else:
-        shown = report.text(plan, advice, options, run, profile_from)
+        shown = report.text(plan, advice, options, run, profile_from, longest)
         if per_host is not None:
             shown += "\n" + report.per_host(per_host, hw)
     print(shown, flush=True)

@@ -5,6 +5,7 @@
     machine   this machine's profile: a quick probe, cached per machine
     cost      the step's schedule (mtjax.stream.schedule) priced: FLOPs, footprints, seconds
     fit       does it fit (`check`, for the trainer's preflight), the placement table, what to change
+    longest   the longest row (sequence length) that fits a machine
     wholerun  a whole run: wall time, device-hours, price, bytes written against the drive's endurance
     inputs    a model and its run settings from an HF config.json, a checkpoint dir or an experiment YAML
     report    the plan as text or JSON (numbers as text: `units`)

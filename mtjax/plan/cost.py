@@ -163,7 +163,8 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
                    for n, spec in zip(active, cfg.layer_specs))
 
     head_fwd = 2.0 * cfg.hidden_size * cfg.vocab_size * tokens
-    # Blocks: forward, recompute forward, backward (2x) = 4 forwards; head: forward + backward.
+    # Blocks: forward, recompute forward, backward (2x) = 4 forwards; head: forward, the
+    # chunked loss's recompute of each chunk's logits (mtjax.loss), backward (2x) = 4 too.
     # A saved group's blocks are not recomputed: remat none skips the whole second forward,
     # dots all but its attention (the projections are kept; the elementwise rest is not counted).
     saved = 0.0
@@ -172,7 +173,7 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
         params_i = pb[partid.block(i)].compute // c_item - model.inactive_params(cfg, spec)
         whole = block_forward_flops(cfg, spec, params_i, shape.batch, shape.seq, dispatch=dispatch)
         saved += whole if s.remat == "none" else 2.0 * params_i * tokens
-    flops = shape.accum * (4 * forward(True) - saved + 3 * head_fwd)
+    flops = shape.accum * (4 * forward(True) - saved + 4 * head_fwd)
     model_flops = shape.accum * (3 * forward(False) + 3 * head_fwd)
 
     # --- the links: the schedule's bytes; the device reads and writes host RAM by DMA.

@@ -1,8 +1,8 @@
 """A plan as text for people (`mtjax plan`) and as a dict for machines (`--json`).
 
 Beside the step itself a report may hold the placement table (`fit.placements`), the
-whole run's price (`wholerun.price`) and a line on where the hardware profile came from
-(`machine.LocalProfile.describe`).
+whole run's price (`wholerun.price`), the longest row the machine trains (`longest.search`)
+and a line on where the hardware profile came from (`machine.LocalProfile.describe`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import dataclasses
 from mtjax import parts
 from mtjax.plan.cost import Plan
 from mtjax.plan.fit import Advice, Option
+from mtjax.plan.longest import Longest
+from mtjax.plan.longest import describe as describe_longest
 from mtjax.plan.units import duration, rate, seconds, size
 from mtjax.plan.wholerun import RunCost
 
@@ -22,7 +24,7 @@ def placement(store) -> str:
 
 
 def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None = None,
-         run: RunCost | None = None, profile_from: str | None = None) -> str:
+         run: RunCost | None = None, profile_from: str | None = None, longest: Longest | None = None) -> str:
     cfg, st, sh, hw, t, tr = plan.cfg, plan.stream, plan.shape, plan.hardware, plan.times, plan.traffic
     lines = [
         f"model        {cfg.model_type}, {plan.num_params / 1e9:.2f}B params, {cfg.num_hidden_layers} blocks, "
@@ -71,6 +73,8 @@ def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None 
         f"step time    {seconds(t.step)} ({overlap}); bound by {t.bound}",
         f"throughput   {plan.tokens_per_s:,.0f} tokens/s, {plan.model_flops / t.step / 1e12:.2f} model TFLOP/s",
     ]
+    if longest is not None:
+        lines.append(f"longest row  {describe_longest(longest)}")
     if options:
         lines += ["", *_placement_table(options, advice)]
     if run is not None:
@@ -153,7 +157,7 @@ def _hours(h: float) -> str:
 
 
 def as_dict(plan: Plan, advice: Advice | None = None, options: list[Option] | None = None,
-            run: RunCost | None = None, profile_from: str | None = None) -> dict:
+            run: RunCost | None = None, profile_from: str | None = None, longest: Longest | None = None) -> dict:
     out = {
         "model": {"num_params": plan.num_params, "num_blocks": plan.cfg.num_hidden_layers,
                   "compute_dtype": plan.cfg.compute_dtype, "base_format": plan.cfg.base_format,
@@ -180,6 +184,14 @@ def as_dict(plan: Plan, advice: Advice | None = None, options: list[Option] | No
         out["placements"] = [{"placement": o.placement.tiers, "copies": o.placement.copies, "configured": o.configured,
                               "step_s": o.plan.times.step, "ram_needed": o.plan.ram_needed,
                               "disk_bytes": o.plan.disk_bytes, "does_not_fit": list(o.short)} for o in options]
+    if longest is not None:
+        p = longest.plan
+        out["longest_seq"] = {"seq": longest.seq, "context": longest.context,
+                              "activations": None if p is None else p.stream.activations,
+                              "ffn_chunk_tokens": None if p is None else p.cfg.ffn_chunk_tokens,
+                              "device_peak": None if p is None else p.device.total,
+                              "ram_needed": None if p is None else p.ram_needed,
+                              "tokens_per_s": None if p is None else p.tokens_per_s}
     if run is not None:
         out["run"] = {**dataclasses.asdict(run), "endurance_used": run.endurance_used}
     if advice is not None:

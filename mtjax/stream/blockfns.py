@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import model, moe, parts, treepath
-from mtjax.loss import cross_entropy
+from mtjax.loss import head_loss
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
 from mtjax.partid import EMBED, HEAD
@@ -142,7 +142,7 @@ def _head_trees(cfg: ModelConfig, head: dict, embed: dict | None):
 def _head_loss(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, targets=None):
     """Loss of one micro-batch, for evaluation."""
     head_t, embed_t = _head_trees(cfg, head, embed)
-    return cross_entropy(model.head_forward(cfg, head_t, embed_t, x), tokens, targets)
+    return head_loss(cfg, head_t, embed_t, x, tokens, targets)
 
 
 def _head(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, weight, targets=None, trained=None,
@@ -160,7 +160,7 @@ def _head(cfg: ModelConfig, head: dict, embed: dict | None, x, tokens, weight, t
 
     def loss_fn(h, e, x):
         head_t, embed_t = _head_trees(cfg, {**head_fixed, **h}, None if e is None else {**embed_fixed, **e})
-        return cross_entropy(model.head_forward(cfg, head_t, embed_t, x), tokens, targets)
+        return head_loss(cfg, head_t, embed_t, x, tokens, targets)
 
     with jax.named_scope("head"):
         loss, vjp = jax.vjp(loss_fn, head_mine, embed_mine, x)

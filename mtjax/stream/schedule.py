@@ -54,6 +54,7 @@ from mtjax import expert_groups, hostmem, model, moe, partid, parts
 from mtjax.config import StoreConfig, StreamConfig, check_batch_split
 from mtjax.errors import MtjaxError
 from mtjax.layers.spec import LayerSpec
+from mtjax.loss import head_bytes
 from mtjax.model_config import ModelConfig
 from mtjax.partid import EMBED, HEAD, PartId
 from mtjax.stream import fused_adamw, ops
@@ -110,7 +111,7 @@ class DevicePlan:
     weights: int  # staged compute weights: prefetched parts plus the parts in use
     activations: int  # kept block inputs of every micro-batch (0 when they wait in host memory)
     residuals: int  # vjp residuals of one recompute group (the weights they keep are counted above)
-    head: int  # fp32 logits, softmax and their gradient at the LM head
+    head: int  # fp32 logits, softmax and their gradient of one chunk of tokens at the LM head (mtjax.loss)
     working: int  # hidden states of every micro-batch between parts, temporaries (a MoE backward's), gradients in flight
     resident: int = 0  # resident parts' compute, master and optimizer state and their fp32 gradient sums
     saved: int = 0  # vjp residuals that saved groups keep from the forward to the backward (every micro-batch)
@@ -520,7 +521,11 @@ def residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, poli
     (`jax.eval_shape` of `jax.vjp`: nothing runs, nothing is allocated). Includes
     whatever the attention implementation saves, e.g. [batch, heads, seq, seq] scores.
     `policy`: the block under that model.REMAT_POLICIES entry ("none": the plain block,
-    as a recompute keeps it; "dots": its projections and inputs). Long rows: `rows`."""
+    as a recompute keeps it; "dots": its projections and inputs). Long rows: `rows`; a
+    chunked feed-forward (model.ffn_chunk_tokens) shorter than the row keeps the same
+    bytes a token whatever its chunk, so long rows trace it with chunks of a quarter step."""
+    if seq > rows.threshold and 0 < cfg.ffn_chunk_tokens < seq:
+        cfg = dataclasses.replace(cfg, ffn_chunk_tokens=min(cfg.ffn_chunk_tokens, rows.step // 4))
     return rows.price(lambda s: _traced_residual_bytes(cfg, spec, batch, s, policy), seq)
 
 
@@ -815,7 +820,7 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
         activations=(len(grps) - len(saved)) * shape.accum * hidden if stream.activations == "device" else 0,
         # A recompute group's (saved groups recompute nothing).
         residuals=max((len(g) for g in grps if g not in saved), default=0) * residual,
-        head=3 * shape.batch * shape.seq * cfg.vocab_size * 4,
+        head=head_bytes(cfg, shape.batch * shape.seq),  # one chunk of logits (mtjax.loss)
         working=(3 + shape.accum) * hidden + 2 * max(grad.values()) + sums + transient,
         resident=sum(pb[p].compute + 2 * pb[p].master + pb[p].opt for p in resident),
         saved=shape.accum * sum(residual_bytes(cfg, cfg.layer_specs[i], shape.batch, shape.seq, remat)

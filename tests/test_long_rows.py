@@ -1,0 +1,68 @@
+"""Long rows: the streaming engine equals the in-memory reference at several thousand
+tokens a row with the chunked feed-forward (model.ffn_chunk_tokens) and the chunked head
+(mtjax.loss) both cutting the row into chunks; and the chunked feed-forward is the whole
+one, value and gradients, dense or beside a MoE layer (which runs whole)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config, tiny_moe_config, token_batches
+
+from mtjax import loss, model
+from mtjax.config import StreamConfig
+from mtjax.model_config import ConfigError
+from mtjax.optim import OptimConfig
+from mtjax.reference import ReferenceTrainer
+from mtjax.stream import StreamEngine
+
+OPT = OptimConfig(lr=1e-3, clip_norm=0.05, weight_decay=0.1)
+SEQ = 3000  # neither chunk below divides it
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("cfg", [tiny_config(ffn_chunk_tokens=128), tiny_moe_config(ffn_chunk_tokens=7)],
+                         ids=["dense", "moe"])
+def test_the_chunked_feed_forward_is_the_whole_one(cfg):
+    whole = dataclasses.replace(cfg, ffn_chunk_tokens=0)
+    params = model.init_params(cfg, seed=1)
+    tokens = jnp.asarray(token_batches(cfg.vocab_size, (2, 20 if cfg.num_experts else 300), 1)[0])
+
+    def grads(c):
+        return jax.value_and_grad(lambda p: jnp.sum(jnp.sin(model.forward(c, p, tokens))))(params)
+
+    (a, ga), (b, gb) = grads(whole), grads(cfg)
+    assert float(b) == pytest.approx(float(a), rel=1e-6)
+    assert max(_rel(x, y) for x, y in zip(jax.tree.leaves(gb), jax.tree.leaves(ga), strict=True)) <= 1e-5
+
+
+def test_a_negative_chunk_is_refused():
+    with pytest.raises(ConfigError, match="ffn_chunk_tokens"):
+        tiny_config(ffn_chunk_tokens=-1)
+
+
+@pytest.mark.slow
+def test_streamed_equals_reference_on_long_rows_with_chunked_feed_forward_and_head(monkeypatch):
+    # Chunks of 256 rows at the head (vocab 97), of 1024 tokens in the feed-forward.
+    monkeypatch.setattr(loss, "HEAD_CHUNK_BYTES", 256 * 97 * 4)
+    cfg = tiny_config(vocab_size=97, ffn_chunk_tokens=1024, max_position_embeddings=4096)
+    assert loss.chunk_rows(cfg.vocab_size, SEQ) == 256
+    batches = token_batches(cfg.vocab_size, (1, 1, SEQ), 2, seed=3)
+    reference = ReferenceTrainer(cfg, model.init_params(cfg, seed=1), OPT)
+    whole = ReferenceTrainer(dataclasses.replace(cfg, ffn_chunk_tokens=0), model.init_params(cfg, seed=1), OPT)
+    engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, StreamConfig(keep_every=1))
+    for b in batches:
+        ref, streamed, unchunked = reference.step(b), engine.step(b), whole.step(b)
+        np.testing.assert_allclose(streamed["loss"], ref["loss"], rtol=1e-5)
+        np.testing.assert_allclose(unchunked["loss"], ref["loss"], rtol=1e-5)
+    streamed_params = engine.params()
+    errors = jax.tree.leaves(jax.tree.map(_rel, streamed_params, reference.params))
+    assert max(errors) <= 1e-5
+    assert max(jax.tree.leaves(jax.tree.map(_rel, whole.params, reference.params))) <= 1e-5
+    engine.close()
