@@ -41,7 +41,8 @@ NUMBER_RANGES = {"rope_theta": POSITIVE, "max_position_embeddings": AT_LEAST_1, 
                  "shared_expert_intermediate_size": AT_LEAST_0, "router_aux_loss_coef": AT_LEAST_0,
                  "n_group": AT_LEAST_1, "topk_group": AT_LEAST_1, "routed_scaling_factor": POSITIVE,
                  "q_lora_rank": AT_LEAST_0, "kv_lora_rank": AT_LEAST_0, "qk_nope_head_dim": AT_LEAST_0,
-                 "v_head_dim": AT_LEAST_0, "ffn_chunk_tokens": AT_LEAST_0}
+                 "v_head_dim": AT_LEAST_0, "ffn_chunk_tokens": AT_LEAST_0,
+                 "router_bias_update_rate": AT_LEAST_0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,10 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # DeepSeek-V3's auxiliary-loss-free balancing: after each optimizer step every MoE
+    # layer's correction bias moves by this much per expert toward balance (mtjax.moe.
+    # balance_bias); 0: the bias stays as imported (frozen).
+    router_bias_update_rate: float = 0.0
     # Multi-head latent attention (DeepSeek V2/V3, mtjax.layers.latent): head_dim is the
     # rotary part of each query and key head, qk_nope_head_dim the rest, v_head_dim the values'.
     q_lora_rank: int = 0  # queries through a rank-q_lora_rank bottleneck with a norm; 0: one q_proj

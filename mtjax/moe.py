@@ -44,6 +44,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtjax import target
 
@@ -313,3 +314,20 @@ def route_grouped(logits: jnp.ndarray, k: int, groups: int, kept_groups: int, sc
     if normalize:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return weights * scale, chosen, scores
+
+
+def excess_load(stats: list[dict]) -> jnp.ndarray:
+    """One MoE layer's load above the mean, times E, from its router stats over some
+    micro-batches: E * C_e - sum_e C_e [E] fp32, C the summed top-k picks. Its sign is
+    that of C_e - mean(C); it is an integer (exact in fp32), and linear in the counts, so
+    it sums over micro-batches and processes as a gradient does."""
+    counts = sum(s["counts"] for s in stats)
+    return counts * counts.shape[-1] - jnp.sum(counts)
+
+
+def balance_bias(bias, excess, rate: float) -> np.ndarray:
+    """DeepSeek-V3's auxiliary-loss-free balancing, once per optimizer step: each
+    expert's correction bias [E] moves by `rate` toward balance, bias + rate *
+    sign(mean load - load_e), from `excess_load` of the step. fp32, on the host."""
+    bias, excess = np.asarray(bias, np.float32), np.asarray(excess, np.float32)
+    return bias + np.float32(rate) * np.sign(-excess).astype(np.float32)
