@@ -15,6 +15,11 @@ kv_heads < heads); scores are [b, kv_heads, group, t_q, t_k], fp32.
 Soft-capping (Gemma 2) replaces the scaled scores s by cap * tanh(s / cap) before the mask
 and softmax; the backward multiplies dS by its derivative, 1 - tanh^2.
 
+Sinks (gpt-oss): a learned logit per query head that joins every row's softmax
+denominator and weighs no value: p_j = exp(s_j) / (sum_j' exp(s_j') + exp(sink)). The
+row's log-sum-exp includes it, so the backward's probabilities and dS are unchanged in
+form, and d sink = -sum over rows of p_sink * rowsum(dO * O).
+
 Packed documents: `segments` [b, t] (int document ids, mtjax.batch) confines each query to
 the keys of its own document, on top of the causal (and window) mask; a padding token
 (segment 0) sees only padding, so every query still sees itself and each softmax row
@@ -80,16 +85,26 @@ def _token_major(x):
     return x.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, h)
 
 
-def _forward(q, k, v, segments, scale, window, softcap, rows):
+def _sink_logits(sinks, kv: int):
+    """Per-head sinks [heads] -> fp32 [1, kv, g, 1, 1], beside the scores' [b, kv, g, tq, tk]."""
+    return sinks.astype(jnp.float32).reshape(1, kv, -1, 1, 1)
+
+
+def _forward(q, k, v, segments, scale, window, softcap, rows, sinks=None):
     kv = k.shape[2]
     qh, kh, vh = _heads_major(q, kv), _heads_major(k, kv)[:, :, 0], _heads_major(v, kv)[:, :, 0]
+    sink = None if sinks is None else _sink_logits(sinks, kv)
     outs, lses = [], []
     for r0, r1, k0 in _chunks(q.shape[1], window, rows):
         s, mask = _scores(qh[:, :, :, r0:r1], kh[:, :, k0:r1], r0, k0, scale, window, softcap, segments)
         s = jnp.where(mask, s, -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)  # finite: every query sees itself
+        if sink is not None:
+            m = jnp.maximum(m, sink)
         e = jnp.exp(s - m)
         total = jnp.sum(e, axis=-1, keepdims=True)
+        if sink is not None:  # the sink's share of the denominator
+            total = total + jnp.exp(sink - m)
         p = (e / total).astype(v.dtype)
         outs.append(jnp.einsum("bkgts,bksh->bkgth", p, vh[:, :, k0:r1], preferred_element_type=jnp.float32))
         lses.append(m + jnp.log(total))
@@ -99,19 +114,19 @@ def _forward(q, k, v, segments, scale, window, softcap, rows):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def causal_attention(q, k, v, scale: float, window: int | None = None, rows: int = CHUNK_ROWS,
-                     softcap: float | None = None, segments=None):
-    """softmax(cap(q k^T * scale), causal [and sliding-window] [and same-document] mask) v:
-    [b, t, heads, hd]."""
-    return _token_major(_forward(q, k, v, segments, scale, window, softcap, rows)[0])
+                     softcap: float | None = None, segments=None, sinks=None):
+    """softmax(cap(q k^T * scale), causal [and sliding-window] [and same-document] mask
+    [and per-head `sinks` [heads] in the denominator]) v: [b, t, heads, hd]."""
+    return _token_major(_forward(q, k, v, segments, scale, window, softcap, rows, sinks)[0])
 
 
-def _fwd(q, k, v, scale, window, rows, softcap, segments):
-    out, lses = _forward(q, k, v, segments, scale, window, softcap, rows)
-    return _token_major(out), (q, k, v, segments, out, lses)
+def _fwd(q, k, v, scale, window, rows, softcap, segments, sinks):
+    out, lses = _forward(q, k, v, segments, scale, window, softcap, rows, sinks)
+    return _token_major(out), (q, k, v, segments, sinks, out, lses)
 
 
 def _bwd(scale, window, rows, softcap, res, dout):
-    q, k, v, segments, out, lses = res
+    q, k, v, segments, sinks, out, lses = res
     kv = k.shape[2]
     qh, kh, vh, doh = _heads_major(q, kv), _heads_major(k, kv)[:, :, 0], _heads_major(v, kv)[:, :, 0], \
         _heads_major(dout, kv)
@@ -133,7 +148,11 @@ def _bwd(scale, window, rows, softcap, res, dout):
         dk = dk.at[:, :, k0:r1].add(jnp.einsum("bkgts,bkgth->bksh", ds, q_i, preferred_element_type=jnp.float32))
     dq = _token_major(jnp.concatenate(dq, axis=3))
     dk, dv = (_token_major(d[:, :, None]) for d in (dk, dv))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None  # no cotangent for document ids
+    dsinks = None
+    if sinks is not None:  # -sum over rows of p_sink * rowsum(dO * O), p_sink = exp(sink - lse)
+        p_sink = jnp.exp(_sink_logits(sinks, kv) - jnp.concatenate(lses, axis=3))  # [b, kv, g, t, 1]
+        dsinks = -jnp.sum(p_sink * delta, axis=(0, 3, 4)).reshape(sinks.shape).astype(sinks.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, dsinks  # no cotangent for document ids
 
 
 causal_attention.defvjp(_fwd, _bwd)
@@ -143,7 +162,7 @@ FUSED_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes (fp
 
 
 def kernel(backend: str, dtype, head_dim: int, window: int | None = None, softcap: float | None = None,
-           segments: bool = False, capability: float | None = None) -> str:
+           segments: bool = False, capability: float | None = None, sinks: bool = False) -> str:
     """Which implementation `attend` uses: "chunked" (`causal_attention`), "cudnn"
     (`jax.nn.dot_product_attention`'s fused flash-attention kernel) or "xla" (the same
     function's XLA implementation). A pure function of what is traced and where, so that
@@ -152,11 +171,11 @@ def kernel(backend: str, dtype, head_dim: int, window: int | None = None, softca
     `backend` is "cpu", "cuda" (an NVIDIA GPU, `capability` its compute capability, e.g.
     9.0) or any other platform. cuDNN takes fp16/bf16 with a head dim that is a multiple
     of 8, at most 256 from Hopper (9.0) on and 128 before, and a causal sliding window;
-    `jax.nn.dot_product_attention` has no logit soft-cap and no document (segment) ids,
-    so those stay on the chunked path, which computes them exactly (Llama 4's chunked
-    layers too: their chunks are document ids, `local_chunks`).
+    `jax.nn.dot_product_attention` has no logit soft-cap, no document (segment) ids and
+    no sinks, so those stay on the chunked path, which computes them exactly (Llama 4's
+    chunked layers too: their chunks are document ids, `local_chunks`).
     """
-    if backend == "cpu" or softcap or segments:
+    if backend == "cpu" or softcap or segments or sinks:
         return "chunked"
     fits = (backend == "cuda" and capability is not None and jnp.dtype(dtype).name in FUSED_DTYPES
             and head_dim % 8 == 0 and head_dim <= (256 if capability >= 9.0 else 128))
@@ -175,19 +194,20 @@ def _platform() -> tuple[str, float | None]:
         return platform, None
 
 
-def attend(q, k, v, scale: float, window: int | None = None, softcap: float | None = None, segments=None, *,
-           platform: tuple[str, float | None] | None = None):
+def attend(q, k, v, scale: float, window: int | None = None, softcap: float | None = None, segments=None,
+           sinks=None, *, platform: tuple[str, float | None] | None = None):
     """Causal attention by the fastest exact path of the platform being traced for (`kernel`);
     `softcap`: soft-capped scores (Gemma 2); `segments` [b, t]: document ids of packed rows,
-    which confine attention to each document. Both take the chunked path on every platform.
+    which confine attention to each document; `sinks` [heads]: per-head sink logits
+    (gpt-oss). All three take the chunked path on every platform.
     Where cuDNN refuses what `kernel` expected it to take, XLA's implementation computes it.
     `platform`: (backend, CUDA capability) to choose for instead of the one being traced
     for (how the GPU's choice is checked without a GPU)."""
     backend, capability = _platform() if platform is None else platform
     which = kernel(backend, q.dtype, q.shape[-1], window, softcap, segments=segments is not None,
-                   capability=capability)
+                   capability=capability, sinks=sinks is not None)
     if which == "chunked":
-        return causal_attention(q, k, v, scale, window, CHUNK_ROWS, softcap, segments)
+        return causal_attention(q, k, v, scale, window, CHUNK_ROWS, softcap, segments, sinks)
     local = (window - 1, 0) if window else None  # W keys including the query itself
     try:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
@@ -210,14 +230,19 @@ def local_chunks(positions, size: int, segments=None):
     return ids if segments is None else jnp.where(segments == 0, 0, ids)
 
 
-def masked_attention(q, k, v, mask, scale: float, softcap: float | None = None):
-    """softmax(cap(q k^T * scale) where `mask`) v for an explicit boolean mask [b|1, 1, tq, tk]
-    (the sampling path's cache); q [b, tq, heads, hd], k and v [b, tk, kv heads, hd]."""
-    if not softcap:
+def masked_attention(q, k, v, mask, scale: float, softcap: float | None = None, sinks=None):
+    """softmax(cap(q k^T * scale) where `mask` [, sinks]) v for an explicit boolean mask
+    [b|1, 1, tq, tk] (the sampling path's cache); q [b, tq, heads, hd], k and v [b, tk, kv
+    heads, hd]; `sinks` [heads] as `causal_attention` takes them."""
+    if not softcap and sinks is None:
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
     kv = k.shape[2]
     qh, kh, vh = _heads_major(q, kv), _heads_major(k, kv)[:, :, 0], _heads_major(v, kv)[:, :, 0]
     s = jnp.einsum("bkgth,bksh->bkgts", qh, kh, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(mask[:, :, None], jnp.tanh(s / softcap) * softcap, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    s = jnp.where(mask[:, :, None], jnp.tanh(s / softcap) * softcap if softcap else s, -jnp.inf)
+    if sinks is not None:  # one more column in each row's softmax, dropped after it
+        sink = jnp.broadcast_to(_sink_logits(sinks, kv), (*s.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
+    else:
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     return _token_major(jnp.einsum("bkgts,bksh->bkgth", p, vh, preferred_element_type=jnp.float32).astype(q.dtype))

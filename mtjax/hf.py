@@ -5,7 +5,8 @@ pytree and whether it is transposed (PyTorch Linear weights are [out, in], mtjax
 [in, out]). A block's tensors are named after its modules as the model's family names
 them (`Family.checkpoint_names`, mtjax.families). Most tensors are one leaf each; the
 stacked experts of a family with `stacked_experts` (Llama 4) are many:
-`experts.gate_up_proj` [E, d, 2f] holds every expert's gate and up kernels side by side,
+`experts.gate_up_proj` [E, d, 2f] holds every expert's gate and up kernels side by side
+(gpt-oss: in alternate columns, with `gate_up_proj_bias` and `down_proj_bias` beside),
 `experts.down_proj` [E, f, d] their down kernels, which mtjax keeps one array each
 (`to_mtjax` splits them, `to_hf` joins them back, bit for bit). The loader reads one
 tensor at a time from memory-mapped safetensors files, so the store importer reuses it
@@ -53,6 +54,7 @@ class TensorSpec:
     shape: tuple[int, ...]  # shape in the Hugging Face file
     transpose: bool
     stacked: int = 0  # >0: [E, ...], expert e the last-axis concatenation of paths[e * stacked:(e + 1) * stacked]
+    interleaved: bool = False  # stacked: the leaves' columns alternate (gpt-oss's gate and up) instead
 
 
 def _leaves(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, jax.ShapeDtypeStruct]]:
@@ -80,14 +82,27 @@ def _spec(cfg: ModelConfig, hf_prefix: str, path: tuple, leaf) -> TensorSpec:
 
 
 def _stacked_experts(cfg: ModelConfig, i: int) -> list[TensorSpec]:
-    """The two stacked expert tensors of MoE block i, input-major as its kernels are (no transpose)."""
+    """The stacked expert tensors of MoE block i, input-major as its kernels are (no
+    transpose): the two kernels', and with `interleaved_experts` the two biases'."""
     d, f, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     prefix = ".".join([f"model.layers.{i}", *hub_names(cfg, ["mlp", "experts"])])
     experts = ("blocks", i, "mlp", "experts")
-    gate_up = tuple(experts + (e, proj, "kernel") for e in range(n) for proj in ("gate_proj", "up_proj"))
-    down = tuple(experts + (e, "down_proj", "kernel") for e in range(n))
-    return [TensorSpec(f"{prefix}.gate_up_proj", gate_up, (n, d, 2 * f), False, stacked=2),
-            TensorSpec(f"{prefix}.down_proj", down, (n, f, d), False, stacked=1)]
+    interleaved = cfg.family.interleaved_experts
+
+    def gate_up(leaf: str) -> tuple:
+        return tuple(experts + (e, proj, leaf) for e in range(n) for proj in ("gate_proj", "up_proj"))
+
+    def down(leaf: str) -> tuple:
+        return tuple(experts + (e, "down_proj", leaf) for e in range(n))
+
+    specs = [TensorSpec(f"{prefix}.gate_up_proj", gate_up("kernel"), (n, d, 2 * f), False, stacked=2,
+                        interleaved=interleaved),
+             TensorSpec(f"{prefix}.down_proj", down("kernel"), (n, f, d), False, stacked=1)]
+    if interleaved:
+        specs += [TensorSpec(f"{prefix}.gate_up_proj_bias", gate_up("bias"), (n, 2 * f), False, stacked=2,
+                             interleaved=True),
+                  TensorSpec(f"{prefix}.down_proj_bias", down("bias"), (n, d), False, stacked=1)]
+    return specs
 
 
 def layout(cfg: ModelConfig) -> list[TensorSpec]:
@@ -111,6 +126,8 @@ def layout(cfg: ModelConfig) -> list[TensorSpec]:
 
 def to_mtjax(spec: TensorSpec, tensor: np.ndarray) -> list[np.ndarray]:
     """A checkpoint tensor -> the arrays of its leaves, in `spec.paths` order."""
+    if spec.stacked and spec.interleaved:
+        return [np.ascontiguousarray(expert[..., j::spec.stacked]) for expert in tensor for j in range(spec.stacked)]
     if spec.stacked:
         return [np.ascontiguousarray(a) for expert in tensor for a in np.split(expert, spec.stacked, axis=-1)]
     return [np.ascontiguousarray(tensor.T) if spec.transpose else tensor]
@@ -121,7 +138,9 @@ def to_hf(spec: TensorSpec, arrays: list) -> np.ndarray:
     arrays = [np.asarray(a) for a in arrays]
     if spec.stacked:
         n = spec.stacked
-        return np.stack([np.concatenate(arrays[e:e + n], axis=-1) for e in range(0, len(arrays), n)])
+        join = (lambda a: np.stack(a, axis=-1).reshape(*a[0].shape[:-1], -1)) if spec.interleaved else \
+            (lambda a: np.concatenate(a, axis=-1))
+        return np.stack([join(arrays[e:e + n]) for e in range(0, len(arrays), n)])
     return np.ascontiguousarray(arrays[0].T) if spec.transpose else arrays[0]
 
 

@@ -42,7 +42,7 @@ NUMBER_RANGES = {"rope_theta": POSITIVE, "max_position_embeddings": AT_LEAST_1, 
                  "n_group": AT_LEAST_1, "topk_group": AT_LEAST_1, "routed_scaling_factor": POSITIVE,
                  "q_lora_rank": AT_LEAST_0, "kv_lora_rank": AT_LEAST_0, "qk_nope_head_dim": AT_LEAST_0,
                  "v_head_dim": AT_LEAST_0, "ffn_chunk_tokens": AT_LEAST_0,
-                 "router_bias_update_rate": AT_LEAST_0}
+                 "router_bias_update_rate": AT_LEAST_0, "swiglu_alpha": POSITIVE, "swiglu_limit": POSITIVE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +106,9 @@ class ModelConfig:
     # layer's correction bias moves by this much per expert toward balance (mtjax.moe.
     # balance_bias); 0: the bias stays as imported (frozen).
     router_bias_update_rate: float = 0.0
+    # gpt-oss's experts (mtjax.moe.clamped_swiglu): (clip(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # Multi-head latent attention (DeepSeek V2/V3, mtjax.layers.latent): head_dim is the
     # rotary part of each query and key head, qk_nope_head_dim the rest, v_head_dim the values'.
     q_lora_rank: int = 0  # queries through a rank-q_lora_rank bottleneck with a norm; 0: one q_proj

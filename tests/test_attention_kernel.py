@@ -25,6 +25,7 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
     (("cuda", F32, 128), {"capability": 9.0}, "xla"),                     # fp32: no fused kernel
     (("cuda", BF16, 128), {"softcap": 50.0, "capability": 9.0}, "chunked"),   # soft-cap: not in jax.nn
     (("cuda", BF16, 128), {"segments": True, "capability": 9.0}, "chunked"),  # document ids: not in jax.nn
+    (("cuda", BF16, 128), {"sinks": True, "capability": 9.0}, "chunked"),     # sinks (gpt-oss): not in jax.nn
     (("cuda", BF16, 128), {"capability": None}, "xla"),                   # capability unknown
     (("gpu", BF16, 128), {}, "xla"),                                      # a GPU without cuDNN
     (("tpu", BF16, 128), {}, "xla"),
@@ -59,3 +60,39 @@ def test_platform_on_this_machine_is_named_as_kernel_expects():
     backend, capability = attention._platform()
     assert backend == jax.default_backend() or backend == "cuda"
     assert (capability is None) == (backend != "cuda")
+
+
+def _with_sinks_by_definition(q, k, v, sinks, scale, window, segments):
+    """Attention with sinks written out: one more logit per row, the sink's, in the softmax,
+    dropped after it (as transformers' gpt-oss computes it)."""
+    kv, t = k.shape[2], q.shape[1]
+    k, v = jnp.repeat(k, q.shape[2] // kv, axis=2), jnp.repeat(v, q.shape[2] // kv, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", q, k) * scale
+    pos = jnp.arange(t)
+    mask = attention.visible(pos, pos, window, segments, segments)[:, None]  # [b, 1, t, t]
+    s = jnp.where(mask, s, -jnp.inf)
+    sink = jnp.broadcast_to(sinks[None, :, None, None], (*s.shape[:-1], 1))
+    p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bhts,bshd->bthd", p, v)
+
+
+def test_sinks_in_the_chunked_kernel_forward_and_backward():
+    """Chunks of 4 rows over 11 tokens, a window of 5, two documents, grouped heads: the
+    output and the gradients of q, k, v and the sinks equal the definition's."""
+    keys = jax.random.split(jax.random.key(7), 5)
+    q = jax.random.normal(keys[0], (2, 11, 4, 8), F32)
+    k, v = jax.random.normal(keys[1], (2, 11, 2, 8), F32), jax.random.normal(keys[2], (2, 11, 2, 8), F32)
+    sinks = 2.0 * jax.random.normal(keys[3], (4,), F32)
+    dout = jax.random.normal(keys[4], q.shape, F32)
+    segments = jnp.asarray([[1] * 11, [1] * 6 + [2] * 5], jnp.int32)
+
+    def loss(fn):
+        return lambda q, k, v, sinks: jnp.sum(fn(q, k, v, sinks) * dout)
+
+    ours = loss(lambda q, k, v, sinks: causal_attention(q, k, v, 0.3, 5, 4, None, segments, sinks))
+    theirs = loss(lambda q, k, v, sinks: _with_sinks_by_definition(q, k, v, sinks, 0.3, 5, segments))
+    np.testing.assert_allclose(ours(q, k, v, sinks), theirs(q, k, v, sinks), rtol=1e-5)
+    for got, want in zip(jax.grad(ours, argnums=(0, 1, 2, 3))(q, k, v, sinks),
+                         jax.grad(theirs, argnums=(0, 1, 2, 3))(q, k, v, sinks)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert float(jnp.abs(jax.grad(ours, argnums=3)(q, k, v, sinks)).min()) > 0  # the sinks do get a gradient
