@@ -404,9 +404,10 @@ def block_until_split(cfg: ModelConfig, spec: LayerSpec, leaves: dict, x, segmen
     return a, h, m.mlp.before_experts(h)
 
 
-def block_experts(cfg: ModelConfig, spec: LayerSpec, kernels: list, h, weights, chosen, ids):
+def block_experts(cfg: ModelConfig, spec: LayerSpec, kernels: dict, h, weights, chosen, ids):
     """The feed-forward's experts stage over the rows h [T, d] for a group of experts:
-    `kernels` (gate, up, down stacked [n, in, out]) of global expert ids `ids` [n]."""
+    `kernels` ({leaf in the expert, e.g. "gate_proj.kernel": stacked [n, ...]}) of global
+    expert ids `ids` [n]."""
     return _partial_module(cfg, spec, {}, h.dtype).mlp.routed(h, weights, chosen, kernels, ids)
 
 

@@ -42,14 +42,32 @@ class ClampedMixture(nnx.Module):
         self.gate = Dense(cfg.hidden_size, cfg.num_experts, True, cfg, rngs)
         self.experts = nnx.List([Expert(cfg, rngs) for _ in range(cfg.num_experts)])
 
+    # Its stages, split before its experts (the registry entry's split point "experts", as
+    # mtjax.layers.feedforward.SparseMoE's): routing, a group of experts, the combine.
+
+    def before_experts(self, flat):
+        """Token rows [T, d] -> (kept weights [T, k] fp32, chosen experts [T, k], router
+        statistics, zeros: no shared expert)."""
+        weights, chosen, probs = self.router.route(self.cfg, self.gate(flat), None)
+        return weights, chosen, moe.router_stats(probs, chosen), jnp.zeros_like(flat)
+
+    def routed(self, flat, weights, chosen, kernels=None, ids=None):
+        """The experts' weighted sum over the rows routed to them: this module's experts, or
+        a group's `kernels` ({"gate_proj.kernel": stacked [n, ...], "gate_proj.bias": ...})
+        of global expert ids `ids`."""
+        if kernels is None:  # stacked inside the program: the store keeps one array per expert
+            kernels = {f"{n}.{leaf}": jnp.stack([getattr(getattr(e, n), leaf)[...] for e in self.experts])
+                       for n in EXPERT_LEAVES for leaf in ("kernel", "bias")}
+        order = [kernels[f"{n}.{leaf}"] for leaf in ("kernel", "bias") for n in EXPERT_LEAVES]
+        return moe.clamped_experts(flat, weights, chosen, *order, self.cfg.swiglu_alpha, self.cfg.swiglu_limit, ids)
+
+    def after_experts(self, routed, shared):
+        return routed
+
     def __call__(self, x):
-        cfg, flat = self.cfg, x.reshape(-1, x.shape[-1])
-        weights, chosen, probs = self.router.route(cfg, self.gate(flat), None)
-        # Stacked inside the program: the store keeps one array per expert.
-        kernels = [jnp.stack([getattr(e, n).kernel[...] for e in self.experts]) for n in EXPERT_LEAVES]
-        biases = [jnp.stack([getattr(e, n).bias[...] for e in self.experts]) for n in EXPERT_LEAVES]
-        y = moe.clamped_experts(flat, weights, chosen, *kernels, *biases, cfg.swiglu_alpha, cfg.swiglu_limit)
-        return y.reshape(x.shape), moe.router_stats(probs, chosen)
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen, stats, _ = self.before_experts(flat)
+        return self.routed(flat, weights, chosen).reshape(x.shape), stats
 
 
 def _flops(cfg: ModelConfig, spec: LayerSpec, tokens: int, executed: bool, dispatch: str) -> float:
@@ -67,7 +85,7 @@ def _inactive(cfg: ModelConfig, spec: LayerSpec) -> int:
 
 
 registry.register_feed_forward(ClampedMoE.kind, registry.FeedForwardKind(
-    module=ClampedMixture, flops=_flops, inactive_params=_inactive))
+    module=ClampedMixture, flops=_flops, inactive_params=_inactive, split_points=("experts",)))
 registry.register_router("topk_softmax", registry.RouterKind(
     route=lambda cfg, logits, bias: moe.route_topk_softmax(logits, cfg.num_experts_per_tok),
     experts=moe.experts_forward))
