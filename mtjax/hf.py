@@ -11,7 +11,8 @@ stacked experts of a family with `stacked_experts` (Llama 4) are many:
 (`to_mtjax` splits them, `to_hf` joins them back, bit for bit). The loader reads one
 tensor at a time from memory-mapped safetensors files, so the store importer reuses it
 with a peak memory of one tensor. FP8 weights (DeepSeek-V3 and R1 as the hub stores them,
-mtjax.fp8) are dequantized as they are read, their `weight_scale_inv` tensors consumed.
+mtjax.fp8) are dequantized as they are read, their `weight_scale_inv` tensors consumed;
+so are MXFP4 ones (gpt-oss's experts, mtjax.mxfp4: `_blocks` and `_scales` tensors).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from mtjax import fp8, lora, model, partid, parts, textfile
+from mtjax import fp8, lora, model, mxfp4, partid, parts, textfile
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig, differences, load_hf_config, to_hf_dict
 
@@ -177,6 +178,7 @@ class SafetensorsReader:
                 self._where[key] = (name, key)
         self.left_out = self._language_model_only()
         self._scales = self._fp8_scales()
+        self._mxfp4 = self._mxfp4_pairs()
 
     def _language_model_only(self) -> list[str]:
         """In a multimodal checkpoint, name the language model's tensors as a text-only
@@ -205,21 +207,41 @@ class SafetensorsReader:
                 scales[weight] = self._where.pop(name)
         return scales
 
+    def _mxfp4_pairs(self) -> dict[str, tuple[tuple[str, str], tuple[str, str]]]:
+        """{tensor name: ((file, key) of its blocks, of its scales)} of the MXFP4 tensors
+        (mtjax.mxfp4), named without their suffixes: reading one dequantizes it."""
+        pairs = {}
+        for name in [n for n in self._where if n.endswith(mxfp4.BLOCKS)]:
+            base = name.removesuffix(mxfp4.BLOCKS)
+            if base + mxfp4.SCALES in self._where and self._slice(name).get_dtype() == "U8":
+                pairs[base] = (self._where.pop(name), self._where.pop(base + mxfp4.SCALES))
+        return pairs
+
     def names(self) -> list[str]:
-        return list(self._where)
+        return [*self._where, *self._mxfp4]
 
     def _slice(self, name: str):
         file, key = self._where[name]
         return self._handles[file].get_slice(key)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._mxfp4:
+            file, key = self._mxfp4[name][0]
+            return mxfp4.shape(tuple(self._handles[file].get_slice(key).get_shape()))
         return tuple(self._slice(name).get_shape())
 
     def dtype(self, name: str) -> str:
-        """The dtype `read` gives, as safetensors names it (an FP8 weight's: F32)."""
-        return "F32" if name in self._scales else self._slice(name).get_dtype()
+        """The dtype `read` gives, as safetensors names it (an FP8 or MXFP4 tensor's: F32)."""
+        return "F32" if name in self._scales or name in self._mxfp4 else self._slice(name).get_dtype()
 
     def read(self, name: str) -> np.ndarray:
+        if name in self._mxfp4:  # e2m1 codes times their blocks' powers of 2
+            (blocks_file, blocks_key), (scales_file, scales_key) = self._mxfp4[name]
+            try:
+                return mxfp4.dequantize(self._handles[blocks_file].get_tensor(blocks_key),
+                                        self._handles[scales_file].get_tensor(scales_key))
+            except (SafetensorError, ValueError) as e:
+                raise CheckpointError(f"tensor {name} in {self.dir} is unreadable ({e})") from None
         file, key = self._where[name]
         try:
             if name in self._scales:  # e4m3 times its blocks' scales

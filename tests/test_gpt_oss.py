@@ -2,9 +2,12 @@
 five streamed AdamW steps equal the in-memory reference, in RAM and on disk with the MoE
 blocks split into expert groups (whose programs take the experts' biases beside their
 kernels); the streamed sampler's cached greedy tokens equal transformers' `generate`
-(sinks and the sliding window over the cache)."""
+(sinks and the sliding window over the cache); MXFP4 experts (the hub's layout, built
+here) dequantize as transformers dequantizes them, on import, and export unquantized."""
 
 from __future__ import annotations
+
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,8 +15,9 @@ import pytest
 import torch
 
 import hf_models
+import mtjax
 import mtjax.store
-from mtjax import model, treepath
+from mtjax import hf, model, mxfp4, treepath
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
@@ -93,3 +97,58 @@ def test_cached_greedy_decoding_equals_transformers_generate(tmp_path):
                                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert sampler.generate(prompt, 10, temperature=0) == want, prompt
         assert len(set(want)) > 1  # varied output, so a wrong cache or position shows
+
+
+def _mxfp4(rng, experts: int, rows: int, cols: int):
+    """Random MXFP4 blocks [E, rows, cols / 32, 16] and scales [E, rows, cols / 32] (uint8),
+    every code drawn and exponents around 2 ** -6."""
+    blocks = rng.integers(0, 256, (experts, rows, cols // 32, 16), dtype=np.uint8)
+    return blocks, rng.integers(118, 126, (experts, rows, cols // 32), dtype=np.uint8)
+
+
+def _transformers_dequantized(blocks, scales) -> np.ndarray:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    out = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    return out.numpy()
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    blocks, scales = _mxfp4(np.random.default_rng(0), 3, 10, 64)
+    ours = mxfp4.dequantize(blocks, scales)
+    assert ours.shape == (3, 64, 10)
+    np.testing.assert_array_equal(ours, _transformers_dequantized(blocks, scales))
+    assert np.any(ours < 0) and np.any(ours > 0) and np.any(ours == 0)
+
+
+@pytest.mark.slow  # a transformers checkpoint, quantized, imported and exported
+def test_an_mxfp4_checkpoint_imports_dequantized_and_exports_unquantized(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    ckpt, _ = hf_models.checkpoint(tmp_path, "gpt_oss", num_local_experts=4, intermediate_size=32)
+    tensors, rng, want = load_file(str(ckpt / hf.SINGLE_FILE)), np.random.default_rng(1), {}
+    for i in range(2):  # the hub's layout: each layer's two expert kernels as blocks and scales
+        for proj, rows, cols in (("gate_up_proj", 64, 32), ("down_proj", 32, 32)):
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            blocks, scales = _mxfp4(rng, 4, rows, cols)
+            del tensors[name]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            want[name] = _transformers_dequantized(blocks, scales)
+    save_file(tensors, str(ckpt / hf.SINGLE_FILE), metadata={"format": "pt"})
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+    cfg, params = mtjax.load_params(ckpt)
+    specs = {s.hf_name: s for s in hf.layout(cfg)}
+    for name, w in want.items():
+        np.testing.assert_array_equal(hf.from_tree(specs[name], params), w, err_msg=name)
+    mtjax.save_params(cfg, params, tmp_path / "out")
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    exported = load_file(str(tmp_path / "out" / hf.SINGLE_FILE))
+    assert not any(n.endswith(("_blocks", "_scales")) for n in exported)
+    reloaded = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).named_parameters())
+    for name, w in want.items():
+        np.testing.assert_array_equal(exported[name], w, err_msg=name)
+        np.testing.assert_array_equal(reloaded[name].detach().numpy(), w, err_msg=name)

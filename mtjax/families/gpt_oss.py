@@ -9,7 +9,8 @@ clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`). As transformers computes them; 
 load-balancing loss is added (times `router_aux_loss_coef`) as with output_router_logits.
 Its checkpoints name the router `mlp.router` and keep each layer's experts stacked:
 `experts.gate_up_proj` [E, d, 2f] with gate and up in alternate columns and
-`gate_up_proj_bias` [E, 2f] alike, `down_proj` [E, f, d], `down_proj_bias` [E, d] (mtjax.hf).
+`gate_up_proj_bias` [E, 2f] alike, `down_proj` [E, f, d], `down_proj_bias` [E, d] (mtjax.hf);
+the hub's keep the two kernels in MXFP4, dequantized on import (mtjax.mxfp4).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from mtjax.families.hf_config import FULL, SLIDING, ConfigError
 from mtjax.families.registry import Family, register
 from mtjax.layers.spec import ClampedMoE
 
-_KEYS = frozenset({"swiglu_alpha", "swiglu_limit", "layer_types", "sliding_window", "output_router_logits"})
+_KEYS = frozenset({"swiglu_alpha", "swiglu_limit", "layer_types", "sliding_window", "output_router_logits",
+                   "quantization_config"})  # MXFP4 experts are dequantized on import (mtjax.mxfp4): an export is not
 
 
 def _layer_types(hf: dict) -> tuple[str, ...]:
@@ -32,6 +34,10 @@ def _layer_types(hf: dict) -> tuple[str, ...]:
 
 
 def from_hf(hf: dict) -> dict:
+    quant = hf.get("quantization_config")
+    if quant and quant.get("quant_method") != "mxfp4":
+        raise ConfigError(f"quantization_config {quant} is not supported for gpt_oss; mtjax reads MXFP4 experts "
+                          "(the hub's) or unquantized ones")
     fields = hf_config.read_common(hf, _layer_types(hf), known=hf_config.EXPERT_KEYS | _KEYS)
     biased = bool(hf.get("attention_bias", True))
     return dict(fields, attention_bias=biased, o_proj_bias=biased, num_experts=hf_config.experts_from_hf(hf),
