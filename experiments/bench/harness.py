@@ -44,6 +44,16 @@ def llama(layers: int, width: int, *, vocab: int = 8192, ffn: int | None = None,
                        head_dim=head_dim, compute_dtype=dtype, **fields)
 
 
+
+def shape_options(ap, *, steps_help: str, **defaults) -> None:
+    """Add to `ap` the model-shape and run-length options a benchmark takes, in this
+    order: --layers --width --seq --batch --vocab --steps, each an int with the default
+    given; an option left out of `defaults` is not added."""
+    for name in ("layers", "width", "seq", "batch", "vocab", "steps"):
+        if name in defaults:
+            ap.add_argument(f"--{name}", type=int, default=defaults[name],
+                            help=steps_help if name == "steps" else None)
+
 # --- child processes ---------------------------------------------------------------------------
 
 
