@@ -9,6 +9,13 @@ from the saved log-sum-exp; dS = P * (dP - rowsum(dO * O))), which needs fewer p
 over the [t, t] tiles than the autodiff of softmax. Each row's softmax still sees all its
 keys at once (no online rescaling), so results match the XLA path to fp32 rounding.
 
+Those chunks are unrolled in one XLA program, which schedules them side by side and holds
+their scores at once (O(t^2) temporaries: 1 GiB at 8k tokens for 2 heads). Past
+UNROLLED_CHUNKS chunks the same function loops over [rows, rows] blocks instead
+(`looped_attention`, flash attention's online softmax, invisible key blocks skipped),
+forward and backward; its memory is O(t): the inputs, the output, one log-sum-exp per
+query and one block's scores.
+
 Layouts: q [b, t, heads, hd], k and v [b, t, kv_heads, hd] (grouped-query attention when
 kv_heads < heads); scores are [b, kv_heads, group, t_q, t_k], fp32.
 
@@ -32,6 +39,7 @@ import jax.numpy as jnp
 from mtjax import target
 
 CHUNK_ROWS = 128  # query rows per chunk: 4 chunks at seq 512 measured fastest here
+UNROLLED_CHUNKS = 16  # more chunks than this take the loop: XLA holds an unrolled program's chunks at once
 
 
 def _chunks(t: int, window: int | None, rows: int) -> list[tuple[int, int, int]]:
@@ -97,11 +105,19 @@ def _forward(q, k, v, segments, scale, window, softcap, rows):
     return out, lses
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def causal_attention(q, k, v, scale: float, window: int | None = None, rows: int = CHUNK_ROWS,
                      softcap: float | None = None, segments=None):
     """softmax(cap(q k^T * scale), causal [and sliding-window] [and same-document] mask) v:
-    [b, t, heads, hd]."""
+    [b, t, heads, hd]. Up to UNROLLED_CHUNKS chunks of `rows` queries, each chunk's softmax
+    in one piece (`_unrolled`); longer rows by the loop over blocks (`looped_attention`),
+    whose memory is O(t)."""
+    if -(-q.shape[1] // rows) > UNROLLED_CHUNKS:
+        return looped_attention(q, k, v, scale, window, rows, softcap, segments)
+    return _unrolled(q, k, v, scale, window, rows, softcap, segments)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _unrolled(q, k, v, scale, window, rows, softcap, segments):
     return _token_major(_forward(q, k, v, segments, scale, window, softcap, rows)[0])
 
 
@@ -136,7 +152,138 @@ def _bwd(scale, window, rows, softcap, res, dout):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None  # no cotangent for document ids
 
 
-causal_attention.defvjp(_fwd, _bwd)
+_unrolled.defvjp(_fwd, _bwd)
+
+
+# Long rows: a loop over [rows, rows] blocks (flash attention's online softmax). XLA runs a
+# loop's iterations one after another, so only one block's scores are alive at a time and
+# what outlives the forward is q, k, v, the output and one log-sum-exp per query: O(t).
+
+
+def _padded(x, n: int, fill=0):
+    """x [b, t, ...] -> [b, n, ...], rows past t set to `fill`."""
+    pad = [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, pad, constant_values=fill)
+
+
+def _block(x, j, rows: int, axis: int = 3):
+    return jax.lax.dynamic_slice_in_dim(x, j * rows, rows, axis)
+
+
+def _first_block(i, window: int | None, rows: int):
+    """The first key block that query block i can see."""
+    return 0 if not window else jnp.maximum(0, i * rows - window + 1) // rows
+
+
+def _block_scores(q_i, k_j, i, j, rows, scale, window, softcap, segments):
+    """Scaled (and capped) fp32 scores [b, kv, g, rows, rows] of query block i on key block j,
+    and their visibility mask."""
+    s = jnp.einsum("bkgth,bksh->bkgts", q_i, k_j, preferred_element_type=jnp.float32) * scale
+    if softcap:
+        s = jnp.tanh(s / softcap) * softcap
+    qpos, kpos = i * rows + jnp.arange(rows), j * rows + jnp.arange(rows)
+    if segments is None:
+        return s, visible(qpos, kpos, window)
+    mask = visible(qpos, kpos, window, _block(segments, i, rows, 1), _block(segments, j, rows, 1))
+    return s, mask[:, None, None]
+
+
+def _inputs(q, k, v, segments, rows):
+    """Heads-major q [b, kv, g, n, h], k and v [b, kv, n, h] and segments [b, n], padded to
+    n = whole blocks. Padded queries see only padded keys at or before them (segment -1
+    where documents are given): every softmax row stays finite, and no real query sees one."""
+    n = -(-q.shape[1] // rows) * rows
+    kv = k.shape[2]
+    qh = _heads_major(_padded(q, n), kv)
+    kh, vh = (_heads_major(_padded(x, n), kv)[:, :, 0] for x in (k, v))
+    return qh, kh, vh, None if segments is None else _padded(segments, n, -1)
+
+
+def _loop_forward(q, k, v, segments, scale, window, softcap, rows):
+    """(output [b, kv, g, n, h], log-sum-exp [b, kv, g, n, 1]) over padded blocks."""
+    qh, kh, vh, seg = _inputs(q, k, v, segments, rows)
+
+    def query_block(_, i):
+        q_i = _block(qh, i, rows)
+
+        def key_block(back, carry):  # the diagonal block first: each row's running max is finite from then on
+            m, total, acc = carry
+            j = i - back
+            s, mask = _block_scores(q_i, _block(kh, j, rows, 2), i, j, rows, scale, window, softcap, seg)
+            s = jnp.where(mask, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+            e = jnp.exp(s - m_new)
+            rescale = jnp.exp(m - m_new)
+            pv = jnp.einsum("bkgts,bksh->bkgth", e.astype(v.dtype), _block(vh, j, rows, 2),
+                            preferred_element_type=jnp.float32)
+            return m_new, rescale * total + jnp.sum(e, axis=-1, keepdims=True), rescale * acc + pv
+
+        shape = q_i.shape[:-1] + (1,)
+        init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+                jnp.zeros(q_i.shape, jnp.float32))
+        m, total, acc = jax.lax.fori_loop(0, i - _first_block(i, window, rows) + 1, key_block, init)
+        return None, ((acc / total).astype(q.dtype), m + jnp.log(total))
+
+    blocks = qh.shape[3] // rows
+    _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(blocks))
+    # [blocks, b, kv, g, rows, .] -> [b, kv, g, n, .]
+    out, lse = (jnp.moveaxis(x, 0, 3).reshape(x.shape[1:4] + (-1, x.shape[-1])) for x in (out, lse))
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def looped_attention(q, k, v, scale: float, window: int | None = None, rows: int = CHUNK_ROWS,
+                     softcap: float | None = None, segments=None):
+    """`causal_attention` by a loop over [rows, rows] blocks: the scores of one block at a
+    time, key blocks the queries cannot see skipped; memory O(t) forward and backward."""
+    out, _ = _loop_forward(q, k, v, segments, scale, window, softcap, rows)
+    return _token_major(out)[:, :q.shape[1]]
+
+
+def _loop_fwd(q, k, v, scale, window, rows, softcap, segments):
+    out, lse = _loop_forward(q, k, v, segments, scale, window, softcap, rows)
+    return _token_major(out)[:, :q.shape[1]], (q, k, v, segments, out, lse)
+
+
+def _loop_bwd(scale, window, rows, softcap, res, dout):
+    q, k, v, segments, out, lse = res
+    t, kv = q.shape[1], k.shape[2]
+    qh, kh, vh, seg = _inputs(q, k, v, segments, rows)
+    doh = _heads_major(_padded(dout, qh.shape[3]), kv)  # padded queries: zero cotangent, so no gradient
+    delta = jnp.sum(doh.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+
+    def query_block(dkv, i):
+        q_i, do_i, lse_i, delta_i = (_block(x, i, rows) for x in (qh, doh, lse, delta))
+
+        def key_block(back, carry):
+            dq_i, dk, dv = carry
+            j = i - back
+            k_j, v_j = _block(kh, j, rows, 2), _block(vh, j, rows, 2)
+            s, mask = _block_scores(q_i, k_j, i, j, rows, scale, window, softcap, seg)
+            p = jnp.where(mask, jnp.exp(s - lse_i), 0.0)
+            dv_j = jnp.einsum("bkgts,bkgth->bksh", p.astype(v.dtype), do_i, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bkgth,bksh->bkgts", do_i, v_j, preferred_element_type=jnp.float32)
+            ds = p * (dp - delta_i)
+            if softcap:
+                ds = ds * (1.0 - jnp.square(s / softcap))  # d cap(z) / dz = 1 - tanh^2, with s = cap(z)
+            ds = (ds * scale).astype(q.dtype)
+            dq_i = dq_i + jnp.einsum("bkgts,bksh->bkgth", ds, k_j, preferred_element_type=jnp.float32)
+            dk_j = jnp.einsum("bkgts,bkgth->bksh", ds, q_i, preferred_element_type=jnp.float32)
+            add = lambda d, x: jax.lax.dynamic_update_slice_in_dim(d, _block(d, j, rows, 2) + x, j * rows, 2)
+            return dq_i, add(dk, dk_j), add(dv, dv_j)
+
+        first = _first_block(i, window, rows)
+        dq_i, dk, dv = jax.lax.fori_loop(0, i - first + 1, key_block, (jnp.zeros(q_i.shape, jnp.float32), *dkv))
+        return (dk, dv), dq_i
+
+    zeros = jnp.zeros(kh.shape, jnp.float32)
+    (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), jnp.arange(qh.shape[3] // rows))
+    dq = _token_major(jnp.moveaxis(dq, 0, 3).reshape(qh.shape))[:, :t]
+    dk, dv = (_token_major(d[:, :, None])[:, :t] for d in (dk, dv))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None  # no cotangent for document ids
+
+
+looped_attention.defvjp(_loop_fwd, _loop_bwd)
 
 
 FUSED_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes (fp8 aside)
