@@ -82,7 +82,7 @@ class ModelConfig:
     param_dtype: str = "float32"  # dtype of the checkpoint's tensors (export writes it)
     compute_dtype: str = "float32"  # dtype of activations and streamed weights
     base_format: str = "compute"  # frozen 2-D kernels of blocks stored and streamed as: compute (the compute dtype), int8 or nf4 (mtjax.quant)
-    # Dense feed-forwards over chunks of this many tokens, each recomputed in the backward
+    # Feed-forwards (dense and MoE) over chunks of this many tokens, each recomputed in the backward
     # (long rows: mtjax.model.Block.feed_forward); 0: whole.
     ffn_chunk_tokens: int = 0
     freeze: tuple[str, ...] = ()  # leaves kept as they are, no gradient or optimizer state (mtjax.roles: embed, block.0-15, block.*/mlp.*)

@@ -8,13 +8,14 @@ per token (the slope of peak RSS against tokens, and its intercept), the worst p
 distance from that line, and tokens/s of the fastest step. Prints a table and writes its
 section of docs/benchmarks.md.
 
-    .venv/bin/python experiments/bench/long_context.py                       # 4k, 16k, 64k: hours, and more RAM than 23 GiB at 64k today
+    .venv/bin/python experiments/bench/long_context.py --steps 1              # 4k, 16k, 64k: about 10 minutes on 2 cores
     .venv/bin/python experiments/bench/long_context.py --seq 1024 2048 4096 --no-doc   # smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import harness  # first: the checkout on sys.path, JAX on the CPU
@@ -48,6 +49,13 @@ def child_train(args) -> None:
                    params=model.num_params(cfg), head_chunk=loss.chunk_rows(cfg.vocab_size, seq))
 
 
+def cpu_name() -> str:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "an unnamed CPU"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[4096, 16384, 65536])
@@ -74,7 +82,9 @@ def main() -> None:
         f"A Llama of {args.layers} blocks, width {args.width}, SwiGLU {cfg.intermediate_size}, vocab "
         f"{cfg.vocab_size} ({rows[0]['params'] / 1e6:.1f}M params, fp32), batch 1, state in RAM, k = 1; "
         f"chunked head (rows of logits per chunk as listed) and feed-forward chunks of {FFN_CHUNK} tokens; "
-        f"{args.steps} steps each in a fresh process (peak RSS = VmHWM; tokens/s of the fastest step).",
+        f"{args.steps} step(s) each in a fresh process (peak RSS = VmHWM; tokens/s of the fastest step, which with "
+        f"one step includes its compilation). {cpu_name()}, {os.cpu_count()} cores shared with other jobs "
+        f"(load average {os.getloadavg()[0]:.1f} at the end): step times are loose.",
         "",
         "| seq | head chunk | peak RSS | RSS / token | step (s) | tokens/s |",
         "|---|---|---|---|---|---|",
