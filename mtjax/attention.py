@@ -158,6 +158,9 @@ _unrolled.defvjp(_fwd, _bwd)
 # Long rows: a loop over [rows, rows] blocks (flash attention's online softmax). XLA runs a
 # loop's iterations one after another, so only one block's scores are alive at a time and
 # what outlives the forward is q, k, v, the output and one log-sum-exp per query: O(t).
+# The queries may be a later stretch of the keys' row (`q0`, their first position: a
+# device's share of a row split over devices, `split_attention`); keys are then the whole
+# row, and the query blocks' edges need not fall on the key blocks'.
 
 
 def _padded(x, n: int, fill=0):
@@ -170,96 +173,100 @@ def _block(x, j, rows: int, axis: int = 3):
     return jax.lax.dynamic_slice_in_dim(x, j * rows, rows, axis)
 
 
-def _first_block(i, window: int | None, rows: int):
-    """The first key block that query block i can see."""
-    return 0 if not window else jnp.maximum(0, i * rows - window + 1) // rows
+def _key_blocks(q0, i, window: int | None, rows: int, blocks: int):
+    """(first, last) key block that query block i (positions q0 + i * rows ..) can see."""
+    first = 0 if not window else jnp.maximum(0, q0 + i * rows - window + 1) // rows
+    return first, jnp.minimum((q0 + i * rows + rows - 1) // rows, blocks - 1)
 
 
-def _block_scores(q_i, k_j, i, j, rows, scale, window, softcap, segments):
-    """Scaled (and capped) fp32 scores [b, kv, g, rows, rows] of query block i on key block j,
-    and their visibility mask."""
+def _block_scores(q_i, k_j, qpos, j, rows, scale, window, softcap, q_seg, k_seg):
+    """Scaled (and capped) fp32 scores [b, kv, g, rows, rows] of queries at `qpos` on key
+    block j, and their visibility mask."""
     s = jnp.einsum("bkgth,bksh->bkgts", q_i, k_j, preferred_element_type=jnp.float32) * scale
     if softcap:
         s = jnp.tanh(s / softcap) * softcap
-    qpos, kpos = i * rows + jnp.arange(rows), j * rows + jnp.arange(rows)
-    if segments is None:
+    kpos = j * rows + jnp.arange(rows)
+    if q_seg is None:
         return s, visible(qpos, kpos, window)
-    mask = visible(qpos, kpos, window, _block(segments, i, rows, 1), _block(segments, j, rows, 1))
-    return s, mask[:, None, None]
+    return s, visible(qpos, kpos, window, q_seg, _block(k_seg, j, rows, 1))[:, None, None]
 
 
-def _inputs(q, k, v, segments, rows):
-    """Heads-major q [b, kv, g, n, h], k and v [b, kv, n, h] and segments [b, n], padded to
-    n = whole blocks. Padded queries see only padded keys at or before them (segment -1
-    where documents are given): every softmax row stays finite, and no real query sees one."""
-    n = -(-q.shape[1] // rows) * rows
+def _loop_inputs(q, k, v, q_seg, k_seg, rows):
+    """Heads-major q [b, kv, g, n, h], k and v [b, kv, m, h] and the segments, padded to
+    whole blocks. Padded keys get segment -1 (where documents are given) and positions past
+    the row: no real query sees one. A padded query's output and gradient are dropped."""
+    n, m = (-(-x.shape[1] // rows) * rows for x in (q, k))
     kv = k.shape[2]
     qh = _heads_major(_padded(q, n), kv)
-    kh, vh = (_heads_major(_padded(x, n), kv)[:, :, 0] for x in (k, v))
-    return qh, kh, vh, None if segments is None else _padded(segments, n, -1)
+    kh, vh = (_heads_major(_padded(x, m), kv)[:, :, 0] for x in (k, v))
+    if q_seg is None:
+        return qh, kh, vh, None, None
+    return qh, kh, vh, _padded(q_seg, n, -1), _padded(k_seg, m, -1)
 
 
-def _loop_forward(q, k, v, segments, scale, window, softcap, rows):
+def _loop_forward(q, k, v, q_seg, k_seg, q0, scale, window, softcap, rows):
     """(output [b, kv, g, n, h], log-sum-exp [b, kv, g, n, 1]) over padded blocks."""
-    qh, kh, vh, seg = _inputs(q, k, v, segments, rows)
+    qh, kh, vh, q_seg, k_seg = _loop_inputs(q, k, v, q_seg, k_seg, rows)
 
     def query_block(_, i):
-        q_i = _block(qh, i, rows)
+        q_i, qpos = _block(qh, i, rows), q0 + i * rows + jnp.arange(rows)
+        seg_i = None if q_seg is None else _block(q_seg, i, rows, 1)
+        first, last = _key_blocks(q0, i, window, rows, kh.shape[2] // rows)
 
-        def key_block(back, carry):  # the diagonal block first: each row's running max is finite from then on
+        def key_block(back, carry):  # the nearest block first
             m, total, acc = carry
-            j = i - back
-            s, mask = _block_scores(q_i, _block(kh, j, rows, 2), i, j, rows, scale, window, softcap, seg)
-            s = jnp.where(mask, s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
-            e = jnp.exp(s - m_new)
-            rescale = jnp.exp(m - m_new)
+            j = last - back
+            s, mask = _block_scores(q_i, _block(kh, j, rows, 2), qpos, j, rows, scale, window, softcap, seg_i, k_seg)
+            m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1, keepdims=True))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row that has seen no key yet
+            e = jnp.where(mask, jnp.exp(s - m_safe), 0.0)
             pv = jnp.einsum("bkgts,bksh->bkgth", e.astype(v.dtype), _block(vh, j, rows, 2),
                             preferred_element_type=jnp.float32)
+            rescale = jnp.exp(m - m_safe)
             return m_new, rescale * total + jnp.sum(e, axis=-1, keepdims=True), rescale * acc + pv
 
         shape = q_i.shape[:-1] + (1,)
         init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
                 jnp.zeros(q_i.shape, jnp.float32))
-        m, total, acc = jax.lax.fori_loop(0, i - _first_block(i, window, rows) + 1, key_block, init)
-        return None, ((acc / total).astype(q.dtype), m + jnp.log(total))
+        m, total, acc = jax.lax.fori_loop(0, last - first + 1, key_block, init)
+        total = jnp.where(total > 0, total, 1.0)  # padded queries that see no key: output 0
+        return None, ((acc / total).astype(q.dtype), jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(total))
 
-    blocks = qh.shape[3] // rows
-    _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(blocks))
+    _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(qh.shape[3] // rows))
     # [blocks, b, kv, g, rows, .] -> [b, kv, g, n, .]
     out, lse = (jnp.moveaxis(x, 0, 3).reshape(x.shape[1:4] + (-1, x.shape[-1])) for x in (out, lse))
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def looped_attention(q, k, v, scale: float, window: int | None = None, rows: int = CHUNK_ROWS,
-                     softcap: float | None = None, segments=None):
-    """`causal_attention` by a loop over [rows, rows] blocks: the scores of one block at a
-    time, key blocks the queries cannot see skipped; memory O(t) forward and backward."""
-    out, _ = _loop_forward(q, k, v, segments, scale, window, softcap, rows)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _flash(q, k, v, q_seg, k_seg, q0, scale, window, rows, softcap):
+    out, _ = _loop_forward(q, k, v, q_seg, k_seg, q0, scale, window, softcap, rows)
     return _token_major(out)[:, :q.shape[1]]
 
 
-def _loop_fwd(q, k, v, scale, window, rows, softcap, segments):
-    out, lse = _loop_forward(q, k, v, segments, scale, window, softcap, rows)
-    return _token_major(out)[:, :q.shape[1]], (q, k, v, segments, out, lse)
+def _flash_fwd(q, k, v, q_seg, k_seg, q0, scale, window, rows, softcap):
+    out, lse = _loop_forward(q, k, v, q_seg, k_seg, q0, scale, window, softcap, rows)
+    return _token_major(out)[:, :q.shape[1]], (q, k, v, q_seg, k_seg, q0, out, lse)
 
 
-def _loop_bwd(scale, window, rows, softcap, res, dout):
-    q, k, v, segments, out, lse = res
-    t, kv = q.shape[1], k.shape[2]
-    qh, kh, vh, seg = _inputs(q, k, v, segments, rows)
+def _flash_bwd(scale, window, rows, softcap, res, dout):
+    q, k, v, q_seg0, k_seg0, q0, out, lse = res
+    kv = k.shape[2]
+    qh, kh, vh, q_seg, k_seg = _loop_inputs(q, k, v, q_seg0, k_seg0, rows)
     doh = _heads_major(_padded(dout, qh.shape[3]), kv)  # padded queries: zero cotangent, so no gradient
     delta = jnp.sum(doh.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
 
     def query_block(dkv, i):
         q_i, do_i, lse_i, delta_i = (_block(x, i, rows) for x in (qh, doh, lse, delta))
+        qpos = q0 + i * rows + jnp.arange(rows)
+        seg_i = None if q_seg is None else _block(q_seg, i, rows, 1)
+        first, last = _key_blocks(q0, i, window, rows, kh.shape[2] // rows)
 
         def key_block(back, carry):
             dq_i, dk, dv = carry
-            j = i - back
+            j = last - back
             k_j, v_j = _block(kh, j, rows, 2), _block(vh, j, rows, 2)
-            s, mask = _block_scores(q_i, k_j, i, j, rows, scale, window, softcap, seg)
+            s, mask = _block_scores(q_i, k_j, qpos, j, rows, scale, window, softcap, seg_i, k_seg)
             p = jnp.where(mask, jnp.exp(s - lse_i), 0.0)
             dv_j = jnp.einsum("bkgts,bkgth->bksh", p.astype(v.dtype), do_i, preferred_element_type=jnp.float32)
             dp = jnp.einsum("bkgth,bksh->bkgts", do_i, v_j, preferred_element_type=jnp.float32)
@@ -272,18 +279,50 @@ def _loop_bwd(scale, window, rows, softcap, res, dout):
             add = lambda d, x: jax.lax.dynamic_update_slice_in_dim(d, _block(d, j, rows, 2) + x, j * rows, 2)
             return dq_i, add(dk, dk_j), add(dv, dv_j)
 
-        first = _first_block(i, window, rows)
-        dq_i, dk, dv = jax.lax.fori_loop(0, i - first + 1, key_block, (jnp.zeros(q_i.shape, jnp.float32), *dkv))
+        dq_i, dk, dv = jax.lax.fori_loop(0, last - first + 1, key_block, (jnp.zeros(q_i.shape, jnp.float32), *dkv))
         return (dk, dv), dq_i
 
     zeros = jnp.zeros(kh.shape, jnp.float32)
     (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), jnp.arange(qh.shape[3] // rows))
-    dq = _token_major(jnp.moveaxis(dq, 0, 3).reshape(qh.shape))[:, :t]
-    dk, dv = (_token_major(d[:, :, None])[:, :t] for d in (dk, dv))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None  # no cotangent for document ids
+    dq = _token_major(jnp.moveaxis(dq, 0, 3).reshape(qh.shape))[:, :q.shape[1]]
+    dk, dv = (_token_major(d[:, :, None])[:, :k.shape[1]] for d in (dk, dv))
+    # no cotangents for document ids and the queries' first position
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
-looped_attention.defvjp(_loop_fwd, _loop_bwd)
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def looped_attention(q, k, v, scale: float, window: int | None = None, rows: int = CHUNK_ROWS,
+                     softcap: float | None = None, segments=None):
+    """`causal_attention` by a loop over [rows, rows] blocks: the scores of one block at a
+    time, key blocks the queries cannot see skipped; memory O(t) forward and backward."""
+    return _flash(q, k, v, segments, segments, jnp.int32(0), scale, window, rows, softcap)
+
+
+SEQUENCE = "sequence"  # the mesh axis a row's tokens are split over (mtjax.stream.mesh, stream.split)
+
+
+def split_attention(q, k, v, scale: float, window: int | None, softcap: float | None, segments, devices: int,
+                    rows: int = CHUNK_ROWS):
+    """Causal attention of rows whose tokens are split over `devices` devices (context
+    parallel; q, k, v sharded along the sequence axis over a mesh axis named SEQUENCE):
+    each device gathers the whole row's keys and values (and document ids) and attends its
+    own queries, positions counted from its share's start, by the loop over blocks. The
+    gather's transpose sums each device's key and value gradients back to the share that
+    owns them. Memory per device: its queries' share, and the row's keys and values."""
+    mesh = jax.sharding.AbstractMesh((devices,), (SEQUENCE,))
+    split = jax.sharding.PartitionSpec(None, SEQUENCE)
+
+    def local(q, k, v, *segments):
+        whole = lambda x: jax.lax.all_gather(x, SEQUENCE, axis=1, tiled=True)  # noqa: E731
+        q0 = jax.lax.axis_index(SEQUENCE) * q.shape[1]
+        q_seg, k_seg = (segments[0], whole(segments[0])) if segments else (None, None)
+        return _flash(q, whole(k), whole(v), q_seg, k_seg, q0, scale, window, rows, softcap)
+
+    args = (q, k, v) if segments is None else (q, k, v, segments)
+    # check_vma off: the kernel's loops start from constants that vary over no axis
+    return jax.shard_map(local, mesh=mesh, in_specs=(split,) * len(args), out_specs=split, check_vma=False)(*args)
 
 
 FUSED_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes (fp8 aside)
@@ -323,13 +362,16 @@ def _platform() -> tuple[str, float | None]:
 
 
 def attend(q, k, v, scale: float, window: int | None = None, softcap: float | None = None, segments=None, *,
-           platform: tuple[str, float | None] | None = None):
+           platform: tuple[str, float | None] | None = None, devices: int = 1):
     """Causal attention by the fastest exact path of the platform being traced for (`kernel`);
     `softcap`: soft-capped scores (Gemma 2); `segments` [b, t]: document ids of packed rows,
     which confine attention to each document. Both take the chunked path on every platform.
     Where cuDNN refuses what `kernel` expected it to take, XLA's implementation computes it.
     `platform`: (backend, CUDA capability) to choose for instead of the one being traced
-    for (how the GPU's choice is checked without a GPU)."""
+    for (how the GPU's choice is checked without a GPU). `devices` > 1: the row's tokens are
+    split over that many devices (`split_attention`, on every platform)."""
+    if devices > 1:
+        return split_attention(q, k, v, scale, window, softcap, segments, devices)
     backend, capability = _platform() if platform is None else platform
     which = kernel(backend, q.dtype, q.shape[-1], window, softcap, segments=segments is not None,
                    capability=capability)
