@@ -23,8 +23,9 @@ import harness  # first: the checkout on sys.path, JAX on the CPU
 import numpy as np
 
 from mtjax import loss, model
-from mtjax.config import StreamConfig
+from mtjax.config import StoreConfig, StreamConfig
 from mtjax.optim import OptimConfig
+from mtjax.plan import BUILTIN, StepShape, estimate
 from mtjax.stream import StreamEngine
 
 FFN_CHUNK = 4096
@@ -47,6 +48,13 @@ def child_train(args) -> None:
     engine.close()
     harness.report(seq=seq, peak_rss=harness.peak_rss(), step_s=min(times), first_step_s=times[0],
                    params=model.num_params(cfg), head_chunk=loss.chunk_rows(cfg.vocab_size, seq))
+
+
+def planned_ram(seq: int, width: int, layers: int) -> int:
+    """The planner's host RAM for the measured run (cpu-2core profile, state in RAM, k = 1)."""
+    plan = estimate(model_config(width, layers, seq), StreamConfig(resident=(), keep_every=1), StoreConfig(),
+                    StepShape(1, seq), BUILTIN["cpu-2core"])
+    return plan.ram_needed
 
 
 def cpu_name() -> str:
@@ -86,12 +94,14 @@ def main() -> None:
         f"one step includes its compilation). {cpu_name()}, {os.cpu_count()} cores shared with other jobs "
         f"(load average {os.getloadavg()[0]:.1f} at the end): step times are loose.",
         "",
-        "| seq | head chunk | peak RSS | RSS / token | step (s) | tokens/s |",
-        "|---|---|---|---|---|---|",
+        "| seq | head chunk | peak RSS | RSS / token | planned RAM | step (s) | tokens/s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['seq']:,} | {r['head_chunk']:,} | {r['peak_rss'] / 2**20:,.0f} MiB | "
-                     f"{r['peak_rss'] / r['seq'] / 1024:.1f} KiB | {r['step_s']:.1f} | {r['seq'] / r['step_s']:,.0f} |")
+                     f"{r['peak_rss'] / r['seq'] / 1024:.1f} KiB | "
+                     f"{planned_ram(r['seq'], args.width, args.layers) / 2**20:,.0f} MiB | "
+                     f"{r['step_s']:.1f} | {r['seq'] / r['step_s']:,.0f} |")
     lines += ["", f"**Peak RSS = {intercept / 2**20:,.0f} MiB + {slope / 1024:.1f} KiB per token** (least squares over "
               f"the rows; the farthest row is {off:.1%} off the line). The [tokens, vocab] logits would alone be "
               f"{4 * cfg.vocab_size / 1024:.0f} KiB per token (x3 with softmax and gradient)."]
