@@ -32,6 +32,7 @@ attention (Llama 4) is that same mask over chunk ids (`local_chunks`).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -330,10 +331,11 @@ FUSED_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes (fp
 
 def kernel(backend: str, dtype, head_dim: int, window: int | None = None, softcap: float | None = None,
            segments: bool = False, capability: float | None = None) -> str:
-    """Which implementation `attend` uses: "chunked" (`causal_attention`), "cudnn"
-    (`jax.nn.dot_product_attention`'s fused flash-attention kernel) or "xla" (the same
-    function's XLA implementation). A pure function of what is traced and where, so that
-    the choice is tested without a GPU.
+    """Which implementation `attend` uses: "cudnn" (`jax.nn.dot_product_attention`'s fused
+    flash-attention kernel) or "chunked" (`causal_attention`, O(t) memory past
+    UNROLLED_CHUNKS chunks; not XLA's implementation of dot_product_attention, whose
+    [heads, t, t] scores a long row cannot hold). A pure function of what is traced and
+    where, so that the choice is tested without a GPU; `attend` probes the cuDNN choice.
 
     `backend` is "cpu", "cuda" (an NVIDIA GPU, `capability` its compute capability, e.g.
     9.0) or any other platform. cuDNN takes fp16/bf16 with a head dim that is a multiple
@@ -346,7 +348,40 @@ def kernel(backend: str, dtype, head_dim: int, window: int | None = None, softca
         return "chunked"
     fits = (backend == "cuda" and capability is not None and jnp.dtype(dtype).name in FUSED_DTYPES
             and head_dim % 8 == 0 and head_dim <= (256 if capability >= 9.0 else 128))
-    return "cudnn" if fits else "xla"
+    return "cudnn" if fits else "chunked"
+
+
+@functools.lru_cache(maxsize=64)
+def cudnn_refusal(q: jax.ShapeDtypeStruct, k: jax.ShapeDtypeStruct, scale: float, window: int | None) -> str | None:
+    """None where cuDNN's flash attention compiles, forward and backward, for queries `q`
+    and keys `k` of these shapes (and values shaped as the keys) on this process's default
+    backend; else why not, in one line. Probed once a shape (a compile, not a run)."""
+    local = (window - 1, 0) if window else None
+
+    def loss(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
+                                           implementation="cudnn")
+        return jnp.sum(out.astype(jnp.float32))
+
+    try:
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k).compile()
+    except Exception as e:  # noqa: BLE001  any refusal, at trace, lowering or compile time: the kernel says no
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no reason given'}"
+    return None
+
+
+def _refused(q, k, scale: float, window: int | None) -> bool:
+    """Whether cuDNN refuses this shape (`cudnn_refusal`); says so in one line, once a shape."""
+    shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    why = cudnn_refusal(shape(q), shape(k), float(scale), window)
+    if why is not None and (shape(q), shape(k), window) not in _told:
+        _told.add((shape(q), shape(k), window))
+        warnings.warn(f"cuDNN flash attention refused q {list(q.shape)} {q.dtype} (window {window}): {why[:200]}; "
+                      f"attention runs the chunked kernel", stacklevel=3)
+    return why is not None
+
+
+_told: set = set()  # the shapes whose refusal was said
 
 
 def _platform() -> tuple[str, float | None]:
@@ -355,10 +390,16 @@ def _platform() -> tuple[str, float | None]:
     platform = target.platform()
     if platform not in ("gpu", "cuda"):
         return platform, None
+    capability = _capability()
+    return ("cuda", capability) if capability is not None else (platform, None)
+
+
+def _capability() -> float | None:
+    """The first GPU's CUDA compute capability, None without a CUDA GPU here."""
     try:  # CUDA devices report e.g. "9.0"; other GPUs report none or an architecture name
-        return "cuda", float(jax.devices("gpu")[0].compute_capability)
+        return float(jax.devices("gpu")[0].compute_capability)
     except (RuntimeError, IndexError, AttributeError, TypeError, ValueError):  # no GPU here, or not CUDA
-        return platform, None
+        return None
 
 
 def attend(q, k, v, scale: float, window: int | None = None, softcap: float | None = None, segments=None, *,
@@ -366,7 +407,8 @@ def attend(q, k, v, scale: float, window: int | None = None, softcap: float | No
     """Causal attention by the fastest exact path of the platform being traced for (`kernel`);
     `softcap`: soft-capped scores (Gemma 2); `segments` [b, t]: document ids of packed rows,
     which confine attention to each document. Both take the chunked path on every platform.
-    Where cuDNN refuses what `kernel` expected it to take, XLA's implementation computes it.
+    Where cuDNN refuses a shape `kernel` expected it to take (`cudnn_refusal`, probed once
+    a shape), the chunked kernel computes it, and a warning says so in one line.
     `platform`: (backend, CUDA capability) to choose for instead of the one being traced
     for (how the GPU's choice is checked without a GPU). `devices` > 1: the row's tokens are
     split over that many devices (`split_attention`, on every platform)."""
@@ -375,15 +417,11 @@ def attend(q, k, v, scale: float, window: int | None = None, softcap: float | No
     backend, capability = _platform() if platform is None else platform
     which = kernel(backend, q.dtype, q.shape[-1], window, softcap, segments=segments is not None,
                    capability=capability)
-    if which == "chunked":
+    if which == "chunked" or _refused(q, k, scale, window):
         return causal_attention(q, k, v, scale, window, CHUNK_ROWS, softcap, segments)
     local = (window - 1, 0) if window else None  # W keys including the query itself
-    try:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
-                                            implementation=which)
-    except (NotImplementedError, ValueError, RuntimeError):  # cuDNN's refusal, at trace time
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
-                                            implementation="xla")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
+                                        implementation=which)
 
 
 def local_chunks(positions, size: int, segments=None):
