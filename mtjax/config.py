@@ -311,6 +311,9 @@ def model_config(exp: ExperimentConfig) -> ModelConfig:
     """The ModelConfig an experiment describes: preset or hf_config, then inline overrides."""
     section = exp.model
     overrides = dict(section.overrides)
+    if "sequence_devices" in overrides:  # the engine's, from its mesh
+        raise ConfigError("model.sequence_devices is set by the engine: split rows over the devices with "
+                          "stream.split: sequence (and stream.devices) instead")
     adapters = dict(lora=exp.lora)  # the `lora:` section (mtjax.lora; no rank: none)
     try:
         if section.hf_config is not None:

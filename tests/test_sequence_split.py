@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import multidevice
-from mtjax.config import DataConfig, ExperimentConfig, StreamConfig
+from mtjax.config import DataConfig, ExperimentConfig, ModelSection, StreamConfig, model_config
 from mtjax.model_config import ConfigError
 
 SLOW = pytest.mark.slow  # one child: the JAX import and the compiles of two engines (~40 s here)
@@ -42,3 +42,5 @@ def test_a_row_that_does_not_split_is_one_line():
     ExperimentConfig(stream=StreamConfig(devices=4, split="sequence"), data=DataConfig(batch_size=1, seq_len=12))
     with pytest.raises(ConfigError, match="stream.split"):
         StreamConfig(split="tokens")
+    with pytest.raises(ConfigError, match="model.sequence_devices is set by the engine"):
+        model_config(ExperimentConfig(model=ModelSection(overrides=(("sequence_devices", 2),))))
