@@ -27,7 +27,8 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-@pytest.mark.parametrize("cfg", [tiny_config(ffn_chunk_tokens=128), tiny_moe_config(ffn_chunk_tokens=7)],
+@pytest.mark.parametrize("cfg", [tiny_config(ffn_chunk_tokens=128),
+                                 pytest.param(tiny_moe_config(ffn_chunk_tokens=7), marks=pytest.mark.slow)],  # ~30 s
                          ids=["dense", "moe"])
 def test_the_chunked_feed_forward_is_the_whole_one(cfg):
     """Value, router statistics, the load-balancing loss and gradients: chunks (a MoE
@@ -42,7 +43,7 @@ def test_the_chunked_feed_forward_is_the_whole_one(cfg):
             logits, stats = model.forward_stats(c, p, tokens)
             aux = moe.aux_loss(stats, tokens.size) if stats else 0.0
             return jnp.sum(jnp.sin(logits)) + 10 * aux, stats
-        return jax.value_and_grad(objective, has_aux=True)(params)
+        return jax.jit(jax.value_and_grad(objective, has_aux=True))(params)  # jitted: op by op is slower
 
     ((a, sa), ga), ((b, sb), gb) = grads(whole), grads(cfg)
     assert float(b) == pytest.approx(float(a), rel=1e-6)
