@@ -4,12 +4,14 @@
 documents; outputs and gradients), then the streaming engine with each row's tokens split
 over both devices (stream.split: sequence) against the engine on one device: 3 AdamW steps
 of a tiny model on rows of 384 tokens (3 of the kernel's 128-row blocks, split 192 | 192,
-so a device's share starts mid-block), plain and packed rows. Prints one JSON line of
-results; tests/test_sequence_split.py asserts on them.
+so a device's share starts mid-block), plain and packed rows; and XLA's temporaries of one
+block's gradient at 8k tokens, per device, split over two devices and on one. Prints one
+JSON line of results; tests/test_sequence_split.py asserts on them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -94,9 +96,22 @@ def engine_case(packed: bool) -> dict:
             "sequence_devices": [s1, s2], "kept_specs": sorted(set(kept))}
 
 
+def block_temp_bytes(devices: int, seq: int = 8192) -> int:
+    """Each device's temporaries in the compiled gradient of one block over a row of `seq`
+    tokens split over `devices` devices (memory_analysis: nothing runs)."""
+    cfg, spec = dataclasses.replace(CFG, sequence_devices=devices), CFG.layer_specs[0]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), (SEQUENCE,))
+    x = jax.ShapeDtypeStruct((1, seq, cfg.hidden_size), jnp.float32,
+                             sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, SEQUENCE)))
+    block = model.init_params(cfg, seed=0)["blocks"][0]
+    grad = jax.grad(lambda b, x: jnp.sum(model.block_forward(cfg, spec, b, x)), argnums=(0, 1))
+    return jax.jit(grad).lower(block, x).compile().memory_analysis().temp_size_in_bytes
+
+
 def main() -> None:
     assert len(jax.devices()) == 2
-    results = {"kernel": kernel_cases(), "plain": engine_case(False), "documents": engine_case(True)}
+    results = {"kernel": kernel_cases(), "plain": engine_case(False), "documents": engine_case(True),
+               "block_temp_bytes": [block_temp_bytes(1), block_temp_bytes(2)]}
     print(json.dumps(results))
 
 

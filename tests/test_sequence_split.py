@@ -36,6 +36,14 @@ def test_two_devices_splitting_each_row_train_as_one_device(results, name):
     assert r["param_error"] <= 1e-5
 
 
+@SLOW
+def test_two_devices_hold_half_a_blocks_temporaries_each(results):
+    """N devices train N times the context: a block's gradient at 8k tokens, split over two
+    devices, needs about half the temporaries on each (the gathered keys and values aside)."""
+    one, two = results["block_temp_bytes"]
+    assert two <= 0.6 * one, (one, two)
+
+
 def test_a_row_that_does_not_split_is_one_line():
     with pytest.raises(ConfigError, match=r"data.seq_len 10 does not split over 4 devices \(stream.split: sequence\)"):
         ExperimentConfig(stream=StreamConfig(devices=4, split="sequence"), data=DataConfig(batch_size=1, seq_len=10))
