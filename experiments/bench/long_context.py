@@ -57,13 +57,6 @@ def planned_ram(seq: int, width: int, layers: int) -> int:
     return plan.ram_needed
 
 
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "an unnamed CPU"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[4096, 16384, 65536])
@@ -91,7 +84,7 @@ def main() -> None:
         f"{cfg.vocab_size} ({rows[0]['params'] / 1e6:.1f}M params, fp32), batch 1, state in RAM, k = 1; "
         f"chunked head (rows of logits per chunk as listed) and feed-forward chunks of {FFN_CHUNK} tokens; "
         f"{args.steps} step(s) each in a fresh process (peak RSS = VmHWM; tokens/s of the fastest step, which with "
-        f"one step includes its compilation). {cpu_name()}, {os.cpu_count()} cores shared with other jobs "
+        f"one step includes its compilation). {harness.cpu_name()}, {os.cpu_count()} cores shared with other jobs "
         f"(load average {os.getloadavg()[0]:.1f} at the end): step times are loose.",
         "",
         "| seq | head chunk | peak RSS | RSS / token | planned RAM | step (s) | tokens/s |",
@@ -107,7 +100,7 @@ def main() -> None:
               f"{4 * cfg.vocab_size / 1024:.0f} KiB per token (x3 with softmax and gradient)."]
     harness.publish("long-context", "Long rows on the CPU (experiments/bench/long_context.py)", "\n".join(lines),
                     f"experiments/bench/long_context.py --seq {' '.join(map(str, args.seq))} --width {args.width} "
-                    f"--layers {args.layers}", write=not args.no_doc)
+                    f"--layers {args.layers} --steps {args.steps}", write=not args.no_doc)
 
 
 if __name__ == "__main__":
