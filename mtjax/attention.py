@@ -14,7 +14,12 @@ their scores at once (O(t^2) temporaries: 1 GiB at 8k tokens for 2 heads). Past
 UNROLLED_CHUNKS chunks the same function loops over [rows, rows] blocks instead
 (`looped_attention`, flash attention's online softmax, invisible key blocks skipped),
 forward and backward; its memory is O(t): the inputs, the output, one log-sum-exp per
-query and one block's scores.
+query and one block's scores. The same loop attends a row split over devices (context
+parallel, `split_attention`): each device's queries against the gathered row.
+
+Where it runs (`attend`, `kernel`): cuDNN's fused flash attention on an NVIDIA GPU where
+its API takes the case and a probe compiles it for the shape (`cudnn_refusal`), this
+kernel everywhere else.
 
 Layouts: q [b, t, heads, hd], k and v [b, t, kv_heads, hd] (grouped-query attention when
 kv_heads < heads); scores are [b, kv_heads, group, t_q, t_k], fp32.
