@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import runpy
 import signal
 import statistics
@@ -77,6 +78,14 @@ def report(**record) -> None:
 
 
 # --- peak memory -------------------------------------------------------------------------------
+
+
+def cpu_name() -> str:
+    """This machine's CPU model as /proc/cpuinfo names it, for a benchmark's text."""
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "an unnamed CPU"
 
 
 def peak_rss() -> int:
