@@ -9,6 +9,18 @@ from the saved log-sum-exp; dS = P * (dP - rowsum(dO * O))), which needs fewer p
 over the [t, t] tiles than the autodiff of softmax. Each row's softmax still sees all its
 keys at once (no online rescaling), so results match the XLA path to fp32 rounding.
 
+Those chunks are unrolled in one XLA program, which schedules them side by side and holds
+their scores at once (O(t^2) temporaries: 1 GiB at 8k tokens for 2 heads). Past
+UNROLLED_CHUNKS chunks the same function loops over [rows, rows] blocks instead
+(`looped_attention`, flash attention's online softmax, invisible key blocks skipped),
+forward and backward; its memory is O(t): the inputs, the output, one log-sum-exp per
+query and one block's scores. The same loop attends a row split over devices (context
+parallel, `split_attention`): each device's queries against the gathered row.
+
+Where it runs (`attend`, `kernel`): cuDNN's fused flash attention on an NVIDIA GPU where
+its API takes the case and a probe compiles it for the shape (`cudnn_refusal`), this
+kernel everywhere else.
+
 Layouts: q [b, t, heads, hd], k and v [b, t, kv_heads, hd] (grouped-query attention when
 kv_heads < heads); scores are [b, kv_heads, group, t_q, t_k], fp32.
 
@@ -17,8 +29,9 @@ and softmax; the backward multiplies dS by its derivative, 1 - tanh^2.
 
 Sinks (gpt-oss): a learned logit per query head that joins every row's softmax
 denominator and weighs no value: p_j = exp(s_j) / (sum_j' exp(s_j') + exp(sink)). The
-row's log-sum-exp includes it, so the backward's probabilities and dS are unchanged in
-form, and d sink = -sum over rows of p_sink * rowsum(dO * O).
+row's log-sum-exp includes it, so the backward's probabilities and dS keep their form,
+and d sink = -sum over rows of p_sink * rowsum(dO * O). Both kernels (unrolled and
+looped) take them; a row split over devices does not.
 
 Packed documents: `segments` [b, t] (int document ids, mtjax.batch) confines each query to
 the keys of its own document, on top of the causal (and window) mask; a padding token
@@ -30,6 +43,7 @@ attention (Llama 4) is that same mask over chunk ids (`local_chunks`).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +51,7 @@ import jax.numpy as jnp
 from mtjax import target
 
 CHUNK_ROWS = 128  # query rows per chunk: 4 chunks at seq 512 measured fastest here
+UNROLLED_CHUNKS = 16  # more chunks than this take the loop: XLA holds an unrolled program's chunks at once
 
 
 def _chunks(t: int, window: int | None, rows: int) -> list[tuple[int, int, int]]:
@@ -90,6 +105,15 @@ def _sink_logits(sinks, kv: int):
     return sinks.astype(jnp.float32).reshape(1, kv, -1, 1, 1)
 
 
+def _sinks_grad(sinks, kv: int, lse, delta):
+    """d sinks [heads] = -sum over rows of p_sink * rowsum(dO * O), p_sink = exp(sink - lse)
+    (lse and delta [b, kv, g, t, 1]); None without sinks."""
+    if sinks is None:
+        return None
+    p_sink = jnp.exp(_sink_logits(sinks, kv) - lse)
+    return -jnp.sum(p_sink * delta, axis=(0, 3, 4)).reshape(sinks.shape).astype(sinks.dtype)
+
+
 def _forward(q, k, v, segments, scale, window, softcap, rows, sinks=None):
     kv = k.shape[2]
     qh, kh, vh = _heads_major(q, kv), _heads_major(k, kv)[:, :, 0], _heads_major(v, kv)[:, :, 0]
@@ -112,11 +136,20 @@ def _forward(q, k, v, segments, scale, window, softcap, rows, sinks=None):
     return out, lses
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def causal_attention(q, k, v, scale: float, window: int | None = None, rows: int = CHUNK_ROWS,
                      softcap: float | None = None, segments=None, sinks=None):
     """softmax(cap(q k^T * scale), causal [and sliding-window] [and same-document] mask
-    [and per-head `sinks` [heads] in the denominator]) v: [b, t, heads, hd]."""
+    [and per-head `sinks` [heads] in the denominator]) v: [b, t, heads, hd]. Up to
+    UNROLLED_CHUNKS chunks of `rows` queries, each chunk's softmax in one piece
+    (`_unrolled`); longer rows by the loop over blocks (`looped_attention`), whose memory
+    is O(t)."""
+    if -(-q.shape[1] // rows) > UNROLLED_CHUNKS:
+        return looped_attention(q, k, v, scale, window, rows, softcap, segments, sinks)
+    return _unrolled(q, k, v, scale, window, rows, softcap, segments, sinks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _unrolled(q, k, v, scale, window, rows, softcap, segments, sinks):
     return _token_major(_forward(q, k, v, segments, scale, window, softcap, rows, sinks)[0])
 
 
@@ -148,14 +181,188 @@ def _bwd(scale, window, rows, softcap, res, dout):
         dk = dk.at[:, :, k0:r1].add(jnp.einsum("bkgts,bkgth->bksh", ds, q_i, preferred_element_type=jnp.float32))
     dq = _token_major(jnp.concatenate(dq, axis=3))
     dk, dv = (_token_major(d[:, :, None]) for d in (dk, dv))
-    dsinks = None
-    if sinks is not None:  # -sum over rows of p_sink * rowsum(dO * O), p_sink = exp(sink - lse)
-        p_sink = jnp.exp(_sink_logits(sinks, kv) - jnp.concatenate(lses, axis=3))  # [b, kv, g, t, 1]
-        dsinks = -jnp.sum(p_sink * delta, axis=(0, 3, 4)).reshape(sinks.shape).astype(sinks.dtype)
+    dsinks = _sinks_grad(sinks, kv, jnp.concatenate(lses, axis=3), delta)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, dsinks  # no cotangent for document ids
 
 
-causal_attention.defvjp(_fwd, _bwd)
+_unrolled.defvjp(_fwd, _bwd)
+
+
+# Long rows: a loop over [rows, rows] blocks (flash attention's online softmax). XLA runs a
+# loop's iterations one after another, so only one block's scores are alive at a time and
+# what outlives the forward is q, k, v, the output and one log-sum-exp per query: O(t).
+# The queries may be a later stretch of the keys' row (`q0`, their first position: a
+# device's share of a row split over devices, `split_attention`); keys are then the whole
+# row, and the query blocks' edges need not fall on the key blocks'.
+
+
+def _padded(x, n: int, fill=0):
+    """x [b, t, ...] -> [b, n, ...], rows past t set to `fill`."""
+    pad = [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, pad, constant_values=fill)
+
+
+def _block(x, j, rows: int, axis: int = 3):
+    return jax.lax.dynamic_slice_in_dim(x, j * rows, rows, axis)
+
+
+def _key_blocks(q0, i, window: int | None, rows: int, blocks: int):
+    """(first, last) key block that query block i (positions q0 + i * rows ..) can see."""
+    first = 0 if not window else jnp.maximum(0, q0 + i * rows - window + 1) // rows
+    return first, jnp.minimum((q0 + i * rows + rows - 1) // rows, blocks - 1)
+
+
+def _block_scores(q_i, k_j, qpos, j, rows, scale, window, softcap, q_seg, k_seg):
+    """Scaled (and capped) fp32 scores [b, kv, g, rows, rows] of queries at `qpos` on key
+    block j, and their visibility mask."""
+    s = jnp.einsum("bkgth,bksh->bkgts", q_i, k_j, preferred_element_type=jnp.float32) * scale
+    if softcap:
+        s = jnp.tanh(s / softcap) * softcap
+    kpos = j * rows + jnp.arange(rows)
+    if q_seg is None:
+        return s, visible(qpos, kpos, window)
+    return s, visible(qpos, kpos, window, q_seg, _block(k_seg, j, rows, 1))[:, None, None]
+
+
+def _loop_inputs(q, k, v, q_seg, k_seg, rows):
+    """Heads-major q [b, kv, g, n, h], k and v [b, kv, m, h] and the segments, padded to
+    whole blocks. Padded keys get segment -1 (where documents are given) and positions past
+    the row: no real query sees one. A padded query's output and gradient are dropped."""
+    n, m = (-(-x.shape[1] // rows) * rows for x in (q, k))
+    kv = k.shape[2]
+    qh = _heads_major(_padded(q, n), kv)
+    kh, vh = (_heads_major(_padded(x, m), kv)[:, :, 0] for x in (k, v))
+    if q_seg is None:
+        return qh, kh, vh, None, None
+    return qh, kh, vh, _padded(q_seg, n, -1), _padded(k_seg, m, -1)
+
+
+def _loop_forward(q, k, v, q_seg, k_seg, q0, scale, window, softcap, rows, sinks=None):
+    """(output [b, kv, g, n, h], log-sum-exp [b, kv, g, n, 1]) over padded blocks; the
+    `sinks` join each row's denominator after its last key block."""
+    qh, kh, vh, q_seg, k_seg = _loop_inputs(q, k, v, q_seg, k_seg, rows)
+    sink = None if sinks is None else _sink_logits(sinks, k.shape[2])
+
+    def query_block(_, i):
+        q_i, qpos = _block(qh, i, rows), q0 + i * rows + jnp.arange(rows)
+        seg_i = None if q_seg is None else _block(q_seg, i, rows, 1)
+        first, last = _key_blocks(q0, i, window, rows, kh.shape[2] // rows)
+
+        def key_block(back, carry):  # the nearest block first
+            m, total, acc = carry
+            j = last - back
+            s, mask = _block_scores(q_i, _block(kh, j, rows, 2), qpos, j, rows, scale, window, softcap, seg_i, k_seg)
+            m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1, keepdims=True))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row that has seen no key yet
+            e = jnp.where(mask, jnp.exp(s - m_safe), 0.0)
+            pv = jnp.einsum("bkgts,bksh->bkgth", e.astype(v.dtype), _block(vh, j, rows, 2),
+                            preferred_element_type=jnp.float32)
+            rescale = jnp.exp(m - m_safe)
+            return m_new, rescale * total + jnp.sum(e, axis=-1, keepdims=True), rescale * acc + pv
+
+        shape = q_i.shape[:-1] + (1,)
+        init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+                jnp.zeros(q_i.shape, jnp.float32))
+        m, total, acc = jax.lax.fori_loop(0, last - first + 1, key_block, init)
+        if sink is not None:  # one more term of the denominator, rescaled as a key block's
+            m_new = jnp.maximum(m, sink)
+            rescale = jnp.exp(m - m_new)
+            m, total, acc = m_new, rescale * total + jnp.exp(sink - m_new), rescale * acc
+        total = jnp.where(total > 0, total, 1.0)  # padded queries that see no key: output 0
+        return None, ((acc / total).astype(q.dtype), jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(total))
+
+    _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(qh.shape[3] // rows))
+    # [blocks, b, kv, g, rows, .] -> [b, kv, g, n, .]
+    out, lse = (jnp.moveaxis(x, 0, 3).reshape(x.shape[1:4] + (-1, x.shape[-1])) for x in (out, lse))
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _flash(q, k, v, q_seg, k_seg, q0, scale, window, rows, softcap, sinks=None):
+    out, _ = _loop_forward(q, k, v, q_seg, k_seg, q0, scale, window, softcap, rows, sinks)
+    return _token_major(out)[:, :q.shape[1]]
+
+
+def _flash_fwd(q, k, v, q_seg, k_seg, q0, scale, window, rows, softcap, sinks):
+    out, lse = _loop_forward(q, k, v, q_seg, k_seg, q0, scale, window, softcap, rows, sinks)
+    return _token_major(out)[:, :q.shape[1]], (q, k, v, q_seg, k_seg, q0, sinks, out, lse)
+
+
+def _flash_bwd(scale, window, rows, softcap, res, dout):
+    q, k, v, q_seg0, k_seg0, q0, sinks, out, lse = res
+    kv = k.shape[2]
+    qh, kh, vh, q_seg, k_seg = _loop_inputs(q, k, v, q_seg0, k_seg0, rows)
+    doh = _heads_major(_padded(dout, qh.shape[3]), kv)  # padded queries: zero cotangent, so no gradient
+    delta = jnp.sum(doh.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+
+    def query_block(dkv, i):
+        q_i, do_i, lse_i, delta_i = (_block(x, i, rows) for x in (qh, doh, lse, delta))
+        qpos = q0 + i * rows + jnp.arange(rows)
+        seg_i = None if q_seg is None else _block(q_seg, i, rows, 1)
+        first, last = _key_blocks(q0, i, window, rows, kh.shape[2] // rows)
+
+        def key_block(back, carry):
+            dq_i, dk, dv = carry
+            j = last - back
+            k_j, v_j = _block(kh, j, rows, 2), _block(vh, j, rows, 2)
+            s, mask = _block_scores(q_i, k_j, qpos, j, rows, scale, window, softcap, seg_i, k_seg)
+            p = jnp.where(mask, jnp.exp(s - lse_i), 0.0)
+            dv_j = jnp.einsum("bkgts,bkgth->bksh", p.astype(v.dtype), do_i, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bkgth,bksh->bkgts", do_i, v_j, preferred_element_type=jnp.float32)
+            ds = p * (dp - delta_i)
+            if softcap:
+                ds = ds * (1.0 - jnp.square(s / softcap))  # d cap(z) / dz = 1 - tanh^2, with s = cap(z)
+            ds = (ds * scale).astype(q.dtype)
+            dq_i = dq_i + jnp.einsum("bkgts,bksh->bkgth", ds, k_j, preferred_element_type=jnp.float32)
+            dk_j = jnp.einsum("bkgts,bkgth->bksh", ds, q_i, preferred_element_type=jnp.float32)
+            add = lambda d, x: jax.lax.dynamic_update_slice_in_dim(d, _block(d, j, rows, 2) + x, j * rows, 2)
+            return dq_i, add(dk, dk_j), add(dv, dv_j)
+
+        dq_i, dk, dv = jax.lax.fori_loop(0, last - first + 1, key_block, (jnp.zeros(q_i.shape, jnp.float32), *dkv))
+        return (dk, dv), dq_i
+
+    zeros = jnp.zeros(kh.shape, jnp.float32)
+    (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), jnp.arange(qh.shape[3] // rows))
+    dq = _token_major(jnp.moveaxis(dq, 0, 3).reshape(qh.shape))[:, :q.shape[1]]
+    dk, dv = (_token_major(d[:, :, None])[:, :k.shape[1]] for d in (dk, dv))
+    dsinks = _sinks_grad(sinks, kv, lse, delta)  # padded queries: zero delta, no share
+    # no cotangents for document ids and the queries' first position
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, dsinks
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def looped_attention(q, k, v, scale: float, window: int | None = None, rows: int = CHUNK_ROWS,
+                     softcap: float | None = None, segments=None, sinks=None):
+    """`causal_attention` by a loop over [rows, rows] blocks: the scores of one block at a
+    time, key blocks the queries cannot see skipped; memory O(t) forward and backward."""
+    return _flash(q, k, v, segments, segments, jnp.int32(0), scale, window, rows, softcap, sinks)
+
+
+SEQUENCE = "sequence"  # the mesh axis a row's tokens are split over (mtjax.stream.mesh, stream.split)
+
+
+def split_attention(q, k, v, scale: float, window: int | None, softcap: float | None, segments, devices: int,
+                    rows: int = CHUNK_ROWS):
+    """Causal attention of rows whose tokens are split over `devices` devices (context
+    parallel; q, k, v sharded along the sequence axis over a mesh axis named SEQUENCE):
+    each device gathers the whole row's keys and values (and document ids) and attends its
+    own queries, positions counted from its share's start, by the loop over blocks. The
+    gather's transpose sums each device's key and value gradients back to the share that
+    owns them. Memory per device: its queries' share, and the row's keys and values."""
+    mesh = jax.sharding.AbstractMesh((devices,), (SEQUENCE,))
+    split = jax.sharding.PartitionSpec(None, SEQUENCE)
+
+    def local(q, k, v, *segments):
+        whole = lambda x: jax.lax.all_gather(x, SEQUENCE, axis=1, tiled=True)  # noqa: E731
+        q0 = jax.lax.axis_index(SEQUENCE) * q.shape[1]
+        q_seg, k_seg = (segments[0], whole(segments[0])) if segments else (None, None)
+        return _flash(q, whole(k), whole(v), q_seg, k_seg, q0, scale, window, rows, softcap, None)
+
+    args = (q, k, v) if segments is None else (q, k, v, segments)
+    # check_vma off: the kernel's loops start from constants that vary over no axis
+    return jax.shard_map(local, mesh=mesh, in_specs=(split,) * len(args), out_specs=split, check_vma=False)(*args)
 
 
 FUSED_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes (fp8 aside)
@@ -163,10 +370,11 @@ FUSED_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes (fp
 
 def kernel(backend: str, dtype, head_dim: int, window: int | None = None, softcap: float | None = None,
            segments: bool = False, capability: float | None = None, sinks: bool = False) -> str:
-    """Which implementation `attend` uses: "chunked" (`causal_attention`), "cudnn"
-    (`jax.nn.dot_product_attention`'s fused flash-attention kernel) or "xla" (the same
-    function's XLA implementation). A pure function of what is traced and where, so that
-    the choice is tested without a GPU.
+    """Which implementation `attend` uses: "cudnn" (`jax.nn.dot_product_attention`'s fused
+    flash-attention kernel) or "chunked" (`causal_attention`, O(t) memory past
+    UNROLLED_CHUNKS chunks; not XLA's implementation of dot_product_attention, whose
+    [heads, t, t] scores a long row cannot hold). A pure function of what is traced and
+    where, so that the choice is tested without a GPU; `attend` probes the cuDNN choice.
 
     `backend` is "cpu", "cuda" (an NVIDIA GPU, `capability` its compute capability, e.g.
     9.0) or any other platform. cuDNN takes fp16/bf16 with a head dim that is a multiple
@@ -179,7 +387,40 @@ def kernel(backend: str, dtype, head_dim: int, window: int | None = None, softca
         return "chunked"
     fits = (backend == "cuda" and capability is not None and jnp.dtype(dtype).name in FUSED_DTYPES
             and head_dim % 8 == 0 and head_dim <= (256 if capability >= 9.0 else 128))
-    return "cudnn" if fits else "xla"
+    return "cudnn" if fits else "chunked"
+
+
+@functools.lru_cache(maxsize=64)
+def cudnn_refusal(q: jax.ShapeDtypeStruct, k: jax.ShapeDtypeStruct, scale: float, window: int | None) -> str | None:
+    """None where cuDNN's flash attention compiles, forward and backward, for queries `q`
+    and keys `k` of these shapes (and values shaped as the keys) on this process's default
+    backend; else why not, in one line. Probed once a shape (a compile, not a run)."""
+    local = (window - 1, 0) if window else None
+
+    def loss(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
+                                           implementation="cudnn")
+        return jnp.sum(out.astype(jnp.float32))
+
+    try:
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k).compile()
+    except Exception as e:  # noqa: BLE001  any refusal, at trace, lowering or compile time: the kernel says no
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no reason given'}"
+    return None
+
+
+def _refused(q, k, scale: float, window: int | None) -> bool:
+    """Whether cuDNN refuses this shape (`cudnn_refusal`); says so in one line, once a shape."""
+    shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    why = cudnn_refusal(shape(q), shape(k), float(scale), window)
+    if why is not None and (shape(q), shape(k), window) not in _told:
+        _told.add((shape(q), shape(k), window))
+        warnings.warn(f"cuDNN flash attention refused q {list(q.shape)} {q.dtype} (window {window}): {why[:200]}; "
+                      f"attention runs the chunked kernel", stacklevel=3)
+    return why is not None
+
+
+_told: set = set()  # the shapes whose refusal was said
 
 
 def _platform() -> tuple[str, float | None]:
@@ -188,33 +429,39 @@ def _platform() -> tuple[str, float | None]:
     platform = target.platform()
     if platform not in ("gpu", "cuda"):
         return platform, None
+    capability = _capability()
+    return ("cuda", capability) if capability is not None else (platform, None)
+
+
+def _capability() -> float | None:
+    """The first GPU's CUDA compute capability, None without a CUDA GPU here."""
     try:  # CUDA devices report e.g. "9.0"; other GPUs report none or an architecture name
-        return "cuda", float(jax.devices("gpu")[0].compute_capability)
+        return float(jax.devices("gpu")[0].compute_capability)
     except (RuntimeError, IndexError, AttributeError, TypeError, ValueError):  # no GPU here, or not CUDA
-        return platform, None
+        return None
 
 
 def attend(q, k, v, scale: float, window: int | None = None, softcap: float | None = None, segments=None,
-           sinks=None, *, platform: tuple[str, float | None] | None = None):
+           sinks=None, *, platform: tuple[str, float | None] | None = None, devices: int = 1):
     """Causal attention by the fastest exact path of the platform being traced for (`kernel`);
     `softcap`: soft-capped scores (Gemma 2); `segments` [b, t]: document ids of packed rows,
     which confine attention to each document; `sinks` [heads]: per-head sink logits
     (gpt-oss). All three take the chunked path on every platform.
-    Where cuDNN refuses what `kernel` expected it to take, XLA's implementation computes it.
+    Where cuDNN refuses a shape `kernel` expected it to take (`cudnn_refusal`, probed once
+    a shape), the chunked kernel computes it, and a warning says so in one line.
     `platform`: (backend, CUDA capability) to choose for instead of the one being traced
-    for (how the GPU's choice is checked without a GPU)."""
+    for (how the GPU's choice is checked without a GPU). `devices` > 1: the row's tokens are
+    split over that many devices (`split_attention`, on every platform)."""
+    if devices > 1:  # sinks are refused there by the family (mtjax.families.gpt_oss)
+        return split_attention(q, k, v, scale, window, softcap, segments, devices)
     backend, capability = _platform() if platform is None else platform
     which = kernel(backend, q.dtype, q.shape[-1], window, softcap, segments=segments is not None,
                    capability=capability, sinks=sinks is not None)
-    if which == "chunked":
+    if which == "chunked" or _refused(q, k, scale, window):
         return causal_attention(q, k, v, scale, window, CHUNK_ROWS, softcap, segments, sinks)
     local = (window - 1, 0) if window else None  # W keys including the query itself
-    try:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
-                                            implementation=which)
-    except (NotImplementedError, ValueError, RuntimeError):  # cuDNN's refusal, at trace time
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
-                                            implementation="xla")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
+                                        implementation=which)
 
 
 def local_chunks(positions, size: int, segments=None):

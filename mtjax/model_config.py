@@ -42,7 +42,8 @@ NUMBER_RANGES = {"rope_theta": POSITIVE, "max_position_embeddings": AT_LEAST_1, 
                  "n_group": AT_LEAST_1, "topk_group": AT_LEAST_1, "routed_scaling_factor": POSITIVE,
                  "q_lora_rank": AT_LEAST_0, "kv_lora_rank": AT_LEAST_0, "qk_nope_head_dim": AT_LEAST_0,
                  "v_head_dim": AT_LEAST_0, "ffn_chunk_tokens": AT_LEAST_0,
-                 "router_bias_update_rate": AT_LEAST_0, "swiglu_alpha": POSITIVE, "swiglu_limit": POSITIVE}
+                 "router_bias_update_rate": AT_LEAST_0, "swiglu_alpha": POSITIVE, "swiglu_limit": POSITIVE,
+                 "sequence_devices": AT_LEAST_1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +84,12 @@ class ModelConfig:
     param_dtype: str = "float32"  # dtype of the checkpoint's tensors (export writes it)
     compute_dtype: str = "float32"  # dtype of activations and streamed weights
     base_format: str = "compute"  # frozen 2-D kernels of blocks stored and streamed as: compute (the compute dtype), int8 or nf4 (mtjax.quant)
-    # Dense feed-forwards over chunks of this many tokens, each recomputed in the backward
+    # Feed-forwards (dense and MoE) over chunks of this many tokens, each recomputed in the backward
     # (long rows: mtjax.model.Block.feed_forward); 0: whole.
     ffn_chunk_tokens: int = 0
+    # Devices each row's tokens are split over, attention gathering the row's keys and values
+    # (mtjax.attention.split_attention): the stream engine sets it from stream.split.
+    sequence_devices: int = 1
     freeze: tuple[str, ...] = ()  # leaves kept as they are, no gradient or optimizer state (mtjax.roles: embed, block.0-15, block.*/mlp.*)
     lora: LoraConfig | None = None  # LoRA adapters over a frozen base (mtjax.lora); the experiment's `lora:` section
     extra_hf: tuple[tuple[str, Any], ...] = ()  # other config.json keys, kept for export

@@ -19,16 +19,16 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
     (("cuda", BF16, 128), {"capability": 8.0}, "cudnn"),                  # A100, bf16
     (("cuda", F16, 64), {"window": 4096, "capability": 9.0}, "cudnn"),    # a causal sliding window fits
     (("cuda", BF16, 256), {"capability": 9.0}, "cudnn"),                  # head dim 256 from Hopper on
-    (("cuda", BF16, 256), {"capability": 8.6}, "xla"),                    # ... not before
-    (("cuda", BF16, 288), {"capability": 9.0}, "xla"),                    # beyond any cuDNN head dim
-    (("cuda", BF16, 100), {"capability": 9.0}, "xla"),                    # not a multiple of 8
-    (("cuda", F32, 128), {"capability": 9.0}, "xla"),                     # fp32: no fused kernel
+    (("cuda", BF16, 256), {"capability": 8.6}, "chunked"),                # ... not before
+    (("cuda", BF16, 288), {"capability": 9.0}, "chunked"),                # beyond any cuDNN head dim
+    (("cuda", BF16, 100), {"capability": 9.0}, "chunked"),                # not a multiple of 8
+    (("cuda", F32, 128), {"capability": 9.0}, "chunked"),                 # fp32: no fused kernel
     (("cuda", BF16, 128), {"softcap": 50.0, "capability": 9.0}, "chunked"),   # soft-cap: not in jax.nn
     (("cuda", BF16, 128), {"segments": True, "capability": 9.0}, "chunked"),  # document ids: not in jax.nn
     (("cuda", BF16, 128), {"sinks": True, "capability": 9.0}, "chunked"),     # sinks (gpt-oss): not in jax.nn
-    (("cuda", BF16, 128), {"capability": None}, "xla"),                   # capability unknown
-    (("gpu", BF16, 128), {}, "xla"),                                      # a GPU without cuDNN
-    (("tpu", BF16, 128), {}, "xla"),
+    (("cuda", BF16, 128), {"capability": None}, "chunked"),               # capability unknown
+    (("gpu", BF16, 128), {}, "chunked"),                                  # a GPU without cuDNN
+    (("tpu", BF16, 128), {}, "chunked"),                                  # O(t) memory wherever cuDNN is not
 ])
 def test_kernel_choice(args, kw, want):
     assert kernel(*args, **kw) == want
@@ -46,12 +46,13 @@ def test_attend_passes_the_window_and_scale_to_the_kernel_it_picks(monkeypatch):
         return real(*a, implementation="xla", **kw)
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+    attention.cudnn_refusal.cache_clear()  # probed afresh, through the recording stand-in
     kq, kk, kv = jax.random.split(jax.random.key(3), 3)
     q = jax.random.normal(kq, (1, 12, 4, 8), BF16)
     k, v = jax.random.normal(kk, (1, 12, 2, 8), BF16), jax.random.normal(kv, (1, 12, 2, 8), BF16)
     hopper = ("cuda", 9.0)
     got = jax.jit(lambda q, k, v: attention.attend(q, k, v, 0.4, 5, platform=hopper))(q, k, v)  # one compile
-    assert calls == ["cudnn"]
+    assert calls == ["cudnn", "cudnn"]  # the probe's compile (it takes the shape), then the step's call
     want = jax.jit(lambda q, k, v: causal_attention(q, k, v, 0.4, 5))(*(x.astype(F32) for x in (q, k, v)))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
 
@@ -60,6 +61,24 @@ def test_platform_on_this_machine_is_named_as_kernel_expects():
     backend, capability = attention._platform()
     assert backend == jax.default_backend() or backend == "cuda"
     assert (capability is None) == (backend != "cuda")
+
+
+def test_cuDNN_refuses_on_this_cpu_in_one_line_and_attend_falls_back(recwarn):
+    """The probe for real (no stand-in): cuDNN's kernel does not compile on the CPU, so with
+    the choice forced to a Hopper GPU `attend` says why in one warning line and computes
+    with the chunked kernel, exactly."""
+    attention.cudnn_refusal.cache_clear()
+    attention._told.clear()
+    q = jax.ShapeDtypeStruct((1, 16, 2, 8), BF16)
+    why = attention.cudnn_refusal(q, q, 0.5, None)
+    assert why and "\n" not in why
+    kq, kk, kv = jax.random.split(jax.random.key(1), 3)
+    q, k, v = (jax.random.normal(x, (1, 16, 2, 8), BF16) for x in (kq, kk, kv))
+    got = jax.jit(lambda q, k, v: attention.attend(q, k, v, 0.5, platform=("cuda", 9.0)))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(jax.jit(lambda q, k, v: causal_attention(q, k, v, 0.5))(q, k, v), np.float32))
+    said = [str(w.message) for w in recwarn if "cuDNN" in str(w.message)]
+    assert len(said) == 1 and "\n" not in said[0] and "attention runs the chunked kernel" in said[0], said
 
 
 def _with_sinks_by_definition(q, k, v, sinks, scale, window, segments):
@@ -76,9 +95,11 @@ def _with_sinks_by_definition(q, k, v, sinks, scale, window, segments):
     return jnp.einsum("bhts,bshd->bthd", p, v)
 
 
-def test_sinks_in_the_chunked_kernel_forward_and_backward():
-    """Chunks of 4 rows over 11 tokens, a window of 5, two documents, grouped heads: the
-    output and the gradients of q, k, v and the sinks equal the definition's."""
+@pytest.mark.parametrize("which", ["unrolled", "looped"])
+def test_sinks_in_the_chunked_kernel_forward_and_backward(which):
+    """Chunks (or loop blocks) of 4 rows over 11 tokens, a window of 5, two documents,
+    grouped heads: the output and the gradients of q, k, v and the sinks equal the
+    definition's."""
     keys = jax.random.split(jax.random.key(7), 5)
     q = jax.random.normal(keys[0], (2, 11, 4, 8), F32)
     k, v = jax.random.normal(keys[1], (2, 11, 2, 8), F32), jax.random.normal(keys[2], (2, 11, 2, 8), F32)
@@ -89,7 +110,8 @@ def test_sinks_in_the_chunked_kernel_forward_and_backward():
     def loss(fn):
         return lambda q, k, v, sinks: jnp.sum(fn(q, k, v, sinks) * dout)
 
-    ours = loss(lambda q, k, v, sinks: causal_attention(q, k, v, 0.3, 5, 4, None, segments, sinks))
+    kernel_fn = causal_attention if which == "unrolled" else attention.looped_attention
+    ours = loss(lambda q, k, v, sinks: kernel_fn(q, k, v, 0.3, 5, 4, None, segments, sinks))
     theirs = loss(lambda q, k, v, sinks: _with_sinks_by_definition(q, k, v, sinks, 0.3, 5, segments))
     np.testing.assert_allclose(ours(q, k, v, sinks), theirs(q, k, v, sinks), rtol=1e-5)
     for got, want in zip(jax.grad(ours, argnums=(0, 1, 2, 3))(q, k, v, sinks),

@@ -99,7 +99,8 @@ class Attention(nnx.Module):
         window, segments = self._local(positions, segments)
         # A window of W keys includes the query itself. On the CPU not jax.nn.dot_product_attention:
         # attention.py skips the masked score blocks, ~20% faster there.
-        out = attend(q, k, v, cfg.attn_scale, window, self.softcap, segments, self._sinks())  # btnh
+        out = attend(q, k, v, cfg.attn_scale, window, self.softcap, segments, self._sinks(),
+                     devices=cfg.sequence_devices)  # btnh
         return self.o_proj(out.reshape(b, t, -1))
 
     def decode(self, x, cache: dict, start, cos, sin, positions):
