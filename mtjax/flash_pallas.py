@@ -172,7 +172,10 @@ def _pad(q, k, v, segments, bq, bk):
     """Rows padded to whole blocks of both sizes; padded tokens are document -1."""
     t = q.shape[1]
     n = -(-t // math.lcm(bq, bk)) * math.lcm(bq, bk)
-    pad = lambda x, fill=0: jnp.pad(x, [(0, 0), (0, n - t)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)  # noqa: E731
+
+    def pad(x, fill=0):
+        return jnp.pad(x, [(0, 0), (0, n - t)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+
     return pad(q), pad(k), pad(v), None if segments is None else pad(segments.astype(jnp.int32), -1)
 
 
