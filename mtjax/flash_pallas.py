@@ -18,7 +18,8 @@ sees at least itself, so every softmax row is finite, and its output is dropped.
 Layouts as mtjax.attention: q [b, t, heads, hd], k and v [b, t, kv_heads, hd] (grouped
 queries when kv_heads < heads); scores fp32. `interpret=True` runs the kernels on any
 backend (the CPU tests); mtjax.attention.attend picks this kernel on a CUDA GPU only, where
-a probe compiles it for the shape. Its GPU compile and speed are unmeasured (no GPU here).
+a probe compiles it for the shape. It lowers to Triton for CUDA (tested on the CPU); its GPU
+compile and speed are unmeasured (no GPU here).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton
 
 BLOCK_Q = 64  # query rows per program
 BLOCK_K = 64  # key rows per inner step
@@ -164,8 +166,9 @@ def _segment_specs(block, n):  # the program's own block of document ids, and th
 
 
 def _call(body, grid, in_specs, out_specs, out_shape, interpret, **static):
+    # Triton's compiler parameters: on a GPU the call lowers to Triton (not Mosaic GPU, jax's default)
     return pl.pallas_call(functools.partial(body, **static), grid=grid, in_specs=in_specs, out_specs=out_specs,
-                          out_shape=out_shape, interpret=interpret)
+                          out_shape=out_shape, interpret=interpret, compiler_params=triton.CompilerParams())
 
 
 def _pad(q, k, v, segments, bq, bk):

@@ -42,3 +42,16 @@ def test_outputs_and_gradients_equal_the_chunked_kernel(window, softcap, documen
                  for f in (pallas, chunked))
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def test_forward_and_backward_lower_to_triton_for_a_cuda_gpu_on_this_cpu():
+    """Without a GPU, the step short of compiling: the three kernels (forward, dK and dV, dQ)
+    lower to Triton calls for the CUDA platform, at a padded row that is not a power of two."""
+    q = jax.ShapeDtypeStruct((2, 130, 4, 64), jnp.bfloat16)
+    k, docs = jax.ShapeDtypeStruct((2, 130, 2, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 130), jnp.int32)
+
+    def loss(q, k, v, docs):
+        return jnp.sum(flash_attention(q, k, v, 0.125, 32, 30.0, docs).astype(jnp.float32))
+
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, docs).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("xla.gpu.triton") == 3
