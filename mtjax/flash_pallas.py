@@ -65,6 +65,7 @@ def _query_range(j, bq, bk, window, blocks):
 
 
 def _segments_of(seg_refs, q_rows, k_rows):
+    """(query, key) document ids of those rows of the refs, or (None, None) without documents."""
     if not seg_refs:
         return None, None
     q_seg_ref, k_seg_ref = seg_refs
