@@ -44,6 +44,28 @@ def test_outputs_and_gradients_equal_the_chunked_kernel(window, softcap, documen
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5, err_msg=name)
 
 
+def test_bf16_inputs_stay_within_bf16_rounding_of_the_fp32_result():
+    """bf16 q, k, v (what a GPU step streams): fp32 scores and sums inside, bf16 out and
+    gradients, within bf16 rounding of the chunked kernel's fp32 result."""
+    kq, kk, kv, kd = jax.random.split(jax.random.key(9), 4)
+    q = jax.random.normal(kq, (2, 37, 4, 16))
+    k, v = jax.random.normal(kk, (2, 37, 2, 16)), jax.random.normal(kv, (2, 37, 2, 16))
+    dout, docs = jax.random.normal(kd, q.shape), jnp.asarray(DOCS)
+
+    def run(f, *args):
+        out, vjp = jax.vjp(f, *args)
+        return out, *vjp(dout.astype(out.dtype))
+
+    got = jax.jit(lambda *a: run(lambda q, k, v: flash_attention(q, k, v, 0.3, 9, 20.0, docs, block_q=16, block_k=16,
+                                                                  interpret=True), *a))(
+        *(x.astype(jnp.bfloat16) for x in (q, k, v)))
+    want = jax.jit(lambda *a: run(lambda q, k, v: causal_attention(q, k, v, 0.3, 9, softcap=20.0, segments=docs), *a))(
+        q, k, v)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert g.dtype == jnp.bfloat16, name
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), atol=5e-2, rtol=5e-2, err_msg=name)
+
+
 def test_forward_and_backward_lower_to_triton_for_a_cuda_gpu_on_this_cpu():
     """Without a GPU, the step short of compiling: the three kernels (forward, dK and dV, dQ)
     lower to Triton calls for the CUDA platform, at a padded row that is not a power of two."""
