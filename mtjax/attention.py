@@ -18,8 +18,9 @@ query and one block's scores. The same loop attends a row split over devices (co
 parallel, `split_attention`): each device's queries against the gathered row.
 
 Where it runs (`attend`, `kernel`): cuDNN's fused flash attention on an NVIDIA GPU where
-its API takes the case and a probe compiles it for the shape (`cudnn_refusal`), this
-kernel everywhere else.
+its API takes the case and a probe compiles it for the shape (`cudnn_refusal`); on such a
+GPU the cases it does not take (documents, soft-caps, fp32) by the Pallas kernel of
+mtjax.flash_pallas where a probe compiles that (`pallas_refusal`); this kernel everywhere else.
 
 Layouts: q [b, t, heads, hd], k and v [b, t, kv_heads, hd] (grouped-query attention when
 kv_heads < heads); scores are [b, kv_heads, group, t_q, t_k], fp32.
@@ -48,7 +49,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from mtjax import target
+from mtjax import flash_pallas, target
 
 CHUNK_ROWS = 128  # query rows per chunk: 4 chunks at seq 512 measured fastest here
 UNROLLED_CHUNKS = 16  # more chunks than this take the loop: XLA holds an unrolled program's chunks at once
@@ -366,12 +367,14 @@ def split_attention(q, k, v, scale: float, window: int | None, softcap: float | 
 
 
 FUSED_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes (fp8 aside)
+PALLAS_HEAD_DIMS = (16, 32, 64, 128, 256)  # Triton's blocks are powers of two, at least 16 wide
+PALLAS_CAPABILITY = 8.0  # Pallas's Triton lowering targets Ampere and later
 
 
 def kernel(backend: str, dtype, head_dim: int, window: int | None = None, softcap: float | None = None,
            segments: bool = False, capability: float | None = None, sinks: bool = False) -> str:
     """Which implementation `attend` uses: "cudnn" (`jax.nn.dot_product_attention`'s fused
-    flash-attention kernel) or "chunked" (`causal_attention`, O(t) memory past
+    flash-attention kernel), "pallas" (mtjax.flash_pallas) or "chunked" (`causal_attention`, O(t) memory past
     UNROLLED_CHUNKS chunks; not XLA's implementation of dot_product_attention, whose
     [heads, t, t] scores a long row cannot hold). A pure function of what is traced and
     where, so that the choice is tested without a GPU; `attend` probes the cuDNN choice.
@@ -379,15 +382,18 @@ def kernel(backend: str, dtype, head_dim: int, window: int | None = None, softca
     `backend` is "cpu", "cuda" (an NVIDIA GPU, `capability` its compute capability, e.g.
     9.0) or any other platform. cuDNN takes fp16/bf16 with a head dim that is a multiple
     of 8, at most 256 from Hopper (9.0) on and 128 before, and a causal sliding window;
-    `jax.nn.dot_product_attention` has no logit soft-cap, no document (segment) ids and
-    no sinks, so those stay on the chunked path, which computes them exactly (Llama 4's
-    chunked layers too: their chunks are document ids, `local_chunks`).
+    `jax.nn.dot_product_attention` has no logit soft-cap and no document (segment) ids
+    (Llama 4's chunked layers are document ids too, `local_chunks`): those, and what else
+    cuDNN does not take, go to the Pallas kernel on a CUDA GPU from Ampere (8.0) on with a
+    head dim in PALLAS_HEAD_DIMS, and to the chunked path otherwise (exact on every backend).
+    Sinks (gpt-oss) are in neither fused kernel: they take the chunked path everywhere.
     """
-    if backend == "cpu" or softcap or segments or sinks:
+    if backend != "cuda" or capability is None or sinks:
         return "chunked"
-    fits = (backend == "cuda" and capability is not None and jnp.dtype(dtype).name in FUSED_DTYPES
-            and head_dim % 8 == 0 and head_dim <= (256 if capability >= 9.0 else 128))
-    return "cudnn" if fits else "chunked"
+    if (not softcap and not segments and jnp.dtype(dtype).name in FUSED_DTYPES and head_dim % 8 == 0
+            and head_dim <= (256 if capability >= 9.0 else 128)):
+        return "cudnn"
+    return "pallas" if capability >= PALLAS_CAPABILITY and head_dim in PALLAS_HEAD_DIMS else "chunked"
 
 
 @functools.lru_cache(maxsize=64)
@@ -402,20 +408,43 @@ def cudnn_refusal(q: jax.ShapeDtypeStruct, k: jax.ShapeDtypeStruct, scale: float
                                            implementation="cudnn")
         return jnp.sum(out.astype(jnp.float32))
 
+    return _refusal(loss, q, k, k)
+
+
+@functools.lru_cache(maxsize=64)
+def pallas_refusal(q: jax.ShapeDtypeStruct, k: jax.ShapeDtypeStruct, scale: float, window: int | None,
+                   softcap: float | None, segments: bool) -> str | None:
+    """As `cudnn_refusal`, for mtjax.flash_pallas's kernel (with document ids where
+    `segments`): None where it compiles, forward and backward, on the default backend."""
+    def loss(q, k, v, *ids):
+        out = flash_pallas.flash_attention(q, k, v, scale, window, softcap, *ids)
+        return jnp.sum(out.astype(jnp.float32))
+
+    return _refusal(loss, q, k, k, *([jax.ShapeDtypeStruct(q.shape[:2], jnp.int32)] if segments else []))
+
+
+def _refusal(loss, *args) -> str | None:
+    """None where the gradient of `loss` in its first three arguments compiles for `args`
+    (shapes); else the first line of why not."""
     try:
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k).compile()
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
     except Exception as e:  # noqa: BLE001  any refusal, at trace, lowering or compile time: the kernel says no
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no reason given'}"
     return None
 
 
-def _refused(q, k, scale: float, window: int | None) -> bool:
-    """Whether cuDNN refuses this shape (`cudnn_refusal`); says so in one line, once a shape."""
+def _refused(which: str, q, k, scale: float, window: int | None, softcap: float | None, segments: bool) -> bool:
+    """Whether kernel `which` ("cudnn" or "pallas") refuses this shape (`cudnn_refusal`,
+    `pallas_refusal`); says so in one line, once a shape."""
     shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-    why = cudnn_refusal(shape(q), shape(k), float(scale), window)
-    if why is not None and (shape(q), shape(k), window) not in _told:
-        _told.add((shape(q), shape(k), window))
-        warnings.warn(f"cuDNN flash attention refused q {list(q.shape)} {q.dtype} (window {window}): {why[:200]}; "
+    if which == "cudnn":
+        why, name = cudnn_refusal(shape(q), shape(k), float(scale), window), "cuDNN flash attention"
+    else:
+        why = pallas_refusal(shape(q), shape(k), float(scale), window, softcap, segments)
+        name = "Pallas flash attention"
+    if why is not None and (which, shape(q), shape(k), window, softcap, segments) not in _told:
+        _told.add((which, shape(q), shape(k), window, softcap, segments))
+        warnings.warn(f"{name} refused q {list(q.shape)} {q.dtype} (window {window}): {why[:200]}; "
                       f"attention runs the chunked kernel", stacklevel=3)
     return why is not None
 
@@ -445,10 +474,11 @@ def attend(q, k, v, scale: float, window: int | None = None, softcap: float | No
            sinks=None, *, platform: tuple[str, float | None] | None = None, devices: int = 1):
     """Causal attention by the fastest exact path of the platform being traced for (`kernel`);
     `softcap`: soft-capped scores (Gemma 2); `segments` [b, t]: document ids of packed rows,
-    which confine attention to each document; `sinks` [heads]: per-head sink logits
-    (gpt-oss). All three take the chunked path on every platform.
-    Where cuDNN refuses a shape `kernel` expected it to take (`cudnn_refusal`, probed once
-    a shape), the chunked kernel computes it, and a warning says so in one line.
+    which confine attention to each document. On a CUDA GPU both take the Pallas kernel
+    (mtjax.flash_pallas), elsewhere the chunked path. `sinks` [heads]: per-head sink
+    logits (gpt-oss), on the chunked path everywhere. Where cuDNN or Pallas refuses a shape
+    `kernel` expected it to take (`cudnn_refusal`, `pallas_refusal`, probed once a shape),
+    the chunked kernel computes it, and a warning says so in one line.
     `platform`: (backend, CUDA capability) to choose for instead of the one being traced
     for (how the GPU's choice is checked without a GPU). `devices` > 1: the row's tokens are
     split over that many devices (`split_attention`, on every platform)."""
@@ -457,8 +487,10 @@ def attend(q, k, v, scale: float, window: int | None = None, softcap: float | No
     backend, capability = _platform() if platform is None else platform
     which = kernel(backend, q.dtype, q.shape[-1], window, softcap, segments=segments is not None,
                    capability=capability, sinks=sinks is not None)
-    if which == "chunked" or _refused(q, k, scale, window):
+    if which == "chunked" or _refused(which, q, k, scale, window, softcap, segments is not None):
         return causal_attention(q, k, v, scale, window, CHUNK_ROWS, softcap, segments, sinks)
+    if which == "pallas":
+        return flash_pallas.flash_attention(q, k, v, scale, window, softcap, segments)
     local = (window - 1, 0) if window else None  # W keys including the query itself
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, scale=scale,
                                         implementation=which)
