@@ -13,8 +13,12 @@ With adapters every other leaf of the model is frozen (mtjax.roles): its compute
 is streamed to the device and never written again; the adapters have the fp32 master,
 the optimizer state and the gradients. Targets are module names as PEFT's
 `target_modules` gives them (`q_proj`, `down_proj`, ...), or "all-linear": every linear
-layer of the blocks. The experts and the router of a mixture of experts are not adapted
-(their kernels run stacked, mtjax.moe).
+layer of the blocks. The routed experts and the router of a mixture of experts are not
+adapted (their kernels run stacked, mtjax.moe). PEFT, on transformers 5, adapts them (its
+fused expert tensors, by target_parameters) where a target names them (their gate_proj,
+up_proj, down_proj; all-linear, which also adapts the router): so on a MoE model targets
+that would reach the routed experts are refused, and mtjax's adapters equal PEFT's for
+the others (attention; a dense layer's or shared expert's own names).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from mtjax.families.hf_config import ConfigError
 
 A, B = "lora_a", "lora_b"  # the adapter leaves of a targeted linear layer
 ALL_LINEAR = "all-linear"
+EXPERTS = "experts"  # a MoE block's routed experts: not adaptable (refused by name)
 # The linear layers of a MoE block that LoRA leaves alone: its router and shared expert's
 # gate (PEFT's all-linear skips them too), and its experts (their kernels run stacked).
 NOT_ADAPTED = ("gate", "shared_expert_gate")
@@ -71,7 +76,7 @@ class LoraConfig:
         """Whether the linear layer at module path `path` in a block (e.g. ("self_attn",
         "q_proj")) gets an adapter."""
         names = [str(p) for p in path]
-        if names[-1] in NOT_ADAPTED or "experts" in names:
+        if names[-1] in NOT_ADAPTED or EXPERTS in names:
             return False
         return ALL_LINEAR in self.target_modules or names[-1] in self.target_modules
 
@@ -101,10 +106,17 @@ def fresh(leaves: dict, seed: int, salt: int) -> dict[str, np.ndarray]:
     return out
 
 
-def check(cfg, linear_names: set[str]) -> None:
+def check(cfg, linear_names: set[str], expert_names: set[str] = frozenset()) -> None:
     """Refuse, in one line, targets that name no linear layer of the model (`linear_names`:
-    the module names of the blocks' adaptable linear layers), or a model with none."""
+    the module names of the blocks' adaptable linear layers), or a model with none; on a
+    mixture of experts (`expert_names`: its routed experts' linear layers), targets that
+    PEFT would apply to the routed experts too (all-linear, or their names)."""
     lora = cfg.lora
+    experts = [t for t in lora.target_modules if t in (ALL_LINEAR, EXPERTS, *expert_names)] if expert_names else []
+    if experts:
+        raise ConfigError(f"lora.target_modules {', '.join(experts)} reaches this MoE model's routed experts, which "
+                          "mtjax cannot adapt yet (PEFT adapts transformers 5's fused experts by target_parameters); "
+                          f"name the other linear layers: {', '.join(sorted(linear_names - expert_names))}")
     unknown = [t for t in lora.target_modules if t != ALL_LINEAR and t not in linear_names]
     if unknown or not linear_names:
         have = ", ".join(sorted(linear_names)) or "none"

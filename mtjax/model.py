@@ -123,14 +123,15 @@ def _with_adapters(cfg: ModelConfig, block: Block, rngs: nnx.Rngs) -> Block:
     return block
 
 
-def linear_names(cfg: ModelConfig) -> set[str]:
-    """The module names of the blocks' linear layers LoRA may adapt (mtjax.lora.check)."""
+def linear_names(cfg: ModelConfig, experts: bool = False) -> set[str]:
+    """The module names of the blocks' linear layers LoRA may adapt (mtjax.lora.check);
+    `experts`: those of the routed experts' linear layers instead, which it may not."""
     plain, anything = dataclasses.replace(cfg, lora=None), lora.LoraConfig(rank=1)
     names = set()
     for spec in cfg.block_specs:
         block = nnx.eval_shape(lambda spec=spec: Block(plain, spec, nnx.Rngs(0)))
         names |= {str(path[-1]) for path, node in nnx.iter_graph(block)
-                  if isinstance(node, Dense) and anything.targets(path)}
+                  if isinstance(node, Dense) and (lora.EXPERTS in map(str, path) if experts else anything.targets(path))}
     return names
 
 

@@ -294,3 +294,87 @@ def test_a_run_with_adapters_ends_in_a_peft_directory(tmp_path):
     assert (tmp_path / "run" / "final" / adapters.WEIGHTS_FILE).is_file()
     sample = mtjax_cli("generate", "run/store", "--tokenizer", "bytes", "--prompt", "Hi", "--tokens", "3")
     assert sample.returncode == 0, sample.stderr
+
+
+# A Qwen3-MoE (tiny_moe_config: blocks 0 and 2 MoE, 7 experts, block 1 dense) with adapters
+# on attention: the rest frozen (mtjax.lora: targets that PEFT would apply to the routed
+# experts are refused).
+MOE_TARGETS = ("q_proj", "v_proj", "o_proj")
+
+
+def _moe_config(**overrides):
+    from conftest import TINY_MOE
+
+    return _config(MOE_TARGETS, **{**TINY_MOE, **ONE_KV_HEAD, **overrides})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group_size", [None, 3])
+def test_lora_on_a_moe_family_equals_peft_with_expert_groups_or_not(group_size, tmp_path):
+    """3 AdamW steps, the whole MoE blocks or split into groups of 3 experts: PEFT's losses
+    (with the load-balancing term, output_router_logits) and adapters; the base unchanged."""
+    import torch
+
+    cfg = _moe_config()
+    params = model.init_params(cfg, seed=0)
+    peft_model = _peft_model(cfg, params, tmp_path)
+    trained = [p for p in peft_model.parameters() if p.requires_grad]
+    torch_opt = torch.optim.AdamW(trained, lr=OPT.lr, betas=(OPT.b1, OPT.b2), eps=OPT.eps,
+                                  weight_decay=OPT.weight_decay)
+    engine = StreamEngine(cfg, params, OPT, StreamConfig(keep_every=2, expert_group_size=group_size), StoreConfig(),
+                          batch_shape=(BATCH, SEQ))
+    assert bool(engine.schedule.split) == (group_size is not None)
+    for batch in token_batches(cfg.vocab_size, (BATCH, SEQ), 3):
+        ids = torch.as_tensor(batch, dtype=torch.long)
+        loss = peft_model(input_ids=ids, labels=ids, output_router_logits=True).loss
+        loss.backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+        assert engine.step(batch)["loss"] == pytest.approx(loss.item(), abs=1e-6)
+    ours, start = treepath.flatten(engine.params()), treepath.flatten(params)
+    theirs = {_our_name(n): p.detach().numpy().T for n, p in peft_model.named_parameters() if ".lora_" in n}
+    assert {n for n in ours if lora.is_adapter(n)} == set(theirs) and len(theirs) == 3 * 3 * 2
+    for name, w in ours.items():
+        if lora.is_adapter(name):
+            assert _rel_error(w, theirs[name]) <= 1e-4, name
+        else:
+            np.testing.assert_array_equal(np.asarray(w), np.asarray(start[name]), err_msg=name)
+    engine.close()
+
+
+# Frozen leaves of split MoE blocks: LoRA's base, and freeze patterns that freeze a whole
+# group's experts (block 0's 0-2), one expert of a group (block 2's expert 4: the group
+# is differentiated, its gradient dropped) and the router part's attention; LoRA over an
+# NF4 base (experts and router decoded inside the sub-parts' programs).
+MOE_FROZEN = {"lora": {}, "lora-nf4": {"base_format": "nf4"}, "freeze": {"lora": None, "freeze": (
+    "block.0/mlp.experts.[012].*", "block.2/mlp.experts.4.*", "block.2/self_attn.*", "embed")}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frozen", MOE_FROZEN)
+def test_streamed_moe_with_frozen_leaves_and_expert_groups_equals_the_reference(frozen):
+    cfg = _moe_config(**MOE_FROZEN[frozen])
+    opt = dataclasses.replace(OPT, clip_norm=1.0, lr=1e-3)
+    params = model.init_params(cfg, seed=1)
+    engine = StreamEngine(cfg, params, opt, StreamConfig(keep_every=2, expert_group_size=3), StoreConfig(),
+                          batch_shape=(BATCH, SEQ))
+    assert engine.schedule.split == {0: ((0, 1, 2), (3, 4, 5), (6,)), 2: ((0, 1, 2), (3, 4, 5), (6,))}
+    reference = ReferenceTrainer(cfg, params, opt)
+    start = treepath.flatten(engine.params())  # an NF4 base's: decoded
+    for batch in token_batches(cfg.vocab_size, (2, BATCH, SEQ), 5):
+        assert engine.step(batch)["loss"] == pytest.approx(reference.step(batch)["loss"], abs=1e-5)
+    streamed, expected = (treepath.flatten(p) for p in (engine.params(), reference.params))
+    moved = 0
+    for name, w in streamed.items():
+        assert _rel_error(w, expected[name]) <= 1e-5, name
+        moved += not np.array_equal(np.asarray(w), np.asarray(start[name]))
+    roles_of = {f"{p.name}/{n}": leaf.role for p in parts.parts(cfg) for n, leaf in parts.leaves(cfg, p.name).items()}
+    assert moved == sum(r == roles.TRAINED for r in roles_of.values())  # every trained leaf moved, no frozen one
+    engine.close()
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "up_proj"), ("all-linear",), ("experts",)])
+def test_lora_refuses_targets_reaching_the_routed_experts_in_one_line(targets):
+    with pytest.raises(ConfigError, match="reaches this MoE model's routed experts") as e:
+        parts.check_roles(_moe_config(lora=lora.LoraConfig(rank=4, target_modules=targets)))
+    assert "\n" not in str(e.value) and "o_proj" in str(e.value)

@@ -89,8 +89,6 @@ def _check_frozen(cfg: ModelConfig, store_config: StoreConfig, hosts) -> None:
                          "and the disk tier rewrites whole parts")
     if hosts is not None:
         raise MtjaxError(f"{what} is not supported in a multi-process run yet")
-    if cfg.moe_layers:
-        raise MtjaxError(f"{what} is not supported for MoE models yet (split expert blocks)")
 
 
 class StreamEngine:

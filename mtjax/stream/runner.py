@@ -75,9 +75,9 @@ class Runner:
         # Each part's trained leaves, the vjp's arguments (mtjax.roles); None: every leaf.
         self._trained = {p.name: None if len(t := parts.trained(cfg, p.name)) == len(parts.leaves(cfg, p.name)) else t
                          for p in parts.parts(cfg)}
-        # Each part's buffer leaves (mtjax.roles), whose gradients are dropped.
-        self._buffers = {p.name: frozenset(n for n, leaf in parts.leaves(cfg, p.name).items()
-                                           if leaf.role == roles.BUFFER) for p in parts.parts(cfg)}
+        # Each part's leaves that are not trained (mtjax.roles), whose gradients are dropped.
+        self._untrained = {p.name: frozenset(n for n, leaf in parts.leaves(cfg, p.name).items()
+                                             if leaf.role != roles.TRAINED) for p in parts.parts(cfg)}
         self._do = {
             ops.Stage: self._stage, ops.Resident: self._resident, ops.Release: self._release,
             ops.Embed: self._embed, ops.Forward: self._forward, ops.Save: self._save,
@@ -336,19 +336,20 @@ class Runner:
 
     def _grad_out(self, st: Pass, op: ops.GradOut) -> None:
         grads = st.summed.pop(op.part)
-        grads = self._without_buffers(op.part, grads)
+        grads = self._trained_only(op.part, grads)
         if grads:  # a part with no trained leaf has no gradient, and no update
             self.grads.add(op.part, tapped(op.part, grads))
 
     def _grad_stays(self, st: Pass, op: ops.GradStays) -> None:
-        grads = self._without_buffers(op.part, st.summed.pop(op.part))
+        grads = self._trained_only(op.part, st.summed.pop(op.part))
         self.resident.add_grad(op.part, tapped(op.part, grads) if grads else grads)
 
-    def _without_buffers(self, part, grads):
-        """A part's gradient without its buffers' (mtjax.roles: changed by their rule, never
-        by a gradient): a split block's router part differentiates them too, to zeros."""
-        buffers = self._buffers[PartId(part).owner]
-        return {n: g for n, g in grads.items() if n not in buffers} if grads and buffers else grads
+    def _trained_only(self, part, grads):
+        """A part's gradient of its trained leaves only (mtjax.roles: a buffer is changed by
+        its rule, a frozen leaf never): a split block's group with some experts frozen
+        differentiates them all."""
+        untrained = self._untrained[PartId(part).owner]
+        return {n: g for n, g in grads.items() if n not in untrained} if grads and untrained else grads
 
     def _commit(self, st: Pass, op: ops.Commit) -> None:
         self.commit(st.train_state)

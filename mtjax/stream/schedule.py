@@ -584,14 +584,15 @@ def split_blocks(cfg: ModelConfig, size: int | None, resident: tuple) -> dict:
 
 
 def sub_part_bytes(cfg: ModelConfig, tx, split: dict) -> dict[PartId, StateBytes]:
-    """{sub-part: StateBytes} of the split blocks (leaves of the block's schemas)."""
+    """{sub-part: StateBytes} of the split blocks (leaves of the block's schemas; a frozen
+    leaf's (mtjax.roles) in compute only)."""
     out = {}
     for i, grps in split.items():
         block = partid.block(i)
         schemas = {k: parts.schema(cfg, block, k, tx) for k in ("compute", "master")}
         for name in expert_groups.names(block, grps):
             mine = expert_groups.leaves(schemas["compute"], name, grps)
-            c, m = (parts.nbytes({n: schemas[k][n] for n in mine}) for k in ("compute", "master"))
+            c, m = (parts.nbytes({n: schemas[k][n] for n in mine if n in schemas[k]}) for k in ("compute", "master"))
             out[name] = StateBytes(c, m, 0)  # no optimizer state of its own: the update is the whole part's
     return out
 
