@@ -109,7 +109,8 @@ def test_training_equals_peft_and_the_base_stays(adapters, tmp_path):
     engine.close()
 
 
-PLACEMENTS = {"ram": {}, "state-disk": {"master": "disk", "opt": "disk"}}
+PLACEMENTS = {"ram": {}, "state-disk": {"master": "disk", "opt": "disk"},
+              "all-disk": {"compute": "disk", "master": "disk", "opt": "disk"}}  # the base's copy read, never written
 
 
 @pytest.mark.parametrize("where", [pytest.param(w, marks=() if w == "ram" else pytest.mark.slow) for w in PLACEMENTS])

@@ -84,9 +84,6 @@ def _check_frozen(cfg: ModelConfig, store_config: StoreConfig, hosts) -> None:
     """Refuse, in one line, what frozen leaves (mtjax.roles: model.freeze, or the base
     under LoRA adapters) do not run with yet."""
     what = "LoRA adapters (lora.rank)" if cfg.lora is not None else "model.freeze"
-    if store_config.compute == "disk":
-        raise MtjaxError(f"{what} needs store.compute=ram: a frozen leaf's compute copy is its only state, "
-                         "and the disk tier rewrites whole parts")
     if hosts is not None:
         raise MtjaxError(f"{what} is not supported in a multi-process run yet")
 
