@@ -80,14 +80,6 @@ def _io_bytes(store, spill) -> tuple[int, int]:
     return r, w
 
 
-def _check_frozen(cfg: ModelConfig, store_config: StoreConfig, hosts) -> None:
-    """Refuse, in one line, what frozen leaves (mtjax.roles: model.freeze, or the base
-    under LoRA adapters) do not run with yet."""
-    what = "LoRA adapters (lora.rank)" if cfg.lora is not None else "model.freeze"
-    if hosts is not None:
-        raise MtjaxError(f"{what} is not supported in a multi-process run yet")
-
-
 class StreamEngine:
     """Streams one part at a time through the device; state stays in host RAM or on disk,
     except resident parts' (`stream.resident`), which stays on the device between commits.
@@ -122,8 +114,6 @@ class StreamEngine:
             stream = dataclasses.replace(stream, resident="none")  # every part's state is split over the hosts
         self.hosts = hosts
         parts_mod.check_roles(cfg)
-        if parts_mod.frozen_leaves_any(cfg):  # buffers have masters: every tier and split block takes them
-            _check_frozen(cfg, store_config, hosts)
         self.cfg, self.options, self.step_count = cfg, stream, step
         self.update = update_for(cfg, optim) if tx is None else PartUpdate(cfg, tx)
         self.tx, self.clip_norm = self.update.tx, optim.clip_norm
