@@ -23,8 +23,10 @@ the others (attention; a dense layer's or shared expert's own names).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +49,7 @@ class LoraConfig:
     rank: int | None = None  # adapter rank r; null: no adapters (every leaf trains, unless model.freeze)
     alpha: float = 16.0  # the adapter's output is scaled by alpha / r
     rslora: bool = False  # scale by alpha / sqrt(r) instead (rank-stabilised LoRA)
-    dropout: float = 0.0  # dropout on the adapter's input; only 0 is supported yet
+    dropout: float = 0.0  # dropout on the adapter's input (PEFT's lora_dropout), in training steps only
     target_modules: tuple[str, ...] = (ALL_LINEAR,)  # linear layers by module name (q_proj, v_proj, ...), or all-linear
 
     def __post_init__(self):
@@ -61,9 +63,8 @@ class LoraConfig:
             raise ConfigError(f"lora.rank must be a positive integer (or null: no adapters), got {self.rank!r}")
         if not math.isfinite(self.alpha) or self.alpha <= 0:
             raise ConfigError(f"lora.alpha must be a positive number, got {self.alpha!r}")
-        if self.dropout != 0:
-            raise ConfigError(f"lora.dropout {self.dropout} is not supported yet: mtjax's adapters train without "
-                              "dropout; set lora.dropout=0")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora.dropout must be at least 0 and below 1, got {self.dropout!r}")
         if not self.target_modules:
             raise ConfigError("lora.target_modules is empty; name linear layers (q_proj, v_proj, ...) or all-linear")
 
@@ -79,6 +80,44 @@ class LoraConfig:
         if names[-1] in NOT_ADAPTED or EXPERTS in names:
             return False
         return ALL_LINEAR in self.target_modules or names[-1] in self.target_modules
+
+
+# Dropout on the adapters' input (PEFT's lora_dropout: lora_B(lora_A(dropout(x))) * scale).
+# A training step's block programs are traced inside `dropout_scope(key)`, `key` drawn by
+# `dropout_key` from the run's seed, the step, the micro-batch and the block: each adapted
+# layer the block calls takes the next key of the scope (in call order, the same in the
+# forward and its recompute), so the streamed engine and the reference drop the same
+# entries. Outside a scope (evaluation, sampling) nothing is dropped.
+_scope = threading.local()
+
+
+def dropout_key(seed: int, step: int, micro: int, block: int):
+    """The dropout key of one block of one micro-batch of one training step (`micro` may be
+    traced: the reference trainer scans over micro-batches)."""
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    return jax.random.fold_in(jax.random.fold_in(key, micro), block)
+
+
+@contextlib.contextmanager
+def dropout_scope(key):
+    """Trace a block with dropout on its adapters' input, drawn from `key` (None: none)."""
+    before = getattr(_scope, "state", None)
+    _scope.state = None if key is None else [key, 0]
+    try:
+        yield
+    finally:
+        _scope.state = before
+
+
+def dropped(x, rate: float):
+    """x with PEFT's inverted dropout of `rate` applied, inside a `dropout_scope`; else x."""
+    state = getattr(_scope, "state", None)
+    if state is None or rate == 0:
+        return x
+    key = jax.random.fold_in(state[0], state[1])
+    state[1] += 1
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 
 def is_adapter(leaf: str) -> bool:

@@ -152,7 +152,7 @@ def test_adapters_are_the_only_trained_leaves_and_start_as_peft_draws_them():
 @pytest.mark.parametrize("setting,words", [
     ("lora.rank=0", "lora.rank must be a positive integer"),
     ("lora.target_modules=qkv", "names no linear layer"),
-    ("lora.dropout=0.1", "not supported yet"),
+    ("lora.dropout=1", "lora.dropout must be at least 0 and below 1"),
     ("lora.alpha=0", "lora.alpha must be a positive number")])
 def test_bad_settings_are_one_line(setting, words):
     extra = [] if setting.startswith("lora.rank") else ["lora.rank=4"]
@@ -379,3 +379,47 @@ def test_lora_refuses_targets_reaching_the_routed_experts_in_one_line(targets):
     with pytest.raises(ConfigError, match="reaches this MoE model's routed experts") as e:
         parts.check_roles(_moe_config(lora=lora.LoraConfig(rank=4, target_modules=targets)))
     assert "\n" not in str(e.value) and "o_proj" in str(e.value)
+
+
+# Dropout on the adapters' input (PEFT's lora_dropout), drawn from the run's seed.
+DROPOUT = lora.LoraConfig(rank=4, alpha=8.0, dropout=0.25, target_modules=("q_proj", "o_proj", "up_proj"))
+
+
+@pytest.mark.parametrize("keep_every", [2, pytest.param(1, marks=pytest.mark.slow)])
+def test_dropout_streamed_equals_the_reference_and_changes_the_update(keep_every):
+    """5 steps of 2 micro-batches: the streamed engine (recompute groups of 2, or 1) drops
+    what the reference drops (the same keys from seed, step, micro-batch and block), the
+    updates differ from those without dropout, and another seed gives other updates."""
+    cfg = _config(num_hidden_layers=3, lora=DROPOUT)
+    opt = dataclasses.replace(OPT, clip_norm=1.0, lr=1e-3)
+    params = model.init_params(cfg, seed=1)
+    engine = StreamEngine(cfg, params, opt, StreamConfig(keep_every=keep_every), seed=7)
+    reference = ReferenceTrainer(cfg, params, opt, seed=7)
+    without = ReferenceTrainer(dataclasses.replace(cfg, lora=dataclasses.replace(DROPOUT, dropout=0.0)), params, opt)
+    other = ReferenceTrainer(cfg, params, opt, seed=8)
+    for batch in token_batches(cfg.vocab_size, (2, BATCH, SEQ), 5):
+        assert engine.step(batch)["loss"] == pytest.approx(reference.step(batch)["loss"], abs=1e-5)
+        without.step(batch), other.step(batch)
+    streamed, expected = treepath.flatten(engine.params()), treepath.flatten(reference.params)
+    plain, reseeded = treepath.flatten(without.params), treepath.flatten(other.params)
+    for name, w in streamed.items():
+        assert _rel_error(w, expected[name]) <= 1e-5, name
+        if name.endswith(lora.B):  # B moves only by its gradient, which the dropped inputs change
+            assert _rel_error(w, plain[name]) > 1e-3 and _rel_error(w, reseeded[name]) > 1e-3, name
+    engine.close()
+
+
+def test_dropout_leaves_evaluation_and_a_rate_of_0_as_they_were():
+    cfg = _config(num_hidden_layers=2, lora=DROPOUT)
+    params = model.init_params(cfg, seed=1)
+    q_proj = params["blocks"][0]["self_attn"]["q_proj"]
+    q_proj["lora_b"] = np.ones_like(q_proj["lora_b"])  # the adapter's output is not 0
+    tokens = token_batches(cfg.vocab_size, (BATCH, SEQ), 1)[0]
+    plain = dataclasses.replace(cfg, lora=dataclasses.replace(DROPOUT, dropout=0.0))
+    np.testing.assert_array_equal(np.asarray(model.forward(cfg, params, tokens)),
+                                  np.asarray(model.forward(plain, params, tokens)))  # no scope: nothing dropped
+    x = np.ones((64, 32), np.float32)
+    with lora.dropout_scope(lora.dropout_key(0, 0, 0, 0)):
+        dropped = np.asarray(lora.dropped(x, 0.25))
+        assert lora.dropped(x, 0.0) is x
+    assert set(np.unique(dropped)) == {0.0, np.float32(1 / 0.75)} and 0.65 < (dropped > 0).mean() < 0.85

@@ -105,7 +105,7 @@ class StreamEngine:
                  stream: StreamConfig = StreamConfig(), store_config: StoreConfig = StoreConfig(), *, store=None,
                  tx: optax.GradientTransformation | None = None, opt_state=None, step: int = 0,
                  batch_shape: tuple[int, int] | None = None, mesh: DeviceMesh | None = None,
-                 trace_steps: int | None = 4, owns_store: bool = False, hosts=None):
+                 trace_steps: int | None = 4, owns_store: bool = False, hosts=None, seed: int = 0):
         if params is None and store is None:
             raise MtjaxError("StreamEngine needs params or an open layer store to take the state from")
         if hosts is not None:
@@ -157,7 +157,7 @@ class StreamEngine:
         self.stager = Stager(cfg, self.pool, self.tracer, self.split, self.updater, self.schemas)
         self.runner = Runner(cfg, self.fns, self.pool, self.tracer, self.ledger, self.placement, self.split,
                              self.resident, self.grads, self.updater, clip_norm=self.clip_norm, hosts=hosts,
-                             commit=lambda train_state: self.commit(self.step_count, train_state))
+                             commit=lambda train_state: self.commit(self.step_count, train_state), seed=seed)
         engine_state.load_resident(self.updater, self.resident)
         if batch_shape is not None:
             self.check_budget(*batch_shape)
@@ -171,7 +171,7 @@ class StreamEngine:
         is None. The engine owns the store from here on. `hosts`: a multi-process run's."""
         rows = exp.data.batch_size // (1 if hosts is None else hosts.count)  # this process's share
         return cls(cfg, params, exp.optim, exp.stream, exp.store, store=store, opt_state=opt_state, step=step,
-                   batch_shape=(rows, exp.data.seq_len), owns_store=True, hosts=hosts)
+                   batch_shape=(rows, exp.data.seq_len), owns_store=True, hosts=hosts, seed=exp.run.seed)
 
     @property
     def commits_every_step(self) -> bool:
@@ -319,7 +319,8 @@ class StreamEngine:
         feed = self.stager.feed(s, s.transfers, self.options.prefetch_depth,
                                 after=functools.partial(self.updater.read_early, s.streamed))
         try:
-            done = self.runner.run(s, s.operations, feed, mbs, [float(w) for w in weights], train_state)
+            done = self.runner.run(s, s.operations, feed, mbs, [float(w) for w in weights], train_state,
+                                   dropout_step=self.step_count)
         except BaseException:
             self.grads.discard()  # a failed step's partial sums must not reach the next step
             self.resident.drop()

@@ -34,8 +34,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import partid, parts, roles
-from mtjax.errors import NonFiniteStep
+from mtjax import lora, partid, parts, roles
+from mtjax.errors import MtjaxError, NonFiniteStep
 from mtjax.observers import Observers
 from mtjax.optim import clip_scale, tapped
 from mtjax.partid import EMBED, HEAD, PartId
@@ -60,16 +60,20 @@ class Pass:
     losses: list = None
     auxes: tuple = ()
     train_state: dict | None = None  # what the step's commit records beside the state (the run's data cursor)
+    dropout_step: int | None = None  # a training pass's step: its adapters' dropout keys (mtjax.lora)
     after: tuple = ()  # the operations after `Update`
 
 
 class Runner:
     def __init__(self, cfg, fns, pool, tracer, ledger, placement, split, resident, grads, updater, *, clip_norm,
-                 hosts=None, commit=None):
+                 hosts=None, commit=None, seed: int = 0):
         self.cfg, self.fns, self.pool, self.tracer, self.ledger = cfg, fns, pool, tracer, ledger
         self.placement, self.split, self.resident, self.grads = placement, split, resident, grads
         self.updater, self.clip_norm, self.hosts, self.commit = updater, clip_norm, hosts, commit
         self.observers = Observers()
+        # Adapter dropout (mtjax.lora): each block program of a training pass takes its key.
+        self._dropout = cfg.lora is not None and cfg.lora.dropout > 0
+        self.seed = seed
         self.schedule = None
         self._moe = set(cfg.moe_layers)
         # Each part's trained leaves, the vjp's arguments (mtjax.roles); None: every leaf.
@@ -96,13 +100,15 @@ class Runner:
     # --- the pass ---------------------------------------------------------------------
 
     def run(self, schedule, operations, feed: Prefetcher, mbs: list, weights: list,
-            train_state: dict | None = None) -> Pass:
+            train_state: dict | None = None, dropout_step: int | None = None) -> Pass:
         """Run `operations` over the micro-batches `mbs`, taking staged parts from `feed`,
         up to (not including) `Update`: see `update`. `train_state`: what the step's
-        `Commit` records, if it has one."""
+        `Commit` records, if it has one. `dropout_step`: a training step's number, from
+        which its adapters' dropout is drawn (None: an evaluation, no dropout)."""
         self.schedule, self._feed = schedule, feed
         self._residual = schedule.block_residual_bytes
-        st = Pass(mbs, weights, stats=[[] for _ in mbs], kept=[{} for _ in mbs], train_state=train_state)
+        st = Pass(mbs, weights, stats=[[] for _ in mbs], kept=[{} for _ in mbs], train_state=train_state,
+                  dropout_step=dropout_step if self._dropout else None)
         for i, op in enumerate(operations):
             if isinstance(op, ops.Update):
                 st.after = operations[i + 1:]
@@ -188,20 +194,28 @@ class Runner:
             per_batch += [stats] if stats else []
         self.tracer.watch("compute", partid.block(i), st.flow)
 
+    def _key(self, st: Pass, m: int, i: int) -> dict:
+        """The keyword that gives block i's program of micro-batch m its dropout key, if any."""
+        return {} if st.dropout_step is None else {"dropout_key": lora.dropout_key(self.seed, st.dropout_step, m, i)}
+
     def _forward(self, st: Pass, op: ops.Forward) -> None:
         w, fn = st.held[partid.block(op.block)][1], self.fns.forward[self.cfg.layer_specs[op.block]]
-        self._block(st, op.block, [fn(w, x, mb.segments) for x, mb in zip(st.flow, st.mbs)])
+        self._block(st, op.block, [fn(w, x, mb.segments, **self._key(st, m, op.block))
+                                   for m, (x, mb) in enumerate(zip(st.flow, st.mbs))])
 
     def _save(self, st: Pass, op: ops.Save) -> None:
         spec = self.cfg.layer_specs[op.block]
         w, fn = st.held[partid.block(op.block)][1], self._against(self.fns.save[self.schedule.remat][spec], op.block)
-        outs = [fn(w, x, mb.segments) for x, mb in zip(st.flow, st.mbs)]
+        outs = [fn(w, x, mb.segments, **self._key(st, m, op.block)) for m, (x, mb) in enumerate(zip(st.flow, st.mbs))]
         for k, (_, vjp) in zip(st.kept, outs):
             self.ledger.hold(self.schedule.saved_residual_bytes(spec), "residuals kept from the forward", "saved")
             k["vjp", op.block] = vjp
         self._block(st, op.block, [y for y, _ in outs])
 
     def _split_forward(self, st: Pass, op: ops.SplitForward) -> None:
+        if st.dropout_step is not None:
+            raise MtjaxError("lora.dropout > 0 does not run with MoE blocks split into expert groups yet; set "
+                             "lora.dropout=0, or give the device the budget for whole blocks")
         i = op.block
         st.flow, stats, routing = self.split.forward(
             i, self.cfg.layer_specs[i], self.schedule.split[i], lambda p: self._take(st, p), self.pool.release,
@@ -270,7 +284,7 @@ class Runner:
         w, fn = st.held[partid.block(i)][1], self._against(self.fns.grad[self.cfg.layer_specs[i]], i)
         acc, out = None, []
         for m, (x, dx, mb) in enumerate(zip(st.inputs, st.flow, st.mbs)):
-            dw, dx = fn(w, x, dx, self._cotangent(st, i, m), mb.segments)
+            dw, dx = fn(w, x, dx, self._cotangent(st, i, m), mb.segments, **self._key(st, m, i))
             acc = self._sum(acc, dw, count)
             out.append(dx)
         st.flow, st.inputs, st.summed[partid.block(i)] = out, None, acc
@@ -282,7 +296,8 @@ class Runner:
         for m, (x, dx, mb) in enumerate(zip(st.inputs, st.flow, st.mbs)):
             vjps = []
             for i in op.blocks:
-                (x, _), vjp = self._against(fns.recompute[specs[i]], i)(st.held[partid.block(i)][1], x, mb.segments)
+                (x, _), vjp = self._against(fns.recompute[specs[i]], i)(st.held[partid.block(i)][1], x, mb.segments,
+                                                                        **self._key(st, m, i))
                 self.ledger.hold(self._residual, "recompute residuals", "residuals")
                 vjps.append((i, vjp))
             while vjps:
