@@ -423,3 +423,31 @@ def test_dropout_leaves_evaluation_and_a_rate_of_0_as_they_were():
         dropped = np.asarray(lora.dropped(x, 0.25))
         assert lora.dropped(x, 0.0) is x
     assert set(np.unique(dropped)) == {0.0, np.float32(1 / 0.75)} and 0.65 < (dropped > 0).mean() < 0.85
+
+
+@pytest.mark.slow
+def test_a_one_copy_store_trains_and_resumes_adapters_over_a_base_on_disk(make_store):
+    """Every kind on disk in one copy (each step commits itself): 3 steps, reopen, 3 more
+    equal the reference; the base's compute copy is carried, never rewritten."""
+    import mtjax.store
+
+    cfg = _config(("q_proj", "down_proj"))
+    placement = StoreConfig(compute="disk", master="disk", opt="disk", copies=1)
+    params = model.init_params(cfg, seed=0)
+    store = make_store(cfg, make_optimizer(OPT), copies=1)
+    engine = StreamEngine(cfg, params, OPT, StreamConfig(), placement, store=store)
+    reference = ReferenceTrainer(cfg, params, OPT)
+    batches = token_batches(cfg.vocab_size, (BATCH, SEQ), 6)
+    for batch in batches[:3]:
+        assert engine.step(batch)["loss"] == pytest.approx(reference.step(batch)["loss"], abs=1e-6)
+    root = store.root
+    engine.close()
+    store.close()
+    with mtjax.store.open(root, writable=True) as again:
+        resumed = StreamEngine(again.config, None, OPT, StreamConfig(), placement, store=again, step=3)
+        for batch in batches[3:]:
+            assert resumed.step(batch)["loss"] == pytest.approx(reference.step(batch)["loss"], abs=1e-6)
+        streamed, expected = treepath.flatten(resumed.params()), treepath.flatten(reference.params)
+        for name, w in streamed.items():
+            assert _rel_error(w, expected[name]) <= 1e-5, name
+        resumed.close()
