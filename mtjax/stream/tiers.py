@@ -88,7 +88,10 @@ class DiskTier:
         # on the prefetch worker thread): the store needs their bytes. A compute copy's
         # leaves not given (frozen, mtjax.roles: the update writes the trained ones) keep
         # their stored values, carried by the store without a byte written.
-        return self.store.write(part, kind, {n: np.asarray(a) for n, a in arrays.items()}, carry=kind == "compute")
+        values = {n: np.asarray(a) for n, a in arrays.items()}
+        if kind == "compute" and set(values) < set(self.store.schema(part, kind)):
+            return self.store.write(part, kind, values, carry=True)
+        return self.store.write(part, kind, values)
 
     def close(self) -> None:
         pass
