@@ -130,8 +130,8 @@ def linear_names(cfg: ModelConfig, experts: bool = False) -> set[str]:
     names = set()
     for spec in cfg.block_specs:
         block = nnx.eval_shape(lambda spec=spec: Block(plain, spec, nnx.Rngs(0)))
-        names |= {str(path[-1]) for path, node in nnx.iter_graph(block)
-                  if isinstance(node, Dense) and (lora.EXPERTS in map(str, path) if experts else anything.targets(path))}
+        names |= {str(path[-1]) for path, node in nnx.iter_graph(block) if isinstance(node, Dense)
+                  and (lora.EXPERTS in map(str, path) if experts else anything.targets(path))}
     return names
 
 

@@ -16,8 +16,8 @@ OPT = OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=2, decay_steps=10, cl
 STEPS = 5
 # Frozen leaves (mtjax.roles) on two processes: freeze patterns with every kind of state
 # on disk, LoRA adapters with it in RAM ({case: (config, tier)}, 2 micro-batches each).
-FROZEN = {"freeze-disk": (dataclasses.replace(CFG, freeze=("embed", "block.*/mlp.*", "block.1/self_attn.v_proj.kernel")),
-                          "disk"),
+FROZEN = {"freeze-disk": (dataclasses.replace(CFG, freeze=("embed", "block.*/mlp.*",
+                                                            "block.1/self_attn.v_proj.kernel")), "disk"),
           "lora-ram": (dataclasses.replace(CFG, lora=LoraConfig(rank=4, alpha=8.0,
                                                                  target_modules=("q_proj", "v_proj", "down_proj"))),
                        "ram")}

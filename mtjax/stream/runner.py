@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtjax import lora, partid, parts, roles
-from mtjax.errors import MtjaxError, NonFiniteStep
+from mtjax.errors import NonFiniteStep
 from mtjax.observers import Observers
 from mtjax.optim import clip_scale, tapped
 from mtjax.partid import EMBED, HEAD, PartId
@@ -71,9 +71,8 @@ class Runner:
         self.placement, self.split, self.resident, self.grads = placement, split, resident, grads
         self.updater, self.clip_norm, self.hosts, self.commit = updater, clip_norm, hosts, commit
         self.observers = Observers()
-        # Adapter dropout (mtjax.lora): each block program of a training pass takes its key.
-        self._dropout = cfg.lora is not None and cfg.lora.dropout > 0
-        self.seed = seed
+        # Adapter dropout's seed (mtjax.lora; None: no dropout): each block program of a training pass takes a key.
+        self.seed = seed if cfg.lora is not None and cfg.lora.dropout > 0 else None
         self.schedule = None
         self._moe = set(cfg.moe_layers)
         # Each part's trained leaves, the vjp's arguments (mtjax.roles); None: every leaf.
@@ -108,7 +107,7 @@ class Runner:
         self.schedule, self._feed = schedule, feed
         self._residual = schedule.block_residual_bytes
         st = Pass(mbs, weights, stats=[[] for _ in mbs], kept=[{} for _ in mbs], train_state=train_state,
-                  dropout_step=dropout_step if self._dropout else None)
+                  dropout_step=None if self.seed is None else dropout_step)
         for i, op in enumerate(operations):
             if isinstance(op, ops.Update):
                 st.after = operations[i + 1:]
@@ -213,9 +212,6 @@ class Runner:
         self._block(st, op.block, [y for y, _ in outs])
 
     def _split_forward(self, st: Pass, op: ops.SplitForward) -> None:
-        if st.dropout_step is not None:
-            raise MtjaxError("lora.dropout > 0 does not run with MoE blocks split into expert groups yet; set "
-                             "lora.dropout=0, or give the device the budget for whole blocks")
         i = op.block
         st.flow, stats, routing = self.split.forward(
             i, self.cfg.layer_specs[i], self.schedule.split[i], lambda p: self._take(st, p), self.pool.release,
@@ -360,9 +356,8 @@ class Runner:
         self.resident.add_grad(op.part, tapped(op.part, grads) if grads else grads)
 
     def _trained_only(self, part, grads):
-        """A part's gradient of its trained leaves only (mtjax.roles: a buffer is changed by
-        its rule, a frozen leaf never): a split block's group with some experts frozen
-        differentiates them all."""
+        """A part's gradient of its trained leaves only (mtjax.roles): a split block's group
+        with some experts frozen differentiates them all."""
         untrained = self._untrained[PartId(part).owner]
         return {n: g for n, g in grads.items() if n not in untrained} if grads and untrained else grads
 

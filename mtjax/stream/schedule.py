@@ -709,7 +709,8 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     handed = first_transfers(transfers) if store.compute == "disk" else set()
     if store.compute == "disk":  # every other transfer reads its part from the store
         # (a part's frozen leaves, mtjax.roles, are read too: the update hands on the trained ones')
-        reads["compute"] = h2d_weights - sum(unit[transfers[i]].trained for i in handed if pb[transfers[i].owner].trained)
+        reads["compute"] = h2d_weights - sum(unit[transfers[i]].trained for i in handed
+                                             if pb[transfers[i].owner].trained)
     for kind in ("master", "opt"):  # the update reads them and writes them back
         if getattr(store, kind) == "disk":
             reads[kind] = writes[kind] = sum(b.get(kind) for b in streamed.values())

@@ -175,7 +175,8 @@ class SplitBlocks:
         slot, w = take(partid.block(i).router())
         acc, dxs = None, []
         for x, dy, dz, k, dh, dwt, ds, dout, seg in zip(xs, dys, dzs, kept, dhs, dws, dstats, douts, segments):
-            dw, dx = g.router_grad[spec](w, x, dy, dz, dh.astype(k[0].dtype), dwt, ds, dout, seg, trained=router_trained)
+            dw, dx = g.router_grad[spec](w, x, dy, dz, dh.astype(k[0].dtype), dwt, ds, dout, seg,
+                                         trained=router_trained)
             acc = accumulate(acc, dw)
             dxs.append(dx)
             self.ledger.free(self._bytes(k), "routing")
