@@ -3,7 +3,11 @@
 Tiny dense models (Llama, Qwen2 with biases, Phi-3 fused) with adapters trained 3 AdamW
 steps by the streaming engine give PEFT + transformers' losses (1e-6) and adapter weights (1e-4 relative) from the same start, the
 base bit-identical; streamed equals the in-memory reference for 5 steps of 2
-micro-batches with the state in RAM and on disk; bad `lora:` settings are one line.
+micro-batches with the state in RAM and on disk (the base's compute copy too, and a
+one-copy store); bad `lora:` settings are one line. A Qwen3-MoE with adapters on
+attention equals PEFT with whole blocks and with expert groups, and frozen experts (LoRA,
+an NF4 base, freeze patterns) under expert groups equal the reference; dropout on the
+adapters' input drops in the streamed engine what it drops in the reference.
 """
 
 from __future__ import annotations
@@ -451,3 +455,13 @@ def test_a_one_copy_store_trains_and_resumes_adapters_over_a_base_on_disk(make_s
         for name, w in streamed.items():
             assert _rel_error(w, expected[name]) <= 1e-5, name
         resumed.close()
+
+
+def test_dropout_with_expert_groups_is_refused_in_one_line():
+    from mtjax.errors import MtjaxError
+
+    cfg = _moe_config(lora=dataclasses.replace(DROPOUT, target_modules=MOE_TARGETS))
+    with pytest.raises(MtjaxError, match="lora.dropout > 0 does not run with MoE blocks split") as e:
+        StreamEngine(cfg, model.init_params(cfg, seed=0), OPT, StreamConfig(expert_group_size=3),
+                     batch_shape=(BATCH, SEQ))
+    assert "\n" not in str(e.value)
