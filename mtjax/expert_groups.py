@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import model
+from mtjax import model, precision, treepath
 from mtjax.layers import registry
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
@@ -94,7 +94,9 @@ def router_forward(cfg: ModelConfig, spec: LayerSpec, flat: dict, x, segments=No
     """The router part: the block's stages up to its feed-forward's split point
     (model.block_until_split): ((attention residual a [b, t, d], shared expert s [T, d],
     MLP input h [T, d], weights [T, k] fp32, router stats, the output stage's leaves
-    {leaf: array}: its sandwich norm's weight, or none), chosen experts [T, k])."""
+    {leaf: array}: its sandwich norm's weight, or none), chosen experts [T, k]). A
+    quantized frozen kernel's bytes (mtjax.precision) are decoded here, on the device."""
+    flat = precision.policy(cfg).decoded(flat, _shapes(cfg, spec))
     a, h, (weights, chosen, stats, shared) = model.block_until_split(cfg, spec, flat, x, segments)
     out = {n: flat[n] for n in model.output_leaves(cfg, spec)}
     return (a, shared, h, weights, stats, out), chosen
@@ -102,9 +104,17 @@ def router_forward(cfg: ModelConfig, spec: LayerSpec, flat: dict, x, segments=No
 
 def group_forward(cfg: ModelConfig, spec: LayerSpec, group: dict, h, weights, chosen, ids):
     """One group's share of the experts' sum [T, d]: its experts' kernels and biases
-    (`kernels`' form), global ids `ids` (an int array [n]), over the rows routed to them."""
-    stacked = {n: jnp.stack(per).astype(h.dtype) for n, per in group.items()}
+    (`kernels`' form), global ids `ids` (an int array [n]), over the rows routed to them (a
+    quantized frozen expert's bytes decoded first)."""
+    shapes, decode = _shapes(cfg, spec), precision.policy(cfg).decoded
+    stacked = {n: jnp.stack([decode({n: w}, {n: shapes[f"{EXPERTS}0.{n}"]})[n] for w in per]).astype(h.dtype)
+               for n, per in group.items()}
     return model.block_experts(cfg, spec, stacked, h, weights, chosen, ids)
+
+
+def _shapes(cfg: ModelConfig, spec: LayerSpec) -> dict:
+    """{leaf: master shape} of a block of `spec` (every expert's kernels alike)."""
+    return {n: s.shape for n, s in treepath.flatten(model.abstract_block(cfg, spec)).items()}
 
 
 def combine(cfg: ModelConfig, spec: LayerSpec, out: dict, a, acc, shared):

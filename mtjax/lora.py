@@ -13,14 +13,20 @@ With adapters every other leaf of the model is frozen (mtjax.roles): its compute
 is streamed to the device and never written again; the adapters have the fp32 master,
 the optimizer state and the gradients. Targets are module names as PEFT's
 `target_modules` gives them (`q_proj`, `down_proj`, ...), or "all-linear": every linear
-layer of the blocks. The experts and the router of a mixture of experts are not adapted
-(their kernels run stacked, mtjax.moe).
+layer of the blocks. The routed experts and the router of a mixture of experts are not
+adapted (their kernels run stacked, mtjax.moe). PEFT, on transformers 5, adapts them (its
+fused expert tensors, by target_parameters) where a target names them (their gate_proj,
+up_proj, down_proj; all-linear, which also adapts the router): so on a MoE model targets
+that would reach the routed experts are refused, and mtjax's adapters equal PEFT's for
+the others (attention; a dense layer's or shared expert's own names).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +36,7 @@ from mtjax.families.hf_config import ConfigError
 
 A, B = "lora_a", "lora_b"  # the adapter leaves of a targeted linear layer
 ALL_LINEAR = "all-linear"
+EXPERTS = "experts"  # a MoE block's routed experts: not adaptable (refused by name)
 # The linear layers of a MoE block that LoRA leaves alone: its router and shared expert's
 # gate (PEFT's all-linear skips them too), and its experts (their kernels run stacked).
 NOT_ADAPTED = ("gate", "shared_expert_gate")
@@ -42,7 +49,7 @@ class LoraConfig:
     rank: int | None = None  # adapter rank r; null: no adapters (every leaf trains, unless model.freeze)
     alpha: float = 16.0  # the adapter's output is scaled by alpha / r
     rslora: bool = False  # scale by alpha / sqrt(r) instead (rank-stabilised LoRA)
-    dropout: float = 0.0  # dropout on the adapter's input; only 0 is supported yet
+    dropout: float = 0.0  # dropout on the adapter's input (PEFT's lora_dropout), in training steps only
     target_modules: tuple[str, ...] = (ALL_LINEAR,)  # linear layers by module name (q_proj, v_proj, ...), or all-linear
 
     def __post_init__(self):
@@ -56,9 +63,8 @@ class LoraConfig:
             raise ConfigError(f"lora.rank must be a positive integer (or null: no adapters), got {self.rank!r}")
         if not math.isfinite(self.alpha) or self.alpha <= 0:
             raise ConfigError(f"lora.alpha must be a positive number, got {self.alpha!r}")
-        if self.dropout != 0:
-            raise ConfigError(f"lora.dropout {self.dropout} is not supported yet: mtjax's adapters train without "
-                              "dropout; set lora.dropout=0")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora.dropout must be at least 0 and below 1, got {self.dropout!r}")
         if not self.target_modules:
             raise ConfigError("lora.target_modules is empty; name linear layers (q_proj, v_proj, ...) or all-linear")
 
@@ -71,9 +77,47 @@ class LoraConfig:
         """Whether the linear layer at module path `path` in a block (e.g. ("self_attn",
         "q_proj")) gets an adapter."""
         names = [str(p) for p in path]
-        if names[-1] in NOT_ADAPTED or "experts" in names:
+        if names[-1] in NOT_ADAPTED or EXPERTS in names:
             return False
         return ALL_LINEAR in self.target_modules or names[-1] in self.target_modules
+
+
+# Dropout on the adapters' input (PEFT's lora_dropout: lora_B(lora_A(dropout(x))) * scale).
+# A training step's block programs are traced inside `dropout_scope(key)`, `key` drawn by
+# `dropout_key` from the run's seed, the step, the micro-batch and the block: each adapted
+# layer the block calls takes the next key of the scope (in call order, the same in the
+# forward and its recompute), so the streamed engine and the reference drop the same
+# entries. Outside a scope (evaluation, sampling) nothing is dropped.
+_scope = threading.local()
+
+
+def dropout_key(seed: int, step: int, micro: int, block: int):
+    """The dropout key of one block of one micro-batch of one training step (`micro` may be
+    traced: the reference trainer scans over micro-batches)."""
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    return jax.random.fold_in(jax.random.fold_in(key, micro), block)
+
+
+@contextlib.contextmanager
+def dropout_scope(key):
+    """Trace a block with dropout on its adapters' input, drawn from `key` (None: none)."""
+    before = getattr(_scope, "state", None)
+    _scope.state = None if key is None else [key, 0]
+    try:
+        yield
+    finally:
+        _scope.state = before
+
+
+def dropped(x, rate: float):
+    """x with PEFT's inverted dropout of `rate` applied, inside a `dropout_scope`; else x."""
+    state = getattr(_scope, "state", None)
+    if state is None or rate == 0:
+        return x
+    key = jax.random.fold_in(state[0], state[1])
+    state[1] += 1
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 
 def is_adapter(leaf: str) -> bool:
@@ -101,10 +145,17 @@ def fresh(leaves: dict, seed: int, salt: int) -> dict[str, np.ndarray]:
     return out
 
 
-def check(cfg, linear_names: set[str]) -> None:
+def check(cfg, linear_names: set[str], expert_names: set[str] = frozenset()) -> None:
     """Refuse, in one line, targets that name no linear layer of the model (`linear_names`:
-    the module names of the blocks' adaptable linear layers), or a model with none."""
+    the module names of the blocks' adaptable linear layers), or a model with none; on a
+    mixture of experts (`expert_names`: its routed experts' linear layers), targets that
+    PEFT would apply to the routed experts too (all-linear, or their names)."""
     lora = cfg.lora
+    experts = [t for t in lora.target_modules if t in (ALL_LINEAR, EXPERTS, *expert_names)] if expert_names else []
+    if experts:
+        raise ConfigError(f"lora.target_modules {', '.join(experts)} reaches this MoE model's routed experts, which "
+                          "mtjax cannot adapt yet (PEFT adapts transformers 5's fused experts by target_parameters); "
+                          f"name the other linear layers: {', '.join(sorted(linear_names - expert_names))}")
     unknown = [t for t in lora.target_modules if t != ALL_LINEAR and t not in linear_names]
     if unknown or not linear_names:
         have = ", ".join(sorted(linear_names)) or "none"

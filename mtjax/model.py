@@ -127,18 +127,19 @@ def _with_adapters(cfg: ModelConfig, block: Block, rngs: nnx.Rngs) -> Block:
     if cfg.lora is not None:
         for path, node in nnx.iter_graph(block):
             if isinstance(node, Dense) and cfg.lora.targets(path):
-                node.add_adapter(cfg.lora.rank, cfg.lora.scale, rngs)
+                node.add_adapter(cfg.lora.rank, cfg.lora.scale, rngs, cfg.lora.dropout)
     return block
 
 
-def linear_names(cfg: ModelConfig) -> set[str]:
-    """The module names of the blocks' linear layers LoRA may adapt (mtjax.lora.check)."""
+def linear_names(cfg: ModelConfig, experts: bool = False) -> set[str]:
+    """The module names of the blocks' linear layers LoRA may adapt (mtjax.lora.check);
+    `experts`: those of the routed experts' linear layers instead, which it may not."""
     plain, anything = dataclasses.replace(cfg, lora=None), lora.LoraConfig(rank=1)
     names = set()
     for spec in cfg.block_specs:
         block = nnx.eval_shape(lambda spec=spec: Block(plain, spec, nnx.Rngs(0)))
-        names |= {str(path[-1]) for path, node in nnx.iter_graph(block)
-                  if isinstance(node, Dense) and anything.targets(path)}
+        names |= {str(path[-1]) for path, node in nnx.iter_graph(block) if isinstance(node, Dense)
+                  and (lora.EXPERTS in map(str, path) if experts else anything.targets(path))}
     return names
 
 
@@ -265,15 +266,19 @@ def embed_multiplier(cfg: ModelConfig):
     return jnp.asarray(cfg.hidden_size**0.5 if cfg.embed_scale else 1.0, jnp.float32).astype(cfg.compute_dtype)
 
 
-def block_forward_stats(cfg: ModelConfig, spec: LayerSpec, block: dict, x: jnp.ndarray, segments=None):
+def block_forward_stats(cfg: ModelConfig, spec: LayerSpec, block: dict, x: jnp.ndarray, segments=None,
+                        dropout_key=None):
     """One block as a pure function: (block params, hidden [b, t, d]) -> (hidden [b, t, d],
     router statistics: {} for a dense block, mtjax.moe.router_stats for a MoE block).
 
     `segments` [b, t] (document ids of packed rows, mtjax.batch): positions restart at each
     document and attention stays inside it; None: each row is one document.
+    `dropout_key`: a training step's key of this block (mtjax.lora.dropout_key) for
+    dropout on its adapters' input; None: none.
     """
     cos, sin, positions = block_rotary(cfg, spec, x, segments)
-    return block_module(cfg, spec, cast(block, x.dtype))(x, cos, sin, positions, segments)
+    with lora.dropout_scope(dropout_key):
+        return block_module(cfg, spec, cast(block, x.dtype))(x, cos, sin, positions, segments)
 
 
 def block_module(cfg: ModelConfig, spec: LayerSpec, block: dict) -> Block:
@@ -338,15 +343,17 @@ def remat_block(fn, policy: str):
 
 
 def hidden_stats(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, remat: bool | str = False,
-                 segments=None):
+                 segments=None, dropout=None):
     """(the last block's output [b, t, d], router statistics of each MoE layer in order):
     the model up to its head (the loss takes it from there: mtjax.loss.head_loss).
     `remat`: a REMAT_POLICIES name (True = "full"); `segments`: document ids of packed rows
-    (see `block_forward_stats`)."""
+    (see `block_forward_stats`). `dropout(i)`: block i's dropout key in a training step
+    (mtjax.lora.dropout_key); None: no dropout."""
     policy = {True: "full", False: "none"}.get(remat, remat)
     x, stats = embed_forward(cfg, params["embed"], tokens), []
-    for spec, block in zip(cfg.layer_specs, params["blocks"]):
-        x, s = remat_block(functools.partial(block_forward_stats, cfg, spec), policy)(block, x, segments)
+    for i, (spec, block) in enumerate(zip(cfg.layer_specs, params["blocks"])):
+        fn = functools.partial(block_forward_stats, cfg, spec, dropout_key=None if dropout is None else dropout(i))
+        x, s = remat_block(fn, policy)(block, x, segments)
         stats += [s] if s else []
     return x, stats
 

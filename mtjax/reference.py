@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mtjax import documents, model, moe, partid, parts, precision, roles, treepath
+from mtjax import documents, lora, model, moe, partid, parts, precision, roles, treepath
 from mtjax.documents import Inputs
 from mtjax.errors import NonFiniteStep
 from mtjax.loss import head_loss
@@ -26,13 +26,14 @@ from mtjax.optim import OptimConfig, clip_scale, make_optimizer, sum_of_squares,
 
 
 def loss_terms(cfg: ModelConfig, params, tokens: jnp.ndarray, remat: bool | str = True, segments=None,
-               targets=None):
+               targets=None, dropout=None):
     """(training loss, load-balancing loss) of fp32 master `params` on tokens [batch, seq]:
     the mean next-token loss plus router_aux_loss_coef times the load-balancing loss of
     the MoE layers over all the batch's tokens (mtjax.moe; 0 for a dense model), as
     transformers computes with output_router_logits=True. remat: model.REMAT_POLICIES;
-    `segments` and `targets` as mtjax.documents.Inputs has them (None: a plain batch)."""
-    x, stats = model.hidden_stats(cfg, params, tokens, remat=remat, segments=segments)
+    `segments` and `targets` as mtjax.documents.Inputs has them (None: a plain batch);
+    `dropout(i)`: block i's adapter dropout key (model.hidden_stats)."""
+    x, stats = model.hidden_stats(cfg, params, tokens, remat=remat, segments=segments, dropout=dropout)
     aux = moe.aux_loss(stats, tokens.size) if stats else jnp.float32(0)
     return head_loss(cfg, params["head"], params["embed"], x, tokens, targets) + cfg.router_aux_loss_coef * aux, aux
 
@@ -47,11 +48,15 @@ def _inputs_terms(cfg: ModelConfig, params, inputs: Inputs, remat: bool | str):
     return loss_terms(cfg, params, inputs.tokens, remat, inputs.segments, inputs.targets)
 
 
-def _accumulated_grads(cfg: ModelConfig, params, inputs: Inputs, weights, remat: str = "full", whole=None):
+def _accumulated_grads(cfg: ModelConfig, params, inputs: Inputs, weights, remat: str = "full", whole=None,
+                       dropout=None):
     """Mean (loss, load-balancing loss) and gradient over micro-batches [accum, batch, seq],
     summed in fp32: each micro-batch's weighted by `weights` [accum], or all alike when the
     batch is plain. `whole(params)`: the model's parameters from the ones differentiated
-    (the trained leaves, mtjax.roles), when they are not all of them."""
+    (the trained leaves, mtjax.roles), when they are not all of them. `dropout(m, i)`:
+    the adapter dropout key of micro-batch m's block i (None: no dropout)."""
+    if dropout is not None:  # the micro-batch's index rides along with it
+        return _dropout_grads(cfg, params, inputs, weights, remat, whole or (lambda p: p), dropout)
     if whole is not None:
         def loss_terms_of(p, tokens, remat, segments=None, targets=None):
             return loss_terms(cfg, whole(p), tokens, remat, segments, targets)
@@ -90,6 +95,28 @@ def _accumulated_grads(cfg: ModelConfig, params, inputs: Inputs, weights, remat:
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     (loss, aux, grads), _ = jax.lax.scan(weighted, (jnp.float32(0), jnp.float32(0), zeros), (inputs, weights))
+    return (loss, aux), grads
+
+
+def _dropout_grads(cfg: ModelConfig, params, inputs: Inputs, weights, remat: str, whole, dropout):
+    """`_accumulated_grads` with adapter dropout: every micro-batch weighted by `weights`
+    (equal weights for a plain batch), micro-batch m's blocks dropping by `dropout(m, i)`."""
+    def weighted_terms(p, mb, w, m):
+        loss, aux = loss_terms(cfg, whole(p), mb.tokens, remat, mb.segments, mb.targets,
+                               dropout=lambda i: dropout(m, i))
+        return w * loss, w * aux
+
+    grad_fn = jax.value_and_grad(weighted_terms, has_aux=True)
+
+    def weighted(carry, xs):
+        loss_sum, aux_sum, grad_sum = carry
+        (loss, aux), grads = grad_fn(params, *xs)
+        return (loss_sum + loss, aux_sum + aux, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    n = inputs.tokens.shape[0]
+    xs = (inputs, weights, jnp.arange(n, dtype=jnp.int32))
+    (loss, aux, grads), _ = jax.lax.scan(weighted, (jnp.float32(0), jnp.float32(0), zeros), xs)
     return (loss, aux), grads
 
 
@@ -180,10 +207,10 @@ class ReferenceTrainer:
     """
 
     def __init__(self, cfg: ModelConfig, params, optimizer: OptimConfig | optax.GradientTransformation = OptimConfig(),
-                 clip_norm: float | None = None, opt_state=None, remat: str = "full"):
+                 clip_norm: float | None = None, opt_state=None, remat: str = "full", seed: int = 0):
         if remat not in model.REMAT_POLICIES:
             raise ConfigError(f"remat must be one of {', '.join(model.REMAT_POLICIES)}, got {remat!r}")
-        self.cfg, self.remat = cfg, remat
+        self.cfg, self.remat, self.seed = cfg, remat, seed  # seed: of the adapters' dropout (mtjax.lora)
         if isinstance(optimizer, OptimConfig):
             clip_norm = optimizer.clip_norm if clip_norm is None else clip_norm
             optimizer = make_optimizer(optimizer)
@@ -210,11 +237,15 @@ class ReferenceTrainer:
         self._rules_on = any(getattr(cfg, r.rate) for r in roles.BUFFER_RULES.values())
         self._rule_inputs = jax.jit(functools.partial(_rule_inputs, cfg))
 
-    def _grad_step(self, params, inputs, weights, spent):
+    def _grad_step(self, params, inputs, weights, spent, step):
         del spent  # only its buffers are wanted
         roles, fixed = self._roles, self._roles.fixed(params)
+        dropout = None
+        if self.cfg.lora is not None and self.cfg.lora.dropout > 0:
+            def dropout(m, i):
+                return lora.dropout_key(self.seed, step, m, i)
         (loss, aux), grads = _accumulated_grads(self.cfg, roles.trained(params), inputs, weights, self.remat,
-                                                lambda t: roles.merge(t, fixed))
+                                                lambda t: roles.merge(t, fixed), dropout)
         whole = roles.merge(grads, jax.tree.map(jnp.zeros_like, fixed))  # for the per-part norms
         return (loss, aux), grads, self._part_sq(whole)
 
@@ -247,7 +278,8 @@ class ReferenceTrainer:
         weights = jnp.asarray(weights, jnp.float32)
         inputs = jax.device_put(inputs)
         rule_inputs = self._rule_inputs(self.params, inputs) if self._rules_on else {}
-        (loss, aux), grads, part_sq = self._grads(self.params, inputs, weights, self._spent)
+        (loss, aux), grads, part_sq = self._grads(self.params, inputs, weights, self._spent,
+                                                  jnp.int32(self.steps + self.skipped))
         if tapping():
             grads, part_sq = self._tapped(grads)
         self._spent = grads

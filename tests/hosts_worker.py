@@ -1,6 +1,6 @@
 """One process of a multi-process test run (tests/test_hosts.py spawns several).
 
-    python tests/hosts_worker.py PORT COUNT INDEX OUT_DIR
+    python tests/hosts_worker.py PORT COUNT INDEX OUT_DIR [frozen]
 
 Joins the run on 127.0.0.1:PORT; first measures the resident memory an engine of the
 larger model BIG takes in this process (OUT_DIR/rss-<index>.json: VmRSS before and after
@@ -8,7 +8,9 @@ building it, and its RAM tier's bytes of each kind); then trains each case of CA
 (tier, accum) for STEPS steps from the same initial weights on the same global batches,
 and writes OUT_DIR/<case>.npz (process 0: the all-gathered master weights and optimizer
 state) and OUT_DIR/<case>-<index>.json (this process's RAM-tier and store bytes of each
-kind, the collectives' payload bytes, the losses).
+kind, the collectives' payload bytes, the losses). With `frozen`: trains the cases of
+hosts_case.FROZEN instead (frozen leaves, LoRA), writing OUT_DIR/<case>.npz (process 0:
+the master weights) and OUT_DIR/<case>-<index>.json (the losses).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def vm_rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def main(port: int, count: int, index: int, out: Path) -> None:
+def main(port: int, count: int, index: int, out: Path, frozen: bool = False) -> None:
     import jax
 
     import mtjax.store
@@ -39,12 +41,32 @@ def main(port: int, count: int, index: int, out: Path) -> None:
     from mtjax.stream import StreamEngine
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from hosts_case import BIG, CFG, OPT, batches
+    from hosts_case import BIG, CFG, FROZEN, FROZEN_ACCUM, OPT, batches
 
     startup = distributed.start(DistributedConfig(f"127.0.0.1:{port}", count, index, timeout_s=60))
     hosts = startup.hosts
     distributed.check_same(hosts, "test config", repr((CFG, OPT)))
     startup.done()
+    if frozen:
+        for name, (cfg, tier) in FROZEN.items():
+            store = None
+            if tier == "disk":
+                store = mtjax.store.create(out / name / hosts.shard.name, cfg,
+                                           hosts={"index": index, "count": count, "run": "test"})
+            engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, StreamConfig(keep_every=2),
+                                  StoreConfig(compute=tier, master=tier, opt=tier), store=store, hosts=hosts)
+            losses = [engine.step(b)["loss"] for b in batches(FROZEN_ACCUM)]
+            params = engine.params()
+            if store is not None:
+                engine.commit()
+            engine.close()
+            if store is not None:
+                store.close()
+            if index == 0:
+                np.savez(out / f"{name}.npz", **{k: np.asarray(v) for k, v in treepath.flatten(params).items()})
+            (out / f"{name}-{index}.json").write_text(json.dumps({"losses": losses}))
+        jax.distributed.shutdown()
+        return
 
     # First: VmRSS before the initial state of BIG is built and after an engine is built
     # from it and the caller has dropped it: the difference is what the engine keeps (its
@@ -102,4 +124,4 @@ def main(port: int, count: int, index: int, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5:] == ["frozen"])

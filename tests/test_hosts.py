@@ -26,7 +26,7 @@ from pathlib import Path
 import multidevice
 import numpy as np
 import pytest
-from hosts_case import BIG, CFG, OPT, batches
+from hosts_case import BIG, CFG, FROZEN, FROZEN_ACCUM, OPT, batches
 
 import mtjax.store
 from mtjax import model, parts, treepath
@@ -108,6 +108,35 @@ def test_two_processes_train_as_one(worker_run, tier, accum):
     for i in range(2):
         losses = json.loads((worker_run / f"{tier}-{accum}-{i}.json").read_text())["losses"]
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_processes_train_frozen_leaves_and_lora_as_one(tmp_path):
+    """Freeze patterns (every kind of state on disk) and LoRA adapters (RAM), 5 steps of
+    2 micro-batches on two processes: the one-process reference's losses and weights,
+    the frozen leaves bit for bit."""
+    port = free_port()
+    results = launch([[sys.executable, str(HERE / "hosts_worker.py"), str(port), "2", str(i), str(tmp_path), "frozen"]
+                      for i in range(2)], tmp_path, timeout=420, devices=2)
+    for rc, _, err in results:
+        assert rc == 0, err[-3000:]
+    for name, (cfg, _) in FROZEN.items():
+        start = model.init_params(cfg, seed=1)
+        trainer = ReferenceTrainer(cfg, start, OPT)
+        ref_losses = [trainer.step(b)["loss"] for b in batches(FROZEN_ACCUM)]
+        got, want, first = np.load(tmp_path / f"{name}.npz"), treepath.flatten(trainer.params), treepath.flatten(start)
+        frozen = {f"{'blocks.' + p.name[6:] if p.name.is_block else p.name}.{n}"
+                  for p in parts.parts(cfg) for n, leaf in parts.leaves(cfg, p.name).items() if leaf.role == "frozen"}
+        assert sorted(got.files) == sorted(want) and frozen
+        for leaf, b in want.items():
+            if leaf in frozen:
+                np.testing.assert_array_equal(got[leaf], np.asarray(first[leaf]), err_msg=f"{name} {leaf}")
+                continue
+            a, b = np.asarray(got[leaf], np.float64), np.asarray(b, np.float64)
+            assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-30), f"{name} {leaf}"
+        for i in range(2):
+            losses = json.loads((tmp_path / f"{name}-{i}.json").read_text())["losses"]
+            np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=name)
 
 
 def _whole_bytes(kind: str, cfg=CFG) -> int:

@@ -3,7 +3,11 @@
 Tiny dense models (Llama, Qwen2 with biases, Phi-3 fused) with adapters trained 3 AdamW
 steps by the streaming engine give PEFT + transformers' losses (1e-6) and adapter weights (1e-4 relative) from the same start, the
 base bit-identical; streamed equals the in-memory reference for 5 steps of 2
-micro-batches with the state in RAM and on disk; bad `lora:` settings are one line.
+micro-batches with the state in RAM and on disk (the base's compute copy too, and a
+one-copy store); bad `lora:` settings are one line. A Qwen3-MoE with adapters on
+attention equals PEFT with whole blocks and with expert groups, and frozen experts (LoRA,
+an NF4 base, freeze patterns) under expert groups equal the reference; dropout on the
+adapters' input drops in the streamed engine what it drops in the reference.
 """
 
 from __future__ import annotations
@@ -109,7 +113,8 @@ def test_training_equals_peft_and_the_base_stays(adapters, tmp_path):
     engine.close()
 
 
-PLACEMENTS = {"ram": {}, "state-disk": {"master": "disk", "opt": "disk"}}
+PLACEMENTS = {"ram": {}, "state-disk": {"master": "disk", "opt": "disk"},
+              "all-disk": {"compute": "disk", "master": "disk", "opt": "disk"}}  # the base's copy read, never written
 
 
 @pytest.mark.parametrize("where", [pytest.param(w, marks=() if w == "ram" else pytest.mark.slow) for w in PLACEMENTS])
@@ -151,7 +156,7 @@ def test_adapters_are_the_only_trained_leaves_and_start_as_peft_draws_them():
 @pytest.mark.parametrize("setting,words", [
     ("lora.rank=0", "lora.rank must be a positive integer"),
     ("lora.target_modules=qkv", "names no linear layer"),
-    ("lora.dropout=0.1", "not supported yet"),
+    ("lora.dropout=1", "lora.dropout must be at least 0 and below 1"),
     ("lora.alpha=0", "lora.alpha must be a positive number")])
 def test_bad_settings_are_one_line(setting, words):
     extra = [] if setting.startswith("lora.rank") else ["lora.rank=4"]
@@ -294,3 +299,169 @@ def test_a_run_with_adapters_ends_in_a_peft_directory(tmp_path):
     assert (tmp_path / "run" / "final" / adapters.WEIGHTS_FILE).is_file()
     sample = mtjax_cli("generate", "run/store", "--tokenizer", "bytes", "--prompt", "Hi", "--tokens", "3")
     assert sample.returncode == 0, sample.stderr
+
+
+# A Qwen3-MoE (tiny_moe_config: blocks 0 and 2 MoE, 7 experts, block 1 dense) with adapters
+# on attention: the rest frozen (mtjax.lora: targets that PEFT would apply to the routed
+# experts are refused).
+MOE_TARGETS = ("q_proj", "v_proj", "o_proj")
+
+
+def _moe_config(**overrides):
+    from conftest import TINY_MOE
+
+    return _config(MOE_TARGETS, **{**TINY_MOE, **ONE_KV_HEAD, **overrides})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group_size", [None, 3])
+def test_lora_on_a_moe_family_equals_peft_with_expert_groups_or_not(group_size, tmp_path):
+    """3 AdamW steps, the whole MoE blocks or split into groups of 3 experts: PEFT's losses
+    (with the load-balancing term, output_router_logits) and adapters; the base unchanged."""
+    import torch
+
+    cfg = _moe_config()
+    params = model.init_params(cfg, seed=0)
+    peft_model = _peft_model(cfg, params, tmp_path)
+    trained = [p for p in peft_model.parameters() if p.requires_grad]
+    torch_opt = torch.optim.AdamW(trained, lr=OPT.lr, betas=(OPT.b1, OPT.b2), eps=OPT.eps,
+                                  weight_decay=OPT.weight_decay)
+    engine = StreamEngine(cfg, params, OPT, StreamConfig(keep_every=2, expert_group_size=group_size), StoreConfig(),
+                          batch_shape=(BATCH, SEQ))
+    assert bool(engine.schedule.split) == (group_size is not None)
+    for batch in token_batches(cfg.vocab_size, (BATCH, SEQ), 3):
+        ids = torch.as_tensor(batch, dtype=torch.long)
+        loss = peft_model(input_ids=ids, labels=ids, output_router_logits=True).loss
+        loss.backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+        assert engine.step(batch)["loss"] == pytest.approx(loss.item(), abs=1e-6)
+    ours, start = treepath.flatten(engine.params()), treepath.flatten(params)
+    theirs = {_our_name(n): p.detach().numpy().T for n, p in peft_model.named_parameters() if ".lora_" in n}
+    assert {n for n in ours if lora.is_adapter(n)} == set(theirs) and len(theirs) == 3 * 3 * 2
+    for name, w in ours.items():
+        if lora.is_adapter(name):
+            assert _rel_error(w, theirs[name]) <= 1e-4, name
+        else:
+            np.testing.assert_array_equal(np.asarray(w), np.asarray(start[name]), err_msg=name)
+    engine.close()
+
+
+# Frozen leaves of split MoE blocks: LoRA's base, and freeze patterns that freeze a whole
+# group's experts (block 0's 0-2), one expert of a group (block 2's expert 4: the group
+# is differentiated, its gradient dropped) and the router part's attention; LoRA over an
+# NF4 base (experts and router decoded inside the sub-parts' programs).
+MOE_FROZEN = {"lora": {}, "lora-nf4": {"base_format": "nf4"}, "freeze": {"lora": None, "freeze": (
+    "block.0/mlp.experts.[012].*", "block.2/mlp.experts.4.*", "block.2/self_attn.*", "embed")}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frozen", MOE_FROZEN)
+def test_streamed_moe_with_frozen_leaves_and_expert_groups_equals_the_reference(frozen):
+    cfg = _moe_config(**MOE_FROZEN[frozen])
+    opt = dataclasses.replace(OPT, clip_norm=1.0, lr=1e-3)
+    params = model.init_params(cfg, seed=1)
+    engine = StreamEngine(cfg, params, opt, StreamConfig(keep_every=2, expert_group_size=3), StoreConfig(),
+                          batch_shape=(BATCH, SEQ))
+    assert engine.schedule.split == {0: ((0, 1, 2), (3, 4, 5), (6,)), 2: ((0, 1, 2), (3, 4, 5), (6,))}
+    reference = ReferenceTrainer(cfg, params, opt)
+    start = treepath.flatten(engine.params())  # an NF4 base's: decoded
+    for batch in token_batches(cfg.vocab_size, (2, BATCH, SEQ), 5):
+        assert engine.step(batch)["loss"] == pytest.approx(reference.step(batch)["loss"], abs=1e-5)
+    streamed, expected = (treepath.flatten(p) for p in (engine.params(), reference.params))
+    moved = 0
+    for name, w in streamed.items():
+        assert _rel_error(w, expected[name]) <= 1e-5, name
+        moved += not np.array_equal(np.asarray(w), np.asarray(start[name]))
+    roles_of = {f"{p.name}/{n}": leaf.role for p in parts.parts(cfg) for n, leaf in parts.leaves(cfg, p.name).items()}
+    assert moved == sum(r == roles.TRAINED for r in roles_of.values())  # every trained leaf moved, no frozen one
+    engine.close()
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "up_proj"), ("all-linear",), ("experts",)])
+def test_lora_refuses_targets_reaching_the_routed_experts_in_one_line(targets):
+    with pytest.raises(ConfigError, match="reaches this MoE model's routed experts") as e:
+        parts.check_roles(_moe_config(lora=lora.LoraConfig(rank=4, target_modules=targets)))
+    assert "\n" not in str(e.value) and "o_proj" in str(e.value)
+
+
+# Dropout on the adapters' input (PEFT's lora_dropout), drawn from the run's seed.
+DROPOUT = lora.LoraConfig(rank=4, alpha=8.0, dropout=0.25, target_modules=("q_proj", "o_proj", "up_proj"))
+
+
+@pytest.mark.parametrize("keep_every", [2, pytest.param(1, marks=pytest.mark.slow)])
+def test_dropout_streamed_equals_the_reference_and_changes_the_update(keep_every):
+    """5 steps of 2 micro-batches: the streamed engine (recompute groups of 2, or 1) drops
+    what the reference drops (the same keys from seed, step, micro-batch and block), the
+    updates differ from those without dropout, and another seed gives other updates."""
+    cfg = _config(num_hidden_layers=3, lora=DROPOUT)
+    opt = dataclasses.replace(OPT, clip_norm=1.0, lr=1e-3)
+    params = model.init_params(cfg, seed=1)
+    engine = StreamEngine(cfg, params, opt, StreamConfig(keep_every=keep_every), seed=7)
+    reference = ReferenceTrainer(cfg, params, opt, seed=7)
+    without = ReferenceTrainer(dataclasses.replace(cfg, lora=dataclasses.replace(DROPOUT, dropout=0.0)), params, opt)
+    other = ReferenceTrainer(cfg, params, opt, seed=8)
+    for batch in token_batches(cfg.vocab_size, (2, BATCH, SEQ), 5):
+        assert engine.step(batch)["loss"] == pytest.approx(reference.step(batch)["loss"], abs=1e-5)
+        without.step(batch), other.step(batch)
+    streamed, expected = treepath.flatten(engine.params()), treepath.flatten(reference.params)
+    plain, reseeded = treepath.flatten(without.params), treepath.flatten(other.params)
+    for name, w in streamed.items():
+        assert _rel_error(w, expected[name]) <= 1e-5, name
+        if name.endswith(lora.B):  # B moves only by its gradient, which the dropped inputs change
+            assert _rel_error(w, plain[name]) > 1e-3 and _rel_error(w, reseeded[name]) > 1e-3, name
+    engine.close()
+
+
+def test_dropout_leaves_evaluation_and_a_rate_of_0_as_they_were():
+    cfg = _config(num_hidden_layers=2, lora=DROPOUT)
+    params = model.init_params(cfg, seed=1)
+    q_proj = params["blocks"][0]["self_attn"]["q_proj"]
+    q_proj["lora_b"] = np.ones_like(q_proj["lora_b"])  # the adapter's output is not 0
+    tokens = token_batches(cfg.vocab_size, (BATCH, SEQ), 1)[0]
+    plain = dataclasses.replace(cfg, lora=dataclasses.replace(DROPOUT, dropout=0.0))
+    np.testing.assert_array_equal(np.asarray(model.forward(cfg, params, tokens)),
+                                  np.asarray(model.forward(plain, params, tokens)))  # no scope: nothing dropped
+    x = np.ones((64, 32), np.float32)
+    with lora.dropout_scope(lora.dropout_key(0, 0, 0, 0)):
+        dropped = np.asarray(lora.dropped(x, 0.25))
+        assert lora.dropped(x, 0.0) is x
+    assert set(np.unique(dropped)) == {0.0, np.float32(1 / 0.75)} and 0.65 < (dropped > 0).mean() < 0.85
+
+
+@pytest.mark.slow
+def test_a_one_copy_store_trains_and_resumes_adapters_over_a_base_on_disk(make_store):
+    """Every kind on disk in one copy (each step commits itself): 3 steps, reopen, 3 more
+    equal the reference; the base's compute copy is carried, never rewritten."""
+    import mtjax.store
+
+    cfg = _config(("q_proj", "down_proj"))
+    placement = StoreConfig(compute="disk", master="disk", opt="disk", copies=1)
+    params = model.init_params(cfg, seed=0)
+    store = make_store(cfg, make_optimizer(OPT), copies=1)
+    engine = StreamEngine(cfg, params, OPT, StreamConfig(), placement, store=store)
+    reference = ReferenceTrainer(cfg, params, OPT)
+    batches = token_batches(cfg.vocab_size, (BATCH, SEQ), 6)
+    for batch in batches[:3]:
+        assert engine.step(batch)["loss"] == pytest.approx(reference.step(batch)["loss"], abs=1e-6)
+    root = store.root
+    engine.close()
+    store.close()
+    with mtjax.store.open(root, writable=True) as again:
+        resumed = StreamEngine(again.config, None, OPT, StreamConfig(), placement, store=again, step=3)
+        for batch in batches[3:]:
+            assert resumed.step(batch)["loss"] == pytest.approx(reference.step(batch)["loss"], abs=1e-6)
+        streamed, expected = treepath.flatten(resumed.params()), treepath.flatten(reference.params)
+        for name, w in streamed.items():
+            assert _rel_error(w, expected[name]) <= 1e-5, name
+        resumed.close()
+
+
+def test_dropout_with_expert_groups_is_refused_in_one_line():
+    from mtjax.errors import MtjaxError
+
+    cfg = _moe_config(lora=dataclasses.replace(DROPOUT, target_modules=MOE_TARGETS))
+    with pytest.raises(MtjaxError, match="lora.dropout > 0 does not run with MoE blocks split") as e:
+        StreamEngine(cfg, model.init_params(cfg, seed=0), OPT, StreamConfig(expert_group_size=3),
+                     batch_shape=(BATCH, SEQ))
+    assert "\n" not in str(e.value)

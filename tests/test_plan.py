@@ -253,6 +253,26 @@ def test_shipped_plan_experiments_plan(name, placement, capsys):
     assert f"placement {placement}" in out and "recommended" in out
 
 
+# LoRA on one H200 host (issue 29's shipped plans): (file, predicted seconds a step as its
+# header states them, what bounds it, bytes written a step). The configured placement fits.
+LORA_PLANS = [("llama-3.1-405b-lora-bf16-plan.yaml", 447.0, "device compute", "1.2 GiB"),
+              ("llama-3.1-405b-lora-nf4-plan.yaml", 446.7, "device compute", "0 B"),
+              ("qwen3-235b-a22b-lora-bf16-plan.yaml", 66.8, "disk", "96.9 MiB"),
+              ("qwen3-235b-a22b-lora-nf4-plan.yaml", 29.6, "device compute", "0 B")]
+
+
+@pytest.mark.slow  # ~30 s each: 126 and 94 blocks priced under 8 placements
+@pytest.mark.parametrize("name, step, bound, written", LORA_PLANS)
+def test_shipped_lora_plans_fit_one_h200_host_as_their_headers_say(name, step, bound, written, capsys):
+    assert cli.main(["plan", str(ROOT / "experiments" / name), "--hardware", "h200"]) == 0
+    out = capsys.readouterr().out
+    configured = next(line for line in out.splitlines() if "configured" in line)
+    assert "DOES NOT FIT" not in configured
+    assert float(next(line for line in out.splitlines() if line.startswith("step time")).split()[2]) == \
+        pytest.approx(step, abs=0.1)
+    assert f"bound by {bound}" in out and f"disk writes      {written} per step" in out
+
+
 def test_preflight_from_an_experiment_config():
     from mtjax import config as experiment
     from mtjax.plan import inputs

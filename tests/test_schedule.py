@@ -73,11 +73,11 @@ def instrument(engine: StreamEngine, counts: Counts) -> None:
     if engine.store is not None:
         store = engine.store
 
-        def read(part, kind, out=None):
-            counts.add(f"disk_read.{kind}", parts.nbytes(store.schema(part, kind)))
+        def read(part, kind, out=None):  # every leaf, or those of `out` (a part's frozen leaves)
+            counts.add(f"disk_read.{kind}", parts.nbytes(store.schema(part, kind) if out is None else out))
 
         wrap(store, "read", read)
-        wrap(store, "write", lambda part, kind, values: counts.add(f"disk_write.{kind}",
+        wrap(store, "write", lambda part, kind, values, carry=False: counts.add(f"disk_write.{kind}",
                                                                      sum(a.nbytes for a in values.values())))
     spill = engine.grads.spill
     if spill is not None:

@@ -301,12 +301,12 @@ def test_the_plans_pinned_bound_is_the_engines_figure_and_the_cap_is_only_raised
         assert staging.pinned_host_bytes(cfg, stream, 2, 16, 2) == exact
         eng.close()
     monkeypatch.setenv(staging.HOST_MEMORY_LIMIT, "96")
-    monkeypatch.setattr("jax._src.xla_bridge.backends_are_initialized", lambda: False)
-    assert staging.raise_host_memory_limit(90 << 30) and staging.os.environ[staging.HOST_MEMORY_LIMIT] == "96"
-    assert staging.raise_host_memory_limit((100 << 30) + 1) and staging.os.environ[staging.HOST_MEMORY_LIMIT] == "101"
-    monkeypatch.setattr("jax._src.xla_bridge.backends_are_initialized", lambda: True)
+    assert staging.raise_host_memory_limit(90 << 30, started=False)
+    assert staging.os.environ[staging.HOST_MEMORY_LIMIT] == "96"
+    assert staging.raise_host_memory_limit((100 << 30) + 1, started=False)
+    assert staging.os.environ[staging.HOST_MEMORY_LIMIT] == "101"
     with pytest.warns(UserWarning, match="export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=200 before"):
-        assert not staging.raise_host_memory_limit(200 << 30)
+        assert not staging.raise_host_memory_limit(200 << 30)  # this process's backend has started
     assert staging.os.environ[staging.HOST_MEMORY_LIMIT] == "101"
 
 

@@ -86,15 +86,15 @@ class Dense(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), jnp.float32))
         self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32)) if bias else None
         self.lora_a = self.lora_b = None
-        self.lora_scale = 0.0
+        self.lora_scale = self.lora_dropout = 0.0
 
-    def add_adapter(self, rank: int, scale: float, rngs: nnx.Rngs) -> None:
+    def add_adapter(self, rank: int, scale: float, rngs: nnx.Rngs, dropout: float = 0.0) -> None:
         """A fresh LoRA adapter of `rank` (A as PEFT draws it, B zero: the output unchanged)."""
         d_in, d_out = self.kernel.shape
         # nnx.data: the attributes held None (static) until now
         self.lora_a = nnx.data(nnx.Param(lora.init_a(rngs.params(), d_in, rank)))
         self.lora_b = nnx.data(nnx.Param(jnp.zeros((rank, d_out), jnp.float32)))
-        self.lora_scale = scale
+        self.lora_scale, self.lora_dropout = scale, dropout
 
     def __call__(self, x):
         y = _dot(x, self.kernel[...])
@@ -102,7 +102,7 @@ class Dense(nnx.Module):
         if self.lora_a is None:
             return y
         with jax.named_scope("lora"):
-            h = _dot(x, self.lora_a[...])  # [..., r]
+            h = _dot(lora.dropped(x, self.lora_dropout), self.lora_a[...])  # [..., r]
             return y + (self.lora_scale * _dot(h, self.lora_b[...])).astype(y.dtype)
 
 

@@ -149,15 +149,21 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     s = describe(cfg, stream, store, shape, tx, fused=fused, part_bytes_=part_bytes_, devices=devices,
                  dispatch=dispatch)
     pb, hw, state = s.part_bytes, hardware, s.state
-    num_params = state.compute // np.dtype(cfg.compute_dtype).itemsize  # every leaf's, frozen ones too (mtjax.roles)
+    # Every leaf's parameters, frozen ones too (mtjax.roles), counted from the leaves'
+    # shapes: a quantized base's compute bytes (mtjax.precision) are not its parameters.
+    by_kind: dict = {}
+    for p in parts.parts(cfg):
+        if p.fn_kind not in by_kind:
+            by_kind[p.fn_kind] = sum(math.prod(leaf.shape) for leaf in parts.leaves(cfg, p.name).values())
+    params_of = {p.name: by_kind[p.fn_kind] for p in parts.parts(cfg)}
+    num_params = sum(params_of.values())
 
     # --- FLOPs, per micro-batch then per step: every micro-batch runs through every part.
     tokens = shape.batch * shape.seq
-    c_item = state.compute // num_params
 
     def forward(executed):
         # A MoE block computes with its active parameters (k experts); its bytes are all of them.
-        active = [pb[partid.block(i)].compute // c_item - model.inactive_params(cfg, spec)
+        active = [params_of[partid.block(i)] - model.inactive_params(cfg, spec)
                   for i, spec in enumerate(cfg.layer_specs)]
         return sum(block_forward_flops(cfg, spec, n, shape.batch, shape.seq, executed, dispatch)
                    for n, spec in zip(active, cfg.layer_specs))
@@ -170,7 +176,7 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     saved = 0.0
     for i in (i for g in s.saved for i in g):
         spec = cfg.layer_specs[i]
-        params_i = pb[partid.block(i)].compute // c_item - model.inactive_params(cfg, spec)
+        params_i = params_of[partid.block(i)] - model.inactive_params(cfg, spec)
         whole = block_forward_flops(cfg, spec, params_i, shape.batch, shape.seq, dispatch=dispatch)
         saved += whole if s.remat == "none" else 2.0 * params_i * tokens
     flops = shape.accum * (4 * forward(True) - saved + 4 * head_fwd)

@@ -16,6 +16,7 @@ broken (`check_usable` refuses from then on): no partial step may be committed.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 from pathlib import Path
 
@@ -135,7 +136,10 @@ class StoreIO:
         read.add_done_callback(check)
         return checked
 
-    def write(self, part: str, kind: str, slot: str, values: dict, claim) -> concurrent.futures.Future:
+    def write(self, part: str, kind: str, slot: str, values: dict, claim, carry_from: str | None = None
+              ) -> concurrent.futures.Future:
+        """Write `values` into `slot`; the schema's leaves not in `values` are carried from
+        slot `carry_from` (when given): their chunk files hard-linked, no byte written."""
         store = self.store
         try:
             handles = self.handles(part, kind, slot, create=True)
@@ -152,12 +156,32 @@ class StoreIO:
 
         def start():
             base = layout.slot_dir(store.root, part, kind, slot)
-            futs = [(leaf, f) for leaf, h in handles.items()
+            futs = [(leaf, f) for leaf, h in handles.items() if leaf in values
                     for f in chunks.write_from(self._write_io, base / leaf, _rows(h), values[leaf], self._writeback)]
+            carried = [leaf for leaf in handles if leaf not in values]
+            if carried and carry_from is not None:
+                futs.append((carried[0], self._write_io.submit(self._link, part, kind, carry_from, slot, carried)))
             return arrays.gather(futs, None, on_error)
 
         claim()
         return self._counted(self._chain(part, kind, start), 1, sum(a.nbytes for a in values.values()))
+
+    def _link(self, part: str, kind: str, src: str, dst: str, leaves: list[str]) -> None:
+        """Leaves `leaves` of slot `dst` become slot `src`'s: each chunk file a hard link of
+        its (a leaf never rewritten, e.g. a frozen leaf's compute copy, mtjax.roles)."""
+        schema = self.store.schema(part, kind)
+        for leaf in leaves:
+            s, rows = schema[leaf], _rows(self.handles(part, kind, src, create=False)[leaf])
+            have = chunks.files(layout.slot_dir(self.store.root, part, kind, src) / leaf, tuple(s.shape),
+                                np.dtype(s.dtype).itemsize, rows)
+            for f in have:
+                to = layout.slot_dir(self.store.root, part, kind, dst) / leaf / f.name
+                if to.exists() and os.path.samefile(f, to):
+                    continue
+                tmp = to.with_name(to.name + ".link")
+                tmp.unlink(missing_ok=True)
+                os.link(f, tmp)
+                os.replace(tmp, to)
 
     def _counted(self, fut: concurrent.futures.Future, which: int, nbytes: int) -> concurrent.futures.Future:
         def count(f):

@@ -178,20 +178,28 @@ class Store:
             raise StoreError("refresh() is for read-only stores; a writer's view is always current")
         self.slots.refresh(manifest.read(self.root))
 
-    def write(self, part, kind: str, values: dict) -> concurrent.futures.Future:
+    def write(self, part, kind: str, values: dict, carry: bool = False) -> concurrent.futures.Future:
         """Future that resolves once every chunk is written to the uncommitted slot (durable
         at the commit that names it).
 
         `values` must hold every leaf of `schema(part, kind)` with its exact shape and
-        dtype; keep the arrays unchanged until the future resolves.
+        dtype; keep the arrays unchanged until the future resolves. `carry`: `values` may
+        hold some leaves only; the others keep their latest values (hard links of its
+        chunk files, no byte written: a frozen leaf's compute copy, mtjax.roles).
         """
         part = _part_name(part)
         self.io.check_usable()
         if not self.writable:
             raise StoreError(f"store {self.root} is open read-only; open it with writable=True to write")
-        self.io.check_arrays(part, kind, values, "write")
         slot = layout.other_slot(self.slots.committed(part, kind))
-        return self.io.write(part, kind, slot, values, claim=lambda: self.slots.claim(part, kind, slot))
+        carried, latest = carry and set(values) < set(self.schema(part, kind)), self.slots.latest(part, kind)
+        if carried and latest is None:
+            raise StoreError(f"store {self.root}: {part} {kind} was never written, so no leaf can keep its value; "
+                             "write every leaf once")
+        self.io.check_arrays(part, kind, values, "write", some=carried)
+        # The carried leaves are already in `slot` when the latest write went there.
+        return self.io.write(part, kind, slot, values, claim=lambda: self.slots.claim(part, kind, slot),
+                             carry_from=latest if carried and latest != slot else None)
 
     @property
     def io_bytes(self) -> tuple[int, int]:

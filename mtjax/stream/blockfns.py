@@ -69,8 +69,8 @@ def _flat_forward(cfg: ModelConfig, spec: LayerSpec):
     """block_forward_stats over the flat {leaf name: array} dicts that the stream moves
     (a quantized frozen kernel's bytes decoded here, on the device: parts.block_tree)."""
 
-    def fn(flat, x, segments=None):
-        return model.block_forward_stats(cfg, spec, parts.block_tree(cfg, spec, flat), x, segments)
+    def fn(flat, x, segments=None, dropout_key=None):
+        return model.block_forward_stats(cfg, spec, parts.block_tree(cfg, spec, flat), x, segments, dropout_key)
 
     return fn
 
@@ -80,10 +80,11 @@ def _embed(cfg: ModelConfig, w: dict, tokens):
     return model.embed_forward(cfg, treepath.unflatten(parts.abstract_part(cfg, EMBED), w), tokens)
 
 
-def _block(cfg: ModelConfig, spec: LayerSpec, w: dict, x, segments=None):
-    """hidden [b, t, d] -> (hidden [b, t, d], router stats): the first forward, nothing kept."""
+def _block(cfg: ModelConfig, spec: LayerSpec, w: dict, x, segments=None, dropout_key=None):
+    """hidden [b, t, d] -> (hidden [b, t, d], router stats): the first forward, nothing kept.
+    `dropout_key` (every block program takes it): the adapters' dropout (mtjax.lora)."""
     with jax.named_scope(f"block_{spec.label}"):
-        return _flat_forward(cfg, spec)(w, x, segments)
+        return _flat_forward(cfg, spec)(w, x, segments, dropout_key)
 
 
 def against(w: dict, trained: tuple[str, ...] | None):
@@ -94,33 +95,33 @@ def against(w: dict, trained: tuple[str, ...] | None):
     return {n: w[n] for n in trained}, {n: a for n, a in w.items() if n not in trained}
 
 
-def _vjp(fn, w: dict, x, segments, trained):
+def _vjp(fn, w: dict, x, segments, trained, dropout_key=None):
     """jax.vjp of block function `fn` against `w`'s trained leaves and `x`."""
     mine, fixed = against(w, trained)
-    return jax.vjp(lambda t, x: fn({**fixed, **t}, x, segments), mine, x)
+    return jax.vjp(lambda t, x: fn({**fixed, **t}, x, segments, dropout_key), mine, x)
 
 
-def _recompute(cfg: ModelConfig, spec: LayerSpec, w: dict, x, segments=None, trained=None):
+def _recompute(cfg: ModelConfig, spec: LayerSpec, w: dict, x, segments=None, dropout_key=None, trained=None):
     """The second forward: ((hidden, router stats), vjp) where vjp((dy, dstats)) -> (dw, dx),
     dw of the `trained` leaves."""
     with jax.named_scope(f"recompute_{spec.label}"):
-        return _vjp(_flat_forward(cfg, spec), w, x, segments, trained)
+        return _vjp(_flat_forward(cfg, spec), w, x, segments, trained, dropout_key)
 
 
-def _save(cfg: ModelConfig, spec: LayerSpec, policy: str, w: dict, x, segments=None, trained=None):
+def _save(cfg: ModelConfig, spec: LayerSpec, policy: str, w: dict, x, segments=None, dropout_key=None, trained=None):
     """The one forward of a block whose vjp is kept: ((hidden, router stats), vjp) keeping
     what `policy` (model.REMAT_POLICIES) saves; vjp((dy, dstats)) -> (dw, dx)."""
     with jax.named_scope(f"save_{spec.label}"):
-        return _vjp(model.remat_block(_flat_forward(cfg, spec), policy), w, x, segments, trained)
+        return _vjp(model.remat_block(_flat_forward(cfg, spec), policy), w, x, segments, trained, dropout_key)
 
 
 def _backward(vjp, dy):
     return vjp(dy)
 
 
-def _grad(cfg: ModelConfig, spec: LayerSpec, w: dict, x, dy, dstats, segments=None, trained=None):
+def _grad(cfg: ModelConfig, spec: LayerSpec, w: dict, x, dy, dstats, segments=None, dropout_key=None, trained=None):
     """Recompute and backward of one block in one program (a recompute group of 1)."""
-    _, vjp = _vjp(_flat_forward(cfg, spec), w, x, segments, trained)
+    _, vjp = _vjp(_flat_forward(cfg, spec), w, x, segments, trained, dropout_key)
     return vjp((dy, dstats))
 
 

@@ -80,19 +80,6 @@ def _io_bytes(store, spill) -> tuple[int, int]:
     return r, w
 
 
-def _check_frozen(cfg: ModelConfig, store_config: StoreConfig, hosts) -> None:
-    """Refuse, in one line, what frozen leaves (mtjax.roles: model.freeze, or the base
-    under LoRA adapters) do not run with yet."""
-    what = "LoRA adapters (lora.rank)" if cfg.lora is not None else "model.freeze"
-    if store_config.compute == "disk":
-        raise MtjaxError(f"{what} needs store.compute=ram: a frozen leaf's compute copy is its only state, "
-                         "and the disk tier rewrites whole parts")
-    if hosts is not None:
-        raise MtjaxError(f"{what} is not supported in a multi-process run yet")
-    if cfg.moe_layers:
-        raise MtjaxError(f"{what} is not supported for MoE models yet (split expert blocks)")
-
-
 class StreamEngine:
     """Streams one part at a time through the device; state stays in host RAM or on disk,
     except resident parts' (`stream.resident`), which stays on the device between commits.
@@ -118,7 +105,7 @@ class StreamEngine:
                  stream: StreamConfig = StreamConfig(), store_config: StoreConfig = StoreConfig(), *, store=None,
                  tx: optax.GradientTransformation | None = None, opt_state=None, step: int = 0,
                  batch_shape: tuple[int, int] | None = None, mesh: DeviceMesh | None = None,
-                 trace_steps: int | None = 4, owns_store: bool = False, hosts=None):
+                 trace_steps: int | None = 4, owns_store: bool = False, hosts=None, seed: int = 0):
         if params is None and store is None:
             raise MtjaxError("StreamEngine needs params or an open layer store to take the state from")
         if hosts is not None:
@@ -127,8 +114,6 @@ class StreamEngine:
             stream = dataclasses.replace(stream, resident="none")  # every part's state is split over the hosts
         self.hosts = hosts
         parts_mod.check_roles(cfg)
-        if parts_mod.frozen_leaves_any(cfg):  # buffers have masters: every tier and split block takes them
-            _check_frozen(cfg, store_config, hosts)
         self.cfg, self.options, self.step_count = cfg, stream, step
         self.update = update_for(cfg, optim) if tx is None else PartUpdate(cfg, tx)
         self.tx, self.clip_norm = self.update.tx, optim.clip_norm
@@ -174,7 +159,7 @@ class StreamEngine:
         self.stager = Stager(cfg, self.pool, self.tracer, self.split, self.updater, self.schemas)
         self.runner = Runner(cfg, self.fns, self.pool, self.tracer, self.ledger, self.placement, self.split,
                              self.resident, self.grads, self.updater, clip_norm=self.clip_norm, hosts=hosts,
-                             commit=lambda train_state: self.commit(self.step_count, train_state))
+                             commit=lambda train_state: self.commit(self.step_count, train_state), seed=seed)
         engine_state.load_resident(self.updater, self.resident)
         if batch_shape is not None:
             self.check_budget(*batch_shape)
@@ -188,7 +173,7 @@ class StreamEngine:
         is None. The engine owns the store from here on. `hosts`: a multi-process run's."""
         rows = exp.data.batch_size // (1 if hosts is None else hosts.count)  # this process's share
         return cls(cfg, params, exp.optim, exp.stream, exp.store, store=store, opt_state=opt_state, step=step,
-                   batch_shape=(rows, exp.data.seq_len), owns_store=True, hosts=hosts)
+                   batch_shape=(rows, exp.data.seq_len), owns_store=True, hosts=hosts, seed=exp.run.seed)
 
     @property
     def commits_every_step(self) -> bool:
@@ -267,6 +252,9 @@ class StreamEngine:
         """Raise DeviceBudgetError (before anything runs) when the run cannot fit; from
         here on the ledger holds the step to this schedule's device plan."""
         self.schedule = s = self.plan(batch, seq, accum, documents)
+        if s.split and self.cfg.lora is not None and self.cfg.lora.dropout > 0:
+            raise MtjaxError("lora.dropout > 0 does not run with MoE blocks split into expert groups yet; set "
+                             "lora.dropout=0, or give the device the budget for whole blocks")
         self.ledger.enforce(s.device, schedule_mod.check_budget(s.device, self.options.device_budget_bytes))
         self.updater.order(s.needed)  # the updates run in the order the forward needs the parts
         if self.ledger.held_by_use["resident"] == 0 and self.resident:
@@ -336,7 +324,8 @@ class StreamEngine:
         feed = self.stager.feed(s, s.transfers, self.options.prefetch_depth,
                                 after=functools.partial(self.updater.read_early, s.streamed))
         try:
-            done = self.runner.run(s, s.operations, feed, mbs, [float(w) for w in weights], train_state)
+            done = self.runner.run(s, s.operations, feed, mbs, [float(w) for w in weights], train_state,
+                                   dropout_step=self.step_count)
         except BaseException:
             self.grads.discard()  # a failed step's partial sums must not reach the next step
             self.resident.drop()

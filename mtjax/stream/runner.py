@@ -34,7 +34,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import partid, parts, roles
+from mtjax import lora, partid, parts, roles
 from mtjax.errors import NonFiniteStep
 from mtjax.observers import Observers
 from mtjax.optim import clip_scale, tapped
@@ -60,22 +60,28 @@ class Pass:
     losses: list = None
     auxes: tuple = ()
     train_state: dict | None = None  # what the step's commit records beside the state (the run's data cursor)
+    dropout_step: int | None = None  # a training pass's step: its adapters' dropout keys (mtjax.lora)
     after: tuple = ()  # the operations after `Update`
 
 
 class Runner:
     def __init__(self, cfg, fns, pool, tracer, ledger, placement, split, resident, grads, updater, *, clip_norm,
-                 hosts=None, commit=None):
+                 hosts=None, commit=None, seed: int = 0):
         self.cfg, self.fns, self.pool, self.tracer, self.ledger = cfg, fns, pool, tracer, ledger
         self.placement, self.split, self.resident, self.grads = placement, split, resident, grads
         self.updater, self.clip_norm, self.hosts, self.commit = updater, clip_norm, hosts, commit
         self.observers = Observers()
+        # Adapter dropout's seed (mtjax.lora; None: no dropout): each block program of a training pass takes a key.
+        self.seed = seed if cfg.lora is not None and cfg.lora.dropout > 0 else None
         self.schedule = None
         self._moe = set(cfg.moe_layers)
         # Each part's trained leaves, the vjp's arguments (mtjax.roles); None: every leaf.
         self._trained = {p.name: None if len(t := parts.trained(cfg, p.name)) == len(parts.leaves(cfg, p.name)) else t
                          for p in parts.parts(cfg)}
-        # Each part's buffer leaves (mtjax.roles), whose gradients are dropped.
+        # Each part's leaves that are not trained (mtjax.roles), whose gradients are dropped;
+        # its buffers among them, whose rules' inputs go out with the gradient instead.
+        self._untrained = {p.name: frozenset(n for n, leaf in parts.leaves(cfg, p.name).items()
+                                             if leaf.role != roles.TRAINED) for p in parts.parts(cfg)}
         self._buffers = {p.name: frozenset(n for n, leaf in parts.leaves(cfg, p.name).items()
                                            if leaf.role == roles.BUFFER) for p in parts.parts(cfg)}
         self._moe_index = {i: j for j, i in enumerate(sorted(cfg.moe_layers))}  # block -> its place in `stats`
@@ -97,13 +103,15 @@ class Runner:
     # --- the pass ---------------------------------------------------------------------
 
     def run(self, schedule, operations, feed: Prefetcher, mbs: list, weights: list,
-            train_state: dict | None = None) -> Pass:
+            train_state: dict | None = None, dropout_step: int | None = None) -> Pass:
         """Run `operations` over the micro-batches `mbs`, taking staged parts from `feed`,
         up to (not including) `Update`: see `update`. `train_state`: what the step's
-        `Commit` records, if it has one."""
+        `Commit` records, if it has one. `dropout_step`: a training step's number, from
+        which its adapters' dropout is drawn (None: an evaluation, no dropout)."""
         self.schedule, self._feed = schedule, feed
         self._residual = schedule.block_residual_bytes
-        st = Pass(mbs, weights, stats=[[] for _ in mbs], kept=[{} for _ in mbs], train_state=train_state)
+        st = Pass(mbs, weights, stats=[[] for _ in mbs], kept=[{} for _ in mbs], train_state=train_state,
+                  dropout_step=None if self.seed is None else dropout_step)
         for i, op in enumerate(operations):
             if isinstance(op, ops.Update):
                 st.after = operations[i + 1:]
@@ -189,14 +197,19 @@ class Runner:
             per_batch += [stats] if stats else []
         self.tracer.watch("compute", partid.block(i), st.flow)
 
+    def _key(self, st: Pass, m: int, i: int) -> dict:
+        """The keyword that gives block i's program of micro-batch m its dropout key, if any."""
+        return {} if st.dropout_step is None else {"dropout_key": lora.dropout_key(self.seed, st.dropout_step, m, i)}
+
     def _forward(self, st: Pass, op: ops.Forward) -> None:
         w, fn = st.held[partid.block(op.block)][1], self.fns.forward[self.cfg.layer_specs[op.block]]
-        self._block(st, op.block, [fn(w, x, mb.segments) for x, mb in zip(st.flow, st.mbs)])
+        self._block(st, op.block, [fn(w, x, mb.segments, **self._key(st, m, op.block))
+                                   for m, (x, mb) in enumerate(zip(st.flow, st.mbs))])
 
     def _save(self, st: Pass, op: ops.Save) -> None:
         spec = self.cfg.layer_specs[op.block]
         w, fn = st.held[partid.block(op.block)][1], self._against(self.fns.save[self.schedule.remat][spec], op.block)
-        outs = [fn(w, x, mb.segments) for x, mb in zip(st.flow, st.mbs)]
+        outs = [fn(w, x, mb.segments, **self._key(st, m, op.block)) for m, (x, mb) in enumerate(zip(st.flow, st.mbs))]
         for k, (_, vjp) in zip(st.kept, outs):
             self.ledger.hold(self.schedule.saved_residual_bytes(spec), "residuals kept from the forward", "saved")
             k["vjp", op.block] = vjp
@@ -271,7 +284,7 @@ class Runner:
         w, fn = st.held[partid.block(i)][1], self._against(self.fns.grad[self.cfg.layer_specs[i]], i)
         acc, out = None, []
         for m, (x, dx, mb) in enumerate(zip(st.inputs, st.flow, st.mbs)):
-            dw, dx = fn(w, x, dx, self._cotangent(st, i, m), mb.segments)
+            dw, dx = fn(w, x, dx, self._cotangent(st, i, m), mb.segments, **self._key(st, m, i))
             acc = self._sum(acc, dw, count)
             out.append(dx)
         st.flow, st.inputs, st.summed[partid.block(i)] = out, None, acc
@@ -283,7 +296,8 @@ class Runner:
         for m, (x, dx, mb) in enumerate(zip(st.inputs, st.flow, st.mbs)):
             vjps = []
             for i in op.blocks:
-                (x, _), vjp = self._against(fns.recompute[specs[i]], i)(st.held[partid.block(i)][1], x, mb.segments)
+                (x, _), vjp = self._against(fns.recompute[specs[i]], i)(st.held[partid.block(i)][1], x, mb.segments,
+                                                                        **self._key(st, m, i))
                 self.ledger.hold(self._residual, "recompute residuals", "residuals")
                 vjps.append((i, vjp))
             while vjps:
@@ -337,13 +351,13 @@ class Runner:
 
     def _grad_out(self, st: Pass, op: ops.GradOut) -> None:
         grads = st.summed.pop(op.part)
-        grads = self._without_buffers(op.part, grads)
+        grads = self._trained_only(op.part, grads)
         grads = {**(tapped(op.part, grads) if grads else {}), **self._rule_inputs(st, op.part)}
         if grads:  # a part with no trained leaf (and no buffer rule on) has no gradient, and no update
             self.grads.add(op.part, grads)
 
     def _grad_stays(self, st: Pass, op: ops.GradStays) -> None:
-        grads = self._without_buffers(op.part, st.summed.pop(op.part))
+        grads = self._trained_only(op.part, st.summed.pop(op.part))
         if inputs := self._rule_inputs(st, op.part):
             grads = {**(tapped(op.part, grads) if grads else {}), **inputs}
         elif grads:
@@ -361,11 +375,11 @@ class Runner:
         inputs = {n: roles.buffer_input(self.cfg, n, stats) for n in sorted(self._buffers[pid.owner])}
         return {n: x for n, x in inputs.items() if x is not None}
 
-    def _without_buffers(self, part, grads):
-        """A part's gradient without its buffers' (mtjax.roles: changed by their rule, never
-        by a gradient): a split block's router part differentiates them too, to zeros."""
-        buffers = self._buffers[PartId(part).owner]
-        return {n: g for n, g in grads.items() if n not in buffers} if grads and buffers else grads
+    def _trained_only(self, part, grads):
+        """A part's gradient of its trained leaves only (mtjax.roles): a split block's group
+        with some experts frozen differentiates them all."""
+        untrained = self._untrained[PartId(part).owner]
+        return {n: g for n, g in grads.items() if n not in untrained} if grads and untrained else grads
 
     def _commit(self, st: Pass, op: ops.Commit) -> None:
         self.commit(st.train_state)

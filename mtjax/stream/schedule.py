@@ -590,15 +590,18 @@ def split_blocks(cfg: ModelConfig, size: int | None, resident: tuple) -> dict:
 
 
 def sub_part_bytes(cfg: ModelConfig, tx, split: dict) -> dict[PartId, StateBytes]:
-    """{sub-part: StateBytes} of the split blocks (leaves of the block's schemas)."""
+    """{sub-part: StateBytes} of the split blocks (leaves of the block's schemas; a frozen
+    leaf's (mtjax.roles) in compute only)."""
     out = {}
     for i, grps in split.items():
         block = partid.block(i)
         schemas = {k: parts.schema(cfg, block, k, tx) for k in ("compute", "master")}
+        trained = set(parts.trained(cfg, block))
         for name in expert_groups.names(block, grps):
             mine = expert_groups.leaves(schemas["compute"], name, grps)
-            c, m = (parts.nbytes({n: schemas[k][n] for n in mine}) for k in ("compute", "master"))
-            out[name] = StateBytes(c, m, 0)  # no optimizer state of its own: the update is the whole part's
+            c, m = (parts.nbytes({n: schemas[k][n] for n in mine if n in schemas[k]}) for k in ("compute", "master"))
+            t = parts.nbytes({n: schemas["compute"][n] for n in mine if n in trained})
+            out[name] = StateBytes(c, m, 0, t)  # no optimizer state of its own: the update is the whole part's
     return out
 
 
@@ -711,7 +714,9 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     writes = dict(reads)
     handed = first_transfers(transfers) if store.compute == "disk" else set()
     if store.compute == "disk":  # every other transfer reads its part from the store
-        reads["compute"] = h2d_weights - sum(unit[transfers[i]].compute for i in handed)
+        # (a part's frozen leaves, mtjax.roles, are read too: the update hands on the trained ones')
+        reads["compute"] = h2d_weights - sum(unit[transfers[i]].trained for i in handed
+                                             if pb[transfers[i].owner].trained)
     for kind in ("master", "opt"):  # the update reads them and writes them back
         if getattr(store, kind) == "disk":
             reads[kind] = writes[kind] = sum(b.get(kind) for b in streamed.values())

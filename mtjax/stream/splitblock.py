@@ -14,6 +14,10 @@ output's, z's and the router stats' (the load-balancing loss).
 An expert no token reached stays on the host: a device zero of its shape stands in for
 it in the group's program (it gets no rows, so its gradient is exactly zero there, and
 its host update still runs: moments and weight decay change it).
+
+Frozen leaves (mtjax.roles) get no gradient: the router part's vjp is taken against its
+trained leaves, and a group whose experts are all frozen (LoRA's base, `block.*/mlp.*`)
+takes none against its kernels, only against the MLP input and kept weights.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import expert_groups, partid
+from mtjax import expert_groups, partid, parts, roles
 from mtjax.errors import MtjaxError
 from mtjax.layers.spec import LayerSpec
 from mtjax.partid import PartId
@@ -75,6 +79,7 @@ class SplitBlocks:
         self.routing = Routing()
         self._zeros: dict = {}
         self._ids: dict = {}
+        self._trained: dict = {}
 
     def staged(self, name: PartId, sub: dict, groups: tuple) -> list[str]:
         """The leaves of sub-part `name` (its leaves' schema `sub`, of a block split into
@@ -93,6 +98,19 @@ class SplitBlocks:
             return weights
         full = {n: weights[n] if n in weights else self._zero(leaf) for n, leaf in sub.items()}
         return expert_groups.kernels(full, ids)
+
+    def trained(self, i: int, groups: tuple) -> tuple:
+        """(the router part's trained leaves, None: all of them; whether each group's
+        experts train, some of them at least) of split block `i` (mtjax.roles)."""
+        if (i, groups) not in self._trained:
+            specs = parts.leaves(self.fns.cfg, partid.block(i))
+            trains = {n for n, leaf in specs.items() if leaf.role == roles.TRAINED}
+            router = expert_groups.leaves(specs, partid.block(i).router(), groups)
+            mine = tuple(n for n in router if n in trains)
+            self._trained[i, groups] = (None if len(mine) == len(router) else mine, tuple(
+                any(n in trains for n in expert_groups.leaves(specs, name, groups))
+                for name in expert_groups.names(partid.block(i), groups)[1:]))
+        return self._trained[i, groups]
 
     def _zero(self, leaf) -> jax.Array:
         key = (tuple(leaf.shape), np.dtype(leaf.dtype))
@@ -142,12 +160,13 @@ class SplitBlocks:
             dzs, douts = zip(*(g.output_grad[spec](out, z, dy) for (_, _, _, z, out), dy in zip(kept, dys)))
         else:
             dzs, douts = dys, [{}] * len(dys)
+        router_trained, trains = self.trained(i, groups)
         grads, dhs, dws = {}, [None] * len(dys), [None] * len(dys)
         for j in reversed(range(len(groups))):
             slot, w = take(partid.block(i).experts(j))
             acc = None
             for m, ((h, wt, c, *_), dz) in enumerate(zip(kept, dzs)):
-                dw, dh, dwt = g.group_grad[spec](w, h, wt, c, self.ids(groups[j]), dz)
+                dw, dh, dwt = g.group_grad[spec](w, h, wt, c, self.ids(groups[j]), dz, trains=trains[j])
                 acc = accumulate(acc, dw)
                 dhs[m] = dh.astype(jnp.float32) if dhs[m] is None else dhs[m] + dh
                 dws[m] = dwt if dws[m] is None else dws[m] + dwt
@@ -156,7 +175,8 @@ class SplitBlocks:
         slot, w = take(partid.block(i).router())
         acc, dxs = None, []
         for x, dy, dz, k, dh, dwt, ds, dout, seg in zip(xs, dys, dzs, kept, dhs, dws, dstats, douts, segments):
-            dw, dx = g.router_grad[spec](w, x, dy, dz, dh.astype(k[0].dtype), dwt, ds, dout, seg)
+            dw, dx = g.router_grad[spec](w, x, dy, dz, dh.astype(k[0].dtype), dwt, ds, dout, seg,
+                                         trained=router_trained)
             acc = accumulate(acc, dw)
             dxs.append(dx)
             self.ledger.free(self._bytes(k), "routing")

@@ -69,7 +69,7 @@ def pinned_host_bytes(cfg, stream, batch: int, seq: int, accum: int) -> int:
     return sum(count * nbytes for _, count, nbytes in sets) + (kept if stream.activations == "host" else 0)
 
 
-def raise_host_memory_limit(nbytes: int) -> bool:
+def raise_host_memory_limit(nbytes: int, started: bool | None = None) -> bool:
     """Let XLA's pinned host pool hold `nbytes` (GPU; default cap 64 GiB): raises
     XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, never lowers it. Returns whether the cap holds
     `nbytes`.
@@ -77,15 +77,18 @@ def raise_host_memory_limit(nbytes: int) -> bool:
     XLA reads the variable once, when its GPU client starts, so `mtjax train` calls this
     before anything starts a JAX backend (mtjax.run.train, with `pinned_host_bytes`).
     Called after a backend started, it changes nothing; when the cap in force is too small
-    it warns, in one line, what to export, and returns False.
+    it warns, in one line, what to export, and returns False. `started`: whether a backend
+    has started (None: ask JAX).
     """
-    from jax._src import xla_bridge  # JAX has no public "has a backend started" query
-
     gib = -(-nbytes // 2**30)
     current = int(os.environ.get(HOST_MEMORY_LIMIT, "").strip() or DEFAULT_HOST_MEMORY_GIB)
     if gib <= current:
         return True
-    if xla_bridge.backends_are_initialized():
+    if started is None:
+        from jax._src import xla_bridge  # JAX has no public "has a backend started" query
+
+        started = xla_bridge.backends_are_initialized()
+    if started:
         warnings.warn(f"XLA's pinned host pool is capped at {current} GiB, below the {gib} GiB staged through it; "
                       f"export {HOST_MEMORY_LIMIT}={gib} before starting Python", stacklevel=2)
         return False

@@ -94,9 +94,16 @@ class State:
         if self.derived_compute:
             self.round_master(part, out, submit)  # the updated master, straight into the slot
         elif fresh is not None:
+            # A copy on disk is handed on without the frozen leaves (mtjax.roles), which the
+            # update never writes: they are read from the tier.
+            rest = {n: buf for n, buf in out.items() if n not in fresh}
+            reading = self.tiers.read(part, "compute", out=rest) if rest else None
             # np.asarray waits for the update (host sync on this worker thread).
             for n, buf in out.items():
-                np.copyto(buf, np.asarray(fresh[n]))
+                if n in fresh:
+                    np.copyto(buf, np.asarray(fresh[n]))
+            if reading is not None:
+                reading.result()
         else:
             self.tiers.read(part, "compute", out=out).result()
 

@@ -106,11 +106,13 @@ class UpdateQueue:
         # The old compute copy receives the new one (RAM tier only), and RAM-tier state is
         # updated in place: nothing else reads it while its part's update is pending.
         state = self.state
-        old = state.read(part, "compute") if "compute" in state.kept_in_ram() and self.hosts is None else None
+        old = state.read(part, "compute") if "compute" in state.kept_in_ram() else None
         # Only trained leaves have a gradient and get a new compute copy; the others'
-        # (frozen, mtjax.roles) stay as they are, out of the update's reach.
+        # (frozen, mtjax.roles) stay as they are, out of the update's reach (on disk the
+        # store carries them, mtjax.stream.tiers).
         kept = {} if old is None else {n: a for n, a in old.items() if n not in grads}
-        old = None if old is None else {n: a for n, a in old.items() if n in grads}
+        # (a multi-process run's update makes its rows: the whole copy is all-gathered below)
+        old = None if old is None or self.hosts is not None else {n: a for n, a in old.items() if n in grads}
         with self.tracer.span("write", part):
             cf.wait(state.throttle())
         with self.tracer.span("optimizer", part) if self.update.fused else contextlib.nullcontext():
@@ -122,7 +124,7 @@ class UpdateQueue:
             self.tracer.watch("optimizer", part, master)
         if self.hosts is not None:  # every process's new rows, for the whole compute copy
             with self.tracer.span("all_gather", part):
-                compute = self.hosts.all_gather(compute, self.schemas[part])
+                compute = self.hosts.all_gather(compute, {n: self.schemas[part][n] for n in compute})
         state.write(part, "master", master)
         state.write(part, "opt", opt)
         if compute is not None:
