@@ -34,12 +34,13 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import lora, partid, parts, roles
+from mtjax import lora, partid, parts
 from mtjax.errors import NonFiniteStep
 from mtjax.observers import Observers
-from mtjax.optim import clip_scale, tapped
+from mtjax.optim import clip_scale
 from mtjax.partid import EMBED, HEAD, PartId
 from mtjax.stream import ops
+from mtjax.stream.outgoing import Outgoing
 from mtjax.stream.prefetch import Prefetcher
 
 
@@ -78,13 +79,7 @@ class Runner:
         # Each part's trained leaves, the vjp's arguments (mtjax.roles); None: every leaf.
         self._trained = {p.name: None if len(t := parts.trained(cfg, p.name)) == len(parts.leaves(cfg, p.name)) else t
                          for p in parts.parts(cfg)}
-        # Each part's leaves that are not trained (mtjax.roles), whose gradients are dropped;
-        # its buffers among them, whose rules' inputs go out with the gradient instead.
-        self._untrained = {p.name: frozenset(n for n, leaf in parts.leaves(cfg, p.name).items()
-                                             if leaf.role != roles.TRAINED) for p in parts.parts(cfg)}
-        self._buffers = {p.name: frozenset(n for n, leaf in parts.leaves(cfg, p.name).items()
-                                           if leaf.role == roles.BUFFER) for p in parts.parts(cfg)}
-        self._moe_index = {i: j for j, i in enumerate(sorted(cfg.moe_layers))}  # block -> its place in `stats`
+        self.outgoing = Outgoing(cfg)  # a part's summed gradient -> what its update takes
         self._do = {
             ops.Stage: self._stage, ops.Resident: self._resident, ops.Release: self._release,
             ops.Embed: self._embed, ops.Forward: self._forward, ops.Save: self._save,
@@ -350,36 +345,12 @@ class Runner:
         self.tracer.watch("compute", EMBED, de)
 
     def _grad_out(self, st: Pass, op: ops.GradOut) -> None:
-        grads = st.summed.pop(op.part)
-        grads = self._trained_only(op.part, grads)
-        grads = {**(tapped(op.part, grads) if grads else {}), **self._rule_inputs(st, op.part)}
+        grads = self.outgoing(op.part, st.summed.pop(op.part), st.stats)
         if grads:  # a part with no trained leaf (and no buffer rule on) has no gradient, and no update
             self.grads.add(op.part, grads)
 
     def _grad_stays(self, st: Pass, op: ops.GradStays) -> None:
-        grads = self._trained_only(op.part, st.summed.pop(op.part))
-        if inputs := self._rule_inputs(st, op.part):
-            grads = {**(tapped(op.part, grads) if grads else {}), **inputs}
-        elif grads:
-            grads = tapped(op.part, grads)
-        self.resident.add_grad(op.part, grads)
-
-    def _rule_inputs(self, st: Pass, part) -> dict:
-        """The rule inputs of the buffers a part holds (a whole block's, or its router
-        part's), from its MoE layer's router stats of every micro-batch (mtjax.roles):
-        they go out with the part's gradient, under the buffers' names. {} when off."""
-        pid = PartId(part)
-        if pid.block not in self._moe_index or pid.group is not None:
-            return {}
-        stats = [per_batch[self._moe_index[pid.block]] for per_batch in st.stats]
-        inputs = {n: roles.buffer_input(self.cfg, n, stats) for n in sorted(self._buffers[pid.owner])}
-        return {n: x for n, x in inputs.items() if x is not None}
-
-    def _trained_only(self, part, grads):
-        """A part's gradient of its trained leaves only (mtjax.roles): a split block's group
-        with some experts frozen differentiates them all."""
-        untrained = self._untrained[PartId(part).owner]
-        return {n: g for n, g in grads.items() if n not in untrained} if grads and untrained else grads
+        self.resident.add_grad(op.part, self.outgoing(op.part, st.summed.pop(op.part), st.stats))
 
     def _commit(self, st: Pass, op: ops.Commit) -> None:
         self.commit(st.train_state)
