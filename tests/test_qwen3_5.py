@@ -170,9 +170,12 @@ def test_the_multimodal_release_gives_its_language_model(tmp_path, capsys):
     ours = load_file(str(tmp_path / "out" / hf.SINGLE_FILE))
     assert set(ours) == set(source.names())
     assert all(ours[n].tobytes() == source.read(n).tobytes() for n in ours)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager",
+                                                                 dtype=torch.float32)
+    assert type(reloaded).__name__ == "Qwen3_5ForCausalLM"
     with torch.no_grad():
-        np.testing.assert_array_equal(reloaded(input_ids=torch.as_tensor(tokens)).logits.numpy(), want)
+        again = reloaded(input_ids=torch.as_tensor(tokens)).logits.numpy()
+    assert np.abs(again - want).max() <= 1e-6 * np.abs(want).max()  # another class around the same language model
 
 
 # --- packed documents, streaming, decoding: mtjax's own tiny models ------------------
@@ -210,9 +213,19 @@ def _alone(doc) -> Batch:
     return Batch(tokens, mask)
 
 
+def _params(cfg, seed: int) -> dict:
+    """Fresh parameters, the delta-nets' decay rates A in [0.05, 1] (see tests/hf_models.py)."""
+    params = model.init_params(cfg, seed=seed)
+    rng = np.random.default_rng(seed)
+    for i in cfg.delta_net_layers:
+        mixer = params["blocks"][i]["self_attn"]
+        mixer["A_log"] = np.log(rng.uniform(0.05, 1.0, mixer["A_log"].shape)).astype(np.float32)
+    return params
+
+
 @pytest.fixture(scope="module")
 def dense_params():
-    return model.init_params(DENSE, seed=1)
+    return _params(DENSE, 1)
 
 
 @pytest.mark.slow
@@ -226,7 +239,8 @@ def test_packed_documents_equal_each_document_alone(dense_params):
         packed = Batch(tokens, segments == j, segments)
         loss, grads = fn(dense_params, documents.step_inputs(packed)[0].micro(0))
         assert abs(float(loss) - float(want_loss)) <= 1e-6 * abs(float(want_loss)), j
-        assert max(_rel(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads))) <= 1e-5, j
+        errors = {n: _rel(g, treepath.flatten(want_grads)[n]) for n, g in treepath.flatten(grads).items()}
+        assert max(errors.values()) <= 1e-5, (j, max(errors.items(), key=lambda e: e[1]))
         if j == 3:  # the engine, on the document that starts inside a chunk after two others
             engine = StreamEngine(DENSE, dense_params, OPT)
             got, add = {}, engine.grads.add
@@ -249,7 +263,7 @@ MOE_CFG = tiny("qwen3_5_moe_text", **dict(MOE, num_experts=8))
 @pytest.mark.parametrize("tier", ["ram", "disk"])
 def test_five_streamed_steps_equal_the_reference(make_store, tier):
     """Accumulating 2 micro-batches; on the disk tier the MoE blocks split into expert groups of 3."""
-    start = model.init_params(MOE_CFG, seed=2)
+    start = _params(MOE_CFG, 2)
     store, tiers, stream = None, StoreConfig(), StreamConfig(keep_every=1)
     if tier == "disk":
         store = make_store(MOE_CFG, make_optimizer(OPT))
