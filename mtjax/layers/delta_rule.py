@@ -32,6 +32,31 @@ def _resets(starts, shape):
     return jnp.cumsum(starts.astype(jnp.int32), axis=-1)
 
 
+def unit_lower_inverse(a):
+    """The inverse of unit lower-triangular matrices a [..., c, c], by blocks: the inverses
+    of the diagonal blocks of s rows give those of 2s rows, [[A, 0], [C, D]]^-1 =
+    [[A^-1, 0], [-D^-1 C A^-1, D^-1]], from s = 1 up (c padded to a power of two). Matmuls
+    only: XLA's CPU triangular solve inside this layer's program hung its async dispatch."""
+    c = a.shape[-1]
+    size = 1 << (c - 1).bit_length()
+    lead = a.shape[:-2]
+    full = jnp.broadcast_to(jnp.eye(size, dtype=a.dtype), (*lead, size, size))
+    full = full.at[..., :c, :c].set(a)
+    inverse = jnp.ones((*lead, size, 1, 1), a.dtype)  # the 1 x 1 diagonal blocks' inverses
+    s = 1
+    while s < size:
+        n = size // (2 * s)
+        blocks = full.reshape(*lead, n, 2 * s, n, 2 * s)
+        diagonal = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)  # [..., n, 2s, 2s]
+        below = diagonal[..., s:, :s]  # C
+        upper, lower = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]  # A^-1, D^-1: [..., n, s, s]
+        corner = -(lower @ below @ upper)
+        top = jnp.concatenate([upper, jnp.zeros_like(upper)], axis=-1)
+        inverse = jnp.concatenate([top, jnp.concatenate([corner, lower], axis=-1)], axis=-2)
+        s *= 2
+    return inverse[..., 0, :c, :c]
+
+
 def recurrent(q, k, v, g, beta, starts=None, state=None):
     """Token by token. q, k [b, t, h, dk], v [b, t, h, dv], g and beta [b, t, h] (g <= 0,
     the log decay), `starts` [b, t] bool where a document starts, `state` [b, h, dk, dv]
@@ -92,12 +117,10 @@ def chunked(q, k, v, g, beta, starts=None, state=None, chunk: int = CHUNK):
     kb = k * beta[..., None]
     strict = decay * (1.0 - jnp.eye(chunk))
     system = jnp.einsum("nbhic,nbhjc->nbhij", kb, k) * strict  # L, strictly lower
-    eye = jnp.eye(chunk, dtype=jnp.float32)
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(system + eye, rhs, left_side=True, lower=True,
-                                                       unit_diagonal=True)
+    inverse = unit_lower_inverse(system + jnp.eye(chunk, dtype=jnp.float32))
     # u = W - K' S with W = (I + L)^-1 (beta v), K' = (I + L)^-1 (beta a k)
-    values = solve(v * beta[..., None])  # [n, b, h, c, dv]
-    keys = solve(kb * carried[..., None])  # [n, b, h, c, dk]
+    values = inverse @ (v * beta[..., None])  # [n, b, h, c, dv]
+    keys = inverse @ (kb * carried[..., None])  # [n, b, h, c, dk]
     scores = jnp.einsum("nbhic,nbhjc->nbhij", q, k) * decay  # [n, b, h, c, c]
     q_carried = q * carried[..., None]
     last = decay[..., -1, :]  # [n, b, h, c]: decay from each token to the chunk's end
