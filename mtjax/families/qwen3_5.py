@@ -107,9 +107,9 @@ def dense_to_hf(cfg) -> dict:
 
 
 def moe_to_hf(cfg) -> dict:
-    hf = dict(_to_hf(cfg), **_experts_to_hf(cfg))
-    del hf["intermediate_size"]  # Qwen3.5-MoE's config has none (every layer is MoE)
-    return hf
+    # intermediate_size is written as read (Qwen3.5-MoE's configs have none: every layer is
+    # MoE; the shared expert's width stands in), so a config.json goes round unchanged.
+    return dict(_to_hf(cfg), **_experts_to_hf(cfg))
 
 
 def layer_specs(cfg) -> tuple:
