@@ -99,7 +99,6 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, positions, segments=None):
         cfg = self.cfg
-        b, t, _ = x.shape
         q, k, v, gate = self.qkv(x, cos, sin, positions)
         window, segments = self._local(positions, segments)
         # A window of W keys includes the query itself. On the CPU not jax.nn.dot_product_attention:
@@ -112,7 +111,6 @@ class Attention(nnx.Module):
         attend to the keys and values of all earlier positions kept in `cache` ({"k", "v"}:
         [b, L, kv heads, head_dim]), so each token's keys and values are computed once.
         Returns (output [b, t, d], the cache with this call's keys and values written in)."""
-        b, t, _ = x.shape
         q, k, v, gate = self.qkv(x, cos, sin, positions)
         keys = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)  # bLkh
         values = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
