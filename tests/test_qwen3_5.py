@@ -178,6 +178,20 @@ def test_the_multimodal_release_gives_its_language_model(tmp_path, capsys):
     assert np.abs(again - want).max() <= 1e-6 * np.abs(want).max()  # another class around the same language model
 
 
+@pytest.mark.slow
+def test_the_multi_token_prediction_weights_are_left_out_with_one_line(tmp_path, capsys):
+    from safetensors.numpy import save_file
+
+    ckpt, _ = hf_models.checkpoint(tmp_path, "qwen3_next", num_hidden_layers=3)
+    tensors = load_file(str(ckpt / hf.SINGLE_FILE))
+    tensors.update({"mtp.fc.weight": np.ones((32, 64), np.float32), "mtp.norm.weight": np.ones(32, np.float32)})
+    save_file(tensors, str(ckpt / hf.SINGLE_FILE), metadata={"format": "pt"})
+    cfg, params = mtjax.load_params(ckpt)
+    said = capsys.readouterr().out
+    assert "multi-token-prediction module (mtp.*, 2 tensors): left out" in said and said.count("\n") == 1
+    assert cfg.model_type == "qwen3_next"
+
+
 # --- packed documents, streaming, decoding: mtjax's own tiny models ------------------
 
 

@@ -13,6 +13,7 @@ route softmax top-k with a sigmoid-gated shared expert and the load-balancing lo
 transformers adds. Text positions only: Qwen3.5's multimodal RoPE sections turn text
 tokens as plain RoPE does, so its `mrope_*` keys are read by nothing (and not written).
 The delta-net's parameters live under `self_attn` in mtjax and `linear_attn` in checkpoints.
+The releases' multi-token-prediction weights (`mtp.*`) are left out on import with one line.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def checkpoint_names(module: list[str]) -> list[str]:
 
 
 _COMMON = dict(defaults={"shared_expert_gated": True}, validate=validate, layer_specs=layer_specs,
-               checkpoint_names=checkpoint_names)
+               checkpoint_names=checkpoint_names, left_out={"mtp.": "multi-token-prediction module"})
 register(Family("qwen3_next", "Qwen3NextForCausalLM", next_from_hf, next_to_hf, **_COMMON))
 register(Family("qwen3_5_text", "Qwen3_5ForCausalLM", dense_from_hf, dense_to_hf, multimodal="qwen3_5", **_COMMON))
 register(Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", moe_from_hf, moe_to_hf, multimodal="qwen3_5_moe",
