@@ -43,6 +43,21 @@ def check_batch_split(batch_size: int, devices: int) -> None:
                           f"use a multiple of {devices}, or set stream.devices to a divisor of {batch_size}")
 
 
+def check_sequence_split(seq_len: int, devices: int) -> None:
+    """One line when a row of `seq_len` tokens does not split evenly over `devices` (stream.split: sequence)."""
+    if seq_len % devices:
+        raise ConfigError(f"data.seq_len {seq_len} does not split over {devices} devices (stream.split: sequence): "
+                          f"use a multiple of {devices}, or set stream.devices to a divisor of {seq_len}")
+
+
+def check_split(split: str, batch_size: int, seq_len: int, devices: int) -> None:
+    """What `split` (stream.split) cuts over `devices`, rows or tokens, must split evenly."""
+    if split == "sequence":
+        check_sequence_split(seq_len, devices)
+    else:
+        check_batch_split(batch_size, devices)
+
+
 def _check_numbers(group: str, obj, table: dict[str, Range]) -> None:
     """One line for the first field of `obj` outside its range (mtjax.bounds)."""
     problem = out_of_range(group, obj, table)
@@ -135,6 +150,10 @@ class StreamConfig:
     # Data parallel over this process's devices (mtjax.stream.mesh): weights on every one,
     # each micro-batch's rows split over them, gradients summed there, one update on the host.
     devices: int | str = "all"  # devices the step runs on: all (every local device) | N (the first N)
+    # What the devices split: each micro-batch's rows (data parallel), or each row's tokens
+    # (context parallel: a device holds its share of the row, attention gathers the row's
+    # keys and values; mtjax.attention.split_attention). Weights on every device either way.
+    split: str = "batch"  # batch | sequence
     # A MoE block streamed as sub-parts: its router part (attention, router, shared
     # expert), then groups of this many experts, one after another (docs/pipeline.md,
     # "Expert groups"). Unset: only when the step does not fit device_budget_bytes whole.
@@ -144,6 +163,7 @@ class StreamConfig:
         _check_choice("stream.engine", self.engine, ("reference", "stream"))
         _check_choice("stream.activations", self.activations, ("device", "host"))
         _check_choice("stream.remat", self.remat, ("auto", "full", "dots", "none"))
+        _check_choice("stream.split", self.split, ("batch", "sequence"))
         _check_numbers("stream", self, {"prefetch_depth": AT_LEAST_1, "keep_every": AT_LEAST_0,
                                         "device_budget_bytes": POSITIVE})
         d = self.devices
@@ -263,7 +283,7 @@ class ExperimentConfig:
 
     def __post_init__(self):
         if isinstance(self.stream.devices, int):  # "all" is checked once the devices are known
-            check_batch_split(self.data.batch_size, self.stream.devices)
+            check_split(self.stream.split, self.data.batch_size, self.data.seq_len, self.stream.devices)
 
     def to_dict(self) -> dict:
         """Plain nested dict (YAML-ready); model overrides appear as model.<field>."""
@@ -284,13 +304,16 @@ class ExperimentConfig:
 # scaling extends. Every other field is the architecture, which the HF config gives: a
 # different value there is refused, not applied on top of it.
 BESIDE_HF_CONFIG = ("compute_dtype", "base_format", "ffn_chunk_tokens", "freeze", "param_dtype", "initializer_range",
-                    "router_aux_loss_coef", "max_position_embeddings", "rope_scaling")
+                    "router_aux_loss_coef", "max_position_embeddings", "rope_scaling", "router_bias_update_rate")
 
 
 def model_config(exp: ExperimentConfig) -> ModelConfig:
     """The ModelConfig an experiment describes: preset or hf_config, then inline overrides."""
     section = exp.model
     overrides = dict(section.overrides)
+    if "sequence_devices" in overrides:  # the engine's, from its mesh
+        raise ConfigError("model.sequence_devices is set by the engine: split rows over the devices with "
+                          "stream.split: sequence (and stream.devices) instead")
     adapters = dict(lora=exp.lora)  # the `lora:` section (mtjax.lora; no rank: none)
     try:
         if section.hf_config is not None:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtjax import model
-from mtjax.layers import feedforward, registry
+from mtjax.layers import registry
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
 from mtjax.partid import PartId
@@ -73,15 +73,21 @@ def leaves(schema: dict, name: PartId, groups: tuple) -> list[str]:
     return [n for n in schema if expert_of(n) in mine]
 
 
+EXPERT_LEAF_KINDS = ("kernel", "bias")  # the leaves of an expert's projections a group program takes
+
+
 def kernels(flat: dict, ids: tuple[int, ...]) -> dict:
     """A group's staged leaves {global leaf name: array} as the group program takes them:
-    {kernel name: [one array per expert, in `ids` order]}."""
-    return {n: [flat[f"{EXPERTS}{e}.{n}.kernel"] for e in ids] for n in feedforward.EXPERT_KERNELS}
+    {leaf name in the expert, e.g. "gate_proj.kernel": [one array per expert, in `ids`
+    order]}, for every kernel and bias of its first expert (all experts have the same)."""
+    first = f"{EXPERTS}{ids[0]}."
+    names = sorted(n[len(first):] for n in flat if n.startswith(first) and n.rpartition(".")[2] in EXPERT_LEAF_KINDS)
+    return {n: [flat[f"{EXPERTS}{e}.{n}"] for e in ids] for n in names}
 
 
 def named(grads: dict, ids: tuple[int, ...]) -> dict:
     """`kernels`' inverse: a group's gradients under their global leaf names."""
-    return {f"{EXPERTS}{e}.{n}.kernel": g for n, per in grads.items() for e, g in zip(ids, per)}
+    return {f"{EXPERTS}{e}.{n}": g for n, per in grads.items() for e, g in zip(ids, per)}
 
 
 def router_forward(cfg: ModelConfig, spec: LayerSpec, flat: dict, x, segments=None):
@@ -95,9 +101,9 @@ def router_forward(cfg: ModelConfig, spec: LayerSpec, flat: dict, x, segments=No
 
 
 def group_forward(cfg: ModelConfig, spec: LayerSpec, group: dict, h, weights, chosen, ids):
-    """One group's share of the experts' sum [T, d]: its experts' kernels (`kernels`'
-    form), global ids `ids` (an int array [n]), over the rows routed to them."""
-    stacked = [jnp.stack(group[n]).astype(h.dtype) for n in feedforward.EXPERT_KERNELS]
+    """One group's share of the experts' sum [T, d]: its experts' kernels and biases
+    (`kernels`' form), global ids `ids` (an int array [n]), over the rows routed to them."""
+    stacked = {n: jnp.stack(per).astype(h.dtype) for n, per in group.items()}
     return model.block_experts(cfg, spec, stacked, h, weights, chosen, ids)
 
 

@@ -5,12 +5,14 @@ pytree and whether it is transposed (PyTorch Linear weights are [out, in], mtjax
 [in, out]). A block's tensors are named after its modules as the model's family names
 them (`Family.checkpoint_names`, mtjax.families). Most tensors are one leaf each; the
 stacked experts of a family with `stacked_experts` (Llama 4) are many:
-`experts.gate_up_proj` [E, d, 2f] holds every expert's gate and up kernels side by side,
+`experts.gate_up_proj` [E, d, 2f] holds every expert's gate and up kernels side by side
+(gpt-oss: in alternate columns, with `gate_up_proj_bias` and `down_proj_bias` beside),
 `experts.down_proj` [E, f, d] their down kernels, which mtjax keeps one array each
 (`to_mtjax` splits them, `to_hf` joins them back, bit for bit). The loader reads one
 tensor at a time from memory-mapped safetensors files, so the store importer reuses it
 with a peak memory of one tensor. FP8 weights (DeepSeek-V3 and R1 as the hub stores them,
-mtjax.fp8) are dequantized as they are read, their `weight_scale_inv` tensors consumed.
+mtjax.fp8) are dequantized as they are read, their `weight_scale_inv` tensors consumed;
+so are MXFP4 ones (gpt-oss's experts, mtjax.mxfp4: `_blocks` and `_scales` tensors).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from mtjax import fp8, lora, model, partid, parts, textfile
+from mtjax import fp8, lora, model, mxfp4, partid, parts, textfile
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig, differences, load_hf_config, to_hf_dict
 
@@ -53,6 +55,7 @@ class TensorSpec:
     shape: tuple[int, ...]  # shape in the Hugging Face file
     transpose: bool
     stacked: int = 0  # >0: [E, ...], expert e the last-axis concatenation of paths[e * stacked:(e + 1) * stacked]
+    interleaved: bool = False  # stacked: the leaves' columns alternate (gpt-oss's gate and up) instead
 
 
 def _leaves(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, jax.ShapeDtypeStruct]]:
@@ -80,14 +83,27 @@ def _spec(cfg: ModelConfig, hf_prefix: str, path: tuple, leaf) -> TensorSpec:
 
 
 def _stacked_experts(cfg: ModelConfig, i: int) -> list[TensorSpec]:
-    """The two stacked expert tensors of MoE block i, input-major as its kernels are (no transpose)."""
+    """The stacked expert tensors of MoE block i, input-major as its kernels are (no
+    transpose): the two kernels', and with `interleaved_experts` the two biases'."""
     d, f, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     prefix = ".".join([f"model.layers.{i}", *hub_names(cfg, ["mlp", "experts"])])
     experts = ("blocks", i, "mlp", "experts")
-    gate_up = tuple(experts + (e, proj, "kernel") for e in range(n) for proj in ("gate_proj", "up_proj"))
-    down = tuple(experts + (e, "down_proj", "kernel") for e in range(n))
-    return [TensorSpec(f"{prefix}.gate_up_proj", gate_up, (n, d, 2 * f), False, stacked=2),
-            TensorSpec(f"{prefix}.down_proj", down, (n, f, d), False, stacked=1)]
+    interleaved = cfg.family.interleaved_experts
+
+    def gate_up(leaf: str) -> tuple:
+        return tuple(experts + (e, proj, leaf) for e in range(n) for proj in ("gate_proj", "up_proj"))
+
+    def down(leaf: str) -> tuple:
+        return tuple(experts + (e, "down_proj", leaf) for e in range(n))
+
+    specs = [TensorSpec(f"{prefix}.gate_up_proj", gate_up("kernel"), (n, d, 2 * f), False, stacked=2,
+                        interleaved=interleaved),
+             TensorSpec(f"{prefix}.down_proj", down("kernel"), (n, f, d), False, stacked=1)]
+    if interleaved:
+        specs += [TensorSpec(f"{prefix}.gate_up_proj_bias", gate_up("bias"), (n, 2 * f), False, stacked=2,
+                             interleaved=True),
+                  TensorSpec(f"{prefix}.down_proj_bias", down("bias"), (n, d), False, stacked=1)]
+    return specs
 
 
 def layout(cfg: ModelConfig) -> list[TensorSpec]:
@@ -111,6 +127,8 @@ def layout(cfg: ModelConfig) -> list[TensorSpec]:
 
 def to_mtjax(spec: TensorSpec, tensor: np.ndarray) -> list[np.ndarray]:
     """A checkpoint tensor -> the arrays of its leaves, in `spec.paths` order."""
+    if spec.stacked and spec.interleaved:
+        return [np.ascontiguousarray(expert[..., j::spec.stacked]) for expert in tensor for j in range(spec.stacked)]
     if spec.stacked:
         return [np.ascontiguousarray(a) for expert in tensor for a in np.split(expert, spec.stacked, axis=-1)]
     return [np.ascontiguousarray(tensor.T) if spec.transpose else tensor]
@@ -121,7 +139,9 @@ def to_hf(spec: TensorSpec, arrays: list) -> np.ndarray:
     arrays = [np.asarray(a) for a in arrays]
     if spec.stacked:
         n = spec.stacked
-        return np.stack([np.concatenate(arrays[e:e + n], axis=-1) for e in range(0, len(arrays), n)])
+        join = (lambda a: np.stack(a, axis=-1).reshape(*a[0].shape[:-1], -1)) if spec.interleaved else \
+            (lambda a: np.concatenate(a, axis=-1))
+        return np.stack([join(arrays[e:e + n]) for e in range(0, len(arrays), n)])
     return np.ascontiguousarray(arrays[0].T) if spec.transpose else arrays[0]
 
 
@@ -158,6 +178,7 @@ class SafetensorsReader:
                 self._where[key] = (name, key)
         self.left_out = self._language_model_only()
         self._scales = self._fp8_scales()
+        self._mxfp4 = self._mxfp4_pairs()
 
     def _language_model_only(self) -> list[str]:
         """In a multimodal checkpoint, name the language model's tensors as a text-only
@@ -186,21 +207,41 @@ class SafetensorsReader:
                 scales[weight] = self._where.pop(name)
         return scales
 
+    def _mxfp4_pairs(self) -> dict[str, tuple[tuple[str, str], tuple[str, str]]]:
+        """{tensor name: ((file, key) of its blocks, of its scales)} of the MXFP4 tensors
+        (mtjax.mxfp4), named without their suffixes: reading one dequantizes it."""
+        pairs = {}
+        for name in [n for n in self._where if n.endswith(mxfp4.BLOCKS)]:
+            base = name.removesuffix(mxfp4.BLOCKS)
+            if base + mxfp4.SCALES in self._where and self._slice(name).get_dtype() == "U8":
+                pairs[base] = (self._where.pop(name), self._where.pop(base + mxfp4.SCALES))
+        return pairs
+
     def names(self) -> list[str]:
-        return list(self._where)
+        return [*self._where, *self._mxfp4]
 
     def _slice(self, name: str):
         file, key = self._where[name]
         return self._handles[file].get_slice(key)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._mxfp4:
+            file, key = self._mxfp4[name][0]
+            return mxfp4.shape(tuple(self._handles[file].get_slice(key).get_shape()))
         return tuple(self._slice(name).get_shape())
 
     def dtype(self, name: str) -> str:
-        """The dtype `read` gives, as safetensors names it (an FP8 weight's: F32)."""
-        return "F32" if name in self._scales else self._slice(name).get_dtype()
+        """The dtype `read` gives, as safetensors names it (an FP8 or MXFP4 tensor's: F32)."""
+        return "F32" if name in self._scales or name in self._mxfp4 else self._slice(name).get_dtype()
 
     def read(self, name: str) -> np.ndarray:
+        if name in self._mxfp4:  # e2m1 codes times their blocks' powers of 2
+            (blocks_file, blocks_key), (scales_file, scales_key) = self._mxfp4[name]
+            try:
+                return mxfp4.dequantize(self._handles[blocks_file].get_tensor(blocks_key),
+                                        self._handles[scales_file].get_tensor(scales_key))
+            except (SafetensorError, ValueError) as e:
+                raise CheckpointError(f"tensor {name} in {self.dir} is unreadable ({e})") from None
         file, key = self._where[name]
         try:
             if name in self._scales:  # e4m3 times its blocks' scales

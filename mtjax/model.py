@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtjax import documents, lora, roles, rope, treepath
-from mtjax.layers import delta_net, feedforward, latent, registry, softmax  # noqa: F401 - these register the built-in kinds
+from mtjax.layers import clamped_moe, delta_net, feedforward, latent, registry, softmax  # noqa: F401 - these register the built-in kinds
 from mtjax.layers.basic import LOW_DOT, Dense, RMSNorm, rms_norm
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
@@ -95,18 +95,26 @@ class Block(nnx.Module):
             return self.output_stage(a, y), stats, aux
 
     def feed_forward(self, h):
-        """(the feed-forward's output, router statistics) of h [b, t, d]. A dense one with
-        `ffn_chunk_tokens` set and more tokens than that runs over chunks of them, each under
-        jax.checkpoint: its backward keeps only h, not the [tokens, intermediate] products,
-        and recomputes one chunk at a time (the output is the same, row by row)."""
+        """(the feed-forward's output, router statistics) of h [b, t, d]. With
+        `ffn_chunk_tokens` set and more tokens than that, the feed-forward (dense or MoE:
+        routing and expert dispatch are per token) runs over chunks of them, each under
+        jax.checkpoint: its backward keeps only h, not the [tokens, intermediate] products
+        (nor a MoE's [tokens x k, ...] dispatch), and recomputes one chunk at a time. The
+        output is the same, row by row; router statistics, sums over tokens, are summed over
+        the chunks. Whole chunks run in a loop, the remainder after them (no padding rows,
+        which a router would count)."""
         n = h.shape[0] * h.shape[1]
-        if not self.ffn_chunk or n <= self.ffn_chunk or not isinstance(self.mlp, feedforward.DenseFeedForward):
+        if not self.ffn_chunk or n <= self.ffn_chunk:
             return self.mlp(h)
-        rows = self.ffn_chunk
-        chunks = -(-n // rows)
-        flat = jnp.pad(h.reshape(n, h.shape[-1]), ((0, chunks * rows - n), (0, 0)))
-        y = jax.lax.map(jax.checkpoint(lambda c: self.mlp(c)[0]), flat.reshape(chunks, rows, h.shape[-1]))
-        return y.reshape(chunks * rows, -1)[:n].reshape(h.shape), {}
+        rows, d = self.ffn_chunk, h.shape[-1]
+        whole = n // rows * rows
+        flat = h.reshape(n, d)
+        y, stats = jax.lax.map(jax.checkpoint(self.mlp), flat[:whole].reshape(-1, rows, d))
+        y, stats = y.reshape(whole, -1), jax.tree.map(lambda s: jnp.sum(s, axis=0), stats)
+        if whole < n:
+            rest, rest_stats = jax.checkpoint(self.mlp)(flat[whole:])
+            y, stats = jnp.concatenate([y, rest]), jax.tree.map(jnp.add, stats, rest_stats)
+        return y.reshape(h.shape), stats
 
     def __call__(self, x, cos, sin, positions, segments=None):
         """(hidden, router statistics: {} unless the MLP routes)."""
@@ -404,9 +412,10 @@ def block_until_split(cfg: ModelConfig, spec: LayerSpec, leaves: dict, x, segmen
     return a, h, m.mlp.before_experts(h)
 
 
-def block_experts(cfg: ModelConfig, spec: LayerSpec, kernels: list, h, weights, chosen, ids):
+def block_experts(cfg: ModelConfig, spec: LayerSpec, kernels: dict, h, weights, chosen, ids):
     """The feed-forward's experts stage over the rows h [T, d] for a group of experts:
-    `kernels` (gate, up, down stacked [n, in, out]) of global expert ids `ids` [n]."""
+    `kernels` ({leaf in the expert, e.g. "gate_proj.kernel": stacked [n, ...]}) of global
+    expert ids `ids` [n]."""
     return _partial_module(cfg, spec, {}, h.dtype).mlp.routed(h, weights, chosen, kernels, ids)
 
 

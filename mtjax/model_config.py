@@ -42,6 +42,8 @@ NUMBER_RANGES = {"rope_theta": POSITIVE, "max_position_embeddings": AT_LEAST_1, 
                  "n_group": AT_LEAST_1, "topk_group": AT_LEAST_1, "routed_scaling_factor": POSITIVE,
                  "q_lora_rank": AT_LEAST_0, "kv_lora_rank": AT_LEAST_0, "qk_nope_head_dim": AT_LEAST_0,
                  "v_head_dim": AT_LEAST_0, "ffn_chunk_tokens": AT_LEAST_0,
+                 "router_bias_update_rate": AT_LEAST_0, "swiglu_alpha": POSITIVE, "swiglu_limit": POSITIVE,
+                 "sequence_devices": AT_LEAST_1,
                  "linear_num_key_heads": AT_LEAST_0, "linear_num_value_heads": AT_LEAST_0,
                  "linear_key_head_dim": AT_LEAST_0, "linear_value_head_dim": AT_LEAST_0,
                  "linear_conv_kernel_dim": AT_LEAST_1}
@@ -85,9 +87,12 @@ class ModelConfig:
     param_dtype: str = "float32"  # dtype of the checkpoint's tensors (export writes it)
     compute_dtype: str = "float32"  # dtype of activations and streamed weights
     base_format: str = "compute"  # frozen 2-D kernels of blocks stored and streamed as: compute (the compute dtype), int8 or nf4 (mtjax.quant)
-    # Dense feed-forwards over chunks of this many tokens, each recomputed in the backward
+    # Feed-forwards (dense and MoE) over chunks of this many tokens, each recomputed in the backward
     # (long rows: mtjax.model.Block.feed_forward); 0: whole.
     ffn_chunk_tokens: int = 0
+    # Devices each row's tokens are split over, attention gathering the row's keys and values
+    # (mtjax.attention.split_attention): the stream engine sets it from stream.split.
+    sequence_devices: int = 1
     freeze: tuple[str, ...] = ()  # leaves kept as they are, no gradient or optimizer state (mtjax.roles: embed, block.0-15, block.*/mlp.*)
     lora: LoraConfig | None = None  # LoRA adapters over a frozen base (mtjax.lora); the experiment's `lora:` section
     extra_hf: tuple[tuple[str, Any], ...] = ()  # other config.json keys, kept for export
@@ -104,6 +109,13 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # DeepSeek-V3's auxiliary-loss-free balancing: after each optimizer step every MoE
+    # layer's correction bias moves by this much per expert toward balance (mtjax.moe.
+    # balance_bias); 0: the bias stays as imported (frozen).
+    router_bias_update_rate: float = 0.0
+    # gpt-oss's experts (mtjax.moe.clamped_swiglu): (clip(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # Multi-head latent attention (DeepSeek V2/V3, mtjax.layers.latent): head_dim is the
     # rotary part of each query and key head, qk_nope_head_dim the rest, v_head_dim the values'.
     q_lora_rank: int = 0  # queries through a rank-q_lora_rank bottleneck with a norm; 0: one q_proj

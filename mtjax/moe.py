@@ -44,6 +44,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtjax import target
 
@@ -313,3 +314,71 @@ def route_grouped(logits: jnp.ndarray, k: int, groups: int, kept_groups: int, sc
     if normalize:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return weights * scale, chosen, scores
+
+
+def excess_load(stats: list[dict]) -> jnp.ndarray:
+    """One MoE layer's load above the mean, times E, from its router stats over some
+    micro-batches: E * C_e - sum_e C_e [E] fp32, C the summed top-k picks. Its sign is
+    that of C_e - mean(C); it is an integer (exact in fp32), and linear in the counts, so
+    it sums over micro-batches and processes as a gradient does."""
+    counts = sum(s["counts"] for s in stats)
+    return counts * counts.shape[-1] - jnp.sum(counts)
+
+
+def balance_bias(bias, excess, rate: float) -> np.ndarray:
+    """DeepSeek-V3's auxiliary-loss-free balancing, once per optimizer step: each
+    expert's correction bias [E] moves by `rate` toward balance, bias + rate *
+    sign(mean load - load_e), from `excess_load` of the step. fp32, on the host."""
+    bias, excess = np.asarray(bias, np.float32), np.asarray(excess, np.float32)
+    return bias + np.float32(rate) * np.sign(-excess).astype(np.float32)
+
+
+def route_topk_softmax(logits: jnp.ndarray, k: int):
+    """gpt-oss's router: the top k of the logits [T, E] (its bias already in them), their
+    softmax the weights (fp32 [T, k]), with the chosen experts [T, k] and, for the router
+    statistics, the softmax over all experts [T, E] (transformers' aux loss takes that)."""
+    logits = logits.astype(jnp.float32)
+    top, chosen = jax.lax.top_k(logits, k)
+    return jax.nn.softmax(top, axis=-1), chosen, jax.nn.softmax(logits, axis=-1)
+
+
+def clamped_swiglu(gate, up, alpha: float, limit: float):
+    """gpt-oss's activation, fp32: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g),
+    g = min(gate, limit)."""
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1.0) * gate * jax.nn.sigmoid(alpha * gate)
+
+
+def clamped_experts(x, weights, chosen, gate, up, down, gate_bias, up_bias, down_bias, alpha: float, limit: float,
+                    ids=None):
+    """sum over k of weight * expert(x), each expert gpt-oss's: down(clamped_swiglu(gate(x)
+    + gate_bias, up(x) + up_bias)) + down_bias. x [T, d], weights and chosen [T, k]; gate
+    and up [n, d, f], down [n, f, d], their biases [n, f] / [n, d]; `ids` as for
+    `experts_forward` (a group of the experts) -> [T, d].
+
+    Grouped by `jax.lax.ragged_dot` on every backend (on the CPU a dense masked dot over
+    the n experts: n / k times the routed work); the projections in fp32."""
+    t, k = chosen.shape
+    e = gate.shape[0]
+    member = None
+    if ids is not None:  # as experts_forward: outsiders sorted last, in no group's rows
+        match = chosen[..., None] == jnp.asarray(ids, chosen.dtype)
+        member = jnp.any(match, axis=-1)
+        chosen = jnp.where(member, jnp.argmax(match, axis=-1).astype(chosen.dtype), e)
+    flat = chosen.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    expert = jnp.minimum(flat[order], e - 1)  # each sorted row's expert, for its bias (outsiders masked below)
+    rows = x[order // k]  # [T k, d]
+
+    def grouped(a, kernels, bias):
+        y = jax.lax.ragged_dot(a, kernels.astype(a.dtype), sizes, preferred_element_type=jnp.float32)
+        return y + bias.astype(jnp.float32)[expert]
+
+    h = clamped_swiglu(grouped(rows, gate, gate_bias), grouped(rows, up, up_bias), alpha, limit)
+    y = grouped(h.astype(x.dtype), down, down_bias)
+    y = y[jnp.zeros_like(order).at[order].set(jnp.arange(t * k))]  # back to (token, slot) order
+    y = y.reshape(t, k, -1) * weights[..., None]
+    if member is not None:
+        y = jnp.where(member[..., None], y, 0.0)
+    return jnp.sum(y, axis=1).astype(x.dtype)

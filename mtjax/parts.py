@@ -19,6 +19,7 @@ and staging buffer derives from `schema`.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import math
 
@@ -149,8 +150,9 @@ def fp32_weights(cfg: ModelConfig, name: PartId | str, master: dict, read_comput
 
 
 def check_roles(cfg: ModelConfig) -> None:
-    """Refuse bad freeze patterns (mtjax.roles.check), LoRA targets (mtjax.lora.check)
-    and a base format (mtjax.precision) with no frozen leaf to apply to, in one line."""
+    """Refuse bad freeze patterns (mtjax.roles.check), LoRA targets (mtjax.lora.check),
+    a base format (mtjax.precision) with no frozen leaf to apply to and a buffer rule's
+    rate on a model without the buffer, in one line."""
     if cfg.lora is not None:
         lora.check(cfg, model.linear_names(cfg))
     if cfg.freeze:
@@ -159,6 +161,11 @@ def check_roles(cfg: ModelConfig) -> None:
                                                  for p in parts(cfg) for leaf in leaves(cfg, p.name).values()):
         raise ConfigError(f"model.base_format {cfg.base_format} applies to frozen 2-D kernels of blocks, and "
                           "model.freeze freezes none; freeze them, e.g. model.freeze=block.*/*.kernel")
+    for glob, rule in roles.BUFFER_RULES.items():
+        if getattr(cfg, rule.rate) and not any(roles.is_buffer(n) and fnmatch.fnmatchcase(n, glob)
+                                               for p in parts(cfg) for n in leaves(cfg, p.name)):
+            raise ConfigError(f"model.{rule.rate} updates {glob}, which this model ({cfg.model_type}) does not "
+                              f"have; set it to 0")
 
 
 def schema(cfg: ModelConfig, name: str, kind: str, tx=None) -> dict[str, jax.ShapeDtypeStruct]:

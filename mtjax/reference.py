@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mtjax import documents, model, moe, partid, parts, precision, treepath
+from mtjax import documents, model, moe, partid, parts, precision, roles, treepath
 from mtjax.documents import Inputs
 from mtjax.errors import NonFiniteStep
 from mtjax.loss import head_loss
@@ -114,6 +114,22 @@ def eval_loss(cfg: ModelConfig, params, batch, on_micro=None) -> dict[str, float
     return {"loss": loss, "aux_loss": aux} if cfg.moe_layers else {"loss": loss}
 
 
+def _rule_inputs(cfg: ModelConfig, params, inputs: Inputs) -> dict:
+    """{whole-model name of each buffer whose rule is on: its rule input} from the router
+    stats of a forward over micro-batches [accum, batch, seq] (mtjax.roles)."""
+    stats = [[] for _ in cfg.moe_layers]  # per MoE layer, one per micro-batch
+    for m in range(inputs.tokens.shape[0]):
+        segments = None if inputs.segments is None else inputs.segments[m]
+        for acc, s in zip(stats, model.hidden_stats(cfg, params, inputs.tokens[m], segments=segments)[1]):
+            acc.append(s)
+    out = {}
+    for i, layer in zip(sorted(cfg.moe_layers), stats):
+        for leaf in treepath.flatten(params["blocks"][i]):
+            if roles.is_buffer(leaf) and (x := roles.buffer_input(cfg, leaf, layer)) is not None:
+                out[f"blocks.{i}.{leaf}"] = x
+    return out
+
+
 class Roles:
     """A model's parameters split by leaf role (mtjax.roles): the trained leaves, which the
     gradient and the optimizer see (`parts.trained_only`), and the others, held fixed.
@@ -189,6 +205,10 @@ class ReferenceTrainer:
         # step at 119M params on 2 cores. One gradient set stays allocated between steps.
         self._spent = jax.tree.map(jnp.zeros_like, trained)
         self.steps = self.skipped = 0  # applied and skipped (non-finite) steps
+        # Buffer rules (mtjax.roles): their inputs from the router stats of a forward over
+        # the step's micro-batches, before the update (a third program, only when a rule is on).
+        self._rules_on = any(getattr(cfg, r.rate) for r in roles.BUFFER_RULES.values())
+        self._rule_inputs = jax.jit(functools.partial(_rule_inputs, cfg))
 
     def _grad_step(self, params, inputs, weights, spent):
         del spent  # only its buffers are wanted
@@ -225,7 +245,9 @@ class ReferenceTrainer:
     def step(self, batch) -> dict[str, float]:
         inputs, weights = documents.step_inputs(batch)
         weights = jnp.asarray(weights, jnp.float32)
-        (loss, aux), grads, part_sq = self._grads(self.params, jax.device_put(inputs), weights, self._spent)
+        inputs = jax.device_put(inputs)
+        rule_inputs = self._rule_inputs(self.params, inputs) if self._rules_on else {}
+        (loss, aux), grads, part_sq = self._grads(self.params, inputs, weights, self._spent)
         if tapping():
             grads, part_sq = self._tapped(grads)
         self._spent = grads
@@ -239,6 +261,11 @@ class ReferenceTrainer:
             bad = [m for m, s in zip(self._backward_order(), part_sq) if not np.isfinite(s)]
             raise NonFiniteStep(self.skipped + self.steps, out["loss"], bad)
         self.params, self.opt_state = self._update(self.params, self.opt_state, grads, sq)
+        if rule_inputs:  # the buffers' rules, on the host (as the streaming engine's update runs them)
+            flat = treepath.flatten(self.params)
+            flat.update({n: jnp.asarray(roles.apply_rule(self.cfg, n.split(".", 2)[2], flat[n], x))
+                         for n, x in rule_inputs.items()})
+            self.params = treepath.unflatten(self.params, flat)
         jax.block_until_ready(self.params)  # a returned step is a finished step (as before)
         self.steps += 1
         return out

@@ -23,10 +23,12 @@ e.g. `embed`, `block.0-15`, `block.*/mlp.*`.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
+from collections.abc import Callable
 
-from mtjax import lora, partid
+from mtjax import lora, moe, partid
 from mtjax.model_config import ConfigError
 from mtjax.partid import PartId
 
@@ -35,12 +37,22 @@ ROLES = (TRAINED, FROZEN, BUFFER)
 HAS_MASTER = (TRAINED, BUFFER)  # the roles with fp32 master weights in the store
 
 # Declared buffers: {leaf name glob: rule}. DeepSeek-V3's routing bias is the first: used
-# by its router to choose experts (mtjax.moe.route_grouped), never differentiated. No
-# rule runs yet (None: the bias stays as imported, i.e. frozen; DeepSeek's aux-loss-free
-# update, which reads the step's expert loads, is not written): the update
-# (mtjax.stream.update.PartUpdate) passes a buffer's master through unchanged, and that
-# is where a rule mapping (part, {leaf: old master}) to the new master plugs in.
-BUFFER_RULES: dict = {"mlp.gate.e_score_correction_bias": None}
+# by its router to choose experts (mtjax.moe.route_grouped), never differentiated. A rule
+# maps (model config, old master, the step's rule input) to the new master; the runner
+# sends a buffer's rule input out of the step in place of its gradient (the part's
+# gradient dict, under the buffer's name: not counted in the gradient norm), so it is
+# spilled, committed and resumed with the step's gradients, and the update
+# (mtjax.stream.update.PartUpdate; the reference trainer alike) applies the rule where
+# the part's state is updated. No input (a rule that is off): the buffer stays as it is.
+@dataclasses.dataclass(frozen=True)
+class BufferRule:
+    rate: str  # the ModelConfig field that turns the rule on (0, the default: off, the buffer frozen)
+    rule_input: Callable  # its MoE layer's router stats over the step's micro-batches -> the input
+    update: Callable  # (old master, the input summed over processes, rate) -> the new master
+
+
+BUFFER_RULES: dict = {"mlp.gate.e_score_correction_bias":
+                      BufferRule("router_bias_update_rate", moe.excess_load, moe.balance_bias)}
 
 _RANGE = re.compile(r"^block\.(\d+)-(\d+)$")
 _PART = re.compile(r"^[A-Za-z0-9_.*?\[\]-]+$")  # a part name, a block range or a glob
@@ -68,6 +80,28 @@ def matches(pattern: str, part: str, leaf: str) -> bool:
 def is_buffer(leaf: str) -> bool:
     """Whether a leaf (its dotted name in its part) is a declared buffer: not a parameter."""
     return any(fnmatch.fnmatchcase(leaf, glob) for glob in BUFFER_RULES)
+
+
+def without_buffers(grads: dict) -> dict:
+    """A part's gradient dict without its buffers' rule inputs: what the norm counts."""
+    return {n: g for n, g in grads.items() if not is_buffer(n)}
+
+
+def _rule(leaf: str) -> BufferRule:
+    return next(r for glob, r in BUFFER_RULES.items() if fnmatch.fnmatchcase(leaf, glob))
+
+
+def buffer_input(cfg, leaf: str, stats: list[dict]):
+    """The rule input of buffer `leaf` from its MoE layer's router stats of the step (one
+    per micro-batch), or None when its rule is off."""
+    rule = _rule(leaf)
+    return rule.rule_input(stats) if getattr(cfg, rule.rate) else None
+
+
+def apply_rule(cfg, leaf: str, old, rule_input):
+    """Buffer `leaf`'s new master from its old one and the step's rule input."""
+    rule = _rule(leaf)
+    return rule.update(old, rule_input, getattr(cfg, rule.rate))
 
 
 def role(cfg, part: str, leaf: str) -> str:

@@ -74,6 +74,7 @@ FAMILIES = {
     "llama4": _llama4_multimodal,
     "deepseek_v2": transformers.DeepseekV2Config,
     "deepseek_v3": transformers.DeepseekV3Config,
+    "gpt_oss": transformers.GptOssConfig,
     "qwen3_next": lambda **kw: _delta_net(transformers.Qwen3NextConfig, **kw),
     "qwen3_5_text": lambda **kw: _delta_net(transformers.Qwen3_5TextConfig, **kw),
     "qwen3_5_moe_text": lambda **kw: _delta_net(transformers.Qwen3_5MoeTextConfig, **kw),
@@ -102,7 +103,7 @@ def hub_names(family: str, tensors: dict) -> dict:
     """transformers 5's in-memory tensors (experts fused [E, ...]) under the names its
     save_pretrained writes: one tensor per expert, Mixtral's MoE as block_sparse_moe.w1/w2/w3
     (but Llama 4's, saved fused)."""
-    if family.startswith("llama4"):  # Llama 4 saves its experts fused, as they are in memory
+    if family.startswith("llama4") or family == "gpt_oss":  # saved fused, as they are in memory
         return dict(tensors)
     out = {}
     for name, t in tensors.items():
@@ -140,6 +141,11 @@ def hf_config(family: str, **overrides):
                            first_k_dense_replace=1, n_group=4, topk_group=2), **kwargs)
         if family == "deepseek_v3":
             kwargs.setdefault("q_lora_rank", 14)
+    if family == "gpt_oss":  # its defaults: 128 experts, a window of 128, yarn over 4096 positions
+        kwargs = dict(dict(head_dim=8, num_local_experts=16, sliding_window=3,
+                           rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+                                                beta_fast=32.0, beta_slow=1.0, truncate=False, rope_theta=150000.0)),
+                      **kwargs)
     if family == "phi3":  # its defaults name token ids beyond this vocabulary
         kwargs = dict(bos_token_id=1, eos_token_id=2, pad_token_id=None, **kwargs)
     return FAMILIES[family](**kwargs)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtjax import documents
+from mtjax import attention, documents
 from mtjax.attention import _chunks, causal_attention, local_chunks, masked_attention
 
 from conftest import tiny_config
@@ -143,3 +143,45 @@ def test_chunked_local_attention_is_the_document_mask_over_chunk_ids():
         assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b)
     assert np.asarray(ids).tolist() == [[1] * 5 + [2] * 2 + [3] * 4 + [0] * 2, [1] * 3 + [2] * 5 + [3] * 5]
     assert local_chunks(np.arange(12)[None], size).tolist() == [[1] * 5 + [2] * 5 + [3] * 2]  # no documents
+
+
+@pytest.mark.parametrize("t, window, softcap, documents_, rows", [
+    pytest.param(100, None, None, False, 5, marks=SLOW),    # 20 blocks, the last one padded
+    (37, 7, 2.0, False, 2),         # a window of several blocks, soft-capped
+    (53, 9, None, True, 3),         # packed documents and padding (segment 0) under a window
+])
+def test_the_loop_over_blocks_equals_one_chunk(t, window, softcap, documents_, rows):
+    """Past UNROLLED_CHUNKS chunks causal_attention loops over [rows, rows] blocks (online
+    softmax, the diagonal block first): outputs and its custom backward equal the unrolled
+    kernel with the whole row as one chunk (itself checked against dot_product_attention
+    above)."""
+    assert -(-t // rows) > attention.UNROLLED_CHUNKS
+    kq, kk, kv, kd = jax.random.split(jax.random.key(t), 4)
+    q, dout = 2 * jax.random.normal(kq, (2, t, 4, 8)), jax.random.normal(kd, (2, t, 4, 8))
+    k, v = 2 * jax.random.normal(kk, (2, t, 2, 8)), jax.random.normal(kv, (2, t, 2, 8))
+    segments = None
+    if documents_:
+        segments = jnp.asarray(np.repeat([[1, 2, 3, 0], [4, 5, 6, 7]], [20, 11, 15, 7], axis=1), jnp.int32)
+
+    def value_and_vjp(fn):
+        return jax.jit(lambda q, k, v, d: (lambda out, vjp: (out, *vjp(d)))(*jax.vjp(fn, q, k, v)))(q, k, v, dout)
+
+    got = value_and_vjp(lambda *a: causal_attention(*a, 0.3, window, rows, softcap, segments))
+    want = value_and_vjp(lambda *a: causal_attention(*a, 0.3, window, t, softcap, segments))
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b)
+
+
+def test_long_rows_hold_attention_memory_linear_in_the_row():
+    """The compiled gradient of causal_attention (2 heads of 64, fp32, blocks of 64 rows: the
+    loop at both lengths) at 2k and 8k tokens: XLA's temporaries grow with the row (q, k, v,
+    their gradients), not with its square (unrolled chunks held 73 MiB at 2k, 1 GiB at 8k)."""
+    def temp_bytes(t):
+        x = jax.ShapeDtypeStruct((1, t, 2, 64), jnp.float32)
+        grad = jax.grad(lambda q, k, v: jnp.sum(causal_attention(q, k, v, 0.1, None, 64)), argnums=(0, 1, 2))
+        return jax.jit(grad).lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+    short, long = temp_bytes(2048), temp_bytes(8192)
+    assert long < 5 * short  # linear: x4 and a constant; quadratic would be x16
+    assert long < 12 * 8192 * 2 * 64 * 4  # a dozen [t, heads, hd] fp32 arrays at most

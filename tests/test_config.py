@@ -135,6 +135,8 @@ KNOWN_SIZES = {  # parameters of the real models the shipped shapes copy
     # layers' routing biases, 256 each: buffers, but leaves (counted here)
     "deepseek-v3-plan.yaml": 671_026_419_200,
     "deepseek-coder-v2-lite-plan.yaml": 15_706_484_224,
+    "gpt-oss-120b-plan.yaml": 116_829_156_672,  # transformers' count from GptOssConfig (meta device)
+    "gpt-oss-20b-plan.yaml": 20_914_757_184,
 }
 
 

@@ -6,11 +6,16 @@
 - The correction bias is a buffer: no gradient, no optimizer state; five streamed AdamW
   steps (RAM, and disk with the MoE blocks split into expert groups) equal the in-memory
   reference and leave it bit for bit as it was.
+- With `router_bias_update_rate` it moves by DeepSeek's auxiliary-loss-free rule (a numpy
+  reference over three steps), streamed as in the reference, and a resumed run as an
+  unbroken one.
 - Decoding caches the latent and the rotary key per token, and the streamed sampler's
   greedy tokens equal transformers' `generate`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +108,7 @@ TINY_V3 = ModelConfig(model_type="deepseek_v3", vocab_size=64, hidden_size=32, i
                       kv_lora_rank=10, qk_nope_head_dim=6, v_head_dim=6, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=16, shared_expert_intermediate_size=16, n_group=4, topk_group=2,
                       routed_scaling_factor=2.5, norm_topk_prob=True, moe_layers=(1, 2))
+K_V3 = 2  # TINY_V3's experts per token
 OPT = OptimConfig(lr=1e-3, clip_norm=0.05, weight_decay=0.1)
 
 
@@ -133,27 +139,39 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+RATE = 1e-2  # router_bias_update_rate of the tests of DeepSeek's bias update
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("tier", ["ram", "disk"])
-def test_five_streamed_steps_equal_the_reference_and_leave_the_bias_as_it_was(make_store, tier):
-    """On the disk tier the MoE blocks are split into expert groups of 3 (forced)."""
+# Frozen on disk (split router parts too, which differentiate the bias to zeros); the rule
+# in RAM (whole blocks) and on disk (the router part sends it).
+@pytest.mark.parametrize("tier, rate", [("disk", 0.0), ("ram", RATE), ("disk", RATE)])
+def test_five_streamed_steps_equal_the_reference_and_leave_the_bias_as_it_was(make_store, tier, rate):
+    """On the disk tier the MoE blocks are split into expert groups of 3 (forced). With a
+    rate the bias moves by the rule, step by step as the reference moves it; without, it
+    stays bit for bit as it was."""
+    cfg = dataclasses.replace(TINY_V3, router_bias_update_rate=rate)
     start = _params()
     store, tiers, stream = None, StoreConfig(), StreamConfig(keep_every=1)
     if tier == "disk":
-        store = make_store(TINY_V3, make_optimizer(OPT))
+        store = make_store(cfg, make_optimizer(OPT))
         tiers, stream = StoreConfig(compute="disk", master="disk", opt="disk"), StreamConfig(expert_group_size=3)
-    engine = StreamEngine(TINY_V3, start, OPT, stream, tiers, store=store, batch_shape=(2, 12))
-    reference = ReferenceTrainer(TINY_V3, start, OPT)
+    engine = StreamEngine(cfg, start, OPT, stream, tiers, store=store, batch_shape=(2, 12))
+    reference = ReferenceTrainer(cfg, start, OPT)
     try:
         if tier == "disk":
             assert engine.schedule.split == {1: ((0, 1, 2), (3, 4, 5), (6, 7)), 2: ((0, 1, 2), (3, 4, 5), (6, 7))}
-        for batch in token_batches(64, (1, 2, 12), 5):
+        for batch in token_batches(64, (2, 2, 12), 5):
             ours, ref = engine.step(batch), reference.step(batch)
             np.testing.assert_allclose(ours["loss"], ref["loss"], rtol=1e-5)
+            np.testing.assert_allclose(ours["grad_norm"], ref["grad_norm"], rtol=1e-5)  # no rule input in the norm
         streamed, expected, initial = (treepath.flatten(t) for t in (engine.params(), reference.params, start))
         for name, w in streamed.items():
-            if name.endswith(BIAS):
+            if name.endswith(BIAS) and not rate:
                 np.testing.assert_array_equal(np.asarray(w), np.asarray(initial[name]), err_msg=name)
+            elif name.endswith(BIAS):
+                np.testing.assert_array_equal(np.asarray(w), np.asarray(expected[name]), err_msg=name)
+                assert not np.array_equal(np.asarray(w), np.asarray(initial[name])), name
             else:
                 assert _rel(w, expected[name]) <= 1e-5, name
                 assert not np.array_equal(np.asarray(w), np.asarray(initial[name])), name
@@ -161,6 +179,77 @@ def test_five_streamed_steps_equal_the_reference_and_leave_the_bias_as_it_was(ma
         engine.close()
         if store is not None:
             store.close()
+
+
+@pytest.mark.slow  # three reference steps and their router counts
+def test_the_bias_update_is_deepseeks_rule_over_the_steps_expert_loads():
+    """Three reference steps of two micro-batches: after each, bias += rate * sign(mean
+    load - load) per MoE layer, the loads counted over both micro-batches (a numpy
+    reference of the rule, from the router's picks before the step). Rate 0 (frozen): the
+    streamed test above."""
+    cfg = dataclasses.replace(TINY_V3, router_bias_update_rate=RATE)
+    trainer = ReferenceTrainer(cfg, _params(), OPT)
+    stats_of = jax.jit(lambda params, tokens: model.hidden_stats(cfg, params, tokens)[1])
+    initial = {i: np.asarray(_params()["blocks"][i]["mlp"]["gate"]["e_score_correction_bias"]) for i in cfg.moe_layers}
+    want = dict(initial)
+    for batch in token_batches(64, (2, 2, 12), 3):
+        loads = {i: np.zeros(8, np.int64) for i in cfg.moe_layers}
+        for tokens in batch:
+            for i, s in zip(cfg.moe_layers, stats_of(trainer.params, tokens)):
+                loads[i] += np.asarray(s["counts"]).astype(np.int64)
+        for i, load in loads.items():
+            assert load.sum() == 2 * 2 * 12 * K_V3
+            want[i] = want[i] + np.float32(RATE) * np.sign(load.mean() - load).astype(np.float32)
+        trainer.step(batch)
+    for i in cfg.moe_layers:
+        got = np.asarray(trainer.params["blocks"][i]["mlp"]["gate"]["e_score_correction_bias"])
+        np.testing.assert_array_equal(got, want[i])
+        assert not np.array_equal(got, initial[i])
+
+
+def test_a_bias_update_rate_on_a_model_without_the_bias_is_refused_in_one_line():
+    v2 = dataclasses.replace(TINY_V3, model_type="deepseek_v2", moe_router="softmax_group_topk",
+                             router_bias_update_rate=RATE)
+    with pytest.raises(ConfigError, match="router_bias_update_rate") as e:
+        parts.check_roles(v2)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow  # three stores' worth of streamed steps
+def test_a_resumed_run_updates_the_bias_as_an_unbroken_one(tmp_path):
+    """A one-copy store closed right after committing step 2, its update (with the bias's
+    rule input) pending: a new engine on it applies that update and a third step exactly
+    as an unbroken run of three steps."""
+    cfg = dataclasses.replace(TINY_V3, router_bias_update_rate=RATE)
+    disk = StoreConfig(compute="disk", master="disk", opt="disk")
+    batches = token_batches(64, (2, 2, 12), 3)
+
+    def train(name: str, steps: int):
+        store = mtjax.store.create(tmp_path / name, cfg, make_optimizer(OPT), copies=1)
+        engine = StreamEngine(cfg, _params(), OPT, StreamConfig(keep_every=1), disk, store=store)
+        start = engine.updater.start
+        engine.updater.start = lambda: None if engine.step_count == steps else start()  # dies after the commit
+        engine.commit(0)
+        for batch in batches[:steps]:
+            engine.step(batch)
+        return engine, store
+
+    broken, store = train("broken", 2)
+    broken.close()
+    store.close()
+    with mtjax.store.open(tmp_path / "broken", writable=True) as store:
+        engine = StreamEngine(cfg, optim=OPT, store_config=disk, store=store, step=2)
+        engine.step(batches[2])
+        resumed = treepath.flatten(engine.params())
+        engine.close()
+    clean, store = train("clean", 3)
+    unbroken = treepath.flatten(clean.params())
+    clean.close()
+    store.close()
+    for name, w in unbroken.items():
+        np.testing.assert_array_equal(np.asarray(resumed[name]), np.asarray(w), err_msg=name)
+    initial = treepath.flatten(_params())
+    assert all(not np.array_equal(np.asarray(unbroken[n]), np.asarray(initial[n])) for n in unbroken if n.endswith(BIAS))
 
 
 def test_decoding_keeps_the_latent_and_the_rotary_key_per_token():

@@ -3,7 +3,7 @@ checkpoints go in and out unchanged.
 
 Per MoE family a tiny random transformers model (1-D parameters perturbed, 16 experts of
 which 2 are picked, so some are unrouted in the batch) is saved with `save_pretrained`
-(which writes one tensor per expert), loaded with `mtjax.load_params` and compared in
+(which writes one tensor per expert, but for Llama 4's and gpt-oss's stacked experts), loaded with `mtjax.load_params` and compared in
 fp32: logits, the training loss with the load-balancing term (transformers'
 `output_router_logits=True`), and the gradient of every tensor, routers included.
 """
@@ -78,6 +78,10 @@ CASES = [
     Case("deepseek-v2-grouped", "deepseek_v2", dict(num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None,
                                                     topk_method="group_limited_greedy", routed_scaling_factor=1.5),
          (1, 2), shared=24, aux=False),
+    # gpt-oss: sinks, q/k/v/o biases, a window of 3 in rows of 6 on layer 0 (full on 1),
+    # yarn; a router with a bias, top 2 of 16 then their softmax, experts with biases and
+    # the clamped SwiGLU at a limit that clamps here (and an odd alpha).
+    Case("gpt-oss", "gpt_oss", dict(swiglu_limit=0.1, swiglu_alpha=1.3, **MOE), (0, 1)),
 ]
 
 
@@ -125,6 +129,12 @@ def test_checkpoint_is_the_case_asked_for(case):
     if c.family == "llama4_text":  # all experts in one [E, d, 2f] and one [E, f, d] tensor per layer
         assert reader.shape("model.layers.0.feed_forward.experts.gate_up_proj") == (16, 32, 2 * 56)
         assert r.cfg.no_rope_layers == (1, 2) and r.cfg.attention_chunk_size == 5 < SEQ
+    elif c.family == "gpt_oss":  # stacked, gate and up interleaved, with biases; sinks; a window shorter than a row
+        assert reader.shape("model.layers.0.mlp.experts.gate_up_proj") == (16, 32, 2 * 56)
+        assert reader.shape("model.layers.0.mlp.experts.gate_up_proj_bias") == (16, 2 * 56)
+        assert reader.shape("model.layers.1.self_attn.sinks") == (4,)
+        assert r.cfg.layer_types == ("sliding_attention", "full_attention") and r.cfg.sliding_window == 3 < SEQ
+        assert r.cfg.rope_scaling.rope_type == "yarn"
     else:
         assert any(".experts.15." in n for n in reader.names())  # one tensor per expert on disk
     assert len(r.router_logits) == len(c.moe_layers)

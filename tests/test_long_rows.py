@@ -1,7 +1,7 @@
 """Long rows: the streaming engine equals the in-memory reference at several thousand
 tokens a row with the chunked feed-forward (model.ffn_chunk_tokens) and the chunked head
 (mtjax.loss) both cutting the row into chunks; and the chunked feed-forward is the whole
-one, value and gradients, dense or beside a MoE layer (which runs whole)."""
+one, value, router statistics and gradients, dense or MoE."""
 
 import dataclasses
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_moe_config, token_batches
 
-from mtjax import loss, model
+from mtjax import loss, model, moe
 from mtjax.config import StreamConfig
 from mtjax.model_config import ConfigError
 from mtjax.optim import OptimConfig
@@ -27,18 +27,29 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-@pytest.mark.parametrize("cfg", [tiny_config(ffn_chunk_tokens=128), tiny_moe_config(ffn_chunk_tokens=7)],
+@pytest.mark.parametrize("cfg", [tiny_config(ffn_chunk_tokens=128),
+                                 pytest.param(tiny_moe_config(ffn_chunk_tokens=7), marks=pytest.mark.slow)],  # ~30 s
                          ids=["dense", "moe"])
 def test_the_chunked_feed_forward_is_the_whole_one(cfg):
+    """Value, router statistics, the load-balancing loss and gradients: chunks (a MoE
+    layer's routing and dispatch too) with a remainder after the whole ones == the whole row."""
     whole = dataclasses.replace(cfg, ffn_chunk_tokens=0)
     params = model.init_params(cfg, seed=1)
     tokens = jnp.asarray(token_batches(cfg.vocab_size, (2, 20 if cfg.num_experts else 300), 1)[0])
+    assert tokens.size % cfg.ffn_chunk_tokens and tokens.size > cfg.ffn_chunk_tokens
 
     def grads(c):
-        return jax.value_and_grad(lambda p: jnp.sum(jnp.sin(model.forward(c, p, tokens))))(params)
+        def objective(p):
+            logits, stats = model.forward_stats(c, p, tokens)
+            aux = moe.aux_loss(stats, tokens.size) if stats else 0.0
+            return jnp.sum(jnp.sin(logits)) + 10 * aux, stats
+        return jax.jit(jax.value_and_grad(objective, has_aux=True))(params)  # jitted: op by op is slower
 
-    (a, ga), (b, gb) = grads(whole), grads(cfg)
+    ((a, sa), ga), ((b, sb), gb) = grads(whole), grads(cfg)
     assert float(b) == pytest.approx(float(a), rel=1e-6)
+    assert len(sa) == len(sb) == (len(cfg.moe_layers) if cfg.num_experts else 0)
+    for x, y in zip(jax.tree.leaves(sb), jax.tree.leaves(sa), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
     assert max(_rel(x, y) for x, y in zip(jax.tree.leaves(gb), jax.tree.leaves(ga), strict=True)) <= 1e-5
 
 

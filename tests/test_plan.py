@@ -244,6 +244,8 @@ def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     ("qwen3-30b-a3b-plan.yaml", "compute=ram,master=ram,opt=ram"),
     ("qwen3-235b-a22b-plan.yaml", "compute=ram,master=ram,opt=disk"),
     ("deepseek-coder-v2-lite-plan.yaml", "compute=ram,master=ram,opt=ram"),
+    ("gpt-oss-120b-plan.yaml", "compute=ram,master=ram,opt=ram"),
+    ("gpt-oss-20b-plan.yaml", "compute=ram,master=ram,opt=ram"),
 ])
 def test_shipped_plan_experiments_plan(name, placement, capsys):
     assert cli.main(["plan", str(ROOT / "experiments" / name), "--hardware", "h200"]) == 0

@@ -4,6 +4,9 @@ streamed; `mtjax plan --longest` prints it."""
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +59,65 @@ def test_mtjax_plan_names_the_longest_row(capsys):
     assert shown["seq"] >= 2048 and shown["context"] == 8192 and shown["activations"] in ("device", "host")
     assert cli.main(["plan", str(cfg), "--hardware", "h200", "--seq-len", "2048", "--longest"]) == 0
     assert f"longest row  {shown['seq']:,} tokens a row with every part streamed" in capsys.readouterr().out
+
+
+# The CPU profile's longest row, checked on this CPU at that limit: a cpu-2core profile
+# with 3.25 GiB of RAM (its other figures as built in) puts a 2-block Llama's longest row at
+# a few thousand tokens; that row, run for one step in a fresh process, peaks within the
+# planner's RAM for it, and a row twice as long is refused.
+_LONG_ROW_YAML = """\
+model:
+  preset: null
+  model_type: llama
+  vocab_size: 8192
+  hidden_size: 128
+  intermediate_size: 352
+  num_hidden_layers: 2
+  num_attention_heads: 2
+  num_key_value_heads: 2
+  head_dim: 64
+  max_position_embeddings: 65536
+  compute_dtype: float32
+stream: {engine: stream, resident: none, keep_every: 1}
+data: {dataset: unused.jsonl, seq_len: 1024, batch_size: 1}
+"""
+
+_ONE_STEP = """\
+import dataclasses, sys
+import numpy as np
+from mtjax import model
+from mtjax.optim import OptimConfig
+from mtjax.plan import inputs
+from mtjax.stream import StreamEngine
+given, seq, activations, chunk = inputs.load(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+cfg = dataclasses.replace(given.cfg, ffn_chunk_tokens=chunk)
+stream = dataclasses.replace(given.stream, activations=activations)
+engine = StreamEngine(cfg, model.init_params(cfg, seed=0), OptimConfig(lr=1e-4), stream, given.store)
+engine.step(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 1, seq), dtype=np.int32))
+engine.close()
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print("peak_rss", peak * 1024)
+"""
+
+
+@pytest.mark.slow
+def test_the_cpu_profiles_longest_row_runs_within_its_ram_and_a_longer_one_is_refused(tmp_path, capsys):
+    exp = tmp_path / "long.yaml"
+    exp.write_text(_LONG_ROW_YAML)
+    hw = dataclasses.replace(BUILTIN["cpu-2core"], name="cpu-3gib", host_ram_bytes=int(3.25 * GiB))
+    profile = hw.save(tmp_path / "cpu.json")
+    assert cli.main(["plan", str(exp), "--hardware", str(profile), "--longest", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["longest_seq"]
+    assert 4096 <= row["seq"] <= 16384 and row["ram_needed"] <= fit.limits(hw).ram
+
+    # the planner refuses a row twice as long, in one line naming RAM
+    assert cli.main(["plan", str(exp), "--hardware", str(profile), "--seq-len", str(2 * row["seq"])]) == 2
+    refused = capsys.readouterr().err.strip()
+    assert "does not fit cpu-3gib" in refused and "RAM" in refused and "\n" not in refused
+
+    # the row itself, one step in a fresh process: its peak RSS within what the planner priced
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", _ONE_STEP, str(exp), str(row["seq"]), row["activations"],
+                           str(row["ffn_chunk_tokens"] or 0)], env=env, capture_output=True, text=True, check=True)
+    peak = int(done.stdout.split("peak_rss")[-1])
+    assert peak <= row["ram_needed"] <= fit.limits(hw).ram, (peak, row)

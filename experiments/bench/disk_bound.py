@@ -206,12 +206,8 @@ def table(args, r: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small model and 2 steps: shows the script works")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    harness.shape_options(ap, layers=4, width=1024, seq=256, batch=1, vocab=8192, steps=3,
+                          steps_help="timed steps (after one warm-up)")
     ap.add_argument("--copies", type=int, choices=[1, 2], default=2, help="store copies")
     ap.add_argument("--commit-every", type=int, default=4,
                     help="steps between commits (a run's run.checkpoint_every); a timed step is the window's "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import runpy
 import signal
 import statistics
@@ -44,6 +45,16 @@ def llama(layers: int, width: int, *, vocab: int = 8192, ffn: int | None = None,
                        head_dim=head_dim, compute_dtype=dtype, **fields)
 
 
+
+def shape_options(ap, *, steps_help: str, **defaults) -> None:
+    """Add to `ap` the model-shape and run-length options a benchmark takes, in this
+    order: --layers --width --seq --batch --vocab --steps, each an int with the default
+    given; an option left out of `defaults` is not added."""
+    for name in ("layers", "width", "seq", "batch", "vocab", "steps"):
+        if name in defaults:
+            ap.add_argument(f"--{name}", type=int, default=defaults[name],
+                            help=steps_help if name == "steps" else None)
+
 # --- child processes ---------------------------------------------------------------------------
 
 
@@ -67,6 +78,14 @@ def report(**record) -> None:
 
 
 # --- peak memory -------------------------------------------------------------------------------
+
+
+def cpu_name() -> str:
+    """This machine's CPU model as /proc/cpuinfo names it, for a benchmark's text."""
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "an unnamed CPU"
 
 
 def peak_rss() -> int:

@@ -69,12 +69,8 @@ def child(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps (after one that compiles)")
+    harness.shape_options(ap, layers=8, width=1024, seq=512, batch=1, vocab=8192, steps=3,
+                          steps_help="timed steps (after one that compiles)")
     ap.add_argument("--scratch", default=None, help="directory of the runs' stores (default: the system's temp)")
     ap.add_argument("--child", choices=("full", "lora"), help=argparse.SUPPRESS)
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")

@@ -52,13 +52,9 @@ def packed_rows(rng, shape: tuple[int, int, int], vocab: int) -> tuple[Batch, Ba
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=1)
+    harness.shape_options(ap, layers=8, width=1024, seq=512, batch=1, vocab=8192, steps=3,
+                          steps_help="timed steps of each kind (after one warm-up each)")
     ap.add_argument("--accum", type=int, default=2, help="micro-batches per step")
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps of each kind (after one warm-up each)")
     ap.add_argument("--engine", choices=("stream", "reference"), default="stream")
     ap.add_argument("--quick", action="store_true", help="a smoke run: tiny model, 2 steps, no doc")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")

@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import math
 import os
-import platform
 
 import harness  # first: the checkout on sys.path, JAX on the CPU
 
@@ -81,13 +80,6 @@ def measured(reps: int) -> list[str]:
     return rows
 
 
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
@@ -96,7 +88,7 @@ def main() -> None:
     body = "\n".join([
         "Planned (the schedule's byte counts; every block's kernels frozen, batch 1 x seq 4096, bf16 compute; "
         "the embedding, head and norms stay bf16):", "", *planned(), "",
-        f"Measured on this CPU ({cpu_name()}, {os.cpu_count()} cores, {jax.device_count()} JAX CPU device, best of "
+        f"Measured on this CPU ({harness.cpu_name()}, {os.cpu_count()} cores, {jax.device_count()} JAX CPU device, best of "
         f"{args.reps}; the cores may be shared with other work, so these are upper bounds):", "",
         *measured(args.reps), "",
         "nf4 without double quantization is 4.5 bits a weight (3.56x fewer bytes than bf16); int8 is 8 bits "

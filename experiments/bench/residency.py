@@ -72,12 +72,8 @@ def plot(rows, ref_s: float, state: int, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per engine (after one warm-up)")
+    harness.shape_options(ap, layers=8, width=512, seq=256, batch=1, vocab=8192, steps=3,
+                          steps_help="timed steps per engine (after one warm-up)")
     ap.add_argument("--points", type=int, default=5, help="budgets on the curve")
     ap.add_argument("--hardware", default="cpu-2core", help="profile the planner prices residency with")
     ap.add_argument("--png", type=Path, default=harness.ROOT / "docs" / "img" / "residency.png")

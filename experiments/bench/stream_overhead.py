@@ -33,12 +33,8 @@ SECTION = "stream-overhead"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per engine (after one warm-up)")
+    harness.shape_options(ap, layers=8, width=1024, seq=512, batch=1, vocab=8192, steps=3,
+                          steps_help="timed steps per engine (after one warm-up)")
     ap.add_argument("--dtype", default="float32", help="compute dtype")
     ap.add_argument("--trace", type=Path, help="also write the stream's Chrome trace here")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")

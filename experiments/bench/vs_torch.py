@@ -322,11 +322,8 @@ def run_dtype(args, dtype: str) -> tuple[ModelConfig, dict, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per trainer (after one warm-up)")
+    harness.shape_options(ap, layers=8, width=1024, seq=512, vocab=8192, steps=3,
+                          steps_help="timed steps per trainer (after one warm-up)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="compute dtypes to run, in turn (comma-separated)")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
     ap.add_argument("--piece-reps", type=int, default=5, help="timed calls per piece (0 skips the pieces table)")

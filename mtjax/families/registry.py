@@ -36,6 +36,9 @@ class Family:
         ["mlp", "experts", "0", "gate_proj"]) -> as this family's checkpoints name it.
     stacked_experts: the checkpoint holds each MoE block's experts as two stacked tensors,
         `experts.gate_up_proj` [E, d, 2f] and `experts.down_proj` [E, f, d] (mtjax.hf).
+    interleaved_experts: with `stacked_experts`, gate and up in alternate columns of
+        `gate_up_proj` (gpt-oss), and the experts' biases stacked beside their kernels
+        (`gate_up_proj_bias` [E, 2f], interleaved alike, and `down_proj_bias` [E, d]).
     trailing_layers: what the checkpoint's layers past num_hidden_layers are, where it may
         have some (DeepSeek-V3's multi-token-prediction module): left out on import, with
         one line naming them (mtjax.hf.check); empty: such tensors are unexpected.
@@ -55,6 +58,7 @@ class Family:
     checkpoint_names: Callable[[list[str]], list[str]] | None = None
     stacked_experts: bool = False
     trailing_layers: str = ""
+    interleaved_experts: bool = False
     left_out: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 

@@ -94,11 +94,13 @@ class SparseMoE(nnx.Module):
 
     def routed(self, flat, weights, chosen, kernels=None, ids=None):
         """The experts' weighted sum over the rows routed to them: this module's experts, or
-        a group's `kernels` (gate, up, down stacked [n, in, out]) of global expert ids `ids`
-        (moe.experts_forward)."""
+        a group's `kernels` ({"gate_proj.kernel": stacked [n, in, out], ...}) of global
+        expert ids `ids` (moe.experts_forward)."""
         if kernels is None:  # stacked inside the program: the store keeps one array per expert
-            kernels = [jnp.stack([getattr(e, n).kernel[...] for e in self.experts]) for n in EXPERT_KERNELS]
-        return self.router.experts(flat, weights, chosen, *kernels, ids, total=self.cfg.num_experts)
+            stacked = [jnp.stack([getattr(e, n).kernel[...] for e in self.experts]) for n in EXPERT_KERNELS]
+        else:
+            stacked = [kernels[f"{n}.kernel"] for n in EXPERT_KERNELS]
+        return self.router.experts(flat, weights, chosen, *stacked, ids, total=self.cfg.num_experts)
 
     def after_experts(self, routed, shared):
         """The feed-forward's output [T, d]: the experts' sum plus the shared expert's."""

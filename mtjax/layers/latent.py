@@ -100,7 +100,8 @@ class LatentAttentionModule(nnx.Module):
         b, t, _ = x.shape
         k, v = self.keys_values(*self.latent(x, cos, sin))
         out = self._attend(self.queries(x, cos, sin), k, v,
-                           lambda q, k, v: attend(q, k, v, self.scale, None, None, segments))
+                           lambda q, k, v: attend(q, k, v, self.scale, None, None, segments,
+                                                  devices=self.cfg.sequence_devices))
         return self.o_proj(out.reshape(b, t, -1))
 
     def decode(self, x, cache: dict, start, cos, sin, positions):

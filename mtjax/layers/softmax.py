@@ -2,7 +2,8 @@
 
 Causal, grouped-query attention over the config's heads x head_dim, full or over a
 sliding window or chunks of the keys (mtjax.attention computes it), with the config's
-q/k/v projections, biases and q/k norms. Its registry entry: this module, its FLOPs (the
+q/k/v projections, biases and q/k norms, and learned per-head sinks where the spec has
+them (gpt-oss). Its registry entry: this module, its FLOPs (the
 score and value products) and its decode state, a KV cache.
 """
 
@@ -53,6 +54,8 @@ class Attention(nnx.Module):
         q_dim, k_dim = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd) if cfg.qk_norm_full else (hd, hd)
         self.q_norm = RMSNorm(q_dim, cfg) if cfg.qk_norm or cfg.qk_norm_full else None
         self.k_norm = RMSNorm(k_dim, cfg) if cfg.qk_norm or cfg.qk_norm_full else None
+        # gpt-oss: one logit per head joining its softmax's denominator (mtjax.attention).
+        self.sinks = nnx.Param(jnp.zeros((cfg.num_attention_heads,), jnp.float32)) if mixer.sinks else None
 
     def qkv(self, x, cos, sin, positions):
         """Queries [b, t, heads, hd] and keys and values [b, t, kv heads, hd], rotated
@@ -89,6 +92,9 @@ class Attention(nnx.Module):
         out = out.reshape(*out.shape[:2], -1)
         return self.o_proj(out if gate is None else out * jax.nn.sigmoid(gate))
 
+    def _sinks(self):
+        return None if self.sinks is None else self.sinks[...]
+
     def _local(self, positions, segments=None):
         """(window, segments) of this layer's mask over tokens at `positions` [b, t]: chunks
         as documents (mtjax.attention.local_chunks) and a window of one chunk, which lets
@@ -103,7 +109,8 @@ class Attention(nnx.Module):
         window, segments = self._local(positions, segments)
         # A window of W keys includes the query itself. On the CPU not jax.nn.dot_product_attention:
         # attention.py skips the masked score blocks, ~20% faster there.
-        out = attend(q, k, v, cfg.attn_scale, window, self.softcap, segments)  # btnh
+        out = attend(q, k, v, cfg.attn_scale, window, self.softcap, segments, self._sinks(),
+                     devices=cfg.sequence_devices)  # btnh
         return self.output(out, gate)
 
     def decode(self, x, cache: dict, start, cos, sin, positions):
@@ -121,7 +128,7 @@ class Attention(nnx.Module):
         query_segments = None if key_segments is None else jnp.take(key_segments, query_pos, axis=1)
         mask = visible(query_pos, key_pos, window, query_segments, key_segments)  # [t, L] or [1, t, L]
         mask = mask[None, None] if key_segments is None else mask[:, None]
-        out = masked_attention(q, keys, values, mask, self.cfg.attn_scale, self.softcap)
+        out = masked_attention(q, keys, values, mask, self.cfg.attn_scale, self.softcap, self._sinks())
         return self.output(out, gate), {"k": keys, "v": values}
 
 

@@ -34,6 +34,7 @@ class SoftmaxAttention:
     softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     qk_l2_norm: bool = False  # q and k RMS-normalised without a weight after RoPE (Llama 4's RoPE layers)
     temperature: bool = False  # queries scaled by position (Llama 4's NoPE layers, mtjax.model.temperature)
+    sinks: bool = False  # a learned logit per head in every softmax denominator (gpt-oss; leaf `sinks` [heads])
     output_gate: bool = False  # q_proj also yields a gate per head; the output times its sigmoid (Qwen3-Next, Qwen3.5)
 
     @property
@@ -93,6 +94,20 @@ class MoE:
     @property
     def label(self) -> str:
         return "moe"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampedMoE:
+    """gpt-oss's mixture of the config's num_experts experts: a router with a bias (top-k
+    logits, then their softmax: `router`), each expert's projections with biases and the
+    clamped SwiGLU (swiglu_alpha, swiglu_limit); no shared expert (mtjax.layers.clamped_moe)."""
+
+    kind: ClassVar[str] = "clamped_moe"
+    router: str = "topk_softmax"
+
+    @property
+    def label(self) -> str:
+        return "clamped_moe"
 
 
 @dataclasses.dataclass(frozen=True)

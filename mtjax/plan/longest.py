@@ -5,7 +5,7 @@
 
 Every part streams (no resident state, which only trades device memory for speed), the
 run's batch, micro-batches, recompute groups, placement and devices stay as configured,
-the kept block inputs wait on the device or in host RAM and the dense feed-forwards run
+the kept block inputs wait on the device or in host RAM and the feed-forwards (MoE too) run
 whole or over chunks of FFN_CHUNK tokens (model.ffn_chunk_tokens, when the config sets
 none), whichever lets the row grow longer. What grows with the row is priced as at any
 length: kept inputs, vjp residuals (traced, mtjax.stream.schedule.residual_bytes), the
@@ -42,7 +42,7 @@ def search(plan: Plan, room: Limits) -> Longest:
     the row, so a bisection finds it."""
     best = Longest(0, None, plan.cfg.max_position_embeddings)
     cfgs = [plan.cfg]
-    if not plan.cfg.ffn_chunk_tokens and len(plan.cfg.moe_layers) < plan.cfg.num_hidden_layers:
+    if not plan.cfg.ffn_chunk_tokens:
         cfgs.append(dataclasses.replace(plan.cfg, ffn_chunk_tokens=FFN_CHUNK))
     for cfg, activations in itertools.product(cfgs, ("device", "host")):
         stream = dataclasses.replace(plan.stream, resident=(), activations=activations)

@@ -147,11 +147,13 @@ class StreamEngine:
             fix_mmap_threshold()  # state on disk promises host memory flat in depth
         self.parts = parts_mod.parts(cfg)
         self.schemas = {p.name: parts_mod.schema(cfg, p.name, "compute") for p in self.parts}
-        self.fns = block_fns(cfg)
-        self.placement = Placement(mesh=mesh or DeviceMesh.local(stream.devices))
+        self.placement = Placement(mesh=mesh or DeviceMesh.local(stream.devices, stream.split))
+        # The compiled programs' config: attention split over the devices where the rows' tokens are.
+        compute_cfg = dataclasses.replace(cfg, sequence_devices=self.placement.mesh.sequence_devices)
+        self.fns = block_fns(compute_cfg)
         self.tracer = Tracer(trace_steps)
         self.ledger = budget_mod.DeviceLedger(0)
-        self.split = SplitBlocks(group_fns(cfg), self.ledger, self.placement.mesh)  # split MoE blocks' passes
+        self.split = SplitBlocks(group_fns(compute_cfg), self.ledger, self.placement.mesh)  # split MoE blocks' passes
         # Staging slots: each step's schedule says how many of each shape (`check_budget`).
         self.pool = StagingPool(self.placement, self.ledger, schedule_mod.staged_at_once(stream, self.groups) + 1)
         # A one-copy store keeps a single copy of the state: each step commits the state

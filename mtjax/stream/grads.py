@@ -7,7 +7,8 @@ before any part is updated. Each part's squared norm is reduced on the device, f
 gradient the backward left there, and only that scalar comes back beside the copy (on a
 GPU the host's single-threaded XLA CPU reduction of every gradient cost more than the
 device's); the multi-process path reduces its own rows after the reduce-scatter. `take(part)` hands a part's summed
-gradient to its (deferred) update. With `spill`, sums wait in checksummed files
+gradient to its (deferred) update. A buffer's rule input travels in its part's gradient
+dict under the buffer's name (mtjax.roles), outside the norm. With `spill`, sums wait in checksummed files
 (mtjax.store.pending) instead of host memory (used when the master weights live on disk).
 A step's finished sums are named by its tag (`finish(tag)`, file keys `pending_key(part,
 tag)`). A durable spill (one-copy stores) keeps a taken sum's files: the commit protocol
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtjax import roles
 from mtjax.optim import sum_of_squares
 from mtjax.store.layout import pending_key
 from mtjax.store.pending import PendingFiles
@@ -57,7 +59,7 @@ class GradSink:
         self._current.append(part)
         sq = None
         if self.hosts is None:  # on the device, queued behind the backward; the scalar alone comes back
-            sq = self._sq_fn(self.placement.mesh.one_copy(grads))
+            sq = self._sq_fn(self.placement.mesh.one_copy(roles.without_buffers(grads)))
             sq.copy_to_host_async()
         grads = self.placement.start_to_host(grads)
         self._futures.append(self._pool.submit(self._accumulate, part, grads, sq))

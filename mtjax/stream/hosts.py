@@ -24,6 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mtjax import roles
 from mtjax.documents import Inputs
 from mtjax.errors import MtjaxError
 from mtjax.shard import Shard
@@ -76,7 +77,7 @@ class Hosts:
             else:
                 padded = g
                 out[name] = self._local(self._reduce(self._global(g[None], self._split, (self.count, *g.shape))))
-            if self.shard.splits(g.shape) or self.index == 0:
+            if (self.shard.splits(g.shape) or self.index == 0) and not roles.is_buffer(name):  # a rule input: no norm
                 sq = sq + jnp.sum(jnp.square(out[name]))
             ring = 1 if self.shard.splits(g.shape) else 2
             self.sent["reduce_scatter"] += ring * padded.nbytes * (self.count - 1) // self.count

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import treepath
+from mtjax import roles, treepath
 from mtjax.hostmem import huge_empty
 from mtjax.optim import sum_of_squares
 from mtjax.stream.staging import Placement
@@ -112,7 +112,7 @@ class Resident:
 
     def finish(self) -> dict[str, np.float32]:
         """{part: squared norm of its gradient} of this step (waits for the device)."""
-        return {p: np.float32(self._sq_fn(g)) for p, g in self._grads.items()}
+        return {p: np.float32(self._sq_fn(roles.without_buffers(g))) for p, g in self._grads.items()}
 
     def drop(self) -> None:
         """Forget this step's gradients (a failed or non-finite step)."""

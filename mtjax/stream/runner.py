@@ -78,6 +78,7 @@ class Runner:
         # Each part's buffer leaves (mtjax.roles), whose gradients are dropped.
         self._buffers = {p.name: frozenset(n for n, leaf in parts.leaves(cfg, p.name).items()
                                            if leaf.role == roles.BUFFER) for p in parts.parts(cfg)}
+        self._moe_index = {i: j for j, i in enumerate(sorted(cfg.moe_layers))}  # block -> its place in `stats`
         self._do = {
             ops.Stage: self._stage, ops.Resident: self._resident, ops.Release: self._release,
             ops.Embed: self._embed, ops.Forward: self._forward, ops.Save: self._save,
@@ -337,12 +338,28 @@ class Runner:
     def _grad_out(self, st: Pass, op: ops.GradOut) -> None:
         grads = st.summed.pop(op.part)
         grads = self._without_buffers(op.part, grads)
-        if grads:  # a part with no trained leaf has no gradient, and no update
-            self.grads.add(op.part, tapped(op.part, grads))
+        grads = {**(tapped(op.part, grads) if grads else {}), **self._rule_inputs(st, op.part)}
+        if grads:  # a part with no trained leaf (and no buffer rule on) has no gradient, and no update
+            self.grads.add(op.part, grads)
 
     def _grad_stays(self, st: Pass, op: ops.GradStays) -> None:
         grads = self._without_buffers(op.part, st.summed.pop(op.part))
-        self.resident.add_grad(op.part, tapped(op.part, grads) if grads else grads)
+        if inputs := self._rule_inputs(st, op.part):
+            grads = {**(tapped(op.part, grads) if grads else {}), **inputs}
+        elif grads:
+            grads = tapped(op.part, grads)
+        self.resident.add_grad(op.part, grads)
+
+    def _rule_inputs(self, st: Pass, part) -> dict:
+        """The rule inputs of the buffers a part holds (a whole block's, or its router
+        part's), from its MoE layer's router stats of every micro-batch (mtjax.roles):
+        they go out with the part's gradient, under the buffers' names. {} when off."""
+        pid = PartId(part)
+        if pid.block not in self._moe_index or pid.group is not None:
+            return {}
+        stats = [per_batch[self._moe_index[pid.block]] for per_batch in st.stats]
+        inputs = {n: roles.buffer_input(self.cfg, n, stats) for n in sorted(self._buffers[pid.owner])}
+        return {n: x for n, x in inputs.items() if x is not None}
 
     def _without_buffers(self, part, grads):
         """A part's gradient without its buffers' (mtjax.roles: changed by their rule, never

@@ -51,7 +51,7 @@ import jax
 import numpy as np
 
 from mtjax import expert_groups, hostmem, model, moe, partid, parts
-from mtjax.config import StoreConfig, StreamConfig, check_batch_split
+from mtjax.config import StoreConfig, StreamConfig, check_split
 from mtjax.errors import MtjaxError
 from mtjax.layers.spec import LayerSpec
 from mtjax.loss import head_bytes
@@ -197,7 +197,12 @@ class Schedule:
     @property
     def device_batch(self) -> int:
         """Rows of a micro-batch on each device."""
-        return self.shape.batch // self.devices
+        return self.shape.batch // (1 if self.stream.split == "sequence" else self.devices)
+
+    @property
+    def device_seq(self) -> int:
+        """Tokens of a row on each device."""
+        return self.shape.seq // (self.devices if self.stream.split == "sequence" else 1)
 
     def unit(self, name: PartId) -> StateBytes:
         """The state bytes of a transfer: a part's, or a split block's sub-part's."""
@@ -277,7 +282,7 @@ class Schedule:
 
     def saved_residual_bytes(self, spec: LayerSpec) -> int:
         """One micro-batch's residuals a saved block of `spec` keeps from its forward."""
-        return residual_bytes(self.cfg, spec, self.device_batch, self.shape.seq, self.remat)
+        return residual_bytes(self.cfg, spec, self.device_batch, self.device_seq, self.remat)
 
     @property
     def kept_bytes(self) -> int:
@@ -547,7 +552,8 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
              fused: bool | None = None, part_bytes_: dict[PartId, StateBytes] | None = None,
              devices: int = 1, dispatch: str | None = None) -> Schedule:
     """The schedule of one step of `shape` under `stream` and `store`'s placement, data
-    parallel over `devices` devices (shape.batch splits over them: mtjax.config.check_batch_split).
+    parallel over `devices` devices (shape.batch splits over them, or shape.seq with
+    stream.split sequence: mtjax.config.check_split).
     `dispatch`: the MoE grouped matmul of the device planned for (mtjax.moe.dispatch; default
     the backend's here), which decides what an expert backward allocates.
 
@@ -691,7 +697,7 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     saved = saved_groups(grps, resident, remat)
     derived = derives_compute(fused, store, parts.frozen_any(cfg))
     where = spill(store)
-    check_batch_split(shape.batch, devices)
+    check_split(stream.split, shape.batch, shape.seq, devices)
     hidden = shape.batch * shape.seq * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize
     # Summed over several micro-batches a gradient is fp32; alone it leaves as computed,
     # in the compute dtype, except the embedding's (a dense fp32 table, also when tied).
@@ -739,8 +745,12 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
         compute_handed=sum(unit[transfers[i]].compute for i in handed),
     )
     forward = tuple(p for p in forward_parts(cfg, split) if p not in resident)
-    # Each device holds all of the weights and its share of every micro-batch's rows.
-    local = dataclasses.replace(shape, batch=shape.batch // devices)
+    # Each device holds all of the weights and its share of every micro-batch's rows (or,
+    # split by sequence, of every row's tokens: attention's gathered keys and values aside).
+    if stream.split == "sequence":
+        local = dataclasses.replace(shape, seq=shape.seq // devices)
+    else:
+        local = dataclasses.replace(shape, batch=shape.batch // devices)
     device = _device_plan(cfg, stream, local, pb, grps, grad, hidden // devices, resident, saved, remat, split, sub,
                           dispatch)
     return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps, split), resident,

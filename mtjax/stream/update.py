@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mtjax import model, parts, precision, treepath
+from mtjax import model, parts, precision, roles, treepath
 from mtjax.hostmem import huge_empty
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
@@ -87,16 +87,21 @@ class PartUpdate:
         (fused only): where the part comes in the next forward; the loop's threads run
         the pieces of lower ranks first when several updates share them.
         """
-        # Leaves with a master but no gradient are buffers (mtjax.roles): changed by their
-        # owner's rule, not here; they pass through (no rule today).
-        buffers = {n: a for n, a in master.items() if n not in grads}
+        # Buffers (mtjax.roles) are changed by their owner's rule, not by AdamW: `grads`
+        # holds a buffer's rule input under its name when the rule is on; without one the
+        # buffer passes through unchanged.
+        buffers = {n: a for n, a in master.items() if roles.is_buffer(n)}
         if buffers:
-            master = {n: a for n, a in master.items() if n in grads}
-            kept = {n: c for n, c in (compute or {}).items() if n in buffers}  # their compute copies stay too
+            inputs = {n: grads[n] for n in buffers if n in grads}
+            grads = {n: g for n, g in grads.items() if n not in buffers}
+            master = {n: a for n, a in master.items() if n not in buffers}
+            kept = {n: c for n, c in (compute or {}).items() if n in buffers and n not in inputs}
             compute = None if compute is None else {n: c for n, c in compute.items() if n not in buffers}
-            new_master, new_opt, new_compute = self(part, master, opt, compute, grads, scale, own, copy)
+            new_master, new_opt, new_compute = self(part, master, opt, compute, grads, scale, own, copy, rank)
+            buffers.update({n: roles.apply_rule(self.cfg, n, buffers[n], x) for n, x in inputs.items()})
             if new_compute is not None:
-                new_compute = {**(kept or self.policy.to_compute(buffers)), **new_compute}
+                fresh = {n: a for n, a in buffers.items() if n not in kept}  # changed, or never copied
+                new_compute = {**kept, **(self.policy.to_compute(fresh) if fresh else {}), **new_compute}
             return {**buffers, **new_master}, new_opt, new_compute
         if self.fused is not None:
             return self._fused(master, opt, compute or {}, grads, scale, own, copy, rank)

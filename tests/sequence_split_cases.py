@@ -1,0 +1,119 @@
+"""Context-parallel cases, run in a child process with two CPU devices (tests/multidevice.py).
+
+`split_attention` over both devices against the unsplit kernel (window, soft-cap, packed
+documents; outputs and gradients), then the streaming engine with each row's tokens split
+over both devices (stream.split: sequence) against the engine on one device: 3 AdamW steps
+of a tiny model on rows of 384 tokens (3 of the kernel's 128-row blocks, split 192 | 192,
+so a device's share starts mid-block), plain and packed rows; and XLA's temporaries of one
+block's gradient at 8k tokens, per device, split over two devices and on one. Prints one
+JSON line of results; tests/test_sequence_split.py asserts on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtjax import model
+from mtjax.attention import SEQUENCE, causal_attention, split_attention
+from mtjax.batch import Batch
+from mtjax.config import StreamConfig
+from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig
+from mtjax.stream import StreamEngine
+
+CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
+OPT = OptimConfig(lr=1e-3, warmup_steps=0, clip_norm=0.05, weight_decay=0.1)
+STEPS, BATCH, SEQ = 3, 2, 384
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def kernel_cases() -> dict:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), (SEQUENCE,))
+    put = lambda x: None if x is None else jax.device_put(x, jax.sharding.NamedSharding(  # noqa: E731
+        mesh, jax.sharding.PartitionSpec(None, SEQUENCE)))
+    out = {}
+    for name, t, window, softcap, packed, rows in [("plain", 64, None, None, False, 8),
+                                                   ("window-softcap", 60, 9, 2.0, False, 7),
+                                                   ("documents", 54, None, None, True, 5)]:
+        kq, kk, kv, kd = jax.random.split(jax.random.key(t), 4)
+        q, dout = jax.random.normal(kq, (2, t, 4, 8)), jax.random.normal(kd, (2, t, 4, 8))
+        k, v = jax.random.normal(kk, (2, t, 2, 8)), jax.random.normal(kv, (2, t, 2, 8))
+        seg = None
+        if packed:  # documents crossing the devices' boundary, padding (0) at one row's end
+            seg = jnp.asarray(np.repeat([[1, 2, 3, 0], [4, 5, 6, 7]], [20, 11, 15, t - 46], axis=1), jnp.int32)
+
+        def value_and_vjp(fn, q, k, v, d, s):
+            return jax.jit(lambda q, k, v, d, s: (lambda o, vjp: (o, *vjp(d)))(
+                *jax.vjp(lambda q, k, v: fn(q, k, v, s), q, k, v)))(q, k, v, d, s)
+
+        want = value_and_vjp(lambda q, k, v, s: causal_attention(q, k, v, 0.3, window, t, softcap, s), q, k, v, dout, seg)
+        got = value_and_vjp(lambda q, k, v, s: split_attention(q, k, v, 0.3, window, softcap, s, 2, rows),
+                            *map(put, (q, k, v, dout, seg)))
+        out[name] = {"errors": [rel(a, b) for a, b in zip(got, want)],
+                     "out_spec": str(got[0].sharding.spec)}
+    return out
+
+
+def batches(packed: bool) -> list[Batch]:
+    rng = np.random.default_rng(7)
+    out = []
+    for _ in range(STEPS):
+        tokens = rng.integers(0, CFG.vocab_size, (1, BATCH, SEQ), dtype=np.int32)
+        if not packed:
+            out.append(Batch(tokens))
+            continue
+        lengths = [[100, 150, 134], [250, 120, 14]]  # the second row ends in padding
+        segments = np.stack([np.repeat(np.arange(1, 4), n) for n in lengths])[None].astype(np.int32)
+        segments[0, 1, -14:] = 0
+        out.append(Batch(tokens, segments != 0, segments))
+    return out
+
+
+def engine_case(packed: bool) -> dict:
+    runs, kept = {}, []
+    for devices in (1, 2):
+        engine = StreamEngine(CFG, model.init_params(CFG, seed=1), OPT,
+                              StreamConfig(keep_every=1, devices=devices, split="sequence"))
+        stop = engine.observe(lambda event, x: kept.append(str(x.sharding.spec)) if event == "keep" and devices == 2
+                              else None)
+        losses = [engine.step(b)["loss"] for b in batches(packed)]
+        stop()
+        runs[devices] = (losses, engine.params(), engine.fns.cfg.sequence_devices)
+        engine.close()
+    (l1, p1, s1), (l2, p2, s2) = runs[1], runs[2]
+    return {"loss_error": max(abs(a - b) / abs(b) for a, b in zip(l2, l1)),
+            "param_error": max(jax.tree.leaves(jax.tree.map(rel, p2, p1))),
+            "sequence_devices": [s1, s2], "kept_specs": sorted(set(kept))}
+
+
+def block_temp_bytes(devices: int, seq: int = 8192) -> int:
+    """Each device's temporaries in the compiled gradient of one block over a row of `seq`
+    tokens split over `devices` devices (memory_analysis: nothing runs)."""
+    cfg, spec = dataclasses.replace(CFG, sequence_devices=devices), CFG.layer_specs[0]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), (SEQUENCE,))
+    x = jax.ShapeDtypeStruct((1, seq, cfg.hidden_size), jnp.float32,
+                             sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, SEQUENCE)))
+    block = model.init_params(cfg, seed=0)["blocks"][0]
+    grad = jax.grad(lambda b, x: jnp.sum(model.block_forward(cfg, spec, b, x)), argnums=(0, 1))
+    return jax.jit(grad).lower(block, x).compile().memory_analysis().temp_size_in_bytes
+
+
+def main() -> None:
+    assert len(jax.devices()) == 2
+    results = {"kernel": kernel_cases(), "plain": engine_case(False), "documents": engine_case(True),
+               "block_temp_bytes": [block_temp_bytes(1), block_temp_bytes(2)]}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

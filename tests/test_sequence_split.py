@@ -1,0 +1,54 @@
+"""Context parallel (stream.split: sequence): each row's tokens split over two CPU devices
+train as one device does, to 1e-5; the attention over the split row equals the unsplit
+kernel. One child process with two devices runs every case (tests/sequence_split_cases.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import multidevice
+from mtjax.config import DataConfig, ExperimentConfig, ModelSection, StreamConfig, model_config
+from mtjax.model_config import ConfigError
+
+SLOW = pytest.mark.slow  # one child: the JAX import and the compiles of two engines (~40 s here)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return multidevice.run(["tests/sequence_split_cases.py"], devices=2, timeout=600)
+
+
+@SLOW
+@pytest.mark.parametrize("name", ["plain", "window-softcap", "documents"])
+def test_attention_over_a_split_row_equals_the_whole_rows(results, name):
+    r = results["kernel"][name]
+    assert max(r["errors"]) <= 1e-6, r["errors"]  # output, dq, dk, dv
+    assert r["out_spec"] == "P(None, 'sequence')"  # each device keeps its share of the row
+
+
+@SLOW
+@pytest.mark.parametrize("name", ["plain", "documents"])
+def test_two_devices_splitting_each_row_train_as_one_device(results, name):
+    r = results[name]
+    assert r["sequence_devices"] == [1, 2]  # the two-device programs' attention is split
+    assert r["kept_specs"] == ["P(None, 'sequence')"]  # hidden states stay split between blocks
+    assert r["loss_error"] <= 1e-5
+    assert r["param_error"] <= 1e-5
+
+
+@SLOW
+def test_two_devices_hold_half_a_blocks_temporaries_each(results):
+    """N devices train N times the context: a block's gradient at 8k tokens, split over two
+    devices, needs about half the temporaries on each (the gathered keys and values aside)."""
+    one, two = results["block_temp_bytes"]
+    assert two <= 0.6 * one, (one, two)
+
+
+def test_a_row_that_does_not_split_is_one_line():
+    with pytest.raises(ConfigError, match=r"data.seq_len 10 does not split over 4 devices \(stream.split: sequence\)"):
+        ExperimentConfig(stream=StreamConfig(devices=4, split="sequence"), data=DataConfig(batch_size=1, seq_len=10))
+    ExperimentConfig(stream=StreamConfig(devices=4, split="sequence"), data=DataConfig(batch_size=1, seq_len=12))
+    with pytest.raises(ConfigError, match="stream.split"):
+        StreamConfig(split="tokens")
+    with pytest.raises(ConfigError, match="model.sequence_devices is set by the engine"):
+        model_config(ExperimentConfig(model=ModelSection(overrides=(("sequence_devices", 2),))))
