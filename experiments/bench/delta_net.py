@@ -68,12 +68,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
     args = ap.parse_args()
-    rows = []
+    rows, faster = [], []
     for seq in args.seq:
         r = measure(config(args.width, seq), seq, args.repeats)
         (ta, ma), (td, md) = r["softmax_attention"], r["gated_delta_net"]
         rows.append(f"| {seq} | {ta:.3f} | {td:.3f} | {td / ta:.2f} | {ma / 2**20:.0f} | {md / 2**20:.0f} |")
+        faster += [seq] if td < ta else []
         print(rows[-1], flush=True)
+    crossover = (f"The delta-net block is the faster from {faster[0]} tokens on (the crossover lies below it, "
+                 "above the longest row where attention still wins); its time and memory grow linearly, "
+                 "attention's quadratically." if faster else "Attention is the faster at every length measured.")
     load = os.getloadavg()[0]
     body = "\n".join([
         f"{datetime.date.today()}, AMD EPYC (lscpu), "
@@ -87,6 +91,8 @@ def main() -> None:
         "| delta-net temp (MiB) |",
         "|---|---|---|---|---|---|",
         *rows,
+        "",
+        crossover,
     ])
     harness.publish(SECTION, "A delta-net block against an attention block (experiments/bench/delta_net.py)", body,
                     "experiments/bench/delta_net.py " + " ".join(["--seq", *map(str, args.seq)]),
