@@ -182,7 +182,7 @@ def test_the_multimodal_release_gives_its_language_model(tmp_path, capsys):
 def test_the_multi_token_prediction_weights_are_left_out_with_one_line(tmp_path, capsys):
     from safetensors.numpy import save_file
 
-    ckpt, _ = hf_models.checkpoint(tmp_path, "qwen3_next", num_hidden_layers=3)
+    ckpt, _ = hf_models.checkpoint(tmp_path, "qwen3_next", num_hidden_layers=3, **MOE)
     tensors = load_file(str(ckpt / hf.SINGLE_FILE))
     tensors.update({"mtp.fc.weight": np.ones((32, 64), np.float32), "mtp.norm.weight": np.ones(32, np.float32)})
     save_file(tensors, str(ckpt / hf.SINGLE_FILE), metadata={"format": "pt"})
