@@ -306,6 +306,19 @@ def test_the_decode_state_is_the_conv_window_and_the_rule_state():
     assert {n: s.shape for n, s in state.items()} == {"conv": (2, 3, 2 * 2 * 6 + 4 * 5), "recurrent": (2, 4, 6, 5)}
 
 
+def test_the_planner_prices_the_delta_net_by_its_own_linear_flops():
+    """The planner's and MFU's FLOPs ask the mixer's registry entry: the delta-net's grow
+    linearly with the row, softmax attention's quadratically."""
+    from mtjax.plan import cost
+
+    delta, attention = DENSE.layer_specs[0], DENSE.layer_specs[1]
+    mixer = lambda spec, seq: cost.block_forward_flops(DENSE, spec, 0, 1, seq)  # no parameters: the mixer's own
+    assert mixer(delta, 4096) == pytest.approx(4 * mixer(delta, 1024)) and mixer(delta, 1024) > 0
+    assert mixer(attention, 4096) == pytest.approx(16 * mixer(attention, 1024))
+    per_token = lambda seq: cost.mfu_flops_per_token(DENSE, seq)
+    assert per_token(8192) - per_token(4096) == pytest.approx(3 * (mixer(attention, 8192) / 8192 - mixer(attention, 4096) / 4096))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family, overrides", [("qwen3_5_text", {}), ("qwen3_next", dict(MOE, mlp_only_layers=[1]))])
 def test_cached_greedy_decoding_equals_transformers_generate(family, overrides, tmp_path):
