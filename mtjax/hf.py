@@ -273,6 +273,11 @@ def check(cfg: ModelConfig, reader: SafetensorsReader) -> list[TensorSpec]:
         layers = sorted({_layer(n) for n in trailing})
         print(f"mtjax: {reader.dir}: layers {', '.join(map(str, layers))} are its {cfg.family.trailing_layers} "
               f"({len(trailing)} tensors): left out")
+    for prefix, what in cfg.family.left_out.items():
+        extra = [n for n in present - set(expected) if n.startswith(prefix)]
+        if extra:
+            print(f"mtjax: {reader.dir}: its {what} ({prefix}*, {len(extra)} tensors): left out")
+            ignorable |= set(extra)
     missing = sorted(set(expected) - present)
     unexpected = sorted(present - set(expected) - ignorable - set(trailing))
     misshaped = sorted(

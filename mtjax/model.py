@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtjax import documents, lora, roles, rope, treepath
-from mtjax.layers import clamped_moe, feedforward, latent, registry, softmax  # noqa: F401 - these register the built-in kinds
+from mtjax.layers import clamped_moe, delta_net, feedforward, latent, registry, softmax  # noqa: F401 - these register the built-in kinds
 from mtjax.layers.basic import LOW_DOT, Dense, RMSNorm, rms_norm
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig

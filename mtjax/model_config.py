@@ -43,7 +43,10 @@ NUMBER_RANGES = {"rope_theta": POSITIVE, "max_position_embeddings": AT_LEAST_1, 
                  "q_lora_rank": AT_LEAST_0, "kv_lora_rank": AT_LEAST_0, "qk_nope_head_dim": AT_LEAST_0,
                  "v_head_dim": AT_LEAST_0, "ffn_chunk_tokens": AT_LEAST_0,
                  "router_bias_update_rate": AT_LEAST_0, "swiglu_alpha": POSITIVE, "swiglu_limit": POSITIVE,
-                 "sequence_devices": AT_LEAST_1}
+                 "sequence_devices": AT_LEAST_1,
+                 "linear_num_key_heads": AT_LEAST_0, "linear_num_value_heads": AT_LEAST_0,
+                 "linear_key_head_dim": AT_LEAST_0, "linear_value_head_dim": AT_LEAST_0,
+                 "linear_conv_kernel_dim": AT_LEAST_1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +129,14 @@ class ModelConfig:
     attn_temperature_tuning: bool = False  # NoPE layers scale q by log1p(floor((p + 1) / floor_scale)) * temperature_scale + 1
     floor_scale: float = 8192.0
     temperature_scale: float = 0.1  # Hugging Face's attn_scale (not `attn_scale` below, the softmax scale)
+    # Gated delta-net layers (Qwen3-Next, Qwen3.5: mtjax.layers.delta_net): linear attention
+    # of linear_num_value_heads heads, keys and queries of linear_num_key_heads heads.
+    delta_net_layers: tuple[int, ...] = ()  # indices of the delta-net layers; the others softmax attention
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4  # the causal depthwise convolution's width over q, k and v
     # Behaviour switches (SWITCHES); None takes the family's default (its `defaults`).
     fused_projections: bool | None = None  # fused qkv_proj and gate_up_proj kernels (Phi-3); null: the family's
     rope_interleaved: bool | None = None  # RoPE turns adjacent pairs, not halves (Llama 4); null: the family's

@@ -36,6 +36,27 @@ def _llama4_multimodal(**text):
                                      tie_word_embeddings=text.get("tie_word_embeddings", False))
 
 
+# The linear_* sizes of a tiny Qwen3-Next / Qwen3.5 (odd on purpose) and RoPE over half
+# of each head; its layers delta-net, gated attention, delta-net, ... (layer i % 3 == 1 attention).
+TINY_DELTA_NET = dict(linear_key_head_dim=6, linear_value_head_dim=5, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_conv_kernel_dim=3, head_dim=8)
+
+
+def _delta_net(config_class, **text):
+    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[1, 1, 0])
+    kinds = ["full_attention" if i % 3 == 1 else "linear_attention" for i in range(text["num_hidden_layers"])]
+    return config_class(**{**TINY_DELTA_NET, "rope_parameters": rope, "layer_types": kinds, **text})
+
+
+def _qwen3_5_multimodal(**text):
+    """Qwen3_5ForConditionalGeneration's config: the text model's keys, a tiny vision tower."""
+    vision = dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
+    return transformers.Qwen3_5Config(text_config=_delta_net(transformers.Qwen3_5TextConfig, **text).to_dict(),
+                                      vision_config=vision,
+                                      tie_word_embeddings=text.get("tie_word_embeddings", False))
+
+
 FAMILIES = {
     "llama": transformers.LlamaConfig,
     "mistral": transformers.MistralConfig,
@@ -54,11 +75,16 @@ FAMILIES = {
     "deepseek_v2": transformers.DeepseekV2Config,
     "deepseek_v3": transformers.DeepseekV3Config,
     "gpt_oss": transformers.GptOssConfig,
+    "qwen3_next": lambda **kw: _delta_net(transformers.Qwen3NextConfig, **kw),
+    "qwen3_5_text": lambda **kw: _delta_net(transformers.Qwen3_5TextConfig, **kw),
+    "qwen3_5_moe_text": lambda **kw: _delta_net(transformers.Qwen3_5MoeTextConfig, **kw),
+    "qwen3_5": _qwen3_5_multimodal,
 }
 # What mtjax calls each family's model (a multimodal checkpoint is imported as its text model).
-MODEL_TYPE = {**{f: f for f in FAMILIES}, "gemma3": "gemma3_text", "llama4": "llama4_text"}
+MODEL_TYPE = {**{f: f for f in FAMILIES}, "gemma3": "gemma3_text", "llama4": "llama4_text", "qwen3_5": "qwen3_5_text"}
 # The model classes of multimodal families (the others are AutoModelForCausalLM's).
-MULTIMODAL = {"llama4": transformers.Llama4ForConditionalGeneration}
+MULTIMODAL = {"llama4": transformers.Llama4ForConditionalGeneration,
+              "qwen3_5": transformers.Qwen3_5ForConditionalGeneration}
 
 BASE = dict(
     vocab_size=97,
@@ -137,6 +163,10 @@ def build(family: str, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
+            # Delta-net decay rates A in [0.05, 1] (transformers draws [0.01, 16]): faster decays
+            # make A_log's gradient a sum that cancels to fp32 noise on both sides.
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
         for name, b in model.named_buffers():  # DeepSeek-V3's routing bias: enough to change picks
             if name.endswith("e_score_correction_bias"):
                 b.add_(0.3 * torch.randn_like(b))

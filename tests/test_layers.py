@@ -79,5 +79,5 @@ def test_an_unregistered_kind_is_one_clear_error():
     class Unknown:
         kind = "no_such_mixer"
 
-    with pytest.raises(MtjaxError, match="no mixer kind 'no_such_mixer' is registered; known: latent_attention, softmax_attention"):
+    with pytest.raises(MtjaxError, match="no mixer kind 'no_such_mixer' is registered; known: gated_delta_net, latent_attention, softmax_attention"):
         registry.mixer(LayerSpec(Unknown(), DenseMLP()))

@@ -214,7 +214,7 @@ def test_round_trip_keeps_the_other_keys_of_a_transformers_config(family):
     cfg = mtjax.from_hf_dict(hf)
     again = mtjax.to_hf_dict(cfg)
     assert mtjax.from_hf_dict(again) == cfg
-    if family in ("gemma3", "llama4"):  # multimodal: the other keys are its language model's
+    if family in ("gemma3", "llama4", "qwen3_5"):  # multimodal: the other keys are its language model's
         hf = dict(hf["text_config"], transformers_version=hf["transformers_version"])
     for key in ("bos_token_id", "eos_token_id", "hidden_act", "transformers_version"):
         assert again.get(key) == hf.get(key), key

@@ -33,6 +33,7 @@ from mtjax.stream import StreamEngine
 
 SECTION = "families"
 MOE = dict(num_local_experts=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64)
 FAMILIES = {  # family -> (transformers config class, what differs from the shared shape)
     "llama": ("LlamaConfig", {}),
     "mistral": ("MistralConfig", dict(sliding_window=128)),
@@ -48,6 +49,10 @@ FAMILIES = {  # family -> (transformers config class, what differs from the shar
     # Llama 4: its experts' width is intermediate_size, its dense layers' intermediate_size_mlp.
     "llama4_text": ("Llama4TextConfig", dict(num_local_experts=8, num_experts_per_tok=1, attention_chunk_size=128,
                                              intermediate_size_mlp=704, interleave_moe_layer_step=2)),
+    # Qwen3-Next / Qwen3.5: three delta-net layers to one gated attention layer (their default interval).
+    "qwen3_next": ("Qwen3NextConfig", dict(MOE, shared_expert_intermediate_size=256, **LINEAR)),
+    "qwen3_5_text": ("Qwen3_5TextConfig", LINEAR),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(MOE, shared_expert_intermediate_size=256, **LINEAR)),
 }
 # Rows beyond one per family: (label, family, stream settings).
 EXTRA_ROWS = [("qwen3_moe, expert groups of 2 (forced)", "qwen3_moe", dict(expert_group_size=2))]

@@ -42,6 +42,9 @@ class Family:
     trailing_layers: what the checkpoint's layers past num_hidden_layers are, where it may
         have some (DeepSeek-V3's multi-token-prediction module): left out on import, with
         one line naming them (mtjax.hf.check); empty: such tensors are unexpected.
+    left_out: {name prefix: what it is} of other tensors its checkpoints may hold beside the
+        model (Qwen3-Next's multi-token-prediction module, `mtp.`): left out on import with
+        one line.
     """
 
     model_type: str
@@ -56,6 +59,7 @@ class Family:
     stacked_experts: bool = False
     trailing_layers: str = ""
     interleaved_experts: bool = False
+    left_out: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 FAMILIES: dict[str, Family] = {}

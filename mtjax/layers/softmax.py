@@ -40,12 +40,13 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.window, self.chunk, self.softcap = mixer.window, mixer.chunk, mixer.softcap
         self.rope = spec.rope is not None
-        self.l2_norm, self.temperature = mixer.qk_l2_norm, mixer.temperature
+        self.l2_norm, self.temperature, self.gated = mixer.qk_l2_norm, mixer.temperature, mixer.output_gate
         q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         if cfg.fused_projections:  # one [d, q + 2 kv] kernel, split after the matmul
             self.qkv_proj = Dense(d, q + 2 * kv, cfg.attention_bias, cfg, rngs)
         else:
-            self.q_proj = Dense(d, q, cfg.attention_bias, cfg, rngs)
+            # With an output gate each head's queries are followed by its gate: [heads, 2 hd].
+            self.q_proj = Dense(d, 2 * q if self.gated else q, cfg.attention_bias, cfg, rngs)
             self.k_proj = Dense(d, kv, cfg.attention_bias, cfg, rngs)
             self.v_proj = Dense(d, kv, cfg.attention_bias, cfg, rngs)
         self.o_proj = Dense(cfg.num_attention_heads * hd, d, cfg.o_proj_bias, cfg, rngs)
@@ -58,7 +59,8 @@ class Attention(nnx.Module):
 
     def qkv(self, x, cos, sin, positions):
         """Queries [b, t, heads, hd] and keys and values [b, t, kv heads, hd], rotated
-        (and normed or tempered) for tokens at `positions` [b|1, t]."""
+        (and normed or tempered) for tokens at `positions` [b|1, t], and the output gate
+        [b, t, heads * hd] (None without one)."""
         cfg = self.cfg
         b, t, _ = x.shape
         if cfg.fused_projections:
@@ -66,6 +68,10 @@ class Attention(nnx.Module):
             q, k, v = jnp.split(self.qkv_proj(x), [q_end, q_end + cfg.num_key_value_heads * cfg.head_dim], axis=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        gate = None
+        if self.gated:
+            q, gate = jnp.split(q.reshape(b, t, cfg.num_attention_heads, 2 * cfg.head_dim), 2, axis=-1)
+            gate = gate.reshape(b, t, -1)
         if cfg.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)  # btnh
@@ -79,7 +85,12 @@ class Attention(nnx.Module):
             q, k = rms_norm(q, None, cfg.rms_norm_eps), rms_norm(k, None, cfg.rms_norm_eps)
         if self.temperature:
             q = (q * temperature(cfg, positions)[..., None, None]).astype(q.dtype)
-        return q, k, v
+        return q, k, v, gate
+
+    def output(self, out, gate):
+        """o_proj of the heads' outputs [b, t, heads, hd], times the gate's sigmoid first where there is one."""
+        out = out.reshape(*out.shape[:2], -1)
+        return self.o_proj(out if gate is None else out * jax.nn.sigmoid(gate))
 
     def _sinks(self):
         return None if self.sinks is None else self.sinks[...]
@@ -94,22 +105,20 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, positions, segments=None):
         cfg = self.cfg
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin, positions)
+        q, k, v, gate = self.qkv(x, cos, sin, positions)
         window, segments = self._local(positions, segments)
         # A window of W keys includes the query itself. On the CPU not jax.nn.dot_product_attention:
         # attention.py skips the masked score blocks, ~20% faster there.
         out = attend(q, k, v, cfg.attn_scale, window, self.softcap, segments, self._sinks(),
                      devices=cfg.sequence_devices)  # btnh
-        return self.o_proj(out.reshape(b, t, -1))
+        return self.output(out, gate)
 
     def decode(self, x, cache: dict, start, cos, sin, positions):
         """New tokens x [b, t, d] at positions start .. start+t-1 (`positions` [1, t])
         attend to the keys and values of all earlier positions kept in `cache` ({"k", "v"}:
         [b, L, kv heads, head_dim]), so each token's keys and values are computed once.
         Returns (output [b, t, d], the cache with this call's keys and values written in)."""
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin, positions)
+        q, k, v, gate = self.qkv(x, cos, sin, positions)
         keys = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)  # bLkh
         values = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
         # The training path's mask over the cache's slots 0 .. L-1 (unwritten ones lie in
@@ -120,7 +129,7 @@ class Attention(nnx.Module):
         mask = visible(query_pos, key_pos, window, query_segments, key_segments)  # [t, L] or [1, t, L]
         mask = mask[None, None] if key_segments is None else mask[:, None]
         out = masked_attention(q, keys, values, mask, self.cfg.attn_scale, self.softcap, self._sinks())
-        return self.o_proj(out.reshape(b, t, -1)), {"k": keys, "v": values}
+        return self.output(out, gate), {"k": keys, "v": values}
 
 
 def keys_per_query(spec: LayerSpec, seq: int) -> float:

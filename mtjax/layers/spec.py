@@ -35,6 +35,7 @@ class SoftmaxAttention:
     qk_l2_norm: bool = False  # q and k RMS-normalised without a weight after RoPE (Llama 4's RoPE layers)
     temperature: bool = False  # queries scaled by position (Llama 4's NoPE layers, mtjax.model.temperature)
     sinks: bool = False  # a learned logit per head in every softmax denominator (gpt-oss; leaf `sinks` [heads])
+    output_gate: bool = False  # q_proj also yields a gate per head; the output times its sigmoid (Qwen3-Next, Qwen3.5)
 
     @property
     def label(self) -> str:
@@ -54,6 +55,20 @@ class LatentAttention:
     @property
     def label(self) -> str:
         return "latent_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaNet:
+    """Gated delta-net linear attention (Qwen3-Next, Qwen3.5; mtjax.layers.delta_net) of the
+    config's linear_* sizes. `grouped`: q, k, v, z and b, a come from two fused projections
+    laid out per key head (Qwen3-Next's in_proj_qkvz, in_proj_ba), else from four."""
+
+    kind: ClassVar[str] = "gated_delta_net"
+    grouped: bool = False
+
+    @property
+    def label(self) -> str:
+        return "delta_net"
 
 
 @dataclasses.dataclass(frozen=True)

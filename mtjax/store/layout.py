@@ -115,6 +115,7 @@ def config_from_json(d: dict) -> ModelConfig:
     d["layer_types"] = tuple(d.get("layer_types", ()))
     d["moe_layers"] = tuple(d.get("moe_layers", ()))
     d["no_rope_layers"] = tuple(d.get("no_rope_layers", ()))
+    d["delta_net_layers"] = tuple(d.get("delta_net_layers", ()))
     d["freeze"] = tuple(d.get("freeze", ()))
     d["extra_hf"] = _tuples(d.get("extra_hf", []))
     return ModelConfig(**d)

@@ -1,0 +1,336 @@
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next (mtjax.families.qwen3_5) against transformers.
+
+Tiny random transformers models (odd linear_* sizes, two value heads per key head, a
+convolution of 3, RoPE over half of each head; delta-net, gated attention, delta-net;
+1-D parameters perturbed) are saved with `save_pretrained` and loaded by mtjax; in fp32,
+over rows of 131 tokens (three chunks of the delta rule's 64, the last one partial) and
+128 (two whole chunks): logits, the loss with the load-balancing term, every gradient,
+and export bit for bit, reloaded by transformers. A multimodal Qwen3.5 checkpoint gives
+its language model, the rest left out with one line. Packed rows equal their documents
+run one by one in the reference and the engine (transformers' torch path leaks state
+across documents, so the reference is mtjax's own document alone); five AdamW steps
+streamed equal the reference; cached greedy decoding equals transformers' generate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file
+
+import hf_models
+import mtjax
+import mtjax.store
+import parity
+from mtjax import documents, hf, model, parts, treepath
+from mtjax.batch import Batch
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.layers import registry
+from mtjax.model_config import from_hf_dict
+from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.reference import ReferenceTrainer, loss_fn, loss_terms
+from mtjax.store.hf_export import export_hf
+from mtjax.store.hf_import import import_hf
+from mtjax.stream import StreamEngine
+
+from conftest import token_batches
+
+BATCH = 2
+MOE = dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+           router_aux_loss_coef=0.05)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    family: str
+    overrides: dict
+    seq: int
+    moe_layers: tuple[int, ...] = ()
+
+
+CASES = [
+    Case("qwen3.5-131", "qwen3_5_text", dict(num_hidden_layers=3), 131),
+    Case("qwen3.5-128", "qwen3_5_text", dict(num_hidden_layers=3, tie_word_embeddings=True), 128),
+    Case("qwen3.5-moe-131", "qwen3_5_moe_text", dict(num_hidden_layers=3, **MOE), 131, (0, 1, 2)),
+    # Qwen3-Next: fused per-key-head projections, layer 1 dense (mlp_only_layers).
+    Case("qwen3-next-131", "qwen3_next", dict(num_hidden_layers=3, mlp_only_layers=[1], **MOE), 131, (0, 2)),
+]
+
+
+@dataclasses.dataclass
+class Result:
+    cfg: mtjax.ModelConfig
+    params: dict
+    tokens: np.ndarray
+    torch_model: object
+    hf_logits: np.ndarray
+    hf_loss: float
+    hf_grads: dict
+    ckpt: Path
+
+
+_RESULTS: dict[str, Result] = {}
+
+
+@pytest.fixture(params=CASES, ids=[c.id for c in CASES])
+def case(request, tmp_path_factory) -> tuple[Case, Result]:
+    c: Case = request.param
+    if c.id not in _RESULTS:
+        ckpt, torch_model = hf_models.checkpoint(tmp_path_factory.mktemp(c.id), c.family, **c.overrides)
+        tokens = np.random.default_rng(0).integers(0, hf_models.BASE["vocab_size"], (BATCH, c.seq))
+        ids = torch.as_tensor(tokens)
+        out = torch_model(input_ids=ids, labels=ids, output_router_logits=bool(c.moe_layers))
+        out.loss.backward()
+        grads = hf_models.hub_names(c.family, {n: p.grad.numpy().copy() for n, p in torch_model.named_parameters()})
+        cfg, params = mtjax.load_params(ckpt)
+        _RESULTS[c.id] = Result(cfg, params, tokens, torch_model, out.logits.detach().numpy(), out.loss.item(), grads,
+                                ckpt)
+    return c, _RESULTS[c.id]
+
+
+@pytest.mark.slow
+def test_the_checkpoint_is_the_case_asked_for(case):
+    c, r = case
+    kinds = [spec.mixer.kind for spec in r.cfg.layer_specs]
+    assert kinds == ["gated_delta_net", "softmax_attention", "gated_delta_net"]
+    assert r.cfg.moe_layers == c.moe_layers and r.cfg.rotary_dim == 4 and r.cfg.rms_norm_offset
+    assert all(spec.mixer.grouped == (c.family == "qwen3_next") for spec in r.cfg.layer_specs if spec.mixer.kind ==
+               "gated_delta_net")
+
+
+@pytest.mark.slow
+def test_logits_match(case):
+    _, r = case
+    logits = np.asarray(mtjax.forward(r.cfg, r.params, jnp.asarray(r.tokens)))
+    scale = np.abs(r.hf_logits).max()
+    assert np.abs(logits - r.hf_logits).max() <= 1e-5 * scale
+
+
+@pytest.mark.slow
+def test_loss_matches_with_the_load_balancing_term(case):
+    c, r = case
+    loss, aux = loss_terms(r.cfg, r.params, jnp.asarray(r.tokens), remat=False)
+    assert abs(float(loss) - r.hf_loss) <= 1e-6 * abs(r.hf_loss), (float(loss), r.hf_loss)
+    if c.moe_layers:
+        assert r.cfg.router_aux_loss_coef * float(aux) > 1e-3 * r.hf_loss  # the term is not negligible here
+
+
+@pytest.mark.slow
+def test_every_gradient_matches(case):
+    _, r = case
+    checked = parity.assert_gradients_match(r.cfg, r.params, r.tokens, r.hf_grads)
+    assert {"model.layers.0.linear_attn.A_log", "model.layers.0.linear_attn.dt_bias",
+            "model.layers.0.linear_attn.conv1d.weight", "model.layers.2.linear_attn.norm.weight"} <= set(checked)
+
+
+@pytest.mark.slow
+def test_export_is_bit_exact_and_reloads_in_transformers(case, tmp_path):
+    _, r = case
+    mtjax.save_params(r.cfg, r.params, tmp_path / "out")
+    import_hf(r.ckpt, tmp_path / "store", compute_dtype="float32")
+    export_hf(tmp_path / "store", tmp_path / "via-store")
+    source = load_file(str(r.ckpt / hf.SINGLE_FILE))
+    for out in ("out", "via-store"):
+        ours = load_file(str(tmp_path / out / hf.SINGLE_FILE))
+        assert set(ours) == set(source)
+        for name, array in source.items():
+            assert ours[name].dtype == array.dtype and ours[name].tobytes() == array.tobytes(), (out, name)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager",
+                                                                 dtype=torch.float32)
+    ids = torch.as_tensor(r.tokens[:, :70])
+    with torch.no_grad():
+        np.testing.assert_array_equal(reloaded(input_ids=ids).logits.numpy(),
+                                      r.torch_model(input_ids=ids).logits.numpy())
+
+
+@pytest.mark.slow
+def test_the_multimodal_release_gives_its_language_model(tmp_path, capsys):
+    """Qwen3_5ForConditionalGeneration's checkpoint (language model under its prefix, a
+    vision tower): the text model imported, one line on what was left out, exported as a
+    Qwen3_5ForCausalLM with the language model's tensors bit for bit."""
+    ckpt, torch_model = hf_models.checkpoint(tmp_path, "qwen3_5", num_hidden_layers=3)
+    cfg, params = mtjax.load_params(ckpt)
+    said = capsys.readouterr().out
+    assert cfg.model_type == "qwen3_5_text" and "vision tower" in said and said.count("\n") == 1
+    tokens = np.random.default_rng(1).integers(0, hf_models.BASE["vocab_size"], (1, 70))
+    with torch.no_grad():
+        want = torch_model(input_ids=torch.as_tensor(tokens)).logits.numpy()
+    got = np.asarray(mtjax.forward(cfg, params, jnp.asarray(tokens)))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    mtjax.save_params(cfg, params, tmp_path / "out")
+    source = hf.SafetensorsReader(ckpt)
+    ours = load_file(str(tmp_path / "out" / hf.SINGLE_FILE))
+    assert set(ours) == set(source.names())
+    assert all(ours[n].tobytes() == source.read(n).tobytes() for n in ours)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager",
+                                                                 dtype=torch.float32)
+    assert type(reloaded).__name__ == "Qwen3_5ForCausalLM"
+    with torch.no_grad():
+        again = reloaded(input_ids=torch.as_tensor(tokens)).logits.numpy()
+    assert np.abs(again - want).max() <= 1e-6 * np.abs(want).max()  # another class around the same language model
+
+
+@pytest.mark.slow
+def test_the_multi_token_prediction_weights_are_left_out_with_one_line(tmp_path, capsys):
+    from safetensors.numpy import save_file
+
+    ckpt, _ = hf_models.checkpoint(tmp_path, "qwen3_next", num_hidden_layers=3, **MOE)
+    tensors = load_file(str(ckpt / hf.SINGLE_FILE))
+    tensors.update({"mtp.fc.weight": np.ones((32, 64), np.float32), "mtp.norm.weight": np.ones(32, np.float32)})
+    save_file(tensors, str(ckpt / hf.SINGLE_FILE), metadata={"format": "pt"})
+    cfg, params = mtjax.load_params(ckpt)
+    said = capsys.readouterr().out
+    assert "multi-token-prediction module (mtp.*, 2 tensors): left out" in said and said.count("\n") == 1
+    assert cfg.model_type == "qwen3_next"
+
+
+# --- packed documents, streaming, decoding: mtjax's own tiny models ------------------
+
+
+def tiny(family: str, **overrides) -> mtjax.ModelConfig:
+    return from_hf_dict(hf_models.hf_config(family, num_hidden_layers=3, linear_conv_kernel_dim=4,
+                                            **overrides).to_dict())
+
+
+DENSE = tiny("qwen3_5_text")
+SEQ, LENGTHS = 160, (70, 5, 60, 20)  # documents across a chunk's end, inside one, at one's start
+OPT = OptimConfig(lr=1e-3, clip_norm=0.05, weight_decay=0.1)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _packed_row():
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, DENSE.vocab_size, n).astype(np.int32) for n in LENGTHS]
+    pad = SEQ - sum(LENGTHS)
+    tokens = np.concatenate([*docs, np.full(pad, 7, np.int32)])
+    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(LENGTHS)] + [np.zeros(pad)]).astype(np.int32)
+    return tokens[None, None], segments[None, None], docs
+
+
+def _alone(doc) -> Batch:
+    tokens = np.full((1, 1, SEQ), 3, np.int32)
+    tokens[0, 0, :len(doc)] = doc
+    mask = np.zeros(tokens.shape, bool)
+    mask[0, 0, :len(doc)] = True
+    return Batch(tokens, mask)
+
+
+def _params(cfg, seed: int) -> dict:
+    """Fresh parameters, the delta-nets' decay rates A in [0.05, 1] (see tests/hf_models.py)."""
+    params = model.init_params(cfg, seed=seed)
+    rng = np.random.default_rng(seed)
+    for i in cfg.delta_net_layers:
+        mixer = params["blocks"][i]["self_attn"]
+        mixer["A_log"] = np.log(rng.uniform(0.05, 1.0, mixer["A_log"].shape)).astype(np.float32)
+    return params
+
+
+@pytest.fixture(scope="module")
+def dense_params():
+    return _params(DENSE, 1)
+
+
+@pytest.mark.slow
+def test_packed_documents_equal_each_document_alone(dense_params):
+    """In the reference and the engine (its summed gradients as they leave the device):
+    loss 1e-6, gradients 1e-5. And with the documents' starts ignored they would not."""
+    fn = jax.jit(jax.value_and_grad(lambda p, i: loss_fn(DENSE, p, i.tokens, False, i.segments, i.targets)))
+    tokens, segments, docs = _packed_row()
+    for j, doc in enumerate(docs, start=1):
+        want_loss, want_grads = fn(dense_params, documents.step_inputs(_alone(doc))[0].micro(0))
+        packed = Batch(tokens, segments == j, segments)
+        loss, grads = fn(dense_params, documents.step_inputs(packed)[0].micro(0))
+        assert abs(float(loss) - float(want_loss)) <= 1e-6 * abs(float(want_loss)), j
+        errors = {n: _rel(g, treepath.flatten(want_grads)[n]) for n, g in treepath.flatten(grads).items()}
+        assert max(errors.values()) <= 1e-5, (j, max(errors.items(), key=lambda e: e[1]))
+        if j == 3:  # the engine, on the document that starts inside a chunk after two others
+            engine = StreamEngine(DENSE, dense_params, OPT)
+            got, add = {}, engine.grads.add
+            engine.grads.add = lambda part, g: (got.__setitem__(part, jax.device_get(g)), add(part, g))[1]
+            try:
+                assert abs(engine.step(packed)["loss"] - float(want_loss)) <= 1e-6 * abs(float(want_loss))
+            finally:
+                engine.close()
+            for name, g in got.items():
+                want = treepath.flatten(parts.part_params(want_grads, name))
+                assert max(_rel(g[n], w) for n, w in want.items()) <= 1e-5, name
+    leaky, _ = fn(dense_params, documents.step_inputs(Batch(tokens, segments == 3))[0].micro(0))
+    assert abs(float(leaky) - float(loss)) > 1e-3 * abs(float(loss))  # one row, no starts: the state leaks
+
+
+MOE_CFG = tiny("qwen3_5_moe_text", **dict(MOE, num_experts=8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_five_streamed_steps_equal_the_reference(make_store, tier):
+    """Accumulating 2 micro-batches; on the disk tier the MoE blocks split into expert groups of 3."""
+    start = _params(MOE_CFG, 2)
+    store, tiers, stream = None, StoreConfig(), StreamConfig(keep_every=1)
+    if tier == "disk":
+        store = make_store(MOE_CFG, make_optimizer(OPT))
+        tiers, stream = StoreConfig(compute="disk", master="disk", opt="disk"), StreamConfig(expert_group_size=3)
+    engine = StreamEngine(MOE_CFG, start, OPT, stream, tiers, store=store, batch_shape=(2, 12))
+    reference = ReferenceTrainer(MOE_CFG, start, OPT)
+    try:
+        if tier == "disk":
+            assert set(engine.schedule.split) == {0, 1, 2}
+        for batch in token_batches(MOE_CFG.vocab_size, (2, 2, 12), 5):
+            ours, ref = engine.step(batch), reference.step(batch)
+            np.testing.assert_allclose(ours["loss"], ref["loss"], rtol=1e-5)
+        streamed, expected, initial = (treepath.flatten(t) for t in (engine.params(), reference.params, start))
+        for name, w in streamed.items():
+            assert _rel(w, expected[name]) <= 1e-5, name
+            assert not np.array_equal(np.asarray(w), np.asarray(initial[name])), name
+    finally:
+        engine.close()
+        if store is not None:
+            store.close()
+
+
+def test_the_decode_state_is_the_conv_window_and_the_rule_state():
+    spec = DENSE.layer_specs[0]
+    state = registry.mixer(spec).decode_state(DENSE, spec, 2, 999)
+    assert {n: s.shape for n, s in state.items()} == {"conv": (2, 3, 2 * 2 * 6 + 4 * 5), "recurrent": (2, 4, 6, 5)}
+
+
+def test_the_planner_prices_the_delta_net_by_its_own_linear_flops():
+    """The planner's and MFU's FLOPs ask the mixer's registry entry: the delta-net's grow
+    linearly with the row, softmax attention's quadratically."""
+    from mtjax.plan import cost
+
+    delta, attention = DENSE.layer_specs[0], DENSE.layer_specs[1]
+    mixer = lambda spec, seq: cost.block_forward_flops(DENSE, spec, 0, 1, seq)  # no parameters: the mixer's own
+    assert mixer(delta, 4096) == pytest.approx(4 * mixer(delta, 1024)) and mixer(delta, 1024) > 0
+    assert mixer(attention, 4096) == pytest.approx(16 * mixer(attention, 1024))
+    per_token = lambda seq: cost.mfu_flops_per_token(DENSE, seq)
+    assert per_token(8192) - per_token(4096) == pytest.approx(3 * (mixer(attention, 8192) / 8192 - mixer(attention, 4096) / 4096))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, overrides", [("qwen3_5_text", {}), ("qwen3_next", dict(MOE, mlp_only_layers=[1]))])
+def test_cached_greedy_decoding_equals_transformers_generate(family, overrides, tmp_path):
+    from mtjax.stream.sample import StreamSampler
+
+    ckpt, torch_model = hf_models.checkpoint(tmp_path, family, num_hidden_layers=3, initializer_range=0.2,
+                                             **overrides)
+    import_hf(ckpt, tmp_path / "store", compute_dtype="float32")
+    sampler = StreamSampler(mtjax.store.open(tmp_path / "store"))
+    for prompt in ([5], [3, 14, 15, 92, 65, 35, 89, 79, 32]):
+        with torch.no_grad():
+            want = torch_model.generate(torch.as_tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert sampler.generate(prompt, 10, temperature=0) == want, prompt
+        assert len(set(want)) > 1
