@@ -339,7 +339,8 @@ def checked_specs(ckpt_dir: str | Path, cfg: ModelConfig, reader: SafetensorsRea
         # Name the settings that differ rather than the tensors that follow from them.
         try:
             diff = differences(load_hf_config(ckpt_dir), cfg, ignore=("param_dtype", "compute_dtype", "base_format",
-                                                                             "ffn_chunk_tokens", "freeze", "lora",
+                                                                             "ffn_chunk_tokens", "head_chunk_tokens",
+                                                                             "freeze", "lora",
                                                                              "extra_hf"))
         except MtjaxError:
             diff = []  # no readable config.json: the tensor list is all there is to say

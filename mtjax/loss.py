@@ -37,6 +37,12 @@ def chunk_rows(vocab_size: int, tokens: int | None = None) -> int:
     return rows if tokens is None else max(1, min(rows, tokens))
 
 
+def head_rows(cfg: ModelConfig, tokens: int) -> int:
+    """Tokens per chunk of `head_loss` over `tokens` tokens: model.head_chunk_tokens, or
+    `chunk_rows` where it is 0."""
+    return max(1, min(cfg.head_chunk_tokens or chunk_rows(cfg.vocab_size), tokens))
+
+
 def head_bytes(cfg: ModelConfig, tokens: int) -> int:
     """Device bytes `head_loss` and its gradient work in, beyond their inputs and outputs, for
     `tokens` tokens (a micro-batch's): three chunks of fp32 logits (logits, softmax, their
@@ -45,7 +51,7 @@ def head_bytes(cfg: ModelConfig, tokens: int) -> int:
     Flat in the sequence length but for the per-token terms (checked against the compiled
     head's temporaries in tests/test_loss.py)."""
     item = np.dtype(cfg.compute_dtype).itemsize
-    logits = 3 * chunk_rows(cfg.vocab_size, tokens) * cfg.vocab_size * 4
+    logits = 3 * head_rows(cfg, tokens) * cfg.vocab_size * 4
     tied = cfg.hidden_size * cfg.vocab_size * item if cfg.tie_word_embeddings else 0
     return logits + tied + tokens * (2 * cfg.hidden_size * item + 16)
 
@@ -85,14 +91,14 @@ def cross_entropy(logits: jnp.ndarray, tokens: jnp.ndarray, targets=None) -> jnp
 def head_loss(cfg: ModelConfig, head: dict, embed: dict | None, x: jnp.ndarray, tokens: jnp.ndarray, targets=None,
               chunk: int | None = None) -> jnp.ndarray:
     """`cross_entropy(model.head_forward(cfg, head, embed, x), tokens, targets)` computed
-    over chunks of `chunk` tokens (default `chunk_rows`): hidden [b, t, d] -> the mean loss.
+    over chunks of `chunk` tokens (default `head_rows`): hidden [b, t, d] -> the mean loss.
     The final norm runs on the whole [b, t, d] (its autodiff keeps O(tokens x d)); the
     head's matmul, soft-cap and loss run chunk by chunk (`_summed_loss`)."""
     b, t, d = x.shape
     h = rms_norm(x, head["norm"]["weight"], cfg.rms_norm_eps, cfg.rms_norm_offset).reshape(b * t, d)
     kernel = model.head_kernel(cfg, head, embed).astype(x.dtype)
     next_ids, counted, count = _counted(tokens, targets)
-    rows = chunk_rows(cfg.vocab_size, b * t) if chunk is None else min(chunk, b * t)
+    rows = head_rows(cfg, b * t) if chunk is None else min(chunk, b * t)
     n = -(-(b * t) // rows)
     pad = n * rows - b * t  # padded rows count for nothing
     h = jnp.pad(h, ((0, pad), (0, 0))).reshape(n, rows, d)

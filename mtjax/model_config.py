@@ -41,7 +41,7 @@ NUMBER_RANGES = {"rope_theta": POSITIVE, "max_position_embeddings": AT_LEAST_1, 
                  "shared_expert_intermediate_size": AT_LEAST_0, "router_aux_loss_coef": AT_LEAST_0,
                  "n_group": AT_LEAST_1, "topk_group": AT_LEAST_1, "routed_scaling_factor": POSITIVE,
                  "q_lora_rank": AT_LEAST_0, "kv_lora_rank": AT_LEAST_0, "qk_nope_head_dim": AT_LEAST_0,
-                 "v_head_dim": AT_LEAST_0, "ffn_chunk_tokens": AT_LEAST_0,
+                 "v_head_dim": AT_LEAST_0, "ffn_chunk_tokens": AT_LEAST_0, "head_chunk_tokens": AT_LEAST_0,
                  "router_bias_update_rate": AT_LEAST_0, "swiglu_alpha": POSITIVE, "swiglu_limit": POSITIVE,
                  "sequence_devices": AT_LEAST_1,
                  "linear_num_key_heads": AT_LEAST_0, "linear_num_value_heads": AT_LEAST_0,
@@ -90,6 +90,9 @@ class ModelConfig:
     # Feed-forwards (dense and MoE) over chunks of this many tokens, each recomputed in the backward
     # (long rows: mtjax.model.Block.feed_forward); 0: whole.
     ffn_chunk_tokens: int = 0
+    # The head and loss over chunks of this many tokens (mtjax.loss.head_loss); 0: as many as
+    # loss.HEAD_CHUNK_BYTES of fp32 logits hold.
+    head_chunk_tokens: int = 0
     # Devices each row's tokens are split over, attention gathering the row's keys and values
     # (mtjax.attention.split_attention): the stream engine sets it from stream.split.
     sequence_devices: int = 1

@@ -59,11 +59,10 @@ def test_a_negative_chunk_is_refused():
 
 
 @pytest.mark.slow
-def test_streamed_equals_reference_on_long_rows_with_chunked_feed_forward_and_head(monkeypatch):
+def test_streamed_equals_reference_on_long_rows_with_chunked_feed_forward_and_head():
     # Chunks of 256 rows at the head (vocab 97), of 1024 tokens in the feed-forward.
-    monkeypatch.setattr(loss, "HEAD_CHUNK_BYTES", 256 * 97 * 4)
-    cfg = tiny_config(vocab_size=97, ffn_chunk_tokens=1024, max_position_embeddings=4096)
-    assert loss.chunk_rows(cfg.vocab_size, SEQ) == 256
+    cfg = tiny_config(vocab_size=97, ffn_chunk_tokens=1024, head_chunk_tokens=256, max_position_embeddings=4096)
+    assert loss.head_rows(cfg, SEQ) == 256
     batches = token_batches(cfg.vocab_size, (1, 1, SEQ), 2, seed=3)
     reference = ReferenceTrainer(cfg, model.init_params(cfg, seed=1), OPT)
     whole = ReferenceTrainer(dataclasses.replace(cfg, ffn_chunk_tokens=0), model.init_params(cfg, seed=1), OPT)
