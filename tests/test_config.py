@@ -137,6 +137,10 @@ KNOWN_SIZES = {  # parameters of the real models the shipped shapes copy
     "deepseek-coder-v2-lite-plan.yaml": 15_706_484_224,
     "gpt-oss-120b-plan.yaml": 116_829_156_672,  # transformers' count from GptOssConfig (meta device)
     "gpt-oss-20b-plan.yaml": 20_914_757_184,
+    # transformers' counts from the config classes' defaults (meta device), language models only
+    "qwen3.5-9b-plan.yaml": 8_953_803_264,
+    "qwen3.5-35b-a3b-plan.yaml": 34_660_610_688,
+    "qwen3-next-80b-a3b-plan.yaml": 79_674_391_296,
 }
 
 
