@@ -336,6 +336,7 @@ def test_cached_greedy_decoding_equals_transformers_generate(family, overrides, 
         assert len(set(want)) > 1
 
 
+@pytest.mark.slow
 def test_shipped_chat_finetune_config_trains_two_steps(tmp_path, monkeypatch):
     """experiments/qwen3.5-small-chat-finetune.yaml through `mtjax train` as shipped, but for
     a narrower model of the same family (its hf config with the sizes cut), the repository's
