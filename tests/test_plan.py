@@ -244,12 +244,11 @@ def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     ("qwen3-30b-a3b-plan.yaml", "compute=ram,master=ram,opt=ram"),
     ("qwen3-235b-a22b-plan.yaml", "compute=ram,master=ram,opt=disk"),
     ("deepseek-coder-v2-lite-plan.yaml", "compute=ram,master=ram,opt=ram"),
-    ("gpt-oss-120b-plan.yaml", "compute=ram,master=ram,opt=ram"),
     ("gpt-oss-20b-plan.yaml", "compute=ram,master=ram,opt=ram"),
     ("qwen3.5-9b-plan.yaml", "compute=ram,master=ram,opt=ram"),
-    # ~75 s: 256 experts priced under 8 placements. Qwen3-Next-80B-A3B's plan (512 experts,
-    # minutes) is shape-checked by test_config and test_model_config only.
-    pytest.param("qwen3.5-35b-a3b-plan.yaml", "compute=ram,master=ram,opt=ram", marks=pytest.mark.slow),
+    # Not here: the plans of models with 128-512 experts a layer (gpt-oss-120b, Qwen3.5-35B-A3B,
+    # Qwen3-Next-80B-A3B) take 2-5 minutes each to price under 8 placements on 2 cores (133 s
+    # and 205 s in CI on 2026-12-07); test_config and test_model_config shape-check them.
 ])
 def test_shipped_plan_experiments_plan(name, placement, capsys):
     assert cli.main(["plan", str(ROOT / "experiments" / name), "--hardware", "h200"]) == 0
