@@ -147,6 +147,13 @@ class StreamConfig:
     # forward's projections, model.REMAT_POLICIES) or none (keep every residual: no
     # recompute). auto: the planner's choice with stream.resident (an engine built directly: full).
     remat: str = "auto"  # what resident blocks keep for the backward: auto | full | dots | none
+    # LoRA adapters (a `lora:` section) of the streamed parts: resident keeps them on the
+    # device with their AdamW state, updated there, while their frozen base streams (no
+    # gradient leaves, no host update; a commit brings them to the store); streamed moves
+    # them with the base and updates them on the host like any trained leaf. MoE blocks
+    # that may split into expert groups (stream.expert_group_size or device_budget_bytes
+    # set), and a multi-process run, stream them.
+    adapters: str = "resident"  # LoRA adapters of streamed parts: resident | streamed
     # Data parallel over this process's devices (mtjax.stream.mesh): weights on every one,
     # each micro-batch's rows split over them, gradients summed there, one update on the host.
     devices: int | str = "all"  # devices the step runs on: all (every local device) | N (the first N)
@@ -164,6 +171,7 @@ class StreamConfig:
         _check_choice("stream.activations", self.activations, ("device", "host"))
         _check_choice("stream.remat", self.remat, ("auto", "full", "dots", "none"))
         _check_choice("stream.split", self.split, ("batch", "sequence"))
+        _check_choice("stream.adapters", self.adapters, ("resident", "streamed"))
         _check_numbers("stream", self, {"prefetch_depth": AT_LEAST_1, "keep_every": AT_LEAST_0,
                                         "device_budget_bytes": POSITIVE})
         d = self.devices

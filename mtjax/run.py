@@ -57,6 +57,7 @@ from mtjax.progress import Progress, peak_flops
 from mtjax.terminal import bar as progress_bar
 from mtjax.reference import ReferenceTrainer
 from mtjax.stream import StreamEngine, staging
+from mtjax.stream import schedule as schedule_mod
 from mtjax.stream import sample as sample_mod
 from mtjax.stream.budget import DeviceBudgetError
 
@@ -361,7 +362,8 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     if hosts is None:  # before anything is prepared: a multi-process run's shards need all of its processes
         shards.check_count(checkpoint.store_path(exp), 1)
     else:
-        exp = replace(exp, stream=dict(resident="none"))  # every part's state is split over the hosts
+        # Every part's state is split over the hosts: nothing is resident, LoRA adapters included.
+        exp = replace(exp, stream=dict(resident="none", adapters="streamed"))
     dataset = data.prepared(exp.data)  # a prepared dataset is used as it is, with its own tokenizer
     if dataset is not None:
         tokenizer = dataset.tokenizer()
@@ -444,9 +446,16 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
             print(line, file=out, flush=True)
         for warning in schedule_warnings(exp.optim, exp.run.steps):
             print(f"mtjax: warning: {warning}", file=out, flush=True)
+        if exp.stream.engine == "stream" and asked.resident not in ("auto", "none", (), 0) and \
+                (buffered := schedule_mod.with_buffers(cfg)):
+            print(f"mtjax: warning: stream.resident={asked.resident} leaves {', '.join(buffered)} streamed: their "
+                  f"buffers are updated on the host only", file=out, flush=True)
         if hosts is not None:
             print(f"mtjax: process {hosts.index} of {hosts.count}: {len(jax.local_devices())} device(s) here; "
                   f"this process holds its rows of master and optimizer state in {store.root}", file=out, flush=True)
+            if cfg.lora is not None:  # stream.adapters=resident is one process's
+                print(f"mtjax: LoRA adapters stream with their base here: each of the {hosts.count} processes holds "
+                      f"its rows of their state (stream.adapters=resident applies to one process)", file=out, flush=True)
         return _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out, records, lead,
                      kept=_summary_of(run_dir) if first >= exp.run.steps else None)
     finally:

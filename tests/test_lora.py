@@ -22,7 +22,7 @@ from mtjax.config import StoreConfig, StreamConfig
 from mtjax.model_config import ConfigError
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.reference import ReferenceTrainer
-from mtjax.stream import StreamEngine
+from mtjax.stream import StreamEngine, ops
 
 from conftest import ONE_KV_HEAD, tiny_config, token_batches
 
@@ -117,14 +117,23 @@ PLACEMENTS = {"ram": {}, "state-disk": {"master": "disk", "opt": "disk"},
               "all-disk": {"compute": "disk", "master": "disk", "opt": "disk"}}  # the base's copy read, never written
 
 
+@pytest.mark.parametrize("adapters", ["resident", "streamed"])
 @pytest.mark.parametrize("where", [pytest.param(w, marks=() if w == "ram" else pytest.mark.slow) for w in PLACEMENTS])
-def test_streamed_equals_the_reference(make_store, where):
+def test_streamed_equals_the_reference(make_store, where, adapters):
+    """Adapters resident (stream.adapters, the default: on the device with their AdamW
+    state while the base streams; no gradient leaves) or streamed with the base."""
     cfg = _config(("q_proj", "o_proj", "up_proj"), num_hidden_layers=3, tie_word_embeddings=True)
     opt = dataclasses.replace(OPT, clip_norm=1.0, lr=1e-3)
     params = model.init_params(cfg, seed=1)
     tiers = PLACEMENTS[where]
     store = make_store(cfg, make_optimizer(opt)) if tiers else None
-    engine = StreamEngine(cfg, params, opt, StreamConfig(keep_every=2), StoreConfig(**tiers), store=store)
+    engine = StreamEngine(cfg, params, opt, StreamConfig(keep_every=2, adapters=adapters), StoreConfig(**tiers),
+                          store=store, batch_shape=(BATCH, SEQ))
+    s = engine.plan(BATCH, SEQ, accum=2)
+    blocks = tuple(p.name for p in parts.parts(cfg) if p.name.is_block)  # the parts with adapters
+    assert s.adapters == (blocks if adapters == "resident" else ()) and not s.resident
+    gone = {op.part for op in s.operations if isinstance(op, ops.GradOut)}  # to the host
+    assert gone.isdisjoint(s.adapters) and s.traffic.d2h_grads == sum(s.grad_bytes[p] for p in gone)
     reference = ReferenceTrainer(cfg, params, opt)
     for batch in token_batches(cfg.vocab_size, (2, BATCH, SEQ), 5):
         assert engine.step(batch)["loss"] == pytest.approx(reference.step(batch)["loss"], abs=1e-5)
@@ -134,6 +143,62 @@ def test_streamed_equals_the_reference(make_store, where):
     engine.close()
     if store is not None:
         store.close()
+
+
+# Whole parts resident with frozen leaves (stream.resident): (roles, which parts,
+# placement, the update as the optax program an accelerator runs instead of the fused loop).
+RESIDENT = {"lora-all-ram": ("lora", "all", "ram", False), "lora-2-one-copy": ("lora", 2, "one-copy", False),
+            "freeze-all-disk": ("freeze", "all", "all-disk", False), "lora-all-optax": ("lora", "all", "ram", True)}
+STORES = {"ram": ({}, 2), "all-disk": (PLACEMENTS["all-disk"], 2), "one-copy": (PLACEMENTS["all-disk"], 1)}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if i == 0 else pytest.mark.slow) for i, c in enumerate(RESIDENT)])
+def test_whole_parts_resident_with_frozen_leaves_equal_the_reference(make_store, case):
+    """5 steps of 2 micro-batches with whole parts resident: the frozen leaves (LoRA's base,
+    a freeze pattern) held as their compute copy, never updated or committed, equal the
+    reference (the base bit for bit); a fresh engine on the committed store holds the same."""
+    from test_roles import FREEZE
+
+    which, resident, where, optax_update = RESIDENT[case]
+    cfg = (_config(("q_proj", "o_proj", "up_proj"), num_hidden_layers=3, tie_word_embeddings=True)
+           if which == "lora" else tiny_config(num_hidden_layers=3, **ONE_KV_HEAD, freeze=FREEZE))
+    opt = dataclasses.replace(OPT, clip_norm=1.0, lr=1e-3)
+    params = model.init_params(cfg, seed=1)
+    tiers, copies = STORES[where]
+    store = make_store(cfg, make_optimizer(opt), copies=copies) if tiers else None
+    engine = StreamEngine(cfg, params, opt, StreamConfig(keep_every=2, resident=resident), StoreConfig(**tiers),
+                          store=store, tx=make_optimizer(opt) if optax_update else None, batch_shape=(BATCH, SEQ))
+    assert len(engine.schedule.resident) == (2 if resident == 2 else len(parts.parts(cfg)))
+    assert engine.resident.on_host != optax_update
+    if copies == 1:
+        engine.commit(0)
+    reference = ReferenceTrainer(cfg, params, opt)
+    for batch in token_batches(cfg.vocab_size, (2, BATCH, SEQ), 5):
+        assert engine.step(batch)["loss"] == pytest.approx(reference.step(batch)["loss"], abs=1e-5)
+    _assert_trained_as(cfg, engine.params(), reference.params, params)
+    if copies == 2 and store is not None:
+        engine.commit(5)
+    engine.close()
+    if store is not None:  # the commit wrote the trained leaves; the base is the one the store began with
+        again = StreamEngine(cfg, None, opt, StreamConfig(resident="none"), StoreConfig(**tiers), store=store)
+        _assert_trained_as(cfg, again.params(), reference.params, params)
+        again.close()
+        store.close()
+
+
+def _assert_trained_as(cfg, got, expected, start) -> None:
+    """Trained leaves of `got` within 1e-5 of `expected` and moved from `start`; the others
+    bit-identical to `start` (fp32: the compute copy is the weight)."""
+    got, expected, start = (treepath.flatten(t) for t in (got, expected, start))
+    trained = {f"{'blocks.' + str(p.name.block) if p.name.is_block else p.name}.{n}"
+               for p in parts.parts(cfg) for n in parts.trained(cfg, p.name)}
+    assert trained and set(got) - trained
+    for name, w in got.items():
+        if name in trained:
+            assert _rel_error(w, expected[name]) <= 1e-5, name
+            assert not np.array_equal(np.asarray(w), np.asarray(start[name])), name
+        else:
+            np.testing.assert_array_equal(np.asarray(w), np.asarray(start[name]), err_msg=name)
 
 
 def test_adapters_are_the_only_trained_leaves_and_start_as_peft_draws_them():
@@ -430,16 +495,18 @@ def test_dropout_leaves_evaluation_and_a_rate_of_0_as_they_were():
 
 
 @pytest.mark.slow
-def test_a_one_copy_store_trains_and_resumes_adapters_over_a_base_on_disk(make_store):
-    """Every kind on disk in one copy (each step commits itself): 3 steps, reopen, 3 more
-    equal the reference; the base's compute copy is carried, never rewritten."""
+@pytest.mark.parametrize("adapters", ["resident", "streamed"])
+def test_a_one_copy_store_trains_and_resumes_adapters_over_a_base_on_disk(make_store, adapters):
+    """Every kind on disk in one copy (each step commits itself, resident adapters brought
+    from the device): 3 steps, reopen, 3 more equal the reference; the base's compute copy
+    is carried, never rewritten."""
     import mtjax.store
 
     cfg = _config(("q_proj", "down_proj"))
     placement = StoreConfig(compute="disk", master="disk", opt="disk", copies=1)
     params = model.init_params(cfg, seed=0)
     store = make_store(cfg, make_optimizer(OPT), copies=1)
-    engine = StreamEngine(cfg, params, OPT, StreamConfig(), placement, store=store)
+    engine = StreamEngine(cfg, params, OPT, StreamConfig(adapters=adapters), placement, store=store)
     reference = ReferenceTrainer(cfg, params, OPT)
     batches = token_batches(cfg.vocab_size, (BATCH, SEQ), 6)
     for batch in batches[:3]:
@@ -448,7 +515,8 @@ def test_a_one_copy_store_trains_and_resumes_adapters_over_a_base_on_disk(make_s
     engine.close()
     store.close()
     with mtjax.store.open(root, writable=True) as again:
-        resumed = StreamEngine(again.config, None, OPT, StreamConfig(), placement, store=again, step=3)
+        resumed = StreamEngine(again.config, None, OPT, StreamConfig(adapters=adapters), placement, store=again,
+                               step=3)
         for batch in batches[3:]:
             assert resumed.step(batch)["loss"] == pytest.approx(reference.step(batch)["loss"], abs=1e-6)
         streamed, expected = treepath.flatten(resumed.params()), treepath.flatten(reference.params)

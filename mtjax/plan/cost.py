@@ -36,7 +36,7 @@ from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan.hardware import GiB, HardwareProfile
-from mtjax.stream.schedule import HANDED_AHEAD, DevicePlan, Schedule, StateBytes, StepShape, describe
+from mtjax.stream.schedule import HANDED_AHEAD, DevicePlan, Schedule, StateBytes, StepShape, committed, describe
 
 RUNTIME_OVERHEAD_BYTES = 2 * GiB  # Python, JAX runtime and compiled programs in host RAM (profiles' default)
 
@@ -217,7 +217,7 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     if store.compute == "disk":  # new compute copies handed to staging: those waiting, and the one being staged
         staging += (HANDED_AHEAD + 1) * biggest.compute
     activations = s.kept_bytes if stream.activations == "host" else 0
-    grads_in_ram = 0 if s.spill else sum(pb[p].master for p in s.streamed)  # resident parts' stay on the device
+    grads_in_ram = 0 if s.spill else sum(pb[p].master for p in s.host_updated)  # resident parts' stay on the device
     runtime = hw.runtime_bytes
     host = HostMemory(in_ram, grads_in_ram, staging, activations, runtime,
                       in_ram + grads_in_ram + staging + activations + runtime, slots)
@@ -225,7 +225,8 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     # (rounded from master when none is kept), into the slot not holding the last commit,
     # and the disk-tier kinds of resident parts (their state is in no store between commits).
     in_store = sum(state.get(k) for k in parts.KINDS if getattr(store, k) == "ram")
-    checkpoint = in_store + sum(pb[p].get(k) for p in s.resident for k in parts.KINDS if getattr(store, k) == "disk")
+    checkpoint = in_store + sum(committed(pb[p], k) for p in s.resident for k in parts.KINDS
+                                if getattr(store, k) == "disk")
     # Two copies of everything on disk, so a crash mid-write never loses the committed one;
     # a one-copy store instead keeps the pending gradients durable (counted in the spill).
     on_disk = sum(state.get(k) for k in parts.KINDS if getattr(store, k) == "disk")

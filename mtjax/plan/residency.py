@@ -30,15 +30,19 @@ from mtjax.stream.schedule import StepShape
 
 def classes(cfg: ModelConfig, stream: StreamConfig) -> list[tuple[str, ...]]:
     """The parts in groups the cost model cannot tell apart: same layout (fn_kind, hence
-    the same bytes) and streamed as often in a step; each group in residency order."""
+    the same bytes, by leaf role: a frozen leaf's compute copy only) and streamed as often
+    in a step; each group in residency order. Parts with buffers are never resident
+    (`schedule.with_buffers`)."""
     grps = schedule.groups(cfg.num_hidden_layers, stream.keep_every)
     crossings = {}
     for p in schedule.train_parts(cfg, grps):
         crossings[p] = crossings.get(p, 0) + 1
     kind = {p.name: p.fn_kind for p in parts.parts(cfg)}
     out: dict[tuple, list[str]] = {}
+    streamed = schedule.with_buffers(cfg)
     for p in schedule.residency_order(cfg, grps):
-        out.setdefault((kind[p], crossings[p]), []).append(p)
+        if p not in streamed:
+            out.setdefault((kind[p], parts.trained(cfg, p), crossings[p]), []).append(p)
     return [tuple(v) for v in out.values()]
 
 

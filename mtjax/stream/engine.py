@@ -111,7 +111,8 @@ class StreamEngine:
         if hosts is not None:
             if store is not None and store.shard != hosts.shard:
                 raise MtjaxError(f"store {store.root} is not process {hosts.index}'s shard of {hosts.count}")
-            stream = dataclasses.replace(stream, resident="none")  # every part's state is split over the hosts
+            # Every part's state is split over the hosts: nothing is resident, adapters included.
+            stream = dataclasses.replace(stream, resident="none", adapters="streamed")
         self.hosts = hosts
         parts_mod.check_roles(cfg)
         self.cfg, self.options, self.step_count = cfg, stream, step
@@ -154,8 +155,9 @@ class StreamEngine:
             engine_state.load_ram_kinds(self.updater, self.tiers, store, [p.name for p in self.parts])
         else:
             self._init_state(params, opt_state)
-        self.resident = Resident(schedule_mod.resident_parts(cfg, stream.resident, self.groups), self.update,
-                                 self.placement)
+        whole = schedule_mod.resident_parts(cfg, stream.resident, self.groups)
+        adapters = schedule_mod.adapter_parts(cfg, stream, whole)  # resident while their part's frozen leaves stream
+        self.resident = Resident(whole + adapters, self.update, self.placement, staged=adapters)
         self.stager = Stager(cfg, self.pool, self.tracer, self.split, self.updater, self.schemas)
         self.runner = Runner(cfg, self.fns, self.pool, self.tracer, self.ledger, self.placement, self.split,
                              self.resident, self.grads, self.updater, clip_norm=self.clip_norm, hosts=hosts,
@@ -260,7 +262,7 @@ class StreamEngine:
         if self.ledger.held_by_use["resident"] == 0 and self.resident:
             self.ledger.hold(self.resident.nbytes, "the resident parts' state", "resident")
         for name, sets, _ in s.staging:  # the staging slots the schedule prices, made now
-            self.pool.provide(schedule_mod.unit_schema(self.cfg, name, s.split), sets)
+            self.pool.provide(schedule_mod.unit_schema(self.cfg, name, s.split, s.adapters), sets)
         for part, kind, sets, _ in s.reads:  # and the update's read buffers
             self.updater.read_ahead.provide(part, kind, sets)
         if self.placement.pinned:
@@ -322,7 +324,7 @@ class StreamEngine:
         # Once the step's last transfer is read the disk would idle until the clip scale is
         # known: the first updates' reads start then.
         feed = self.stager.feed(s, s.transfers, self.options.prefetch_depth,
-                                after=functools.partial(self.updater.read_early, s.streamed))
+                                after=functools.partial(self.updater.read_early, s.host_updated))
         try:
             done = self.runner.run(s, s.operations, feed, mbs, [float(w) for w in weights], train_state,
                                    dropout_step=self.step_count)

@@ -51,16 +51,21 @@ def load_resident(updater, resident) -> None:
         updater.updated(name)
     updater.wait_writes()
     for name in resident.names:
-        resident.load(name, updater.read(name, "master"), updater.read(name, "opt"))
+        compute = updater.read(name, "compute") if resident.frozen[name] else None  # their copy is all they have
+        resident.load(name, updater.read(name, "master"), updater.read(name, "opt"), compute)
 
 
 def resident_to_tiers(updater, resident, *, derived_compute: bool) -> None:
     """A commit brings the resident state to the host: into the tiers, from where the
-    commit writes it like any other (no compute copy where none is kept)."""
+    commit writes it like any other (no compute copy where none is kept; of the compute
+    copy, the trained leaves': frozen ones are never written, mtjax.stream.tiers)."""
     for name in resident.names:
         for kind in parts.KINDS:
-            if not (kind == "compute" and derived_compute):
-                updater.write(name, kind, resident.to_host(name, kind))
+            if kind == "compute" and derived_compute:
+                continue
+            arrays = resident.to_host(name, kind, frozen=False)
+            if arrays or kind != "compute":  # a part with no trained leaf has no compute copy to write
+                updater.write(name, kind, arrays)
     updater.wait_writes()
 
 
@@ -68,7 +73,10 @@ def read(cfg, tx, updater, resident, part: str, kind: str, hosts=None) -> dict:
     """One kind of a part's current state, as host arrays, wherever it lives (in a
     multi-process run, all-gathered from every process's rows: every process calls it)."""
     if part in resident:
-        return resident.to_host(part, kind)
+        arrays = resident.to_host(part, kind)
+        if kind == "compute" and len(arrays) < len(parts.leaves(cfg, part)):  # its frozen leaves are staged
+            arrays = {**updater.read(part, kind), **arrays}
+        return arrays
     arrays = updater.read(part, kind)
     if hosts is not None and kind != "compute":
         arrays = hosts.all_gather(arrays, parts.schema(cfg, part, kind, tx))

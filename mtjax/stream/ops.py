@@ -9,7 +9,8 @@ The schedule builder decides; the runner (mtjax.stream.runner) executes one oper
 after another and decides nothing. Each mode of the step is a choice of operations here:
 
 - residency: a resident part is `Resident` (its weights already on the device) instead of
-  `Stage` + `Release`, and its gradient `GradStays` instead of `GradOut`;
+  `Stage` + `Release`, and its gradient `GradStays` instead of `GradOut`; a part whose
+  adapters are resident is staged (its frozen leaves) and released, its gradient `GradStays`;
 - saved groups: their blocks' forward is `Save` (keeping the vjp) and their backward
   `SavedBackward`; no input is kept for them (no `Keep`);
 - split MoE blocks: `SplitForward` / `SplitBackward`, which stage their own sub-parts;
@@ -47,7 +48,8 @@ class Op:
 
 @dataclasses.dataclass(frozen=True)
 class Stage(Op):
-    """Take the next staged part from the prefetcher: its weights are on the device."""
+    """Take the next staged part from the prefetcher: its weights are on the device (with
+    its resident adapters', where they are)."""
 
     verb = "stage {op.part}"
     part: PartId
@@ -257,7 +259,8 @@ class _Builder:
             self.out.append(Release(part))
 
     def grad(self, part: PartId) -> None:
-        self.out.append(GradStays(part) if part in self.s.resident else GradOut(part))
+        stays = part in self.s.resident or part in self.s.adapters
+        self.out.append(GradStays(part) if stays else GradOut(part))
 
     def keep(self, block: int) -> None:
         if block in self.starts:

@@ -172,6 +172,9 @@ class Runner:
         with self.tracer.span("wait", op.part):
             item, loaded = self._feed.get()
         assert item == op.part, f"prefetch order broken: expected {op.part}, got {item}"
+        if op.part in self.resident:  # its frozen leaves staged, its adapters resident
+            slot, weights = loaded
+            loaded = slot, {**weights, **self.resident.weights(op.part)}
         st.held[op.part] = loaded
 
     def _resident(self, st: Pass, op: ops.Resident) -> None:

@@ -29,7 +29,10 @@ the compute copy where one is kept.
 Resident parts (`stream.resident`, `resident`) keep their whole state on the device
 across steps and are updated there: they cross no link and touch no disk in a step; only
 a commit brings their state to the host (every step with a one-copy store, so there it is
-step traffic, `d2h_resident`; otherwise at each checkpoint, `commit_bytes`).
+step traffic, `d2h_resident`; otherwise at each checkpoint, `commit_bytes`). LoRA
+adapters of streamed parts (`stream.adapters`, `adapters`) are resident the same way
+while the part's frozen leaves stream: the part is staged (its frozen leaves only), its
+gradient stays, and it has no host update.
 
 Over `devices` devices (data parallel, mtjax.stream.mesh) every transfer puts a whole
 copy of the part on each device (`h2d_weights` counts each copy; on the CPU backend the
@@ -50,7 +53,7 @@ import math
 import jax
 import numpy as np
 
-from mtjax import expert_groups, hostmem, model, moe, partid, parts
+from mtjax import expert_groups, hostmem, model, moe, partid, parts, roles
 from mtjax.config import StoreConfig, StreamConfig, check_split
 from mtjax.errors import MtjaxError
 from mtjax.layers.spec import LayerSpec
@@ -193,6 +196,7 @@ class Schedule:
     sub_bytes: dict = dataclasses.field(default_factory=dict)  # {sub-part: StateBytes} of the split blocks
     staging: tuple = ()  # the staging pool's buffer sets: (first transfer of a shape, sets, bytes of one); staging_sets
     reads: tuple = ()  # the update's read buffer sets: (first part of a shape, kind, sets, bytes of one); read_sets
+    adapters: tuple = ()  # streamed parts whose trained leaves (LoRA adapters) are resident; adapter_parts
 
     @property
     def device_batch(self) -> int:
@@ -240,10 +244,15 @@ class Schedule:
         return tuple(p for p in self.part_bytes if p not in self.resident)
 
     @property
+    def host_updated(self) -> tuple[PartId, ...]:
+        """The parts updated on the host: streamed, their adapters not resident."""
+        return tuple(p for p in self.streamed if p not in self.adapters)
+
+    @property
     def commit_bytes(self) -> int:
-        """Bytes a commit brings from the device to the host: every resident part's
-        compute, master and optimizer state."""
-        return sum(sum(self.part_bytes[p].get(k) for k in parts.KINDS) for p in self.resident)
+        """Bytes a commit brings from the device to the host: every resident part's (and
+        resident adapters') master and optimizer state and trained leaves' compute copy."""
+        return sum(committed(self.part_bytes[p], k) for p in self.resident + self.adapters for k in parts.KINDS)
 
     def __str__(self) -> str:
         """A training step's operations, one a line (`operations`)."""
@@ -361,23 +370,27 @@ def staged_at_once(stream: StreamConfig, groups_: tuple[range, ...]) -> int:
     return stream.prefetch_depth + max(max(len(g) for g in groups_), 3)
 
 
-def unit_schema(cfg: ModelConfig, name: PartId, split: dict) -> dict:
-    """The compute schema a transfer stages: its part's, or a split block's sub-part's
-    leaves of it (`split`: {block index: expert groups})."""
+def unit_schema(cfg: ModelConfig, name: PartId, split: dict, adapters: tuple = ()) -> dict:
+    """The compute schema a transfer stages: its part's (its frozen leaves only when its
+    adapters are resident, `adapters`), or a split block's sub-part's leaves of it
+    (`split`: {block index: expert groups})."""
     schema = parts.schema(cfg, name.owner, "compute")
+    if name in adapters:
+        trained = parts.trained(cfg, name)
+        return {n: x for n, x in schema.items() if n not in trained}
     if not name.is_sub:
         return schema
     return {n: schema[n] for n in expert_groups.leaves(schema, name, split[name.block])}
 
 
 @functools.lru_cache(maxsize=1024)
-def _unit_shape(cfg: ModelConfig, name: PartId, groups: tuple) -> tuple[tuple, int]:
-    schema = unit_schema(cfg, name, {name.block: groups})
+def _unit_shape(cfg: ModelConfig, name: PartId, groups: tuple, adapters: tuple = ()) -> tuple[tuple, int]:
+    schema = unit_schema(cfg, name, {name.block: groups}, adapters)
     return hostmem.shape_key(schema), parts.nbytes(schema)
 
 
 def staging_sets(cfg: ModelConfig, stream: StreamConfig, groups_: tuple[range, ...], transfers: tuple[PartId, ...],
-                 split: dict) -> tuple[tuple[PartId, int, int], ...]:
+                 split: dict, adapters: tuple = ()) -> tuple[tuple[PartId, int, int], ...]:
     """The staging pool's buffer sets, per shape of what crosses: (its first transfer, how
     many sets, bytes of one). As many sets as a step has transfers of that shape, at most
     the `prefetch_depth` staged ahead plus a recompute group's in use: the prefetcher
@@ -388,10 +401,12 @@ def staging_sets(cfg: ModelConfig, stream: StreamConfig, groups_: tuple[range, .
     most = stream.prefetch_depth + max(len(g) for g in groups_)
     by_shape: dict[tuple, list] = {}
     by_kind = {p.name: p.fn_kind for p in parts.parts(cfg)}
-    first: dict = {}  # parts of one fn_kind have one schema: look each up once
+    first: dict = {}  # parts of one fn_kind (and adapters resident or not) have one schema: look each up once
     for name in transfers:
-        like = first.setdefault(by_kind[name.owner], name.owner)
-        key, nbytes = _unit_shape(cfg, name.in_block(like.block) if name.is_block else name, split.get(name.block, ()))
+        mine = (name,) if name in adapters else ()
+        like = first.setdefault((by_kind[name.owner], bool(mine)), name.owner)
+        unit = name.in_block(like.block) if name.is_block else name
+        key, nbytes = _unit_shape(cfg, unit, split.get(name.block, ()), (unit,) if mine else ())
         entry = by_shape.setdefault(key, [name, 0, nbytes])
         entry[1] += 1
     return tuple((name, min(count, most), nbytes) for name, count, nbytes in by_shape.values())
@@ -425,25 +440,57 @@ def residency_order(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[PartI
     return tuple(sorted(names, key=lambda p: -crossings.get(p, 0)))
 
 
+@functools.lru_cache(maxsize=16)
+def with_buffers(cfg: ModelConfig) -> tuple[PartId, ...]:
+    """The parts holding buffers (mtjax.roles): their rule updates them on the host only,
+    so they stream."""
+    return tuple(p.name for p in parts.parts(cfg)
+                 if any(leaf.role == roles.BUFFER for leaf in parts.leaves(cfg, p.name).values()))
+
+
 def resident_parts(cfg: ModelConfig, spec, groups_: tuple[range, ...]) -> tuple[PartId, ...]:
     """The resident parts `stream.resident` names (a list of part names, or PartIds), in
     model order. "auto" is the planner's to resolve (mtjax.plan.residency); unresolved,
-    nothing is resident. A model with frozen leaves (mtjax.roles) streams every part: the
-    device-side update has no path for them yet."""
+    nothing is resident. A part's frozen leaves (mtjax.roles) stay as their compute copy;
+    parts with buffers (`with_buffers`) are never resident: "all" and N skip them, a list
+    naming one is refused."""
     names = [p.name for p in parts.parts(cfg)]
-    if spec in ("auto", "none") or parts.frozen_any(cfg):
+    streamed = with_buffers(cfg)
+    if spec in ("auto", "none"):
         chosen = ()
     elif spec == "all":
         chosen = tuple(names)
     elif isinstance(spec, int):
-        chosen = residency_order(cfg, groups_)[:spec]
+        chosen = tuple(p for p in residency_order(cfg, groups_) if p not in streamed)[:spec]
     else:
         unknown = [p for p in spec if p not in names]
         if unknown:
             raise MtjaxError(f"stream.resident names {unknown}, which this model does not have; its parts are "
                              f"{EMBED}, {names[1]} ... {names[-2]}, {HEAD}")
+        if buffered := [p for p in spec if p in streamed]:
+            raise MtjaxError(f"stream.resident names {buffered}, whose buffers ({cfg.model_type}'s router bias) are "
+                             f"updated on the host only; leave them out (all and N skip them)")
         chosen = tuple(spec)
-    return tuple(p for p in names if p in chosen)
+    return tuple(p for p in names if p in chosen and p not in streamed)
+
+
+def adapter_parts(cfg: ModelConfig, stream: StreamConfig, resident: tuple) -> tuple[PartId, ...]:
+    """The streamed parts whose trained leaves, LoRA adapters, stay resident while their
+    frozen leaves stream (`stream.adapters`: resident): every part with adapters but the
+    wholly resident ones and the MoE blocks that may split into expert groups (a group
+    size or a device budget given: their adapters stream with them)."""
+    if cfg.lora is None or stream.adapters != "resident":
+        return ()
+    may_split = stream.expert_group_size is not None or stream.device_budget_bytes is not None
+    splits = {partid.block(i) for i in expert_groups.split_blocks(cfg)} if may_split else set()
+    return tuple(p.name for p in parts.parts(cfg)
+                 if parts.trained(cfg, p.name) and p.name not in resident and p.name not in splits)
+
+
+def adapters_view(b: StateBytes) -> StateBytes:
+    """What a part whose adapters are resident streams and keeps on the host in a step:
+    its frozen leaves' compute copy, nothing else."""
+    return StateBytes(b.compute - b.trained, 0, 0, 0)
 
 
 def remat_of(stream: StreamConfig) -> str:
@@ -690,12 +737,14 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
               dispatch: str | None = None) -> Schedule:
     """`describe` with the MoE blocks split into groups of `size` experts (None: whole)."""
     resident = resident_parts(cfg, stream.resident, groups(cfg.num_hidden_layers, stream.keep_every))
-    split = split_blocks(cfg, size, resident)
+    adapters = adapter_parts(cfg, stream, resident)
+    split = split_blocks(cfg, size, resident + adapters)
     grps = groups(cfg.num_hidden_layers, stream.keep_every, alone=split)
     sub = sub_part_bytes(cfg, tx, split)
-    unit = {**pb, **sub}
+    unit = {**pb, **{p: adapters_view(pb[p]) for p in adapters}, **sub}
     transfers = tuple(p for p in train_parts(cfg, grps, split) if p not in resident)
-    streamed = {p: b for p, b in pb.items() if p not in resident}  # state that lives on the host
+    # State that lives on the host (of a part whose adapters are resident: its frozen leaves).
+    streamed = {p: adapters_view(b) if p in adapters else b for p, b in pb.items() if p not in resident}
     remat = remat_of(stream)
     saved = saved_groups(grps, resident, remat)
     derived = derives_compute(fused, store, parts.frozen_any(cfg))
@@ -726,25 +775,26 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     if where is not None:  # each fp32 sum goes to its file once and comes back for the update
         reads["grads"] = writes["grads"] = grad32
     d2h_resident = 0
-    if store.copies == 1 and resident:  # each step's commit writes the resident state into the store
-        d2h_resident = sum(sum(pb[p].get(k) for k in parts.KINDS) for p in resident)
+    if store.copies == 1 and resident + adapters:  # each step's commit writes the resident state into the store
+        d2h_resident = sum(committed(pb[p], k) for p in resident + adapters for k in parts.KINDS)
         for kind in parts.KINDS:
-            writes[kind] += sum(pb[p].get(kind) for p in resident)
+            writes[kind] += sum(committed(pb[p], kind) for p in resident + adapters)
 
     allreduce = allreduce_bytes(cfg, pb, shape.accum, devices)
     traffic = Traffic(
         h2d_weights=h2d_weights * devices,
         h2d_tokens=shape.tokens * (TOKEN_BYTES + (DOCUMENT_BYTES if shape.documents else 0)),
         h2d_activations=kept if on_host else 0,
-        d2h_grads=sum(g for p, g in grad.items() if p in streamed),
+        d2h_grads=sum(g for p, g in grad.items() if p in streamed and p not in adapters),
         d2h_activations=kept if on_host else 0,
         d2h_resident=d2h_resident,
         disk_read=reads, disk_write=writes,
         host_memory=_host_memory(streamed, [(unit[p], i in handed) for i, p in enumerate(transfers)],
-                                 {p: g for p, g in grad.items() if p in streamed}, fused, derived, store,
+                                 {p: g for p, g in grad.items() if p in streamed and p not in adapters}, fused,
+                                 derived, store,
                                  sum(reads.values()) + sum(writes.values())),
         # On the host the fused loop writes a compute copy unless it is the fp32 master itself.
-        device_update=_update_bytes([pb[p] for p in resident], fused,
+        device_update=_update_bytes([pb[p] for p in resident + adapters], fused,
                                     copy=not fused or np.dtype(cfg.compute_dtype) != np.float32),
         allreduce=sum(allreduce.values()),
         compute_handed=sum(unit[transfers[i]].compute for i in handed),
@@ -757,10 +807,17 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     else:
         local = dataclasses.replace(shape, batch=shape.batch // devices)
     device = _device_plan(cfg, stream, local, pb, grps, grad, hidden // devices, resident, saved, remat, split, sub,
-                          dispatch)
+                          dispatch, adapters)
     return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps, split), resident,
                     remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce, split, sub,
-                    staging_sets(cfg, stream, grps, transfers, split), read_sets(cfg, store, pb, tuple(streamed)))
+                    staging_sets(cfg, stream, grps, transfers, split, adapters),
+                    read_sets(cfg, store, pb, tuple(p for p in streamed if p not in adapters)), adapters)
+
+
+def committed(b: StateBytes, kind: str) -> int:
+    """Bytes of one kind of a resident part's state (of StateBytes `b`) that a commit
+    brings to the host: of the compute copy, the trained leaves' (frozen ones never change)."""
+    return b.trained if kind == "compute" else b.get(kind)
 
 
 def _update_bytes(states, fused: bool, copy: bool) -> int:
@@ -801,16 +858,17 @@ def _host_memory(pb: dict[PartId, StateBytes], transfers: list[tuple[StateBytes,
 def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: dict[PartId, StateBytes],
                  grps: tuple[range, ...], grad: dict, hidden: int, resident: tuple = (), saved: tuple = (),
                  remat: str = "full", split: dict | None = None, sub: dict | None = None,
-                 dispatch: str | None = None) -> DevicePlan:
+                 dispatch: str | None = None, adapters: tuple = ()) -> DevicePlan:
     """Device bytes of the step; every term comes from abstract shapes. Every micro-batch
     runs through a part before the next part (their hidden states wait between parts),
-    and each part's gradient is summed on the device in fp32. Resident parts hold their
-    state and an fp32 gradient sum (their update's input) for the whole run."""
+    and each part's gradient is summed on the device in fp32. Resident parts (and resident
+    adapters) hold their state and an fp32 gradient sum (their update's input) for the
+    whole run; a part whose adapters are resident stages its frozen leaves."""
     split, sub = split or {}, sub or {}
     group = max(len(g) for g in grps)
     # Staging slots hold streamed parts only (a split block's sub-parts); none when everything is resident.
-    units = {**{p: b for p, b in pb.items() if p not in resident and p.block not in split},
-             **sub}
+    units = {**{p: adapters_view(b) if p in adapters else b for p, b in pb.items()
+                if p not in resident and p.block not in split}, **sub}
     max_part = max((b.compute for b in units.values()), default=0)
     whole = {spec for i, spec in enumerate(cfg.layer_specs) if i not in split}
     residual = max((residual_bytes(cfg, spec, shape.batch, shape.seq) for spec in whole), default=0)
@@ -837,7 +895,8 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
         residuals=max((len(g) for g in grps if g not in saved), default=0) * residual,
         head=head_bytes(cfg, shape.batch * shape.seq),  # one chunk of logits (mtjax.loss)
         working=(3 + shape.accum) * hidden + 2 * max(grad.values()) + sums + transient,
-        resident=sum(pb[p].compute + 2 * pb[p].master + pb[p].opt for p in resident),
+        resident=sum(pb[p].compute + 2 * pb[p].master + pb[p].opt for p in resident)
+        + sum(pb[p].trained + 2 * pb[p].master + pb[p].opt for p in adapters),
         saved=shape.accum * sum(residual_bytes(cfg, cfg.layer_specs[i], shape.batch, shape.seq, remat)
                                 for g in saved for i in g),
         # Kept from a split block's router part to its backward (expert_groups.kept_bytes);

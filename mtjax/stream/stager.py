@@ -28,7 +28,9 @@ class Stager:
         expert group only the experts some token reached."""
         owner = part.owner
         fresh = self.updater.updated(owner)
-        if not part.is_sub:
+        if part in self.schedule.adapters:  # its frozen leaves: its adapters are resident
+            slot, leaves = self.pool.acquire(unit_schema(self.cfg, part, {}, self.schedule.adapters)), None
+        elif not part.is_sub:
             slot, leaves = self.pool.acquire(self.schemas[owner]), None
         else:
             groups = self.schedule.split[part.block]

@@ -57,7 +57,10 @@ class RamTier:
             raise MtjaxError(f"no {kind} state for part {part} in the RAM tier") from None
 
     def write(self, part: str, kind: str, arrays: Mapping) -> cf.Future:
-        self._data[part, kind] = dict(arrays)
+        # A compute copy's leaves not given (frozen, mtjax.roles) keep their arrays, as the
+        # disk tier carries them.
+        kept = self._data.get((part, kind), {}) if kind == "compute" else {}
+        self._data[part, kind] = {**kept, **arrays}
         return _done(None)
 
     def nbytes(self, kind: str) -> int:
