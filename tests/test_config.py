@@ -69,6 +69,7 @@ def test_unknown_key_names_the_closest_valid_key(override, message):
     ("--run.tensorboard=maybe", "run.tensorboard must be true or false"),
     ("--run.wandb=true", "run.wandb names the Weights & Biases project to log to (--run.wandb=my-project)"),
     ("--stream.engine=warp", "stream.engine must be one of reference, stream"),
+    ("--stream.adapters=host", "stream.adapters must be one of resident, streamed, got 'host'"),
     ("--store.opt=tape", "store.opt must be one of ram, disk"),
     ("--optim.schedule=sawtooth", "optim.schedule must be constant, cosine or linear"),
     ("--model.preset=tinny", "did you mean 'tiny'?"),
