@@ -129,3 +129,21 @@ def test_budget_for_the_whole_state_keeps_it_all_resident_on_the_cpu(dtype):
                  for m in ("full", "dots", "none"))
     chosen = residency.choose(cfg, stream, StoreConfig(), shape, hw, budget)
     assert chosen.schedule.resident == tuple(p.name for p in parts.parts(cfg))
+
+
+def test_parts_with_buffers_stream_and_a_list_naming_one_is_refused_in_one_line():
+    """DeepSeek-V3's MoE blocks hold the router's correction bias, a buffer its rule updates
+    on the host: all and N keep the other parts resident, a list naming such a block is refused."""
+    from mtjax.errors import MtjaxError
+    from mtjax.stream import schedule
+
+    from test_deepseek import TINY_V3
+
+    groups = schedule.groups(TINY_V3.num_hidden_layers, 1)
+    names = [p.name for p in parts.parts(TINY_V3)]
+    assert schedule.with_buffers(TINY_V3) == ("block.1", "block.2")
+    assert schedule.resident_parts(TINY_V3, "all", groups) == ("embed", "block.0", "head")
+    assert len(schedule.resident_parts(TINY_V3, len(names), groups)) == 3
+    with pytest.raises(MtjaxError, match=r"names \['block.2'\], whose buffers") as e:
+        schedule.resident_parts(TINY_V3, ("block.0", "block.2"), groups)
+    assert "\n" not in str(e.value)
