@@ -125,8 +125,9 @@ def main() -> None:
         *(f"| {name} | {r['step']:.2f} | {r['h2d'] / mib:.1f} | {r['written'] / mib:.1f} ({r['planned_write'] / mib:.1f}) "
           f"| {r['rss'] / mib:.0f} |" for name, r in ((RUNS[m], runs[m]) for m in RUNS)),
         "",
-        f"**LoRA step / full step = {adapted['step'] / full['step']:.2f}**; disk written per step "
-        f"{full['written'] / max(adapted['written'], 1):.0f}x less. **LoRA step / its bound = "
+        f"**LoRA step / full step = {adapted['step'] / full['step']:.2f}**; disk written per step: none with the "
+        f"adapters resident (a commit writes them), {full['written'] / max(runs['lora-streamed']['written'], 1):.0f}x "
+        f"less than the full step's with them streamed. **LoRA step / its bound = "
         f"{adapted['step'] / bound['step']:.2f}** (goal: at most 1.10); adapters streamed "
         f"{runs['lora-streamed']['step'] / bound['step']:.2f}; over the NF4 base "
         f"{runs['nf4']['step'] / bound['step']:.2f}.",

@@ -468,7 +468,7 @@ def resident_parts(cfg: ModelConfig, spec, groups_: tuple[range, ...]) -> tuple[
             raise MtjaxError(f"stream.resident names {unknown}, which this model does not have; its parts are "
                              f"{EMBED}, {names[1]} ... {names[-2]}, {HEAD}")
         if buffered := [p for p in spec if p in streamed]:
-            raise MtjaxError(f"stream.resident names {buffered}, whose buffers ({cfg.model_type}'s router bias) are "
+            raise MtjaxError(f"stream.resident names {buffered}, whose buffers ({', '.join(roles.BUFFER_RULES)}) are "
                              f"updated on the host only; leave them out (all and N skip them)")
         chosen = tuple(spec)
     return tuple(p for p in names if p in chosen and p not in streamed)
@@ -477,14 +477,15 @@ def resident_parts(cfg: ModelConfig, spec, groups_: tuple[range, ...]) -> tuple[
 def adapter_parts(cfg: ModelConfig, stream: StreamConfig, resident: tuple) -> tuple[PartId, ...]:
     """The streamed parts whose trained leaves, LoRA adapters, stay resident while their
     frozen leaves stream (`stream.adapters`: resident): every part with adapters but the
-    wholly resident ones and the MoE blocks that may split into expert groups (a group
-    size or a device budget given: their adapters stream with them)."""
+    wholly resident ones, those with buffers (`with_buffers`) and the MoE blocks that may
+    split into expert groups (a group size or a device budget given: their adapters
+    stream with them)."""
     if cfg.lora is None or stream.adapters != "resident":
         return ()
     may_split = stream.expert_group_size is not None or stream.device_budget_bytes is not None
     splits = {partid.block(i) for i in expert_groups.split_blocks(cfg)} if may_split else set()
-    return tuple(p.name for p in parts.parts(cfg)
-                 if parts.trained(cfg, p.name) and p.name not in resident and p.name not in splits)
+    streamed = splits | set(resident) | set(with_buffers(cfg))
+    return tuple(p.name for p in parts.parts(cfg) if parts.trained(cfg, p.name) and p.name not in streamed)
 
 
 def adapters_view(b: StateBytes) -> StateBytes:
