@@ -100,11 +100,13 @@ def _resident(plan: Plan) -> str:
     """The parts that stay on the device, as configured or as auto resolved."""
     s = plan.schedule
     count = len(s.part_bytes)
+    adapters = f"; the LoRA adapters of {len(s.adapters)} streamed parts (stream.adapters)" if s.adapters else ""
     if not s.resident:
-        return f"none of {count} parts (every part streams)"
+        return (f"none of {count} parts (every part streams){adapters}"
+                + (f", {size(s.device.resident)} on the device" if adapters else ""))
     names = "all" if len(s.resident) == count else ", ".join(s.resident)
     saved = f"; {len(s.saved)} recompute groups keep their vjps (remat {s.remat})" if s.saved else ""
-    return f"{names} of {count} parts, {size(s.device.resident)} on the device{saved}"
+    return f"{names} of {count} parts{adapters}, {size(s.device.resident)} on the device{saved}"
 
 
 def per_host(h, hw) -> str:
