@@ -455,7 +455,8 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
                   f"this process holds its rows of master and optimizer state in {store.root}", file=out, flush=True)
             if cfg.lora is not None:  # stream.adapters=resident is one process's
                 print(f"mtjax: LoRA adapters stream with their base here: each of the {hosts.count} processes holds "
-                      f"its rows of their state (stream.adapters=resident applies to one process)", file=out, flush=True)
+                      f"its rows of their state (stream.adapters=resident applies to one process)",
+                      file=out, flush=True)
         return _loop(exp, cfg, engine, loader, val, tokenizer, first, tokens_per_step, out, records, lead,
                      kept=_summary_of(run_dir) if first >= exp.run.steps else None)
     finally:

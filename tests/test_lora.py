@@ -152,7 +152,8 @@ RESIDENT = {"lora-all-ram": ("lora", "all", "ram", False), "lora-2-one-copy": ("
 STORES = {"ram": ({}, 2), "all-disk": (PLACEMENTS["all-disk"], 2), "one-copy": (PLACEMENTS["all-disk"], 1)}
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if i == 0 else pytest.mark.slow) for i, c in enumerate(RESIDENT)])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if i == 0 else pytest.mark.slow)
+                                  for i, c in enumerate(RESIDENT)])
 def test_whole_parts_resident_with_frozen_leaves_equal_the_reference(make_store, case):
     """5 steps of 2 micro-batches with whole parts resident: the frozen leaves (LoRA's base,
     a freeze pattern) held as their compute copy, never updated or committed, equal the
@@ -199,6 +200,39 @@ def _assert_trained_as(cfg, got, expected, start) -> None:
             assert not np.array_equal(np.asarray(w), np.asarray(start[name])), name
         else:
             np.testing.assert_array_equal(np.asarray(w), np.asarray(start[name]), err_msg=name)
+
+
+def test_a_step_with_adapters_resident_moves_what_its_description_says(make_store):
+    """Every kind on disk, bf16, 2 micro-batches: the step stages the frozen base only, no
+    gradient leaves the device and nothing is written to disk (the counting of
+    tests/test_schedule.py over 2 real steps); the adapters still train."""
+    from test_schedule import Counts, instrument
+
+    cfg = _config(("q_proj", "o_proj", "up_proj"), num_hidden_layers=3, compute_dtype="bfloat16")
+    opt = dataclasses.replace(OPT, clip_norm=1.0, lr=1e-3)
+    store = make_store(cfg, make_optimizer(opt))
+    engine = StreamEngine(cfg, model.init_params(cfg, seed=0), opt, StreamConfig(),
+                          StoreConfig(**PLACEMENTS["all-disk"]), store=store, batch_shape=(BATCH, SEQ))
+    s, accum = engine.plan(BATCH, SEQ, 2), 2
+    t = s.traffic
+    base = sum(parts.nbytes(parts.schema(cfg, p, "compute")) - s.part_bytes[p].trained for p in s.transfers)
+    assert s.adapters and t.h2d_weights == base and t.d2h_grads == 0 and t.disk_write_bytes == 0
+    assert t.disk_read == {"compute": base, "master": 0, "opt": 0, "grads": 0} and s.read_bytes == 0
+    counts = Counts()
+    instrument(engine, counts)
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        counts.order.append([])
+        engine.step(rng.integers(0, cfg.vocab_size, (accum, BATCH, SEQ), dtype=np.int32))
+    engine.flush()
+    assert {k: b for k, b in counts.bytes.items() if b} == {"h2d_weights": 2 * base, "h2d_tokens": 2 * t.h2d_tokens,
+                                                             "disk_read.compute": 2 * base}
+    start = treepath.flatten(model.init_params(cfg, seed=0))
+    moved = [n for n, w in treepath.flatten(engine.params()).items() if lora.is_adapter(n) and n.endswith(lora.B)
+             and not np.array_equal(np.asarray(w), np.asarray(start[n]))]
+    assert len(moved) == 3 * 3  # every B (zero at the start) moved
+    engine.close()
+    store.close()
 
 
 def test_adapters_are_the_only_trained_leaves_and_start_as_peft_draws_them():

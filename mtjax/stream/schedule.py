@@ -762,7 +762,9 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     h2d_weights = sum(unit[p].compute for p in transfers)  # one device's
     reads = dict.fromkeys(("compute", "master", "opt", "grads"), 0)
     writes = dict(reads)
-    handed = first_transfers(transfers) if store.compute == "disk" else set()
+    # (a part whose adapters are resident has no host update to hand a new copy on)
+    handed = {i for i in first_transfers(transfers) if transfers[i].owner not in adapters} \
+        if store.compute == "disk" else set()
     if store.compute == "disk":  # every other transfer reads its part from the store
         # (a part's frozen leaves, mtjax.roles, are read too: the update hands on the trained ones')
         reads["compute"] = h2d_weights - sum(unit[transfers[i]].trained for i in handed
