@@ -35,11 +35,17 @@ class MixerKind:
         `executed`: what the compiled program runs; otherwise only the useful work.
     decode_state(cfg, spec, batch, length): {name: jax.ShapeDtypeStruct} of the state
         `decode` keeps for `length` positions (a KV cache for softmax attention).
+    working(cfg, spec, batch, seq, platform, devices): bytes its recompute and backward
+        on `platform` ("cpu", "gpu", ...) hold at once beyond the block's vjp residuals
+        (which the planner traces from the block itself), over rows of `seq` tokens, one
+        device's share where a row is split over `devices`; the device plan's working
+        term counts them. Default: none.
     """
 
     module: Callable
     flops: Callable
     decode_state: Callable
+    working: Callable = lambda cfg, spec, batch, seq, platform, devices=1: 0
 
 
 @dataclasses.dataclass(frozen=True)
