@@ -396,7 +396,9 @@ def kernel(backend: str, dtype, head_dim: int, window: int | None = None, softca
     return "pallas" if capability >= PALLAS_CAPABILITY and head_dim in PALLAS_HEAD_DIMS else "chunked"
 
 
-PLANNED_CAPABILITY = 9.0  # the CUDA capability the planner assumes of a GPU: its profiles' (mtjax.plan.hardware) are Hopper
+# The CUDA capability assumed for a GPU when none is here: the GPUs of the planner's
+# hardware profiles (mtjax.plan.hardware) are Hopper.
+PLANNED_CAPABILITY = 9.0
 
 
 def working_bytes(platform: str, dtype, batch: int, heads: int, seq: int, head_dim: int, window: int | None = None,
@@ -410,8 +412,9 @@ def working_bytes(platform: str, dtype, batch: int, heads: int, seq: int, head_d
     device's share) one [rows, rows] block's; the fused GPU kernels (`kernel`: cuDNN,
     Pallas) keep their tiles on chip: none counted."""
     backend = "cuda" if platform == "gpu" else platform
-    capability = PLANNED_CAPABILITY if backend == "cuda" else None
-    if devices == 1 and kernel(backend, dtype, head_dim, window, softcap, capability=capability, sinks=sinks) != "chunked":
+    capability = (_capability() or PLANNED_CAPABILITY) if backend == "cuda" else None
+    which = kernel(backend, dtype, head_dim, window, softcap, capability=capability, sinks=sinks)
+    if devices == 1 and which != "chunked":
         return 0
     if devices > 1 or -(-seq // CHUNK_ROWS) > UNROLLED_CHUNKS:
         tiles = CHUNK_ROWS * CHUNK_ROWS

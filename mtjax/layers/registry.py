@@ -2,9 +2,9 @@
 
 A LayerSpec (mtjax.layers.spec) names the kind of each of its parts: `spec.mixer.kind`,
 `spec.feed_forward.kind` and, for a mixture of experts, `spec.feed_forward.router`. The
-model builds a block, the planner and the MFU line count its FLOPs and the sampler sizes
-its decode state by asking these entries, never by testing which kind a layer is; a new
-kind is one `register_*` call. The built-in kinds register themselves when
+model builds a block, the planner and the MFU line count its FLOPs, the device plan its
+kernels' working bytes, and the sampler sizes its decode state by asking these entries,
+never by testing which kind a layer is; a new kind is one `register_*` call. The built-in kinds register themselves when
 mtjax.model is imported (mtjax.layers.softmax, mtjax.layers.feedforward).
 
 Every entry function takes the ModelConfig (the sizes all layers share) and the
