@@ -396,6 +396,33 @@ def kernel(backend: str, dtype, head_dim: int, window: int | None = None, softca
     return "pallas" if capability >= PALLAS_CAPABILITY and head_dim in PALLAS_HEAD_DIMS else "chunked"
 
 
+# The CUDA capability assumed for a GPU when none is here: the GPUs of the planner's
+# hardware profiles (mtjax.plan.hardware) are Hopper.
+PLANNED_CAPABILITY = 9.0
+
+
+def working_bytes(platform: str, dtype, batch: int, heads: int, seq: int, head_dim: int, window: int | None = None,
+                  softcap: float | None = None, sinks: bool = False, devices: int = 1) -> int:
+    """Bytes `attend`'s recompute and backward on `platform` ("cpu", "gpu", ...) hold at
+    once beyond what its vjp keeps (q, k, v, the output, a log-sum-exp per query: the
+    residuals the planner traces): fp32 probabilities and their gradient over the
+    scores' tiles, per row and query head. The chunked kernel's unrolled chunks (up to
+    UNROLLED_CHUNKS of CHUNK_ROWS queries) hold every chunk's tiles over its visible keys
+    at once, O(t^2); its loop (longer rows, and a row split over `devices`, `seq` being one
+    device's share) one [rows, rows] block's; the fused GPU kernels (`kernel`: cuDNN,
+    Pallas) keep their tiles on chip: none counted."""
+    backend = "cuda" if platform == "gpu" else platform
+    capability = (_capability() or PLANNED_CAPABILITY) if backend == "cuda" else None
+    which = kernel(backend, dtype, head_dim, window, softcap, capability=capability, sinks=sinks)
+    if devices == 1 and which != "chunked":
+        return 0
+    if devices > 1 or -(-seq // CHUNK_ROWS) > UNROLLED_CHUNKS:
+        tiles = CHUNK_ROWS * CHUNK_ROWS
+    else:
+        tiles = sum((r1 - r0) * (r1 - k0) for r0, r1, k0 in _chunks(seq, window, CHUNK_ROWS))
+    return 2 * 4 * batch * heads * tiles
+
+
 @functools.lru_cache(maxsize=64)
 def cudnn_refusal(q: jax.ShapeDtypeStruct, k: jax.ShapeDtypeStruct, scale: float, window: int | None) -> str | None:
     """None where cuDNN's flash attention compiles, forward and backward, for queries `q`

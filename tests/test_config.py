@@ -141,6 +141,9 @@ KNOWN_SIZES = {  # parameters of the real models the shipped shapes copy
     # transformers' counts from the config classes' defaults (meta device), language models only
     "qwen3.5-9b-plan.yaml": 8_953_803_264,
     "qwen3.5-35b-a3b-plan.yaml": 34_660_610_688,
+    # transformers' counts from the released configs' text model (meta device): vision tower and MTP left out
+    "qwen3.5-27b-plan.yaml": 26_895_998_464,
+    "qwen3.5-122b-a10b-plan.yaml": 122_111_526_912,
     "qwen3-next-80b-a3b-plan.yaml": 79_674_391_296,
 }
 

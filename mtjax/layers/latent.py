@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from mtjax import rope
-from mtjax.attention import attend, masked_attention, visible
+from mtjax.attention import attend, masked_attention, visible, working_bytes
 from mtjax.layers import registry
 from mtjax.layers.basic import Dense, RMSNorm
 from mtjax.layers.spec import LatentAttention, LayerSpec
@@ -140,5 +140,12 @@ def latent_cache(cfg: ModelConfig, spec: LayerSpec, batch: int, length: int) -> 
             "rope_key": jax.ShapeDtypeStruct((batch, length, cfg.head_dim), dtype)}
 
 
+def working(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, platform: str, devices: int = 1) -> int:
+    """The attention kernel's score tiles held at once (mtjax.attention.working_bytes), at
+    the one padded width the kernel gets (`_attend`)."""
+    width = max(cfg.qk_nope_head_dim + cfg.head_dim, cfg.v_head_dim)
+    return working_bytes(platform, cfg.compute_dtype, batch, cfg.num_attention_heads, seq, width, devices=devices)
+
+
 registry.register_mixer(LatentAttention.kind, registry.MixerKind(
-    module=LatentAttentionModule, flops=flops, decode_state=latent_cache))
+    module=LatentAttentionModule, flops=flops, decode_state=latent_cache, working=working))

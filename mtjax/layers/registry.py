@@ -2,9 +2,9 @@
 
 A LayerSpec (mtjax.layers.spec) names the kind of each of its parts: `spec.mixer.kind`,
 `spec.feed_forward.kind` and, for a mixture of experts, `spec.feed_forward.router`. The
-model builds a block, the planner and the MFU line count its FLOPs and the sampler sizes
-its decode state by asking these entries, never by testing which kind a layer is; a new
-kind is one `register_*` call. The built-in kinds register themselves when
+model builds a block, the planner and the MFU line count its FLOPs, the device plan its
+kernels' working bytes, and the sampler sizes its decode state by asking these entries,
+never by testing which kind a layer is; a new kind is one `register_*` call. The built-in kinds register themselves when
 mtjax.model is imported (mtjax.layers.softmax, mtjax.layers.feedforward).
 
 Every entry function takes the ModelConfig (the sizes all layers share) and the
@@ -35,11 +35,17 @@ class MixerKind:
         `executed`: what the compiled program runs; otherwise only the useful work.
     decode_state(cfg, spec, batch, length): {name: jax.ShapeDtypeStruct} of the state
         `decode` keeps for `length` positions (a KV cache for softmax attention).
+    working(cfg, spec, batch, seq, platform, devices): bytes its recompute and backward
+        on `platform` ("cpu", "gpu", ...) hold at once beyond the block's vjp residuals
+        (which the planner traces from the block itself), over rows of `seq` tokens, one
+        device's share where a row is split over `devices`; the device plan's working
+        term counts them. Default: none.
     """
 
     module: Callable
     flops: Callable
     decode_state: Callable
+    working: Callable = lambda cfg, spec, batch, seq, platform, devices=1: 0
 
 
 @dataclasses.dataclass(frozen=True)

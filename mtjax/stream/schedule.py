@@ -56,6 +56,7 @@ import numpy as np
 from mtjax import expert_groups, hostmem, model, moe, partid, parts, roles
 from mtjax.config import StoreConfig, StreamConfig, check_split
 from mtjax.errors import MtjaxError
+from mtjax.layers import registry
 from mtjax.layers.spec import LayerSpec
 from mtjax.loss import head_bytes
 from mtjax.model_config import ModelConfig
@@ -707,6 +708,14 @@ def dispatch_bytes(cfg: ModelConfig, tokens: int, size: int | None = None, dispa
                                         dispatch or moe.dispatch(jax.default_backend()), total=cfg.num_experts)
 
 
+def mixer_working_bytes(cfg: ModelConfig, batch: int, seq: int, platform: str | None = None, devices: int = 1) -> int:
+    """The most any layer's mixer holds in its recompute and backward beyond the block's vjp
+    residuals (each registry entry's `working`) over `batch` rows of `seq` tokens (one
+    device's share of rows split over `devices`) on `platform` (default the backend's here)."""
+    platform = platform or jax.default_backend()
+    return max(registry.mixer(spec).working(cfg, spec, batch, seq, platform, devices) for spec in set(cfg.layer_specs))
+
+
 def _beyond(saved: list, weights: list) -> int:
     """Bytes of the `saved` leaves less one leaf per weight of the same shape and dtype
     (the weights appear among the residuals but are counted as staged weights)."""
@@ -810,7 +819,7 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     else:
         local = dataclasses.replace(shape, batch=shape.batch // devices)
     device = _device_plan(cfg, stream, local, pb, grps, grad, hidden // devices, resident, saved, remat, split, sub,
-                          dispatch, adapters)
+                          dispatch, adapters, devices if stream.split == "sequence" else 1)
     return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps, split), resident,
                     remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce, split, sub,
                     staging_sets(cfg, stream, grps, transfers, split, adapters),
@@ -861,12 +870,13 @@ def _host_memory(pb: dict[PartId, StateBytes], transfers: list[tuple[StateBytes,
 def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: dict[PartId, StateBytes],
                  grps: tuple[range, ...], grad: dict, hidden: int, resident: tuple = (), saved: tuple = (),
                  remat: str = "full", split: dict | None = None, sub: dict | None = None,
-                 dispatch: str | None = None, adapters: tuple = ()) -> DevicePlan:
+                 dispatch: str | None = None, adapters: tuple = (), sequence_devices: int = 1) -> DevicePlan:
     """Device bytes of the step; every term comes from abstract shapes. Every micro-batch
     runs through a part before the next part (their hidden states wait between parts),
     and each part's gradient is summed on the device in fp32. Resident parts (and resident
     adapters) hold their state and an fp32 gradient sum (their update's input) for the
-    whole run; a part whose adapters are resident stages its frozen leaves."""
+    whole run; a part whose adapters are resident stages its frozen leaves. `shape` is one
+    device's share: of the rows, or of each row's tokens split over `sequence_devices`."""
     split, sub = split or {}, sub or {}
     group = max(len(g) for g in grps)
     # Staging slots hold streamed parts only (a split block's sub-parts); none when everything is resident.
@@ -884,6 +894,9 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
     # A MoE block's backward: its dispatch's cotangents and gradient sums, a whole block's
     # when one stays whole, else an expert group's.
     transient = dispatch_bytes(cfg, tokens, None if any(i not in split for i in cfg.moe_layers) else size, dispatch)
+    # One block's backward at a time: its mixer's kernels' own temporaries, on the planning
+    # backend (as the residuals are traced there).
+    transient += mixer_working_bytes(cfg, shape.batch, shape.seq, devices=sequence_devices)
     # Several micro-batches: the fp32 sums in progress, a group's blocks' or the head's
     # (with the tied embedding's).
     blocks = max(b.master for p, b in pb.items() if p.is_block)
