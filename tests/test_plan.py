@@ -15,13 +15,13 @@ from mtjax import cli, hf, model, parts, treepath
 from mtjax.model_config import from_hf_dict, load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.config import StoreConfig, StreamConfig
-from mtjax.plan import BUILTIN, HardwareError, StepShape, check, estimate, load, recommend
+from mtjax.plan import BUILTIN, HardwareError, StepShape, check, estimate, load, recommend, residency
 from mtjax.plan.cost import block_forward_flops
 from mtjax.plan.report import size
 from mtjax.stream import fused_adamw, schedule
 from mtjax.stream.schedule import residual_bytes
 
-from conftest import tiny_config
+from conftest import tiny_config, tiny_moe_config
 
 ROOT = Path(__file__).resolve().parent.parent
 BIG = [ROOT / "experiments/hf_configs/llama-3-70b.json", ROOT / "experiments/hf_configs/llama-175b.json",
@@ -374,3 +374,27 @@ def test_a_long_row_is_never_traced_whole(monkeypatch):
     cfg = dataclasses.replace(CFG, max_position_embeddings=131072)
     plan = plan_of(cfg, shape=StepShape(1, 131072))
     assert plan.device.residuals > 0 and seqs and max(seqs) <= schedule.LONG_ROWS.threshold
+
+
+@pytest.mark.parametrize("group_size", [None, 2])
+def test_residency_skips_sets_whose_resident_state_overflows_and_picks_as_pricing_every_set_does(group_size,
+                                                                                                 monkeypatch):
+    """`residency.choose` does not price the resident sets whose resident state alone
+    exceeds the budget (one part of each class priced, not every set): on a MoE model,
+    whole and split into expert groups, at budgets from nothing resident to all of it, it
+    picks the plan that pricing every candidate set picks, figure for figure."""
+    cfg = tiny_moe_config(compute_dtype="bfloat16")
+    stream, store, shape = StreamConfig(keep_every=1, expert_group_size=group_size), StoreConfig(), StepShape(2, 16, 2)
+    pb = schedule.part_bytes(cfg, TX)
+    every = [estimate(cfg, dataclasses.replace(stream, resident=r, remat=m), store, shape, HW, part_bytes_=pb)
+             for r in residency.candidates(cfg, stream) for m in ("full", "dots", "none")]
+    totals = sorted({p.device.total for p in every})
+    priced = []
+    monkeypatch.setattr(residency, "estimate", lambda *a, **k: priced.append(a[1].resident) or estimate(*a, **k))
+    for budget in [*totals[::max(1, len(totals) // 6)], totals[-1]]:
+        fitting = [p for p in every if p.device.total <= budget]
+        reference = min(fitting, key=lambda p: (p.times.step, p.traffic.h2d + p.traffic.d2h, p.device.total))
+        priced.clear()
+        assert residency.choose(cfg, stream, store, shape, HW, budget, TX) == reference
+        if budget < totals[-1] // 2:  # the sets with every part resident, at least, were not priced
+            assert len(priced) < len(every)
