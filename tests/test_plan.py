@@ -398,3 +398,17 @@ def test_residency_skips_sets_whose_resident_state_overflows_and_picks_as_pricin
         assert residency.choose(cfg, stream, store, shape, HW, budget, TX) == reference
         if budget < totals[-1] // 2:  # the sets with every part resident, at least, were not priced
             assert len(priced) < len(every)
+
+
+@pytest.mark.parametrize("lora_rank", [None, 2])
+def test_abstract_parts_are_those_nnx_rngs_build(lora_rank):
+    """A part's skeleton (model._skeleton) is built with one key for every draw, not
+    nnx.Rngs (whose draw counter makes tracing a block of E experts quadratic in E): the
+    same module structure and abstract weights, LoRA adapters included."""
+    from flax import nnx
+    from mtjax import lora
+    cfg = tiny_moe_config(lora=None if lora_rank is None else lora.LoraConfig(rank=lora_rank))
+    for part in ("embed", "head", *cfg.block_specs):
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: model._module_factory(cfg, part)(nnx.Rngs(0))))
+        assert model._skeleton(cfg, part)[0] == graphdef
+        assert model._abstract(cfg, part) == nnx.to_pure_dict(state)
