@@ -246,9 +246,11 @@ def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     ("deepseek-coder-v2-lite-plan.yaml", "compute=ram,master=ram,opt=ram"),
     ("gpt-oss-20b-plan.yaml", "compute=ram,master=ram,opt=ram"),
     ("qwen3.5-9b-plan.yaml", "compute=ram,master=ram,opt=ram"),
-    # Not here: the plans of models with 128-512 experts a layer (gpt-oss-120b, Qwen3.5-35B-A3B,
-    # Qwen3-Next-80B-A3B) take 2-5 minutes each to price under 8 placements on 2 cores (133 s
-    # and 205 s in CI on 2026-12-07); test_config and test_model_config shape-check them.
+    # 128-512 experts a layer: seconds since identical parts are priced once (docs/planner.md).
+    ("gpt-oss-120b-plan.yaml", "compute=ram,master=ram,opt=ram"),
+    ("qwen3.5-35b-a3b-plan.yaml", "compute=ram,master=ram,opt=ram"),
+    # 512 experts: ~23 s under load, most of it tracing the abstract block and its residuals once.
+    pytest.param("qwen3-next-80b-a3b-plan.yaml", "compute=ram,master=ram,opt=ram", marks=pytest.mark.slow),
 ])
 def test_shipped_plan_experiments_plan(name, placement, capsys):
     assert cli.main(["plan", str(ROOT / "experiments" / name), "--hardware", "h200"]) == 0

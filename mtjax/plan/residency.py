@@ -7,7 +7,8 @@ budget, the one the cost model prices fastest.
 Parts that the schedule streams equally often and that hold the same bytes are
 interchangeable in the step's price (traffic, device plan and fixed costs depend only on
 how many of them are resident), so the candidates are every combination of a count per
-such class (`classes`): at most 8 (L + 1) sets for L identical blocks, not 2^(L + 2).
+such class (`classes`): at most 8 (L + 1) sets for L identical blocks, not 2^(L + 2);
+only those whose resident state alone fits the budget are priced (`choose`).
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ def choose(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: St
     # With room left after residency, the backward may keep more instead of recomputing.
     remats = ("full", "dots", "none") if stream.remat == "auto" else (stream.remat,)
     # A set whose resident state alone exceeds the budget cannot fit (the device plan
-    # adds its other uses to it), so it is not priced: one part of each class, priced
-    # resident alone, says what each of its class holds. On a model of big blocks most
-    # of the (L + 1)^k sets are out (gpt-oss-120b's 8,000 plans on an H200 become ~100).
+    # adds its other uses to it), so it is not priced. The resident state is the sum of
+    # each resident part's, alike within a class: one part of each class priced resident
+    # alone says it. On a model of big blocks most of the (L + 1)^k sets are out
+    # (gpt-oss-120b's 8,226 plans on an H200 become 116).
     each = [at(c[:1]).device.resident for c in classes(cfg, stream)]
     plans = [estimate(cfg, dataclasses.replace(stream, resident=r, remat=m), store, shape, hardware, part_bytes_=pb)
              for r in candidates(cfg, stream, each, budget) for m in remats]
