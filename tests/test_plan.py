@@ -10,8 +10,9 @@ import jax
 import numpy as np
 import psutil
 import pytest
+from flax import nnx
 
-from mtjax import cli, hf, model, parts, treepath
+from mtjax import cli, hf, lora, model, parts, treepath
 from mtjax.model_config import from_hf_dict, load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.config import StoreConfig, StreamConfig
@@ -407,8 +408,6 @@ def test_abstract_parts_are_those_nnx_rngs_build(lora_rank):
     """A part's skeleton (model._skeleton) is built with one key for every draw, not
     nnx.Rngs (whose draw counter makes tracing a block of E experts quadratic in E): the
     same module structure and abstract weights, LoRA adapters included."""
-    from flax import nnx
-    from mtjax import lora
     cfg = tiny_moe_config(lora=None if lora_rank is None else lora.LoraConfig(rank=lora_rank))
     for part in ("embed", "head", *cfg.block_specs):
         graphdef, state = nnx.split(nnx.eval_shape(lambda: model._module_factory(cfg, part)(nnx.Rngs(0))))
