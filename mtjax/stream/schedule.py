@@ -370,16 +370,10 @@ def unit_schema(cfg: ModelConfig, name: PartId, split: dict) -> dict:
     return {n: schema[n] for n in expert_groups.leaves(schema, name, split[name.block])}
 
 
-# A number for each shape a transfer stages: a block of hundreds of experts has a key of
-# thousands of leaves, too long to hash for every transfer of every schedule the planner prices.
-_SHAPE_NUMBERS: dict[tuple, int] = {}
-
-
 @functools.lru_cache(maxsize=1024)
-def _unit_shape(cfg: ModelConfig, name: PartId, groups: tuple) -> tuple[int, int]:
-    """(the number of the shape a transfer stages: equal shapes, equal numbers; its bytes)."""
+def _unit_shape(cfg: ModelConfig, name: PartId, groups: tuple) -> tuple[tuple, int]:
     schema = unit_schema(cfg, name, {name.block: groups})
-    return _SHAPE_NUMBERS.setdefault(hostmem.shape_key(schema), len(_SHAPE_NUMBERS)), parts.nbytes(schema)
+    return hostmem.shape_key(schema), parts.nbytes(schema)
 
 
 def staging_sets(cfg: ModelConfig, stream: StreamConfig, groups_: tuple[range, ...], transfers: tuple[PartId, ...],
@@ -392,7 +386,7 @@ def staging_sets(cfg: ModelConfig, stream: StreamConfig, groups_: tuple[range, .
     allocates exactly these before its first step, and the planner prices them as host
     staging."""
     most = stream.prefetch_depth + max(len(g) for g in groups_)
-    by_shape: dict[int, list] = {}
+    by_shape: dict[tuple, list] = {}
     by_kind = {p.name: p.fn_kind for p in parts.parts(cfg)}
     first: dict = {}  # parts of one fn_kind have one schema: look each up once
     for name in transfers:
