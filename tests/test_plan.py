@@ -250,7 +250,7 @@ def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     # 128-512 experts a layer: seconds since identical parts are priced once (docs/planner.md).
     ("gpt-oss-120b-plan.yaml", "compute=ram,master=ram,opt=ram"),
     ("qwen3.5-35b-a3b-plan.yaml", "compute=ram,master=ram,opt=ram"),
-    # 512 experts: ~23 s under load, most of it tracing the abstract block and its residuals once.
+    # 512 experts: 8-23 s (2 cores, load 3-5), most of it tracing the abstract block and its residuals once.
     pytest.param("qwen3-next-80b-a3b-plan.yaml", "compute=ram,master=ram,opt=ram", marks=pytest.mark.slow),
 ])
 def test_shipped_plan_experiments_plan(name, placement, capsys):
