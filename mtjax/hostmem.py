@@ -73,9 +73,20 @@ def fix_mmap_threshold(nbytes: int = 256 << 10) -> bool:
         return False
 
 
-def shape_key(arrays) -> tuple:
+class ShapeKey(tuple):
+    """`shape_key`'s tuple, which computes its hash once: a block of hundreds of experts
+    has a key of thousands of leaves, and the planner looks one up for every transfer of
+    every schedule it prices (mtjax.stream.schedule.staging_sets)."""
+
+    def __hash__(self):
+        if "hash" not in self.__dict__:
+            self.__dict__["hash"] = tuple.__hash__(self)
+        return self.__dict__["hash"]
+
+
+def shape_key(arrays) -> ShapeKey:
     """What makes two buffer sets interchangeable: each leaf's name, shape and dtype."""
-    return tuple((n, tuple(a.shape), np.dtype(a.dtype).str) for n, a in arrays.items())
+    return ShapeKey((n, tuple(a.shape), np.dtype(a.dtype).str) for n, a in arrays.items())
 
 
 class BufferPool:

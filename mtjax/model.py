@@ -131,13 +131,26 @@ def _with_adapters(cfg: ModelConfig, block: Block, rngs: nnx.Rngs) -> Block:
     return block
 
 
+class _AnyDraws:
+    """Stands in for nnx.Rngs where a part is built only for its shapes: every draw is the
+    same key. nnx.Rngs counts its draws in a variable, and under nnx.eval_shape each count
+    it writes makes JAX walk the whole trace so far (for the tracer's origin message):
+    quadratic in a part's weights, most of `mtjax plan`'s time on a block of 128 experts."""
+
+    def __init__(self):
+        self._key = jax.random.key(0)
+
+    def params(self):
+        return self._key
+
+
 def linear_names(cfg: ModelConfig, experts: bool = False) -> set[str]:
     """The module names of the blocks' linear layers LoRA may adapt (mtjax.lora.check);
     `experts`: those of the routed experts' linear layers instead, which it may not."""
     plain, anything = dataclasses.replace(cfg, lora=None), lora.LoraConfig(rank=1)
     names = set()
     for spec in cfg.block_specs:
-        block = nnx.eval_shape(lambda spec=spec: Block(plain, spec, nnx.Rngs(0)))
+        block = nnx.eval_shape(lambda spec=spec: Block(plain, spec, _AnyDraws()))
         names |= {str(path[-1]) for path, node in nnx.iter_graph(block) if isinstance(node, Dense)
                   and (lora.EXPERTS in map(str, path) if experts else anything.targets(path))}
     return names
@@ -171,7 +184,7 @@ def _module_factory(cfg: ModelConfig, part: str | LayerSpec):
 @functools.lru_cache(maxsize=None)
 def _skeleton(cfg: ModelConfig, part: str | LayerSpec):
     """(graphdef, abstract state) of one part; built once, without allocating."""
-    module = nnx.eval_shape(lambda: _module_factory(cfg, part)(nnx.Rngs(0)))
+    module = nnx.eval_shape(lambda: _module_factory(cfg, part)(_AnyDraws()))
     return nnx.split(module)
 
 

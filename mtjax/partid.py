@@ -15,6 +15,8 @@ dict entry. It sorts as its name; `forward_order` sorts PartIds in forward order
 
 from __future__ import annotations
 
+import functools
+
 KINDS = ("embed", "block", "head")
 ROUTER = -1  # `sub` of a split block's router part; its expert groups are 0, 1, ...
 
@@ -89,6 +91,7 @@ def forward_order(p: PartId) -> tuple:
     return KINDS.index(p.kind), -1 if p.block is None else p.block, -2 if p.sub is None else p.sub
 
 
+@functools.lru_cache(maxsize=None)  # one object per part: a planner's schedules name each part thousands of times
 def _new(kind: str, block_: int | None, sub: int | None) -> PartId:
     if kind not in KINDS or (kind == "block") != (block_ is not None) or block_ is not None and block_ < 0 or (
             sub is not None and (block_ is None or sub < ROUTER)):

@@ -105,8 +105,10 @@ def trained(cfg: ModelConfig, name: str) -> tuple[str, ...]:
     return tuple(n for n, leaf in leaves(cfg, name).items() if leaf.role == roles.TRAINED)
 
 
+@functools.lru_cache(maxsize=64)
 def frozen_any(cfg: ModelConfig) -> bool:
-    """Whether any leaf of the model is not trained."""
+    """Whether any leaf of the model is not trained (cached: every schedule asks, and a
+    model of hundreds of experts a block has tens of thousands of leaves)."""
     if not cfg.freeze and not roles.BUFFER_RULES and cfg.lora is None:
         return False
     return any(leaf.role != roles.TRAINED for p in parts(cfg) for leaf in leaves(cfg, p.name).values())

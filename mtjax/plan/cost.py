@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -134,6 +135,19 @@ def mfu_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     return 6.0 * model.num_active_params(cfg) + 3.0 * mixers / seq
 
 
+@functools.lru_cache(maxsize=64)
+def _params_of(cfg: ModelConfig) -> dict:
+    """{part: its parameters}: every leaf's, frozen ones too (mtjax.roles), counted from
+    the leaves' shapes (a quantized base's compute bytes, mtjax.precision, are not its
+    parameters); each layout counted once. Cached: the planner prices one model many
+    times (residency candidates, placements). Shared: do not change it."""
+    by_kind: dict = {}
+    for p in parts.parts(cfg):
+        if p.fn_kind not in by_kind:
+            by_kind[p.fn_kind] = sum(math.prod(leaf.shape) for leaf in parts.leaves(cfg, p.name).values())
+    return {p.name: by_kind[p.fn_kind] for p in parts.parts(cfg)}
+
+
 def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
              tx=None, part_bytes_: dict[str, StateBytes] | None = None, devices: int | None = None,
              fused: bool | None = None) -> Plan:
@@ -149,13 +163,7 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     s = describe(cfg, stream, store, shape, tx, fused=fused, part_bytes_=part_bytes_, devices=devices,
                  dispatch=dispatch)
     pb, hw, state = s.part_bytes, hardware, s.state
-    # Every leaf's parameters, frozen ones too (mtjax.roles), counted from the leaves'
-    # shapes: a quantized base's compute bytes (mtjax.precision) are not its parameters.
-    by_kind: dict = {}
-    for p in parts.parts(cfg):
-        if p.fn_kind not in by_kind:
-            by_kind[p.fn_kind] = sum(math.prod(leaf.shape) for leaf in parts.leaves(cfg, p.name).values())
-    params_of = {p.name: by_kind[p.fn_kind] for p in parts.parts(cfg)}
+    params_of = _params_of(cfg)
     num_params = sum(params_of.values())
 
     # --- FLOPs, per micro-batch then per step: every micro-batch runs through every part.

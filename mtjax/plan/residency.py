@@ -7,7 +7,8 @@ budget, the one the cost model prices fastest.
 Parts that the schedule streams equally often and that hold the same bytes are
 interchangeable in the step's price (traffic, device plan and fixed costs depend only on
 how many of them are resident), so the candidates are every combination of a count per
-such class (`classes`): at most 8 (L + 1) sets for L identical blocks, not 2^(L + 2).
+such class (`classes`): at most 8 (L + 1) sets for L identical blocks, not 2^(L + 2);
+only those whose resident state alone fits the budget are priced (`choose`).
 """
 
 from __future__ import annotations
@@ -46,11 +47,16 @@ def classes(cfg: ModelConfig, stream: StreamConfig) -> list[tuple[str, ...]]:
     return [tuple(v) for v in out.values()]
 
 
-def candidates(cfg: ModelConfig, stream: StreamConfig) -> list[tuple[str, ...]]:
-    """Every resident set worth pricing: a count of each class, its first members."""
+def candidates(cfg: ModelConfig, stream: StreamConfig, each: list[int] | None = None,
+               budget: int | None = None) -> list[tuple[str, ...]]:
+    """Every resident set worth pricing: a count of each class, its first members. With
+    `each` (the device bytes one resident part of each class holds, `classes`' order),
+    only the sets whose resident parts alone fit `budget`."""
     cls = classes(cfg, stream)
-    return [tuple(p for c, n in zip(cls, counts) for p in c[:n])
-            for counts in itertools.product(*(range(len(c) + 1) for c in cls))]
+    counts = itertools.product(*(range(len(c) + 1) for c in cls))
+    if each is not None:
+        counts = (n for n in counts if sum(k * b for k, b in zip(n, each)) <= budget)
+    return [tuple(p for c, k in zip(cls, n) for p in c[:k]) for n in counts]
 
 
 def choose(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
@@ -69,8 +75,14 @@ def choose(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: St
         return at(())
     # With room left after residency, the backward may keep more instead of recomputing.
     remats = ("full", "dots", "none") if stream.remat == "auto" else (stream.remat,)
+    # A set whose resident state alone exceeds the budget cannot fit (the device plan
+    # adds its other uses to it), so it is not priced. The resident state is the sum of
+    # each resident part's, alike within a class: one part of each class priced resident
+    # alone says it. On a model of big blocks most of the (L + 1)^k sets are out
+    # (gpt-oss-120b's 8,226 plans on an H200 become 116).
+    each = [at(c[:1]).device.resident for c in classes(cfg, stream)]
     plans = [estimate(cfg, dataclasses.replace(stream, resident=r, remat=m), store, shape, hardware, part_bytes_=pb)
-             for r in candidates(cfg, stream) for m in remats]
+             for r in candidates(cfg, stream, each, budget) for m in remats]
     fitting = [p for p in plans if p.device.total <= budget]
     if not fitting:
         return at(())
