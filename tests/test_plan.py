@@ -184,6 +184,15 @@ def test_recommend_puts_state_on_disk_only_when_ram_is_short():
     assert advice.plan.ram_needed <= tight
 
 
+def test_recommended_prefetch_depth_fits_host_ram_too():
+    # A deeper prefetch stages more in host RAM: with RAM for depth 1 only, depth 1 is advised.
+    one, two = plan_of(prefetch_depth=1), plan_of(prefetch_depth=2)
+    assert two.ram_needed > one.ram_needed
+    assert recommend(one, available_ram=int(two.ram_needed / 0.9) + 1).prefetch_depth == 2
+    advice = recommend(one, available_ram=int(one.ram_needed / 0.9) + 1)
+    assert advice.fits and advice.prefetch_depth == 1 and advice.placement == StoreConfig()
+
+
 def test_on_a_cpu_device_the_device_peak_counts_as_host_ram():
     plan = plan_of(shape=StepShape(2, 32), hw=BUILTIN["cpu-2core"])
     assert plan.ram_needed == plan.host.total + plan.device.total
@@ -252,6 +261,8 @@ def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     ("qwen3.5-35b-a3b-plan.yaml", "compute=ram,master=ram,opt=ram"),
     # 512 experts: 8-23 s (2 cores, load 3-5), most of it tracing the abstract block and its residuals once.
     pytest.param("qwen3-next-80b-a3b-plan.yaml", "compute=ram,master=ram,opt=ram", marks=pytest.mark.slow),
+    ("qwen3.5-122b-a10b-plan.yaml", "compute=ram,master=ram,opt=ram"),
+    pytest.param("qwen3.5-27b-plan.yaml", "compute=ram,master=ram,opt=ram", marks=pytest.mark.slow),
 ])
 def test_shipped_plan_experiments_plan(name, placement, capsys):
     assert cli.main(["plan", str(ROOT / "experiments" / name), "--hardware", "h200"]) == 0

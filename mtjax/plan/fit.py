@@ -138,22 +138,26 @@ def checkpoint_interval(plan: Plan, mtbf_s: float = MTBF_S) -> tuple[int, float]
     return max(1, round(math.sqrt(2 * cost * mtbf_s) / plan.times.step)), cost
 
 
-def _fit_device(plan: Plan, device_bytes: float) -> Plan:
+def _fit_device(plan: Plan, device_bytes: float, ram_bytes: float = math.inf) -> Plan:
     """Prefetch depth 2 (one part computing, one arriving, one queued to absorb link and
     disk jitter) or 1; if neither fits, the recompute group and activation tier that
-    need the least device memory."""
+    need the least device memory. A deeper prefetch also stages more in host RAM, so a
+    depth fits only where the plan still fits `ram_bytes`."""
     def at(**changes) -> Plan:
         return estimate(plan.cfg, dataclasses.replace(plan.stream, **changes), plan.store, plan.shape, plan.hardware,
                         part_bytes_=plan.part_bytes, devices=plan.schedule.devices)
 
+    def fits(p: Plan) -> bool:
+        return p.device.total <= device_bytes and p.ram_needed <= ram_bytes
+
     for depth in (2, 1):
         p = at(prefetch_depth=depth)
-        if p.device.total <= device_bytes:
+        if fits(p):
             return p
     L = plan.cfg.num_hidden_layers
     groups = sorted({1, 2, 4, 8, 16, L, plan.stream.keep_every or L} & set(range(1, L + 1)))
     options = [at(prefetch_depth=1, keep_every=k, activations=a) for k in groups for a in ("device", "host")]
-    fitting = [p for p in options if p.device.total <= device_bytes]
+    fitting = [p for p in options if fits(p)]
     return min(fitting, key=lambda p: p.times.step) if fitting else min(options, key=lambda p: p.device.total)
 
 
@@ -173,7 +177,7 @@ def recommend(plan: Plan, available_ram: int | None = None, free_disk: int | Non
     else:
         best = min(candidates, key=lambda c: c.ram_needed)
         why = "no placement fits RAM and disk; this one needs the least RAM"
-    chosen = _fit_device(best, dev)
+    chosen = _fit_device(best, dev, ram if fitting else math.inf)
     s0, s1 = plan.stream, chosen.stream
     stream = f"keep_every {s1.keep_every}, activations on the {s1.activations}"
     if chosen.device.total > dev:
@@ -182,5 +186,5 @@ def recommend(plan: Plan, available_ram: int | None = None, free_disk: int | Non
     elif (s1.keep_every, s1.activations) != (s0.keep_every, s0.activations):
         why += f"; {stream} to fit the device"
     every, cost = checkpoint_interval(chosen)
-    fits = bool(fitting) and chosen.device.total <= dev
+    fits = bool(fitting) and chosen.device.total <= dev and chosen.ram_needed <= ram
     return Advice(chosen.store, s1.prefetch_depth, every, cost, chosen, fits, why)
