@@ -11,7 +11,6 @@ fp32: logits, the training loss with the load-balancing term (transformers'
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +19,6 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
-import hf_models
 import mtjax
 import mtjax.store
 import parity
@@ -85,39 +83,16 @@ CASES = [
 ]
 
 
-@dataclasses.dataclass
-class Result:
-    cfg: mtjax.ModelConfig
-    params: dict
-    tokens: np.ndarray
-    torch_model: object
-    hf_logits: np.ndarray
-    hf_loss: float
-    hf_grads: dict  # hub tensor name -> gradient
-    router_logits: list
-    ckpt: Path
-
-
-_RESULTS: dict[str, Result] = {}
+_RUNS: dict[str, parity.HfRun] = {}
 
 
 @pytest.fixture(params=CASES, ids=[c.id for c in CASES])
-def case(request, tmp_path_factory) -> tuple[Case, Result]:
+def case(request, tmp_path_factory) -> tuple[Case, parity.HfRun]:
     c: Case = request.param
-    if c.id not in _RESULTS:
-        ckpt, torch_model = hf_models.checkpoint(tmp_path_factory.mktemp(c.id), c.family, **c.overrides)
-        tokens = np.random.default_rng(0).integers(0, hf_models.BASE["vocab_size"], (BATCH, SEQ))
-        ids = torch.as_tensor(tokens)
-        out = torch_model(input_ids=ids, labels=ids, output_router_logits=True)
-        out.loss.backward()
-        grads = hf_models.hub_names(c.family, {n: p.grad.numpy().copy() for n, p in torch_model.named_parameters()})
-        # A buffer the checkpoint holds (DeepSeek-V3's routing bias) has no gradient: zero.
-        grads.update({n: np.zeros(b.shape, np.float32) for n, b in torch_model.state_dict().items()
-                      if n.endswith("e_score_correction_bias")})
-        cfg, params = mtjax.load_params(ckpt)
-        _RESULTS[c.id] = Result(cfg, params, tokens, torch_model, out.logits.detach().numpy(), out.loss.item(), grads,
-                                [r.detach().numpy() for r in out.router_logits], ckpt)
-    return c, _RESULTS[c.id]
+    if c.id not in _RUNS:
+        _RUNS[c.id] = parity.hf_run(tmp_path_factory.mktemp(c.id), c.family, c.overrides, (BATCH, SEQ),
+                                    router_logits=True)
+    return c, _RUNS[c.id]
 
 
 def test_checkpoint_is_the_case_asked_for(case):

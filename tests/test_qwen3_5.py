@@ -31,16 +31,13 @@ import mtjax.store
 import parity
 from mtjax import documents, hf, model, parts, treepath
 from mtjax.batch import Batch
-from mtjax.config import StoreConfig, StreamConfig
 from mtjax.layers import registry
 from mtjax.model_config import from_hf_dict
-from mtjax.optim import OptimConfig, make_optimizer
-from mtjax.reference import ReferenceTrainer, loss_fn, loss_terms
+from mtjax.optim import OptimConfig
+from mtjax.reference import loss_fn, loss_terms
 from mtjax.store.hf_export import export_hf
 from mtjax.store.hf_import import import_hf
 from mtjax.stream import StreamEngine
-
-from conftest import token_batches
 
 BATCH = 2
 MOE = dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
@@ -65,35 +62,16 @@ CASES = [
 ]
 
 
-@dataclasses.dataclass
-class Result:
-    cfg: mtjax.ModelConfig
-    params: dict
-    tokens: np.ndarray
-    torch_model: object
-    hf_logits: np.ndarray
-    hf_loss: float
-    hf_grads: dict
-    ckpt: Path
-
-
-_RESULTS: dict[str, Result] = {}
+_RUNS: dict[str, parity.HfRun] = {}
 
 
 @pytest.fixture(params=CASES, ids=[c.id for c in CASES])
-def case(request, tmp_path_factory) -> tuple[Case, Result]:
+def case(request, tmp_path_factory) -> tuple[Case, parity.HfRun]:
     c: Case = request.param
-    if c.id not in _RESULTS:
-        ckpt, torch_model = hf_models.checkpoint(tmp_path_factory.mktemp(c.id), c.family, **c.overrides)
-        tokens = np.random.default_rng(0).integers(0, hf_models.BASE["vocab_size"], (BATCH, c.seq))
-        ids = torch.as_tensor(tokens)
-        out = torch_model(input_ids=ids, labels=ids, output_router_logits=bool(c.moe_layers))
-        out.loss.backward()
-        grads = hf_models.hub_names(c.family, {n: p.grad.numpy().copy() for n, p in torch_model.named_parameters()})
-        cfg, params = mtjax.load_params(ckpt)
-        _RESULTS[c.id] = Result(cfg, params, tokens, torch_model, out.logits.detach().numpy(), out.loss.item(), grads,
-                                ckpt)
-    return c, _RESULTS[c.id]
+    if c.id not in _RUNS:
+        _RUNS[c.id] = parity.hf_run(tmp_path_factory.mktemp(c.id), c.family, c.overrides, (BATCH, c.seq),
+                                    router_logits=bool(c.moe_layers))
+    return c, _RUNS[c.id]
 
 
 @pytest.mark.slow
@@ -205,11 +183,6 @@ SEQ, LENGTHS = 160, (70, 5, 60, 20)  # documents across a chunk's end, inside on
 OPT = OptimConfig(lr=1e-3, clip_norm=0.05, weight_decay=0.1)
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def _packed_row():
     rng = np.random.default_rng(0)
     docs = [rng.integers(1, DENSE.vocab_size, n).astype(np.int32) for n in LENGTHS]
@@ -253,7 +226,7 @@ def test_packed_documents_equal_each_document_alone(dense_params):
         packed = Batch(tokens, segments == j, segments)
         loss, grads = fn(dense_params, documents.step_inputs(packed)[0].micro(0))
         assert abs(float(loss) - float(want_loss)) <= 1e-6 * abs(float(want_loss)), j
-        errors = {n: _rel(g, treepath.flatten(want_grads)[n]) for n, g in treepath.flatten(grads).items()}
+        errors = {n: parity.rel(g, treepath.flatten(want_grads)[n]) for n, g in treepath.flatten(grads).items()}
         assert max(errors.values()) <= 1e-5, (j, max(errors.items(), key=lambda e: e[1]))
         if j == 3:  # the engine, on the document that starts inside a chunk after two others
             engine = StreamEngine(DENSE, dense_params, OPT)
@@ -265,7 +238,7 @@ def test_packed_documents_equal_each_document_alone(dense_params):
                 engine.close()
             for name, g in got.items():
                 want = treepath.flatten(parts.part_params(want_grads, name))
-                assert max(_rel(g[n], w) for n, w in want.items()) <= 1e-5, name
+                assert max(parity.rel(g[n], w) for n, w in want.items()) <= 1e-5, name
     leaky, _ = fn(dense_params, documents.step_inputs(Batch(tokens, segments == 3))[0].micro(0))
     assert abs(float(leaky) - float(loss)) > 1e-3 * abs(float(loss))  # one row, no starts: the state leaks
 
@@ -277,27 +250,12 @@ MOE_CFG = tiny("qwen3_5_moe_text", **dict(MOE, num_experts=8))
 @pytest.mark.parametrize("tier", ["ram", "disk"])
 def test_five_streamed_steps_equal_the_reference(make_store, tier):
     """Accumulating 2 micro-batches; on the disk tier the MoE blocks split into expert groups of 3."""
-    start = _params(MOE_CFG, 2)
-    store, tiers, stream = None, StoreConfig(), StreamConfig(keep_every=1)
+    run = parity.streamed_and_reference(make_store, MOE_CFG, _params(MOE_CFG, 2), OPT, tier)
     if tier == "disk":
-        store = make_store(MOE_CFG, make_optimizer(OPT))
-        tiers, stream = StoreConfig(compute="disk", master="disk", opt="disk"), StreamConfig(expert_group_size=3)
-    engine = StreamEngine(MOE_CFG, start, OPT, stream, tiers, store=store, batch_shape=(2, 12))
-    reference = ReferenceTrainer(MOE_CFG, start, OPT)
-    try:
-        if tier == "disk":
-            assert set(engine.schedule.split) == {0, 1, 2}
-        for batch in token_batches(MOE_CFG.vocab_size, (2, 2, 12), 5):
-            ours, ref = engine.step(batch), reference.step(batch)
-            np.testing.assert_allclose(ours["loss"], ref["loss"], rtol=1e-5)
-        streamed, expected, initial = (treepath.flatten(t) for t in (engine.params(), reference.params, start))
-        for name, w in streamed.items():
-            assert _rel(w, expected[name]) <= 1e-5, name
-            assert not np.array_equal(np.asarray(w), np.asarray(initial[name])), name
-    finally:
-        engine.close()
-        if store is not None:
-            store.close()
+        assert set(run.split) == {0, 1, 2}
+    for name, w in run.streamed.items():
+        assert parity.rel(w, run.expected[name]) <= 1e-5, name
+        assert not np.array_equal(np.asarray(w), np.asarray(run.initial[name])), name
 
 
 def test_the_decode_state_is_the_conv_window_and_the_rule_state():
