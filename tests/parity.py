@@ -4,6 +4,10 @@
   backward on random tokens, and the checkpoint loaded by mtjax; `assert_gradients_match`:
   mtjax's gradient of every checkpoint tensor against transformers' on those tokens
   (test_hf_parity.py, test_hf_moe.py, test_qwen3_5.py).
+- `assert_export_bit_exact`: a loaded checkpoint saved again, and exported through a layer
+  store, byte for byte, and reloaded by transformers (test_hf_moe.py, test_qwen3_5.py);
+  `assert_greedy_decoding_equals_generate`: the streamed sampler's cached greedy tokens
+  against transformers' `generate` (test_deepseek.py, test_gpt_oss.py, test_qwen3_5.py).
 - `streamed_and_reference`: the same AdamW steps through the stream engine (in RAM, or on
   disk with MoE blocks in expert groups) and the in-memory reference, their losses step
   by step and the weights both end with (test_deepseek.py, test_gpt_oss.py,
@@ -19,15 +23,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import transformers
+from safetensors.numpy import load_file
 
 import hf_models
 import mtjax
+import mtjax.store
 from conftest import token_batches
 from mtjax import hf, treepath
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.reference import ReferenceTrainer
+from mtjax.store.hf_export import export_hf
+from mtjax.store.hf_import import import_hf
 from mtjax.stream import StreamEngine
+from mtjax.stream.sample import StreamSampler
 
 
 def rel(a, b) -> float:
@@ -96,6 +106,42 @@ def assert_gradients_match(cfg: mtjax.ModelConfig, params: dict, tokens: np.ndar
             bad[spec.hf_name] = error
     assert not bad, f"gradients off (tolerance {rtol:g}): {bad}"
     return [s.hf_name for s in specs]
+
+
+def assert_export_bit_exact(r: HfRun, out: Path, tokens: np.ndarray) -> None:
+    """`r`'s parameters saved (out/saved) and its checkpoint imported (out/store) and
+    exported (out/via-store): every tensor of the checkpoint, byte for byte, and no other;
+    the saved checkpoint reloaded by transformers gives `r.torch_model`'s logits on
+    `tokens` exactly."""
+    mtjax.save_params(r.cfg, r.params, out / "saved")
+    import_hf(r.ckpt, out / "store", compute_dtype="float32")
+    export_hf(out / "store", out / "via-store")
+    source = load_file(str(r.ckpt / hf.SINGLE_FILE))
+    for written in ("saved", "via-store"):
+        ours = load_file(str(out / written / hf.SINGLE_FILE))
+        assert set(ours) == set(source)
+        for name, array in source.items():
+            assert ours[name].dtype == array.dtype and ours[name].tobytes() == array.tobytes(), (written, name)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out / "saved", attn_implementation="eager",
+                                                                 dtype=torch.float32)
+    ids = torch.as_tensor(tokens)
+    with torch.no_grad():
+        np.testing.assert_array_equal(reloaded(input_ids=ids).logits.numpy(), r.torch_model(input_ids=ids).logits.numpy())
+
+
+def assert_greedy_decoding_equals_generate(ckpt: Path, torch_model, out: Path) -> None:
+    """The checkpoint imported (out/store, fp32) and sampled by mtjax's streamed sampler
+    greedily, 10 tokens after a one-token prompt and a nine-token one: transformers'
+    `generate` from `torch_model`, token for token, and not one token repeated throughout
+    (varied output, so a wrong cache or position shows)."""
+    import_hf(ckpt, out / "store", compute_dtype="float32")
+    sampler = StreamSampler(mtjax.store.open(out / "store"))
+    for prompt in ([5], [3, 14, 15, 92, 65, 35, 89, 79, 32]):
+        with torch.no_grad():
+            want = torch_model.generate(torch.as_tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert sampler.generate(prompt, 10, temperature=0) == want, prompt
+        assert len(set(want)) > 1
 
 
 def _text_name(name: str) -> str:

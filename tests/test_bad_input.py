@@ -181,6 +181,8 @@ def test_sequence_split_and_chunk_settings(work):
             ([*train, "--model.router_bias_update_rate=-1"], "model.router_bias_update_rate must be >= 0, got -1.0"),
             ([*train, "--lora.rank=4", "--lora.dropout=1"], "lora.dropout must be at least 0 and below 1, got 1.0"),
             ([*train, "--lora.rank=4", "--lora.dropout=-0.1"], "lora.dropout must be at least 0 and below 1, got -0.1"),
+            ([*train, "--lora.dropout=2"], "lora.dropout must be at least 0 and below 1, got 2.0"),  # no adapters
+            ([*train, "--lora.alpha=-1"], "lora.alpha must be a positive number, got -1.0"),  # no adapters
             ([*train, "--model.head_chunk_tokens=-1"], "model.head_chunk_tokens must be >= 0, got -1"),
             ([*train, "--model.ffn_chunk_tokens=-1"], "model.ffn_chunk_tokens must be >= 0, got -1"),
         ], env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})

@@ -246,19 +246,9 @@ def test_decoding_keeps_the_latent_and_the_rotary_key_per_token():
     ("deepseek_v2", dict(q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5)),
 ])
 def test_cached_greedy_decoding_equals_transformers_generate(family, overrides, tmp_path):
-    from mtjax.store.hf_import import import_hf
-    from mtjax.stream.sample import StreamSampler
-
     ckpt, torch_model = hf_models.checkpoint(tmp_path, family, num_hidden_layers=3, num_key_value_heads=4,
                                              initializer_range=0.2, **overrides)
-    import_hf(ckpt, tmp_path / "store", compute_dtype="float32")
-    sampler = StreamSampler(mtjax.store.open(tmp_path / "store"))
-    for prompt in ([5], [3, 14, 15, 92, 65, 35, 89, 79, 32]):
-        with torch.no_grad():
-            want = torch_model.generate(torch.as_tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert sampler.generate(prompt, 10, temperature=0) == want, prompt
-        assert len(set(want)) > 1  # varied output, so a wrong cache or position shows
+    parity.assert_greedy_decoding_equals_generate(ckpt, torch_model, tmp_path)
 
 
 @pytest.mark.slow  # two tiny transformers checkpoints

@@ -15,17 +15,12 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
-from safetensors.numpy import load_file
 
 import mtjax
 import mtjax.store
 import parity
 from mtjax import hf
 from mtjax.reference import loss_terms
-from mtjax.store.hf_export import export_hf
-from mtjax.store.hf_import import import_hf
 
 pytestmark = pytest.mark.slow  # transformers + torch models side by side
 
@@ -145,21 +140,8 @@ def test_every_gradient_matches(case):
 def test_export_is_bit_exact_and_reloads_in_transformers(case, tmp_path):
     """From params and through a layer store (one array per expert): the same files."""
     _, r = case
-    mtjax.save_params(r.cfg, r.params, tmp_path / "out")
-    import_hf(r.ckpt, tmp_path / "store", compute_dtype="float32")
+    parity.assert_export_bit_exact(r, tmp_path, r.tokens)
     with mtjax.store.open(tmp_path / "store") as store:  # one array per expert, fused on disk or not
         leaves = store.read(f"block.{r.cfg.moe_layers[0]}", "master").result()
         assert {f"mlp.experts.{e}.{p}.kernel" for e in range(16) for p in ("gate_proj", "up_proj", "down_proj")} \
             <= set(leaves)
-    export_hf(tmp_path / "store", tmp_path / "via-store")
-    source = load_file(str(r.ckpt / hf.SINGLE_FILE))
-    for out in ("out", "via-store"):
-        ours = load_file(str(tmp_path / out / hf.SINGLE_FILE))
-        assert set(ours) == set(source)
-        for name, array in source.items():
-            assert ours[name].dtype == array.dtype and ours[name].tobytes() == array.tobytes(), (out, name)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager",
-                                                                 dtype=torch.float32)
-    ids = torch.as_tensor(r.tokens)
-    with torch.no_grad():
-        np.testing.assert_array_equal(reloaded(input_ids=ids).logits.numpy(), r.torch_model(input_ids=ids).logits.numpy())
