@@ -320,7 +320,7 @@ def model_config(exp: ExperimentConfig) -> ModelConfig:
     section = exp.model
     overrides = dict(section.overrides)
     if "sequence_devices" in overrides:  # the engine's, from its mesh
-        raise ConfigError("model.sequence_devices is set by the engine: split rows over the devices with "
+        raise ConfigError("model.sequence_devices is set by the engine: split each row's tokens over the devices with "
                           "stream.split: sequence (and stream.devices) instead")
     adapters = dict(lora=exp.lora)  # the `lora:` section (mtjax.lora; no rank: none)
     try:

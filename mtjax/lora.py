@@ -57,14 +57,14 @@ class LoraConfig:
         # the same targets are the same config, which a store compares.
         names = (self.target_modules,) if isinstance(self.target_modules, str) else self.target_modules
         object.__setattr__(self, "target_modules", tuple(sorted(set(names))))
+        if not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise ConfigError(f"lora.alpha must be a positive number, got {self.alpha!r}")
+        if not 0 <= self.dropout < 1:  # with no rank too: a value no run can mean is refused, not ignored
+            raise ConfigError(f"lora.dropout must be at least 0 and below 1, got {self.dropout!r}")
         if self.rank is None:
             return
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(f"lora.rank must be a positive integer (or null: no adapters), got {self.rank!r}")
-        if not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise ConfigError(f"lora.alpha must be a positive number, got {self.alpha!r}")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"lora.dropout must be at least 0 and below 1, got {self.dropout!r}")
         if not self.target_modules:
             raise ConfigError("lora.target_modules is empty; name linear layers (q_proj, v_proj, ...) or all-linear")
 

@@ -15,6 +15,7 @@ the master weights) and OUT_DIR/<case>-<index>.json (the losses).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import sys
@@ -47,21 +48,31 @@ def main(port: int, count: int, index: int, out: Path, frozen: bool = False) -> 
     hosts = startup.hosts
     distributed.check_same(hosts, "test config", repr((CFG, OPT)))
     startup.done()
-    if frozen:
-        for name, (cfg, tier) in FROZEN.items():
-            store = None
-            if tier == "disk":
-                store = mtjax.store.create(out / name / hosts.shard.name, cfg,
-                                           hosts={"index": index, "count": count, "run": "test"})
-            engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, StreamConfig(keep_every=2),
-                                  StoreConfig(compute=tier, master=tier, opt=tier), store=store, hosts=hosts)
-            losses = [engine.step(b)["loss"] for b in batches(FROZEN_ACCUM)]
-            params = engine.params()
+
+    @contextlib.contextmanager
+    def engine_on(name: str, cfg, tier: str):
+        """An engine of `cfg` from seed 1's weights, its state on `tier` (disk: this process's
+        shard of a store under OUT_DIR/name): yields (engine, store or None); on leaving,
+        the store is committed and both are closed."""
+        store = None
+        if tier == "disk":
+            store = mtjax.store.create(out / name / hosts.shard.name, cfg,
+                                       hosts={"index": index, "count": count, "run": "test"})
+        engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT, StreamConfig(keep_every=2),
+                              StoreConfig(compute=tier, master=tier, opt=tier), store=store, hosts=hosts)
+        try:
+            yield engine, store
             if store is not None:
                 engine.commit()
+        finally:
             engine.close()
             if store is not None:
                 store.close()
+    if frozen:
+        for name, (cfg, tier) in FROZEN.items():
+            with engine_on(name, cfg, tier) as (engine, _):
+                losses = [engine.step(b)["loss"] for b in batches(FROZEN_ACCUM)]
+                params = engine.params()
             if index == 0:
                 np.savez(out / f"{name}.npz", **{k: np.asarray(v) for k, v in treepath.flatten(params).items()})
             (out / f"{name}-{index}.json").write_text(json.dumps({"losses": losses}))
@@ -96,24 +107,14 @@ def main(port: int, count: int, index: int, out: Path, frozen: bool = False) -> 
 
     for tier, accum in CASES:
         name = f"{tier}-{accum}"
-        store = None
-        if tier == "disk":
-            store = mtjax.store.create(out / name / hosts.shard.name, CFG,
-                                       hosts={"index": index, "count": count, "run": "test"})
-        placement = StoreConfig(compute=tier, master=tier, opt=tier)
-        engine = StreamEngine(CFG, model.init_params(CFG, seed=1), OPT, StreamConfig(keep_every=2), placement,
-                              store=store, hosts=hosts)
-        hosts.sent = dict.fromkeys(hosts.sent, 0)  # this case's payload bytes
-        losses = [engine.step(b)["loss"] for b in batches(accum)]
-        ram = {kind: engine.tiers.by_kind[kind].nbytes(kind) for kind in ("compute", "master", "opt") if tier == "ram"}
-        stored = {kind: store.nbytes(kind) for kind in ("compute", "master", "opt")} if store else {}
-        sent = dict(hosts.sent)  # the steps' collectives only
-        params, opt_state = engine.params(), engine.opt_state()
-        if store is not None:
-            engine.commit()
-        engine.close()
-        if store is not None:
-            store.close()
+        with engine_on(name, CFG, tier) as (engine, store):
+            hosts.sent = dict.fromkeys(hosts.sent, 0)  # this case's payload bytes
+            losses = [engine.step(b)["loss"] for b in batches(accum)]
+            ram = {kind: engine.tiers.by_kind[kind].nbytes(kind) for kind in ("compute", "master", "opt")
+                   if tier == "ram"}
+            stored = {kind: store.nbytes(kind) for kind in ("compute", "master", "opt")} if store else {}
+            sent = dict(hosts.sent)  # the steps' collectives only
+            params, opt_state = engine.params(), engine.opt_state()
         if index == 0:
             flat = {f"params/{k}": np.asarray(v) for k, v in treepath.flatten(params).items()}
             flat.update({f"opt/{k}": np.asarray(v) for k, v in treepath.flatten(opt_state).items()})

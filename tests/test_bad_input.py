@@ -33,8 +33,8 @@ TINY = [*TINY_MODEL_ARGS,
 QWEN_TOKENIZER = str(Path(__file__).parent / "data" / "qwen2" / "tokenizer.json.gz")
 
 
-def start(cwd: Path, args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TMPDIR": str(cwd / "tmp")}
+def start(cwd: Path, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TMPDIR": str(cwd / "tmp"), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "mtjax", *args], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -48,13 +48,14 @@ def snapshot(root: Path) -> dict[str, str]:
     return out
 
 
-def run_cases(cwd: Path, cases: list[tuple[list[str], str]], parallel: int = 4) -> None:
-    """Run each (args, expected text) case; check its one error line and that the working
-    directory is exactly as before."""
+def run_cases(cwd: Path, cases: list[tuple[list[str], str]], parallel: int = 4,
+              env: dict[str, str] | None = None) -> None:
+    """Run each (args, expected text) case, with `env` added to the environment; check its
+    one error line and that the working directory is exactly as before."""
     before = snapshot(cwd)
     results = []
     for i in range(0, len(cases), parallel):
-        batch = [(args, expect, start(cwd, args)) for args, expect in cases[i:i + parallel]]
+        batch = [(args, expect, start(cwd, args, env)) for args, expect in cases[i:i + parallel]]
         for args, expect, p in batch:
             out, err = p.communicate(timeout=300)
             results.append((args, expect, p.returncode, out, err))
@@ -157,6 +158,36 @@ def test_residency_document_and_chat_choices(work):
         (["train", *TINY, "--run.dir=r2", "--model.attn_temperature_tuning=true", "--model.floor_scale=0"],
          "model.floor_scale must be positive, got 0.0"),
     ])
+
+
+def test_sequence_split_and_chunk_settings(work):
+    """The settings of context parallelism, LoRA dropout, router bias updates and chunked
+    heads / FFNs, in a process with two CPU devices (as tests/test_sequence_split.py runs):
+    a row that the devices do not divide (a count, and `all` found when the devices are
+    known), the engine's own model.sequence_devices set by hand (command line and YAML)."""
+    (work / "seqdev.yaml").write_text("model:\n  sequence_devices: 2\n")
+    train = ["train", *TINY, "--run.dir=r2"]
+    split = "data.seq_len 33 does not split over 2 devices (stream.split: sequence): use a multiple of 2, or set " \
+            "stream.devices to a divisor of 33"
+    engine = "model.sequence_devices is set by the engine: split"
+    try:
+        run_cases(work, [
+            ([*train, "--stream.split=sequence", "--stream.devices=2", "--data.seq_len=33"], split),
+            ([*train, "--stream.split=sequence", "--data.seq_len=33"], split),  # stream.devices: all
+            ([*train, "--stream.split=tokens"], "stream.split must be one of batch, sequence, got 'tokens'"),
+            ([*train, "--model.sequence_devices=2"], engine),
+            (["train", "seqdev.yaml", *TINY, "--run.dir=r2"], engine),
+            (["plan", "seqdev.yaml", "--hardware", "h200"], engine),
+            ([*train, "--model.router_bias_update_rate=-1"], "model.router_bias_update_rate must be >= 0, got -1.0"),
+            ([*train, "--lora.rank=4", "--lora.dropout=1"], "lora.dropout must be at least 0 and below 1, got 1.0"),
+            ([*train, "--lora.rank=4", "--lora.dropout=-0.1"], "lora.dropout must be at least 0 and below 1, got -0.1"),
+            ([*train, "--lora.dropout=2"], "lora.dropout must be at least 0 and below 1, got 2.0"),  # no adapters
+            ([*train, "--lora.alpha=-1"], "lora.alpha must be a positive number, got -1.0"),  # no adapters
+            ([*train, "--model.head_chunk_tokens=-1"], "model.head_chunk_tokens must be >= 0, got -1"),
+            ([*train, "--model.ffn_chunk_tokens=-1"], "model.ffn_chunk_tokens must be >= 0, got -1"),
+        ], env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    finally:
+        (work / "seqdev.yaml").unlink()
 
 
 def test_messages_point_the_right_way(work):

@@ -27,6 +27,7 @@ import transformers
 import hf_models
 import mtjax
 import mtjax.store
+import parity
 from mtjax import model, parts, roles, treepath
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.layers import registry
@@ -134,11 +135,6 @@ def test_the_correction_bias_is_a_buffer_with_no_gradient_or_optimizer_state():
     assert np.any(np.asarray(grads["blocks"][1]["mlp"]["gate"]["kernel"]))
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 RATE = 1e-2  # router_bias_update_rate of the tests of DeepSeek's bias update
 
 
@@ -151,34 +147,19 @@ def test_five_streamed_steps_equal_the_reference_and_leave_the_bias_as_it_was(ma
     rate the bias moves by the rule, step by step as the reference moves it; without, it
     stays bit for bit as it was."""
     cfg = dataclasses.replace(TINY_V3, router_bias_update_rate=rate)
-    start = _params()
-    store, tiers, stream = None, StoreConfig(), StreamConfig(keep_every=1)
+    # No rule input in the gradient norm: it too equals the reference's.
+    run = parity.streamed_and_reference(make_store, cfg, _params(), OPT, tier, metrics=("loss", "grad_norm"))
     if tier == "disk":
-        store = make_store(cfg, make_optimizer(OPT))
-        tiers, stream = StoreConfig(compute="disk", master="disk", opt="disk"), StreamConfig(expert_group_size=3)
-    engine = StreamEngine(cfg, start, OPT, stream, tiers, store=store, batch_shape=(2, 12))
-    reference = ReferenceTrainer(cfg, start, OPT)
-    try:
-        if tier == "disk":
-            assert engine.schedule.split == {1: ((0, 1, 2), (3, 4, 5), (6, 7)), 2: ((0, 1, 2), (3, 4, 5), (6, 7))}
-        for batch in token_batches(64, (2, 2, 12), 5):
-            ours, ref = engine.step(batch), reference.step(batch)
-            np.testing.assert_allclose(ours["loss"], ref["loss"], rtol=1e-5)
-            np.testing.assert_allclose(ours["grad_norm"], ref["grad_norm"], rtol=1e-5)  # no rule input in the norm
-        streamed, expected, initial = (treepath.flatten(t) for t in (engine.params(), reference.params, start))
-        for name, w in streamed.items():
-            if name.endswith(BIAS) and not rate:
-                np.testing.assert_array_equal(np.asarray(w), np.asarray(initial[name]), err_msg=name)
-            elif name.endswith(BIAS):
-                np.testing.assert_array_equal(np.asarray(w), np.asarray(expected[name]), err_msg=name)
-                assert not np.array_equal(np.asarray(w), np.asarray(initial[name])), name
-            else:
-                assert _rel(w, expected[name]) <= 1e-5, name
-                assert not np.array_equal(np.asarray(w), np.asarray(initial[name])), name
-    finally:
-        engine.close()
-        if store is not None:
-            store.close()
+        assert run.split == {1: ((0, 1, 2), (3, 4, 5), (6, 7)), 2: ((0, 1, 2), (3, 4, 5), (6, 7))}
+    for name, w in run.streamed.items():
+        if name.endswith(BIAS) and not rate:
+            np.testing.assert_array_equal(np.asarray(w), np.asarray(run.initial[name]), err_msg=name)
+        elif name.endswith(BIAS):
+            np.testing.assert_array_equal(np.asarray(w), np.asarray(run.expected[name]), err_msg=name)
+            assert not np.array_equal(np.asarray(w), np.asarray(run.initial[name])), name
+        else:
+            assert parity.rel(w, run.expected[name]) <= 1e-5, name
+            assert not np.array_equal(np.asarray(w), np.asarray(run.initial[name])), name
 
 
 @pytest.mark.slow  # three reference steps and their router counts
@@ -265,19 +246,9 @@ def test_decoding_keeps_the_latent_and_the_rotary_key_per_token():
     ("deepseek_v2", dict(q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5)),
 ])
 def test_cached_greedy_decoding_equals_transformers_generate(family, overrides, tmp_path):
-    from mtjax.store.hf_import import import_hf
-    from mtjax.stream.sample import StreamSampler
-
     ckpt, torch_model = hf_models.checkpoint(tmp_path, family, num_hidden_layers=3, num_key_value_heads=4,
                                              initializer_range=0.2, **overrides)
-    import_hf(ckpt, tmp_path / "store", compute_dtype="float32")
-    sampler = StreamSampler(mtjax.store.open(tmp_path / "store"))
-    for prompt in ([5], [3, 14, 15, 92, 65, 35, 89, 79, 32]):
-        with torch.no_grad():
-            want = torch_model.generate(torch.as_tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert sampler.generate(prompt, 10, temperature=0) == want, prompt
-        assert len(set(want)) > 1  # varied output, so a wrong cache or position shows
+    parity.assert_greedy_decoding_equals_generate(ckpt, torch_model, tmp_path)
 
 
 @pytest.mark.slow  # two tiny transformers checkpoints

@@ -36,13 +36,14 @@ SEQ, LENGTHS = 16, (5, 4, 6)
 OPT = OptimConfig(lr=1e-3, clip_norm=0.05, weight_decay=0.1)  # clipping active: the grad norm is ~1
 
 
-def packed_row():
-    """(tokens [1, 1, SEQ], segments [1, 1, SEQ], the documents): three documents, one padding token."""
+def packed_row(vocab_size: int = CFG.vocab_size, lengths: tuple[int, ...] = LENGTHS, seq: int = SEQ):
+    """(tokens [1, 1, seq], segments [1, 1, seq], the documents): random documents of
+    `lengths`, then padding to `seq` (here: three documents, one padding token)."""
     rng = np.random.default_rng(0)
-    docs = [rng.integers(1, CFG.vocab_size, n).astype(np.int32) for n in LENGTHS]
-    pad = SEQ - sum(LENGTHS)
+    docs = [rng.integers(1, vocab_size, n).astype(np.int32) for n in lengths]
+    pad = seq - sum(lengths)
     tokens = np.concatenate([*docs, np.full(pad, 7, np.int32)])
-    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(LENGTHS)] + [np.zeros(pad)])
+    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)] + [np.zeros(pad)])
     return tokens[None, None], segments.astype(np.int32)[None, None], docs
 
 
@@ -51,9 +52,9 @@ def only(segments, j: int) -> np.ndarray:
     return segments == j
 
 
-def alone(doc) -> Batch:
-    """The document at the start of a plain row, the rest of the row not counted."""
-    tokens = np.full((1, 1, SEQ), 3, np.int32)
+def alone(doc, seq: int = SEQ) -> Batch:
+    """The document at the start of a plain row of `seq` tokens, the rest of the row not counted."""
+    tokens = np.full((1, 1, seq), 3, np.int32)
     tokens[0, 0, :len(doc)] = doc
     mask = np.zeros(tokens.shape, bool)
     mask[0, 0, :len(doc)] = True

@@ -16,15 +16,10 @@ import torch
 
 import hf_models
 import mtjax
-import mtjax.store
+import parity
 from mtjax import hf, model, mxfp4, treepath
-from mtjax.config import StoreConfig, StreamConfig
 from mtjax.model_config import ModelConfig
-from mtjax.optim import OptimConfig, make_optimizer
-from mtjax.reference import ReferenceTrainer
-from mtjax.stream import StreamEngine
-
-from conftest import token_batches
+from mtjax.optim import OptimConfig
 
 # Two layers (a window of 3 in rows of 12, then full), 8 experts of which 2 per token,
 # a limit that clamps the SwiGLU here.
@@ -46,57 +41,27 @@ def _params():
     return treepath.unflatten(params, flat)
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tier", ["ram", "disk"])
 def test_five_streamed_steps_equal_the_reference(make_store, tier):
     """On the disk tier the MoE blocks are split into expert groups of 3 (forced)."""
-    start = _params()
-    store, tiers, stream = None, StoreConfig(), StreamConfig(keep_every=1)
+    run = parity.streamed_and_reference(make_store, TINY, _params(), OPT, tier, metrics=("loss", "aux_loss"))
     if tier == "disk":
-        store = make_store(TINY, make_optimizer(OPT))
-        tiers, stream = StoreConfig(compute="disk", master="disk", opt="disk"), StreamConfig(expert_group_size=3)
-    engine = StreamEngine(TINY, start, OPT, stream, tiers, store=store, batch_shape=(2, 12))
-    reference = ReferenceTrainer(TINY, start, OPT)
-    try:
-        if tier == "disk":
-            assert engine.schedule.split == {0: ((0, 1, 2), (3, 4, 5), (6, 7)), 1: ((0, 1, 2), (3, 4, 5), (6, 7))}
-        for batch in token_batches(64, (2, 2, 12), 5):
-            ours, ref = engine.step(batch), reference.step(batch)
-            np.testing.assert_allclose(ours["loss"], ref["loss"], rtol=1e-5)
-            np.testing.assert_allclose(ours["aux_loss"], ref["aux_loss"], rtol=1e-5)
-        streamed, expected, initial = (treepath.flatten(t) for t in (engine.params(), reference.params, start))
-        assert any(n.endswith("sinks") for n in streamed) and any(n.endswith("gate_proj.bias") for n in streamed)
-        changed = {n for n, w in streamed.items() if not np.array_equal(np.asarray(w), np.asarray(initial[n]))}
-        for name, w in streamed.items():
-            assert _rel(w, expected[name]) <= 1e-5, name
-            # Every leaf trains but the 1-D ones of an expert no token reached (no decay on them).
-            assert name in changed or (".experts." in name and name.endswith(".bias")), name
-    finally:
-        engine.close()
-        if store is not None:
-            store.close()
+        assert run.split == {0: ((0, 1, 2), (3, 4, 5), (6, 7)), 1: ((0, 1, 2), (3, 4, 5), (6, 7))}
+    assert any(n.endswith("sinks") for n in run.streamed) and any(n.endswith("gate_proj.bias") for n in run.streamed)
+    changed = {n for n, w in run.streamed.items() if not np.array_equal(np.asarray(w), np.asarray(run.initial[n]))}
+    for name, w in run.streamed.items():
+        assert parity.rel(w, run.expected[name]) <= 1e-5, name
+        # Every leaf trains but the 1-D ones of an expert no token reached (no decay on them).
+        assert name in changed or (".experts." in name and name.endswith(".bias")), name
 
 
 @pytest.mark.slow  # a transformers checkpoint and its store
 def test_cached_greedy_decoding_equals_transformers_generate(tmp_path):
-    from mtjax.store.hf_import import import_hf
-    from mtjax.stream.sample import StreamSampler
-
     ckpt, torch_model = hf_models.checkpoint(tmp_path, "gpt_oss", num_local_experts=8, initializer_range=0.2,
                                              swiglu_limit=0.5)
-    import_hf(ckpt, tmp_path / "store", compute_dtype="float32")
-    sampler = StreamSampler(mtjax.store.open(tmp_path / "store"))
-    for prompt in ([5], [3, 14, 15, 92, 65, 35, 89, 79, 32]):  # the second longer than the window of 3
-        with torch.no_grad():
-            want = torch_model.generate(torch.as_tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert sampler.generate(prompt, 10, temperature=0) == want, prompt
-        assert len(set(want)) > 1  # varied output, so a wrong cache or position shows
+    # The nine-token prompt is longer than the window of 3.
+    parity.assert_greedy_decoding_equals_generate(ckpt, torch_model, tmp_path)
 
 
 def _mxfp4(rng, experts: int, rows: int, cols: int):

@@ -11,23 +11,16 @@ fp32: logits, the training loss with the load-balancing term (transformers'
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
-from safetensors.numpy import load_file
 
-import hf_models
 import mtjax
 import mtjax.store
 import parity
 from mtjax import hf
 from mtjax.reference import loss_terms
-from mtjax.store.hf_export import export_hf
-from mtjax.store.hf_import import import_hf
 
 pytestmark = pytest.mark.slow  # transformers + torch models side by side
 
@@ -85,39 +78,16 @@ CASES = [
 ]
 
 
-@dataclasses.dataclass
-class Result:
-    cfg: mtjax.ModelConfig
-    params: dict
-    tokens: np.ndarray
-    torch_model: object
-    hf_logits: np.ndarray
-    hf_loss: float
-    hf_grads: dict  # hub tensor name -> gradient
-    router_logits: list
-    ckpt: Path
-
-
-_RESULTS: dict[str, Result] = {}
+_RUNS: dict[str, parity.HfRun] = {}
 
 
 @pytest.fixture(params=CASES, ids=[c.id for c in CASES])
-def case(request, tmp_path_factory) -> tuple[Case, Result]:
+def case(request, tmp_path_factory) -> tuple[Case, parity.HfRun]:
     c: Case = request.param
-    if c.id not in _RESULTS:
-        ckpt, torch_model = hf_models.checkpoint(tmp_path_factory.mktemp(c.id), c.family, **c.overrides)
-        tokens = np.random.default_rng(0).integers(0, hf_models.BASE["vocab_size"], (BATCH, SEQ))
-        ids = torch.as_tensor(tokens)
-        out = torch_model(input_ids=ids, labels=ids, output_router_logits=True)
-        out.loss.backward()
-        grads = hf_models.hub_names(c.family, {n: p.grad.numpy().copy() for n, p in torch_model.named_parameters()})
-        # A buffer the checkpoint holds (DeepSeek-V3's routing bias) has no gradient: zero.
-        grads.update({n: np.zeros(b.shape, np.float32) for n, b in torch_model.state_dict().items()
-                      if n.endswith("e_score_correction_bias")})
-        cfg, params = mtjax.load_params(ckpt)
-        _RESULTS[c.id] = Result(cfg, params, tokens, torch_model, out.logits.detach().numpy(), out.loss.item(), grads,
-                                [r.detach().numpy() for r in out.router_logits], ckpt)
-    return c, _RESULTS[c.id]
+    if c.id not in _RUNS:
+        _RUNS[c.id] = parity.hf_run(tmp_path_factory.mktemp(c.id), c.family, c.overrides, (BATCH, SEQ),
+                                    router_logits=True)
+    return c, _RUNS[c.id]
 
 
 def test_checkpoint_is_the_case_asked_for(case):
@@ -170,21 +140,8 @@ def test_every_gradient_matches(case):
 def test_export_is_bit_exact_and_reloads_in_transformers(case, tmp_path):
     """From params and through a layer store (one array per expert): the same files."""
     _, r = case
-    mtjax.save_params(r.cfg, r.params, tmp_path / "out")
-    import_hf(r.ckpt, tmp_path / "store", compute_dtype="float32")
+    parity.assert_export_bit_exact(r, tmp_path, r.tokens)
     with mtjax.store.open(tmp_path / "store") as store:  # one array per expert, fused on disk or not
         leaves = store.read(f"block.{r.cfg.moe_layers[0]}", "master").result()
         assert {f"mlp.experts.{e}.{p}.kernel" for e in range(16) for p in ("gate_proj", "up_proj", "down_proj")} \
             <= set(leaves)
-    export_hf(tmp_path / "store", tmp_path / "via-store")
-    source = load_file(str(r.ckpt / hf.SINGLE_FILE))
-    for out in ("out", "via-store"):
-        ours = load_file(str(tmp_path / out / hf.SINGLE_FILE))
-        assert set(ours) == set(source)
-        for name, array in source.items():
-            assert ours[name].dtype == array.dtype and ours[name].tobytes() == array.tobytes(), (out, name)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager",
-                                                                 dtype=torch.float32)
-    ids = torch.as_tensor(r.tokens)
-    with torch.no_grad():
-        np.testing.assert_array_equal(reloaded(input_ids=ids).logits.numpy(), r.torch_model(input_ids=ids).logits.numpy())

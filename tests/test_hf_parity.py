@@ -9,12 +9,10 @@ next-token loss, and the gradient of every tensor of the checkpoint.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 import hf_models
 import mtjax
@@ -85,46 +83,16 @@ CASES = [
 ]
 
 
-@dataclasses.dataclass
-class Result:
-    cfg: mtjax.ModelConfig
-    params: dict
-    tokens: np.ndarray
-    hf_logits: np.ndarray
-    hf_loss: float
-    hf_grads: dict  # HF parameter name -> gradient, HF orientation
-    ckpt: Path
-
-
-_RESULTS: dict[str, Result] = {}  # one build per case, shared by every test of the case
-
-
-def _run_case(c: Case, tmp_dir: Path) -> Result:
-    ckpt, torch_model = hf_models.checkpoint(tmp_dir, c.family, sharded=c.sharded, **c.overrides)
-    tokens = np.random.default_rng(0).integers(0, hf_models.BASE["vocab_size"], (BATCH, SEQ))
-    ids = torch.as_tensor(tokens)
-    out = torch_model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    grads = {_text_name(n): p.grad.detach().numpy().copy() for n, p in torch_model.named_parameters()
-             if not n.startswith(("model.vision_tower.", "model.multi_modal_projector."))}
-    cfg, params = mtjax.load_params(ckpt)
-    return Result(cfg, params, tokens, out.logits.detach().numpy(), out.loss.item(), grads, ckpt)
-
-
-def _text_name(name: str) -> str:
-    """A multimodal Gemma 3's parameter under its text-only checkpoint name."""
-    for prefix, text in hf.LANGUAGE_MODEL_PREFIXES.items():
-        if name.startswith(prefix):
-            return text + name[len(prefix):]
-    return name
+_RUNS: dict[str, parity.HfRun] = {}  # one build per case, shared by every test of the case
 
 
 @pytest.fixture(params=CASES, ids=[c.id for c in CASES])
-def case(request, tmp_path_factory) -> tuple[Case, Result]:
+def case(request, tmp_path_factory) -> tuple[Case, parity.HfRun]:
     c: Case = request.param
-    if c.id not in _RESULTS:
-        _RESULTS[c.id] = _run_case(c, tmp_path_factory.mktemp(c.id))
-    return c, _RESULTS[c.id]
+    if c.id not in _RUNS:
+        _RUNS[c.id] = parity.hf_run(tmp_path_factory.mktemp(c.id), c.family, c.overrides, (BATCH, SEQ),
+                                    sharded=c.sharded)
+    return c, _RUNS[c.id]
 
 
 def test_checkpoint_is_the_case_asked_for(case):

@@ -80,30 +80,38 @@ def _rel_error(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("adapters", ADAPTERS)
-def test_training_equals_peft_and_the_base_stays(adapters, tmp_path):
+def _steps_beside_peft(cfg, engine, peft_model, **forward) -> tuple[dict, dict]:
+    """Three AdamW steps of `engine` and of `peft_model` (torch's AdamW with OPT's settings;
+    `forward` goes to its forward) on the same batches, each step's losses within 1e-6.
+    Returns the engine's weights and PEFT's adapters, by mtjax's names and orientation."""
     import torch
 
-    targets, rslora, fields = ADAPTERS[adapters]
-    cfg = _config(targets, rslora, **fields)
-    params = model.init_params(cfg, seed=0)
-    peft_model = _peft_model(cfg, params, tmp_path)
     trained = [p for p in peft_model.parameters() if p.requires_grad]
-    assert len(trained) == sum(leaf.role == roles.TRAINED for p in parts.parts(cfg)
-                               for leaf in parts.leaves(cfg, p.name).values())
     torch_opt = torch.optim.AdamW(trained, lr=OPT.lr, betas=(OPT.b1, OPT.b2), eps=OPT.eps,
                                   weight_decay=OPT.weight_decay)
-    engine = StreamEngine(cfg, params, OPT, StreamConfig(keep_every=2), StoreConfig())
     for batch in token_batches(cfg.vocab_size, (BATCH, SEQ), 3):
         ids = torch.as_tensor(batch, dtype=torch.long)
-        loss = peft_model(input_ids=ids, labels=ids).loss
+        loss = peft_model(input_ids=ids, labels=ids, **forward).loss
         loss.backward()
         torch_opt.step()
         torch_opt.zero_grad()
         assert engine.step(batch)["loss"] == pytest.approx(loss.item(), abs=1e-6)
-    ours, start = treepath.flatten(engine.params()), treepath.flatten(params)
     theirs = {_our_name(n): p.detach().numpy().T for n, p in peft_model.named_parameters() if ".lora_" in n}
+    return treepath.flatten(engine.params()), theirs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapters", ADAPTERS)
+def test_training_equals_peft_and_the_base_stays(adapters, tmp_path):
+    targets, rslora, fields = ADAPTERS[adapters]
+    cfg = _config(targets, rslora, **fields)
+    params = model.init_params(cfg, seed=0)
+    peft_model = _peft_model(cfg, params, tmp_path)
+    assert sum(p.requires_grad for p in peft_model.parameters()) == sum(
+        leaf.role == roles.TRAINED for p in parts.parts(cfg) for leaf in parts.leaves(cfg, p.name).values())
+    engine = StreamEngine(cfg, params, OPT, StreamConfig(keep_every=2), StoreConfig())
+    ours, theirs = _steps_beside_peft(cfg, engine, peft_model)
+    start = treepath.flatten(params)
     for name, w in ours.items():
         if lora.is_adapter(name):
             assert _rel_error(w, theirs[name]) <= 1e-4, name
@@ -417,26 +425,14 @@ def _moe_config(**overrides):
 def test_lora_on_a_moe_family_equals_peft_with_expert_groups_or_not(group_size, tmp_path):
     """3 AdamW steps, the whole MoE blocks or split into groups of 3 experts: PEFT's losses
     (with the load-balancing term, output_router_logits) and adapters; the base unchanged."""
-    import torch
-
     cfg = _moe_config()
     params = model.init_params(cfg, seed=0)
     peft_model = _peft_model(cfg, params, tmp_path)
-    trained = [p for p in peft_model.parameters() if p.requires_grad]
-    torch_opt = torch.optim.AdamW(trained, lr=OPT.lr, betas=(OPT.b1, OPT.b2), eps=OPT.eps,
-                                  weight_decay=OPT.weight_decay)
     engine = StreamEngine(cfg, params, OPT, StreamConfig(keep_every=2, expert_group_size=group_size), StoreConfig(),
                           batch_shape=(BATCH, SEQ))
     assert bool(engine.schedule.split) == (group_size is not None)
-    for batch in token_batches(cfg.vocab_size, (BATCH, SEQ), 3):
-        ids = torch.as_tensor(batch, dtype=torch.long)
-        loss = peft_model(input_ids=ids, labels=ids, output_router_logits=True).loss
-        loss.backward()
-        torch_opt.step()
-        torch_opt.zero_grad()
-        assert engine.step(batch)["loss"] == pytest.approx(loss.item(), abs=1e-6)
-    ours, start = treepath.flatten(engine.params()), treepath.flatten(params)
-    theirs = {_our_name(n): p.detach().numpy().T for n, p in peft_model.named_parameters() if ".lora_" in n}
+    ours, theirs = _steps_beside_peft(cfg, engine, peft_model, output_router_logits=True)
+    start = treepath.flatten(params)
     assert {n for n in ours if lora.is_adapter(n)} == set(theirs) and len(theirs) == 3 * 3 * 2
     for name, w in ours.items():
         if lora.is_adapter(name):

@@ -27,20 +27,16 @@ from safetensors.numpy import load_file
 
 import hf_models
 import mtjax
-import mtjax.store
 import parity
 from mtjax import documents, hf, model, parts, treepath
 from mtjax.batch import Batch
-from mtjax.config import StoreConfig, StreamConfig
 from mtjax.layers import registry
 from mtjax.model_config import from_hf_dict
-from mtjax.optim import OptimConfig, make_optimizer
-from mtjax.reference import ReferenceTrainer, loss_fn, loss_terms
-from mtjax.store.hf_export import export_hf
-from mtjax.store.hf_import import import_hf
+from mtjax.optim import OptimConfig
+from mtjax.reference import loss_fn, loss_terms
 from mtjax.stream import StreamEngine
 
-from conftest import token_batches
+from test_documents import alone, packed_row
 
 BATCH = 2
 MOE = dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
@@ -65,35 +61,16 @@ CASES = [
 ]
 
 
-@dataclasses.dataclass
-class Result:
-    cfg: mtjax.ModelConfig
-    params: dict
-    tokens: np.ndarray
-    torch_model: object
-    hf_logits: np.ndarray
-    hf_loss: float
-    hf_grads: dict
-    ckpt: Path
-
-
-_RESULTS: dict[str, Result] = {}
+_RUNS: dict[str, parity.HfRun] = {}
 
 
 @pytest.fixture(params=CASES, ids=[c.id for c in CASES])
-def case(request, tmp_path_factory) -> tuple[Case, Result]:
+def case(request, tmp_path_factory) -> tuple[Case, parity.HfRun]:
     c: Case = request.param
-    if c.id not in _RESULTS:
-        ckpt, torch_model = hf_models.checkpoint(tmp_path_factory.mktemp(c.id), c.family, **c.overrides)
-        tokens = np.random.default_rng(0).integers(0, hf_models.BASE["vocab_size"], (BATCH, c.seq))
-        ids = torch.as_tensor(tokens)
-        out = torch_model(input_ids=ids, labels=ids, output_router_logits=bool(c.moe_layers))
-        out.loss.backward()
-        grads = hf_models.hub_names(c.family, {n: p.grad.numpy().copy() for n, p in torch_model.named_parameters()})
-        cfg, params = mtjax.load_params(ckpt)
-        _RESULTS[c.id] = Result(cfg, params, tokens, torch_model, out.logits.detach().numpy(), out.loss.item(), grads,
-                                ckpt)
-    return c, _RESULTS[c.id]
+    if c.id not in _RUNS:
+        _RUNS[c.id] = parity.hf_run(tmp_path_factory.mktemp(c.id), c.family, c.overrides, (BATCH, c.seq),
+                                    router_logits=bool(c.moe_layers))
+    return c, _RUNS[c.id]
 
 
 @pytest.mark.slow
@@ -134,21 +111,7 @@ def test_every_gradient_matches(case):
 @pytest.mark.slow
 def test_export_is_bit_exact_and_reloads_in_transformers(case, tmp_path):
     _, r = case
-    mtjax.save_params(r.cfg, r.params, tmp_path / "out")
-    import_hf(r.ckpt, tmp_path / "store", compute_dtype="float32")
-    export_hf(tmp_path / "store", tmp_path / "via-store")
-    source = load_file(str(r.ckpt / hf.SINGLE_FILE))
-    for out in ("out", "via-store"):
-        ours = load_file(str(tmp_path / out / hf.SINGLE_FILE))
-        assert set(ours) == set(source)
-        for name, array in source.items():
-            assert ours[name].dtype == array.dtype and ours[name].tobytes() == array.tobytes(), (out, name)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager",
-                                                                 dtype=torch.float32)
-    ids = torch.as_tensor(r.tokens[:, :70])
-    with torch.no_grad():
-        np.testing.assert_array_equal(reloaded(input_ids=ids).logits.numpy(),
-                                      r.torch_model(input_ids=ids).logits.numpy())
+    parity.assert_export_bit_exact(r, tmp_path, r.tokens[:, :70])
 
 
 @pytest.mark.slow
@@ -205,28 +168,6 @@ SEQ, LENGTHS = 160, (70, 5, 60, 20)  # documents across a chunk's end, inside on
 OPT = OptimConfig(lr=1e-3, clip_norm=0.05, weight_decay=0.1)
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def _packed_row():
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(1, DENSE.vocab_size, n).astype(np.int32) for n in LENGTHS]
-    pad = SEQ - sum(LENGTHS)
-    tokens = np.concatenate([*docs, np.full(pad, 7, np.int32)])
-    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(LENGTHS)] + [np.zeros(pad)]).astype(np.int32)
-    return tokens[None, None], segments[None, None], docs
-
-
-def _alone(doc) -> Batch:
-    tokens = np.full((1, 1, SEQ), 3, np.int32)
-    tokens[0, 0, :len(doc)] = doc
-    mask = np.zeros(tokens.shape, bool)
-    mask[0, 0, :len(doc)] = True
-    return Batch(tokens, mask)
-
-
 def _params(cfg, seed: int) -> dict:
     """Fresh parameters, the delta-nets' decay rates A in [0.05, 1] (see tests/hf_models.py)."""
     params = model.init_params(cfg, seed=seed)
@@ -247,13 +188,13 @@ def test_packed_documents_equal_each_document_alone(dense_params):
     """In the reference and the engine (its summed gradients as they leave the device):
     loss 1e-6, gradients 1e-5. And with the documents' starts ignored they would not."""
     fn = jax.jit(jax.value_and_grad(lambda p, i: loss_fn(DENSE, p, i.tokens, False, i.segments, i.targets)))
-    tokens, segments, docs = _packed_row()
+    tokens, segments, docs = packed_row(DENSE.vocab_size, LENGTHS, SEQ)
     for j, doc in enumerate(docs, start=1):
-        want_loss, want_grads = fn(dense_params, documents.step_inputs(_alone(doc))[0].micro(0))
+        want_loss, want_grads = fn(dense_params, documents.step_inputs(alone(doc, SEQ))[0].micro(0))
         packed = Batch(tokens, segments == j, segments)
         loss, grads = fn(dense_params, documents.step_inputs(packed)[0].micro(0))
         assert abs(float(loss) - float(want_loss)) <= 1e-6 * abs(float(want_loss)), j
-        errors = {n: _rel(g, treepath.flatten(want_grads)[n]) for n, g in treepath.flatten(grads).items()}
+        errors = {n: parity.rel(g, treepath.flatten(want_grads)[n]) for n, g in treepath.flatten(grads).items()}
         assert max(errors.values()) <= 1e-5, (j, max(errors.items(), key=lambda e: e[1]))
         if j == 3:  # the engine, on the document that starts inside a chunk after two others
             engine = StreamEngine(DENSE, dense_params, OPT)
@@ -265,7 +206,7 @@ def test_packed_documents_equal_each_document_alone(dense_params):
                 engine.close()
             for name, g in got.items():
                 want = treepath.flatten(parts.part_params(want_grads, name))
-                assert max(_rel(g[n], w) for n, w in want.items()) <= 1e-5, name
+                assert max(parity.rel(g[n], w) for n, w in want.items()) <= 1e-5, name
     leaky, _ = fn(dense_params, documents.step_inputs(Batch(tokens, segments == 3))[0].micro(0))
     assert abs(float(leaky) - float(loss)) > 1e-3 * abs(float(loss))  # one row, no starts: the state leaks
 
@@ -277,27 +218,12 @@ MOE_CFG = tiny("qwen3_5_moe_text", **dict(MOE, num_experts=8))
 @pytest.mark.parametrize("tier", ["ram", "disk"])
 def test_five_streamed_steps_equal_the_reference(make_store, tier):
     """Accumulating 2 micro-batches; on the disk tier the MoE blocks split into expert groups of 3."""
-    start = _params(MOE_CFG, 2)
-    store, tiers, stream = None, StoreConfig(), StreamConfig(keep_every=1)
+    run = parity.streamed_and_reference(make_store, MOE_CFG, _params(MOE_CFG, 2), OPT, tier)
     if tier == "disk":
-        store = make_store(MOE_CFG, make_optimizer(OPT))
-        tiers, stream = StoreConfig(compute="disk", master="disk", opt="disk"), StreamConfig(expert_group_size=3)
-    engine = StreamEngine(MOE_CFG, start, OPT, stream, tiers, store=store, batch_shape=(2, 12))
-    reference = ReferenceTrainer(MOE_CFG, start, OPT)
-    try:
-        if tier == "disk":
-            assert set(engine.schedule.split) == {0, 1, 2}
-        for batch in token_batches(MOE_CFG.vocab_size, (2, 2, 12), 5):
-            ours, ref = engine.step(batch), reference.step(batch)
-            np.testing.assert_allclose(ours["loss"], ref["loss"], rtol=1e-5)
-        streamed, expected, initial = (treepath.flatten(t) for t in (engine.params(), reference.params, start))
-        for name, w in streamed.items():
-            assert _rel(w, expected[name]) <= 1e-5, name
-            assert not np.array_equal(np.asarray(w), np.asarray(initial[name])), name
-    finally:
-        engine.close()
-        if store is not None:
-            store.close()
+        assert set(run.split) == {0, 1, 2}
+    for name, w in run.streamed.items():
+        assert parity.rel(w, run.expected[name]) <= 1e-5, name
+        assert not np.array_equal(np.asarray(w), np.asarray(run.initial[name])), name
 
 
 def test_the_decode_state_is_the_conv_window_and_the_rule_state():
@@ -322,18 +248,9 @@ def test_the_planner_prices_the_delta_net_by_its_own_linear_flops():
 @pytest.mark.slow
 @pytest.mark.parametrize("family, overrides", [("qwen3_5_text", {}), ("qwen3_next", dict(MOE, mlp_only_layers=[1]))])
 def test_cached_greedy_decoding_equals_transformers_generate(family, overrides, tmp_path):
-    from mtjax.stream.sample import StreamSampler
-
     ckpt, torch_model = hf_models.checkpoint(tmp_path, family, num_hidden_layers=3, initializer_range=0.2,
                                              **overrides)
-    import_hf(ckpt, tmp_path / "store", compute_dtype="float32")
-    sampler = StreamSampler(mtjax.store.open(tmp_path / "store"))
-    for prompt in ([5], [3, 14, 15, 92, 65, 35, 89, 79, 32]):
-        with torch.no_grad():
-            want = torch_model.generate(torch.as_tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert sampler.generate(prompt, 10, temperature=0) == want, prompt
-        assert len(set(want)) > 1
+    parity.assert_greedy_decoding_equals_generate(ckpt, torch_model, tmp_path)
 
 
 @pytest.mark.slow

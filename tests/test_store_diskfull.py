@@ -35,11 +35,17 @@ def committed(root: Path, step: int, seed: int) -> None:
         assert reader.load_train_state() == {"step": step}
 
 
-def test_disk_full_while_writing(disk):
-    root = disk / "s"
+def at_step_1(root: Path) -> mtjax.store.Store:
+    """A new store of TINY at `root`, its step 1 (seed 1's values) committed."""
     store = mtjax.store.create(root, TINY)
     write_all(store, values(store, 1))
     store.commit(1, {"step": 1})
+    return store
+
+
+def test_disk_full_while_writing(disk):
+    root = disk / "s"
+    store = at_step_1(root)
     fill_disk(disk, leave=32 << 10)  # some chunks fit, then the disk is full
     errors = []
     for (part, kind), arrays in values(store, 2).items():
@@ -61,9 +67,7 @@ def test_disk_full_while_writing(disk):
 
 def test_disk_full_during_commit_then_retry(disk):
     root = disk / "s"
-    store = mtjax.store.create(root, TINY)
-    write_all(store, values(store, 1))
-    store.commit(1, {"step": 1})
+    store = at_step_1(root)
     write_all(store, values(store, 2))  # every array is written; only the commit lacks space
     ballast = fill_disk(disk)
     with pytest.raises(StoreError, match="previous commit is intact"):
@@ -80,9 +84,7 @@ def test_disk_full_during_commit_then_retry(disk):
 
 def test_disk_full_when_writing_the_manifest(disk):
     root = disk / "s"
-    store = mtjax.store.create(root, TINY)
-    write_all(store, values(store, 1))
-    store.commit(1, {"step": 1})
+    store = at_step_1(root)
     write_all(store, values(store, 2))
     ballast = fill_disk(disk)
     with pytest.raises(StoreError, match="manifest.json.*previous commit is intact"):
