@@ -177,6 +177,9 @@ class StreamConfig:
         d = self.devices
         if d != "all" and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise ConfigError(f"stream.devices must be all or a device count >= 1, got {d!r}")
+        if self.engine == "reference" and (self.split == "sequence" or isinstance(d, int) and d > 1):
+            raise ConfigError("stream.devices / stream.split spread a step over several devices of the streamed "
+                              "engine; the reference engine runs on one device: set stream.engine=stream, or drop them")
         g = self.expert_group_size
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
             raise ConfigError(f"stream.expert_group_size must be a whole number of experts >= 1, or unset to split "

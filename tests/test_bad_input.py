@@ -175,6 +175,8 @@ def test_sequence_split_and_chunk_settings(work):
             ([*train, "--stream.split=sequence", "--stream.devices=2", "--data.seq_len=33"], split),
             ([*train, "--stream.split=sequence", "--data.seq_len=33"], split),  # stream.devices: all
             ([*train, "--stream.split=tokens"], "stream.split must be one of batch, sequence, got 'tokens'"),
+            ([*train, "--stream.engine=reference", "--stream.split=sequence"],
+             "the reference engine runs on one device: set stream.engine=stream, or drop them"),
             ([*train, "--model.sequence_devices=2"], engine),
             (["train", "seqdev.yaml", *TINY, "--run.dir=r2"], engine),
             (["plan", "seqdev.yaml", "--hardware", "h200"], engine),
