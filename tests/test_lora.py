@@ -214,7 +214,7 @@ def test_a_step_with_adapters_resident_moves_what_its_description_says(make_stor
     """Every kind on disk, bf16, 2 micro-batches: the step stages the frozen base only, no
     gradient leaves the device and nothing is written to disk (the counting of
     tests/test_schedule.py over 2 real steps); the adapters still train."""
-    from test_schedule import Counts, instrument
+    from test_schedule import counted_steps
 
     cfg = _config(("q_proj", "o_proj", "up_proj"), num_hidden_layers=3, compute_dtype="bfloat16")
     opt = dataclasses.replace(OPT, clip_norm=1.0, lr=1e-3)
@@ -226,13 +226,7 @@ def test_a_step_with_adapters_resident_moves_what_its_description_says(make_stor
     base = sum(parts.nbytes(parts.schema(cfg, p, "compute")) - s.part_bytes[p].trained for p in s.transfers)
     assert s.adapters and t.h2d_weights == base and t.d2h_grads == 0 and t.disk_write_bytes == 0
     assert t.disk_read == {"compute": base, "master": 0, "opt": 0, "grads": 0} and s.read_bytes == 0
-    counts = Counts()
-    instrument(engine, counts)
-    rng = np.random.default_rng(0)
-    for _ in range(2):
-        counts.order.append([])
-        engine.step(rng.integers(0, cfg.vocab_size, (accum, BATCH, SEQ), dtype=np.int32))
-    engine.flush()
+    counts = counted_steps(engine, cfg.vocab_size, (accum, BATCH, SEQ), 2)
     assert {k: b for k, b in counts.bytes.items() if b} == {"h2d_weights": 2 * base, "h2d_tokens": 2 * t.h2d_tokens,
                                                              "disk_read.compute": 2 * base}
     start = treepath.flatten(model.init_params(cfg, seed=0))

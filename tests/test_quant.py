@@ -32,7 +32,7 @@ from mtjax.stream.sample import StreamSampler
 
 import hf_models
 from conftest import ONE_KV_HEAD, tiny_config, token_batches
-from test_schedule import Counts, instrument
+from test_schedule import counted_steps
 
 BASE = ("block.*/*.kernel",)  # every linear weight of every block: the frozen base
 BATCH, SEQ = 2, 8
@@ -187,11 +187,7 @@ def test_a_step_stages_the_quantized_bytes_its_description_counts():
     norms = sum(math.prod(leaf.shape) * 2 for i in range(cfg.num_hidden_layers)
                 for leaf in parts.leaves(cfg, f"block.{i}").values() if not isinstance(leaf.compute, precision.Quantized))
     assert block == packed + norms and packed < plain
-    counts = Counts()
-    instrument(engine, counts)
-    counts.order.append([])
-    engine.step(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, BATCH, SEQ), dtype=np.int32))
-    engine.flush()
+    counts = counted_steps(engine, cfg.vocab_size, (1, BATCH, SEQ), 1)
     assert counts.bytes["h2d_weights"] == s.traffic.h2d_weights
     engine.close()
 

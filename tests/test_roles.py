@@ -26,7 +26,7 @@ from mtjax.store.errors import StoreError
 from mtjax.stream import StreamEngine
 
 from conftest import ONE_KV_HEAD, tiny_config, token_batches
-from test_schedule import Counts, instrument
+from test_schedule import counted_steps
 
 # Half of each part: the embedding (its one leaf), the head's projection (1 of 2), and in
 # every block its MLP, one norm and the value projection (5 of 9).
@@ -153,13 +153,7 @@ def test_the_description_counts_no_state_for_frozen_leaves_and_a_step_moves_what
     assert t.disk_write["compute"] == (trained_compute if "compute" in tiers else 0)
     assert t.d2h_grads == sum(s.grad_bytes.values())
 
-    counts = Counts()
-    instrument(engine, counts)
-    rng = np.random.default_rng(0)
-    for _ in range(2):
-        counts.order.append([])
-        engine.step(rng.integers(0, cfg.vocab_size, (accum, BATCH, SEQ), dtype=np.int32))
-    engine.flush()
+    counts = counted_steps(engine, cfg.vocab_size, (accum, BATCH, SEQ), 2)
     expected = {"h2d_weights": t.h2d_weights, "h2d_tokens": t.h2d_tokens, "d2h_grads": t.d2h_grads,
                 **{f"disk_read.{k}": b for k, b in t.disk_read.items()},
                 **{f"disk_write.{k}": b for k, b in t.disk_write.items()}}

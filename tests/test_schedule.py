@@ -93,6 +93,19 @@ def instrument(engine: StreamEngine, counts: Counts) -> None:
         spill.take = take
 
 
+def counted_steps(engine: StreamEngine, vocab_size: int, shape: tuple, steps: int) -> Counts:
+    """What `steps` steps of random tokens of `shape` [accum, batch, seq] moved, and the
+    parts each staged in order, flushed (the last step's deferred update included)."""
+    counts = Counts()
+    instrument(engine, counts)
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        counts.order.append([])
+        engine.step(rng.integers(0, vocab_size, shape, dtype=np.int32))
+    engine.flush()
+    return counts
+
+
 CASES = [  # (placement, accum, keep_every, tied, activations, resident)
     *[("ram", a, k, t, "device", "none") for a in (1, 4) for k in (1, 2, 0) for t in (False, True)],
     ("ram", 4, 2, False, "host", "none"),
@@ -139,15 +152,10 @@ def test_engine_moves_what_the_schedule_says(make_store, where, accum, keep_ever
 
     if copies == 1:
         engine.commit(0)
-    counts = Counts()
-    instrument(engine, counts)
     io0 = store.io_bytes if store is not None else (0, 0)
-    rng = np.random.default_rng(0)
-    for step in range(STEPS):
-        counts.order.append([])
-        # A one-copy store's step ends with its commit, which its updates wait for.
-        engine.step(rng.integers(0, cfg.vocab_size, (accum, BATCH, SEQ), dtype=np.int32))
-    engine.flush()  # the last step's deferred update: every step streams once and updates once
+    # A one-copy store's step ends with its commit, which its updates wait for; with the
+    # flush, every step streams once and updates once.
+    counts = counted_steps(engine, cfg.vocab_size, (accum, BATCH, SEQ), STEPS)
     t = s.traffic
 
     # Each step stages its parts in the schedule's order, once whatever the accum; resident
