@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import model, precision, treepath
+from mtjax import lora, model, precision, treepath
 from mtjax.layers import registry
 from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
@@ -73,7 +73,9 @@ def leaves(schema: dict, name: PartId, groups: tuple) -> list[str]:
     return [n for n in schema if expert_of(n) in mine]
 
 
-EXPERT_LEAF_KINDS = ("kernel", "bias")  # the leaves of an expert's projections a group program takes
+# The leaves of an expert's projections a group program takes: with LoRA on the routed
+# experts (mtjax.lora.EXPERTS) their adapters too, which sit in the expert, so in its group.
+EXPERT_LEAF_KINDS = ("kernel", "bias", lora.A, lora.B)
 
 
 def kernels(flat: dict, ids: tuple[int, ...]) -> dict:

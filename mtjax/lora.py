@@ -13,12 +13,23 @@ With adapters every other leaf of the model is frozen (mtjax.roles): its compute
 is streamed to the device and never written again; the adapters have the fp32 master,
 the optimizer state and the gradients. Targets are module names as PEFT's
 `target_modules` gives them (`q_proj`, `down_proj`, ...), or "all-linear": every linear
-layer of the blocks. The routed experts and the router of a mixture of experts are not
-adapted (their kernels run stacked, mtjax.moe). PEFT, on transformers 5, adapts them (its
-fused expert tensors, by target_parameters) where a target names them (their gate_proj,
-up_proj, down_proj; all-linear, which also adapts the router): so on a MoE model targets
-that would reach the routed experts are refused, and mtjax's adapters equal PEFT's for
-the others (attention; a dense layer's or shared expert's own names).
+layer of the blocks.
+
+The routed experts of a mixture of experts (mtjax.layers.feedforward.SparseMoE) are
+adapted by the target `experts`, as PEFT adapts transformers 5's fused expert tensors
+(`target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`, its
+ParamWrapper): each expert e gets one adapter over its gate and up projections together,
+`gate_up_proj.lora_a` [d, r] and `.lora_b` [r, 2f] (the first f outputs its gate's, the
+rest its up's), and one on its down projection, `down_proj.lora_a` [f, r] and `.lora_b`
+[r, d]; its kernels run stacked (mtjax.moe) with the delta added, kernel + scale * A_e @ B_e
+(`expert_kernels`), as PEFT adds the delta to the expert tensor. Each expert's adapters
+are its own leaves, so expert groups (mtjax.expert_groups) carry them with the expert.
+PEFT keeps one lora_A [r E, in] and one lora_B [out, r E] per fused tensor (`to_peft`,
+`from_peft`). PEFT refuses dropout there (it cannot factor out the input), and so does
+mtjax. The router is not adapted, and on a MoE model all-linear and the experts' own
+module names are refused: PEFT's all-linear there also adapts the router (and the experts
+twice over), and mtjax's adapters equal PEFT's for attention, a dense layer's or shared
+expert's own names, and `experts`.
 """
 
 from __future__ import annotations
@@ -36,9 +47,12 @@ from mtjax.families.hf_config import ConfigError
 
 A, B = "lora_a", "lora_b"  # the adapter leaves of a targeted linear layer
 ALL_LINEAR = "all-linear"
-EXPERTS = "experts"  # a MoE block's routed experts: not adaptable (refused by name)
+EXPERTS = "experts"  # the target of a MoE block's routed experts (their stacked kernels)
+# An adapted expert's adapted modules, each a [in, out] kernel pair PEFT adapts as one tensor:
+# gate and up together (transformers' gate_up_proj), and down.
+EXPERT_MODULES = ("gate_up_proj", "down_proj")
 # The linear layers of a MoE block that LoRA leaves alone: its router and shared expert's
-# gate (PEFT's all-linear skips them too), and its experts (their kernels run stacked).
+# gate (PEFT's all-linear skips them too); its experts are adapted by EXPERTS, not as Dense layers.
 NOT_ADAPTED = ("gate", "shared_expert_gate")
 
 
@@ -67,6 +81,14 @@ class LoraConfig:
             raise ConfigError(f"lora.rank must be a positive integer (or null: no adapters), got {self.rank!r}")
         if not self.target_modules:
             raise ConfigError("lora.target_modules is empty; name linear layers (q_proj, v_proj, ...) or all-linear")
+        if self.dropout > 0 and self.adapts_experts:
+            raise ConfigError(f"lora.dropout must be 0 with the target {EXPERTS}: the routed experts' adapters add "
+                              "their delta to the stacked kernels, where no input can be dropped (PEFT refuses it too)")
+
+    @property
+    def adapts_experts(self) -> bool:
+        """Whether the routed experts of MoE blocks get adapters."""
+        return EXPERTS in self.target_modules
 
     @property
     def scale(self) -> float:
@@ -145,18 +167,22 @@ def fresh(leaves: dict, seed: int, salt: int) -> dict[str, np.ndarray]:
     return out
 
 
-def check(cfg, linear_names: set[str], expert_names: set[str] = frozenset()) -> None:
+def check(cfg, linear_names: set[str], expert_names: set[str] = frozenset(), adaptable_experts: bool = False) -> None:
     """Refuse, in one line, targets that name no linear layer of the model (`linear_names`:
     the module names of the blocks' adaptable linear layers), or a model with none; on a
-    mixture of experts (`expert_names`: its routed experts' linear layers), targets that
-    PEFT would apply to the routed experts too (all-linear, or their names)."""
+    mixture of experts (`expert_names`: its routed experts' linear layers), all-linear and
+    those names, which PEFT would apply to more than mtjax does; `experts` where no block's
+    routed experts take adapters (`adaptable_experts`: some do)."""
     lora = cfg.lora
-    experts = [t for t in lora.target_modules if t in (ALL_LINEAR, EXPERTS, *expert_names)] if expert_names else []
+    experts = [t for t in lora.target_modules if t in (ALL_LINEAR, *expert_names)] if expert_names else []
     if experts:
-        raise ConfigError(f"lora.target_modules {', '.join(experts)} reaches this MoE model's routed experts, which "
-                          "mtjax cannot adapt yet (PEFT adapts transformers 5's fused experts by target_parameters); "
-                          f"name the other linear layers: {', '.join(sorted(linear_names - expert_names))}")
-    unknown = [t for t in lora.target_modules if t != ALL_LINEAR and t not in linear_names]
+        raise ConfigError(f"lora.target_modules {', '.join(experts)} on this MoE model is ambiguous (PEFT's "
+                          "all-linear also adapts the router): name its routed experts' kernels as "
+                          f"{EXPERTS} and the other linear layers by name: {', '.join(sorted(linear_names - expert_names))}")
+    if lora.adapts_experts and not adaptable_experts:
+        raise ConfigError(f"lora.target_modules {EXPERTS} names the routed experts of MoE blocks, and this model has "
+                          f"none that take adapters; name its linear layers: {', '.join(sorted(linear_names)) or 'none'}")
+    unknown = [t for t in lora.target_modules if t not in (ALL_LINEAR, EXPERTS) and t not in linear_names]
     if unknown or not linear_names:
         have = ", ".join(sorted(linear_names)) or "none"
         raise ConfigError(f"lora.target_modules {', '.join(unknown) or ALL_LINEAR} names no linear layer of this "
@@ -165,11 +191,57 @@ def check(cfg, linear_names: set[str], expert_names: set[str] = frozenset()) -> 
 
 def merged(cfg, weights: dict) -> dict:
     """A part's fp32 weights ({leaf: array}) with each adapter folded into its kernel
-    (kernel + scale * A @ B) and the adapter leaves dropped: the merged model's."""
+    (kernel + scale * A @ B; an expert's gate_up_proj adapter into its gate_proj and
+    up_proj kernels) and the adapter leaves dropped: the merged model's."""
     out = {n: w for n, w in weights.items() if not is_adapter(n)}
     for name in weights:
         if name.endswith("." + A):
             module = name[:-len(A) - 1]
             a, b = (np.asarray(weights[f"{module}.{x}"], np.float32) for x in (A, B))
-            out[f"{module}.kernel"] = np.asarray(weights[f"{module}.kernel"], np.float32) + cfg.lora.scale * (a @ b)
+            delta = cfg.lora.scale * (a @ b)
+            if f"{module}.kernel" in weights:
+                out[f"{module}.kernel"] = np.asarray(weights[f"{module}.kernel"], np.float32) + delta
+                continue
+            expert, f = module.rpartition(".")[0], delta.shape[-1] // 2  # gate_up_proj: the gate's f, then the up's
+            for i, half in enumerate(("gate_proj", "up_proj")):
+                kernel = f"{expert}.{half}.kernel"
+                out[kernel] = np.asarray(weights[kernel], np.float32) + delta[:, i * f:(i + 1) * f]
     return out
+
+
+def expert_kernels(kernels: dict, scale: float):
+    """(gate, up, down) [n, in, out] of n experts from their stacked leaves ({leaf in the
+    expert: [n, ...]}: "gate_proj.kernel", ... and, where adapted, "gate_up_proj.lora_a",
+    ...), each adapted kernel with its delta scale * A_e @ B_e added (in fp32, then in the
+    kernel's dtype)."""
+    gate, up, down = (kernels[f"{n}.kernel"] for n in ("gate_proj", "up_proj", "down_proj"))
+
+    def delta(module, like):
+        a, b = kernels[f"{module}.{A}"], kernels[f"{module}.{B}"]
+        return (scale * jnp.einsum("eir,ero->eio", a, b, preferred_element_type=jnp.float32)).astype(like.dtype)
+
+    if f"gate_up_proj.{A}" in kernels:
+        gate_up = delta("gate_up_proj", gate)
+        gate, up = gate + gate_up[..., :gate.shape[-1]], up + gate_up[..., gate.shape[-1]:]
+    if f"down_proj.{A}" in kernels:
+        down = down + delta("down_proj", down)
+    return gate, up, down
+
+
+def to_peft(a, b):
+    """PEFT's (lora_A [r E, in], lora_B [out, r E]) of one fused expert tensor from the
+    experts' stacked factors a [E, in, r] and b [E, r, out] (ParamWrapper: lora_A's rows
+    expert-major, lora_B's columns rank-major: column j r-th of expert e is j = r E + e)."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    e, d_in, rank = a.shape
+    return (np.ascontiguousarray(a.transpose(0, 2, 1).reshape(e * rank, d_in)),
+            np.ascontiguousarray(b.transpose(2, 1, 0).reshape(b.shape[-1], rank * e)))
+
+
+def from_peft(lora_a, lora_b, experts: int):
+    """`to_peft`'s inverse: (a [E, in, r], b [E, r, out])."""
+    lora_a, lora_b = np.asarray(lora_a, np.float32), np.asarray(lora_b, np.float32)
+    rank = lora_a.shape[0] // experts
+    a = lora_a.reshape(experts, rank, -1).transpose(0, 2, 1)
+    b = lora_b.reshape(lora_b.shape[0], rank, experts).transpose(2, 1, 0)
+    return np.ascontiguousarray(a), np.ascontiguousarray(b)

@@ -125,9 +125,11 @@ class Block(nnx.Module):
 def _with_adapters(cfg: ModelConfig, block: Block, rngs: nnx.Rngs) -> Block:
     """`block` with a LoRA adapter on each linear layer `cfg.lora` targets (mtjax.lora)."""
     if cfg.lora is not None:
-        for path, node in nnx.iter_graph(block):
+        for path, node in list(nnx.iter_graph(block)):
             if isinstance(node, Dense) and cfg.lora.targets(path):
                 node.add_adapter(cfg.lora.rank, cfg.lora.scale, rngs, cfg.lora.dropout)
+            elif hasattr(node, "add_expert_adapters") and cfg.lora.adapts_experts:
+                node.add_expert_adapters(cfg.lora.rank, rngs)
     return block
 
 
@@ -142,6 +144,14 @@ class _AnyDraws:
 
     def params(self):
         return self._key
+
+
+def adaptable_experts(cfg: ModelConfig) -> bool:
+    """Whether some block's routed experts take LoRA adapters (mtjax.lora.EXPERTS): its
+    feed-forward module has `add_expert_adapters`."""
+    plain = dataclasses.replace(cfg, lora=None)
+    return any(hasattr(node, "add_expert_adapters") for spec in cfg.block_specs
+               for _, node in nnx.iter_graph(nnx.eval_shape(lambda spec=spec: Block(plain, spec, _AnyDraws()))))
 
 
 def linear_names(cfg: ModelConfig, experts: bool = False) -> set[str]:

@@ -156,7 +156,7 @@ def check_roles(cfg: ModelConfig) -> None:
     a base format (mtjax.precision) with no frozen leaf to apply to and a buffer rule's
     rate on a model without the buffer, in one line."""
     if cfg.lora is not None:
-        lora.check(cfg, model.linear_names(cfg), model.linear_names(cfg, experts=True))
+        lora.check(cfg, model.linear_names(cfg), model.linear_names(cfg, experts=True), model.adaptable_experts(cfg))
     if cfg.freeze:
         roles.check(cfg, {p.name: list(treepath.flatten(abstract_part(cfg, p.name))) for p in parts(cfg)})
     if cfg.base_format != "compute" and not any(isinstance(leaf.compute, precision.Quantized)

@@ -52,20 +52,48 @@ def _peft_model(cfg, params, tmp_path):
     hf.save_params(cfg, params, tmp_path / "base")
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
     adapters = cfg.lora
+    modules = [t for t in adapters.target_modules if t != lora.EXPERTS]
+    experts = [f"mlp.experts.{m}" for m in lora.EXPERT_MODULES] if adapters.adapts_experts else None
     peft_model = peft.get_peft_model(base, peft.LoraConfig(
         r=adapters.rank, lora_alpha=adapters.alpha, use_rslora=adapters.rslora, lora_dropout=0.0,
-        target_modules=list(adapters.target_modules) if lora.ALL_LINEAR not in adapters.target_modules
-        else lora.ALL_LINEAR))
+        target_modules=modules if lora.ALL_LINEAR not in modules else lora.ALL_LINEAR, target_parameters=experts))
     ours = treepath.flatten(params)
     found = 0
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
-            if ".lora_" in name:
+            if ".lora_" in name and ".experts." not in name:
                 leaf = _our_name(name)
                 p.copy_(torch.from_numpy(np.asarray(ours[leaf]).T.copy()))
                 found += 1
+        for (block, module), wrapper in _expert_wrappers(peft_model).items():
+            stacked = [np.stack([ours[f"blocks.{block}.mlp.experts.{e}.{module}.{x}"] for e in range(cfg.num_experts)])
+                       for x in (lora.A, lora.B)]
+            for layer, weight in zip((wrapper.lora_A, wrapper.lora_B), lora.to_peft(*stacked)):
+                layer["default"].weight.copy_(torch.from_numpy(weight))
+            found += 2 * cfg.num_experts
     assert found == sum(lora.is_adapter(n) for n in ours)
     return peft_model
+
+
+def _expert_wrappers(peft_model) -> dict:
+    """{(block, fused expert tensor: gate_up_proj or down_proj): PEFT's ParamWrapper on it}."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return {(int(name.split(".layers.")[1].split(".")[0]), m.parameter_name): m
+            for name, m in peft_model.named_modules() if isinstance(m, ParamWrapper)}
+
+
+def _peft_adapters(cfg, peft_model) -> dict:
+    """PEFT's adapters by mtjax's names and orientation (the experts' per expert)."""
+    theirs = {_our_name(n): p.detach().numpy().T for n, p in peft_model.named_parameters()
+              if ".lora_" in n and ".experts." not in n}
+    for (block, module), wrapper in _expert_wrappers(peft_model).items():
+        a, b = lora.from_peft(*(layer["default"].weight.detach().numpy() for layer in (wrapper.lora_A, wrapper.lora_B)),
+                              cfg.num_experts)
+        for e in range(cfg.num_experts):
+            theirs[f"blocks.{block}.mlp.experts.{e}.{module}.{lora.A}"] = a[e]
+            theirs[f"blocks.{block}.mlp.experts.{e}.{module}.{lora.B}"] = b[e]
+    return theirs
 
 
 def _our_name(peft_name: str) -> str:
@@ -96,8 +124,7 @@ def _steps_beside_peft(cfg, engine, peft_model, **forward) -> tuple[dict, dict]:
         torch_opt.step()
         torch_opt.zero_grad()
         assert engine.step(batch)["loss"] == pytest.approx(loss.item(), abs=1e-6)
-    theirs = {_our_name(n): p.detach().numpy().T for n, p in peft_model.named_parameters() if ".lora_" in n}
-    return treepath.flatten(engine.params()), theirs
+    return treepath.flatten(engine.params()), _peft_adapters(cfg, peft_model)
 
 
 @pytest.mark.slow
@@ -467,11 +494,62 @@ def test_streamed_moe_with_frozen_leaves_and_expert_groups_equals_the_reference(
     engine.close()
 
 
-@pytest.mark.parametrize("targets", [("q_proj", "up_proj"), ("all-linear",), ("experts",)])
-def test_lora_refuses_targets_reaching_the_routed_experts_in_one_line(targets):
-    with pytest.raises(ConfigError, match="reaches this MoE model's routed experts") as e:
+# LoRA on the routed experts (target `experts`: PEFT's target_parameters on transformers'
+# fused gate_up_proj and down_proj), beside attention's q_proj and o_proj.
+EXPERT_TARGETS = ("q_proj", "o_proj", lora.EXPERTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group_size", [None, 3])
+def test_lora_on_the_routed_experts_equals_peft_with_expert_groups_or_not(group_size, tmp_path):
+    """3 AdamW steps, whole MoE blocks or groups of 3 experts (each expert's adapters in its
+    group): PEFT's losses and adapters (its lora_A [r E, in], lora_B [out, r E] per fused
+    tensor), the base unchanged."""
+    cfg = _moe_config(lora=lora.LoraConfig(rank=4, alpha=8.0, target_modules=EXPERT_TARGETS))
+    params = model.init_params(cfg, seed=0)
+    peft_model = _peft_model(cfg, params, tmp_path)
+    assert sorted(_expert_wrappers(peft_model)) == [(b, m) for b in (0, 2) for m in sorted(lora.EXPERT_MODULES)]
+    engine = StreamEngine(cfg, params, OPT, StreamConfig(keep_every=2, expert_group_size=group_size), StoreConfig(),
+                          batch_shape=(BATCH, SEQ))
+    assert bool(engine.schedule.split) == (group_size is not None)
+    ours, theirs = _steps_beside_peft(cfg, engine, peft_model, output_router_logits=True)
+    start = treepath.flatten(params)
+    assert {n for n in ours if lora.is_adapter(n)} == set(theirs) and len(theirs) == 3 * 2 * 2 + 2 * 7 * 4
+    for name, w in ours.items():
+        if lora.is_adapter(name):
+            assert _rel_error(w, theirs[name]) <= 1e-4, name
+            assert not np.array_equal(np.asarray(w), np.asarray(start[name])), name
+        else:
+            np.testing.assert_array_equal(np.asarray(w), np.asarray(start[name]), err_msg=name)
+    engine.close()
+
+
+def test_peft_expert_factors_round_trip_and_give_peft_delta():
+    """to_peft lays the experts' factors out as ParamWrapper reads them back (its
+    get_delta_weight's einsum, written out here) and from_peft inverts it."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((5, 6, 3)), rng.standard_normal((5, 3, 4))  # E 5, in 6, r 3, out 4
+    lora_a, lora_b = lora.to_peft(a, b)
+    per_a, per_b = lora_a.reshape(5, 3, 6), lora_b.reshape(4, 3, 5)  # PEFT's (E, r, in) and (out, r, E)
+    np.testing.assert_allclose(np.einsum("ore,eri->eio", per_b, per_a), a @ b, rtol=1e-5)
+    for got, want in zip(lora.from_peft(lora_a, lora_b, 5), (a, b)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "up_proj"), ("all-linear",)])
+def test_lora_refuses_ambiguous_targets_on_a_moe_model_in_one_line(targets):
+    with pytest.raises(ConfigError, match="on this MoE model is ambiguous") as e:
         parts.check_roles(_moe_config(lora=lora.LoraConfig(rank=4, target_modules=targets)))
-    assert "\n" not in str(e.value) and "o_proj" in str(e.value)
+    assert "\n" not in str(e.value) and "o_proj" in str(e.value) and lora.EXPERTS in str(e.value)
+
+
+def test_expert_targets_without_adaptable_experts_or_with_dropout_are_one_line():
+    with pytest.raises(ConfigError, match="this model has none that take adapters") as e:
+        parts.check_roles(_config((lora.EXPERTS,)))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="lora.dropout must be 0 with the target experts") as e:
+        lora.LoraConfig(rank=4, dropout=0.1, target_modules=EXPERT_TARGETS)
+    assert "\n" not in str(e.value)
 
 
 # Dropout on the adapters' input (PEFT's lora_dropout), drawn from the run's seed.

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtjax import moe
+from mtjax import lora, moe
 from mtjax.layers import registry
 from mtjax.layers.basic import Dense
 from mtjax.layers.spec import DenseMLP, LayerSpec, MoE
@@ -67,6 +67,15 @@ class RouterGate(Dense):
 EXPERT_KERNELS = ("gate_proj", "up_proj", "down_proj")  # each expert's, in moe.experts_forward's order
 
 
+class ExpertAdapter(nnx.Module):
+    """A routed expert's LoRA factors over a kernel it runs stacked (mtjax.lora: its gate
+    and up projections together): A [in, r] as PEFT draws it, B [r, out] zero."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int, rngs: nnx.Rngs):
+        self.lora_a = nnx.Param(lora.init_a(rngs.params(), d_in, rank))
+        self.lora_b = nnx.Param(jnp.zeros((rank, d_out), jnp.float32))
+
+
 class SparseMoE(nnx.Module):
     """Router (`gate`), the experts (each a SwiGLU MLP of its own) and a shared expert
     where the config has one: scaled by a sigmoid gate (Qwen2-MoE) or not (Llama 4). The
@@ -81,6 +90,16 @@ class SparseMoE(nnx.Module):
         self.shared_expert = MLP(cfg, rngs, shared) if shared else None
         gated = shared and spec.shared_expert_gated
         self.shared_expert_gate = Dense(cfg.hidden_size, 1, False, cfg, rngs) if gated else None
+        self.expert_leaves = tuple(f"{n}.kernel" for n in EXPERT_KERNELS)  # what `routed` stacks
+
+    def add_expert_adapters(self, rank: int, rngs: nnx.Rngs) -> None:
+        """Fresh LoRA adapters on every routed expert (mtjax.lora.EXPERT_MODULES): one over
+        its gate and up projections, one on its down projection."""
+        d, f = self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        for expert in self.experts:
+            expert.gate_up_proj = ExpertAdapter(d, 2 * f, rank, rngs)
+            expert.down_proj.add_adapter(rank, self.cfg.lora.scale, rngs)
+        self.expert_leaves += tuple(f"{m}.{x}" for m in lora.EXPERT_MODULES for x in (lora.A, lora.B))
 
     # Its stages, split before its experts (the registry entry's split point "experts"):
     # a split block's router part runs `before_experts`, each group of experts `routed`,
@@ -94,12 +113,13 @@ class SparseMoE(nnx.Module):
 
     def routed(self, flat, weights, chosen, kernels=None, ids=None):
         """The experts' weighted sum over the rows routed to them: this module's experts, or
-        a group's `kernels` ({"gate_proj.kernel": stacked [n, in, out], ...}) of global
-        expert ids `ids` (moe.experts_forward)."""
+        a group's `kernels` ({"gate_proj.kernel": stacked [n, in, out], ...}, with the
+        experts' adapters where they have them) of global expert ids `ids`
+        (moe.experts_forward); adapted kernels with their deltas (mtjax.lora.expert_kernels)."""
         if kernels is None:  # stacked inside the program: the store keeps one array per expert
-            stacked = [jnp.stack([getattr(e, n).kernel[...] for e in self.experts]) for n in EXPERT_KERNELS]
-        else:
-            stacked = [kernels[f"{n}.kernel"] for n in EXPERT_KERNELS]
+            kernels = {n: jnp.stack([_leaf(e, n) for e in self.experts]) for n in self.expert_leaves}
+        scale = self.cfg.lora.scale if self.cfg.lora is not None else 0.0
+        stacked = lora.expert_kernels(kernels, scale)
         return self.router.experts(flat, weights, chosen, *stacked, ids, total=self.cfg.num_experts)
 
     def after_experts(self, routed, shared):
@@ -118,6 +138,13 @@ class SparseMoE(nnx.Module):
         flat = x.reshape(-1, x.shape[-1])
         weights, chosen, stats, shared = self.before_experts(flat)
         return self.after_experts(self.routed(flat, weights, chosen), shared).reshape(x.shape), stats
+
+
+def _leaf(module: nnx.Module, name: str):
+    """The array at dotted `name` ("gate_proj.kernel") under `module`."""
+    for part in name.split("."):
+        module = getattr(module, part)
+    return module[...]
 
 
 class DenseFeedForward(MLP):
