@@ -294,11 +294,13 @@ def test_bad_settings_are_one_line(setting, words):
 
 
 @pytest.mark.slow
-def test_peft_export_reloads_merges_and_imports_to_continue(make_store, tmp_path):
+@pytest.mark.parametrize("adapted", ["dense", pytest.param("moe-experts", marks=pytest.mark.slow)])
+def test_peft_export_reloads_merges_and_imports_to_continue(make_store, tmp_path, adapted):
     """3 streamed steps; after 2 the store's adapters go out as PEFT's directory (PEFT
     loads them onto transformers with mtjax's logits), merged (transformers alone gives
     them), and back in as PEFT saves it, with the base checkpoint: the imported store's
-    next step has the uninterrupted run's loss."""
+    next step has the uninterrupted run's loss. On a Llama, and on a Qwen3-MoE with
+    adapters on its routed experts (PEFT's target_parameters)."""
     import peft
     import torch
     import transformers
@@ -308,7 +310,8 @@ def test_peft_export_reloads_merges_and_imports_to_continue(make_store, tmp_path
     from mtjax.store.hf_export import export_hf
     from mtjax.store.hf_import import import_hf
 
-    cfg = _config(("q_proj", "v_proj", "down_proj"))
+    cfg = (_config(("q_proj", "v_proj", "down_proj")) if adapted == "dense"
+           else _moe_config(lora=lora.LoraConfig(rank=4, alpha=8.0, target_modules=EXPERT_TARGETS)))
     start = model.init_params(cfg, seed=0)
     batches = token_batches(cfg.vocab_size, (BATCH, SEQ), 3)
     store = make_store(cfg, make_optimizer(OPT))
