@@ -51,6 +51,10 @@ EXPERTS = "experts"  # the target of a MoE block's routed experts (their stacked
 # An adapted expert's adapted modules, each a [in, out] kernel pair PEFT adapts as one tensor:
 # gate and up together (transformers' gate_up_proj), and down.
 EXPERT_MODULES = ("gate_up_proj", "down_proj")
+# Families whose transformers 5 experts keep gate_up_proj as [E, d, 2f] (input first): PEFT's
+# ParamWrapper factors those the other way round (its A over the 2f outputs), so mtjax's
+# expert adapters would not be PEFT's; `experts` is refused there.
+INPUT_FIRST_EXPERTS = ("llama4", "llama4_text")
 # The linear layers of a MoE block that LoRA leaves alone: its router and shared expert's
 # gate (PEFT's all-linear skips them too); its experts are adapted by EXPERTS, not as Dense layers.
 NOT_ADAPTED = ("gate", "shared_expert_gate")
@@ -179,6 +183,10 @@ def check(cfg, linear_names: set[str], expert_names: set[str] = frozenset(), ada
         raise ConfigError(f"lora.target_modules {', '.join(experts)} on this MoE model is ambiguous (PEFT's "
                           "all-linear also adapts the router): name its routed experts' kernels as "
                           f"{EXPERTS} and the other linear layers by name: {', '.join(sorted(linear_names - expert_names))}")
+    if lora.adapts_experts and cfg.model_type in INPUT_FIRST_EXPERTS:
+        raise ConfigError(f"lora.target_modules {EXPERTS} is not supported on {cfg.model_type}: PEFT factors its "
+                          "fused expert tensors [E, d, 2f] otherwise than mtjax's adapters; name its other linear "
+                          f"layers: {', '.join(sorted(linear_names - expert_names))}")
     if lora.adapts_experts and not adaptable_experts:
         raise ConfigError(f"lora.target_modules {EXPERTS} names the routed experts of MoE blocks, and this model has "
                           f"none that take adapters; name its linear layers: {', '.join(sorted(linear_names)) or 'none'}")

@@ -156,7 +156,8 @@ def adaptable_experts(cfg: ModelConfig) -> bool:
 
 def linear_names(cfg: ModelConfig, experts: bool = False) -> set[str]:
     """The module names of the blocks' linear layers LoRA may adapt (mtjax.lora.check);
-    `experts`: those of the routed experts' linear layers instead, which it may not."""
+    `experts`: those of the routed experts' linear layers instead, which it adapts only
+    as a whole (mtjax.lora.EXPERTS)."""
     plain, anything = dataclasses.replace(cfg, lora=None), lora.LoraConfig(rank=1)
     names = set()
     for spec in cfg.block_specs:

@@ -550,6 +550,9 @@ def test_expert_targets_without_adaptable_experts_or_with_dropout_are_one_line()
     with pytest.raises(ConfigError, match="this model has none that take adapters") as e:
         parts.check_roles(_config((lora.EXPERTS,)))
     assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="is not supported on llama4_text") as e:
+        parts.check_roles(_moe_config(model_type="llama4_text", lora=lora.LoraConfig(rank=4, target_modules=EXPERT_TARGETS)))
+    assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="lora.dropout must be 0 with the target experts") as e:
         lora.LoraConfig(rank=4, dropout=0.1, target_modules=EXPERT_TARGETS)
     assert "\n" not in str(e.value)
