@@ -5,9 +5,11 @@ steps by the streaming engine give PEFT + transformers' losses (1e-6) and adapte
 base bit-identical; streamed equals the in-memory reference for 5 steps of 2
 micro-batches with the state in RAM and on disk (the base's compute copy too, and a
 one-copy store); bad `lora:` settings are one line. A Qwen3-MoE with adapters on
-attention equals PEFT with whole blocks and with expert groups, and frozen experts (LoRA,
-an NF4 base, freeze patterns) under expert groups equal the reference; dropout on the
-adapters' input drops in the streamed engine what it drops in the reference.
+attention, and with adapters on its routed experts (PEFT's target_parameters), equals PEFT
+with whole blocks and with expert groups, and exports to / imports from PEFT; frozen
+experts (LoRA, an NF4 base, freeze patterns) and adapted ones under expert groups equal
+the reference; dropout on the adapters' input drops in the streamed engine what it drops
+in the reference.
 """
 
 from __future__ import annotations
@@ -436,6 +438,9 @@ def test_a_run_with_adapters_ends_in_a_peft_directory(tmp_path):
 # on attention: the rest frozen (mtjax.lora: targets that PEFT would apply to the routed
 # experts are refused).
 MOE_TARGETS = ("q_proj", "v_proj", "o_proj")
+# LoRA on the routed experts (target `experts`: PEFT's target_parameters on transformers'
+# fused gate_up_proj and down_proj), beside attention's q_proj and o_proj.
+EXPERT_TARGETS = ("q_proj", "o_proj", lora.EXPERTS)
 
 
 def _moe_config(**overrides):
@@ -469,8 +474,10 @@ def test_lora_on_a_moe_family_equals_peft_with_expert_groups_or_not(group_size, 
 # Frozen leaves of split MoE blocks: LoRA's base, and freeze patterns that freeze a whole
 # group's experts (block 0's 0-2), one expert of a group (block 2's expert 4: the group
 # is differentiated, its gradient dropped) and the router part's attention; LoRA over an
-# NF4 base (experts and router decoded inside the sub-parts' programs).
-MOE_FROZEN = {"lora": {}, "lora-nf4": {"base_format": "nf4"}, "freeze": {"lora": None, "freeze": (
+# NF4 base (experts and router decoded inside the sub-parts' programs); LoRA on the routed
+# experts, each expert's adapters trained in its group.
+MOE_FROZEN = {"lora": {}, "lora-nf4": {"base_format": "nf4"},
+              "lora-experts": {"lora": lora.LoraConfig(rank=4, alpha=8.0, target_modules=EXPERT_TARGETS)}, "freeze": {"lora": None, "freeze": (
     "block.0/mlp.experts.[012].*", "block.2/mlp.experts.4.*", "block.2/self_attn.*", "embed")}}
 
 
@@ -489,17 +496,15 @@ def test_streamed_moe_with_frozen_leaves_and_expert_groups_equals_the_reference(
         assert engine.step(batch)["loss"] == pytest.approx(reference.step(batch)["loss"], abs=1e-5)
     streamed, expected = (treepath.flatten(p) for p in (engine.params(), reference.params))
     moved = 0
+    # An expert that few tokens reach has a tiny adapter gradient, which AdamW turns into a
+    # full-size update, rounding and all: the worst such B differs by ~2e-5 (whole blocks ~7e-6).
+    tolerance = 1e-4 if frozen == "lora-experts" else 1e-5
     for name, w in streamed.items():
-        assert _rel_error(w, expected[name]) <= 1e-5, name
+        assert _rel_error(w, expected[name]) <= (tolerance if lora.is_adapter(name) else 1e-5), name
         moved += not np.array_equal(np.asarray(w), np.asarray(start[name]))
     roles_of = {f"{p.name}/{n}": leaf.role for p in parts.parts(cfg) for n, leaf in parts.leaves(cfg, p.name).items()}
     assert moved == sum(r == roles.TRAINED for r in roles_of.values())  # every trained leaf moved, no frozen one
     engine.close()
-
-
-# LoRA on the routed experts (target `experts`: PEFT's target_parameters on transformers'
-# fused gate_up_proj and down_proj), beside attention's q_proj and o_proj.
-EXPERT_TARGETS = ("q_proj", "o_proj", lora.EXPERTS)
 
 
 @pytest.mark.slow
