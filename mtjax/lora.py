@@ -220,13 +220,13 @@ def merged(cfg, weights: dict) -> dict:
 def expert_kernels(kernels: dict, scale: float):
     """(gate, up, down) [n, in, out] of n experts from their stacked leaves ({leaf in the
     expert: [n, ...]}: "gate_proj.kernel", ... and, where adapted, "gate_up_proj.lora_a",
-    ...), each adapted kernel with its delta scale * A_e @ B_e added (in fp32, then in the
-    kernel's dtype)."""
+    ...), each adapted kernel with its delta scale * A_e @ B_e added, computed in the
+    kernel's dtype as PEFT computes it (no fp32 copy of the experts' kernels)."""
     gate, up, down = (kernels[f"{n}.kernel"] for n in ("gate_proj", "up_proj", "down_proj"))
 
     def delta(module, like):
-        a, b = kernels[f"{module}.{A}"], kernels[f"{module}.{B}"]
-        return (scale * jnp.einsum("eir,ero->eio", a, b, preferred_element_type=jnp.float32)).astype(like.dtype)
+        a, b = (kernels[f"{module}.{x}"].astype(like.dtype) for x in (A, B))
+        return jnp.einsum("eir,ero->eio", a, b, preferred_element_type=like.dtype) * jnp.asarray(scale, like.dtype)
 
     if f"gate_up_proj.{A}" in kernels:
         gate_up = delta("gate_up_proj", gate)
