@@ -132,7 +132,7 @@ def test_results() -> list[tuple[str, str]]:
          "one clear error; last commit intact; after freeing space the same command ends bit-identical"),
         ("prefetch worker raises", stream + "test_worker_error_reaches_the_caller_and_the_next_step_runs",
          "raised by the same step, no hang; the next steps equal the reference"),
-        ("write-back worker raises", faults + "test_failing_write_back_surfaces_within_the_step",
+        ("write-back worker raises", faults + "test_failing_write_back_surfaces_in_the_next_step",
          "raised by the same step, no hang"),
         ("second trainer on the same store", faults + "test_second_trainer_on_the_same_store_is_refused",
          "refused: the store is already open for writing"),

@@ -243,23 +243,26 @@ def test_run_on_nonfinite(mode, work, request):
 # --- worker threads and a second trainer ---------------------------------------------------------
 
 
-def test_failing_write_back_surfaces_within_the_step(tmp_path):
-    """A write-back worker's error is raised by the step that issued the write; no hang."""
+def test_failing_write_back_surfaces_in_the_next_step(tmp_path):
+    """A write-back worker's error is raised by the step that needs the update that wrote:
+    the next one (an update runs after its step returns; the next step waits for it before
+    staging the part, and for every write before it starts the updates); no hang."""
     store = mtjax.store.create(tmp_path / "s", CFG)
     eng = StreamEngine(CFG, model.init_params(CFG, 0), OPT, store_config=config.StoreConfig(master="disk", opt="disk"),
                        store=store)
     b = _batches()
-    eng.step(b[0])
     real_write = eng.tiers.write
 
-    def failing(part, kind, arrays):
+    def failing(part, kind, arrays):  # the first step's update of block.0 writes its master
         if part == "block.0" and kind == "master":
             fut = cf.Future()
             fut.set_exception(OSError(errno.EIO, "injected write error"))
             return fut
         return real_write(part, kind, arrays)
 
+    # Set before the first step, whose updates may write as soon as it returns.
     eng.tiers.write = failing
+    eng.step(b[0])
     outcome = []
     worker = threading.Thread(target=lambda: outcome.append(_raised(eng.step, b[2])), daemon=True)
     worker.start()
