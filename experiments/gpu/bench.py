@@ -16,6 +16,13 @@ measured (details go to --out DIR: bench.jsonl as it goes, then bench.json, benc
   its last step;
 - reference_step_s, reference_tokens_per_s, reference_mfu, reference_compiles_after_step_1
   and stream_vs_reference: the whole model in device memory (mtjax.reference);
+- first_resident_*: the streamed figures again with the first parts the forward needs
+  (the embedding and the first blocks, --first-resident) resident on the device and
+  updated there, first_resident_vs_reference: whether keeping them closes the step
+  boundary (the clip needs the whole backward's norm, so a streamed step's first parts
+  are updated on the host after its last gradient and the next forward waits for them);
+- stream_planned_step_s, first_resident_planned_step_s: the planner's step time for the
+  same runs (mtjax.plan.cost on this device's profile), beside the measured ones;
 - capped_*: the same streamed figures in a process of its own whose device memory is
   really capped (XLA_PYTHON_CLIENT_MEM_FRACTION, read when its backend starts) at a
   quarter of the state, the engine's budget inside that cap; capped_vs_reference.
@@ -50,15 +57,17 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from mtjax import model, parts  # noqa: E402
-from mtjax.config import StreamConfig  # noqa: E402
+from mtjax import model, partid, parts  # noqa: E402
+from mtjax.config import StoreConfig, StreamConfig  # noqa: E402
 from mtjax.hostmem import aligned_empty  # noqa: E402
 from mtjax.model_config import ModelConfig  # noqa: E402
 from mtjax.optim import OptimConfig  # noqa: E402
-from mtjax.plan.cost import mfu_flops_per_token  # noqa: E402
+from mtjax.plan import residency  # noqa: E402
+from mtjax.plan.cost import estimate, mfu_flops_per_token  # noqa: E402
 from mtjax.progress import peak_flops  # noqa: E402
 from mtjax.reference import ReferenceTrainer  # noqa: E402
 from mtjax.stream import StreamEngine  # noqa: E402
+from mtjax.stream.schedule import StepShape  # noqa: E402
 from mtjax.stream.staging import Placement  # noqa: E402
 from mtjax.stream.tiers import host_device  # noqa: E402
 
@@ -267,10 +276,25 @@ def measure(figs: Figures, a, cfg: ModelConfig, name: str, make) -> dict:
     return rec
 
 
-def stream_engine(a, cfg: ModelConfig, params, budget: int | None):
-    return StreamEngine(cfg, params, OptimConfig(), StreamConfig(
-        prefetch_depth=a.prefetch, keep_every=1, activations=a.activations, device_budget_bytes=budget),
-        batch_shape=(a.batch, a.seq))
+def stream_config(a, budget: int | None = None, resident: tuple[str, ...] = ()) -> StreamConfig:
+    return StreamConfig(prefetch_depth=a.prefetch, keep_every=1, activations=a.activations,
+                        device_budget_bytes=budget, resident=resident or "none")
+
+
+def stream_engine(a, cfg: ModelConfig, params, budget: int | None, resident: tuple[str, ...] = ()):
+    return StreamEngine(cfg, params, OptimConfig(), stream_config(a, budget, resident), batch_shape=(a.batch, a.seq))
+
+
+def first_parts(a, cfg: ModelConfig) -> tuple[str, ...]:
+    """The embedding and the first --first-resident - 1 blocks: the parts the next forward needs first."""
+    return (partid.EMBED, *(partid.block(i) for i in range(min(a.first_resident - 1, cfg.num_hidden_layers))))
+
+
+def planned_step_s(a, cfg: ModelConfig, resident: tuple[str, ...] = ()) -> float:
+    """The planner's step time for the streamed run on this device's profile (RAM tier)."""
+    shape = StepShape(a.batch, a.seq, a.accum)
+    hw = residency.profile_of(jax.devices()[0])
+    return estimate(cfg, stream_config(a, resident=resident), StoreConfig(), shape, hw).times.step
 
 
 def capped(a, cfg: ModelConfig, figs: Figures) -> dict:
@@ -350,6 +374,8 @@ def main() -> int:
     ap.add_argument("--accum", type=int, default=8, help="micro-batches per step (8 x 16 x 512 = 64k tokens)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps after two untimed ones (their median counts)")
     ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--first-resident", type=int, default=3,
+                    help="parts kept resident in the first_resident run: the embedding and the first blocks (0 skips it)")
     ap.add_argument("--capped-batch", type=int, default=4, help="rows per micro-batch of the capped run (same tokens per step)")
     ap.add_argument("--activations", default="host", choices=("device", "host"))
     ap.add_argument("--link-mib", type=int, default=1024)
@@ -361,6 +387,7 @@ def main() -> int:
     if a.dry:
         a.layers, a.width, a.ffn, a.vocab, a.head_dim = 2, 64, 128, 256, 16
         a.batch, a.seq, a.accum, a.steps, a.link_mib, a.reps = 2, 32, 2, 1, 4, 2
+        a.first_resident = min(a.first_resident, 2)  # of 2 blocks, block.1 still streams
     cfg = model_config(a)
     if a.capped_child:
         return capped_child(a, cfg, a.capped_child)
@@ -378,11 +405,16 @@ def main() -> int:
         traceback.print_exc()
         failed = True
     params = host_params(cfg)
-    try:
-        measure(figs, a, cfg, "stream", lambda: stream_engine(a, cfg, params, None))
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
-        failed = True
+    runs = {"stream": ()}
+    if a.first_resident:
+        runs["first_resident"] = first_parts(a, cfg)
+    for name, resident in runs.items():
+        try:
+            figs.figure(f"{name}_planned_step_s", planned_step_s(a, cfg, resident), "s", resident=list(resident))
+            measure(figs, a, cfg, name, lambda: stream_engine(a, cfg, params, None, resident))
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            failed = True
     try:
         measure(figs, a, cfg, "reference", lambda: ReferenceTrainer(cfg, params, OptimConfig()))
     except Exception:  # noqa: BLE001
@@ -397,6 +429,8 @@ def main() -> int:
     ref = figs.values.get("reference_step_s")
     if ref and figs.values.get("stream_step_s"):
         figs.figure("stream_vs_reference", ref / figs.values["stream_step_s"], "x", target=">= 0.97")
+    if ref and figs.values.get("first_resident_step_s"):
+        figs.figure("first_resident_vs_reference", ref / figs.values["first_resident_step_s"], "x", target=">= 0.97")
     if ref and figs.values.get("capped_stream_step_s"):
         figs.figure("capped_vs_reference", ref / figs.values["capped_stream_step_s"], "x", target=">= 0.85")
     body = markdown(a, cfg, figs)
