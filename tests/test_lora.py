@@ -534,25 +534,36 @@ def test_lora_on_the_routed_experts_equals_peft_with_expert_groups_or_not(group_
 
 # The other families whose routed experts share the layer (transformers' fused gate_up_proj
 # and down_proj), every block MoE: Mixtral (renormalised top-k), OLMoE (one norm over all
-# of q's and k's heads), Qwen2-MoE (a gated shared expert, which PEFT's `experts` leaves alone).
+# of q's and k's heads), Qwen2-MoE (a gated shared expert, which `experts` leaves alone, as
+# PEFT does); and DeepSeek-V3 (test_deepseek's: grouped routing with its correction bias,
+# latent attention, block 0 dense), there with o_proj beside the experts.
 EXPERT_FAMILIES = {
     "mixtral": dict(model_type="mixtral", qk_norm=False, norm_topk_prob=True, intermediate_size=24),
     "olmoe": dict(model_type="olmoe", qk_norm=False, qk_norm_full=True, intermediate_size=24),
     "qwen2_moe": dict(model_type="qwen2_moe", qk_norm=False, shared_expert_intermediate_size=40),
+    "deepseek_v3": None,
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", EXPERT_FAMILIES)
 def test_lora_on_the_routed_experts_of_other_moe_families_equals_peft(family, tmp_path):
-    cfg = _moe_config(lora=lora.LoraConfig(rank=4, alpha=8.0, target_modules=EXPERT_TARGETS), num_hidden_layers=2,
-                      moe_layers=(0, 1), **EXPERT_FAMILIES[family])
+    if family == "deepseek_v3":
+        from test_deepseek import TINY_V3
+
+        cfg = dataclasses.replace(TINY_V3, lora=lora.LoraConfig(rank=4, alpha=8.0, target_modules=("o_proj", lora.EXPERTS)))
+    else:
+        cfg = _moe_config(lora=lora.LoraConfig(rank=4, alpha=8.0, target_modules=EXPERT_TARGETS), num_hidden_layers=2,
+                          moe_layers=(0, 1), **EXPERT_FAMILIES[family])
     params = model.init_params(cfg, seed=0)
     peft_model = _peft_model(cfg, params, tmp_path)
-    assert sorted(_expert_wrappers(peft_model)) == [(b, m) for b in (0, 1) for m in sorted(lora.EXPERT_MODULES)]
+    assert sorted(_expert_wrappers(peft_model)) == [(b, m) for b in cfg.moe_layers for m in sorted(lora.EXPERT_MODULES)]
     engine = StreamEngine(cfg, params, OPT, StreamConfig(keep_every=2), StoreConfig(), batch_shape=(BATCH, SEQ))
-    ours, theirs = _steps_beside_peft(cfg, engine, peft_model, output_router_logits=True)
-    assert {n for n in ours if lora.is_adapter(n)} == set(theirs) and len(theirs) == 2 * 2 * 2 + 2 * 7 * 4
+    ours, theirs = _steps_beside_peft(cfg, engine, peft_model, output_router_logits=cfg.router_aux_loss_coef > 0)
+    attention = len(cfg.lora.target_modules) - 1  # the targets beside `experts`, in every block
+    experts = len(cfg.moe_layers) * cfg.num_experts * 2  # per MoE block: each expert's gate_up_proj and down_proj
+    assert {n for n in ours if lora.is_adapter(n)} == set(theirs)
+    assert len(theirs) == 2 * (attention * cfg.num_hidden_layers + experts)
     start = treepath.flatten(params)
     for name, w in ours.items():
         if lora.is_adapter(name):
