@@ -40,7 +40,7 @@ import torch
 
 from mtjax import model
 from mtjax.config import StreamConfig
-from mtjax.loss import cross_entropy
+from mtjax.loss import head_loss
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, clip_scale, sum_of_squares
 from mtjax.reference import ReferenceTrainer
@@ -234,7 +234,8 @@ def jax_pieces(cfg: ModelConfig, trainer: ReferenceTrainer, tokens: np.ndarray, 
     x = model.embed_forward(cfg, embed, ids)
     fwd = jax.jit(lambda b, x: model.block_forward(cfg, cfg.layer_specs[0], b, x))
     grad = jax.jit(lambda b, x: jax.vjp(lambda b, x: model.block_forward(cfg, cfg.layer_specs[0], b, x), b, x)[1](x))
-    head = jax.jit(jax.grad(lambda h, x: cross_entropy(model.head_forward(cfg, h, embed, x), ids), argnums=(0, 1)))
+    # The head and loss as training runs them (chunked, its backward written out: mtjax.loss).
+    head = jax.jit(jax.grad(lambda h, x: head_loss(cfg, h, embed, x, ids), argnums=(0, 1)))
 
     def adamw(p, s, g):
         scale = clip_scale(sum_of_squares(g), trainer.clip_norm)
