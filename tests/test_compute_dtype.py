@@ -68,6 +68,13 @@ def test_plan_resolves_auto_for_the_profile_and_says_why(tmp_path, capsys, profi
     assert json.loads(capsys.readouterr().out)["model"]["compute_dtype"] == dtype
 
 
+def test_plan_of_an_hf_config_with_auto_for_an_accelerator_is_bf16(capsys):
+    config_json = os.path.join(os.path.dirname(__file__), "..", "experiments", "hf_configs", "llama-3-70b.json")
+    assert cli.main(["plan", config_json, "--compute-dtype", "auto", "--hardware", "h200", "--json"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert model["compute_dtype"] == "bfloat16" and "an accelerator" in model["compute_dtype_choice"]
+
+
 def test_plan_of_a_given_dtype_says_nothing_of_auto(tmp_path, capsys):
     yaml = tmp_path / "exp.yaml"
     yaml.write_text("model:\n  compute_dtype: float32\n")

@@ -46,10 +46,27 @@ from mtjax.optim import OptimConfig, clip_scale, sum_of_squares
 from mtjax.reference import ReferenceTrainer
 from mtjax.stream import StreamEngine
 
+# Each CPU vendor's run has its own section (vs-torch-intel, vs-torch-amd, ...: a run
+# replaces only its own kind's figures); NOTES, the same for all, have one of their own.
 SECTION = "vs-torch"
 
 # What was tried to close the gap, with how it was measured (kept with the table it explains).
-NOTES = """Intel Xeon (Sapphire Rapids), 2026-12-04 (issue 33; docs/cpu.md has the tables): the
+NOTES = """Runs before 2026-11-30 let the streamed engine's deferred optimizer update run during torch's next
+timed step (in its worker process, on the same 2 cores). That slowed torch by about 10% (3.38 s per step
+then, 2.9-3.05 s since) and hid the update from the streamed figure; their ratios (reference 1.06x, stream
+1.04x) overstated mtjax. Measured fairly, before the flat-matrix, cross-entropy and gradient-donation
+changes below, the reference with whole-block remat was 0.90-0.95x torch.
+
+AMD EPYC Zen 4 (AVX-512 BF16, no AMX), 2026-12-07 (issue 33's bf16 part; docs/cpu.md has the
+tables): XLA's bf16 dots run on the bf16 instructions (1.9x the fp32 matmul rate), and every
+dot of a block's forward and backward takes bf16 operands. The head + loss's kernel gradient
+was upcast to fp32 until its tokens-major operand became a transposed copy (mtjax.loss): head +
+loss forward + backward in bf16 200-221 -> 162-165 ms CPU, torch's 157-180. Until then the
+head piece timed cross_entropy of whole fp32 logits, differentiated by JAX (its backward dots
+fp32), a program no trainer runs: the Intel bf16 head figure (100.5 ms, 2.98x) is that
+program's; it now times mtjax.loss.head_loss, as training runs it.
+
+Intel Xeon (Sapphire Rapids), 2026-12-04 (issue 33; docs/cpu.md has the tables): the
 fp32 flags tried before were tried again on one block, by CPU time (the machine was shared,
 load 6-9): YNNPACK off, oneDNN, `--xla_cpu_prefer_vector_width=512`, the old runtime (no
 longer accepted) were all equal or slower; oneDNN dot fusions crashed XLA. Fused q/k/v and
@@ -270,6 +287,16 @@ def piece_table(pieces: dict, reps: int, dtype: str) -> list[str]:
             *(f"| {k} | {ta[k]:.1f} | {tb[k]:.1f} | {tb[k] / ta[k]:.2f} |" for k in ta), ""]
 
 
+def cpu_vendor() -> str:
+    """"Intel", "AMD" or the vendor id /proc/cpuinfo gives (the machine's architecture without one)."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return platform.machine()
+    vendor = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("vendor_id")), "")
+    return {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}.get(vendor, vendor or platform.machine())
+
+
 def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo) and its vector units that matter here."""
     try:
@@ -368,17 +395,14 @@ def main() -> None:
         "",
         "Goal (issue 33): in fp32, reference >= 1.0x torch and stream >= 0.97x torch.",
         "",
-        "Runs before 2026-11-30 let the streamed engine's deferred optimizer update run during torch's next timed "
-        "step (in its worker process, on the same 2 cores). That slowed torch by about 10% (3.38 s per step then, "
-        "2.9-3.05 s since) and hid the update from the streamed figure; their ratios (reference 1.06x, stream "
-        "1.04x) overstated mtjax. Measured fairly, before the flat-matrix, cross-entropy and gradient-donation "
-        "changes below, the reference with whole-block remat was 0.90-0.95x torch.",
-        "",
         *(line for dtype, (_, _, pieces) in runs.items() for line in piece_table(pieces, args.piece_reps, dtype)),
-        NOTES,
     ]
-    harness.publish(SECTION, "mtjax vs transformers + torch on the CPU (experiments/bench/vs_torch.py)",
+    vendor = cpu_vendor()
+    harness.publish(f"{SECTION}-{vendor.lower()}",
+                    f"mtjax vs transformers + torch on the CPU: {vendor} (experiments/bench/vs_torch.py)",
                     "\n".join(lines), "experiments/bench/vs_torch.py", write=not args.no_doc)
+    harness.publish(f"{SECTION}-notes", "mtjax vs transformers + torch on the CPU: what was tried", NOTES,
+                    "experiments/bench/vs_torch.py", write=not args.no_doc)
 
 
 if __name__ == "__main__":

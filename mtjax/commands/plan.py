@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mtjax import plan as planner
 from mtjax.errors import MtjaxError
-from mtjax.plan import fit, hosts, inputs, machine, probe, report, residency, wholerun
+from mtjax.plan import compute_dtype, fit, hosts, inputs, machine, probe, report, residency, wholerun
 from mtjax.plan import longest as planner_longest
 from mtjax.plan.hardware import choices
 from mtjax.plan.units import size
@@ -187,5 +187,6 @@ def run_probe(args) -> int:
               f"{profile.disk_write_bytes_per_s / 1e9:.2f} GB/s, memory {profile.host_memory_bytes_per_s / 1e9:.1f} "
               f"GB/s moved, matmul fp32 {profile.matmul_flops_fp32 / 1e9:.0f} / bf16 "
               f"{profile.matmul_flops_bf16 / 1e9:.0f} GFLOP/s, RAM {size(profile.host_ram_bytes)}")
+        print(f"model.compute_dtype=auto: {compute_dtype.describe(*compute_dtype.choose(profile))}")
         print(f"wrote {args.out}")
     return 0
