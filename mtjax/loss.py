@@ -153,8 +153,8 @@ def _loss_bwd(cap: float, saved, g):
         dh = jnp.einsum("tv,dv->td", dz, kernel, preferred_element_type=jnp.float32).astype(hc.dtype)
         # On the CPU below fp32, the tokens-major operand is transposed into a copy of its own
         # first, so that XLA runs the dot in bf16, not upcast to fp32 (basic.transposed): head +
-        # loss forward + backward in bf16 (width 1024, seq 512, vocab 8192, AMD Zen 4) 200 ->
-        # 162 ms of CPU time.
+        # loss forward + backward in bf16 (width 1024, seq 512, vocab 8192, AMD Zen 4) 200-216 ->
+        # 162-163 ms of CPU time (experiments/bench/cpu_pieces.py).
         low = hc.dtype != jnp.float32 and target.platform() == "cpu"
         ht = transposed(hc) if low else hc.T
         return dkernel + jnp.einsum("dt,tv->dv", ht, dz, preferred_element_type=jnp.float32), dh

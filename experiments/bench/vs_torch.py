@@ -61,7 +61,7 @@ AMD EPYC Zen 4 (AVX-512 BF16, no AMX), 2026-12-07 (issue 33's bf16 part; docs/cp
 tables): XLA's bf16 dots run on the bf16 instructions (1.9x the fp32 matmul rate), and every
 dot of a block's forward and backward takes bf16 operands. The head + loss's kernel gradient
 was upcast to fp32 until its tokens-major operand became a transposed copy (mtjax.loss): head +
-loss forward + backward in bf16 200-221 -> 162-165 ms CPU, torch's 157-180. Until then the
+loss forward + backward in bf16 200-216 -> 162-163 ms CPU, torch's 151-179 (cpu_pieces.py). Until then the
 head piece timed cross_entropy of whole fp32 logits, differentiated by JAX (its backward dots
 fp32), a program no trainer runs: the Intel bf16 head figure (100.5 ms, 2.98x) is that
 program's; it now times mtjax.loss.head_loss, as training runs it.
