@@ -351,13 +351,14 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     resume of a finished run (its final/ and summary.json in place) writes nothing."""
     out = stream or sys.stderr
     run_dir = Path(exp.run.dir)
+    if exp.stream.engine == "stream":  # XLA reads its pinned pool's cap when its GPU client starts: before any backend
+        widest = config_lib.model_config(compute_dtype.widest(exp))  # auto is resolved on the backend, below
+        staging.raise_host_memory_limit(staging.pinned_host_bytes(widest, exp.stream, exp.data.batch_size,
+                                                                  exp.data.seq_len, exp.data.grad_accum))
     # model.compute_dtype=auto: this machine's choice, recorded resolved (store, config.yaml)
     exp, dtype_choice = compute_dtype.for_run(exp)
     cfg = config_lib.model_config(exp)
     cfg.check_context(exp.data.seq_len, "data.seq_len")
-    if exp.stream.engine == "stream":  # XLA reads its pinned pool's cap when its GPU client starts: before any backend
-        staging.raise_host_memory_limit(staging.pinned_host_bytes(cfg, exp.stream, exp.data.batch_size,
-                                                                  exp.data.seq_len, exp.data.grad_accum))
     if exp.run.wandb:
         wandb_log.require()  # a missing package stops the run before anything is made
     hosts = _join(exp)

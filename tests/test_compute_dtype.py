@@ -52,6 +52,9 @@ def test_resolve_replaces_auto_only():
     assert config.model_config(got).compute_dtype == "bfloat16" and "1.90x" in line
     given = config.load(None, ["--model.compute_dtype=float32"])
     assert compute_dtype.resolve(given, FAST) == (given, None)
+    # Sized before a backend starts (a GPU's pinned pool): the widest auto may become.
+    assert config.model_config(compute_dtype.widest(exp)).compute_dtype == "float32"
+    assert compute_dtype.widest(given) is given
     with pytest.raises(config.ConfigError, match="chosen when a run or `mtjax plan` starts"):
         config.model_config(exp)  # unresolved: one line, not a ModelConfig error
 

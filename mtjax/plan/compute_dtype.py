@@ -26,7 +26,7 @@ from mtjax.plan.hardware import HardwareProfile
 AUTO = "auto"
 # bf16 over fp32 matmul rate from which a CPU computes in bf16. A bf16 block forward +
 # backward gains less than the matmuls do (norms, softmax, the loss stay fp32): on AMD
-# Zen 4 (AVX-512 BF16) matmuls 1.9x, a block 1.65x; a CPU without bf16 instructions
+# Zen 4 (AVX-512 BF16) matmuls 1.9x, a block forward + backward 1.7x; a CPU without bf16 instructions
 # converts to fp32 and gains nothing.
 MARGIN = 1.2
 
@@ -51,6 +51,13 @@ def resolve(exp, hw: HardwareProfile):
     """(experiment with model.compute_dtype=auto replaced by `choose`'s dtype for `hw`, one
     line saying which and why); settings given are kept, with None for the line."""
     return _resolved(exp, *choose(hw)) if asks_auto(exp.model.overrides) else (exp, None)
+
+
+def widest(exp):
+    """The experiment with auto replaced by float32, the widest dtype it may resolve to: for
+    what must be sized before a JAX backend starts (a GPU's pinned host pool, whose cap is
+    only ever raised), which `for_run` would start."""
+    return _resolved(exp, "float32", "")[0] if asks_auto(exp.model.overrides) else exp
 
 
 def for_run(exp):

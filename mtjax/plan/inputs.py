@@ -58,7 +58,9 @@ def load(path: str | Path, hardware: Callable[[], HardwareProfile] | None = None
         if model_overrides:
             model = dict(exp.model.overrides, **model_overrides)
             exp = dataclasses.replace(exp, model=dataclasses.replace(exp.model, overrides=tuple(model.items())))
-        exp, choice = compute_dtype.resolve(exp, hardware()) if compute_dtype.asks_auto(exp.model.overrides) else (exp, None)
+        choice = None
+        if compute_dtype.asks_auto(exp.model.overrides):  # hardware() only then: it may probe
+            exp, choice = compute_dtype.resolve(exp, hardware())
         return dataclasses.replace(from_experiment(exp), dtype_choice=choice)
     if not path.exists():
         raise PlanInputError(f"{path} does not exist: pass an HF config.json, a checkpoint dir or an experiment YAML")
