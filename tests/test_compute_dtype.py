@@ -119,3 +119,15 @@ def test_a_bad_compute_dtype_is_refused_in_one_line(tmp_path):
     assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
     assert "model.compute_dtype must be float32, bfloat16 or float16 or auto" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_init_of_an_auto_experiment_needs_a_dtype_given(tmp_path):
+    """`mtjax init` makes a store before any run chooses: auto there is refused in one line,
+    and --compute-dtype given replaces it."""
+    from mtjax.store import fresh
+
+    yaml = tmp_path / "exp.yaml"
+    yaml.write_text("model:\n  compute_dtype: auto\n")
+    with pytest.raises(store_lib.StoreError, match="chosen when a run or `mtjax plan` starts"):
+        fresh.load_config(yaml)
+    assert fresh.load_config(yaml, "bfloat16")[0].compute_dtype == "bfloat16"
