@@ -11,8 +11,10 @@ per block, either rerunning whole blocks in the backward as torch does, or keepi
 blocks' projection outputs: remat policy "dots"); mtjax's StreamEngine (RAM tier, k = 1,
 prefetch depth 2). All clip gradients at 1.0. Prints tokens/s and the ratios to torch, then
 the time of each piece of a step in both frameworks (one block forward, one block forward +
-backward, head + loss forward + backward, clip + AdamW); writes its section of
-docs/benchmarks.md, headed by the CPU's model name.
+backward, head + loss forward + backward, clip + AdamW); writes the section of
+docs/benchmarks.md of this CPU's vendor (vs-torch-intel, vs-torch-amd, ...), headed by the
+CPU's model name, and the notes' section (vs-torch-notes). On a shared machine,
+cpu_pieces.py compares the pieces by CPU time instead.
 
     .venv/bin/python experiments/bench/vs_torch.py                  # ~6-8 minutes on 2 cores (both dtypes)
     .venv/bin/python experiments/bench/vs_torch.py --layers 2 --width 256 --seq 128 --no-doc   # smoke
