@@ -325,6 +325,9 @@ def model_config(exp: ExperimentConfig) -> ModelConfig:
     if "sequence_devices" in overrides:  # the engine's, from its mesh
         raise ConfigError("model.sequence_devices is set by the engine: split each row's tokens over the devices with "
                           "stream.split: sequence (and stream.devices) instead")
+    if overrides.get("compute_dtype") == "auto":  # mtjax.plan.compute_dtype resolves it for the hardware
+        raise ConfigError("model.compute_dtype=auto is chosen when a run or `mtjax plan` starts; this command "
+                          "needs float32 or bfloat16")
     adapters = dict(lora=exp.lora)  # the `lora:` section (mtjax.lora; no rank: none)
     try:
         if section.hf_config is not None:

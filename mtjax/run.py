@@ -51,7 +51,7 @@ from mtjax.config import ConfigError, ExperimentConfig, RunConfig, StoreConfig, 
 from mtjax.errors import MtjaxError, NonFiniteStep
 from mtjax.model_config import ModelConfig, load_hf_config
 from mtjax.optim import lr_at, make_optimizer, schedule_warnings
-from mtjax.plan import residency
+from mtjax.plan import compute_dtype, residency
 from mtjax.plan.cost import mfu_flops_per_token
 from mtjax.progress import Progress, peak_flops
 from mtjax.terminal import bar as progress_bar
@@ -351,11 +351,14 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     resume of a finished run (its final/ and summary.json in place) writes nothing."""
     out = stream or sys.stderr
     run_dir = Path(exp.run.dir)
+    if exp.stream.engine == "stream":  # XLA reads its pinned pool's cap when its GPU client starts: before any backend
+        widest = config_lib.model_config(compute_dtype.widest(exp))  # auto is resolved on the backend, below
+        staging.raise_host_memory_limit(staging.pinned_host_bytes(widest, exp.stream, exp.data.batch_size,
+                                                                  exp.data.seq_len, exp.data.grad_accum))
+    # model.compute_dtype=auto: this machine's choice, recorded resolved (store, config.yaml)
+    exp, dtype_choice = compute_dtype.for_run(exp)
     cfg = config_lib.model_config(exp)
     cfg.check_context(exp.data.seq_len, "data.seq_len")
-    if exp.stream.engine == "stream":  # XLA reads its pinned pool's cap when its GPU client starts: before any backend
-        staging.raise_host_memory_limit(staging.pinned_host_bytes(cfg, exp.stream, exp.data.batch_size,
-                                                                  exp.data.seq_len, exp.data.grad_accum))
     if exp.run.wandb:
         wandb_log.require()  # a missing package stops the run before anything is made
     hosts = _join(exp)
@@ -439,6 +442,8 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
               f"{dataset.meta['num_tokens']:,} tokens ({dataset.meta['tokenizer_source']}); "
               f"{_steps_text(first, exp.run.steps)} of {tokens_per_step:,} tokens; run dir {run_dir}",
               file=out, flush=True)
+        if dtype_choice:
+            print(f"mtjax: {dtype_choice}", file=out, flush=True)
         if exp.stream.resident and exp.stream.resident != asked.resident:  # what auto chose
             print(f"mtjax: resident on the device (stream.resident={asked.resident}): "
                   f"{', '.join(exp.stream.resident)}; remat {exp.stream.remat}", file=out, flush=True)

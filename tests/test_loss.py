@@ -1,6 +1,8 @@
 """The chunked head and loss (mtjax.loss.head_loss) equals the head's logits and the full
 cross-entropy, value and gradients, and its compiled memory is flat in the sequence length."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +77,29 @@ def test_bf16_chunked_loss_is_close_to_the_full_loss():
     (loss, grads), (loss_c, grads_c) = _both(cfg, params, x, tokens, None, 16)
     assert float(loss_c) == pytest.approx(float(loss), rel=1e-5)
     np.testing.assert_allclose(np.asarray(grads_c[2], np.float32), np.asarray(grads[2], np.float32), atol=2e-3)
+
+
+def _dot_operand_types(hlo: str) -> list[tuple[str, ...]]:
+    """The element types of each dot's operands in compiled HLO text (names are unique in a module)."""
+    types = dict(re.findall(r"%([\w.-]+) = (\w+)\[", hlo))
+    return [tuple(types[n] for n in re.findall(r"%([\w.-]+)", args))
+            for args in re.findall(r" dot\(([^)]*)\)", hlo)]
+
+
+def test_the_bf16_head_gradient_runs_every_dot_in_bf16_on_the_cpu():
+    """The head's three dots (logits, dh, dkernel) take bf16 operands: XLA's CPU backend
+    upcast the kernel gradient's to fp32 while its tokens-major operand was a plain
+    transpose (mtjax.layers.basic.transposed). Its gradients stay those of the full loss."""
+    cfg = tiny_config(vocab_size=256, hidden_size=64, compute_dtype="bfloat16")
+    params, x, tokens = _inputs(cfg, batch=1, seq=128)
+    x = x.astype(jnp.bfloat16)
+    grad = jax.jit(jax.grad(lambda h, x: head_loss(cfg, h, None, x, tokens, chunk=64), argnums=(0, 1)))
+    dots = _dot_operand_types(grad.lower(params["head"], x).compile().as_text())
+    assert len(dots) >= 3 and all(t == ("bf16", "bf16") for t in dots), dots
+    (_, grads), (_, grads_c) = _both(cfg, params, x, tokens, None, 64)
+    for g, g_c in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_c), strict=True):
+        scale = float(jnp.max(jnp.abs(g.astype(jnp.float32))))
+        np.testing.assert_allclose(np.asarray(g_c, np.float32), np.asarray(g, np.float32), atol=2e-2 * scale)
 
 
 def test_chunk_rows_take_a_fixed_share_of_logits():

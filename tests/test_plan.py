@@ -16,7 +16,7 @@ from mtjax import cli, hf, lora, model, parts, treepath
 from mtjax.model_config import from_hf_dict, load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.config import StoreConfig, StreamConfig
-from mtjax.plan import BUILTIN, HardwareError, StepShape, check, estimate, load, recommend, residency
+from mtjax.plan import BUILTIN, HardwareError, StepShape, check, compute_dtype, estimate, load, recommend, residency
 from mtjax.plan.cost import block_forward_flops
 from mtjax.plan.report import size
 from mtjax.stream import fused_adamw, schedule
@@ -225,6 +225,7 @@ def test_cli_plan_and_probe(tmp_path, capsys):
     profile = tmp_path / "hw.json"
     assert cli.main(["probe", "--quick", "--dir", str(tmp_path), "--out", str(profile)]) == 0
     measured = load(str(profile))
+    assert f"compute dtype {compute_dtype.choose(measured)[0]} (model.compute_dtype=auto" in capsys.readouterr().out
     assert measured.source == "measured" and measured.disk_read_bytes_per_s > 0 and measured.matmul_flops_fp32 > 0
     ckpt = tmp_path / "tiny"
     ckpt.mkdir()

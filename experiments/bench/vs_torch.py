@@ -11,8 +11,10 @@ per block, either rerunning whole blocks in the backward as torch does, or keepi
 blocks' projection outputs: remat policy "dots"); mtjax's StreamEngine (RAM tier, k = 1,
 prefetch depth 2). All clip gradients at 1.0. Prints tokens/s and the ratios to torch, then
 the time of each piece of a step in both frameworks (one block forward, one block forward +
-backward, head + loss forward + backward, clip + AdamW); writes its section of
-docs/benchmarks.md, headed by the CPU's model name.
+backward, head + loss forward + backward, clip + AdamW); writes the section of
+docs/benchmarks.md of this CPU's vendor (vs-torch-intel, vs-torch-amd, ...), headed by the
+CPU's model name, and the notes' section (vs-torch-notes). On a shared machine,
+cpu_pieces.py compares the pieces by CPU time instead.
 
     .venv/bin/python experiments/bench/vs_torch.py                  # ~6-8 minutes on 2 cores (both dtypes)
     .venv/bin/python experiments/bench/vs_torch.py --layers 2 --width 256 --seq 128 --no-doc   # smoke
@@ -40,16 +42,33 @@ import torch
 
 from mtjax import model
 from mtjax.config import StreamConfig
-from mtjax.loss import cross_entropy
+from mtjax.loss import head_loss
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, clip_scale, sum_of_squares
 from mtjax.reference import ReferenceTrainer
 from mtjax.stream import StreamEngine
 
+# Each CPU vendor's run has its own section (vs-torch-intel, vs-torch-amd, ...: a run
+# replaces only its own kind's figures); NOTES, the same for all, have one of their own.
 SECTION = "vs-torch"
 
 # What was tried to close the gap, with how it was measured (kept with the table it explains).
-NOTES = """Intel Xeon (Sapphire Rapids), 2026-12-04 (issue 33; docs/cpu.md has the tables): the
+NOTES = """Runs before 2026-11-30 let the streamed engine's deferred optimizer update run during torch's next
+timed step (in its worker process, on the same 2 cores). That slowed torch by about 10% (3.38 s per step
+then, 2.9-3.05 s since) and hid the update from the streamed figure; their ratios (reference 1.06x, stream
+1.04x) overstated mtjax. Measured fairly, before the flat-matrix, cross-entropy and gradient-donation
+changes below, the reference with whole-block remat was 0.90-0.95x torch.
+
+AMD EPYC Zen 4 (AVX-512 BF16, no AMX), 2026-12-07 (issue 33's bf16 part; docs/cpu.md has the
+tables): XLA's bf16 dots run on the bf16 instructions (1.9x the fp32 matmul rate), and every
+dot of a block's forward and backward takes bf16 operands. The head + loss's kernel gradient
+was upcast to fp32 until its tokens-major operand became a transposed copy (mtjax.loss): head +
+loss forward + backward in bf16 200-216 -> 162-163 ms CPU, torch's 151-179 (cpu_pieces.py). Until then the
+head piece timed cross_entropy of whole fp32 logits, differentiated by JAX (its backward dots
+fp32), a program no trainer runs: the Intel bf16 head figure (100.5 ms, 2.98x) is that
+program's; it now times mtjax.loss.head_loss, as training runs it.
+
+Intel Xeon (Sapphire Rapids), 2026-12-04 (issue 33; docs/cpu.md has the tables): the
 fp32 flags tried before were tried again on one block, by CPU time (the machine was shared,
 load 6-9): YNNPACK off, oneDNN, `--xla_cpu_prefer_vector_width=512`, the old runtime (no
 longer accepted) were all equal or slower; oneDNN dot fusions crashed XLA. Fused q/k/v and
@@ -234,7 +253,8 @@ def jax_pieces(cfg: ModelConfig, trainer: ReferenceTrainer, tokens: np.ndarray, 
     x = model.embed_forward(cfg, embed, ids)
     fwd = jax.jit(lambda b, x: model.block_forward(cfg, cfg.layer_specs[0], b, x))
     grad = jax.jit(lambda b, x: jax.vjp(lambda b, x: model.block_forward(cfg, cfg.layer_specs[0], b, x), b, x)[1](x))
-    head = jax.jit(jax.grad(lambda h, x: cross_entropy(model.head_forward(cfg, h, embed, x), ids), argnums=(0, 1)))
+    # The head and loss as training runs them (chunked, its backward written out: mtjax.loss).
+    head = jax.jit(jax.grad(lambda h, x: head_loss(cfg, h, embed, x, ids), argnums=(0, 1)))
 
     def adamw(p, s, g):
         scale = clip_scale(sum_of_squares(g), trainer.clip_norm)
@@ -267,6 +287,16 @@ def piece_table(pieces: dict, reps: int, dtype: str) -> list[str]:
             "timed):", "",
             f"| piece | {a} | {b} | {b} / {a} |", "|---|---|---|---|",
             *(f"| {k} | {ta[k]:.1f} | {tb[k]:.1f} | {tb[k] / ta[k]:.2f} |" for k in ta), ""]
+
+
+def cpu_vendor() -> str:
+    """"Intel", "AMD" or the vendor id /proc/cpuinfo gives (the machine's architecture without one)."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return platform.machine()
+    vendor = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("vendor_id")), "")
+    return {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}.get(vendor, vendor or platform.machine())
 
 
 def cpu_name() -> str:
@@ -367,17 +397,14 @@ def main() -> None:
         "",
         "Goal (issue 33): in fp32, reference >= 1.0x torch and stream >= 0.97x torch.",
         "",
-        "Runs before 2026-11-30 let the streamed engine's deferred optimizer update run during torch's next timed "
-        "step (in its worker process, on the same 2 cores). That slowed torch by about 10% (3.38 s per step then, "
-        "2.9-3.05 s since) and hid the update from the streamed figure; their ratios (reference 1.06x, stream "
-        "1.04x) overstated mtjax. Measured fairly, before the flat-matrix, cross-entropy and gradient-donation "
-        "changes below, the reference with whole-block remat was 0.90-0.95x torch.",
-        "",
         *(line for dtype, (_, _, pieces) in runs.items() for line in piece_table(pieces, args.piece_reps, dtype)),
-        NOTES,
     ]
-    harness.publish(SECTION, "mtjax vs transformers + torch on the CPU (experiments/bench/vs_torch.py)",
+    vendor = cpu_vendor()
+    harness.publish(f"{SECTION}-{vendor.lower()}",
+                    f"mtjax vs transformers + torch on the CPU: {vendor} (experiments/bench/vs_torch.py)",
                     "\n".join(lines), "experiments/bench/vs_torch.py", write=not args.no_doc)
+    harness.publish(f"{SECTION}-notes", "mtjax vs transformers + torch on the CPU: what was tried", NOTES,
+                    "experiments/bench/vs_torch.py", write=not args.no_doc)
 
 
 if __name__ == "__main__":

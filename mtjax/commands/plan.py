@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
 
 from mtjax import plan as planner
 from mtjax.errors import MtjaxError
-from mtjax.plan import fit, hosts, inputs, machine, probe, report, residency, wholerun
+from mtjax.plan import compute_dtype, fit, hosts, inputs, machine, probe, report, residency, wholerun
 from mtjax.plan import longest as planner_longest
 from mtjax.plan.hardware import choices
 from mtjax.plan.units import size
@@ -58,8 +59,9 @@ def register(subparsers) -> None:
     p.add_argument("--processes", type=int, default=1,
                    help="hosts of a multi-process run, one process each: RAM and disk per host, and the "
                         "network traffic per step against the profile's network_bytes_per_s (default: 1)")
-    p.add_argument("--compute-dtype", choices=("float32", "bfloat16", "float16"),
-                   help="dtype of streamed weights and activations (default: the config's)")
+    p.add_argument("--compute-dtype", choices=("float32", "bfloat16", "float16", "auto"),
+                   help="dtype of streamed weights and activations (default: the config's); auto: bfloat16 where "
+                        "the hardware computes it faster, as a run chooses")
     p.add_argument("--longest", action="store_true",
                    help="also name the longest row (sequence length) this machine trains with every part streamed "
                         "and the run's other settings (a search over plans: seconds)")
@@ -112,6 +114,14 @@ def _check_context(cfg, seq_len: int, name: str) -> None:
                         f"{{rope_type: yarn, factor: 4}})")
 
 
+def _hardware(args):
+    """(the profile to plan for, where it came from: None for --hardware's)."""
+    if args.hardware:
+        return planner.load(args.hardware), None
+    local = machine.profile(reprobe=args.reprobe)
+    return local.profile, local.describe()
+
+
 def run_plan(args) -> int:
     if args.price_per_hour is not None and not (math.isfinite(args.price_per_hour) and args.price_per_hour >= 0):
         raise PlanError(f"--price-per-hour must be a finite number >= 0, got {args.price_per_hour}")
@@ -119,8 +129,10 @@ def run_plan(args) -> int:
         raise PlanError("--reprobe measures this machine, --hardware names another profile: pass one of them")
     if args.processes < 1:
         raise PlanError(f"--processes must be >= 1, got {args.processes}")
+    hardware = functools.cache(lambda: _hardware(args))
     overrides = {"compute_dtype": args.compute_dtype} if args.compute_dtype else {}
-    given_run = inputs.load(args.config, **overrides)
+    # compute_dtype=auto: chosen for the profile planned for, as a run on it chooses
+    given_run = inputs.load(args.config, lambda: hardware()[0], **overrides)
 
     def given(*names):
         return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
@@ -139,11 +151,7 @@ def run_plan(args) -> int:
     _check_context(given_run.cfg, data.seq_len, "--seq-len" if args.seq_len is not None else
                    f"data.seq_len of {args.config}")
     steps, steps_from = _run_length(args)
-    if args.hardware:
-        hw, profile_from = planner.load(args.hardware), None
-    else:
-        local = machine.profile(reprobe=args.reprobe)
-        hw, profile_from = local.profile, local.describe()
+    hw, profile_from = hardware()
 
     # stream.resident=auto as a run on this hardware resolves it (device budget included).
     stream = residency.for_inputs(dataclasses.replace(given_run, stream=stream, store=store, data=data), hw)
@@ -155,12 +163,12 @@ def run_plan(args) -> int:
     longest = planner_longest.search(plan, room) if args.longest else None
     per_host = hosts.per_host(plan, args.processes) if args.processes > 1 else None
     if args.json:
-        shown = report.as_dict(plan, advice, options, run, profile_from, longest)
+        shown = report.as_dict(plan, advice, options, run, profile_from, longest, given_run.dtype_choice)
         if per_host is not None:
             shown["per_host"] = {**per_host._asdict(), "collectives": per_host.collectives._asdict()}
         shown = json.dumps(shown, indent=2)
     else:
-        shown = report.text(plan, advice, options, run, profile_from, longest)
+        shown = report.text(plan, advice, options, run, profile_from, longest, given_run.dtype_choice)
         if per_host is not None:
             shown += "\n" + report.per_host(per_host, hw)
     print(shown, flush=True)
@@ -179,5 +187,6 @@ def run_probe(args) -> int:
               f"{profile.disk_write_bytes_per_s / 1e9:.2f} GB/s, memory {profile.host_memory_bytes_per_s / 1e9:.1f} "
               f"GB/s moved, matmul fp32 {profile.matmul_flops_fp32 / 1e9:.0f} / bf16 "
               f"{profile.matmul_flops_bf16 / 1e9:.0f} GFLOP/s, RAM {size(profile.host_ram_bytes)}")
+        print(f"model.compute_dtype=auto: {compute_dtype.describe(*compute_dtype.choose(profile))}")
         print(f"wrote {args.out}")
     return 0

@@ -47,7 +47,7 @@ def _low_dot(x, w):
     each backward dot takes bf16 operands and accumulates in fp32, so they compute what
     the autodiff did up to summation order. One bf16 block forward + backward (width 1024,
     seq 512, Sapphire Rapids): 307-313 -> 243-252 ms of CPU time; with the weight gradient's
-    dot on bf16 too (`_transposed`) -> 154-168 ms. (The same backward for fp32 measured no
+    dot on bf16 too (`transposed`) -> 154-168 ms. (The same backward for fp32 measured no
     faster than XLA's own: fp32 keeps JAX's derivative.)"""
     return jnp.einsum("td,df->tf", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -60,11 +60,11 @@ def _low_dot_bwd(res, g):
     x, w = res
     g = g.astype(x.dtype)
     dx = jnp.einsum("tf,df->td", g, w, preferred_element_type=jnp.float32).astype(x.dtype)
-    dw = jnp.einsum("dt,tf->df", _transposed(x), g, preferred_element_type=jnp.float32).astype(w.dtype)
+    dw = jnp.einsum("dt,tf->df", transposed(x), g, preferred_element_type=jnp.float32).astype(w.dtype)
     return dx, dw
 
 
-def _transposed(x):
+def transposed(x):
     """x [t, d] transposed into an array of its own, [d, t]. XLA's CPU backend upcasts a
     bf16 dot whose left operand contracts over its major axis (the weight gradient's, over
     the tokens) to fp32, and folds a transpose written before the dot back into it (an

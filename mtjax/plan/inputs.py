@@ -9,6 +9,7 @@ the file.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from mtjax import config as experiment  # the one module that reads YAML
@@ -16,6 +17,8 @@ from mtjax.config import DataConfig, StoreConfig, StreamConfig
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig, load_hf_config
 from mtjax.optim import make_optimizer
+from mtjax.plan import compute_dtype
+from mtjax.plan.hardware import HardwareProfile
 from mtjax.stream.schedule import StepShape
 
 # A bare model config plans one 2048-token sequence per step (the model's context, if shorter).
@@ -35,22 +38,39 @@ class Inputs:
     store: StoreConfig
     data: DataConfig
     tx: object | None  # optax transformation; None: mtjax's default AdamW
+    dtype_choice: str | None = None  # what model.compute_dtype=auto resolved to, and why (mtjax.plan.compute_dtype)
 
     @property
     def shape(self) -> StepShape:
         return StepShape.of(self.data)
 
 
-def load(path: str | Path, **model_overrides) -> Inputs:
+def load(path: str | Path, hardware: Callable[[], HardwareProfile] | None = None, **model_overrides) -> Inputs:
+    """The run CONFIG at `path` describes, `model_overrides` applied; a compute_dtype auto
+    (in the file or the overrides) resolved for the profile `hardware()` gives (called
+    only then: it may probe this machine), as a run resolves it."""
+    if hardware is None:
+        def hardware():
+            raise PlanInputError("compute dtype auto is chosen for a hardware profile: none was given")
     path = Path(path)
     if path.suffix in (".yaml", ".yml"):
-        got = from_experiment(experiment.load(path))
-        return dataclasses.replace(got, cfg=dataclasses.replace(got.cfg, **model_overrides)) if model_overrides else got
+        exp = experiment.load(path)
+        if model_overrides:
+            model = dict(exp.model.overrides, **model_overrides)
+            exp = dataclasses.replace(exp, model=dataclasses.replace(exp.model, overrides=tuple(model.items())))
+        choice = None
+        if compute_dtype.asks_auto(exp.model.overrides):  # hardware() only then: it may probe
+            exp, choice = compute_dtype.resolve(exp, hardware())
+        return dataclasses.replace(from_experiment(exp), dtype_choice=choice)
     if not path.exists():
         raise PlanInputError(f"{path} does not exist: pass an HF config.json, a checkpoint dir or an experiment YAML")
+    choice = None
+    if compute_dtype.asks_auto(model_overrides):
+        dtype, why = compute_dtype.choose(hardware())
+        model_overrides, choice = {**model_overrides, "compute_dtype": dtype}, compute_dtype.describe(dtype, why)
     cfg = load_hf_config(path, **model_overrides)
     data = dataclasses.replace(DEFAULT_DATA, seq_len=min(DEFAULT_DATA.seq_len, max(cfg.max_position_embeddings, 2)))
-    return Inputs(cfg, StreamConfig(), StoreConfig(), data, None)
+    return Inputs(cfg, StreamConfig(), StoreConfig(), data, None, choice)
 
 
 def from_experiment(exp) -> Inputs:

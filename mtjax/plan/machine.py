@@ -1,6 +1,7 @@
 """This machine's hardware profile: measured once by a quick probe, then read from a cache.
 
-`mtjax plan` without `--hardware` plans for the machine it runs on. The first time it
+`mtjax plan` without `--hardware` plans for the machine it runs on (and a run with
+model.compute_dtype=auto chooses for it, mtjax.plan.compute_dtype). The first time it
 runs `probe.run(quick=True)` (a rough profile in seconds) and saves it under
 $XDG_CACHE_HOME/mtjax (default ~/.cache/mtjax), one JSON file per machine, named by host
 name, CPU model, core count and JAX backend, so that a profile measured on one machine,
@@ -80,7 +81,7 @@ def profile(cache: Path | None = None, reprobe: bool = False, probe_dir: str | P
             return LocalProfile(load(path), path, path.stat().st_mtime, False, "")
         except HardwareError:
             pass  # a cache file from another version or half written by hand: measure again
-    print(f"mtjax plan: probing this machine (a few seconds; disk in {probe_dir})", file=sys.stderr)
+    print(f"mtjax: probing this machine (a few seconds; disk in {probe_dir})", file=sys.stderr)
     try:
         measured = probe.run(probe_dir, quick=True, name=f"this-machine-{platform.node()}")
     except OSError as e:

@@ -227,7 +227,9 @@ def run(directory: str | Path = ".", quick: bool = False, name: str | None = Non
     size = (64 << 20) if quick else (1 << 30)
     read, write, cold = disk_bandwidth(directory, size)
     mem = memory_bandwidth(size // 2)
-    n = 256 if quick else 2048
+    # Quick: 512, not smaller. compute_dtype=auto compares the two rates (mtjax.plan.compute_dtype);
+    # at 256 their ratio on AMD Zen 4 ranged 1.22-1.72 between calls, at 512 1.84-2.14 (~0.05 s).
+    n = 512 if quick else 2048
     fp32, bf16 = matmul_flops(n, "float32"), matmul_flops(n, "bfloat16")
     h2d, d2h, dev_mem = link_bandwidth(size // 2)
     # A Llama block of width 1024 at seq 512, fwd + recompute + bwd (the cpu-2core profile's

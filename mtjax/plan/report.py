@@ -24,11 +24,14 @@ def placement(store) -> str:
 
 
 def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None = None,
-         run: RunCost | None = None, profile_from: str | None = None, longest: Longest | None = None) -> str:
+         run: RunCost | None = None, profile_from: str | None = None, longest: Longest | None = None,
+         dtype_choice: str | None = None) -> str:
+    """The plan as the terminal shows it; `dtype_choice`: what model.compute_dtype=auto chose and why."""
     cfg, st, sh, hw, t, tr = plan.cfg, plan.stream, plan.shape, plan.hardware, plan.times, plan.traffic
     lines = [
         f"model        {cfg.model_type}, {plan.num_params / 1e9:.2f}B params, {cfg.num_hidden_layers} blocks, "
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, compute dtype {cfg.compute_dtype}",
+        *([f"dtype        {dtype_choice}"] if dtype_choice else []),
         f"step         batch {sh.batch} x seq {sh.seq} x accum {sh.accum} = {sh.tokens} tokens; "
         f"keep_every {st.keep_every}, prefetch_depth {st.prefetch_depth}, placement {placement(plan.store)}",
         f"resident     {_resident(plan)}",
@@ -159,10 +162,12 @@ def _hours(h: float) -> str:
 
 
 def as_dict(plan: Plan, advice: Advice | None = None, options: list[Option] | None = None,
-            run: RunCost | None = None, profile_from: str | None = None, longest: Longest | None = None) -> dict:
+            run: RunCost | None = None, profile_from: str | None = None, longest: Longest | None = None,
+            dtype_choice: str | None = None) -> dict:
     out = {
         "model": {"num_params": plan.num_params, "num_blocks": plan.cfg.num_hidden_layers,
-                  "compute_dtype": plan.cfg.compute_dtype, "base_format": plan.cfg.base_format,
+                  "compute_dtype": plan.cfg.compute_dtype, "compute_dtype_choice": dtype_choice,
+                  "base_format": plan.cfg.base_format,
                   "quantized_bytes": dict(zip(("stored", "in_compute_dtype"), parts.quantized_bytes(plan.cfg)))},
         "shape": dataclasses.asdict(plan.shape),
         "stream": dataclasses.asdict(plan.stream),

@@ -25,9 +25,11 @@ def load_config(path: str | Path, compute_dtype: str | None = None) -> tuple[Mod
     try:
         if path.suffix in (".yaml", ".yml"):
             exp = experiment.load(path)
+            if compute_dtype:  # before the model config is built: it replaces the file's (auto included)
+                model_overrides = {**dict(exp.model.overrides), "compute_dtype": compute_dtype}
+                exp = dataclasses.replace(exp, model=dataclasses.replace(exp.model,
+                                                                         overrides=tuple(model_overrides.items())))
             cfg = experiment.model_config(exp)
-            if compute_dtype:
-                cfg = dataclasses.replace(cfg, compute_dtype=compute_dtype)
             return cfg, make_optimizer(exp.optim)
         return load_hf_config(path, compute_dtype=compute_dtype or "bfloat16"), make_optimizer(OptimConfig())
     except MtjaxError as e:
