@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from mtjax import attention, expert_groups, moe, parts
+from mtjax import attention, expert_groups, parts
 from mtjax.layers import delta_rule, registry
 from mtjax.lora import LoraConfig
 from mtjax.model_config import ModelConfig
