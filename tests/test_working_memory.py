@@ -2,12 +2,15 @@
 
 For a gated delta-net block and a gated softmax attention block of one Qwen3.5 model
 (mtjax.families.qwen3_5: width 128, 4 query heads of 32 over 2, 2 key and 4 value heads
-of 32 in the delta-net, fp32, one row), the planner prices a block's backward as its vjp
-residuals (traced from the block, mtjax.stream.schedule.residual_bytes) plus what its
-mixer's kernels hold beyond them (the layer registry's `working`,
-schedule.mixer_working_bytes). XLA's temporaries for the compiled program the engine runs
-(mtjax.stream.blockfns._grad; memory_analysis: nothing runs) must lie within 10% of that
-at rows of 256, 1024 (attention's unrolled chunks, O(t^2)) and 4096 tokens (its loop, O(t)).
+of 32 in the delta-net, fp32, one row), and a Qwen3-MoE block of the same attention
+width (16 experts of 64, top 2, fp32 and bf16; 32 with LoRA on them; whole, or one group
+of its experts), the planner prices a block's backward as its vjp residuals
+(traced from the block, mtjax.stream.schedule.residual_bytes) plus what its mixer's
+kernels and its feed-forward hold beyond them (the layer registry's `working`,
+schedule.block_working_bytes). XLA's temporaries for the compiled program the engine
+runs (mtjax.stream.blockfns._grad; memory_analysis: nothing runs) must lie within 10% of
+that at rows of 256, 1024 (attention's unrolled chunks, O(t^2)) and 4096 tokens (its
+loop, O(t)); the MoE blocks at 256 and 1024.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ import jax
 import numpy as np
 import pytest
 
-from mtjax import attention, parts
+from mtjax import attention, expert_groups, parts
 from mtjax.layers import delta_rule, registry
+from mtjax.lora import LoraConfig
 from mtjax.model_config import ModelConfig
-from mtjax.stream import blockfns, schedule
+from mtjax.stream import blockfns, groupfns, schedule
+
+from conftest import tiny_moe_config
 
 CFG = ModelConfig(model_type="qwen3_5_text", vocab_size=256, hidden_size=128, intermediate_size=384,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -80,4 +86,65 @@ def test_fused_gpu_kernels_and_a_split_row_hold_one_block_of_scores_or_none():
     # a row split over 2 devices takes the loop: one block's probabilities and their gradient
     assert working(CFG, spec, 1, 512, "cpu", 2) == 2 * 4 * CFG.num_attention_heads * 128 * 128
     assert working(CFG, spec, 1, 512, "cpu", 1) > 4 * working(CFG, spec, 1, 512, "cpu", 2)
-    assert schedule.mixer_working_bytes(CFG, 1, 1024, "cpu") == working(CFG, spec, 1, 1024, "cpu", 1)
+    # a dense feed-forward adds nothing: the block's working bytes are its mixer's
+    assert schedule.block_working_bytes(CFG, 1, 1024, platform="cpu") == working(CFG, spec, 1, 1024, "cpu", 1)
+
+
+# Qwen3-MoE blocks (block 0 of tiny_moe_config's three) of the Qwen3.5 model's attention
+# width on this CPU (the blocked dispatch): 16 experts, fp32 and bf16 (XLA's CPU backend
+# computes the bf16 dispatch's matmuls and scatter in fp32, the copies a third of the
+# block's temporaries: the price before it counted them missed by 16-26%), and fp32 with
+# LoRA on 32 experts, where the adapted kernels' cotangents are a larger share.
+MOE_WIDTH = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
+                 moe_intermediate_size=64, max_position_embeddings=4096)
+MOE = {"plain": tiny_moe_config(**MOE_WIDTH, num_experts=16),
+       "bf16": tiny_moe_config(**MOE_WIDTH, num_experts=16, compute_dtype="bfloat16"),
+       "experts adapted": tiny_moe_config(**MOE_WIDTH, num_experts=32,
+                                          lora=LoraConfig(rank=4, target_modules=("experts",)))}
+
+
+def moe_block_temp_bytes(cfg: ModelConfig, seq: int) -> int:
+    """XLA's temporaries for block 0's recompute and backward, against its trained leaves as the engine runs it."""
+    spec = cfg.layer_specs[0]
+    w = parts.schema(cfg, "block.0", "compute")
+    trained = parts.trained(cfg, "block.0") if cfg.lora is not None else None
+    x = jax.ShapeDtypeStruct((1, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype))
+    stats = {n: jax.ShapeDtypeStruct((cfg.num_experts,), np.float32) for n in ("probs", "counts")}
+    grad = jax.jit(lambda w, x, dy, ds: blockfns._grad(cfg, spec, w, x, dy, ds, trained=trained))
+    return grad.lower(w, x, x, stats).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("seq", [256, 1024])
+@pytest.mark.parametrize("which", list(MOE))
+def test_a_moe_blocks_backward_is_priced_as_xla_allocates_it(which, seq):
+    cfg = MOE[which]
+    temp = moe_block_temp_bytes(cfg, seq)
+    residuals = schedule.residual_bytes(cfg, cfg.layer_specs[0], 1, seq)
+    working = schedule.block_working_bytes(cfg, 1, seq, "blocked", platform="cpu")
+    assert abs(temp / (residuals + working) - 1) < TOLERANCE, (which, seq, temp, residuals, working)
+    spec = cfg.layer_specs[0]
+    experts = registry.feed_forward(spec).working(cfg, spec, seq, "blocked")
+    # leaving the experts' term out would miss by more than the tolerance
+    assert temp > (1 + TOLERANCE) * (residuals + working - experts), (temp, residuals, working, experts)
+    if cfg.lora is not None and seq == 256:  # and so would leaving the adapted kernels' share of it out
+        plain = registry.feed_forward(spec).working(dataclasses.replace(cfg, lora=None), spec, seq, "blocked")
+        assert temp > (1 + TOLERANCE) * (residuals + working - experts + plain), (temp, experts, plain)
+
+
+def test_an_expert_groups_backward_is_priced_as_xla_allocates_it():
+    """The program of one group of 8 of the 16 experts (mtjax.stream.groupfns) over 256
+    rows, whose residuals are the larger of the split block's two programs' here."""
+    cfg, seq, size = MOE["plain"], 256, 8
+    spec = cfg.layer_specs[0]
+    w = expert_groups.kernels(parts.schema(cfg, "block.0", "compute"), tuple(range(size)))
+    h = jax.ShapeDtypeStruct((seq, cfg.hidden_size), np.float32)
+    weights = jax.ShapeDtypeStruct((seq, cfg.num_experts_per_tok), np.float32)
+    chosen = jax.ShapeDtypeStruct((seq, cfg.num_experts_per_tok), np.int32)
+    ids = jax.ShapeDtypeStruct((size,), np.int32)
+    grad = jax.jit(lambda w, h, p, c, i, dz: groupfns._group_grad(cfg, spec, w, h, p, c, i, dz))
+    temp = grad.lower(w, h, weights, chosen, ids, h).compile().memory_analysis().temp_size_in_bytes
+    residuals = schedule.split_residual_bytes(cfg, spec, 1, seq, size)
+    working = registry.feed_forward(spec).working(cfg, spec, seq, "blocked", size)
+    assert abs(temp / (residuals + working) - 1) < TOLERANCE, (temp, residuals, working)
+    assert temp > (1 + TOLERANCE) * residuals  # the group's experts' term is real
+    assert working < registry.feed_forward(spec).working(cfg, spec, seq, "blocked")  # and a group's, not the block's

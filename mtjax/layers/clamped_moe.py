@@ -84,8 +84,15 @@ def _inactive(cfg: ModelConfig, spec: LayerSpec) -> int:
     return (cfg.num_experts - cfg.num_experts_per_tok) * (3 * d * f + 2 * f + d)
 
 
+def _working(cfg: ModelConfig, spec: LayerSpec, tokens: int, dispatch: str, experts: int | None = None) -> int:
+    """Its routed rows' cotangents: ragged_dot on every backend, whatever the `dispatch`
+    (mtjax.moe.backward_transient_bytes; no adapters on its experts)."""
+    return moe.backward_transient_bytes(tokens * cfg.num_experts_per_tok, experts or cfg.num_experts, cfg.hidden_size,
+                                        cfg.moe_intermediate_size, jnp.dtype(cfg.compute_dtype).itemsize, "ragged")
+
+
 registry.register_feed_forward(ClampedMoE.kind, registry.FeedForwardKind(
-    module=ClampedMixture, flops=_flops, inactive_params=_inactive, split_points=("experts",)))
+    module=ClampedMixture, flops=_flops, inactive_params=_inactive, split_points=("experts",), working=_working))
 registry.register_router("topk_softmax", registry.RouterKind(
     route=lambda cfg, logits, bias: moe.route_topk_softmax(logits, cfg.num_experts_per_tok),
     experts=moe.experts_forward))

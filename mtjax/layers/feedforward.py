@@ -175,10 +175,22 @@ def _moe_inactive(cfg: ModelConfig, spec: LayerSpec) -> int:
     return (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
+def _moe_working(cfg: ModelConfig, spec: LayerSpec, tokens: int, dispatch: str, experts: int | None = None) -> int:
+    """What its expert `dispatch` holds beyond the residuals (mtjax.moe.backward_transient_bytes),
+    the adapted kernels' deltas included where LoRA targets the experts."""
+    adapted = cfg.lora is not None and cfg.lora.adapts_experts
+    return moe.backward_transient_bytes(tokens * cfg.num_experts_per_tok, experts or cfg.num_experts, cfg.hidden_size,
+                                        cfg.moe_intermediate_size, jnp.dtype(cfg.compute_dtype).itemsize, dispatch,
+                                        total=cfg.num_experts, adapted=adapted)
+
+
+# The dense MLP holds nothing beyond its residuals that XLA keeps at the block's peak
+# (tests/test_working_memory.py: a dense Qwen3.5 block is priced by its residuals and mixer).
 registry.register_feed_forward(DenseMLP.kind, registry.FeedForwardKind(
     module=DenseFeedForward, flops=_no_flops, inactive_params=lambda cfg, spec: 0))
 registry.register_feed_forward(MoE.kind, registry.FeedForwardKind(
-    module=SparseMoE, flops=_moe_flops, inactive_params=_moe_inactive, split_points=("experts",)))
+    module=SparseMoE, flops=_moe_flops, inactive_params=_moe_inactive, split_points=("experts",),
+    working=_moe_working))
 registry.register_router("softmax_topk", registry.RouterKind(
     route=lambda cfg, logits, bias: moe.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob),
     experts=moe.experts_forward))

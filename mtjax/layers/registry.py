@@ -3,7 +3,7 @@
 A LayerSpec (mtjax.layers.spec) names the kind of each of its parts: `spec.mixer.kind`,
 `spec.feed_forward.kind` and, for a mixture of experts, `spec.feed_forward.router`. The
 model builds a block, the planner and the MFU line count its FLOPs, the device plan its
-kernels' working bytes, and the sampler sizes its decode state by asking these entries,
+kernels' working bytes (mixers' and feed-forwards'), and the sampler sizes its decode state by asking these entries,
 never by testing which kind a layer is; a new kind is one `register_*` call. The built-in kinds register themselves when
 mtjax.model is imported (mtjax.layers.softmax, mtjax.layers.feedforward).
 
@@ -64,12 +64,19 @@ class FeedForwardKind:
         before_experts(h) -> (kept weights, chosen experts, router statistics, shared
         output), routed(h, weights, chosen, kernels, ids) over a group of its experts
         (leaves `mlp.experts.N.*`), and after_experts(routed sum, shared) -> its output.
+    working(cfg, spec, tokens, dispatch, experts): bytes its recompute and backward over
+        `tokens` rows hold at once beyond the block's vjp residuals, as MixerKind.working
+        (a MoE's expert `dispatch`, as for `flops`); `experts`: the experts one program
+        runs, a group of them where the block is split (None: all). The device plan's
+        working term counts the largest block's mixer and feed-forward working bytes
+        (mtjax.stream.schedule.block_working_bytes). Default: none.
     """
 
     module: Callable
     flops: Callable
     inactive_params: Callable
     split_points: tuple[str, ...] = ()
+    working: Callable = lambda cfg, spec, tokens, dispatch, experts=None: 0
 
 
 @dataclasses.dataclass(frozen=True)

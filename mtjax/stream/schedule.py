@@ -592,8 +592,14 @@ def _traced_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: i
     def forward(w, x):  # as the step runs it: a quantized kernel decoded inside (kept for the backward)
         return model.block_forward(cfg, spec, parts.block_tree(cfg, spec, w), x)
 
+    # Against the trained leaves only, as the engine takes it (blockfns.against): a frozen
+    # leaf's gradient needs nothing kept (a LoRA block keeps a third less at 4096 tokens).
+    trained = set(parts.trained(cfg, name))
+    mine = {n: v for n, v in weights.items() if n in trained}
+    fixed = {n: v for n, v in weights.items() if n not in trained}
     block = model.remat_block(forward, policy)
-    saved = jax.tree.leaves(jax.eval_shape(lambda w, x: jax.vjp(block, w, x)[1], weights, x))
+    saved = jax.tree.leaves(jax.eval_shape(
+        lambda m, f, x: jax.vjp(lambda m, x: block({**f, **m}, x), m, x)[1], mine, fixed, x))
     return _beyond(saved, list(weights.values()))
 
 
@@ -697,23 +703,26 @@ def _traced_split_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, 
     return max(traced(router_vjp, router, x), traced(group_vjp, group, h, weights, chosen, ids))
 
 
-def dispatch_bytes(cfg: ModelConfig, tokens: int, size: int | None = None, dispatch: str | None = None) -> int:
-    """Bytes a MoE block's expert backward holds beyond its residuals over `tokens` rows
-    (`mtjax.moe.backward_transient_bytes` for `dispatch`, default the backend's here);
-    `size`: a group of that many experts. 0 without MoE."""
-    if not cfg.moe_layers:
-        return 0
-    return moe.backward_transient_bytes(tokens * cfg.num_experts_per_tok, size or cfg.num_experts, cfg.hidden_size,
-                                        cfg.moe_intermediate_size, np.dtype(cfg.compute_dtype).itemsize,
-                                        dispatch or moe.dispatch(jax.default_backend()), total=cfg.num_experts)
-
-
-def mixer_working_bytes(cfg: ModelConfig, batch: int, seq: int, platform: str | None = None, devices: int = 1) -> int:
-    """The most any layer's mixer holds in its recompute and backward beyond the block's vjp
-    residuals (each registry entry's `working`) over `batch` rows of `seq` tokens (one
-    device's share of rows split over `devices`) on `platform` (default the backend's here)."""
+def block_working_bytes(cfg: ModelConfig, batch: int, seq: int, dispatch: str | None = None, split: dict | None = None,
+                        size: int | None = None, platform: str | None = None, devices: int = 1) -> int:
+    """The most any block holds in its recompute and backward beyond its vjp residuals over
+    `batch` rows of `seq` tokens (one device's share of rows split over `devices`): its
+    mixer's `working` on `platform` (default the backend's here, where the residuals are
+    traced) plus its feed-forward's under the MoE `dispatch` (mtjax.moe.dispatch; default
+    the backend's here), the layer registry's entries. A block in `split` (its experts in
+    groups of `size`) runs its mixer and each expert group in programs of their own: the
+    larger of the two."""
     platform = platform or jax.default_backend()
-    return max(registry.mixer(spec).working(cfg, spec, batch, seq, platform, devices) for spec in set(cfg.layer_specs))
+    dispatch = dispatch or moe.dispatch(jax.default_backend())
+    split = split or {}
+    tokens = batch * seq
+
+    def working(spec: LayerSpec, grouped: bool) -> int:
+        mixer = registry.mixer(spec).working(cfg, spec, batch, seq, platform, devices)
+        ff = registry.feed_forward(spec).working(cfg, spec, tokens, dispatch, size if grouped else None)
+        return max(mixer, ff) if grouped else mixer + ff
+
+    return max(working(spec, grouped) for spec, grouped in {(spec, i in split) for i, spec in enumerate(cfg.layer_specs)})
 
 
 def _beyond(saved: list, weights: list) -> int:
@@ -891,12 +900,9 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
         size = max(len(g) for grps_ in split.values() for g in grps_)
         residual = max(residual, *(split_residual_bytes(cfg, cfg.layer_specs[i], shape.batch, shape.seq, size)
                                    for i in split))
-    # A MoE block's backward: its dispatch's cotangents and gradient sums, a whole block's
-    # when one stays whole, else an expert group's.
-    transient = dispatch_bytes(cfg, tokens, None if any(i not in split for i in cfg.moe_layers) else size, dispatch)
-    # One block's backward at a time: its mixer's kernels' own temporaries, on the planning
-    # backend (as the residuals are traced there).
-    transient += mixer_working_bytes(cfg, shape.batch, shape.seq, devices=sequence_devices)
+    # One block's backward at a time: what its mixer's kernels and its feed-forward (a MoE's
+    # expert dispatch) hold beyond the residuals, a whole block's or a split one's larger program's.
+    transient = block_working_bytes(cfg, shape.batch, shape.seq, dispatch, split, size, devices=sequence_devices)
     # Several micro-batches: the fp32 sums in progress, a group's blocks' or the head's
     # (with the tied embedding's).
     blocks = max(b.master for p, b in pb.items() if p.is_block)
