@@ -83,11 +83,12 @@ class Target:
         return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=jax.sharding.NamedSharding(self.mesh,
                                                                                            jax.sharding.PartitionSpec()))
 
-    def compile(self, fn, *args):
-        """memory_analysis of `fn` jitted for this target, its args shapes (pytrees)."""
+    def compile(self, fn, args, donate=()):
+        """memory_analysis of `fn` jitted for this target (donating arguments `donate`),
+        `args` its arguments' shapes (pytrees)."""
         args = jax.tree.map(self.shape, args)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._gpu_attention():
-            compiled = jax.jit(fn).trace(*args).lower().compile()
+            compiled = jax.jit(fn, donate_argnums=donate).trace(*args).lower().compile()
         return compiled.memory_analysis()
 
     def plan_terms(self, cfg: ModelConfig, batch: int, seq: int) -> dict:
@@ -112,7 +113,8 @@ class Target:
 
 
 def programs(cfg: ModelConfig, batch: int, seq: int) -> dict:
-    """{name: (function, argument shapes)} of the engine's per-micro-batch programs."""
+    """{name: (function, argument shapes, donated arguments)} of the engine's programs run
+    once per part and micro-batch."""
     spec = cfg.layer_specs[0]
     w = parts.schema(cfg, "block.0", "compute")
     x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), jnp.dtype(cfg.compute_dtype))
@@ -120,11 +122,26 @@ def programs(cfg: ModelConfig, batch: int, seq: int) -> dict:
     head = parts.schema(cfg, HEAD, "compute")
     embed = parts.schema(cfg, EMBED, "compute") if cfg.tie_word_embeddings else None
     weight = jax.ShapeDtypeStruct((), jnp.float32)
+    f32 = {n: jax.ShapeDtypeStruct(s.shape, jnp.float32) for n, s in w.items()}
     return {
-        "block forward": (functools.partial(blockfns._block, cfg, spec), (w, x)),
-        "block recompute + backward": (lambda w, x, dy: blockfns._grad(cfg, spec, w, x, dy, {}), (w, x, x)),
-        "head loss + grads": (lambda h, x, t, wt: blockfns._head(cfg, h, embed, x, t, wt), (head, x, tokens, weight)),
+        "block forward": (functools.partial(blockfns._block, cfg, spec), (w, x), ()),
+        "block recompute + backward": (lambda w, x, dy: blockfns._grad(cfg, spec, w, x, dy, {}), (w, x, x), ()),
+        "block gradient into its fp32 sum": (blockfns._add_f32, (f32, w), (0,)),
+        "head loss + grads": (lambda h, x, t, wt: blockfns._head(cfg, h, embed, x, t, wt), (head, x, tokens, weight),
+                              ()),
+        "embedding backward": (functools.partial(blockfns._embed_backward, cfg), (tokens, x), ()),
     }
+
+
+# The plan's term for each program's temporaries (DevicePlan: a block's forward is not
+# priced on its own, it holds less than its backward; the head's chunk of logits).
+PRICED = {
+    "block forward": lambda t, mib: "-",
+    "block recompute + backward": lambda t, mib: f"residuals + working {mib(t['residuals'] + t['working'])}",
+    "block gradient into its fp32 sum": lambda t, mib: "-",
+    "head loss + grads": lambda t, mib: f"head {mib(t['head'])}",
+    "embedding backward": lambda t, mib: "-",
+}
 
 
 def main() -> int:
@@ -154,24 +171,28 @@ def main() -> int:
           f"{a.batch} x {a.seq}; jax {jax.__version__}; MiB")
     print(f"device plan (traced on {jax.default_backend()}): total {mib(plan.total)}: {plan.describe()}")
     terms = {t.name: t.plan_terms(cfg, a.batch, a.seq) for t in targets}
+    here = terms.get(jax.default_backend()) or Target(jax.default_backend()).plan_terms(cfg, a.batch, a.seq)
     for t in targets:
-        print(f"plan terms traced for {t.name}: " + ", ".join(f"{k} {mib(v)}" for k, v in terms[t.name].items()))
+        # The plan as the engine on that platform prices it: the traced terms swapped in
+        # (a recompute group of one block: one block's residuals and working bytes).
+        total = plan.total + sum(terms[t.name][k] - here[k] for k in ("residuals", "working"))
+        print(f"plan terms traced for {t.name}: " + ", ".join(f"{k} {mib(v)}" for k, v in terms[t.name].items())
+              + f"; device plan with them {mib(total)}")
     names = [t.name for t in targets]
-    print("| program | " + " | ".join(f"{n} temp | {n} args | {n} out" for n in names) + " | plan term |")
-    print("|---|" + "---|---|---|" * len(names) + "---|")
-    for name, (fn, args) in programs(cfg, a.batch, a.seq).items():
+    print("| program | " + " | ".join(f"{n} temp | {n} args | {n} new out | {n} plan term" for n in names) + " |")
+    print("|---|" + "---|---|---|---|" * len(names))
+    for name, (fn, args, donate) in programs(cfg, a.batch, a.seq).items():
         cells = []
         for t in targets:
             try:
-                m = t.compile(fn, *args)
-                cells += [mib(m.temp_size_in_bytes), mib(m.argument_size_in_bytes), mib(m.output_size_in_bytes)]
+                m = t.compile(fn, args, donate)
+                out = m.output_size_in_bytes - m.alias_size_in_bytes  # a donated argument's is no new buffer
+                cells += [mib(m.temp_size_in_bytes), mib(m.argument_size_in_bytes), mib(out)]
             except Exception as e:  # a kernel the deviceless compile cannot build: say which
                 print(f"{name} on {t.name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
                 cells += ["failed", "", ""]
-        g = terms[names[0]]
-        term = {"block forward": "-", "block recompute + backward": f"residuals + working {mib(g['residuals'] + g['working'])}",
-                "head loss + grads": f"head {mib(g['head'])}"}[name]
-        print(f"| {name} | " + " | ".join(cells) + f" | {term} |")
+            cells.append(PRICED[name](terms[t.name], mib))
+        print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
 
 
