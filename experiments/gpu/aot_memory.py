@@ -22,8 +22,10 @@ would compile for the CPU).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
+from unittest import mock
 from pathlib import Path
 
 import jax
@@ -32,6 +34,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench import model_config  # noqa: E402  the bench's model
 
 from mtjax import attention, parts  # noqa: E402
 from mtjax.config import StoreConfig, StreamConfig  # noqa: E402
@@ -57,14 +62,6 @@ dnn_version_info { major: 9 minor: 10 patch: 0 }
 device_description_str: "NVIDIA H200"
 """
 CAPABILITY = 9.0
-
-
-def model_config(a) -> ModelConfig:
-    """The bench's model (experiments/gpu/bench.py `model_config`)."""
-    heads = max(a.width // a.head_dim, 1)
-    return ModelConfig(vocab_size=a.vocab, hidden_size=a.width, intermediate_size=a.ffn, num_hidden_layers=a.layers,
-                       num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), head_dim=a.head_dim,
-                       compute_dtype="bfloat16", max_position_embeddings=max(a.seq, 2048))
 
 
 class Target:
@@ -102,8 +99,6 @@ class Target:
 
     def _gpu_attention(self):
         """On the GPU target: the H200's capability, and no CPU-compiled probe."""
-        import contextlib
-        from unittest import mock
         if self.name != "gpu":
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
