@@ -77,8 +77,9 @@ class Target:
             self.mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("d",))
 
     def shape(self, s: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=jax.sharding.NamedSharding(self.mesh,
-                                                                                           jax.sharding.PartitionSpec()))
+        """`s` placed whole on the target's one device."""
+        whole = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=whole)
 
     def compile(self, fn, args, donate=()):
         """memory_analysis of `fn` jitted for this target (donating arguments `donate`),
