@@ -85,3 +85,30 @@ def test_crc32c_is_not_needed_where_numba_is(tmp_path):
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stderr == "bench.sh: crc32c is not installed: the store's checksums use mtjax's numba fallback (slower)\n"
+
+
+def test_aot_memory_compiles_every_program_on_the_cpu_and_refuses_a_gpu_it_cannot_build_in_one_line():
+    """experiments/gpu/aot_memory.py (each streamed program's XLA memory against the plan's
+    term, for an H200 compiled without a GPU where jax has its CUDA plugin): its CPU target
+    at tiny sizes, so a renamed engine program or planner term breaks here; without the
+    plugin, asking for the GPU target is one line and exit 2."""
+    script = [sys.executable, str(ROOT / "experiments/gpu/aot_memory.py"), "--layers=1", "--width=64", "--ffn=128",
+              "--vocab=256", "--head-dim=16", "--batch=2", "--seq=32"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([*script, "--targets=cpu"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and not line.startswith("| program")]
+    assert [row.split(" | ")[0][2:] for row in rows] == [
+        "block forward", "block recompute + backward", "block gradient into its fp32 sum", "head loss + grads",
+        "embedding backward"]
+    assert "failed" not in r.stdout
+    if not _plugins():  # this venv's jax has no CUDA plugin (the test extras bring none)
+        r = subprocess.run([*script, "--targets=gpu"], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 2 and r.stderr.strip().startswith("aot_memory: cannot compile for an H200"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
+def _plugins() -> list[str]:
+    from importlib import metadata
+
+    return [d.metadata["Name"] for d in metadata.distributions() if "cuda" in (d.metadata["Name"] or "")]

@@ -91,11 +91,11 @@ class Target:
 
     def plan_terms(self, cfg: ModelConfig, batch: int, seq: int) -> dict:
         """The device plan's per-program terms traced for this target: one block's vjp
-        residuals, its mixer's working bytes, the head's chunk of logits."""
+        residuals, its working bytes (mixer and feed-forward), the head's chunk of logits."""
         spec = cfg.layer_specs[0]
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._gpu_attention():
             residual = schedule._traced_residual_bytes.__wrapped__(cfg, spec, batch, seq, "none")
-        working = schedule.mixer_working_bytes(cfg, batch, seq, platform=self.name)
+        working = schedule.block_working_bytes(cfg, batch, seq, platform=self.name)
         return {"residuals": residual, "working": working, "head": schedule.head_bytes(cfg, batch * seq)}
 
     def _gpu_attention(self):
