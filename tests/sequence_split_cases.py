@@ -6,25 +6,31 @@ over both devices (stream.split: sequence) against the engine on one device: 3 A
 of a tiny model on rows of 384 tokens (3 of the kernel's 128-row blocks, split 192 | 192,
 so a device's share starts mid-block), plain and packed rows; and XLA's temporaries of one
 block's gradient at 8k tokens, per device, split over two devices and on one. Prints one
-JSON line of results; tests/test_sequence_split.py asserts on them.
+JSON line of results; tests/test_sequence_split.py asserts on them. With the argument
+`planned` (a child of 16 devices), the device plan's price of a split attention block
+against XLA's instead (`planned_block_cases`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import model
-from mtjax.attention import SEQUENCE, causal_attention, split_attention
+from mtjax import model, parts
+from mtjax.attention import SEQUENCE, causal_attention, gathered_bytes, split_attention
 from mtjax.batch import Batch
 from mtjax.config import StreamConfig
+from mtjax.layers import registry
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig
-from mtjax.stream import StreamEngine
+from mtjax.stream import StreamEngine, blockfns, schedule
+
+from test_working_memory import CFG as WIDE
 
 CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
@@ -108,7 +114,35 @@ def block_temp_bytes(devices: int, seq: int = 8192) -> int:
     return jax.jit(grad).lower(block, x).compile().memory_analysis().temp_size_in_bytes
 
 
+def planned_block_cases() -> dict:
+    """Each device's temporaries in the compiled recompute and backward of one gated
+    softmax-attention block (tests/test_working_memory.py's Qwen3.5 model, fp32) as the
+    engine runs it (blockfns._grad) over a row of 8192 tokens split over 2, 4, 8 and 16
+    devices, beside the device plan's price for one device's share: the block's traced
+    residuals and its mixer's working bytes, with and without the gathered keys and values
+    (mtjax.attention.gathered_bytes)."""
+    spec, seq, out = WIDE.layer_specs[1], 8192, {}
+    for devices in (2, 4, 8, 16):
+        cfg, share = dataclasses.replace(WIDE, sequence_devices=devices), seq // devices
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), (SEQUENCE,))
+        on = lambda *axes: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))  # noqa: E731
+        w = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=on())
+             for n, v in parts.schema(cfg, "block.1", "compute").items()}
+        x = jax.ShapeDtypeStruct((1, seq, cfg.hidden_size), jnp.float32, sharding=on(None, SEQUENCE))
+        grad = jax.jit(lambda w, x, dy: blockfns._grad(cfg, spec, w, x, dy, {}))
+        temp = grad.lower(w, x, x).compile().memory_analysis().temp_size_in_bytes
+        # the plan prices with the model's config (sequence_devices 1) and one device's share
+        planned = (schedule.residual_bytes(WIDE, spec, 1, share)
+                   + registry.mixer(spec).working(WIDE, spec, 1, share, "cpu", devices))
+        gathered = gathered_bytes(WIDE.compute_dtype, 1, WIDE.num_key_value_heads, share, WIDE.head_dim, devices)
+        out[devices] = {"temp": temp, "planned": planned, "gathered": gathered}
+    return out
+
+
 def main() -> None:
+    if sys.argv[1:] == ["planned"]:  # a child of 16 devices
+        print(json.dumps(planned_block_cases()))
+        return
     assert len(jax.devices()) == 2
     results = {"kernel": kernel_cases(), "plain": engine_case(False), "documents": engine_case(True),
                "block_temp_bytes": [block_temp_bytes(1), block_temp_bytes(2)]}

@@ -83,8 +83,10 @@ def test_fused_gpu_kernels_and_a_split_row_hold_one_block_of_scores_or_none():
     working = registry.mixer(spec).working
     bf16 = dataclasses.replace(CFG, compute_dtype="bfloat16")
     assert working(bf16, spec, 1, 1024, "gpu", 1) == 0  # cuDNN's flash attention keeps its tiles on chip
-    # a row split over 2 devices takes the loop: one block's probabilities and their gradient
-    assert working(CFG, spec, 1, 512, "cpu", 2) == 2 * 4 * CFG.num_attention_heads * 128 * 128
+    # a row split over 2 devices takes the loop: one block's probabilities and their gradient,
+    # and the other device's share of keys and values gathered (fp32) and their fp32 cotangents
+    other = 512 * CFG.num_key_value_heads * CFG.head_dim
+    assert working(CFG, spec, 1, 512, "cpu", 2) == 2 * 4 * CFG.num_attention_heads * 128 * 128 + 4 * 4 * other
     assert working(CFG, spec, 1, 512, "cpu", 1) > 4 * working(CFG, spec, 1, 512, "cpu", 2)
     # a dense feed-forward adds nothing: the block's working bytes are its mixer's
     assert schedule.block_working_bytes(CFG, 1, 1024, platform="cpu") == working(CFG, spec, 1, 1024, "cpu", 1)

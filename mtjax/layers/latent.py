@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from mtjax import rope
-from mtjax.attention import attend, masked_attention, visible, working_bytes
+from mtjax.attention import attend, gathered_bytes, masked_attention, visible, working_bytes
 from mtjax.layers import registry
 from mtjax.layers.basic import Dense, RMSNorm
 from mtjax.layers.spec import LatentAttention, LayerSpec
@@ -142,9 +142,13 @@ def latent_cache(cfg: ModelConfig, spec: LayerSpec, batch: int, length: int) -> 
 
 def working(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, platform: str, devices: int = 1) -> int:
     """The attention kernel's score tiles held at once (mtjax.attention.working_bytes), at
-    the one padded width the kernel gets (`_attend`)."""
+    the one padded width the kernel gets (`_attend`), and on a row split over `devices` the
+    keys and values (one per query head, at that width) gathered from the other shares and
+    their cotangents (mtjax.attention.gathered_bytes)."""
     width = max(cfg.qk_nope_head_dim + cfg.head_dim, cfg.v_head_dim)
-    return working_bytes(platform, cfg.compute_dtype, batch, cfg.num_attention_heads, seq, width, devices=devices)
+    heads = cfg.num_attention_heads
+    return (working_bytes(platform, cfg.compute_dtype, batch, heads, seq, width, devices=devices)
+            + gathered_bytes(cfg.compute_dtype, batch, heads, seq, width, devices))
 
 
 registry.register_mixer(LatentAttention.kind, registry.MixerKind(

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from mtjax import rope
-from mtjax.attention import attend, local_chunks, masked_attention, visible, working_bytes
+from mtjax.attention import attend, gathered_bytes, local_chunks, masked_attention, visible, working_bytes
 from mtjax.layers import registry
 from mtjax.layers.basic import Dense, RMSNorm, rms_norm
 from mtjax.layers.spec import LayerSpec, SoftmaxAttention
@@ -160,10 +160,13 @@ def kv_cache(cfg: ModelConfig, spec: LayerSpec, batch: int, length: int) -> dict
 
 def working(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, platform: str, devices: int = 1) -> int:
     """The attention kernel's score tiles held at once (mtjax.attention.working_bytes); a
-    chunked layer's window is its chunk, as the kernel gets it (`Attention._local`)."""
+    chunked layer's window is its chunk, as the kernel gets it (`Attention._local`). A row
+    split over `devices` (`seq` one device's share) adds the keys and values gathered from
+    the other shares and their cotangents (mtjax.attention.gathered_bytes)."""
     mixer = spec.mixer
-    return working_bytes(platform, cfg.compute_dtype, batch, cfg.num_attention_heads, seq, cfg.head_dim,
-                         mixer.chunk or mixer.window, mixer.softcap, mixer.sinks, devices)
+    return (working_bytes(platform, cfg.compute_dtype, batch, cfg.num_attention_heads, seq, cfg.head_dim,
+                          mixer.chunk or mixer.window, mixer.softcap, mixer.sinks, devices)
+            + gathered_bytes(cfg.compute_dtype, batch, cfg.num_key_value_heads, seq, cfg.head_dim, devices))
 
 
 registry.register_mixer(SoftmaxAttention.kind, registry.MixerKind(module=Attention, flops=flops, decode_state=kv_cache,
