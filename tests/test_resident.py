@@ -12,14 +12,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtjax import model, parts
+from mtjax import model, parts, treepath
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.optim import make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate, residency
-from mtjax.stream import StreamEngine
+from mtjax.stream import StreamEngine, blockfns
 
 from conftest import ONE_KV_HEAD, tiny_config
 from test_stream import OPT, ForwardCounter, batches, reference, rel_errors
@@ -88,6 +90,24 @@ def test_resident_equals_reference(make_store, where, accum, which):
 
 
 TINY = tiny_config(num_hidden_layers=3, **ONE_KV_HEAD, compute_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("policy", ["dots", "none"])
+def test_a_saved_vjp_holds_no_copy_of_the_weights(policy):
+    """A saved group's forward keeps its vjp without the block's weights (they are the
+    resident part's, and the backward takes them again): returned with the vjp they were
+    copied each step. The backward equals the one-program recompute + backward."""
+    cfg = tiny_config(vocab_size=97, num_hidden_layers=1)
+    fns, spec = blockfns.block_fns(cfg), cfg.layer_specs[0]
+    w = {n: jnp.asarray(a) for n, a in treepath.flatten(model.init_params(cfg, seed=0)["blocks"][0]).items()}
+    x = jax.random.normal(jax.random.key(0), (2, 16, cfg.hidden_size))
+    (y, stats), vjp = fns.save[policy][spec](w, x)
+    kept = jax.tree.leaves(vjp)
+    assert not any(a.shape == b.shape and np.array_equal(a, b) for a in kept for b in w.values())
+    dy = jax.random.normal(jax.random.key(1), y.shape)
+    dw, dx = fns.saved_backward(vjp, w, (dy, stats), names=blockfns.weights_in(vjp))
+    want_dw, want_dx = fns.grad[spec](w, x, dy, stats)
+    assert max(rel_errors((dw, dx), (want_dw, want_dx))) <= 1e-5
 
 
 @pytest.mark.parametrize("hardware", ["h200", "cpu-2core"])

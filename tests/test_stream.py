@@ -328,6 +328,29 @@ def test_returned_state_is_a_snapshot():
     engine.close()
 
 
+def test_cpu_fp32_stages_the_master_arrays_themselves():
+    """On the CPU backend, fp32 compute with no compute copy kept, a part is staged as its
+    master arrays (the device reads them in place: no staging copy); bf16 compute stages
+    rounded copies in slots. Streamed == reference with the first: test_streamed_equals_reference."""
+    data = batches(1)
+    for dtype, in_place in (("float32", True), ("bfloat16", False)):
+        cfg = dataclasses.replace(CFG, compute_dtype=dtype)
+        engine = StreamEngine(cfg, model.init_params(cfg, seed=1), OPT)
+        staged, load = [], engine.stager.load
+        engine.stager.load = lambda part: staged.append((part, out := load(part))) or out
+        engine.step(data[0])  # its update makes the RAM tier's master arrays, updated in place from then on
+        staged.clear()
+        engine.step(data[1])
+        engine.flush()
+        assert {p for p, _ in staged} == {p.name for p in engine.parts}
+        for part, (slot, weights) in staged:
+            master = engine.updater.read(part, "master")
+            aliased = {n: w.unsafe_buffer_pointer() == np.asarray(master[n]).ctypes.data for n, w in weights.items()}
+            assert all(aliased.values()) if in_place else not any(aliased.values()), (dtype, part, aliased)
+            assert slot.pooled != in_place
+        engine.close()
+
+
 def test_disk_tier_updates_run_only_a_few_parts_ahead_of_staging(tmp_path):
     """With the compute copy on disk each finished update holds its new copy until its part
     is staged: between steps only `HANDED_AHEAD` updates have run, the rest wait for the

@@ -48,6 +48,7 @@ class BlockFns:
         self.save = {policy: {k: jax.jit(functools.partial(_save, cfg, k, policy), static_argnames="trained")
                               for k in cfg.block_specs}
                      for policy in ("dots", "none")}
+        self.saved_backward = jax.jit(_saved_backward, static_argnames="names")
         self.head = jax.jit(functools.partial(_head, cfg), static_argnames=("trained", "embed_trained"))
         self.head_loss = jax.jit(functools.partial(_head_loss, cfg))
         self.embed_backward = jax.jit(functools.partial(_embed_backward, cfg))
@@ -108,11 +109,43 @@ def _recompute(cfg: ModelConfig, spec: LayerSpec, w: dict, x, segments=None, dro
         return _vjp(_flat_forward(cfg, spec), w, x, segments, trained, dropout_key)
 
 
+# A saved vjp's structure (its weight leaves taken out) -> for each of its leaves, the
+# name of the weight it is, or None: filled when `_save` is traced, read by `weights_in`.
+_WEIGHT_LEAVES: dict = {}
+
+
+def _is_none(a) -> bool:
+    return a is None
+
+
 def _save(cfg: ModelConfig, spec: LayerSpec, policy: str, w: dict, x, segments=None, dropout_key=None, trained=None):
     """The one forward of a block whose vjp is kept: ((hidden, router stats), vjp) keeping
-    what `policy` (model.REMAT_POLICIES) saves; vjp((dy, dstats)) -> (dw, dx)."""
+    what `policy` (model.REMAT_POLICIES) saves; `saved_backward(vjp, w, (dy, dstats),
+    weights_in(vjp))` -> (dw, dx).
+
+    The vjp's residuals include the block's weights themselves, and a program's outputs
+    are buffers of its own: returned with it, every weight was copied once per step (4
+    bytes/param written and read back; the reference's one program keeps them in place).
+    So they leave as None, and the backward takes the weights again."""
     with jax.named_scope(f"save_{spec.label}"):
-        return _vjp(model.remat_block(_flat_forward(cfg, spec), policy), w, x, segments, trained, dropout_key)
+        out, vjp = _vjp(model.remat_block(_flat_forward(cfg, spec), policy), w, x, segments, trained, dropout_key)
+    names = {id(a): n for n, a in w.items()}
+    leaves, tree = jax.tree.flatten(vjp)
+    which = tuple(names.get(id(a)) for a in leaves)
+    vjp = jax.tree.unflatten(tree, [None if n is not None else a for a, n in zip(leaves, which)])
+    _WEIGHT_LEAVES[jax.tree.structure(vjp, is_leaf=_is_none)] = which
+    return out, vjp
+
+
+def weights_in(vjp) -> tuple:
+    """Which of a saved vjp's leaves are the block's weights (`_save`): `saved_backward`'s `names`."""
+    return _WEIGHT_LEAVES[jax.tree.structure(vjp, is_leaf=_is_none)]
+
+
+def _saved_backward(vjp, w: dict, dy, names: tuple):
+    """A saved vjp (`_save`) with the block's weights `w` put back, applied to `dy`."""
+    leaves, tree = jax.tree.flatten(vjp, is_leaf=_is_none)
+    return jax.tree.unflatten(tree, [a if n is None else w[n] for a, n in zip(leaves, names)])(dy)
 
 
 def _backward(vjp, dy):

@@ -39,7 +39,7 @@ from mtjax.errors import NonFiniteStep
 from mtjax.observers import Observers
 from mtjax.optim import clip_scale
 from mtjax.partid import EMBED, HEAD, PartId
-from mtjax.stream import ops
+from mtjax.stream import blockfns, ops
 from mtjax.stream.outgoing import Outgoing
 from mtjax.stream.prefetch import Prefetcher
 
@@ -316,7 +316,9 @@ class Runner:
         accs, out = dict.fromkeys(op.blocks), []
         for m, (k, dx) in enumerate(zip(st.kept, st.flow)):
             for i in reversed(op.blocks):
-                dw, dx = self.fns.backward(k.pop(("vjp", i)), (dx, self._cotangent(st, i, m)))
+                vjp = k.pop(("vjp", i))  # its weights taken out: they are the resident part's (blockfns._save)
+                dw, dx = self.fns.saved_backward(vjp, st.held[partid.block(i)][1], (dx, self._cotangent(st, i, m)),
+                                                 names=blockfns.weights_in(vjp))
                 self.ledger.free(self.schedule.saved_residual_bytes(specs[i]), "saved")
                 accs[i] = self._sum(accs[i], dw, count)
             out.append(dx)

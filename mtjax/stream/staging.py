@@ -98,11 +98,13 @@ def raise_host_memory_limit(nbytes: int, started: bool | None = None) -> bool:
 
 @dataclasses.dataclass(eq=False)
 class Slot:
-    """One set of staging buffers, shaped like one part's compute weights."""
+    """One set of staging buffers, shaped like one part's compute weights; or (`pooled`
+    False) host arrays the device reads in place, not the pool's (`StagingPool.put_host`)."""
 
     buffers: dict[str, np.ndarray]
     nbytes: int
     on_device: bool = False
+    pooled: bool = True
 
 
 class Placement:
@@ -137,6 +139,13 @@ class Placement:
         self._stagers = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="mtjax-stage") \
             if threads > 1 else None
         self._observers = Observers()
+
+    @property
+    def reads_host(self) -> bool:
+        """Whether the device computes on host memory: the CPU backend, no pinned path.
+        `device_put` of an aligned host array then makes a device array that aliases it
+        (no copy), so the host array must not change while a program may read it."""
+        return self.device.platform == "cpu" and not self.pinned
 
     def observe(self, fn):
         """Call fn(buffer) for every host buffer copied into pinned memory, on the thread
@@ -311,6 +320,17 @@ class StagingPool:
         slot.on_device = True
         return self.placement.to_device(buffers)
 
+    def put_host(self, arrays: dict[str, np.ndarray], what: str) -> tuple[Slot, dict[str, jax.Array]]:
+        """Host arrays on the device with no staging slot (the CPU backend, where
+        `device_put` aliases them: `Placement.reads_host`), counted against the device
+        budget as a slot's weights are. Their owner must not change them before every
+        program that reads them has finished: the engine's fp32 master weights, updated
+        only after the step's gradients are in (mtjax.stream.stager)."""
+        slot = Slot(dict(arrays), sum(np.asarray(a).nbytes for a in arrays.values()), pooled=False)
+        self.ledger.hold(slot.nbytes, what, "weights")
+        slot.on_device = True
+        return slot, self.placement.to_device(slot.buffers)
+
     def release(self, slot: Slot, fence) -> None:
         """Hand a slot back once its device copy is no longer needed; `fence` are the
         outputs of the last computations that read it. None (a resident part's) is no slot."""
@@ -319,4 +339,5 @@ class StagingPool:
         if slot.on_device:
             self.ledger.free(slot.nbytes, "weights")
             slot.on_device = False
-        self._pools[shape_key(slot.buffers)].release(slot.buffers, fence)
+        if slot.pooled:
+            self._pools[shape_key(slot.buffers)].release(slot.buffers, fence)
