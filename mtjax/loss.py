@@ -24,8 +24,8 @@ from mtjax import model, target
 from mtjax.layers.basic import rms_norm, transposed
 from mtjax.model_config import ModelConfig
 
-# The largest fp32 logits of one chunk of tokens: the head's working memory is about three
-# of these (logits, softmax, their gradient), flat in the sequence length.
+# The largest fp32 logits of one chunk of tokens: the head's working memory is a few of
+# these (head_bytes), flat in the sequence length.
 HEAD_CHUNK_BYTES = 256 * 2**20
 CHUNK_MULTIPLE = 128  # chunk rows are a multiple of this (matmul tiles)
 
@@ -43,17 +43,28 @@ def head_rows(cfg: ModelConfig, tokens: int) -> int:
     return max(1, min(cfg.head_chunk_tokens or chunk_rows(cfg.vocab_size), tokens))
 
 
-def head_bytes(cfg: ModelConfig, tokens: int) -> int:
+def head_bytes(cfg: ModelConfig, tokens: int, platform: str | None = None) -> int:
     """Device bytes `head_loss` and its gradient work in, beyond their inputs and outputs, for
-    `tokens` tokens (a micro-batch's): three chunks of fp32 logits (logits, softmax, their
-    gradient), a tied kernel's transposed copy, and per token the final norm's output and
-    its gradient in the compute dtype plus 16 bytes (log-partition, weight, id, padding).
-    Flat in the sequence length but for the per-token terms (checked against the compiled
-    head's temporaries in tests/test_loss.py)."""
+    `tokens` tokens (a micro-batch's) on `platform` (default the backend's here). Flat in
+    the sequence length but for the per-token terms (tests/test_loss.py), and on the CPU
+    within 10% of XLA's buffer assignment (tests/test_working_memory.py):
+
+    - a chunk's fp32 logits, and beside them the larger of their softmax gradient and the
+      chunk's fp32 kernel gradient [width, vocab] before it joins the sum (the CPU; other
+      platforms: three chunks of logits, a price not yet checked against their compiler);
+    - below fp32, the fp32 sum of the kernel's gradient over chunks [width, vocab] (in
+      fp32 it is the output's own buffer);
+    - a tied kernel's transposed copy in the compute dtype;
+    - per token, the final norm's fp32 output and gradient, plus 16 bytes (log-partition,
+      weight, id, padding)."""
+    platform = platform or jax.default_backend()
     item = np.dtype(cfg.compute_dtype).itemsize
-    logits = 3 * head_rows(cfg, tokens) * cfg.vocab_size * 4
-    tied = cfg.hidden_size * cfg.vocab_size * item if cfg.tie_word_embeddings else 0
-    return logits + tied + tokens * (2 * cfg.hidden_size * item + 16)
+    chunk = head_rows(cfg, tokens) * cfg.vocab_size * 4
+    kernel = cfg.hidden_size * cfg.vocab_size
+    logits = chunk + max(chunk, 4 * kernel) if platform == "cpu" else 3 * chunk
+    summed = 4 * kernel if item < 4 else 0
+    tied = kernel * item if cfg.tie_word_embeddings else 0
+    return logits + summed + tied + tokens * (2 * cfg.hidden_size * 4 + 16)
 
 
 def _counted(tokens: jnp.ndarray, targets=None):

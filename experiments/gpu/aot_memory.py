@@ -96,7 +96,7 @@ class Target:
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._gpu_attention():
             residual = schedule._traced_residual_bytes.__wrapped__(cfg, spec, batch, seq, "none")
         working = schedule.block_working_bytes(cfg, batch, seq, platform=self.name)
-        return {"residuals": residual, "working": working, "head": schedule.head_bytes(cfg, batch * seq)}
+        return {"residuals": residual, "working": working, "head": schedule.head_bytes(cfg, batch * seq, self.name)}
 
     def _gpu_attention(self):
         """On the GPU target: the H200's capability, and no CPU-compiled probe."""
