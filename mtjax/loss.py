@@ -45,26 +45,33 @@ def head_rows(cfg: ModelConfig, tokens: int) -> int:
 
 def head_bytes(cfg: ModelConfig, tokens: int, platform: str | None = None) -> int:
     """Device bytes `head_loss` and its gradient work in, beyond their inputs and outputs, for
-    `tokens` tokens (a micro-batch's) on `platform` (default the backend's here). Flat in
-    the sequence length but for the per-token terms (tests/test_loss.py), and on the CPU
-    within 10% of XLA's buffer assignment (tests/test_working_memory.py):
+    `tokens` tokens (a micro-batch's) on `platform` (default the backend's here), as XLA's
+    buffer assignment holds them (tests/test_working_memory.py on the CPU; the GPU's from
+    experiments/gpu/aot_memory.py's deviceless compile for an H200). Flat in the sequence
+    length but for the per-token terms (tests/test_loss.py):
 
-    - a chunk's fp32 logits, and beside them the larger of their softmax gradient and the
-      chunk's fp32 kernel gradient [width, vocab] before it joins the sum (the CPU; other
-      platforms: three chunks of logits, a price not yet checked against their compiler);
+    - a chunk's fp32 logits; on the CPU beside them the larger of their gradient and the
+      chunk's fp32 kernel gradient [width, vocab] before it joins the sum (the GPU fuses
+      both away: the softmax gradient is written in the compute dtype into the dot's input,
+      the kernel gradient added inside its dot);
     - below fp32, the fp32 sum of the kernel's gradient over chunks [width, vocab] (in
       fp32 it is the output's own buffer);
+    - a chunk's hidden states and their gradient in fp32 (the CPU: the gradient alone);
     - a tied kernel's transposed copy in the compute dtype;
-    - per token, the final norm's fp32 output and gradient, plus 16 bytes (log-partition,
-      weight, id, padding)."""
+    - per token 16 bytes (log-partition, weight, id, padding) and on the CPU the final
+      norm's fp32 output and gradient, on the GPU the chunks' stacked hidden-state
+      gradients in the compute dtype."""
     platform = platform or jax.default_backend()
     item = np.dtype(cfg.compute_dtype).itemsize
-    chunk = head_rows(cfg, tokens) * cfg.vocab_size * 4
-    kernel = cfg.hidden_size * cfg.vocab_size
-    logits = chunk + max(chunk, 4 * kernel) if platform == "cpu" else 3 * chunk
+    d = cfg.hidden_size
+    rows = head_rows(cfg, tokens)
+    chunk = rows * cfg.vocab_size * 4
+    kernel = d * cfg.vocab_size
     summed = 4 * kernel if item < 4 else 0
     tied = kernel * item if cfg.tie_word_embeddings else 0
-    return logits + summed + tied + tokens * (2 * cfg.hidden_size * 4 + 16)
+    if platform == "cpu":
+        return chunk + max(chunk, 4 * kernel) + rows * d * 4 + summed + tied + tokens * (2 * d * 4 + 16)
+    return chunk + 2 * rows * d * 4 + summed + tied + tokens * (d * item + 16)
 
 
 def _counted(tokens: jnp.ndarray, targets=None):

@@ -171,7 +171,7 @@ def main() -> int:
     for t in targets:
         # The plan as the engine on that platform prices it: the traced terms swapped in
         # (a recompute group of one block: one block's residuals and working bytes).
-        total = plan.total + sum(terms[t.name][k] - here[k] for k in ("residuals", "working"))
+        total = plan.total + sum(terms[t.name][k] - here[k] for k in ("residuals", "working", "head"))
         print(f"plan terms traced for {t.name}: " + ", ".join(f"{k} {mib(v)}" for k, v in terms[t.name].items())
               + f"; device plan with them {mib(total)}")
     names = [t.name for t in targets]
