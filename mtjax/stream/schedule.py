@@ -115,7 +115,7 @@ class DevicePlan:
     weights: int  # staged compute weights: prefetched parts plus the parts in use
     activations: int  # kept block inputs of every micro-batch (0 when they wait in host memory)
     residuals: int  # vjp residuals of one recompute group (the weights they keep are counted above)
-    head: int  # the LM head + loss program's chunk of logits, kernel-gradient sums and per-token terms (mtjax.loss.head_bytes)
+    head: int  # the LM head + loss program's chunked logits and kernel-gradient sums (mtjax.loss.head_bytes)
     working: int  # hidden states of every micro-batch between parts, temporaries (a MoE backward's), gradients in flight
     resident: int = 0  # resident parts' compute, master and optimizer state and their fp32 gradient sums
     saved: int = 0  # vjp residuals that saved groups keep from the forward to the backward (every micro-batch)
