@@ -24,8 +24,8 @@ from mtjax import model, target
 from mtjax.layers.basic import rms_norm, transposed
 from mtjax.model_config import ModelConfig
 
-# The largest fp32 logits of one chunk of tokens: the head's working memory is about three
-# of these (logits, softmax, their gradient), flat in the sequence length.
+# The largest fp32 logits of one chunk of tokens: the head's working memory is a few of
+# these (head_bytes), flat in the sequence length.
 HEAD_CHUNK_BYTES = 256 * 2**20
 CHUNK_MULTIPLE = 128  # chunk rows are a multiple of this (matmul tiles)
 
@@ -43,17 +43,35 @@ def head_rows(cfg: ModelConfig, tokens: int) -> int:
     return max(1, min(cfg.head_chunk_tokens or chunk_rows(cfg.vocab_size), tokens))
 
 
-def head_bytes(cfg: ModelConfig, tokens: int) -> int:
+def head_bytes(cfg: ModelConfig, tokens: int, platform: str | None = None) -> int:
     """Device bytes `head_loss` and its gradient work in, beyond their inputs and outputs, for
-    `tokens` tokens (a micro-batch's): three chunks of fp32 logits (logits, softmax, their
-    gradient), a tied kernel's transposed copy, and per token the final norm's output and
-    its gradient in the compute dtype plus 16 bytes (log-partition, weight, id, padding).
-    Flat in the sequence length but for the per-token terms (checked against the compiled
-    head's temporaries in tests/test_loss.py)."""
+    `tokens` tokens (a micro-batch's) on `platform` (default the backend's here), as XLA's
+    buffer assignment holds them (tests/test_working_memory.py on the CPU; the GPU's from
+    experiments/gpu/aot_memory.py's deviceless compile for an H200). Flat in the sequence
+    length but for the per-token terms (tests/test_loss.py):
+
+    - a chunk's fp32 logits; on the CPU beside them the larger of their gradient and the
+      chunk's fp32 kernel gradient [width, vocab] before it joins the sum (the GPU fuses
+      both away: the softmax gradient is written in the compute dtype into the dot's input,
+      the kernel gradient added inside its dot);
+    - below fp32, the fp32 sum of the kernel's gradient over chunks [width, vocab] (in
+      fp32 it is the output's own buffer);
+    - a chunk's hidden states and their gradient in fp32 (the CPU: the gradient alone);
+    - a tied kernel's transposed copy in the compute dtype;
+    - per token 16 bytes (log-partition, weight, id, padding) and on the CPU the final
+      norm's fp32 output and gradient, on the GPU the chunks' stacked hidden-state
+      gradients in the compute dtype."""
+    platform = platform or jax.default_backend()
     item = np.dtype(cfg.compute_dtype).itemsize
-    logits = 3 * head_rows(cfg, tokens) * cfg.vocab_size * 4
-    tied = cfg.hidden_size * cfg.vocab_size * item if cfg.tie_word_embeddings else 0
-    return logits + tied + tokens * (2 * cfg.hidden_size * item + 16)
+    d = cfg.hidden_size
+    rows = head_rows(cfg, tokens)
+    chunk = rows * cfg.vocab_size * 4
+    kernel = d * cfg.vocab_size
+    summed = 4 * kernel if item < 4 else 0
+    tied = kernel * item if cfg.tie_word_embeddings else 0
+    if platform == "cpu":
+        return chunk + max(chunk, 4 * kernel) + rows * d * 4 + summed + tied + tokens * (2 * d * 4 + 16)
+    return chunk + 2 * rows * d * 4 + summed + tied + tokens * (d * item + 16)
 
 
 def _counted(tokens: jnp.ndarray, targets=None):

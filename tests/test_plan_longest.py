@@ -62,7 +62,7 @@ def test_mtjax_plan_names_the_longest_row(capsys):
 
 
 # The CPU profile's longest row, checked on this CPU at that limit: a cpu-2core profile
-# with 3.25 GiB of RAM (its other figures as built in) puts a 2-block Llama's longest row at
+# with 3 GiB of RAM (its other figures as built in) puts a 2-block Llama's longest row at
 # a few thousand tokens; that row, run for one step in a fresh process, peaks within the
 # planner's RAM for it, and a row twice as long is refused.
 _LONG_ROW_YAML = """\
@@ -104,7 +104,7 @@ print("peak_rss", peak * 1024)
 def test_the_cpu_profiles_longest_row_runs_within_its_ram_and_a_longer_one_is_refused(tmp_path, capsys):
     exp = tmp_path / "long.yaml"
     exp.write_text(_LONG_ROW_YAML)
-    hw = dataclasses.replace(BUILTIN["cpu-2core"], name="cpu-3gib", host_ram_bytes=int(3.25 * GiB))
+    hw = dataclasses.replace(BUILTIN["cpu-2core"], name="cpu-3gib", host_ram_bytes=3 * GiB)
     profile = hw.save(tmp_path / "cpu.json")
     assert cli.main(["plan", str(exp), "--hardware", str(profile), "--longest", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["longest_seq"]

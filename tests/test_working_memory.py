@@ -21,13 +21,13 @@ import jax
 import numpy as np
 import pytest
 
-from mtjax import attention, expert_groups, parts
+from mtjax import attention, expert_groups, loss, parts
 from mtjax.layers import delta_rule, registry
 from mtjax.lora import LoraConfig
 from mtjax.model_config import ModelConfig
 from mtjax.stream import blockfns, groupfns, schedule
 
-from conftest import tiny_moe_config
+from conftest import tiny_config, tiny_moe_config
 
 CFG = ModelConfig(model_type="qwen3_5_text", vocab_size=256, hidden_size=128, intermediate_size=384,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -150,3 +150,25 @@ def test_an_expert_groups_backward_is_priced_as_xla_allocates_it():
     assert abs(temp / (residuals + working) - 1) < TOLERANCE, (temp, residuals, working)
     assert temp > (1 + TOLERANCE) * residuals  # the group's experts' term is real
     assert working < registry.feed_forward(spec).working(cfg, spec, seq, "blocked")  # and a group's, not the block's
+
+
+# The LM head + loss program (blockfns._head: mtjax.loss's chunked head, 256-token chunks)
+# against the plan's head term (mtjax.loss.head_bytes) on this CPU, untied: fp32 at a wide
+# vocabulary (two chunks of fp32 logits live, where the old price said three) and bf16 at a
+# wide width (the fp32 sum of the kernel's gradient and a chunk's share of it, [width, vocab]
+# each, where the old price counted neither).
+HEAD = {"fp32": tiny_config(vocab_size=8192, hidden_size=128, head_chunk_tokens=256),
+        "bf16": tiny_config(vocab_size=2048, hidden_size=512, head_chunk_tokens=256, compute_dtype="bfloat16")}
+
+
+@pytest.mark.parametrize("seq", [512, 2048])
+@pytest.mark.parametrize("which", list(HEAD))
+def test_the_head_program_is_priced_as_xla_allocates_it(which, seq):
+    cfg = HEAD[which]
+    w = parts.schema(cfg, "head", "compute")
+    x = jax.ShapeDtypeStruct((1, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype))
+    tokens = jax.ShapeDtypeStruct((1, seq), np.int32)
+    program = jax.jit(lambda w, x, t: blockfns._head(cfg, w, None, x, t, 1.0))
+    temp = program.lower(w, x, tokens).compile().memory_analysis().temp_size_in_bytes
+    priced = loss.head_bytes(cfg, seq, "cpu")
+    assert abs(temp / priced - 1) < TOLERANCE, (which, seq, temp, priced)

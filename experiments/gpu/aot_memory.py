@@ -96,7 +96,7 @@ class Target:
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._gpu_attention():
             residual = schedule._traced_residual_bytes.__wrapped__(cfg, spec, batch, seq, "none")
         working = schedule.block_working_bytes(cfg, batch, seq, platform=self.name)
-        return {"residuals": residual, "working": working, "head": schedule.head_bytes(cfg, batch * seq)}
+        return {"residuals": residual, "working": working, "head": schedule.head_bytes(cfg, batch * seq, self.name)}
 
     def _gpu_attention(self):
         """On the GPU target: the H200's capability, and no CPU-compiled probe."""
@@ -171,7 +171,7 @@ def main() -> int:
     for t in targets:
         # The plan as the engine on that platform prices it: the traced terms swapped in
         # (a recompute group of one block: one block's residuals and working bytes).
-        total = plan.total + sum(terms[t.name][k] - here[k] for k in ("residuals", "working"))
+        total = plan.total + sum(terms[t.name][k] - here[k] for k in ("residuals", "working", "head"))
         print(f"plan terms traced for {t.name}: " + ", ".join(f"{k} {mib(v)}" for k, v in terms[t.name].items())
               + f"; device plan with them {mib(total)}")
     names = [t.name for t in targets]

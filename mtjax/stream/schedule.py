@@ -115,7 +115,7 @@ class DevicePlan:
     weights: int  # staged compute weights: prefetched parts plus the parts in use
     activations: int  # kept block inputs of every micro-batch (0 when they wait in host memory)
     residuals: int  # vjp residuals of one recompute group (the weights they keep are counted above)
-    head: int  # fp32 logits, softmax and their gradient of one chunk of tokens at the LM head (mtjax.loss)
+    head: int  # the LM head + loss program's chunked logits and kernel-gradient sums (mtjax.loss.head_bytes)
     working: int  # hidden states of every micro-batch between parts, temporaries (a MoE backward's), gradients in flight
     resident: int = 0  # resident parts' compute, master and optimizer state and their fp32 gradient sums
     saved: int = 0  # vjp residuals that saved groups keep from the forward to the backward (every micro-batch)
@@ -915,7 +915,7 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
         activations=(len(grps) - len(saved)) * shape.accum * hidden if stream.activations == "device" else 0,
         # A recompute group's (saved groups recompute nothing).
         residuals=max((len(g) for g in grps if g not in saved), default=0) * residual,
-        head=head_bytes(cfg, shape.batch * shape.seq),  # one chunk of logits (mtjax.loss)
+        head=head_bytes(cfg, shape.batch * shape.seq),  # chunked logits (mtjax.loss)
         working=(3 + shape.accum) * hidden + 2 * max(grad.values()) + sums + transient,
         resident=sum(pb[p].compute + 2 * pb[p].master + pb[p].opt for p in resident)
         + sum(pb[p].trained + 2 * pb[p].master + pb[p].opt for p in adapters),
