@@ -21,6 +21,7 @@ from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate
 from mtjax.stream import StreamEngine, ops, schedule
 from mtjax.stream.budget import tree_bytes
+from mtjax.stream.staging import Slot
 
 from conftest import ONE_KV_HEAD, tiny_config, tokens as random_tokens
 
@@ -65,6 +66,7 @@ def instrument(engine: StreamEngine, counts: Counts) -> None:
         counts.add("h2d_weights", slot.nbytes)
 
     wrap(pool, "put", staged)
+    wrap(pool, "put_host", lambda arrays, what: staged(Slot(arrays, tree_bytes(arrays)), what))  # staged in place
     wrap(place, "tokens", lambda inputs: counts.add("h2d_tokens", tree_bytes(inputs)))  # tokens (+ documents)
     wrap(place, "stash", lambda x: counts.add("d2h_activations", x.nbytes))
     wrap(place, "unstash", lambda x: counts.add("h2d_activations", x.nbytes))
@@ -290,6 +292,34 @@ def test_staging_pool_allocates_what_the_planner_prices(make_store, where, keep_
     engine.close()
     if store is not None:
         store.close()
+
+
+def test_cpu_fp32_stages_in_place_with_no_slots():
+    """On the CPU backend with fp32 compute and no compute copy kept, every whole part is
+    staged as its master arrays (mtjax.stream.stager): the schedule gives them no staging
+    slot and prices no master -> slot copy, and the engine allocates none and still stages
+    what the schedule says. bf16 compute keeps its slots; a GPU's (h200) plan keeps them both."""
+    stream, store, shape = StreamConfig(keep_every=1), StoreConfig(), StepShape(BATCH, SEQ)
+    for dtype in ("float32", "bfloat16"):
+        fp32 = dtype == "float32"
+        cfg = dataclasses.replace(CFG, compute_dtype=dtype)
+        engine = StreamEngine(cfg, model.init_params(cfg, seed=0), OPT, stream, batch_shape=(BATCH, SEQ))
+        s = engine.plan(BATCH, SEQ)
+        host = estimate(cfg, stream, store, shape, BUILTIN["cpu-2core"], tx=TX)
+        gpu = estimate(cfg, stream, store, shape, BUILTIN["h200"], tx=TX).schedule
+        assert host.schedule == s and s.derived_compute and gpu.derived_compute
+        assert s.in_place == (s.streamed if fp32 else ()) and s.streamed and not gpu.in_place
+        assert (not s.staging) == fp32 and gpu.staging and gpu.staging_bytes > 0
+        # The GPU's plan copies master into a slot at each transfer (read + write); in place, none.
+        copies = sum(s.part_bytes[p].master + s.part_bytes[p].compute for p in s.transfers)
+        assert gpu.traffic.host_memory - s.traffic.host_memory == (copies if fp32 else 0)
+        assert engine.pool.allocated_bytes == host.host.slots == s.staging_bytes
+        counts = counted_steps(engine, cfg.vocab_size, (1, BATCH, SEQ), STEPS)
+        assert counts.order == [list(s.transfers)] * STEPS
+        assert counts.bytes["h2d_weights"] == STEPS * s.traffic.h2d_weights
+        engine.eval_loss(np.zeros((1, BATCH, SEQ), np.int32))
+        assert engine.pool.allocated_bytes == s.staging_bytes
+        engine.close()
 
 
 MOE = ModelConfig(model_type="qwen3_moe", vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=3,

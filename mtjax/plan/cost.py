@@ -161,7 +161,7 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
         devices = stream.devices if isinstance(stream.devices, int) else hardware.devices
     dispatch = moe.dispatch("cpu" if hardware.device_is_host else "gpu")  # the planned device's grouped matmul
     s = describe(cfg, stream, store, shape, tx, fused=fused, part_bytes_=part_bytes_, devices=devices,
-                 dispatch=dispatch)
+                 dispatch=dispatch, reads_host=hardware.device_is_host)
     pb, hw, state = s.part_bytes, hardware, s.state
     params_of = _params_of(cfg)
     num_params = sum(params_of.values())

@@ -247,7 +247,8 @@ class StreamEngine:
         if shape not in self._schedules:
             self._schedules[shape] = schedule_mod.describe(self.cfg, self.options, self.placement_config, shape,
                                                            self.tx, fused=self.update.fused is not None,
-                                                           devices=self.placement.mesh.count)
+                                                           devices=self.placement.mesh.count,
+                                                           reads_host=self.placement.reads_host)
         return self._schedules[shape]
 
     def check_budget(self, batch: int, seq: int, accum: int = 1, documents: bool = False) -> None:

@@ -9,6 +9,7 @@
     s.operations         # the step as the engine runs it (mtjax.stream.ops); print(s) lists them
     s.staging            # the staging pool's buffer sets per shape, which the engine allocates
     s.reads              # the update's read buffer sets per shape of disk-tier state, likewise
+    s.in_place           # parts staged as their master arrays, with no slot (CPU, fp32, no compute copy)
 
 The engine runs `operations`, streams `transfers`, allocates `staging` and `reads` and holds what
 `device` allows (its ledger enforces each use), the planner (mtjax.plan.cost) prices `traffic` with a machine's bandwidths, and the
@@ -198,6 +199,7 @@ class Schedule:
     staging: tuple = ()  # the staging pool's buffer sets: (first transfer of a shape, sets, bytes of one); staging_sets
     reads: tuple = ()  # the update's read buffer sets: (first part of a shape, kind, sets, bytes of one); read_sets
     adapters: tuple = ()  # streamed parts whose trained leaves (LoRA adapters) are resident; adapter_parts
+    in_place: tuple = ()  # whole streamed parts staged as their master arrays, no slot; staged_in_place
 
     @property
     def device_batch(self) -> int:
@@ -391,19 +393,19 @@ def _unit_shape(cfg: ModelConfig, name: PartId, groups: tuple, adapters: tuple =
 
 
 def staging_sets(cfg: ModelConfig, stream: StreamConfig, groups_: tuple[range, ...], transfers: tuple[PartId, ...],
-                 split: dict, adapters: tuple = ()) -> tuple[tuple[PartId, int, int], ...]:
+                 split: dict, adapters: tuple = (), in_place: tuple = ()) -> tuple[tuple[PartId, int, int], ...]:
     """The staging pool's buffer sets, per shape of what crosses: (its first transfer, how
     many sets, bytes of one). As many sets as a step has transfers of that shape, at most
     the `prefetch_depth` staged ahead plus a recompute group's in use: the prefetcher
     acquires a set only below `prefetch_depth` staged and untaken, so a set is always
     free then (its readers may still run: the acquire waits for them). The engine
     allocates exactly these before its first step, and the planner prices them as host
-    staging."""
+    staging. Parts staged `in_place` (as their master arrays, `staged_in_place`) take none."""
     most = stream.prefetch_depth + max(len(g) for g in groups_)
     by_shape: dict[tuple, list] = {}
     by_kind = {p.name: p.fn_kind for p in parts.parts(cfg)}
     first: dict = {}  # parts of one fn_kind (and adapters resident or not) have one schema: look each up once
-    for name in transfers:
+    for name in (p for p in transfers if p not in in_place):
         mine = (name,) if name in adapters else ()
         like = first.setdefault((by_kind[name.owner], bool(mine)), name.owner)
         unit = name.in_block(like.block) if name.is_block else name
@@ -517,6 +519,19 @@ def derives_compute(fused: bool, store: StoreConfig, frozen: bool = False) -> bo
     return fused and store.master == "ram" and store.compute == "ram" and not frozen
 
 
+def staged_in_place(cfg: ModelConfig, derived: bool, reads_host: bool, streamed, adapters: tuple,
+                    split: dict) -> tuple[PartId, ...]:
+    """The `streamed` parts staged as their master arrays (mtjax.stream.stager): where the
+    device reads host memory (`reads_host`: the CPU backend, `Placement.reads_host`), with
+    fp32 compute and no compute copy kept (`derived`), the master arrays are the compute
+    weights, and copying them into a staging slot would only move 8 bytes/param per step
+    for nothing. Whole parts only: a split block's sub-parts and a part whose adapters
+    are resident (its frozen leaves) stage into slots."""
+    if not (derived and reads_host and np.dtype(cfg.compute_dtype) == np.float32):
+        return ()
+    return tuple(p for p in streamed if p not in adapters and p.block not in split)
+
+
 def spill(store: StoreConfig) -> str | None:
     """Where summed gradients wait for their deferred update: "pending" files of a
     one-copy store (durable), "scratch" files beside the store when the master weights
@@ -605,12 +620,14 @@ def _traced_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: i
 
 def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, tx,
              fused: bool | None = None, part_bytes_: dict[PartId, StateBytes] | None = None,
-             devices: int = 1, dispatch: str | None = None) -> Schedule:
+             devices: int = 1, dispatch: str | None = None, reads_host: bool | None = None) -> Schedule:
     """The schedule of one step of `shape` under `stream` and `store`'s placement, data
     parallel over `devices` devices (shape.batch splits over them, or shape.seq with
     stream.split sequence: mtjax.config.check_split).
     `dispatch`: the MoE grouped matmul of the device planned for (mtjax.moe.dispatch; default
-    the backend's here), which decides what an expert backward allocates.
+    the backend's here), which decides what an expert backward allocates. `reads_host`:
+    whether that device computes on host memory (default: the backend here is the CPU),
+    which decides the parts staged in place (`staged_in_place`).
 
     `tx` is the optax transformation (its state's bytes); `fused`: whether the update is
     the fused AdamW loop (default: what an OptimConfig gets, `fused_adamw.supports`).
@@ -623,12 +640,14 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     """
     fused = fused_adamw.supports(cfg.compute_dtype) if fused is None else fused
     pb = part_bytes(cfg, tx) if part_bytes_ is None else part_bytes_
+    reads_host = jax.default_backend() == "cpu" if reads_host is None else reads_host
     size, budget = stream.expert_group_size, stream.device_budget_bytes
     if size is not None or budget is None or not expert_groups.split_blocks(cfg):
-        return _describe(cfg, stream, store, shape, tx, fused, pb, size, devices, dispatch)
-    plans, size = [_describe(cfg, stream, store, shape, tx, fused, pb, None, devices, dispatch)], cfg.num_experts
+        return _describe(cfg, stream, store, shape, tx, fused, pb, size, devices, dispatch, reads_host)
+    plans = [_describe(cfg, stream, store, shape, tx, fused, pb, None, devices, dispatch, reads_host)]
+    size = cfg.num_experts
     while plans[-1].device.total > budget and size >= 1:  # groups of E, E // 2, ... 1 experts
-        plans.append(_describe(cfg, stream, store, shape, tx, fused, pb, size, devices, dispatch))
+        plans.append(_describe(cfg, stream, store, shape, tx, fused, pb, size, devices, dispatch, reads_host))
         size //= 2
     fits = [p for p in plans if p.device.total <= budget]
     return fits[0] if fits else min(plans, key=lambda p: p.device.total)
@@ -753,7 +772,7 @@ def allreduce_bytes(cfg: ModelConfig, pb: dict[PartId, StateBytes], accum: int, 
 
 def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, tx, fused: bool,
               pb: dict[PartId, StateBytes], size: int | None, devices: int = 1,
-              dispatch: str | None = None) -> Schedule:
+              dispatch: str | None = None, reads_host: bool = False) -> Schedule:
     """`describe` with the MoE blocks split into groups of `size` experts (None: whole)."""
     resident = resident_parts(cfg, stream.resident, groups(cfg.num_hidden_layers, stream.keep_every))
     adapters = adapter_parts(cfg, stream, resident)
@@ -767,6 +786,7 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     remat = remat_of(stream)
     saved = saved_groups(grps, resident, remat)
     derived = derives_compute(fused, store, parts.frozen_any(cfg))
+    in_place = staged_in_place(cfg, derived, reads_host, streamed, adapters, split)
     where = spill(store)
     check_split(stream.split, shape.batch, shape.seq, devices)
     hidden = shape.batch * shape.seq * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize
@@ -810,7 +830,8 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
         d2h_activations=kept if on_host else 0,
         d2h_resident=d2h_resident,
         disk_read=reads, disk_write=writes,
-        host_memory=_host_memory(streamed, [(unit[p], i in handed) for i, p in enumerate(transfers)],
+        host_memory=_host_memory(streamed, [(unit[p], i in handed) for i, p in enumerate(transfers)
+                                            if p not in in_place],
                                  {p: g for p, g in grad.items() if p in streamed and p not in adapters}, fused,
                                  derived, store,
                                  sum(reads.values()) + sum(writes.values())),
@@ -831,8 +852,8 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
                           dispatch, adapters, devices if stream.split == "sequence" else 1)
     return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps, split), resident,
                     remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce, split, sub,
-                    staging_sets(cfg, stream, grps, transfers, split, adapters),
-                    read_sets(cfg, store, pb, tuple(p for p in streamed if p not in adapters)), adapters)
+                    staging_sets(cfg, stream, grps, transfers, split, adapters, in_place),
+                    read_sets(cfg, store, pb, tuple(p for p in streamed if p not in adapters)), adapters, in_place)
 
 
 def committed(b: StateBytes, kind: str) -> int:
@@ -860,7 +881,8 @@ def _host_memory(pb: dict[PartId, StateBytes], transfers: list[tuple[StateBytes,
                  derived: bool, store: StoreConfig, disk_io: int) -> int:
     """Bytes the host CPU reads and writes in one step (DMA is the link's: the planner
     adds it where the device is not the host). `transfers`: each transfer's bytes, and
-    whether it stages the copy its update handed over (a disk-tier compute copy)."""
+    whether it stages the copy its update handed over (a disk-tier compute copy); those
+    staged in place (`staged_in_place`) copy nothing and are left out."""
     optimizer = _update_bytes(pb.values(), fused, copy=not derived)
     # A gradient is read as it arrives; one narrower than fp32 is cast (an fp32 write);
     # the norm reads the fp32 sum.

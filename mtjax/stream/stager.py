@@ -11,7 +11,9 @@ evaluation), in order: the runner's `Stage` operations take them in that order.
 On the CPU backend with fp32 compute and no compute copy kept (the derived copy,
 docs/pipeline.md), a whole part is staged as its master arrays themselves: the device
 reads host memory there, so copying master into a slot only to hand the slot to
-`device_put` moved 8 bytes/param per step for nothing. The master arrays are safe to
+`device_put` moved 8 bytes/param per step for nothing. The schedule says which parts
+(`schedule.in_place`, from `schedule.staged_in_place`): it gives them no slot and prices
+no staging copy for them. The master arrays are safe to
 alias: the deferred update overwrites them only once every gradient of the step is in
 (every program that read them has finished), and the next staging of the part waits
 for that update (`updater.updated`).
@@ -29,13 +31,6 @@ class Stager:
         self.cfg, self.pool, self.tracer, self.split = cfg, pool, tracer, split
         self.updater, self.schemas = updater, schemas
         self.schedule = None
-        # No compute copy kept and fp32 compute: the staged weights are the master arrays.
-        self._master_is_staged = updater.state.derived_compute and updater.state.policy.master_is_compute
-
-    @property
-    def in_place(self) -> bool:
-        """Whether whole parts are staged as their master arrays (the module's docstring)."""
-        return self._master_is_staged and self.pool.placement.reads_host
 
     def load(self, part: PartId):
         """Prefetch worker: pending update, then read into a staging slot, then device_put.
@@ -43,7 +38,7 @@ class Stager:
         expert group only the experts some token reached."""
         owner = part.owner
         fresh = self.updater.updated(owner)
-        if self.in_place and not part.is_sub and part not in self.schedule.adapters:
+        if part in self.schedule.in_place:
             # Staged as the master arrays themselves, no slot (the module's docstring).
             master = self.updater.read(owner, "master")  # (timed as "read")
             start = self.tracer.now()
