@@ -248,7 +248,10 @@ class StreamEngine:
             self._schedules[shape] = schedule_mod.describe(self.cfg, self.options, self.placement_config, shape,
                                                            self.tx, fused=self.update.fused is not None,
                                                            devices=self.placement.mesh.count,
-                                                           reads_host=self.placement.reads_host)
+                                                           # A multi-process run keeps a compute copy (its
+                                                           # master holds this process's rows only), so
+                                                           # nothing is staged as master there.
+                                                           reads_host=self.placement.reads_host and self.hosts is None)
         return self._schedules[shape]
 
     def check_budget(self, batch: int, seq: int, accum: int = 1, documents: bool = False) -> None:
