@@ -66,8 +66,8 @@ def check(exp, cfg, dataset, available_ram: int | None = None, free_disk: int | 
     run = inputs.from_experiment(exp)
     # The devices the engine will run on (more than this process has: one line, here).
     devices = len(mesh.local_devices(exp.stream.devices)) if exp.stream.engine == "stream" else 1
-    plan = hosts.host_plan(estimate(cfg, run.stream, run.store, run.shape, hardware, tx=run.tx, devices=devices),
-                           processes)
+    plan = hosts.host_plan(estimate(cfg, run.stream, run.store, run.shape, hardware, tx=run.tx, devices=devices,
+                                    processes=processes), processes)
     if exp.stream.engine == "stream":
         try:  # what StreamEngine.check_budget will refuse, before anything is built
             schedule.check_budget(plan.device, exp.stream.device_budget_bytes)

@@ -114,13 +114,15 @@ def main(port: int, count: int, index: int, out: Path, frozen: bool = False) -> 
                    if tier == "ram"}
             stored = {kind: store.nbytes(kind) for kind in ("compute", "master", "opt")} if store else {}
             sent = dict(hosts.sent)  # the steps' collectives only
+            kept = {"engine": not engine.derived_compute, "schedule": not engine.schedule.derived_compute,
+                    "in_place": len(engine.schedule.in_place)}
             params, opt_state = engine.params(), engine.opt_state()
         if index == 0:
             flat = {f"params/{k}": np.asarray(v) for k, v in treepath.flatten(params).items()}
             flat.update({f"opt/{k}": np.asarray(v) for k, v in treepath.flatten(opt_state).items()})
             np.savez(out / f"{name}.npz", **flat)
         (out / f"{name}-{index}.json").write_text(json.dumps(
-            {"losses": losses, "ram": ram, "stored": stored, "sent": sent}))
+            {"losses": losses, "ram": ram, "stored": stored, "sent": sent, "compute_kept": kept}))
     jax.distributed.shutdown()
 
 

@@ -159,6 +159,15 @@ def test_each_process_holds_its_half_of_the_state(worker_run, where):
         assert h["compute"] == _whole_bytes("compute")
 
 
+def test_each_process_schedule_keeps_the_compute_copy_its_engine_keeps(worker_run):
+    """A process holds only its rows of master: its engine keeps a compute copy, and so does
+    the schedule it runs (mtjax.stream.schedule.derives_compute), which stages nothing as master."""
+    for tier, accum in WORKER_CASES:
+        for i in range(2):
+            kept = json.loads((worker_run / f"{tier}-{accum}-{i}.json").read_text())["compute_kept"]
+            assert kept == {"engine": True, "schedule": True, "in_place": 0}, (tier, accum, i)
+
+
 def test_each_process_resident_memory_holds_half_of_the_state(worker_run):
     """VmRSS each process keeps for an engine (tests/hosts_worker.py) of a model whose
     master and optimizer state (193 MiB whole: what one process holds) dominates its

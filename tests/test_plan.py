@@ -16,9 +16,11 @@ from mtjax import cli, hf, lora, model, parts, treepath
 from mtjax.model_config import from_hf_dict, load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.config import StoreConfig, StreamConfig
-from mtjax.plan import BUILTIN, HardwareError, StepShape, check, compute_dtype, estimate, load, recommend, residency
+from mtjax.plan import (BUILTIN, HardwareError, StepShape, check, compute_dtype, estimate, hosts, load, recommend,
+                        residency)
 from mtjax.plan.cost import block_forward_flops
 from mtjax.plan.report import size
+from mtjax.shard import Shard
 from mtjax.stream import fused_adamw, schedule
 from mtjax.stream.schedule import residual_bytes
 
@@ -198,6 +200,26 @@ def test_on_a_cpu_device_the_device_peak_counts_as_host_ram():
     assert plan.ram_needed == plan.host.total + plan.device.total
     assert check(plan, available_ram=plan.ram_needed, free_disk=plan.disk_bytes) is None
     assert "host RAM" in check(plan, available_ram=plan.host.total, free_disk=plan.disk_bytes)
+
+
+def test_a_host_of_several_counts_the_compute_copy_once_and_the_slots_it_stages_into():
+    """One host of a run of two (mtjax.plan.hosts) is priced from the schedule of a process
+    of two: the compute copy kept (counted once: the one-host plan, fused fp32 in RAM,
+    keeps none), every part staged into a slot (on the CPU too, where one host stages in
+    place), less the other host's rows of master, optimizer state and gradient sums."""
+    cfg, shard = dataclasses.replace(CFG, compute_dtype="float32"), Shard(0, 2)
+    mine = sum(parts.nbytes(shard.schema(parts.schema(cfg, p.name, "master", TX))) for p in parts.parts(cfg))
+    mine_opt = sum(parts.nbytes(shard.schema(parts.schema(cfg, p.name, "opt", TX))) for p in parts.parts(cfg))
+    for hw in (HW, BUILTIN["cpu-2core"]):
+        one = plan_of(cfg=cfg, shape=StepShape(2, 16), hw=hw)
+        two = hosts.of_processes(one, 2)
+        assert one.schedule.derived_compute and not two.schedule.derived_compute and not two.schedule.in_place
+        assert bool(one.schedule.in_place) == hw.device_is_host == (one.host.slots == 0)
+        others = (one.state.master - mine) + (one.state.opt - mine_opt) + one.host.grads * (one.state.master - mine) \
+            // one.state.master
+        want = one.ram_needed + one.state.compute + two.host.slots - one.host.slots - others
+        assert hosts.per_host(one, 2).ram_bytes == want
+        assert hosts.host_plan(one, 2).ram_needed == want and hosts.host_plan(one, 2).schedule == two.schedule
 
 
 def test_profiles_round_trip_and_builtins_are_labelled(tmp_path):

@@ -322,6 +322,22 @@ def test_cpu_fp32_stages_in_place_with_no_slots():
         engine.close()
 
 
+def test_a_multi_process_schedule_keeps_the_compute_copy_and_stages_nothing_in_place():
+    """A process of a multi-process run holds only its rows of master (mtjax.shard), so it
+    cannot round the compute copy from them nor stage master as it: its schedule keeps the
+    compute copy and gives every streamed part a slot, on the CPU in fp32 too, where one
+    process stages in place; otherwise it is one process's schedule."""
+    cfg, stream, store, shape = dataclasses.replace(CFG, compute_dtype="float32"), StreamConfig(), StoreConfig(), \
+        StepShape(BATCH, SEQ)
+    one = schedule.describe(cfg, stream, store, shape, TX, fused=True, reads_host=True)
+    two = schedule.describe(cfg, stream, store, shape, TX, fused=True, reads_host=True, processes=2)
+    assert one.derived_compute and one.in_place == one.streamed and not one.staging
+    assert not two.derived_compute and not two.in_place and two.staging_bytes > 0
+    assert schedule.derives_compute(True, store) and not schedule.derives_compute(True, store, processes=2)
+    assert dataclasses.replace(two, derived_compute=True, in_place=one.in_place, staging=(), processes=1,
+                               traffic=one.traffic) == one
+
+
 MOE = ModelConfig(model_type="qwen3_moe", vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=7, num_experts_per_tok=2,
                   moe_intermediate_size=24, moe_layers=(0, 2), compute_dtype="bfloat16")

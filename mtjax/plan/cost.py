@@ -150,18 +150,20 @@ def _params_of(cfg: ModelConfig) -> dict:
 
 def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
              tx=None, part_bytes_: dict[str, StateBytes] | None = None, devices: int | None = None,
-             fused: bool | None = None) -> Plan:
+             fused: bool | None = None, processes: int = 1) -> Plan:
     """Price one training step of `cfg` of `shape` under `stream` and `store` on `hardware`.
     `tx`: the optax transformation (default: mtjax's AdamW). `devices`: data parallel over
     that many (default: stream.devices, "all" being the profile's `devices`). `fused`:
     whether the update is the one-pass AdamW loop (default: where numba is installed and
-    the compute dtype allows it, as the engine decides)."""
+    the compute dtype allows it, as the engine decides). `processes`: the step of one
+    process of a run of that many, with the whole state (mtjax.plan.hosts takes the other
+    hosts' rows off)."""
     tx = make_optimizer(OptimConfig()) if tx is None and part_bytes_ is None else tx
     if devices is None:
         devices = stream.devices if isinstance(stream.devices, int) else hardware.devices
     dispatch = moe.dispatch("cpu" if hardware.device_is_host else "gpu")  # the planned device's grouped matmul
     s = describe(cfg, stream, store, shape, tx, fused=fused, part_bytes_=part_bytes_, devices=devices,
-                 dispatch=dispatch, reads_host=hardware.device_is_host)
+                 dispatch=dispatch, reads_host=hardware.device_is_host, processes=processes)
     pb, hw, state = s.part_bytes, hardware, s.state
     params_of = _params_of(cfg)
     num_params = sum(params_of.values())

@@ -4,7 +4,8 @@
     h = per_host(plan, processes)            the plan's RAM and disk per host, network time
 
 Each process keeps its rows of every part's master weights and optimizer state
-(mtjax.shard) and the whole compute copy; per step it sends its gradient sums into one
+(mtjax.shard) and the whole compute copy (its schedule, `estimate(..., processes=N)`, says
+so); per step it sends its gradient sums into one
 reduce-scatter per leaf (fp32, padded to equal pieces) and its rows of the new compute
 copy into one all-gather per leaf. The bytes are what ring algorithms send from each
 process: (N - 1) / N of a reduce-scatter's padded input (twice that for a leaf too small
@@ -24,6 +25,7 @@ import numpy as np
 from mtjax import parts
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
+from mtjax.plan.cost import Plan, estimate
 from mtjax.shard import Shard
 
 
@@ -66,11 +68,22 @@ def _sharded_bytes(cfg: ModelConfig, kind: str, shard: Shard, tx) -> int:
     return sum(parts.nbytes(shard.schema(parts.schema(cfg, p.name, kind, tx))) for p in parts.parts(cfg))
 
 
-def per_host(plan, processes: int, optim=None) -> PerHost:
-    """`plan` (mtjax.plan.cost.Plan of the whole step on one host) as each host of a run
-    of `processes` carries it: its rows of the master weights, the optimizer state and the
-    gradient sums waiting for their update (wherever they are placed), the whole compute
-    copy (always kept: a host cannot round it from master rows it does not hold)."""
+def of_processes(plan: Plan, processes: int) -> Plan:
+    """`plan` priced as the step of one process of a run of `processes` (as it was, when it
+    already is): that schedule decides what such a run keeps (mtjax.stream.schedule.describe)."""
+    s = plan.schedule
+    if s.processes == processes:
+        return plan
+    return estimate(plan.cfg, plan.stream, plan.store, plan.shape, plan.hardware, part_bytes_=plan.part_bytes,
+                    devices=s.devices, fused=s.fused, processes=processes)
+
+
+def per_host(plan: Plan, processes: int, optim=None) -> PerHost:
+    """`plan` (of the whole step on one host) as each host of a run of `processes` carries
+    it: the step of such a run (`of_processes`: the whole compute copy kept), less the
+    other hosts' rows of the master weights, the optimizer state and the gradient sums
+    waiting for their update (wherever they are placed)."""
+    plan = of_processes(plan, max(processes, 1))
     cfg, store, state, s = plan.cfg, plan.store, plan.state, plan.schedule
     tx = make_optimizer(optim) if optim is not None else make_optimizer(OptimConfig())
     shard = Shard(0, max(processes, 1))
@@ -78,8 +91,6 @@ def per_host(plan, processes: int, optim=None) -> PerHost:
     less = {k: state.get(k) - mine[k] for k in mine}  # the other hosts' rows
     ram = plan.ram_needed - sum(less[k] for k in less if getattr(store, k) == "ram")
     ram -= plan.host.grads - plan.host.grads * mine["master"] // max(state.master, 1)
-    if s.derived_compute:  # kept after all
-        ram += state.compute
     disk = plan.disk_bytes - store.copies * sum(less.values()) - (less["master"] if s.spill else 0)
     c = collective_bytes(cfg, processes)
     rate = plan.hardware.network_bytes_per_s
@@ -87,11 +98,12 @@ def per_host(plan, processes: int, optim=None) -> PerHost:
     return PerHost(processes, ram, disk, c, seconds, plan.times.step + seconds)
 
 
-def host_plan(plan, processes: int):
-    """`plan` with the host RAM and disk of one host of `processes` (its other figures as
-    they were): what the preflight checks against one machine."""
+def host_plan(plan: Plan, processes: int) -> Plan:
+    """The step of one process of a run of `processes` (`of_processes`), with the host RAM
+    and disk of its host: what the preflight checks against one machine."""
     if processes < 2:
         return plan
+    plan = of_processes(plan, processes)
     h = per_host(plan, processes)
     host = dataclasses.replace(plan.host, total=plan.host.total - (plan.ram_needed - h.ram_bytes))
     return dataclasses.replace(plan, host=host, disk_bytes=h.disk_bytes)

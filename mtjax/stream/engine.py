@@ -114,6 +114,7 @@ class StreamEngine:
             # Every part's state is split over the hosts: nothing is resident, adapters included.
             stream = dataclasses.replace(stream, resident="none", adapters="streamed")
         self.hosts = hosts
+        self.processes = 1 if hosts is None else hosts.count  # in the run: its schedule's `processes`
         parts_mod.check_roles(cfg)
         self.cfg, self.options, self.step_count = cfg, stream, step
         self.update = update_for(cfg, optim) if tx is None else PartUpdate(cfg, tx)
@@ -125,10 +126,9 @@ class StreamEngine:
         # With the master weights in RAM and the fused update, no compute copy is kept: the
         # prefetcher rounds master into the staging slot (reading 4 bytes/param there
         # instead of the update writing 2 that the prefetcher then reads; 2 bytes/param
-        # less RAM). docs/pipeline.md, "The compute copy".
-        self.derived_compute = hosts is None and schedule_mod.derives_compute(self.update.fused is not None,
-                                                                             self.placement_config,
-                                                                             parts_mod.frozen_any(cfg))
+        # less RAM); a multi-process run keeps one. docs/pipeline.md, "The compute copy".
+        self.derived_compute = schedule_mod.derives_compute(self.update.fused is not None, self.placement_config,
+                                                            parts_mod.frozen_any(cfg), self.processes)
         if self.tiers.kinds_in("disk"):
             fix_mmap_threshold()  # state on disk promises host memory flat in depth
         self.parts = parts_mod.parts(cfg)
@@ -248,10 +248,8 @@ class StreamEngine:
             self._schedules[shape] = schedule_mod.describe(self.cfg, self.options, self.placement_config, shape,
                                                            self.tx, fused=self.update.fused is not None,
                                                            devices=self.placement.mesh.count,
-                                                           # A multi-process run keeps a compute copy (its
-                                                           # master holds this process's rows only), so
-                                                           # nothing is staged as master there.
-                                                           reads_host=self.placement.reads_host and self.hosts is None)
+                                                           reads_host=self.placement.reads_host,
+                                                           processes=self.processes)
         return self._schedules[shape]
 
     def check_budget(self, batch: int, seq: int, accum: int = 1, documents: bool = False) -> None:

@@ -200,6 +200,7 @@ class Schedule:
     reads: tuple = ()  # the update's read buffer sets: (first part of a shape, kind, sets, bytes of one); read_sets
     adapters: tuple = ()  # streamed parts whose trained leaves (LoRA adapters) are resident; adapter_parts
     in_place: tuple = ()  # whole streamed parts staged as their master arrays, no slot; staged_in_place
+    processes: int = 1  # the run's processes, each stepping its rows (mtjax.stream.hosts); derives_compute
 
     @property
     def device_batch(self) -> int:
@@ -511,12 +512,13 @@ def saved_groups(groups_: tuple[range, ...], resident: tuple[PartId, ...], remat
     return tuple(g for g in groups_ if all(partid.block(i) in resident for i in g))
 
 
-def derives_compute(fused: bool, store: StoreConfig, frozen: bool = False) -> bool:
+def derives_compute(fused: bool, store: StoreConfig, frozen: bool = False, processes: int = 1) -> bool:
     """Whether no compute copy is kept: with the fused update and both master and compute
     weights in RAM, the prefetcher rounds master straight into the staging slot
     (docs/pipeline.md, "The compute copy"). Not with `frozen` leaves (mtjax.roles): their
-    compute copy is all they have."""
-    return fused and store.master == "ram" and store.compute == "ram" and not frozen
+    compute copy is all they have; nor in a run of several `processes` (mtjax.stream.hosts):
+    a process holds only its rows of master, so it cannot round the compute copy from them."""
+    return fused and store.master == "ram" and store.compute == "ram" and not frozen and processes == 1
 
 
 def staged_in_place(cfg: ModelConfig, derived: bool, reads_host: bool, streamed, adapters: tuple,
@@ -620,10 +622,13 @@ def _traced_residual_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: i
 
 def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, tx,
              fused: bool | None = None, part_bytes_: dict[PartId, StateBytes] | None = None,
-             devices: int = 1, dispatch: str | None = None, reads_host: bool | None = None) -> Schedule:
+             devices: int = 1, dispatch: str | None = None, reads_host: bool | None = None,
+             processes: int = 1) -> Schedule:
     """The schedule of one step of `shape` under `stream` and `store`'s placement, data
     parallel over `devices` devices (shape.batch splits over them, or shape.seq with
-    stream.split sequence: mtjax.config.check_split).
+    stream.split sequence: mtjax.config.check_split), on one process of a run of
+    `processes` (mtjax.stream.hosts): a run of several keeps a compute copy
+    (`derives_compute`), so it stages nothing in place.
     `dispatch`: the MoE grouped matmul of the device planned for (mtjax.moe.dispatch; default
     the backend's here), which decides what an expert backward allocates. `reads_host`:
     whether that device computes on host memory (default: the backend here is the CPU),
@@ -643,11 +648,12 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     reads_host = jax.default_backend() == "cpu" if reads_host is None else reads_host
     size, budget = stream.expert_group_size, stream.device_budget_bytes
     if size is not None or budget is None or not expert_groups.split_blocks(cfg):
-        return _describe(cfg, stream, store, shape, tx, fused, pb, size, devices, dispatch, reads_host)
-    plans = [_describe(cfg, stream, store, shape, tx, fused, pb, None, devices, dispatch, reads_host)]
+        return _describe(cfg, stream, store, shape, tx, fused, pb, size, devices, dispatch, reads_host, processes)
+    plans = [_describe(cfg, stream, store, shape, tx, fused, pb, None, devices, dispatch, reads_host, processes)]
     size = cfg.num_experts
     while plans[-1].device.total > budget and size >= 1:  # groups of E, E // 2, ... 1 experts
-        plans.append(_describe(cfg, stream, store, shape, tx, fused, pb, size, devices, dispatch, reads_host))
+        plans.append(_describe(cfg, stream, store, shape, tx, fused, pb, size, devices, dispatch, reads_host,
+                               processes))
         size //= 2
     fits = [p for p in plans if p.device.total <= budget]
     return fits[0] if fits else min(plans, key=lambda p: p.device.total)
@@ -772,7 +778,7 @@ def allreduce_bytes(cfg: ModelConfig, pb: dict[PartId, StateBytes], accum: int, 
 
 def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, tx, fused: bool,
               pb: dict[PartId, StateBytes], size: int | None, devices: int = 1,
-              dispatch: str | None = None, reads_host: bool = False) -> Schedule:
+              dispatch: str | None = None, reads_host: bool = False, processes: int = 1) -> Schedule:
     """`describe` with the MoE blocks split into groups of `size` experts (None: whole)."""
     resident = resident_parts(cfg, stream.resident, groups(cfg.num_hidden_layers, stream.keep_every))
     adapters = adapter_parts(cfg, stream, resident)
@@ -785,7 +791,7 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     streamed = {p: adapters_view(b) if p in adapters else b for p, b in pb.items() if p not in resident}
     remat = remat_of(stream)
     saved = saved_groups(grps, resident, remat)
-    derived = derives_compute(fused, store, parts.frozen_any(cfg))
+    derived = derives_compute(fused, store, parts.frozen_any(cfg), processes)
     in_place = staged_in_place(cfg, derived, reads_host, streamed, adapters, split)
     where = spill(store)
     check_split(stream.split, shape.batch, shape.seq, devices)
@@ -853,7 +859,8 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps, split), resident,
                     remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce, split, sub,
                     staging_sets(cfg, stream, grps, transfers, split, adapters, in_place),
-                    read_sets(cfg, store, pb, tuple(p for p in streamed if p not in adapters)), adapters, in_place)
+                    read_sets(cfg, store, pb, tuple(p for p in streamed if p not in adapters)), adapters, in_place,
+                    processes)
 
 
 def committed(b: StateBytes, kind: str) -> int:
