@@ -36,7 +36,11 @@ from mtjax.partid import EMBED, HEAD, PartId
 @dataclasses.dataclass(frozen=True)
 class Op:
     """One operation. Its line in a listing is `verb` formatted with the operation (`op`),
-    then `flagged` where its one bool field is set."""
+    then `flagged` where its one bool field is set.
+
+    An operation's fields are those of what it acts on (`PartOp`, `BlockOp`, `TiedOp`,
+    `GroupOp`): a kind of operation is a subclass with its own `verb`, and a dataclass of
+    its own only where it adds a field."""
 
     verb: ClassVar[str] = ""
     flagged: ClassVar[str] = ""
@@ -47,105 +51,25 @@ class Op:
 
 
 @dataclasses.dataclass(frozen=True)
-class Stage(Op):
-    """Take the next staged part from the prefetcher: its weights are on the device (with
-    its resident adapters', where they are)."""
+class PartOp(Op):
+    """An operation on one part's weights or gradient."""
 
-    verb = "stage {op.part}"
     part: PartId
 
 
 @dataclasses.dataclass(frozen=True)
-class Resident(Op):
-    """A resident part's weights, on the device already: nothing crosses."""
+class BlockOp(Op):
+    """An operation on block `block`, over every micro-batch."""
 
-    verb = "resident {op.part}"
-    part: PartId
-
-
-@dataclasses.dataclass(frozen=True)
-class Release(Op):
-    """Hand a staged part's slot back, fenced by the outputs of its last programs."""
-
-    verb = "release {op.part}"
-    part: PartId
-
-
-@dataclasses.dataclass(frozen=True)
-class Embed(Op):
-    """The embedding over every micro-batch: token ids -> hidden states."""
-
-    verb = "forward embed"
-
-
-@dataclasses.dataclass(frozen=True)
-class Forward(Op):
-    """Block `block` over every micro-batch, nothing kept."""
-
-    verb = "forward block.{op.block}"
     block: int
 
 
 @dataclasses.dataclass(frozen=True)
-class Save(Op):
-    """Block `block`'s one forward in a saved group: every micro-batch's vjp is kept."""
+class TiedOp(Op):
+    """An operation at the head or the embedding (`tied`: the embedding's weights are the
+    head's kernel, so it takes both)."""
 
-    verb = "forward block.{op.block}, keep its vjp"
-    block: int
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitForward(Op):
-    """A split MoE block's forward, sub-part by sub-part (stages them itself); `keep`:
-    its routing is kept for the backward."""
-
-    verb, flagged = "forward split block.{op.block}", ", keep its routing"
-    block: int
-    keep: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class Keep(Op):
-    """Keep every micro-batch's hidden states as block `block`'s input, for the backward
-    (`host`: in host memory)."""
-
-    verb, flagged = "keep input of block.{op.block}", " in host memory"
-    block: int
-    host: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Unkeep(Op):
-    """Bring back the input kept for block `block`."""
-
-    verb, flagged = "take back input of block.{op.block}", " from host memory"
-    block: int
-    host: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Head(Op):
-    """Loss and gradients of every micro-batch at the LM head (`tied`: the embedding's
-    weights are the head's kernel); the gradient w.r.t. the hidden states flows back."""
-
-    verb, flagged = "forward+backward head", " (tied embedding)"
     tied: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadLoss(Op):
-    """The loss of every micro-batch (evaluation)."""
-
-    verb, flagged = "loss at head", " (tied embedding)"
-    tied: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class Backward(Op):
-    """One block's recompute and backward in one program (a group of one)."""
-
-    verb = "recompute+backward block.{op.block}"
-    block: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +87,88 @@ class GroupOp(Op):
         return self.blocks[-1]
 
 
+class Stage(PartOp):
+    """Take the next staged part from the prefetcher: its weights are on the device (with
+    its resident adapters', where they are)."""
+
+    verb = "stage {op.part}"
+
+
+class Resident(PartOp):
+    """A resident part's weights, on the device already: nothing crosses."""
+
+    verb = "resident {op.part}"
+
+
+class Release(PartOp):
+    """Hand a staged part's slot back, fenced by the outputs of its last programs."""
+
+    verb = "release {op.part}"
+
+
+class Embed(Op):
+    """The embedding over every micro-batch: token ids -> hidden states."""
+
+    verb = "forward embed"
+
+
+class Forward(BlockOp):
+    """Block `block`'s forward, nothing kept."""
+
+    verb = "forward block.{op.block}"
+
+
+class Save(BlockOp):
+    """Block `block`'s one forward in a saved group: every micro-batch's vjp is kept."""
+
+    verb = "forward block.{op.block}, keep its vjp"
+
+
 @dataclasses.dataclass(frozen=True)
+class SplitForward(BlockOp):
+    """A split MoE block's forward, sub-part by sub-part (stages them itself); `keep`:
+    its routing is kept for the backward."""
+
+    verb, flagged = "forward split block.{op.block}", ", keep its routing"
+    keep: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Keep(BlockOp):
+    """Keep every micro-batch's hidden states as block `block`'s input, for the backward
+    (`host`: in host memory)."""
+
+    verb, flagged = "keep input of block.{op.block}", " in host memory"
+    host: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Unkeep(BlockOp):
+    """Bring back the input kept for block `block`."""
+
+    verb, flagged = "take back input of block.{op.block}", " from host memory"
+    host: bool = False
+
+
+class Head(TiedOp):
+    """Loss and gradients of every micro-batch at the LM head; the gradient w.r.t. the
+    hidden states flows back."""
+
+    verb, flagged = "forward+backward head", " (tied embedding)"
+
+
+class HeadLoss(TiedOp):
+    """The loss of every micro-batch (evaluation)."""
+
+    verb, flagged = "loss at head", " (tied embedding)"
+
+
+class Backward(BlockOp):
+    """One block's recompute and backward in one program (a group of one)."""
+
+    verb = "recompute+backward block.{op.block}"
+
+
 class RecomputeBackward(GroupOp):
     """A recompute group: its blocks' forward recomputed from the kept input, keeping
     their vjps, then walked back; per micro-batch."""
@@ -171,46 +176,36 @@ class RecomputeBackward(GroupOp):
     verb = "recompute block.{op.first}..{op.last}, backward in reverse"
 
 
-@dataclasses.dataclass(frozen=True)
 class SavedBackward(GroupOp):
     """A saved group's backward from the vjps its forward kept: nothing recomputed."""
 
     verb = "backward block.{op.first}..{op.last} from the kept vjps"
 
 
-@dataclasses.dataclass(frozen=True)
-class SplitBackward(Op):
+class SplitBackward(BlockOp):
     """A split MoE block's backward, sub-part by sub-part (stages them itself)."""
 
     verb = "backward split block.{op.block}"
-    block: int
 
 
-@dataclasses.dataclass(frozen=True)
-class EmbedBackward(Op):
+class EmbedBackward(TiedOp):
     """The embedding lookup's gradient (plus the head's, when tied)."""
 
     verb, flagged = "backward embed", " (+ the head's use of it)"
-    tied: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class GradOut(Op):
+class GradOut(PartOp):
     """A part's gradient, summed over the micro-batches, leaves for the host."""
 
     verb = "gradient out {op.part}"
-    part: PartId
 
 
-@dataclasses.dataclass(frozen=True)
-class GradStays(Op):
+class GradStays(PartOp):
     """A resident part's summed gradient stays on the device for its update there."""
 
     verb = "gradient stays {op.part}"
-    part: PartId
 
 
-@dataclasses.dataclass(frozen=True)
 class Update(Op):
     """The clip scale from every gradient's norm (a host sync), then every part's update:
     streamed parts' deferred to their next staging, resident ones' on the device now."""
@@ -218,7 +213,6 @@ class Update(Op):
     verb = "update (clip scale known)"
 
 
-@dataclasses.dataclass(frozen=True)
 class Commit(Op):
     """The step into the store: a one-copy store's (the state before its update plus its
     gradients, durable); only then may the updates overwrite the one copy, and they start."""
