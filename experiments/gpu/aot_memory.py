@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import model_config  # noqa: E402  the bench's model
+from bench import add_model_args, model_config  # noqa: E402  the bench's model
 
 from mtjax import attention, parts  # noqa: E402
 from mtjax.config import StoreConfig, StreamConfig  # noqa: E402
@@ -142,14 +142,7 @@ PRICED = {
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--width", type=int, default=4096)
-    ap.add_argument("--ffn", type=int, default=14336)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--accum", type=int, default=8)
+    add_model_args(ap)
     ap.add_argument("--targets", default="gpu,cpu", help="comma-separated: gpu (the H200, deviceless), cpu")
     a = ap.parse_args()
     cfg = model_config(a)

@@ -181,6 +181,20 @@ def trace_figures(eng) -> dict:
             "h2d_effective_gbps": eng.schedule.traffic.h2d_weights / h2d / 1e9 if h2d else None}
 
 
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The model (`model_config` reads them) and step-shape arguments, defaulting to the
+    H200 run's sizes; experiments/gpu/aot_memory.py takes the same, to compile the
+    engine's programs at the bench's shapes."""
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--width", type=int, default=4096)
+    ap.add_argument("--ffn", type=int, default=14336)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--accum", type=int, default=8, help="micro-batches per step (8 x 16 x 512 = 64k tokens)")
+
+
 def model_config(a) -> ModelConfig:
     heads = max(a.width // a.head_dim, 1)
     return ModelConfig(vocab_size=a.vocab, hidden_size=a.width, intermediate_size=a.ffn, num_hidden_layers=a.layers,
@@ -364,14 +378,7 @@ def markdown(a, cfg: ModelConfig, figs: Figures) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry", action="store_true", help="tiny sizes on the CPU: every path, figures marked dry, no docs")
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--width", type=int, default=4096)
-    ap.add_argument("--ffn", type=int, default=14336)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--accum", type=int, default=8, help="micro-batches per step (8 x 16 x 512 = 64k tokens)")
+    add_model_args(ap)
     ap.add_argument("--steps", type=int, default=3, help="timed steps after two untimed ones (their median counts)")
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--first-resident", type=int, default=3,
