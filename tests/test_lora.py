@@ -449,26 +449,39 @@ def _moe_config(**overrides):
     return _config(MOE_TARGETS, **{**TINY_MOE, **ONE_KV_HEAD, **overrides})
 
 
+def _moe_trains_as_peft(cfg, stream: StreamConfig, tmp_path, tolerance: float = 1e-4, moved: bool = False):
+    """3 AdamW steps of MoE `cfg`'s adapters, streamed under `stream` and in PEFT (its
+    ParamWrappers on every MoE block's fused expert tensors where `experts` is a target),
+    from the same weights: the same losses, with the load-balancing term where the model
+    has one; PEFT's adapters, each of ours within `tolerance` of it (`moved`: and moved
+    from its start); the base unchanged. Returns (the engine's split blocks, PEFT's adapters)."""
+    params = model.init_params(cfg, seed=0)
+    peft_model = _peft_model(cfg, params, tmp_path)
+    if cfg.lora.adapts_experts:
+        assert sorted(_expert_wrappers(peft_model)) == [(b, m) for b in cfg.moe_layers
+                                                        for m in sorted(lora.EXPERT_MODULES)]
+    engine = StreamEngine(cfg, params, OPT, stream, StoreConfig(), batch_shape=(BATCH, SEQ))
+    ours, theirs = _steps_beside_peft(cfg, engine, peft_model, output_router_logits=cfg.router_aux_loss_coef > 0)
+    start = treepath.flatten(params)
+    assert {n for n in ours if lora.is_adapter(n)} == set(theirs)
+    for name, w in ours.items():
+        if lora.is_adapter(name):
+            assert _rel_error(w, theirs[name]) <= tolerance, name
+            assert not moved or not np.array_equal(np.asarray(w), np.asarray(start[name])), name
+        else:
+            np.testing.assert_array_equal(np.asarray(w), np.asarray(start[name]), err_msg=name)
+    engine.close()
+    return engine.schedule.split, theirs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("group_size", [None, 3])
 def test_lora_on_a_moe_family_equals_peft_with_expert_groups_or_not(group_size, tmp_path):
     """3 AdamW steps, the whole MoE blocks or split into groups of 3 experts: PEFT's losses
     (with the load-balancing term, output_router_logits) and adapters; the base unchanged."""
-    cfg = _moe_config()
-    params = model.init_params(cfg, seed=0)
-    peft_model = _peft_model(cfg, params, tmp_path)
-    engine = StreamEngine(cfg, params, OPT, StreamConfig(keep_every=2, expert_group_size=group_size), StoreConfig(),
-                          batch_shape=(BATCH, SEQ))
-    assert bool(engine.schedule.split) == (group_size is not None)
-    ours, theirs = _steps_beside_peft(cfg, engine, peft_model, output_router_logits=True)
-    start = treepath.flatten(params)
-    assert {n for n in ours if lora.is_adapter(n)} == set(theirs) and len(theirs) == 3 * 3 * 2
-    for name, w in ours.items():
-        if lora.is_adapter(name):
-            assert _rel_error(w, theirs[name]) <= 1e-4, name
-        else:
-            np.testing.assert_array_equal(np.asarray(w), np.asarray(start[name]), err_msg=name)
-    engine.close()
+    split, theirs = _moe_trains_as_peft(_moe_config(), StreamConfig(keep_every=2, expert_group_size=group_size),
+                                        tmp_path)
+    assert bool(split) == (group_size is not None) and len(theirs) == 3 * 3 * 2
 
 
 # Frozen leaves of split MoE blocks: LoRA's base, and freeze patterns that freeze a whole
@@ -514,22 +527,9 @@ def test_lora_on_the_routed_experts_equals_peft_with_expert_groups_or_not(group_
     group): PEFT's losses and adapters (its lora_A [r E, in], lora_B [out, r E] per fused
     tensor), the base unchanged."""
     cfg = _moe_config(lora=lora.LoraConfig(rank=4, alpha=8.0, target_modules=EXPERT_TARGETS))
-    params = model.init_params(cfg, seed=0)
-    peft_model = _peft_model(cfg, params, tmp_path)
-    assert sorted(_expert_wrappers(peft_model)) == [(b, m) for b in (0, 2) for m in sorted(lora.EXPERT_MODULES)]
-    engine = StreamEngine(cfg, params, OPT, StreamConfig(keep_every=2, expert_group_size=group_size), StoreConfig(),
-                          batch_shape=(BATCH, SEQ))
-    assert bool(engine.schedule.split) == (group_size is not None)
-    ours, theirs = _steps_beside_peft(cfg, engine, peft_model, output_router_logits=True)
-    start = treepath.flatten(params)
-    assert {n for n in ours if lora.is_adapter(n)} == set(theirs) and len(theirs) == 3 * 2 * 2 + 2 * 7 * 4
-    for name, w in ours.items():
-        if lora.is_adapter(name):
-            assert _rel_error(w, theirs[name]) <= 1e-4, name
-            assert not np.array_equal(np.asarray(w), np.asarray(start[name])), name
-        else:
-            np.testing.assert_array_equal(np.asarray(w), np.asarray(start[name]), err_msg=name)
-    engine.close()
+    split, theirs = _moe_trains_as_peft(cfg, StreamConfig(keep_every=2, expert_group_size=group_size), tmp_path,
+                                        moved=True)
+    assert bool(split) == (group_size is not None) and len(theirs) == 3 * 2 * 2 + 2 * 7 * 4
 
 
 # The other families whose routed experts share the layer (transformers' fused gate_up_proj
@@ -555,24 +555,12 @@ def test_lora_on_the_routed_experts_of_other_moe_families_equals_peft(family, tm
     else:
         cfg = _moe_config(lora=lora.LoraConfig(rank=4, alpha=8.0, target_modules=EXPERT_TARGETS), num_hidden_layers=2,
                           moe_layers=(0, 1), **EXPERT_FAMILIES[family])
-    params = model.init_params(cfg, seed=0)
-    peft_model = _peft_model(cfg, params, tmp_path)
-    assert sorted(_expert_wrappers(peft_model)) == [(b, m) for b in cfg.moe_layers for m in sorted(lora.EXPERT_MODULES)]
-    engine = StreamEngine(cfg, params, OPT, StreamConfig(keep_every=2), StoreConfig(), batch_shape=(BATCH, SEQ))
-    ours, theirs = _steps_beside_peft(cfg, engine, peft_model, output_router_logits=cfg.router_aux_loss_coef > 0)
+    # A rarely routed expert's tiny gradient, turned by AdamW into a full-size step:
+    # Mixtral's worst A (block 0's expert 4) is 1.3e-4 off, every other leaf <= 7e-5.
+    _, theirs = _moe_trains_as_peft(cfg, StreamConfig(keep_every=2), tmp_path, tolerance=2e-4)
     attention = len(cfg.lora.target_modules) - 1  # the targets beside `experts`, in every block
     experts = len(cfg.moe_layers) * cfg.num_experts * 2  # per MoE block: each expert's gate_up_proj and down_proj
-    assert {n for n in ours if lora.is_adapter(n)} == set(theirs)
     assert len(theirs) == 2 * (attention * cfg.num_hidden_layers + experts)
-    start = treepath.flatten(params)
-    for name, w in ours.items():
-        if lora.is_adapter(name):
-            # A rarely routed expert's tiny gradient, turned by AdamW into a full-size step:
-            # Mixtral's worst A (block 0's expert 4) is 1.3e-4 off, every other leaf <= 7e-5.
-            assert _rel_error(w, theirs[name]) <= 2e-4, name
-        else:
-            np.testing.assert_array_equal(np.asarray(w), np.asarray(start[name]), err_msg=name)
-    engine.close()
 
 
 def test_peft_expert_factors_round_trip_and_give_peft_delta():
