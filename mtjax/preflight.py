@@ -67,7 +67,7 @@ def check(exp, cfg, dataset, available_ram: int | None = None, free_disk: int | 
     # The devices the engine will run on (more than this process has: one line, here).
     devices = len(mesh.local_devices(exp.stream.devices)) if exp.stream.engine == "stream" else 1
     plan = hosts.host_plan(estimate(cfg, run.stream, run.store, run.shape, hardware, tx=run.tx, devices=devices,
-                                    processes=processes), processes)
+                                    processes=processes), processes, run.tx)
     if exp.stream.engine == "stream":
         try:  # what StreamEngine.check_budget will refuse, before anything is built
             schedule.check_budget(plan.device, exp.stream.device_budget_bytes)

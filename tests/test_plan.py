@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import psutil
 import pytest
 from flax import nnx
@@ -220,6 +221,24 @@ def test_a_host_of_several_counts_the_compute_copy_once_and_the_slots_it_stages_
         want = one.ram_needed + one.state.compute + two.host.slots - one.host.slots - others
         assert hosts.per_host(one, 2).ram_bytes == want
         assert hosts.host_plan(one, 2).ram_needed == want and hosts.host_plan(one, 2).schedule == two.schedule
+
+
+def test_a_host_of_several_keeps_rows_of_the_run_s_optimizer_state():
+    """Per host, the optimizer state is the rows of the one the plan was priced with: SGD
+    with momentum keeps one moment, AdamW two. The default (AdamW) against a plan of
+    another optimizer is an error, not a wrong price."""
+    sgd, shard = optax.sgd(1e-3, momentum=0.9), Shard(0, 2)
+    plan = plan_of(shape=StepShape(2, 16), tx=sgd)
+    assert 0 < plan.state.opt < plan_of(shape=StepShape(2, 16)).state.opt
+
+    mine = {k: sum(parts.nbytes(shard.schema(parts.schema(CFG, p.name, k, sgd))) for p in parts.parts(CFG))
+            for k in ("master", "opt")}
+    two = hosts.of_processes(plan, 2)
+    grads = plan.host.grads - plan.host.grads * mine["master"] // plan.state.master
+    want = two.ram_needed - (plan.state.master - mine["master"]) - (plan.state.opt - mine["opt"]) - grads
+    assert hosts.per_host(plan, 2, sgd).ram_bytes == hosts.host_plan(plan, 2, sgd).ram_needed == want
+    with pytest.raises(ValueError, match="another optimizer"):
+        hosts.per_host(plan, 2)
 
 
 def test_profiles_round_trip_and_builtins_are_labelled(tmp_path):

@@ -161,7 +161,7 @@ def run_plan(args) -> int:
     options = fit.placements(plan, room)
     run = wholerun.price(plan, steps, steps_from, args.price_per_hour)
     longest = planner_longest.search(plan, room) if args.longest else None
-    per_host = hosts.per_host(plan, args.processes) if args.processes > 1 else None
+    per_host = hosts.per_host(plan, args.processes, given_run.tx) if args.processes > 1 else None
     if args.json:
         shown = report.as_dict(plan, advice, options, run, profile_from, longest, given_run.dtype_choice)
         if per_host is not None:

@@ -1,7 +1,7 @@
 """A multi-process run's step, priced per host: its share of the state, and the network.
 
     c = collective_bytes(cfg, processes)     bytes each process sends per step
-    h = per_host(plan, processes)            the plan's RAM and disk per host, network time
+    h = per_host(plan, processes, tx)        the plan's RAM and disk per host, network time
 
 Each process keeps its rows of every part's master weights and optimizer state
 (mtjax.shard) and the whole compute copy (its schedule, `estimate(..., processes=N)`, says
@@ -64,8 +64,10 @@ class PerHost(NamedTuple):
     step_s: float  # the plan's step time plus the collectives' (not hidden under compute)
 
 
-def _sharded_bytes(cfg: ModelConfig, kind: str, shard: Shard, tx) -> int:
-    return sum(parts.nbytes(shard.schema(parts.schema(cfg, p.name, kind, tx))) for p in parts.parts(cfg))
+def _state_bytes(cfg: ModelConfig, kind: str, shard: Shard, tx) -> tuple[int, int]:
+    """(bytes of all parts' state of `kind`, of `shard`'s rows of it)."""
+    schemas = [parts.schema(cfg, p.name, kind, tx) for p in parts.parts(cfg)]
+    return sum(map(parts.nbytes, schemas)), sum(parts.nbytes(shard.schema(x)) for x in schemas)
 
 
 def of_processes(plan: Plan, processes: int) -> Plan:
@@ -78,17 +80,23 @@ def of_processes(plan: Plan, processes: int) -> Plan:
                     devices=s.devices, fused=s.fused, processes=processes)
 
 
-def per_host(plan: Plan, processes: int, optim=None) -> PerHost:
+def per_host(plan: Plan, processes: int, tx=None) -> PerHost:
     """`plan` (of the whole step on one host) as each host of a run of `processes` carries
     it: the step of such a run (`of_processes`: the whole compute copy kept), less the
     other hosts' rows of the master weights, the optimizer state and the gradient sums
-    waiting for their update (wherever they are placed)."""
+    waiting for their update (wherever they are placed). `tx`: the optax transformation the plan was priced with (`estimate`'s; default
+    mtjax's AdamW): its state is what each host keeps rows of."""
     plan = of_processes(plan, max(processes, 1))
     cfg, store, state, s = plan.cfg, plan.store, plan.state, plan.schedule
-    tx = make_optimizer(optim) if optim is not None else make_optimizer(OptimConfig())
     shard = Shard(0, max(processes, 1))
-    mine = {k: _sharded_bytes(cfg, k, shard, tx) for k in ("master", "opt")}
-    less = {k: state.get(k) - mine[k] for k in mine}  # the other hosts' rows
+    tx = make_optimizer(OptimConfig()) if tx is None else tx
+    whole, mine = {}, {}
+    for k in ("master", "opt"):
+        whole[k], mine[k] = _state_bytes(cfg, k, shard, tx)
+    if whole != {k: state.get(k) for k in whole}:
+        raise ValueError("per_host: the plan's state was priced with another optimizer than `tx`; pass the one "
+                         "given to estimate")
+    less = {k: whole[k] - mine[k] for k in mine}  # the other hosts' rows
     ram = plan.ram_needed - sum(less[k] for k in less if getattr(store, k) == "ram")
     ram -= plan.host.grads - plan.host.grads * mine["master"] // max(state.master, 1)
     disk = plan.disk_bytes - store.copies * sum(less.values()) - (less["master"] if s.spill else 0)
@@ -98,12 +106,13 @@ def per_host(plan: Plan, processes: int, optim=None) -> PerHost:
     return PerHost(processes, ram, disk, c, seconds, plan.times.step + seconds)
 
 
-def host_plan(plan: Plan, processes: int) -> Plan:
+def host_plan(plan: Plan, processes: int, tx=None) -> Plan:
     """The step of one process of a run of `processes` (`of_processes`), with the host RAM
-    and disk of its host: what the preflight checks against one machine."""
+    and disk of its host (`per_host`, with `tx`): what the preflight checks against one
+    machine."""
     if processes < 2:
         return plan
     plan = of_processes(plan, processes)
-    h = per_host(plan, processes)
+    h = per_host(plan, processes, tx)
     host = dataclasses.replace(plan.host, total=plan.host.total - (plan.ram_needed - h.ram_bytes))
     return dataclasses.replace(plan, host=host, disk_bytes=h.disk_bytes)
