@@ -53,7 +53,8 @@ def _disk_root(path: Path) -> Path:
 def check(exp, cfg, dataset, available_ram: int | None = None, free_disk: int | None = None, processes: int = 1):
     """Raise PreflightError if the run does not fit; returns the plan it was checked against.
     `available_ram` and `free_disk` default to what the machine has now. `processes`: one
-    host of a multi-process run is checked for its share (mtjax.plan.hosts)."""
+    host of a multi-process run is checked for its share of the batch and of the state
+    (mtjax.plan.hosts)."""
     dataset.check_seq_len(exp.data.seq_len)
     start, stop = dataset.split("train")
     windows = (stop - start) // exp.data.seq_len
@@ -66,8 +67,8 @@ def check(exp, cfg, dataset, available_ram: int | None = None, free_disk: int | 
     run = inputs.from_experiment(exp)
     # The devices the engine will run on (more than this process has: one line, here).
     devices = len(mesh.local_devices(exp.stream.devices)) if exp.stream.engine == "stream" else 1
-    plan = hosts.host_plan(estimate(cfg, run.stream, run.store, run.shape, hardware, tx=run.tx, devices=devices,
-                                    processes=processes), processes, run.tx)
+    plan = hosts.host_plan(estimate(cfg, run.stream, run.store, run.shape, hardware, tx=run.tx, devices=devices),
+                           processes, run.tx)
     if exp.stream.engine == "stream":
         try:  # what StreamEngine.check_budget will refuse, before anything is built
             schedule.check_budget(plan.device, exp.stream.device_budget_bytes)

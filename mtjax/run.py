@@ -57,6 +57,7 @@ from mtjax.progress import Progress, peak_flops
 from mtjax.terminal import bar as progress_bar
 from mtjax.reference import ReferenceTrainer
 from mtjax.stream import StreamEngine, staging
+from mtjax.stream import hosts as stream_hosts
 from mtjax.stream import schedule as schedule_mod
 from mtjax.stream import sample as sample_mod
 from mtjax.stream.budget import DeviceBudgetError
@@ -481,9 +482,7 @@ def _join(exp: ExperimentConfig):
         return None
     if exp.stream.engine != "stream":
         raise ConfigError("a multi-process run needs stream.engine=stream (the reference engine is one process)")
-    if exp.data.batch_size % startup.hosts.count:
-        raise ConfigError(f"data.batch_size {exp.data.batch_size} must be a multiple of the number of processes "
-                          f"({startup.hosts.count}): each process trains an equal share of every micro-batch's rows")
+    stream_hosts.share(exp.data.batch_size, startup.hosts.count)  # a batch_size the processes cannot split: one line
     settings = exp.to_dict()
     settings["distributed"].pop("process_id")  # the one setting that differs between processes
     distributed.check_same(startup.hosts, "experiment config", json.dumps(settings, sort_keys=True, default=str))

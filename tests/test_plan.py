@@ -216,11 +216,29 @@ def test_a_host_of_several_counts_the_compute_copy_once_and_the_slots_it_stages_
         two = hosts.of_processes(one, 2)
         assert one.schedule.derived_compute and not two.schedule.derived_compute and not two.schedule.in_place
         assert bool(one.schedule.in_place) == hw.device_is_host == (one.host.slots == 0)
+        alone = estimate(cfg, StreamConfig(), StoreConfig(), StepShape(1, 16), hw, tx=TX)  # a process's rows
+        assert two.ram_needed == alone.ram_needed + alone.state.compute + two.host.slots - alone.host.slots
         others = (one.state.master - mine) + (one.state.opt - mine_opt) + one.host.grads * (one.state.master - mine) \
             // one.state.master
-        want = one.ram_needed + one.state.compute + two.host.slots - one.host.slots - others
+        want = two.ram_needed - others
         assert hosts.per_host(one, 2).ram_bytes == want
         assert hosts.host_plan(one, 2).ram_needed == want and hosts.host_plan(one, 2).schedule == two.schedule
+
+
+def test_a_host_of_several_steps_its_share_of_the_batch():
+    """Each process trains its rows of every micro-batch (mtjax.stream.hosts.share): one
+    host's step, device peak and time, is that of its rows, not of the whole batch; a batch
+    the processes cannot split equally is one line."""
+    for hw in (HW, BUILTIN["cpu-2core"]):
+        one = plan_of(shape=StepShape(4, 64, 2), hw=hw)
+        two = hosts.of_processes(one, 2)
+        rows = estimate(CFG, StreamConfig(), StoreConfig(), StepShape(2, 64, 2), hw, tx=TX, processes=2)
+        assert two.shape == StepShape(2, 64, 2) and two.schedule == rows.schedule and two.times == rows.times
+        assert two.device.activations < one.device.activations and two.flops == pytest.approx(one.flops / 2)
+        h = hosts.per_host(one, 2)
+        assert h.step_s == two.times.step + h.network_s < one.times.step + h.network_s
+    with pytest.raises(ValueError, match="data.batch_size 4 must be a multiple of the number of processes \\(3\\)"):
+        hosts.per_host(plan_of(shape=StepShape(4, 64)), 3)
 
 
 def test_a_host_of_several_keeps_rows_of_the_run_s_optimizer_state():
@@ -281,8 +299,10 @@ def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     assert cli.main(["plan", str(tmp_path / "missing.json")]) == 2
     assert cli.main(["plan", str(BIG[0]), "--hardware", "tpu-v9"]) == 2
     assert cli.main(["plan", str(BIG[0]), "--placement", "opt=tape"]) == 2
+    assert cli.main(["plan", str(BIG[0]), "--hardware", "h200", "--batch-size", "4", "--processes", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith("mtjax plan: error:") for line in err)
+    assert "data.batch_size 4 must be a multiple of the number of processes (3)" in err[-1]
+    assert len(err) == 4 and all(line.startswith("mtjax plan: error:") for line in err)
 
 
 @pytest.mark.parametrize("name, placement", [

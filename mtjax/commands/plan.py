@@ -14,6 +14,7 @@ from mtjax.plan import compute_dtype, fit, hosts, inputs, machine, probe, report
 from mtjax.plan import longest as planner_longest
 from mtjax.plan.hardware import choices
 from mtjax.plan.units import size
+from mtjax.stream.hosts import share
 
 PLAN_DESCRIPTION = (
     "Predict, before anything is allocated, the device memory, host RAM and disk a run needs, the bytes "
@@ -142,6 +143,7 @@ def run_plan(args) -> int:
         store["copies"] = args.store_copies
     try:  # the config dataclasses check every value
         data = dataclasses.replace(given_run.data, **given("batch_size", "seq_len", "grad_accum"))
+        share(data.batch_size, args.processes)  # each process's rows of a micro-batch: equal, or one line
         resident = {} if args.resident is None else {"resident": int(args.resident) if args.resident.lstrip("-").isdigit()
                                                       else args.resident}
         stream = dataclasses.replace(given_run.stream, **given("keep_every", "prefetch_depth", "devices"), **resident)

@@ -3,12 +3,12 @@
     c = collective_bytes(cfg, processes)     bytes each process sends per step
     h = per_host(plan, processes, tx)        the plan's RAM and disk per host, network time
 
-Each process keeps its rows of every part's master weights and optimizer state
-(mtjax.shard) and the whole compute copy (its schedule, `estimate(..., processes=N)`, says
-so); per step it sends its gradient sums into one
-reduce-scatter per leaf (fp32, padded to equal pieces) and its rows of the new compute
-copy into one all-gather per leaf. The bytes are what ring algorithms send from each
-process: (N - 1) / N of a reduce-scatter's padded input (twice that for a leaf too small
+Each process trains its rows of every micro-batch (mtjax.stream.hosts.share) and keeps its
+rows of every part's master weights and optimizer state (mtjax.shard) and the whole compute
+copy (its schedule, `estimate(..., processes=N)`, says so); per step it sends its gradient
+sums into one reduce-scatter per leaf (fp32, padded to equal pieces) and its rows of the
+new compute copy into one all-gather per leaf. The bytes are what ring algorithms send
+from each process: (N - 1) / N of a reduce-scatter's padded input (twice that for a leaf too small
 to split, which is all-reduced), and N - 1 pieces of an all-gather. Priced against the
 hardware profile's `network_bytes_per_s`; the collectives run after the backward
 (reduce-scatter, overlapping the backward's later parts) and before the next forward
@@ -27,6 +27,7 @@ from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan.cost import Plan, estimate
 from mtjax.shard import Shard
+from mtjax.stream.hosts import share
 
 
 class Collectives(NamedTuple):
@@ -61,7 +62,7 @@ class PerHost(NamedTuple):
     disk_bytes: int  # the plan's store on one host's disk (its shard)
     collectives: Collectives
     network_s: float  # seconds per step the collectives take at the profile's network rate
-    step_s: float  # the plan's step time plus the collectives' (not hidden under compute)
+    step_s: float  # one process's step (its rows of the batch) plus the collectives' (not hidden under it)
 
 
 def _state_bytes(cfg: ModelConfig, kind: str, shard: Shard, tx) -> tuple[int, int]:
@@ -71,20 +72,26 @@ def _state_bytes(cfg: ModelConfig, kind: str, shard: Shard, tx) -> tuple[int, in
 
 
 def of_processes(plan: Plan, processes: int) -> Plan:
-    """`plan` priced as the step of one process of a run of `processes` (as it was, when it
-    already is): that schedule decides what such a run keeps (mtjax.stream.schedule.describe)."""
+    """`plan` (of the whole step, one process) priced as the step of one process of a run of
+    `processes`: its share of every micro-batch's rows, and what such a run keeps (its
+    schedule, mtjax.stream.schedule.describe). A plan that already is one process's of
+    `processes` is returned as it is."""
     s = plan.schedule
     if s.processes == processes:
         return plan
-    return estimate(plan.cfg, plan.stream, plan.store, plan.shape, plan.hardware, part_bytes_=plan.part_bytes,
+    if s.processes != 1:
+        raise ValueError(f"of_processes prices a plan of one process, not one of {s.processes}")
+    shape = dataclasses.replace(plan.shape, batch=share(plan.shape.batch, processes))
+    return estimate(plan.cfg, plan.stream, plan.store, shape, plan.hardware, part_bytes_=plan.part_bytes,
                     devices=s.devices, fused=s.fused, processes=processes)
 
 
 def per_host(plan: Plan, processes: int, tx=None) -> PerHost:
     """`plan` (of the whole step on one host) as each host of a run of `processes` carries
-    it: the step of such a run (`of_processes`: the whole compute copy kept), less the
-    other hosts' rows of the master weights, the optimizer state and the gradient sums
-    waiting for their update (wherever they are placed). `tx`: the optax transformation the plan was priced with (`estimate`'s; default
+    it: the step of one process of such a run (`of_processes`: its rows of the batch, the
+    whole compute copy kept), less the other hosts' rows of the master weights, the
+    optimizer state and the gradient sums waiting for their update (wherever they are
+    placed). `tx`: the optax transformation the plan was priced with (`estimate`'s; default
     mtjax's AdamW): its state is what each host keeps rows of."""
     plan = of_processes(plan, max(processes, 1))
     cfg, store, state, s = plan.cfg, plan.store, plan.state, plan.schedule

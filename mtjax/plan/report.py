@@ -115,8 +115,8 @@ def _resident(plan: Plan) -> str:
 def per_host(h, hw) -> str:
     """The lines of one host of a multi-process run (mtjax.plan.hosts.PerHost)."""
     c = h.collectives
-    return (f"per host of {h.processes} (one process each; its rows of master and optimizer state): RAM "
-            f"{size(h.ram_bytes)}, disk {size(h.disk_bytes)}\n"
+    return (f"per host of {h.processes} (one process each; its rows of every micro-batch, of master and of "
+            f"optimizer state): RAM {size(h.ram_bytes)}, disk {size(h.disk_bytes)}\n"
             f"network per step and host: reduce-scatter {size(c.reduce_scatter)} + all-gather {size(c.all_gather)} "
             f"at {hw.network_bytes_per_s / 1e9:.1f} GB/s = {h.network_s:.3g} s; step {h.step_s:.3g} s")
 

@@ -41,6 +41,7 @@ from mtjax.store.commit import OneCopy, commit_step
 from mtjax.store.pending import PendingFiles
 from mtjax.stream import budget as budget_mod
 from mtjax.stream import engine_state
+from mtjax.stream import hosts as hosts_mod
 from mtjax.stream import schedule as schedule_mod
 from mtjax.stream.blockfns import block_fns
 from mtjax.stream.grads import GradSink
@@ -173,7 +174,7 @@ class StreamEngine:
         layer `store` (mtjax.checkpoint opens it; every run has one): from fp32 `params`
         (and `opt_state`), or resumed from the store's last commit, `step`, when `params`
         is None. The engine owns the store from here on. `hosts`: a multi-process run's."""
-        rows = exp.data.batch_size // (1 if hosts is None else hosts.count)  # this process's share
+        rows = exp.data.batch_size if hosts is None else hosts_mod.share(exp.data.batch_size, hosts.count)
         return cls(cfg, params, exp.optim, exp.stream, exp.store, store=store, opt_state=opt_state, step=step,
                    batch_shape=(rows, exp.data.seq_len), owns_store=True, hosts=hosts, seed=exp.run.seed)
 

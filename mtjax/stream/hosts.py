@@ -26,8 +26,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mtjax import roles
 from mtjax.documents import Inputs
-from mtjax.errors import MtjaxError
+from mtjax.model_config import ConfigError
 from mtjax.shard import Shard
+
+
+def share(rows: int, count: int) -> int:
+    """The rows of a micro-batch of `rows` that each of `count` processes trains: an equal
+    share (the engine's step, its schedule, and the planner's price of one host)."""
+    if rows % count:
+        raise ConfigError(f"data.batch_size {rows} must be a multiple of the number of processes ({count}): "
+                          "each process trains an equal share of every micro-batch's rows")
+    return rows // count
 
 
 def _sum_over_processes(x):
@@ -116,11 +125,8 @@ class Hosts:
         """This process's rows of every micro-batch, and their weights in the step's loss:
         a micro-batch's share of the whole step's counted targets (so the sum over
         processes of their gradients is the gradient of the step's loss)."""
-        rows = inputs.tokens.shape[1]
-        if rows % self.count:
-            raise MtjaxError(f"data.batch_size {rows} must be a multiple of the number of processes ({self.count}): "
-                             "each process takes an equal share of every micro-batch's rows")
-        start, stop = self.index * rows // self.count, (self.index + 1) * rows // self.count
+        mine = share(inputs.tokens.shape[1], self.count)
+        start, stop = self.index * mine, (self.index + 1) * mine
         local = Inputs(*(None if a is None else np.ascontiguousarray(a[:, start:stop]) for a in inputs))
         if inputs.targets is None:
             return local, weights / self.count
