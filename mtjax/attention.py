@@ -366,15 +366,16 @@ def split_attention(q, k, v, scale: float, window: int | None, softcap: float | 
     return jax.shard_map(local, mesh=mesh, in_specs=(split,) * len(args), out_specs=split, check_vma=False)(*args)
 
 
-def gathered_bytes(dtype, batch: int, kv_heads: int, seq: int, head_dim: int, devices: int = 1) -> int:
-    """Bytes one device of `split_attention` holds beyond an unsplit kernel over its share
-    of `seq` tokens (its residuals and `working_bytes` price that share): the keys and
-    values gathered from the other `devices - 1` shares, in `dtype`, and their fp32
-    cotangents over those positions (`_flash_bwd` sums dk, dv of the whole row in fp32
-    before the gather's transpose reduce-scatters them). None on one device. The document
-    ids gathered with them (int32, one a token) are left out."""
+def gathered_bytes(platform: str, dtype, batch: int, kv_heads: int, seq: int, head_dim: int, devices: int = 1) -> int:
+    """Bytes one device of `split_attention` on `platform` holds beyond an unsplit kernel
+    over its share of `seq` tokens (its residuals and `working_bytes` price that share):
+    the keys and values gathered from the other `devices - 1` shares, in `dtype` (in fp32
+    on the CPU, whose XLA backend converts them before the all-gather: its loop runs in
+    fp32), and their fp32 cotangents over those positions (`_flash_bwd` sums dk, dv of the
+    whole row in fp32 before the gather's transpose reduce-scatters them). None on one
+    device. The document ids gathered with them (int32, one a token) are left out."""
     others = batch * seq * (devices - 1) * kv_heads * head_dim
-    return 2 * others * (jnp.dtype(dtype).itemsize + 4)
+    return 2 * others * ((4 if platform == "cpu" else jnp.dtype(dtype).itemsize) + 4)
 
 
 FUSED_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes (fp8 aside)

@@ -54,10 +54,12 @@ def head_bytes(cfg: ModelConfig, tokens: int, platform: str | None = None) -> in
       chunk's fp32 kernel gradient [width, vocab] before it joins the sum (the GPU fuses
       both away: the softmax gradient is written in the compute dtype into the dot's input,
       the kernel gradient added inside its dot);
-    - below fp32, the fp32 sum of the kernel's gradient over chunks [width, vocab] (in
-      fp32 it is the output's own buffer);
+    - the fp32 sum of the kernel's gradient over chunks [width, vocab], below fp32 or with
+      tied embeddings (untied in fp32 it is the output's own buffer; tied, the output is
+      the embedding's [vocab, width] gradient, which the sum is transposed into);
     - a chunk's hidden states and their gradient in fp32 (the CPU: the gradient alone);
-    - a tied kernel's transposed copy in the compute dtype;
+    - a tied kernel's transposed copy in the compute dtype: on the GPU; on the CPU it lives
+      in the embedding gradient's output buffer, dead before that is written;
     - per token 16 bytes (log-partition, weight, id, padding) and on the CPU the final
       norm's fp32 output and gradient, on the GPU the chunks' stacked hidden-state
       gradients in the compute dtype."""
@@ -67,11 +69,12 @@ def head_bytes(cfg: ModelConfig, tokens: int, platform: str | None = None) -> in
     rows = head_rows(cfg, tokens)
     chunk = rows * cfg.vocab_size * 4
     kernel = d * cfg.vocab_size
-    summed = 4 * kernel if item < 4 else 0
-    tied = kernel * item if cfg.tie_word_embeddings else 0
+    tied = cfg.tie_word_embeddings
     if platform == "cpu":
-        return chunk + max(chunk, 4 * kernel) + rows * d * 4 + summed + tied + tokens * (2 * d * 4 + 16)
-    return chunk + 2 * rows * d * 4 + summed + tied + tokens * (d * item + 16)
+        summed = 4 * kernel if item < 4 or tied else 0
+        return chunk + max(chunk, 4 * kernel) + rows * d * 4 + summed + tokens * (2 * d * 4 + 16)
+    summed = 4 * kernel if item < 4 else 0
+    return chunk + 2 * rows * d * 4 + summed + (kernel * item if tied else 0) + tokens * (d * item + 16)
 
 
 def _counted(tokens: jnp.ndarray, targets=None):

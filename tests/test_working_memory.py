@@ -92,6 +92,26 @@ def test_fused_gpu_kernels_and_a_split_row_hold_one_block_of_scores_or_none():
     assert schedule.block_working_bytes(CFG, 1, 1024, platform="cpu") == working(CFG, spec, 1, 1024, "cpu", 1)
 
 
+def test_a_split_row_below_fp32_is_priced_in_fp32_on_the_cpu_only():
+    """XLA's CPU backend gathers a split row's keys and values in fp32 and runs a bf16
+    block's weight-gradient matmuls in fp32 (schedule.promoted_bytes; checked against the
+    compiled split block in tests/test_sequence_split.py); a GPU's price is as it was."""
+    spec, bf16 = CFG.layer_specs[1], dataclasses.replace(CFG, compute_dtype="bfloat16")
+    other = 512 * CFG.num_key_value_heads * CFG.head_dim
+    gathered = lambda platform: attention.gathered_bytes(platform, "bfloat16", 1, CFG.num_key_value_heads,  # noqa: E731
+                                                         512, CFG.head_dim, 2)
+    assert (gathered("cpu"), gathered("gpu")) == (2 * other * (4 + 4), 2 * other * (2 + 4))
+    working, promoted = registry.mixer(spec).working, schedule.promoted_bytes(bf16, spec, 1, 512)
+    assert promoted > 0
+    block = lambda cfg, platform, devices=1: schedule.block_working_bytes(cfg, 1, 512, platform=platform,  # noqa: E731
+                                                                          devices=devices)
+    assert block(bf16, "cpu", 2) >= working(bf16, spec, 1, 512, "cpu", 2) + promoted
+    # one device, fp32 or a GPU: nothing promoted
+    assert block(bf16, "cpu") == working(bf16, spec, 1, 512, "cpu", 1)
+    assert block(CFG, "cpu", 2) == working(CFG, spec, 1, 512, "cpu", 2)
+    assert block(bf16, "gpu", 2) == working(bf16, spec, 1, 512, "gpu", 2)
+
+
 # Qwen3-MoE blocks (block 0 of tiny_moe_config's three) of the Qwen3.5 model's attention
 # width on this CPU (the blocked dispatch): 16 experts, fp32 and bf16 (XLA's CPU backend
 # computes the bf16 dispatch's matmuls and scatter in fp32, the copies a third of the
@@ -156,9 +176,13 @@ def test_an_expert_groups_backward_is_priced_as_xla_allocates_it():
 # against the plan's head term (mtjax.loss.head_bytes) on this CPU, untied: fp32 at a wide
 # vocabulary (two chunks of fp32 logits live, where the old price said three) and bf16 at a
 # wide width (the fp32 sum of the kernel's gradient and a chunk's share of it, [width, vocab]
-# each, where the old price counted neither).
+# each, where the old price counted neither); and bf16 tied, whose transposed kernel copy
+# lives in the embedding gradient's output buffer (a price that counted it as a temporary
+# was high: XLA held 0.83-0.95 of it).
 HEAD = {"fp32": tiny_config(vocab_size=8192, hidden_size=128, head_chunk_tokens=256),
-        "bf16": tiny_config(vocab_size=2048, hidden_size=512, head_chunk_tokens=256, compute_dtype="bfloat16")}
+        "bf16": tiny_config(vocab_size=2048, hidden_size=512, head_chunk_tokens=256, compute_dtype="bfloat16"),
+        "bf16 tied": tiny_config(vocab_size=2048, hidden_size=512, head_chunk_tokens=256, compute_dtype="bfloat16",
+                                 tie_word_embeddings=True)}
 
 
 @pytest.mark.parametrize("seq", [512, 2048])
@@ -166,9 +190,10 @@ HEAD = {"fp32": tiny_config(vocab_size=8192, hidden_size=128, head_chunk_tokens=
 def test_the_head_program_is_priced_as_xla_allocates_it(which, seq):
     cfg = HEAD[which]
     w = parts.schema(cfg, "head", "compute")
+    embed = parts.schema(cfg, "embed", "compute") if cfg.tie_word_embeddings else None
     x = jax.ShapeDtypeStruct((1, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype))
     tokens = jax.ShapeDtypeStruct((1, seq), np.int32)
-    program = jax.jit(lambda w, x, t: blockfns._head(cfg, w, None, x, t, 1.0))
-    temp = program.lower(w, x, tokens).compile().memory_analysis().temp_size_in_bytes
+    program = jax.jit(lambda w, e, x, t: blockfns._head(cfg, w, e, x, t, 1.0))
+    temp = program.lower(w, embed, x, tokens).compile().memory_analysis().temp_size_in_bytes
     priced = loss.head_bytes(cfg, seq, "cpu")
     assert abs(temp / priced - 1) < TOLERANCE, (which, seq, temp, priced)

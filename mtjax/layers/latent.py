@@ -148,7 +148,7 @@ def working(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, platform: s
     width = max(cfg.qk_nope_head_dim + cfg.head_dim, cfg.v_head_dim)
     heads = cfg.num_attention_heads
     return (working_bytes(platform, cfg.compute_dtype, batch, heads, seq, width, devices=devices)
-            + gathered_bytes(cfg.compute_dtype, batch, heads, seq, width, devices))
+            + gathered_bytes(platform, cfg.compute_dtype, batch, heads, seq, width, devices))
 
 
 registry.register_mixer(LatentAttention.kind, registry.MixerKind(

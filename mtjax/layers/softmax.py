@@ -166,7 +166,7 @@ def working(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, platform: s
     mixer = spec.mixer
     return (working_bytes(platform, cfg.compute_dtype, batch, cfg.num_attention_heads, seq, cfg.head_dim,
                           mixer.chunk or mixer.window, mixer.softcap, mixer.sinks, devices)
-            + gathered_bytes(cfg.compute_dtype, batch, cfg.num_key_value_heads, seq, cfg.head_dim, devices))
+            + gathered_bytes(platform, cfg.compute_dtype, batch, cfg.num_key_value_heads, seq, cfg.head_dim, devices))
 
 
 registry.register_mixer(SoftmaxAttention.kind, registry.MixerKind(module=Attention, flops=flops, decode_state=kv_cache,
