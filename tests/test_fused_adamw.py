@@ -157,10 +157,11 @@ def test_a_bf16_gradient_is_read_as_it_is():
         grads = {n: g.astype(ml_dtypes.bfloat16) for n, g in _random(SHAPES, 50 + step, 1e-3).items()}
         for state, cast in ((a, False), (b, True)):
             master, opt, compute = ({n: np.array(x) for n, x in d.items()} for d in state)
-            leaves = [fused_adamw.Leaf(master[n], opt[f"0.mu.{n}"], opt[f"0.nu.{n}"],
-                                       g.astype(np.float32) if cast else g,
-                                       (master[n], opt[f"0.mu.{n}"], opt[f"0.nu.{n}"], compute[n]), n.endswith("kernel"))
-                      for n, g in grads.items()]
+            leaves = []
+            for n, g in grads.items():
+                ins = (master[n], opt[f"0.mu.{n}"], opt[f"0.nu.{n}"])
+                leaves.append(fused_adamw.Leaf(*ins, g.astype(np.float32) if cast else g, (*ins, compute[n]),
+                                               n.endswith("kernel")))
             fused.fused.run(leaves, scalars)
             state[:] = master, opt, compute
         for got, want in zip(a, b):

@@ -119,9 +119,9 @@ def main() -> None:
         + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()),
     ]
     fp32 = args.dtype == "float32"
+    title = "Streaming overhead" + ("" if fp32 else f", {args.dtype} compute")
     harness.publish(SECTION if fp32 else f"{SECTION}-{args.dtype}",
-                    f"Streaming overhead{'' if fp32 else f', {args.dtype} compute'} (experiments/bench/stream_overhead.py)",
-                    "\n".join(lines),
+                    f"{title} (experiments/bench/stream_overhead.py)", "\n".join(lines),
                     f"experiments/bench/stream_overhead.py --layers {args.layers} --width {args.width} --seq {args.seq}"
                     + ("" if fp32 else f" --dtype {args.dtype}"), write=not args.no_doc)
 
