@@ -6,7 +6,7 @@ once and writes master, moments and the bf16 compute copy once: 30 bytes/param, 
 traffic of torch's fused AdamW plus the copy (28 without it: the engine's RAM tier keeps
 no copy, see mtjax.stream.engine). An fp32 compute copy is the master itself, copied.
 A bf16 gradient (bf16 compute, one micro-batch) is read as it is, 2 bytes/param fewer:
-widening it to fp32 first was a pass of its own that cost the CPU about three times this
+widening it to fp32 first was a pass of its own that cost the CPU several times this
 loop (docs/cpu.md, "The gradient's dtype").
 
 It evaluates the expressions XLA evaluates for `optim.make_optimizer`:

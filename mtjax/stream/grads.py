@@ -70,7 +70,7 @@ class GradSink:
             host = self.placement.host_arrays(grads)
         # The update reads a gradient in the compute dtype as it is (one micro-batch: not
         # summed in fp32 on the device); a spill file and the processes' reduce-scatter
-        # take fp32. Widening every bf16 gradient here cost the CPU three times the fused
+        # take fp32. Widening every bf16 gradient here cost the CPU several times the fused
         # AdamW pass that reads it (docs/cpu.md, "The gradient's dtype").
         keep = self.spill is None and self.hosts is None
         acc = dict(host) if keep or all(x.dtype == jnp.float32 for x in host.values()) else self._to_f32(host)
