@@ -146,6 +146,40 @@ def test_bf16_rounding_matches_ml_dtypes():
     np.testing.assert_array_equal(got[nan] & 0x7FC0, 0x7FC0)  # NaN stays a (quiet) NaN
 
 
+def test_a_bf16_gradient_is_read_as_it_is():
+    """A bf16 gradient (bf16 compute, one micro-batch) goes into the loop without an fp32
+    copy and updates exactly as its fp32 value does, bit for bit, over steps, through the
+    engine's update too; another dtype is refused with one line."""
+    fused, _ = _pair()
+    a, b = list(_state(fused)), list(_state(fused))
+    scalars, _ = fused.fused.step(np.int32(3), np.int32(3), np.float32(0.5))
+    for step in range(3):
+        grads = {n: g.astype(ml_dtypes.bfloat16) for n, g in _random(SHAPES, 50 + step, 1e-3).items()}
+        for state, cast in ((a, False), (b, True)):
+            master, opt, compute = ({n: np.array(x) for n, x in d.items()} for d in state)
+            leaves = []
+            for n, g in grads.items():
+                ins = (master[n], opt[f"0.mu.{n}"], opt[f"0.nu.{n}"])
+                leaves.append(fused_adamw.Leaf(*ins, g.astype(np.float32) if cast else g, (*ins, compute[n]),
+                                               n.endswith("kernel")))
+            fused.fused.run(leaves, scalars)
+            state[:] = master, opt, compute
+        for got, want in zip(a, b):
+            for n in want:
+                np.testing.assert_array_equal(got[n], want[n], err_msg=f"step {step}: {n}")
+    grads = _random(SHAPES, 60, 1e-3)
+    got = fused("block.0", *a, {n: g.astype(ml_dtypes.bfloat16) for n, g in grads.items()}, np.float32(1))
+    want = fused("block.0", *b, {n: g.astype(ml_dtypes.bfloat16).astype(np.float32) for n, g in grads.items()},
+                 np.float32(1))
+    for g, w in zip(got, want):
+        for n in w:
+            np.testing.assert_array_equal(g[n], w[n], err_msg=n)
+    ins = [np.zeros(4, np.float32) for _ in range(3)]
+    half = fused_adamw.Leaf(*ins, np.zeros(4, np.float16), (*ins, None), False)
+    with pytest.raises(ValueError, match="fp32 or bf16 gradients, not float16"):
+        next(half.pieces(1))
+
+
 def test_ram_tier_state_gets_huge_page_arrays():
     """The first in-place update moves RAM-tier state into arrays it then keeps updating:
     big ones 2 MiB-aligned (madvised for transparent huge pages), all writable. The

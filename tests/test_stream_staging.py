@@ -238,6 +238,8 @@ def test_gradient_norms_are_reduced_on_the_device_and_only_the_scalar_comes_back
     for p in parts:
         np.testing.assert_allclose(sink.last_sq[p], expected[p], rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(sink.take("embed")["e"]), parts["embed"]["e"] * 2)  # the copy is the link's
+    # bf16 stays bf16 (no fp32 copy on the host): the fused update reads it as it is.
+    assert {n: g.dtype for n, g in sink.take("block.0").items()} == {"w": jnp.bfloat16, "b": np.float32}
     sink.close()
     place.close()
 

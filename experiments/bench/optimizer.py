@@ -26,6 +26,7 @@ import time
 import harness  # first: the checkout on sys.path, JAX on the CPU
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mtjax import parts
@@ -50,7 +51,10 @@ within fp32 rounding (tests/test_fused_adamw.py). Where the engine keeps master 
 and the compute copy in RAM it keeps no copy at all (the prefetcher rounds master into the
 staging slot), so its update is the first row: the same 28 bytes/param as torch's. With
 master or compute on disk the update writes the bf16 copy too (second row, 30 bytes + the
-copy's write-allocate).
+copy's write-allocate). With bf16 compute and one micro-batch the gradient arrives in bf16
+and the loop reads it as it is (third row, 26 bytes); the engine used to widen it to fp32
+first, an XLA program writing a new fp32 array (fourth row: 2 + 4 bytes more, and every
+page of the new array faulted in).
 
 What made the loop fast: numba widens integer arithmetic to 64 bits, which halved the
 vector width of the bf16 rounding until it was written as LLVM IR on 32-bit integers; and
@@ -74,21 +78,26 @@ every row by 10-30% between runs; the interleaving keeps the ratios comparable w
 run."""
 
 
-def setup_mtjax(fused: bool, copy: bool = True):
+def setup_mtjax(fused: bool, copy: bool = True, grad: str = "float32"):
     """(step function, parameter count): the engine's PartUpdate on one RAM-tier part,
     as the fused one-pass loop (with or without writing the bf16 compute copy) or as the
-    optax program on XLA's CPU backend."""
+    optax program on XLA's CPU backend. `grad`: the gradient's dtype, "float32", or
+    "bfloat16" (bf16 compute, one micro-batch), or "widened" (bf16 widened to fp32 by an
+    XLA program first, as the engine's gradient sink did before 2026-12-07)."""
     update = PartUpdate(CFG, make_optimizer(OPT), optim=OPT if fused else None)
     assert (update.fused is not None) == fused, "the fused loop needs numba"
     schema = parts.schema(CFG, "block.0", "master")
     rng = np.random.default_rng(0)
     cpu = update.cpu
     master = {n: jax.device_put(rng.standard_normal(s.shape, np.float32) * 0.02, cpu) for n, s in schema.items()}
-    grads = {n: jax.device_put(rng.standard_normal(s.shape, np.float32) * 1e-3, cpu) for n, s in schema.items()}
+    grads = {n: jax.device_put((rng.standard_normal(s.shape, np.float32) * 1e-3).astype(
+        np.float32 if grad == "float32" else jnp.bfloat16), cpu) for n, s in schema.items()}
     state = [master, update.init_state(master), update.compute_copy(master)]
+    widen = jax.jit(lambda g: {n: x.astype(jnp.float32) for n, x in g.items()})
 
     def step():
-        new = update("block.0", *state, grads, np.float32(1.0), own=("master", "opt", "compute"), copy=copy)
+        g = widen(grads) if grad == "widened" else grads
+        new = update("block.0", *state, g, np.float32(1.0), own=("master", "opt", "compute"), copy=copy)
         state[:] = new if copy else (*new[:2], state[2])
         jax.block_until_ready(state)  # time the whole update, not its dispatch
 
@@ -170,6 +179,8 @@ def main() -> None:
     fused_step, n = setup_mtjax(fused=True, copy=False)
     steps["fused"] = fused_step
     steps["fused+copy"] = setup_mtjax(fused=True)[0]
+    steps["fused bf16"] = setup_mtjax(fused=True, copy=False, grad="bfloat16")[0]
+    steps["fused widened"] = setup_mtjax(fused=True, copy=False, grad="widened")[0]
     steps["whole"] = setup_mtjax(fused=False)[0]
     torch_step, n_torch = setup_torch(bf16_copy=False)
     steps["torch"] = torch_step
@@ -181,6 +192,10 @@ def main() -> None:
     rows = [("mtjax PartUpdate, fused loop, in place (RAM tier: no compute copy)", 28, *ns("fused")),
             ("mtjax PartUpdate, fused loop, in place, + bf16 copy (master or compute on disk)", 30,
              *ns("fused+copy")),
+            ("mtjax PartUpdate, fused loop, in place, bf16 gradient read as it is (bf16 compute, one "
+             "micro-batch)", 26, *ns("fused bf16")),
+            ("the same bf16 gradient widened to fp32 by an XLA program first (the engine before "
+             "2026-12-07)", 34, *ns("fused widened")),
             ("mtjax PartUpdate, optax program, whole part, in place (without numba; other optax "
              "transformations)", 30, *ns("whole")),
             ("torch AdamW(fused=True)", 28, *ns("torch")),

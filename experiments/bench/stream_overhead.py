@@ -1,17 +1,20 @@
 """Streaming overhead: streamed step time / reference step time, same model, one run.
 
-Both engines run the same fp32 Llama (8 blocks of width 1024 by default) with AdamW and
-clipping. The reference trainer recomputes every block in the backward (remat "full") or
-keeps the blocks' projection outputs (remat "dots"); the stream keeps every block input
+Both engines run the same Llama (8 blocks of width 1024 by default; fp32 compute, or
+`--dtype bfloat16` with fp32 masters and AdamW state) with AdamW and clipping. The
+reference trainer recomputes every block in the backward (remat "full") or keeps the
+blocks' projection outputs (remat "dots"); the stream keeps every block input
 (k = 1) with all state in the RAM tier (every part streamed, each block recomputed: remat
 "full"), and, with an unlimited device budget, keeps every part resident with either
 remat (`stream.resident=all`, `stream.remat`). Steps of all engines alternate, so drift in
 machine load hits them alike; each step is timed by wall clock and by this process's CPU
 time (all threads: on a shared machine the steadier figure), and a streamed step
 includes finishing its deferred update (else it would run during the next engine's
-step). Prints a table and writes its section of docs/benchmarks.md.
+step). Prints a table and writes its section of docs/benchmarks.md (one per compute
+dtype: fp32's `stream-overhead`, the others' `stream-overhead-<dtype>`).
 
     .venv/bin/python experiments/bench/stream_overhead.py            # ~5-8 minutes on 2 cores
+    .venv/bin/python experiments/bench/stream_overhead.py --dtype bfloat16
     .venv/bin/python experiments/bench/stream_overhead.py --layers 2 --width 256 --no-doc   # smoke
 """
 
@@ -115,9 +118,12 @@ def main() -> None:
         "RAM-tier stream's stage seconds in the last step (summed over parts; stages overlap): "
         + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()),
     ]
-    harness.publish(SECTION, "Streaming overhead (experiments/bench/stream_overhead.py)", "\n".join(lines),
-                    f"experiments/bench/stream_overhead.py --layers {args.layers} --width {args.width} --seq {args.seq}",
-                    write=not args.no_doc)
+    fp32 = args.dtype == "float32"
+    title = "Streaming overhead" + ("" if fp32 else f", {args.dtype} compute")
+    harness.publish(SECTION if fp32 else f"{SECTION}-{args.dtype}",
+                    f"{title} (experiments/bench/stream_overhead.py)", "\n".join(lines),
+                    f"experiments/bench/stream_overhead.py --layers {args.layers} --width {args.width} --seq {args.seq}"
+                    + ("" if fp32 else f" --dtype {args.dtype}"), write=not args.no_doc)
 
 
 if __name__ == "__main__":

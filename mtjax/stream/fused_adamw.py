@@ -5,6 +5,9 @@ bytes/param; see mtjax.stream.update). This loop reads master, moments and gradi
 once and writes master, moments and the bf16 compute copy once: 30 bytes/param, the
 traffic of torch's fused AdamW plus the copy (28 without it: the engine's RAM tier keeps
 no copy, see mtjax.stream.engine). An fp32 compute copy is the master itself, copied.
+A bf16 gradient (bf16 compute, one micro-batch) is read as it is, 2 bytes/param fewer:
+widening it to fp32 first was a pass of its own that cost the CPU several times this
+loop (docs/cpu.md, "The gradient's dtype").
 
 It evaluates the expressions XLA evaluates for `optim.make_optimizer`:
 - XLA turns a division by a broadcast scalar into a multiplication by its reciprocal,
@@ -70,11 +73,26 @@ if numba is not None:
             return builder.call(fn, args)
         return numba.float32(numba.float32, numba.float32, numba.float32), codegen
 
+    @intrinsic
+    def _grad_f32(typingctx, g):
+        """A gradient element as float32: an fp32 one itself, a bf16 one (its bits, uint16)
+        widened, which is exact: the bf16 bits are the high half of the fp32 value's."""
+        if g == numba.float32:
+            return numba.float32(g), lambda context, builder, signature, args: args[0]
+        if g == numba.uint16:
+            def codegen(context, builder, signature, args):
+                i32 = ir.IntType(32)
+                bits = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
+                return builder.bitcast(bits, ir.FloatType())
+            return numba.float32(g), codegen
+        return None
+
     @numba.njit(inline="always", error_model="numpy")
     def _adamw(p, m, v, g, k):
-        """One element: (master, mu, nu, bf16 bits of master). `k` holds the step's scalars."""
+        """One element: (master, mu, nu, bf16 bits of master). `k` holds the step's scalars;
+        `g` is fp32, or bf16 bits."""
         scale, b1, c1, b2, c2, r1, r2, eps, wd, neg_lr = k
-        g = g * scale
+        g = _grad_f32(g) * scale
         m = _fma(c1, g, b1 * m)  # optax: (1 - b1) * g + b1 * m
         v = _fma(b2, v, c2 * (g * g))  # optax: (1 - b2) * g**2 + b2 * v
         u = (m * r1) / (np.sqrt(v * r2) + eps)
@@ -120,7 +138,7 @@ class Leaf:
     master: np.ndarray
     mu: np.ndarray
     nu: np.ndarray
-    grad: np.ndarray
+    grad: np.ndarray  # fp32, or bf16 as the backward made it (read as it is: no fp32 copy)
     out: tuple  # new master, mu, nu (arrays, or the inputs themselves: in place), bf16 copy or None
     decay: bool
 
@@ -134,7 +152,10 @@ class Leaf:
             raise ValueError("the fused AdamW needs C-contiguous arrays (a reshape would copy)")
         if copy is not None and copy.dtype != np.dtype(jnp.bfloat16):
             raise ValueError(f"the fused AdamW writes a bf16 compute copy, not {copy.dtype}")
-        flat = [a.reshape(-1) for a in (*ins, self.grad)]
+        if self.grad.dtype not in (np.dtype(np.float32), precision.BF16):
+            raise ValueError(f"the fused AdamW reads fp32 or bf16 gradients, not {self.grad.dtype}")
+        grad = self.grad.view(np.uint16) if self.grad.dtype == precision.BF16 else self.grad
+        flat = [a.reshape(-1) for a in (*ins, grad)]
         outs = [] if in_place else [a.reshape(-1) for a in self.out[:3]]
         outs += [] if copy is None else [copy.reshape(-1).view(np.uint16)]
         fn = {(True, True): _in_place, (True, False): _in_place_no_copy,

@@ -1,6 +1,7 @@
 """The device->host stage for gradients: copy each part's gradient (already summed over
-the step's micro-batches on the device) to host memory, in fp32, on a worker thread so
-the device loop never waits.
+the step's micro-batches on the device, in fp32) to host memory on a worker thread, so
+the device loop never waits. One micro-batch's gradient stays in the compute dtype (the
+update reads bf16 as it is) unless it is spilled or reduce-scattered, which take fp32.
 
 `finish` returns the squared global norm (a host float32), which fixes the clip scale
 before any part is updated. Each part's squared norm is reduced on the device, from the
@@ -67,7 +68,12 @@ class GradSink:
     def _accumulate(self, part: str, grads: dict, sq) -> None:
         with self.tracer.span("d2h", part):
             host = self.placement.host_arrays(grads)
-        acc = dict(host) if all(x.dtype == jnp.float32 for x in host.values()) else self._to_f32(host)
+        # The update reads a gradient in the compute dtype as it is (one micro-batch: not
+        # summed in fp32 on the device); a spill file and the processes' reduce-scatter
+        # take fp32. Widening every bf16 gradient here cost the CPU several times the fused
+        # AdamW pass that reads it (docs/cpu.md, "The gradient's dtype").
+        keep = self.spill is None and self.hosts is None
+        acc = dict(host) if keep or all(x.dtype == jnp.float32 for x in host.values()) else self._to_f32(host)
         if self.hosts is not None:  # reduce-scattered by `finish`
             self._sums[part] = acc
             return

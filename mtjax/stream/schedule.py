@@ -857,7 +857,7 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
                                             if p not in in_place],
                                  {p: g for p, g in grad.items() if p in streamed and p not in adapters}, fused,
                                  derived, store,
-                                 sum(reads.values()) + sum(writes.values())),
+                                 sum(reads.values()) + sum(writes.values()), where is not None),
         # On the host the fused loop writes a compute copy unless it is the fp32 master itself.
         device_update=_update_bytes([pb[p] for p in resident + adapters], fused,
                                     copy=not fused or np.dtype(cfg.compute_dtype) != np.float32),
@@ -886,14 +886,15 @@ def committed(b: StateBytes, kind: str) -> int:
     return b.trained if kind == "compute" else b.get(kind)
 
 
-def _update_bytes(states, fused: bool, copy: bool) -> int:
+def _update_bytes(states, fused: bool, copy: bool, grads: int | None = None) -> int:
     """Bytes AdamW reads and writes on the host CPU updating parts of these StateBytes;
-    `copy`: it writes their compute copy."""
+    `copy`: it writes their compute copy; `grads`: the bytes of their gradients as the
+    fused loop reads them (None: fp32)."""
     m = sum(b.master for b in states)
     o = sum(b.opt for b in states)
     c = sum(b.trained for b in states) if copy else 0  # frozen leaves' copies are not rewritten
     if fused:  # one loop: reads master, both moments, gradient; writes master, moments (+ copy)
-        return 2 * m + 2 * o + m + c
+        return 2 * m + 2 * o + (m if grads is None else grads) + c
     # XLA's CPU backend runs the update as four passes (no multi-output fusion): mu and nu
     # (each reads its moment and the gradient, writes the moment), master (reads master and
     # both moments, writes master), the compute copy (reads master): 46 bytes/param for
@@ -902,15 +903,21 @@ def _update_bytes(states, fused: bool, copy: bool) -> int:
 
 
 def _host_memory(pb: dict[PartId, StateBytes], transfers: list[tuple[StateBytes, bool]], grad: dict, fused: bool,
-                 derived: bool, store: StoreConfig, disk_io: int) -> int:
+                 derived: bool, store: StoreConfig, disk_io: int, spilled: bool) -> int:
     """Bytes the host CPU reads and writes in one step (DMA is the link's: the planner
     adds it where the device is not the host). `transfers`: each transfer's bytes, and
     whether it stages the copy its update handed over (a disk-tier compute copy); those
-    staged in place (`staged_in_place`) copy nothing and are left out."""
-    optimizer = _update_bytes(pb.values(), fused, copy=not derived)
-    # A gradient is read as it arrives; one narrower than fp32 is cast (an fp32 write);
-    # the norm reads the fp32 sum.
-    grads = sum(g + (2 * pb[p].master if g != pb[p].master else pb[p].master) for p, g in grad.items())
+    staged in place (`staged_in_place`) copy nothing and are left out; `spilled`: the
+    gradients wait in files (`spill`)."""
+    # A gradient is read as it arrives, and the fp32 sum once more. One narrower than fp32
+    # (one micro-batch's, in the compute dtype) is cast to fp32 first (a write) where it is
+    # spilled or XLA's program updates; for the fused loop it stays as it is, and the
+    # loop's read of it is all (mtjax.stream.grads).
+    kept = {p: g != pb[p].master and fused and not spilled for p, g in grad.items()}
+    optimizer = _update_bytes(pb.values(), fused, copy=not derived,
+                              grads=sum(g if kept[p] else pb[p].master for p, g in grad.items()))
+    grads = sum(0 if kept[p] else g + (2 * pb[p].master if g != pb[p].master else pb[p].master)
+                for p, g in grad.items())
     # Each transfer fills a staging slot: a copy of the compute weights (read + write),
     # master rounded into it when no copy is kept, or a disk read (counted in disk_io).
     staging = 0

@@ -124,7 +124,9 @@ class PartUpdate:
             dtype, rounded = self.policy.leaf(n, p).dtype, None
             if copy and dtype != np.float32:  # the loop writes it (bf16: `_fused_for`)
                 rounded = _target(_host(compute[n]) if n in compute else None, "compute" in own, dtype, p.shape)
-            grad = np.ascontiguousarray(np.asarray(grads[n]), np.float32)  # host sync: the gradient transfer
+            grad = np.ascontiguousarray(np.asarray(grads[n]))  # host sync: the gradient transfer
+            if grad.dtype != precision.BF16:  # the loop reads a bf16 gradient as it is
+                grad = grad.astype(np.float32, copy=False)
             leaves.append(fused_adamw.Leaf(*ins, grad, (*outs, rounded), decay=len(p.shape) > 1))
             new_master[n], new_opt[mu], new_opt[nu], new_compute[n] = *outs, rounded
         self.fused.run(leaves, scalars, rank)
