@@ -165,7 +165,7 @@ def working(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, platform: s
     the other shares and their cotangents (mtjax.attention.gathered_bytes)."""
     mixer = spec.mixer
     return (working_bytes(platform, cfg.compute_dtype, batch, cfg.num_attention_heads, seq, cfg.head_dim,
-                          mixer.chunk or mixer.window, mixer.softcap, mixer.sinks, devices)
+                          mixer.chunk or mixer.window, mixer.softcap, mixer.sinks, devices, cfg.num_key_value_heads)
             + gathered_bytes(platform, cfg.compute_dtype, batch, cfg.num_key_value_heads, seq, cfg.head_dim, devices))
 
 
