@@ -414,15 +414,18 @@ PLANNED_CAPABILITY = 9.0
 
 
 def working_bytes(platform: str, dtype, batch: int, heads: int, seq: int, head_dim: int, window: int | None = None,
-                  softcap: float | None = None, sinks: bool = False, devices: int = 1) -> int:
+                  softcap: float | None = None, sinks: bool = False, devices: int = 1,
+                  kv_heads: int | None = None) -> int:
     """Bytes `attend`'s recompute and backward on `platform` ("cpu", "gpu", ...) hold at
     once beyond what its vjp keeps (q, k, v, the output, a log-sum-exp per query: the
     residuals the planner traces): fp32 probabilities and their gradient over the
     scores' tiles, per row and query head. The chunked kernel's unrolled chunks (up to
     UNROLLED_CHUNKS of CHUNK_ROWS queries) hold every chunk's tiles over its visible keys
     at once, O(t^2); its loop (longer rows, and a row split over `devices`, `seq` being one
-    device's share) one [rows, rows] block's; the fused GPU kernels (`kernel`: cuDNN,
-    Pallas) keep their tiles on chip: none counted."""
+    device's share) one [rows, rows] block's, and on the CPU below fp32 also fp32 copies of
+    the queries, keys and values (`kv_heads` of them; default `heads`) that its forward
+    and backward loops carry from the recompute to the backward; the fused GPU kernels
+    (`kernel`: cuDNN, Pallas) keep their tiles on chip: none counted."""
     backend = "cuda" if platform == "gpu" else platform
     capability = (_capability() or PLANNED_CAPABILITY) if backend == "cuda" else None
     which = kernel(backend, dtype, head_dim, window, softcap, capability=capability, sinks=sinks)
@@ -430,9 +433,12 @@ def working_bytes(platform: str, dtype, batch: int, heads: int, seq: int, head_d
         return 0
     if devices > 1 or -(-seq // CHUNK_ROWS) > UNROLLED_CHUNKS:
         tiles = CHUNK_ROWS * CHUNK_ROWS
+        copies = 4 * batch * seq * head_dim * (heads + 2 * (kv_heads or heads))
+        widened = copies if platform == "cpu" and jnp.dtype(dtype).itemsize < 4 else 0
     else:
         tiles = sum((r1 - r0) * (r1 - k0) for r0, r1, k0 in _chunks(seq, window, CHUNK_ROWS))
-    return 2 * 4 * batch * heads * tiles
+        widened = 0
+    return 2 * 4 * batch * heads * tiles + widened
 
 
 @functools.lru_cache(maxsize=64)

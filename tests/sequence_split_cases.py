@@ -117,29 +117,32 @@ def block_temp_bytes(devices: int, seq: int = 8192) -> int:
 def planned_block_cases() -> dict:
     """Each device's temporaries in the compiled recompute and backward of one gated
     softmax-attention block (tests/test_working_memory.py's Qwen3.5 model) as the engine
-    runs it (blockfns._grad) over a row of 8192 tokens split over 2, 4, 8 and 16 devices
-    (fp32) and 2 and 8 (bf16), beside the device plan's price for one device's share: the
-    block's traced residuals and its mixer's working bytes, with and without the gathered
-    keys and values (mtjax.attention.gathered_bytes), plus below fp32 the CPU's fp32
-    weight-gradient matmuls (schedule.promoted_bytes)."""
+    runs it (blockfns._grad) over rows of 8192 tokens split over 2, 4, 8 and 16 devices
+    (fp32) and 2 and 8 (bf16), one row and (under "<dtype> batch 2") two, beside the device
+    plan's price for one device's share: the block's traced residuals and its mixer's
+    working bytes, with and without the gathered keys and values
+    (mtjax.attention.gathered_bytes), plus below fp32 the CPU's fp32 weight-gradient
+    matmuls (schedule.promoted_bytes)."""
     spec, seq, out = WIDE.layer_specs[1], 8192, {}
-    for dtype, counts in (("float32", (2, 4, 8, 16)), ("bfloat16", (2, 8))):
-        model_cfg, out[dtype] = dataclasses.replace(WIDE, compute_dtype=dtype), {}
+    for dtype, batch, counts in (("float32", 1, (2, 4, 8, 16)), ("bfloat16", 1, (2, 8)),
+                                 ("float32", 2, (2, 8)), ("bfloat16", 2, (2, 8))):
+        model_cfg, key = dataclasses.replace(WIDE, compute_dtype=dtype), dtype + (" batch 2" if batch == 2 else "")
+        out[key] = {}
         for devices in counts:
             cfg, share = dataclasses.replace(model_cfg, sequence_devices=devices), seq // devices
             mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), (SEQUENCE,))
             on = lambda *axes: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))  # noqa: E731
             w = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=on())
                  for n, v in parts.schema(cfg, "block.1", "compute").items()}
-            x = jax.ShapeDtypeStruct((1, seq, cfg.hidden_size), np.dtype(dtype), sharding=on(None, SEQUENCE))
+            x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), np.dtype(dtype), sharding=on(None, SEQUENCE))
             grad = jax.jit(lambda w, x, dy: blockfns._grad(cfg, spec, w, x, dy, {}))
             temp = grad.lower(w, x, x).compile().memory_analysis().temp_size_in_bytes
             # the plan prices with the model's config (sequence_devices 1) and one device's share
-            promoted = schedule.promoted_bytes(model_cfg, spec, 1, share) if dtype != "float32" else 0
-            planned = (schedule.residual_bytes(model_cfg, spec, 1, share) + promoted
-                       + registry.mixer(spec).working(model_cfg, spec, 1, share, "cpu", devices))
-            gathered = gathered_bytes("cpu", dtype, 1, WIDE.num_key_value_heads, share, WIDE.head_dim, devices)
-            out[dtype][devices] = {"temp": temp, "planned": planned, "gathered": gathered, "promoted": promoted}
+            promoted = schedule.promoted_bytes(model_cfg, spec, batch, share) if dtype != "float32" else 0
+            planned = (schedule.residual_bytes(model_cfg, spec, batch, share) + promoted
+                       + registry.mixer(spec).working(model_cfg, spec, batch, share, "cpu", devices))
+            gathered = gathered_bytes("cpu", dtype, batch, WIDE.num_key_value_heads, share, WIDE.head_dim, devices)
+            out[key][devices] = {"temp": temp, "planned": planned, "gathered": gathered, "promoted": promoted}
     return out
 
 

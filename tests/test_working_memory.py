@@ -23,8 +23,10 @@ import pytest
 
 from mtjax import attention, expert_groups, loss, parts
 from mtjax.layers import delta_rule, registry
+from mtjax.config import StoreConfig, StreamConfig
 from mtjax.lora import LoraConfig
 from mtjax.model_config import ModelConfig
+from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.stream import blockfns, groupfns, schedule
 
 from conftest import tiny_config, tiny_moe_config
@@ -37,18 +39,18 @@ CFG = ModelConfig(model_type="qwen3_5_text", vocab_size=256, hidden_size=128, in
 TOLERANCE = 0.10
 
 
-def compiled_temp_bytes(index: int, seq: int) -> int:
-    spec = CFG.layer_specs[index]
-    w = parts.schema(CFG, f"block.{index}", "compute")
-    x = jax.ShapeDtypeStruct((1, seq, CFG.hidden_size), np.float32)
-    grad = jax.jit(lambda w, x, dy: blockfns._grad(CFG, spec, w, x, dy, {}))
+def compiled_temp_bytes(index: int, seq: int, cfg: ModelConfig = CFG) -> int:
+    spec = cfg.layer_specs[index]
+    w = parts.schema(cfg, f"block.{index}", "compute")
+    x = jax.ShapeDtypeStruct((1, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype))
+    grad = jax.jit(lambda w, x, dy: blockfns._grad(cfg, spec, w, x, dy, {}))
     return grad.lower(w, x, x).compile().memory_analysis().temp_size_in_bytes
 
 
-def priced_bytes(index: int, seq: int) -> tuple[int, int]:
+def priced_bytes(index: int, seq: int, cfg: ModelConfig = CFG) -> tuple[int, int]:
     """(the block's traced vjp residuals, its mixer's working bytes) on this CPU."""
-    spec = CFG.layer_specs[index]
-    return schedule.residual_bytes(CFG, spec, 1, seq), registry.mixer(spec).working(CFG, spec, 1, seq, "cpu", 1)
+    spec = cfg.layer_specs[index]
+    return schedule.residual_bytes(cfg, spec, 1, seq), registry.mixer(spec).working(cfg, spec, 1, seq, "cpu", 1)
 
 
 def rule_residual_bytes(seq: int) -> int:
@@ -76,6 +78,30 @@ def test_one_blocks_backward_is_priced_as_xla_allocates_it(seq):
             assert temp > (1 + 2 * TOLERANCE) * residuals, (seq, temp, residuals)
         else:  # the loop: one [128, 128] block's probabilities and their gradient
             assert working < 0.05 * temp
+
+
+def test_a_bf16_attention_loop_is_priced_with_its_fp32_queries_keys_and_values():
+    """Below fp32 the CPU's loop kernel carries fp32 copies of the queries, keys and values
+    from the recompute to the backward: at 4 key/value heads of 64 (as wide as the
+    queries) a price without them missed XLA's temporaries by 20% at 4096 tokens."""
+    cfg = dataclasses.replace(CFG, compute_dtype="bfloat16", head_dim=64, num_key_value_heads=4)
+    temp = compiled_temp_bytes(1, 4096, cfg)
+    residuals, working = priced_bytes(1, 4096, cfg)
+    assert abs(temp / (residuals + working) - 1) < TOLERANCE, (temp, residuals, working)
+
+
+def test_a_plan_prices_the_mixer_for_the_device_planned_for():
+    """A plan for a GPU (`mtjax plan --hardware h200`, made on any machine) prices the
+    attention as the GPU runs it (fused kernels), a plan for the CPU as the CPU's loop:
+    with its fp32 queries, keys and values below fp32. Traced on this CPU, the GPU plan
+    carried the CPU's term."""
+    cfg = dataclasses.replace(CFG, compute_dtype="bfloat16", head_dim=64, num_key_value_heads=4)
+    tx = make_optimizer(OptimConfig())
+    device = {host: schedule.describe(cfg, StreamConfig(), StoreConfig(), schedule.StepShape(1, 4096), tx,
+                                      reads_host=host).device for host in (True, False)}
+    cpu, gpu = (schedule.block_working_bytes(cfg, 1, 4096, platform=p) for p in ("cpu", "gpu"))
+    assert cpu > gpu
+    assert device[True].working - device[False].working == cpu - gpu
 
 
 def test_fused_gpu_kernels_and_a_split_row_hold_one_block_of_scores_or_none():

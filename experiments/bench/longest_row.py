@@ -68,7 +68,8 @@ def main() -> None:
                      f"{p.ram_needed / 2**30:.1f} GiB | {p.tokens_per_s:,.0f} | {found.context:,} |")
         print(lines[-1], flush=True)
     lines += ["", "A row past the model's context needs an extended one (rope scaling) to be meant. On a GPU the "
-              "residuals of attention are traced on the planning backend (here the CPU's chunked kernel)."]
+              "residuals of attention are traced on the planning backend (here the CPU's chunked kernel); its "
+              "working bytes are the GPU's fused kernels' (none)."]
     harness.publish("longest-row", "The planner's longest row (experiments/bench/longest_row.py)", "\n".join(lines),
                     "experiments/bench/longest_row.py", write=not args.no_doc)
 

@@ -17,24 +17,42 @@ from mtjax.model_config import ModelConfig
 LOW_DOT = "low_precision_dot"  # the checkpoint name of `_low_dot`'s outputs
 
 
-def _dot(x, w):
+def _dot(x, w, split: bool = False):
     """x [..., d] @ w [d, f], accumulated in fp32 (bf16 matmuls are only fast that way on CPU).
 
-    For the CPU the token axes are flattened into one first. On [b, t, d], XLA's CPU
-    backend wrote the backward's activation gradients transposed for the weight-gradient
+    For the CPU the token axes are flattened into one first (`rows`). On [b, t, d], XLA's
+    CPU backend wrote the backward's activation gradients transposed for the weight-gradient
     dots, and reduced 3-D norms slowly: flat, one block's forward + backward ran ~9%
     faster (width 1024). Below fp32 the CPU's dot has its backward written out
     (`_low_dot`). Other platforms get the dot as it is (mtjax.target: the platform traced
-    for).
+    for). `split`: x's tokens are split over devices (see `rows`).
     """
     if target.platform() != "cpu":
         return jnp.einsum("...d,df->...f", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
-    flat = x.reshape(-1, x.shape[-1])
+    flat, back = rows(x, split)
     if x.dtype == jnp.float32:
         y = jnp.einsum("td,df->tf", flat, w.astype(x.dtype), preferred_element_type=jnp.float32)
     else:  # named: remat policy "dots" (mtjax.model) keeps it, as it keeps the dots themselves
         y = checkpoint_name(_low_dot(flat, w.astype(x.dtype)), LOW_DOT)
-    return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
+    return back(y.astype(x.dtype))
+
+
+def rows(x, split: bool = False):
+    """(x [..., d] as rows [n, d], the function putting rows [n, f] back as [..., f]).
+
+    `split`: each row's tokens are split over devices (stream.split: sequence, x [b, t, ...]
+    sharded along t). Flattening b * t would lose that sharding (a merged axis keeps only
+    its major axis's): XLA gathered every row onto every device, each ran the dense layers
+    over all of them (an fp32 block at batch 2 x 4096 tokens held 1.69x its planned
+    temporaries at 2 devices, 4.75x at 8; at 2 x 2048 over 2 devices, width 512, it ran
+    2.6 s of CPU time, 1.6 s token-major, AMD Zen 4). So the rows go token-major, [t, b, ...] flattened, whose major
+    axis keeps each device's share (one row: the same as b * t)."""
+    shape = x.shape
+    if not split or x.ndim < 3 or shape[0] == 1:
+        return x.reshape(-1, shape[-1]), lambda y: y.reshape(*shape[:-1], y.shape[-1])
+    moved = jnp.swapaxes(x, 0, 1)
+    return (moved.reshape(-1, shape[-1]),
+            lambda y: jnp.swapaxes(y.reshape(*moved.shape[:-1], y.shape[-1]), 0, 1))
 
 
 @jax.custom_vjp
@@ -87,6 +105,7 @@ class Dense(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32)) if bias else None
         self.lora_a = self.lora_b = None
         self.lora_scale = self.lora_dropout = 0.0
+        self.split = cfg.sequence_devices > 1  # see `rows`
 
     def add_adapter(self, rank: int, scale: float, rngs: nnx.Rngs, dropout: float = 0.0) -> None:
         """A fresh LoRA adapter of `rank` (A as PEFT draws it, B zero: the output unchanged)."""
@@ -97,13 +116,13 @@ class Dense(nnx.Module):
         self.lora_scale, self.lora_dropout = scale, dropout
 
     def __call__(self, x):
-        y = _dot(x, self.kernel[...])
+        y = _dot(x, self.kernel[...], self.split)
         y = y + self.bias[...].astype(y.dtype) if self.bias is not None else y
         if self.lora_a is None:
             return y
         with jax.named_scope("lora"):
-            h = _dot(lora.dropped(x, self.lora_dropout), self.lora_a[...])  # [..., r]
-            return y + (self.lora_scale * _dot(h, self.lora_b[...])).astype(y.dtype)
+            h = _dot(lora.dropped(x, self.lora_dropout), self.lora_a[...], self.split)  # [..., r]
+            return y + (self.lora_scale * _dot(h, self.lora_b[...], self.split)).astype(y.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -114,21 +133,24 @@ class RMSNorm(nnx.Module):
         # Gemma's (1 + w) norms start at w = 0, the others' w at 1: both the identity scale.
         self.weight = nnx.Param(jnp.full((dim,), 0.0 if cfg.rms_norm_offset else 1.0, jnp.float32))
         self.eps, self.offset = cfg.rms_norm_eps if eps is None else eps, cfg.rms_norm_offset
+        self.split = cfg.sequence_devices > 1  # see `rows`
 
     def __call__(self, x):
-        return rms_norm(x, self.weight[...], self.eps, self.offset)
+        return rms_norm(x, self.weight[...], self.eps, self.offset, self.split)
 
 
-def rms_norm(x, weight, eps: float, offset: bool = False):
-    """Over the last axis; computed on a flat [rows, d] matrix (see `_dot`: 10x faster backward).
+def rms_norm(x, weight, eps: float, offset: bool = False, split: bool = False):
+    """Over the last axis; computed on flat rows (`rows`, `split` as there; see `_dot`: 10x
+    faster backward).
 
     Llama's scales by w after casting back to x's dtype; with `offset` (Gemma's) it scales
     by (1 + w) in fp32 and casts afterwards; with no weight (None: Llama 4's L2 q/k norm)
     it only normalises."""
-    x32 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    flat, back = rows(x, split)
+    x32 = flat.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     if weight is None:
-        return normed.astype(x.dtype).reshape(x.shape)
+        return back(normed.astype(x.dtype))
     if offset:
-        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype).reshape(x.shape)
-    return (weight.astype(x.dtype) * normed.astype(x.dtype)).reshape(x.shape)
+        return back((normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype))
+    return back(weight.astype(x.dtype) * normed.astype(x.dtype))

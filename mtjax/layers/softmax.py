@@ -82,7 +82,7 @@ class Attention(nnx.Module):
         if self.rope:
             q, k = (rope.apply(y, cos, sin, cfg.rope_interleaved) for y in (q, k))
         if self.l2_norm:
-            q, k = rms_norm(q, None, cfg.rms_norm_eps), rms_norm(k, None, cfg.rms_norm_eps)
+            q, k = (rms_norm(y, None, cfg.rms_norm_eps, split=cfg.sequence_devices > 1) for y in (q, k))
         if self.temperature:
             q = (q * temperature(cfg, positions)[..., None, None]).astype(q.dtype)
         return q, k, v, gate
@@ -165,7 +165,7 @@ def working(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, platform: s
     the other shares and their cotangents (mtjax.attention.gathered_bytes)."""
     mixer = spec.mixer
     return (working_bytes(platform, cfg.compute_dtype, batch, cfg.num_attention_heads, seq, cfg.head_dim,
-                          mixer.chunk or mixer.window, mixer.softcap, mixer.sinks, devices)
+                          mixer.chunk or mixer.window, mixer.softcap, mixer.sinks, devices, cfg.num_key_value_heads)
             + gathered_bytes(platform, cfg.compute_dtype, batch, cfg.num_key_value_heads, seq, cfg.head_dim, devices))
 
 

@@ -632,7 +632,8 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     `dispatch`: the MoE grouped matmul of the device planned for (mtjax.moe.dispatch; default
     the backend's here), which decides what an expert backward allocates. `reads_host`:
     whether that device computes on host memory (default: the backend here is the CPU),
-    which decides the parts staged in place (`staged_in_place`).
+    which decides the parts staged in place (`staged_in_place`) and the kernels whose
+    working bytes the mixers are priced with (the CPU's, else the GPU's).
 
     `tx` is the optax transformation (its state's bytes); `fused`: whether the update is
     the fused AdamW loop (default: what an OptimConfig gets, `fused_adamw.supports`).
@@ -761,8 +762,9 @@ def promoted_bytes(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int) -> i
     [tokens, intermediate] activations) beside the kept residuals. Priced as half what the
     residuals would add traced in fp32: a fit, not a derivation. Over a Qwen3.5 attention
     block in bf16 at 4096 and 8192 tokens split over 2 to 16 devices, with wider
-    intermediate, width and heads, XLA's temporaries are 0.93-1.08x the block's price with
-    it, 1.11-1.34x without (tests/test_sequence_split.py checks two of them)."""
+    intermediate, width and heads, XLA's temporaries are 0.89-0.99x the block's price with
+    it, 1.07-1.20x without (experiments/bench/split_memory.py; tests/test_sequence_split.py
+    checks two of them)."""
     fp32 = dataclasses.replace(cfg, compute_dtype="float32")
     return max(0, residual_bytes(fp32, spec, batch, seq) - residual_bytes(cfg, spec, batch, seq)) // 2
 
@@ -872,7 +874,8 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     else:
         local = dataclasses.replace(shape, batch=shape.batch // devices)
     device = _device_plan(cfg, stream, local, pb, grps, grad, hidden // devices, resident, saved, remat, split, sub,
-                          dispatch, adapters, devices if stream.split == "sequence" else 1)
+                          dispatch, adapters, devices if stream.split == "sequence" else 1,
+                          "cpu" if reads_host else "gpu")
     return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps, split), resident,
                     remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce, split, sub,
                     staging_sets(cfg, stream, grps, transfers, split, adapters, in_place),
@@ -932,13 +935,16 @@ def _host_memory(pb: dict[PartId, StateBytes], transfers: list[tuple[StateBytes,
 def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: dict[PartId, StateBytes],
                  grps: tuple[range, ...], grad: dict, hidden: int, resident: tuple = (), saved: tuple = (),
                  remat: str = "full", split: dict | None = None, sub: dict | None = None,
-                 dispatch: str | None = None, adapters: tuple = (), sequence_devices: int = 1) -> DevicePlan:
+                 dispatch: str | None = None, adapters: tuple = (), sequence_devices: int = 1,
+                 platform: str | None = None) -> DevicePlan:
     """Device bytes of the step; every term comes from abstract shapes. Every micro-batch
     runs through a part before the next part (their hidden states wait between parts),
     and each part's gradient is summed on the device in fp32. Resident parts (and resident
     adapters) hold their state and an fp32 gradient sum (their update's input) for the
     whole run; a part whose adapters are resident stages its frozen leaves. `shape` is one
-    device's share: of the rows, or of each row's tokens split over `sequence_devices`."""
+    device's share: of the rows, or of each row's tokens split over `sequence_devices`.
+    `platform`: the device planned for, "cpu" or "gpu" (default the backend's here), whose
+    kernels the mixers' working bytes are priced for (`block_working_bytes`)."""
     split, sub = split or {}, sub or {}
     group = max(len(g) for g in grps)
     # Staging slots hold streamed parts only (a split block's sub-parts); none when everything is resident.
@@ -955,7 +961,7 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
                                    for i in split))
     # One block's backward at a time: what its mixer's kernels and its feed-forward (a MoE's
     # expert dispatch) hold beyond the residuals, a whole block's or a split one's larger program's.
-    transient = block_working_bytes(cfg, shape.batch, shape.seq, dispatch, split, size, devices=sequence_devices)
+    transient = block_working_bytes(cfg, shape.batch, shape.seq, dispatch, split, size, platform, sequence_devices)
     # Several micro-batches: the fp32 sums in progress, a group's blocks' or the head's
     # (with the tied embedding's).
     blocks = max(b.master for p, b in pb.items() if p.is_block)
