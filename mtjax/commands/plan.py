@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from mtjax import plan as planner
+from mtjax import writable
 from mtjax.errors import MtjaxError
 from mtjax.plan import compute_dtype, fit, hosts, inputs, machine, probe, report, residency, wholerun
 from mtjax.plan import longest as planner_longest
@@ -82,14 +83,13 @@ def register(subparsers) -> None:
 
 def _placement(text: str) -> dict[str, str]:
     """{kind: tier} of `--placement compute=ram,...`; the tiers are checked by StoreConfig."""
-    try:
-        pairs = dict(item.split("=", 1) for item in text.split(","))
-        unknown = sorted(set(pairs) - {"compute", "master", "opt"})
-        if unknown:
-            raise ValueError(f"unknown kind(s) {unknown}")
-    except ValueError as e:
-        raise PlanError(
-            f"--placement {text!r} is not valid ({e}); write e.g. compute=ram,master=ram,opt=disk") from None
+    items = text.split(",")
+    bare = [item for item in items if "=" not in item]
+    pairs = dict(item.split("=", 1) for item in items if "=" in item)
+    unknown = sorted(set(pairs) - {"compute", "master", "opt"})
+    if bare or unknown:
+        why = f"{bare[0]!r} is not kind=tier" if bare else f"unknown kind(s) {unknown}"
+        raise PlanError(f"--placement {text!r} is not valid ({why}); write e.g. compute=ram,master=ram,opt=disk")
     return pairs
 
 
@@ -181,6 +181,13 @@ def run_plan(args) -> int:
 
 
 def run_probe(args) -> int:
+    # Both paths are checked before the probe spends its time measuring.
+    if not Path(args.dir).is_dir():
+        raise PlanError(f"--dir {args.dir} is not a directory; name an existing directory on the disk the store "
+                        "will use")
+    writable.check(args.dir, "--dir")
+    if args.out:
+        writable.check(args.out, "--out", kind="file")
     profile = probe.run(args.dir, quick=args.quick)
     print(profile.to_json() if not args.out else "", end="")
     if args.out:
