@@ -212,9 +212,9 @@ class ModelConfig:
                 raise ConfigError(f"model.{name} must be positive or null, got {getattr(self, name)}")
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
-                auto = " or auto (the faster on this hardware)" if name == "compute_dtype" else ""
-                raise ConfigError(f"model.{name} must be float32, bfloat16 or float16{auto}, "
-                                  f"got {getattr(self, name)!r}")
+                choices = ("float32, bfloat16, float16 or auto (the faster on this hardware)" if name == "compute_dtype"
+                           else "float32, bfloat16 or float16")
+                raise ConfigError(f"model.{name} must be {choices}, got {getattr(self, name)!r}")
         if self.base_format not in BASE_FORMATS:
             raise ConfigError(f"model.base_format must be one of {', '.join(BASE_FORMATS)}, got {self.base_format!r}")
         if self.moe_layers:
