@@ -17,6 +17,7 @@ from typing import Any
 
 from mtjax import families, jsonfile, textfile
 from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, POSITIVE, out_of_range
+from mtjax.errors import MtjaxError
 from mtjax.families.hf_config import (  # noqa: F401  (re-exported: mtjax's names for them)
     CHUNKED, FULL, ROPE_TYPES, SLIDING, ConfigError, RopeScaling, thaw)
 from mtjax.layers.spec import DenseMLP, LayerSpec, MoE, Norms, Rope, SoftmaxAttention
@@ -211,9 +212,9 @@ class ModelConfig:
                 raise ConfigError(f"model.{name} must be positive or null, got {getattr(self, name)}")
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
-                auto = " or auto (the faster on this hardware)" if name == "compute_dtype" else ""
-                raise ConfigError(f"model.{name} must be float32, bfloat16 or float16{auto}, "
-                                  f"got {getattr(self, name)!r}")
+                choices = ("float32, bfloat16, float16 or auto (the faster on this hardware)" if name == "compute_dtype"
+                           else "float32, bfloat16 or float16")
+                raise ConfigError(f"model.{name} must be {choices}, got {getattr(self, name)!r}")
         if self.base_format not in BASE_FORMATS:
             raise ConfigError(f"model.base_format must be one of {', '.join(BASE_FORMATS)}, got {self.base_format!r}")
         if self.moe_layers:
@@ -304,11 +305,16 @@ def from_hf_dict(hf: dict, **overrides) -> ModelConfig:
     """Build a ModelConfig from the contents of a Hugging Face ``config.json``, read by the
     family its model_type names (mtjax.families); a multimodal config gives its language
     model's config."""
-    family, hf = families.match(hf)
     try:
+        family, hf = families.match(hf)
         fields = family.from_hf(hf)
     except KeyError as e:
         raise ConfigError(f"config.json lacks the required key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:  # a field of the wrong type, e.g. "hidden_size": "abc"
+        if isinstance(e, MtjaxError):  # a refusal that says what to change
+            raise
+        raise ConfigError(f"config.json holds a value of the wrong type ({e}); compare it with the model's "
+                          "original config.json") from None
     return ModelConfig(**{**fields, "model_type": family.model_type, **overrides})
 
 
@@ -322,6 +328,9 @@ def load_hf_config(path: str | Path, **overrides) -> ModelConfig:
         hf = jsonfile.loads(textfile.read(file), str(file))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{file} holds a JSON {type(hf).__name__}, not an object of model settings: point at a "
+                          "Hugging Face checkpoint directory")
     return from_hf_dict(hf, **overrides)
 
 

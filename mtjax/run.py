@@ -367,7 +367,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
         shards.check_count(checkpoint.store_path(exp), 1)
     else:
         # Every part's state is split over the hosts: nothing is resident, LoRA adapters included.
-        exp = replace(exp, stream=dict(resident="none", adapters="streamed"))
+        exp = replace(exp, stream=stream_hosts.STREAMED)
     dataset = data.prepared(exp.data)  # a prepared dataset is used as it is, with its own tokenizer
     if dataset is not None:
         tokenizer = dataset.tokenizer()
@@ -486,10 +486,7 @@ def _join(exp: ExperimentConfig):
     settings = exp.to_dict()
     settings["distributed"].pop("process_id")  # the one setting that differs between processes
     distributed.check_same(startup.hosts, "experiment config", json.dumps(settings, sort_keys=True, default=str))
-    if exp.stream.resident not in ("auto", "none"):  # every process raises it: their configs are the same
-        raise ConfigError(f"stream.resident={exp.stream.resident!r} keeps whole parts on the device, but each of the "
-                          f"{startup.hosts.count} processes holds only its rows of every part's state: set "
-                          "stream.resident=none (auto streams every part here)")
+    stream_hosts.check_resident(exp.stream.resident, startup.hosts.count)  # every process: their configs are the same
     startup.done()
     return startup.hosts
 

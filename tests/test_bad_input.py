@@ -252,6 +252,33 @@ def test_settings_that_cannot_be_meant(work):
         ])
     finally:
         (work / "twice.yaml").unlink()
+def test_broken_checkpoint_configs_and_probe_paths(work):
+    """A checkpoint's config.json that is not an object, lacks its model_type or holds a value
+    of the wrong type; `mtjax probe` paths that cannot be written (checked before it measures:
+    no stray temporary file), a --placement item without '='."""
+    broken = {"c-list": [1, 2], "c-notype": {"hidden_size": 32}, "c-str": None}
+    for name, config in broken.items():
+        shutil.copytree(work / "ckpt", work / name)
+        if config is None:
+            config = json.loads((work / "ckpt" / "config.json").read_text()) | {"hidden_size": "abc"}
+        (work / name / "config.json").write_text(json.dumps(config))
+    try:
+        run_cases(work, [
+            (["import", "c-list", "s2"], "c-list/config.json holds a JSON list, not an object of model settings"),
+            (["train", *TINY, "--run.dir=r2", "--model.checkpoint=c-list"], "c-list/config.json holds a JSON list"),
+            (["import", "c-notype", "s2"], "config.json has no model_type"),
+            (["import", "c-str", "s2"], "config.json holds a value of the wrong type (invalid literal for int()"),
+            (["probe", "--quick", "--out", "FILE/p.json"], "--out FILE/p.json cannot be created: FILE is a file"),
+            (["probe", "--quick", "--out", "empty"], "--out empty is a directory; name a file"),
+            (["probe", "--quick", "--dir", "FILE"], "--dir FILE is not a directory"),
+            (["plan", "run/final", "--hardware", "h200", "--placement", "compute=ram,,opt=disk"],
+             "--placement 'compute=ram,,opt=disk' is not valid ('' is not kind=tier)"),
+        ])
+    finally:
+        for name in broken:
+            shutil.rmtree(work / name)
+
+
 @pytest.mark.slow  # mtjax processes
 def test_data_tokenized_otherwise_than_the_model(work):
     """A dataset (or raw text) tokenized with another tokenizer than the one the model's

@@ -117,7 +117,7 @@ def test_the_command_line_trains_with_auto_and_says_what_it_chose(tmp_path, cach
 def test_a_bad_compute_dtype_is_refused_in_one_line(tmp_path):
     result = mtjax(tmp_path, "train", *RUN, "--model.compute_dtype=fp8", f"--run.dir={tmp_path / 'run'}")
     assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
-    assert "model.compute_dtype must be float32, bfloat16 or float16 or auto" in result.stderr
+    assert "model.compute_dtype must be float32, bfloat16, float16 or auto" in result.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -305,6 +305,19 @@ def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     assert len(err) == 4 and all(line.startswith("mtjax plan: error:") for line in err)
 
 
+def test_cli_plans_a_multi_process_run_with_every_part_streamed(tmp_path, capsys):
+    """A multi-process run streams every part (mtjax.stream.hosts.STREAMED), so its plan does:
+    stream.resident auto parts none there, and a residency the run refuses is refused here."""
+    (tmp_path / "config.json").write_text(json.dumps(hf.to_hf_dict(CFG)))
+    plan = ["plan", str(tmp_path), "--hardware", "h200", "--batch-size", "2", "--json"]
+    assert cli.main(plan) == 0
+    assert json.loads(capsys.readouterr().out)["resident"]  # one process: the tiny model fits on the device
+    assert cli.main([*plan, "--processes", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["resident"] == []
+    assert cli.main([*plan, "--processes", "2", "--resident", "all"]) == 2
+    assert "stream.resident='all' keeps whole parts on the device, but each of the 2 processes" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name, placement", [
     ("llama-70b-plan.yaml", "compute=ram,master=disk,opt=disk"),
     ("llama-175b-plan.yaml", "compute=ram,master=disk,opt=disk"),

@@ -9,12 +9,13 @@ import math
 from pathlib import Path
 
 from mtjax import plan as planner
+from mtjax import writable
 from mtjax.errors import MtjaxError
 from mtjax.plan import compute_dtype, fit, hosts, inputs, machine, probe, report, residency, wholerun
 from mtjax.plan import longest as planner_longest
 from mtjax.plan.hardware import choices
 from mtjax.plan.units import size
-from mtjax.stream.hosts import share
+from mtjax.stream.hosts import STREAMED, check_resident, share
 
 PLAN_DESCRIPTION = (
     "Predict, before anything is allocated, the device memory, host RAM and disk a run needs, the bytes "
@@ -82,14 +83,13 @@ def register(subparsers) -> None:
 
 def _placement(text: str) -> dict[str, str]:
     """{kind: tier} of `--placement compute=ram,...`; the tiers are checked by StoreConfig."""
-    try:
-        pairs = dict(item.split("=", 1) for item in text.split(","))
-        unknown = sorted(set(pairs) - {"compute", "master", "opt"})
-        if unknown:
-            raise ValueError(f"unknown kind(s) {unknown}")
-    except ValueError as e:
-        raise PlanError(
-            f"--placement {text!r} is not valid ({e}); write e.g. compute=ram,master=ram,opt=disk") from None
+    items = text.split(",")
+    bare = [item for item in items if "=" not in item]
+    pairs = dict(item.split("=", 1) for item in items if "=" in item)
+    unknown = sorted(set(pairs) - {"compute", "master", "opt"})
+    if bare or unknown:
+        why = f"{bare[0]!r} is not kind=tier" if bare else f"unknown kind(s) {unknown}"
+        raise PlanError(f"--placement {text!r} is not valid ({why}); write e.g. compute=ram,master=ram,opt=disk")
     return pairs
 
 
@@ -147,6 +147,9 @@ def run_plan(args) -> int:
         resident = {} if args.resident is None else {"resident": int(args.resident) if args.resident.lstrip("-").isdigit()
                                                       else args.resident}
         stream = dataclasses.replace(given_run.stream, **given("keep_every", "prefetch_depth", "devices"), **resident)
+        if args.processes > 1:  # as a multi-process run streams: every part
+            check_resident(stream.resident, args.processes)
+            stream = dataclasses.replace(stream, **STREAMED)
         store = dataclasses.replace(given_run.store, **store)
     except ValueError as e:  # ConfigError included
         raise PlanError(str(e)) from None
@@ -181,6 +184,13 @@ def run_plan(args) -> int:
 
 
 def run_probe(args) -> int:
+    # Both paths are checked before the probe spends its time measuring.
+    if not Path(args.dir).is_dir():
+        raise PlanError(f"--dir {args.dir} is not a directory; name an existing directory on the disk the store "
+                        "will use")
+    writable.check(args.dir, "--dir")
+    if args.out:
+        writable.check(args.out, "--out", kind="file")
     profile = probe.run(args.dir, quick=args.quick)
     print(profile.to_json() if not args.out else "", end="")
     if args.out:

@@ -103,6 +103,8 @@ def match(hf: dict) -> tuple[Family, dict]:
             if key in hf:
                 text[key] = hf[key]  # transformers ties and sets dtype by the top-level config
         return family, dict(text, model_type=family.model_type)
+    if model_type is None:
+        raise ConfigError("config.json has no model_type: point at a Hugging Face checkpoint's config.json")
     if model_type not in FAMILIES:
         raise ConfigError(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}, "
                           f"{', '.join(wrapping)} (their language models)")

@@ -16,7 +16,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from mtjax import jsonfile, textfile
+from mtjax import jsonfile, textfile, writable
 from mtjax.errors import MtjaxError
 
 GB = 10**9
@@ -72,9 +72,7 @@ class HardwareProfile:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)  # atomic: a crash never leaves half a profile
+        writable.write_text(path, self.to_json())  # whole or not at all: never half a profile, nor a stray temporary
         return path
 
 

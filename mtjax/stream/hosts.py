@@ -35,8 +35,22 @@ def share(rows: int, count: int) -> int:
     share (the engine's step, its schedule, and the planner's price of one host)."""
     if rows % count:
         raise ConfigError(f"data.batch_size {rows} must be a multiple of the number of processes ({count}): "
-                          "each process trains an equal share of every micro-batch's rows")
+                          f"each process trains an equal share of every micro-batch's rows; use a multiple of {count}")
     return rows // count
+
+
+# The stream settings a multi-process run trains with: each process holds only its rows of
+# every part's state, so every part streams, LoRA adapters included.
+STREAMED = {"resident": "none", "adapters": "streamed"}
+
+
+def check_resident(resident, count: int) -> None:
+    """Refuse, in one line, a stream.resident that keeps parts on the device in a run of
+    `count` processes (auto streams every part there)."""
+    if count > 1 and resident not in ("auto", "none"):
+        raise ConfigError(f"stream.resident={resident!r} keeps whole parts on the device, but each of the {count} "
+                          "processes holds only its rows of every part's state: set stream.resident=none (auto "
+                          "streams every part here)")
 
 
 def _sum_over_processes(x):
