@@ -31,14 +31,32 @@ def test_optimizer_priced_as_the_engine_runs_it(fused):
     staged = sum(plan.part_bytes[p].master // 4 for p in plan.schedule.transfers)
     if fused:  # one loop: master 8, mu and nu 16, gradient 2 (bf16, read as it is) or 4; no compute copy
         extra = 2 * (plan.state.opt - 8 * n)  # AdamW's step counters ride along
-        grads = 2 * (n - embed) + 4 * embed + 8 * embed  # the fp32 one also read as it arrives and once more
+        grads = 2 * plan.traffic.d2h  # the loop's read, and the device's norm's (host memory on the CPU)
         assert plan.traffic.host_memory == 24 * n + extra + grads + 6 * staged
     else:  # XLA's passes: mu, nu 12 bytes each; master 16; bf16 copy 6
-        # Each gradient is read as it arrives, cast to fp32 where it is bf16, read once more.
-        grads = plan.traffic.d2h + 8 * (n - embed) + 4 * embed
+        # The device's norm reads each gradient as computed; a bf16 one is widened (read 2, write 4).
+        grads = plan.traffic.d2h + 6 * (n - embed)
         extra = 3 * (plan.state.opt - 8 * n)
         assert plan.traffic.host_memory == 46 * n + extra + grads + 4 * staged
     assert 0 <= extra < 1000  # a few int32 counts per part
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("hw", ["cpu-2core", "h200"])
+def test_gradient_priced_where_the_engine_handles_it(hw, accum):
+    """Each gradient's squared norm is reduced on the device (mtjax.stream.grads): host
+    memory only where the device is the host, which reads it once as computed. A GPU's
+    gradient is copied out of its transfer buffer instead (read + write). The fused loop
+    reads it as it arrives (bf16 alone, fp32 summed), and nothing else touches it."""
+    stream = StreamConfig(resident="none")
+    plan = estimate(CFG, stream, StoreConfig(), StepShape(1, 32, accum), BUILTIN[hw], tx=TX, fused=True)
+    t, n = plan.schedule.traffic, plan.num_params  # host CPU bytes (the plan adds a GPU's DMA)
+    g = t.d2h_grads
+    assert g == (4 * n if accum > 1 else 2 * n + plan.part_bytes["embed"].master // 2)  # embed's is fp32
+    extra = 2 * (plan.state.opt - 8 * n)
+    staged = sum(plan.part_bytes[p].master // 4 for p in plan.schedule.transfers)
+    norm_or_copy = g if hw == "cpu-2core" else 2 * g
+    assert t.host_memory == 24 * n + extra + g + norm_or_copy + 6 * staged
 
 
 def test_calibrate_sets_efficiency_from_the_measured_block():

@@ -8,9 +8,9 @@ blocks' projection outputs (remat "dots"); the stream keeps every block input
 "full"), and, with an unlimited device budget, keeps every part resident with either
 remat (`stream.resident=all`, `stream.remat`). Steps of all engines alternate, so drift in
 machine load hits them alike; each step is timed by wall clock and by this process's CPU
-time (all threads: on a shared machine the steadier figure), and a streamed step
-includes finishing its deferred update (else it would run during the next engine's
-step). Prints a table and writes its section of docs/benchmarks.md (one per compute
+time (all threads: on a shared machine the steadier figure; its system share and the
+minor page faults beside it), and a streamed step includes finishing its deferred update
+(else it would run during the next engine's step). Prints a table and writes its section of docs/benchmarks.md (one per compute
 dtype: fp32's `stream-overhead`, the others' `stream-overhead-<dtype>`).
 
     .venv/bin/python experiments/bench/stream_overhead.py            # ~5-8 minutes on 2 cores
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -42,18 +43,22 @@ SECTION = "stream-overhead"
 
 
 def timed_steps(engines: dict, data: list) -> dict:
-    """name -> ([wall seconds], [CPU seconds]) of each engine's steps on data[1:] (the
-    first compiles), the engines taking turns; a streamed step ends with its update done."""
-    out = {name: ([], []) for name in engines}
+    """name -> ([wall seconds], [CPU seconds], [system CPU seconds], [minor page faults])
+    of each engine's steps on data[1:] (the first compiles), the engines taking turns; a
+    streamed step ends with its update done."""
+    out = {name: ([], [], [], []) for name in engines}
     for i, tokens in enumerate(data):
         for name, engine in engines.items():
-            wall, cpu = time.perf_counter(), time.process_time()
+            wall, cpu, use = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
             engine.step(tokens)  # returns host floats: the step has finished
             if isinstance(engine, StreamEngine):
                 engine.flush()
             if i:
+                done = resource.getrusage(resource.RUSAGE_SELF)
                 out[name][0].append(time.perf_counter() - wall)
                 out[name][1].append(time.process_time() - cpu)
+                out[name][2].append(done.ru_stime - use.ru_stime)
+                out[name][3].append(done.ru_minflt - use.ru_minflt)
     return out
 
 
@@ -92,13 +97,15 @@ def main() -> None:
         if isinstance(engine, StreamEngine):
             engine.close()
 
-    med = {k: (statistics.median(w), statistics.median(c)) for k, (w, c) in times.items()}
+    med = {k: tuple(statistics.median(x) for x in v) for k, v in times.items()}
     tokens = args.batch * args.seq
     table = []
     for name, remat, _ in rows:
-        (wall, cpu), (ref_wall, ref_cpu) = med[name, remat], med["reference (whole model in memory)", remat]
-        table.append(f"| {name} | {remat} | {wall:.2f} | {cpu:.2f} | {tokens / wall:.0f} | {wall / ref_wall:.3f} | "
-                     f"{cpu / ref_cpu:.3f} | {', '.join(f'{t:.2f}' for t in times[name, remat][1])} |")
+        (wall, cpu, system, faults), (ref_wall, ref_cpu, *_) = med[name, remat], \
+            med["reference (whole model in memory)", remat]
+        table.append(f"| {name} | {remat} | {wall:.2f} | {cpu:.2f} | {system:.2f} | {faults / 1e3:.0f}k | "
+                     f"{tokens / wall:.0f} | {wall / ref_wall:.3f} | {cpu / ref_cpu:.3f} | "
+                     f"{', '.join(f'{t:.2f}' for t in times[name, remat][1])} |")
     lines = [
         f"{datetime.date.today()}, {harness.cpu_name()}, {os.cpu_count()} cores, jax {jax.__version__} on "
         f"{jax.devices()[0].platform}, load average {load_at_start:.1f} at the start and {os.getloadavg()[0]:.1f} "
@@ -106,11 +113,12 @@ def main() -> None:
         f"{args.vocab}, {model.num_params(cfg) / 1e6:.1f}M params, {args.dtype}; batch {args.batch} x seq "
         f"{args.seq}; AdamW, clip 1.0. Median of {args.steps} steps after one warm-up, the engines' steps "
         f"interleaved; CPU = this process's CPU seconds (every thread), steadier than wall time on a shared "
-        f"machine; ratios against the reference of the same remat.",
+        f"machine; system = its kernel share (page faults: XLA maps a program's scratch afresh at each call); "
+        f"ratios against the reference of the same remat.",
         "",
-        "| engine | remat | step wall (s) | step CPU (s) | tokens/s | wall / reference | CPU / reference | "
-        "every step's CPU (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| engine | remat | step wall (s) | step CPU (s) | of it system (s) | minor faults | tokens/s | "
+        "wall / reference | CPU / reference | every step's CPU (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *table,
         "",
         "Goal (issue 33): streamed / reference <= 1.03 when the state fits the device.",

@@ -859,7 +859,8 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
                                             if p not in in_place],
                                  {p: g for p, g in grad.items() if p in streamed and p not in adapters}, fused,
                                  derived, store,
-                                 sum(reads.values()) + sum(writes.values()), where is not None),
+                                 sum(reads.values()) + sum(writes.values()), where is not None, reads_host,
+                                 processes),
         # On the host the fused loop writes a compute copy unless it is the fp32 master itself.
         device_update=_update_bytes([pb[p] for p in resident + adapters], fused,
                                     copy=not fused or np.dtype(cfg.compute_dtype) != np.float32),
@@ -906,21 +907,31 @@ def _update_bytes(states, fused: bool, copy: bool, grads: int | None = None) -> 
 
 
 def _host_memory(pb: dict[PartId, StateBytes], transfers: list[tuple[StateBytes, bool]], grad: dict, fused: bool,
-                 derived: bool, store: StoreConfig, disk_io: int, spilled: bool) -> int:
+                 derived: bool, store: StoreConfig, disk_io: int, spilled: bool, reads_host: bool,
+                 processes: int) -> int:
     """Bytes the host CPU reads and writes in one step (DMA is the link's: the planner
     adds it where the device is not the host). `transfers`: each transfer's bytes, and
     whether it stages the copy its update handed over (a disk-tier compute copy); those
     staged in place (`staged_in_place`) copy nothing and are left out; `spilled`: the
-    gradients wait in files (`spill`)."""
-    # A gradient is read as it arrives, and the fp32 sum once more. One narrower than fp32
-    # (one micro-batch's, in the compute dtype) is cast to fp32 first (a write) where it is
-    # spilled or XLA's program updates; for the fused loop it stays as it is, and the
-    # loop's read of it is all (mtjax.stream.grads).
-    kept = {p: g != pb[p].master and fused and not spilled for p, g in grad.items()}
+    gradients wait in files (`spill`); `reads_host`: the device is the host CPU;
+    `processes`: the run's (mtjax.stream.hosts)."""
+    # Each gradient as mtjax.stream.grads handles it. A GPU's lands in a transfer buffer
+    # and is copied into a CPU-backend array (Placement.host_arrays: read + write); on
+    # the CPU the device's own buffer is handed over. One narrower than fp32 (one
+    # micro-batch's, in the compute dtype) is widened (read + fp32 write) where it is
+    # spilled, reduce-scattered or XLA's program updates; for the fused loop it stays as
+    # it is. Its squared norm is reduced on the device, from the gradient as computed or,
+    # in a run of several processes, from this process's rows of the fp32 sums
+    # (mtjax.stream.hosts): host memory only where the device is the host.
+    kept = {p: g != pb[p].master and fused and not spilled and processes == 1 for p, g in grad.items()}
     optimizer = _update_bytes(pb.values(), fused, copy=not derived,
                               grads=sum(g if kept[p] else pb[p].master for p, g in grad.items()))
-    grads = sum(0 if kept[p] else g + (2 * pb[p].master if g != pb[p].master else pb[p].master)
-                for p, g in grad.items())
+    grads = 0
+    for p, g in grad.items():
+        copy = 0 if reads_host else 2 * g
+        widen = g + pb[p].master if g != pb[p].master and not kept[p] else 0
+        norm = (pb[p].master if processes > 1 else g) if reads_host else 0
+        grads += copy + widen + norm
     # Each transfer fills a staging slot: a copy of the compute weights (read + write),
     # master rounded into it when no copy is kept, or a disk read (counted in disk_io).
     staging = 0
