@@ -326,8 +326,8 @@ def model_config(exp: ExperimentConfig) -> ModelConfig:
         raise ConfigError("model.sequence_devices is set by the engine: split each row's tokens over the devices with "
                           "stream.split: sequence (and stream.devices) instead")
     if overrides.get("compute_dtype") == "auto":  # mtjax.plan.compute_dtype resolves it for the hardware
-        raise ConfigError("model.compute_dtype=auto is chosen when a run or `mtjax plan` starts; this command "
-                          "needs float32 or bfloat16")
+        raise ConfigError("model.compute_dtype=auto is chosen when a run, `mtjax plan` or `mtjax init` starts; this "
+                          "command needs it set: model.compute_dtype float32, bfloat16 or float16")
     adapters = dict(lora=exp.lora)  # the `lora:` section (mtjax.lora; no rank: none)
     try:
         if section.hf_config is not None:

@@ -55,8 +55,8 @@ def test_resolve_replaces_auto_only():
     # Sized before a backend starts (a GPU's pinned pool): the widest auto may become.
     assert config.model_config(compute_dtype.widest(exp)).compute_dtype == "float32"
     assert compute_dtype.widest(given) is given
-    with pytest.raises(config.ConfigError, match="chosen when a run or `mtjax plan` starts"):
-        config.model_config(exp)  # unresolved: one line, not a ModelConfig error
+    with pytest.raises(config.ConfigError, match="needs it set: model.compute_dtype float32, bfloat16 or float16$"):
+        config.model_config(exp)  # unresolved: one line naming every value, not a ModelConfig error
 
 
 @pytest.mark.parametrize("profile, dtype", [(FAST, "bfloat16"), (SLOW, "float32")])
@@ -121,13 +121,22 @@ def test_a_bad_compute_dtype_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_init_of_an_auto_experiment_needs_a_dtype_given(tmp_path):
-    """`mtjax init` makes a store before any run chooses: auto there is refused in one line,
-    and --compute-dtype given replaces it."""
+def test_init_of_an_auto_experiment_resolves_it_as_a_run_does(tmp_path, cache, capsys):
+    """`mtjax init` makes the store a run then trains: auto there is this machine's choice,
+    said in one line, and --compute-dtype given replaces it."""
     from mtjax.store import fresh
 
     yaml = tmp_path / "exp.yaml"
-    yaml.write_text("model:\n  compute_dtype: auto\n")
-    with pytest.raises(store_lib.StoreError, match="chosen when a run or `mtjax plan` starts"):
-        fresh.load_config(yaml)
+    yaml.write_text("model:\n  compute_dtype: auto\n" + "".join(
+        f"  {a.split('=')[0].removeprefix('--model.')}: {a.split('=')[1]}\n" for a in TINY_MODEL_ARGS))
+    this_machine(cache, SLOW)
+    assert cli.main(["init", str(yaml), str(tmp_path / "store")]) == 0
+    assert "mtjax: compute dtype float32 (model.compute_dtype=auto: bf16-slow's" in capsys.readouterr().out
+    with store_lib.open(tmp_path / "store") as store:
+        assert store.config.compute_dtype == "float32"
+    for profile, dtype in ((FAST, "bfloat16"), (SLOW, "float32")):
+        this_machine(cache, profile)
+        said = []
+        assert fresh.load_config(yaml, say=said.append)[0].compute_dtype == dtype
+        assert said == [compute_dtype.describe(*compute_dtype.choose(profile))]
     assert fresh.load_config(yaml, "bfloat16")[0].compute_dtype == "bfloat16"

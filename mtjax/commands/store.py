@@ -122,7 +122,7 @@ def run_export(args) -> int:
 def run_init(args) -> int:
 
     writable.check(args.store_dir, "store directory")
-    cfg, tx = fresh.load_config(Path(args.config), args.compute_dtype)
+    cfg, tx = fresh.load_config(Path(args.config), args.compute_dtype, say=lambda line: print(f"mtjax: {line}"))
     out = fresh.init_store(cfg, args.store_dir, seed=args.seed, tx=tx, copies=args.copies)
     print(f"initialised {out}")
     return 0
