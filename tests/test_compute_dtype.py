@@ -124,19 +124,15 @@ def test_a_bad_compute_dtype_is_refused_in_one_line(tmp_path):
 def test_init_of_an_auto_experiment_resolves_it_as_a_run_does(tmp_path, cache, capsys):
     """`mtjax init` makes the store a run then trains: auto there is this machine's choice,
     said in one line, and --compute-dtype given replaces it."""
-    from mtjax.store import fresh
-
     yaml = tmp_path / "exp.yaml"
     yaml.write_text("model:\n  compute_dtype: auto\n" + "".join(
         f"  {a.split('=')[0].removeprefix('--model.')}: {a.split('=')[1]}\n" for a in TINY_MODEL_ARGS))
-    this_machine(cache, SLOW)
-    assert cli.main(["init", str(yaml), str(tmp_path / "store")]) == 0
-    assert "mtjax: compute dtype float32 (model.compute_dtype=auto: bf16-slow's" in capsys.readouterr().out
-    with store_lib.open(tmp_path / "store") as store:
-        assert store.config.compute_dtype == "float32"
-    for profile, dtype in ((FAST, "bfloat16"), (SLOW, "float32")):
+    for profile, given, dtype in ((SLOW, [], "float32"), (FAST, [], "bfloat16"),
+                                  (SLOW, ["--compute-dtype", "bfloat16"], "bfloat16")):
         this_machine(cache, profile)
-        said = []
-        assert fresh.load_config(yaml, say=said.append)[0].compute_dtype == dtype
-        assert said == [compute_dtype.describe(*compute_dtype.choose(profile))]
-    assert fresh.load_config(yaml, "bfloat16")[0].compute_dtype == "bfloat16"
+        out = tmp_path / f"store-{profile.name}-{dtype}"
+        assert cli.main(["init", str(yaml), str(out), *given]) == 0
+        said = [line for line in capsys.readouterr().out.splitlines() if "compute dtype" in line]
+        assert said == ([] if given else [f"mtjax: {compute_dtype.describe(*compute_dtype.choose(profile))}"])
+        with store_lib.open(out) as store:
+            assert store.config.compute_dtype == dtype

@@ -6,9 +6,11 @@ import re
 import sys
 from pathlib import Path
 
+from mtjax import config as experiment
 from mtjax import writable
 from mtjax.errors import MtjaxError
 from mtjax.model_config import BASE_FORMATS, load_hf_config
+from mtjax.plan import compute_dtype
 from mtjax.store import fresh, hf_export, hf_import
 
 DTYPES = ("bfloat16", "float32", "float16")
@@ -119,10 +121,22 @@ def run_export(args) -> int:
     return 0
 
 
+def _init_dtype(path: Path, given: str | None) -> str | None:
+    """The compute dtype `mtjax init` stores: the one given, else the file's, an experiment's
+    `model.compute_dtype: auto` resolved as a run on this machine resolves it (and said)."""
+    if given or path.suffix not in (".yaml", ".yml"):
+        return given
+    exp, choice = compute_dtype.for_run(experiment.load(path))
+    if choice is None:
+        return None
+    print(f"mtjax: {choice}")
+    return dict(exp.model.overrides)["compute_dtype"]
+
+
 def run_init(args) -> int:
 
     writable.check(args.store_dir, "store directory")
-    cfg, tx = fresh.load_config(Path(args.config), args.compute_dtype, say=lambda line: print(f"mtjax: {line}"))
+    cfg, tx = fresh.load_config(Path(args.config), _init_dtype(Path(args.config), args.compute_dtype))
     out = fresh.init_store(cfg, args.store_dir, seed=args.seed, tx=tx, copies=args.copies)
     print(f"initialised {out}")
     return 0

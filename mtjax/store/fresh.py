@@ -14,16 +14,15 @@ from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig, load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.partid import EMBED, HEAD
-from mtjax.plan import compute_dtype as compute_dtype_lib
 from mtjax.store import fill
 from mtjax.store.errors import StoreError
 
 
-def load_config(path: str | Path, compute_dtype: str | None = None, say=None) -> tuple[ModelConfig, object]:
+def load_config(path: str | Path, compute_dtype: str | None = None) -> tuple[ModelConfig, object]:
     """(model config, optax transformation) from an HF config.json, a checkpoint dir or an
-    experiment YAML (whose optim group gives the optimizer; otherwise default AdamW). An
-    experiment's model.compute_dtype=auto is resolved as a run on this machine resolves it
-    (mtjax.plan.compute_dtype.for_run), and `say` (if given) gets the line saying which."""
+    experiment YAML (whose optim group gives the optimizer; otherwise default AdamW).
+    `compute_dtype` replaces the file's; an experiment's `auto` must be resolved by the
+    caller (`mtjax init` does it as a run does, mtjax.commands.store)."""
     path = Path(path)
     try:
         if path.suffix in (".yaml", ".yml"):
@@ -32,9 +31,6 @@ def load_config(path: str | Path, compute_dtype: str | None = None, say=None) ->
                 model_overrides = {**dict(exp.model.overrides), "compute_dtype": compute_dtype}
                 exp = dataclasses.replace(exp, model=dataclasses.replace(exp.model,
                                                                          overrides=tuple(model_overrides.items())))
-            exp, choice = compute_dtype_lib.for_run(exp)
-            if choice and say:
-                say(choice)
             cfg = experiment.model_config(exp)
             return cfg, make_optimizer(exp.optim)
         return load_hf_config(path, compute_dtype=compute_dtype or "bfloat16"), make_optimizer(OptimConfig())
