@@ -140,7 +140,9 @@ def test_the_compiled_head_gradient_is_flat_in_sequence_length():
 def test_the_device_plans_head_is_flat_in_sequence_and_holds_the_compiled_head(tied):
     """The device plan's head term (mtjax.loss.head_bytes) from 2k to 16k tokens grows by
     the same per-token bytes whatever the vocabulary (no [tokens, vocab] term), and covers
-    the temporaries of the engine's compiled head program at both lengths."""
+    the temporaries of the engine's compiled head program at both lengths: a plan for this
+    CPU (cpu-2core), the device the program is compiled for (an H200 plan prices the GPU's
+    head)."""
     from mtjax import parts
     from mtjax.config import StoreConfig, StreamConfig
     from mtjax.optim import OptimConfig, make_optimizer
@@ -149,9 +151,10 @@ def test_the_device_plans_head_is_flat_in_sequence_and_holds_the_compiled_head(t
 
     tx = make_optimizer(OptimConfig())
     growth = {}
+    cpu = BUILTIN["cpu-2core"]
     for vocab in (65536, 131072):
         cfg = tiny_config(vocab_size=vocab, hidden_size=64, tie_word_embeddings=tied)
-        heads = {seq: estimate(cfg, StreamConfig(), StoreConfig(), StepShape(1, seq), BUILTIN["h200"], tx=tx).device.head
+        heads = {seq: estimate(cfg, StreamConfig(), StoreConfig(), StepShape(1, seq), cpu, tx=tx).device.head
                  for seq in (2048, 16384)}
         growth[vocab] = heads[16384] - heads[2048]
         assert heads[2048] < 3 * 2048 * vocab * 4  # below what whole logits would take already at 2k

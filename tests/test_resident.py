@@ -33,12 +33,13 @@ SHAPE = (2, 16)
 
 def budget_for(cfg, store: StoreConfig, accum: int, which: str) -> int:
     """A device budget under which the planner keeps none, some or all parts resident
-    ("all-saved": and room to keep every residual instead of recomputing)."""
+    ("all-saved": and room to keep every residual instead of recomputing), priced as the
+    engine on this CPU checks it (cpu-2core: an h200 plan prices the GPU's smaller head)."""
     stream, shape = StreamConfig(), StepShape(*SHAPE, accum)
 
     def total(resident, remat="full"):
         return estimate(cfg, dataclasses.replace(stream, resident=resident, remat=remat), store, shape,
-                        BUILTIN["h200"]).device.total
+                        BUILTIN["cpu-2core"]).device.total
 
     return {"none": total(()), "some": total(("block.3", "head")), "all": total("all"),
             "all-saved": total("all", "none")}[which]

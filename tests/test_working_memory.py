@@ -104,6 +104,18 @@ def test_a_plan_prices_the_mixer_for_the_device_planned_for():
     assert device[True].working - device[False].working == cpu - gpu
 
 
+def test_a_plan_prices_the_head_for_the_device_planned_for():
+    """The head too (one rule for every term): an H200 plan made on this CPU prices the
+    GPU's chunked head, not the CPU's (which adds the chunk's logit gradient or kernel
+    gradient and the final norm's fp32 output and gradient per token)."""
+    cfg = dataclasses.replace(CFG, compute_dtype="bfloat16", vocab_size=8192)
+    tx = make_optimizer(OptimConfig())
+    head = {host: schedule.describe(cfg, StreamConfig(), StoreConfig(), schedule.StepShape(1, 4096), tx,
+                                    reads_host=host).device.head for host in (True, False)}
+    assert loss.head_bytes(cfg, 4096, "cpu") > loss.head_bytes(cfg, 4096, "gpu")
+    assert head == {True: loss.head_bytes(cfg, 4096, "cpu"), False: loss.head_bytes(cfg, 4096, "gpu")}
+
+
 def test_fused_gpu_kernels_and_a_split_row_hold_one_block_of_scores_or_none():
     spec = CFG.layer_specs[1]
     working = registry.mixer(spec).working

@@ -69,7 +69,7 @@ def main() -> None:
         print(lines[-1], flush=True)
     lines += ["", "A row past the model's context needs an extended one (rope scaling) to be meant. On a GPU the "
               "residuals of attention are traced on the planning backend (here the CPU's chunked kernel); its "
-              "working bytes are the GPU's fused kernels' (none)."]
+              "working bytes are the GPU's fused kernels' (none), the head's the GPU's chunked head's."]
     harness.publish("longest-row", "The planner's longest row (experiments/bench/longest_row.py)", "\n".join(lines),
                     "experiments/bench/longest_row.py", write=not args.no_doc)
 

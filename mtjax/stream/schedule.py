@@ -955,7 +955,8 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
     whole run; a part whose adapters are resident stages its frozen leaves. `shape` is one
     device's share: of the rows, or of each row's tokens split over `sequence_devices`.
     `platform`: the device planned for, "cpu" or "gpu" (default the backend's here), whose
-    kernels the mixers' working bytes are priced for (`block_working_bytes`)."""
+    kernels the mixers' working bytes and the head's are priced for (`block_working_bytes`,
+    mtjax.loss.head_bytes)."""
     split, sub = split or {}, sub or {}
     group = max(len(g) for g in grps)
     # Staging slots hold streamed parts only (a split block's sub-parts); none when everything is resident.
@@ -985,7 +986,7 @@ def _device_plan(cfg: ModelConfig, stream: StreamConfig, shape: StepShape, pb: d
         activations=(len(grps) - len(saved)) * shape.accum * hidden if stream.activations == "device" else 0,
         # A recompute group's (saved groups recompute nothing).
         residuals=max((len(g) for g in grps if g not in saved), default=0) * residual,
-        head=head_bytes(cfg, shape.batch * shape.seq),  # chunked logits (mtjax.loss)
+        head=head_bytes(cfg, tokens, platform),  # chunked logits (mtjax.loss)
         working=(3 + shape.accum) * hidden + 2 * max(grad.values()) + sums + transient,
         resident=sum(pb[p].compute + 2 * pb[p].master + pb[p].opt for p in resident)
         + sum(pb[p].trained + 2 * pb[p].master + pb[p].opt for p in adapters),
