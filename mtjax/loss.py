@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtjax import model, target
-from mtjax.layers.basic import rms_norm, transposed
+from mtjax.layers.basic import rms_norm, rows as flat_rows, transposed
 from mtjax.model_config import ModelConfig
 
 # The largest fp32 logits of one chunk of tokens: the head's working memory is a few of
@@ -113,12 +113,22 @@ def head_loss(cfg: ModelConfig, head: dict, embed: dict | None, x: jnp.ndarray, 
               chunk: int | None = None) -> jnp.ndarray:
     """`cross_entropy(model.head_forward(cfg, head, embed, x), tokens, targets)` computed
     over chunks of `chunk` tokens (default `head_rows`): hidden [b, t, d] -> the mean loss.
-    The final norm runs on the whole [b, t, d] (its autodiff keeps O(tokens x d)); the
-    head's matmul, soft-cap and loss run chunk by chunk (`_summed_loss`)."""
+    The final norm runs on all the tokens at once (its autodiff keeps O(tokens x d)); the
+    head's matmul, soft-cap and loss run chunk by chunk (`_summed_loss`).
+
+    With each row's tokens split over devices (cfg.sequence_devices > 1) the tokens go
+    token-major, as the dense layers' (basic.rows), on every platform: flattened b * t at
+    batch 2 lost the split, every device ran the head over both rows (fp32, 2 x 8192
+    tokens: 1.40x one device's temporaries on each of 2 or 8, tests/test_sequence_split.py;
+    2 x 4096, vocab 4096, 8 CPU devices on AMD Zen 4: 3.8 s of CPU time, 0.5 s now). Normed
+    after the reordering: normed [b, t, d], its gradient came back whole on every device.
+    The loss is a sum: the order changes no value."""
     b, t, d = x.shape
-    h = rms_norm(x, head["norm"]["weight"], cfg.rms_norm_eps, cfg.rms_norm_offset).reshape(b * t, d)
+    split = cfg.sequence_devices > 1
+    h = rms_norm(flat_rows(x, split)[0], head["norm"]["weight"], cfg.rms_norm_eps, cfg.rms_norm_offset)
     kernel = model.head_kernel(cfg, head, embed).astype(x.dtype)
     next_ids, counted, count = _counted(tokens, targets)
+    next_ids, counted = (flat_rows(a.reshape(b, t, 1), split)[0][:, 0] for a in (next_ids, counted))
     rows = head_rows(cfg, b * t) if chunk is None else min(chunk, b * t)
     n = -(-(b * t) // rows)
     pad = n * rows - b * t  # padded rows count for nothing

@@ -8,7 +8,8 @@ so a device's share starts mid-block), plain and packed rows; and XLA's temporar
 block's gradient at 8k tokens, per device, split over two devices and on one. Prints one
 JSON line of results; tests/test_sequence_split.py asserts on them. With the argument
 `planned` (a child of 16 devices), the device plan's price of a split attention block
-against XLA's instead (`planned_block_cases`).
+against XLA's instead (`planned_block_cases`), and the head's temporaries over two split
+rows (`head_cases`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from mtjax.attention import SEQUENCE, causal_attention, gathered_bytes, split_at
 from mtjax.batch import Batch
 from mtjax.config import StreamConfig
 from mtjax.layers import registry
+from mtjax.loss import head_bytes
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig
 from mtjax.stream import StreamEngine, blockfns, schedule
@@ -146,9 +148,33 @@ def planned_block_cases() -> dict:
     return out
 
 
+def head_cases() -> dict:
+    """Each device's temporaries in the compiled loss and gradient of the head (untied;
+    blockfns._head, as the engine runs it) over two rows of 8192 tokens, whole on one
+    device and split over 2 and 8, beside the plan's price of one device's share
+    (mtjax.loss.head_bytes), with the spec of the hidden states' gradient."""
+    seq, batch, out = 8192, 2, {}
+    for dtype in ("float32", "bfloat16"):
+        out[dtype] = {}
+        for devices in (1, 2, 8):
+            cfg = dataclasses.replace(WIDE, compute_dtype=dtype, tie_word_embeddings=False, sequence_devices=devices)
+            mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), (SEQUENCE,))
+            on = lambda *axes: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))  # noqa: E731
+            head = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=on())
+                    for n, v in parts.schema(cfg, "head", "compute").items()}
+            x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), np.dtype(dtype), sharding=on(None, SEQUENCE))
+            tokens = jax.ShapeDtypeStruct((batch, seq), np.int32, sharding=on(None, SEQUENCE))
+            compiled = jax.jit(lambda h, x, t: blockfns._head(cfg, h, None, x, t, 1.0)).lower(head, x, tokens).compile()
+            dx = compiled.output_shardings[3]
+            out[dtype][devices] = {"temp": compiled.memory_analysis().temp_size_in_bytes,
+                                   "planned": head_bytes(cfg, batch * seq // devices, "cpu"),
+                                   "dx_spec": str(dx.spec) if hasattr(dx, "spec") else str(dx)}
+    return out
+
+
 def main() -> None:
     if sys.argv[1:] == ["planned"]:  # a child of 16 devices
-        print(json.dumps(planned_block_cases()))
+        print(json.dumps({**planned_block_cases(), "head batch 2": head_cases()}))
         return
     assert len(jax.devices()) == 2
     results = {"kernel": kernel_cases(), "plain": engine_case(False), "documents": engine_case(True),

@@ -95,6 +95,22 @@ def test_two_split_rows_keep_their_tokens_split(planned, dtype):
         assert abs(r["temp"] / r["planned"] - 1) < 0.10, (devices, r)
 
 
+@SLOW  # the same child
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_split_rows_keep_their_tokens_split_through_the_head(planned, dtype):
+    """The head's loss over two rows split over N devices holds about 1/N of its
+    temporaries on one device, and hands back the hidden states' gradient split
+    (mtjax.loss.head_loss orders the tokens as basic.rows does). Flattened row-major,
+    every device ran the head over both whole rows: fp32 1.40x the one device's
+    temporaries at 2 devices and at 8, its gradient whole on each."""
+    cases = planned["head batch 2"][dtype]
+    whole = cases["1"]["temp"]
+    for devices in ("2", "8"):
+        r = cases[devices]
+        assert r["temp"] <= 1.3 * whole / int(devices), (devices, whole, r)
+        assert r["dx_spec"] == "P(None, 'sequence')", (devices, r)
+
+
 def test_a_row_that_does_not_split_is_one_line():
     with pytest.raises(ConfigError, match=r"data.seq_len 10 does not split over 4 devices \(stream.split: sequence\)"):
         ExperimentConfig(stream=StreamConfig(devices=4, split="sequence"), data=DataConfig(batch_size=1, seq_len=10))
