@@ -132,9 +132,14 @@ def head_loss(cfg: ModelConfig, head: dict, embed: dict | None, x: jnp.ndarray, 
     rows = head_rows(cfg, b * t) if chunk is None else min(chunk, b * t)
     n = -(-(b * t) // rows)
     pad = n * rows - b * t  # padded rows count for nothing
-    h = jnp.pad(h, ((0, pad), (0, 0))).reshape(n, rows, d)
-    next_ids = jnp.pad(next_ids, (0, pad)).reshape(n, rows)
-    weights = jnp.pad(counted.astype(jnp.float32), (0, pad)).reshape(n, rows)
+    # Split, chunk i takes every n-th token from i: each device holds its share of every
+    # chunk. Consecutive tokens a chunk lay on one device each, and the scan over them
+    # gathered the whole row onto every device (tests/test_sequence_split.py).
+    chunks = (lambda a: jnp.swapaxes(a.reshape(rows, n, *a.shape[1:]), 0, 1)) if split else (
+        lambda a: a.reshape(n, rows, *a.shape[1:]))
+    h = chunks(jnp.pad(h, ((0, pad), (0, 0))))
+    next_ids = chunks(jnp.pad(next_ids, (0, pad)))
+    weights = chunks(jnp.pad(counted.astype(jnp.float32), (0, pad)))
     return _summed_loss(cfg.final_logit_softcapping or 0.0, h, kernel, next_ids, weights) / count
 
 

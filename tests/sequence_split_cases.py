@@ -152,23 +152,39 @@ def head_cases() -> dict:
     """Each device's temporaries in the compiled loss and gradient of the head (untied;
     blockfns._head, as the engine runs it) over two rows of 8192 tokens, whole on one
     device and split over 2 and 8, beside the plan's price of one device's share
-    (mtjax.loss.head_bytes), with the spec of the hidden states' gradient."""
+    (mtjax.loss.head_bytes), with the spec of the hidden states' gradient; under "chunked"
+    fp32 in chunks of 1024 tokens (a large vocabulary's several chunks), with the loss and
+    the hidden states' gradient split against whole (`errors`)."""
     seq, batch, out = 8192, 2, {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype, chunk in (("float32", 0), ("bfloat16", 0), ("chunked", 1024)):
         out[dtype] = {}
         for devices in (1, 2, 8):
-            cfg = dataclasses.replace(WIDE, compute_dtype=dtype, tie_word_embeddings=False, sequence_devices=devices)
+            cfg = dataclasses.replace(WIDE, compute_dtype=dtype if chunk == 0 else "float32", tie_word_embeddings=False,
+                                      sequence_devices=devices, head_chunk_tokens=chunk)
             mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), (SEQUENCE,))
             on = lambda *axes: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))  # noqa: E731
             head = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=on())
                     for n, v in parts.schema(cfg, "head", "compute").items()}
-            x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), np.dtype(dtype), sharding=on(None, SEQUENCE))
+            x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype),
+                                     sharding=on(None, SEQUENCE))
             tokens = jax.ShapeDtypeStruct((batch, seq), np.int32, sharding=on(None, SEQUENCE))
             compiled = jax.jit(lambda h, x, t: blockfns._head(cfg, h, None, x, t, 1.0)).lower(head, x, tokens).compile()
             dx = compiled.output_shardings[3]
             out[dtype][devices] = {"temp": compiled.memory_analysis().temp_size_in_bytes,
                                    "planned": head_bytes(cfg, batch * seq // devices, "cpu"),
                                    "dx_spec": str(dx.spec) if hasattr(dx, "spec") else str(dx)}
+    runs = {}
+    for devices in (1, 2):  # 2 rows of 384 tokens in chunks of 128: several chunks a device
+        cfg = dataclasses.replace(CFG, sequence_devices=devices, head_chunk_tokens=128)
+        put = lambda a: jax.device_put(a, jax.sharding.NamedSharding(  # noqa: E731
+            jax.sharding.Mesh(np.array(jax.devices()[:devices]), (SEQUENCE,)), jax.sharding.PartitionSpec(None, SEQUENCE)))
+        head = {n: 1 + 0.1 * jax.random.normal(jax.random.key(2), v.shape, v.dtype)
+                for n, v in parts.schema(cfg, "head", "compute").items()}
+        x = put(jax.random.normal(jax.random.key(3), (2, SEQ, cfg.hidden_size)))
+        tokens = put(jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (2, SEQ)), jnp.int32))
+        loss, _, _, dx = jax.jit(lambda h, x, t: blockfns._head(cfg, h, None, x, t, 1.0))(head, x, tokens)
+        runs[devices] = (loss, dx)
+    out["chunked"]["errors"] = [rel(runs[2][0], runs[1][0]), rel(runs[2][1], runs[1][1])]
     return out
 
 
