@@ -62,19 +62,29 @@ def head_bytes(cfg: ModelConfig, tokens: int, platform: str | None = None) -> in
       in the embedding gradient's output buffer, dead before that is written;
     - per token 16 bytes (log-partition, weight, id, padding) and on the CPU the final
       norm's fp32 output and gradient, on the GPU the chunks' stacked hidden-state
-      gradients in the compute dtype."""
+      gradients in the compute dtype.
+
+    Split rows (cfg.sequence_devices > 1; `tokens` one device's share): a chunk holds the
+    device's share of its rows, and in several chunks two copies of the share's hidden
+    states in the compute dtype, the token-major and the every-n-th-token reorderings
+    (fp32 2 x 8192, chunks of 1024: XLA held 1.52x the price without them at 2 devices; 0.93x
+    now at 2 and 8, tests/test_sequence_split.py)."""
     platform = platform or jax.default_backend()
     item = np.dtype(cfg.compute_dtype).itemsize
     d = cfg.hidden_size
-    rows = head_rows(cfg, tokens)
+    devices = cfg.sequence_devices
+    rows = head_rows(cfg, tokens * devices)
+    reordered = 2 * tokens * d * item if 1 < devices and rows < tokens * devices else 0
+    rows = -(-rows // devices)
     chunk = rows * cfg.vocab_size * 4
     kernel = d * cfg.vocab_size
     tied = cfg.tie_word_embeddings
     if platform == "cpu":
         summed = 4 * kernel if item < 4 or tied else 0
-        return chunk + max(chunk, 4 * kernel) + rows * d * 4 + summed + tokens * (2 * d * 4 + 16)
+        return chunk + max(chunk, 4 * kernel) + rows * d * 4 + summed + tokens * (2 * d * 4 + 16) + reordered
     summed = 4 * kernel if item < 4 else 0
-    return chunk + 2 * rows * d * 4 + summed + (kernel * item if tied else 0) + tokens * (d * item + 16)
+    return (chunk + 2 * rows * d * 4 + summed + (kernel * item if tied else 0) + tokens * (d * item + 16)
+            + reordered)
 
 
 def _counted(tokens: jnp.ndarray, targets=None):

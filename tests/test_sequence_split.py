@@ -118,12 +118,15 @@ def test_a_split_heads_chunks_take_every_devices_share(planned):
     same loss and hidden gradient as one device's, and at N devices at most 2/N of its
     temporaries. Chunks of consecutive tokens lay on one device each: the scan over them
     gathered the row onto every device, 1.54x one device's temporaries at 2, 1.11x at 8.
-    (At 2 devices still 0.88x: the token-major and strided copies of the share.)"""
+    (At 2 devices still 0.88x: the token-major and strided copies of the share.) The plan
+    prices those copies (mtjax.loss.head_bytes): without them XLA held 1.52x its price at 2."""
     cases = planned["head batch 2"]["chunked"]
     assert max(cases["errors"]) <= 1e-5, cases["errors"]
     whole = cases["1"]["temp"]
     for devices in ("2", "8"):
-        assert cases[devices]["temp"] <= 2 * whole / int(devices), (devices, whole, cases[devices])
+        r = cases[devices]
+        assert r["temp"] <= 2 * whole / int(devices), (devices, whole, r)
+        assert 0.85 <= r["temp"] / r["planned"] <= 1.10, (devices, r)
 
 
 def test_a_row_that_does_not_split_is_one_line():
