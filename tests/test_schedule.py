@@ -337,8 +337,46 @@ def test_a_multi_process_schedule_keeps_the_compute_copy_and_stages_nothing_in_p
     assert one.derived_compute and one.in_place == one.streamed and not one.staging
     assert not two.derived_compute and not two.in_place and two.staging_bytes > 0
     assert schedule.derives_compute(True, store) and not schedule.derives_compute(True, store, processes=2)
+    assert two.widens_grads and not one.widens_grads  # the reduce-scatter takes fp32 sums
     assert dataclasses.replace(two, derived_compute=True, in_place=one.in_place, staging=(), processes=1,
-                               traffic=one.traffic) == one
+                               widens_grads=False, traffic=one.traffic) == one
+
+
+@pytest.mark.parametrize("where,xla,flipped", [("ram", False, False), ("master-disk", False, False),
+                                               ("ram", True, False), ("ram", False, True),
+                                               ("master-disk", False, True)])
+def test_the_sink_widens_a_gradient_where_the_schedule_says(make_store, monkeypatch, where, xla, flipped):
+    """A bf16 gradient of one micro-batch reaches the update as the step's schedule says
+    (`widens_grads`, which its host-memory price reads too): as computed in RAM for the
+    fused loop and for XLA's program, fp32 where it is spilled to files. The sink takes
+    that from the schedule rather than deciding again: a schedule that says the opposite
+    (`flipped`) is followed."""
+    if flipped:
+        describe = schedule.describe
+        monkeypatch.setattr(schedule, "describe", lambda *a, **k: dataclasses.replace(
+            describe(*a, **k), widens_grads=not describe(*a, **k).widens_grads))
+    tiers, copies = PLACEMENTS[where]
+    placement = StoreConfig(**{k: tiers.get(k, "ram") for k in parts.KINDS}, copies=copies)
+    engine = StreamEngine(CFG, model.init_params(CFG, seed=0), OPT, StreamConfig(), placement,
+                          store=make_store(CFG, TX, copies=copies) if tiers else None, tx=TX if xla else None,
+                          batch_shape=(BATCH, SEQ))
+    s = engine.plan(BATCH, SEQ)
+    assert s.widens_grads == ((where != "ram") != flipped) and (engine.update.fused is None) == xla
+    taken, take = {}, engine.grads.take
+
+    def recorded(part):
+        grads = take(part)
+        if grads is not None:
+            taken[part] = sum(np.asarray(g).nbytes for g in grads.values())
+        return grads
+
+    engine.grads.take = recorded
+    engine.step(random_tokens(CFG.vocab_size, (1, BATCH, SEQ)))
+    engine.flush()
+    narrow = [p for p in s.transfers if s.grad_bytes[p] < s.part_bytes[p].master]
+    assert narrow and set(taken) == set(s.transfers)
+    assert taken == {p: s.part_bytes[p].master if s.widens_grads else s.grad_bytes[p] for p in s.transfers}
+    engine.close()
 
 
 MOE = ModelConfig(model_type="qwen3_moe", vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=3,

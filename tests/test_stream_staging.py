@@ -229,7 +229,7 @@ def test_gradient_norms_are_reduced_on_the_device_and_only_the_scalar_comes_back
     parts = {"embed": {"e": rng.standard_normal((40, 8)).astype(np.float32)},
              "block.0": {"w": rng.standard_normal((8, 8)).astype(jnp.bfloat16), "b": np.ones(8, np.float32)}}
     for part, g in parts.items():
-        sink.add(part, {n: jax.device_put(x) for n, x in g.items()})
+        sink.add(part, {n: jax.device_put(x) for n, x in g.items()}, widen=False)
     sq = sink.finish()
     expected = {p: sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in g.values())
                 for p, g in parts.items()}

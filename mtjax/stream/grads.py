@@ -1,7 +1,8 @@
 """The device->host stage for gradients: copy each part's gradient (already summed over
 the step's micro-batches on the device, in fp32) to host memory on a worker thread, so
 the device loop never waits. One micro-batch's gradient stays in the compute dtype (the
-update reads bf16 as it is) unless it is spilled or reduce-scattered, which take fp32.
+update reads bf16 as it is) unless the step's schedule says it is widened to fp32
+(`Schedule.widens_grads`: it is spilled or reduce-scattered, which take fp32).
 
 `finish` returns the squared global norm (a host float32), which fixes the clip scale
 before any part is updated. Each part's squared norm is reduced on the device, from the
@@ -53,9 +54,9 @@ class GradSink:
         self._futures: list[cf.Future] = []
         self.last_sq: dict[str, np.float32] = {}  # the last finished step's squared norm per part
 
-    def add(self, part: str, grads: dict) -> None:
+    def add(self, part: str, grads: dict, widen: bool) -> None:
         """Queue a part's device gradient for this step (one per part); returns at once
-        (the copy is asynchronous)."""
+        (the copy is asynchronous). `widen`: the step's `Schedule.widens_grads`."""
         assert part not in self._current, f"{part} got two gradients in one step"
         self._current.append(part)
         sq = None
@@ -63,17 +64,14 @@ class GradSink:
             sq = self._sq_fn(self.placement.mesh.one_copy(roles.without_buffers(grads)))
             sq.copy_to_host_async()
         grads = self.placement.start_to_host(grads)
-        self._futures.append(self._pool.submit(self._accumulate, part, grads, sq))
+        self._futures.append(self._pool.submit(self._accumulate, part, grads, sq, widen))
 
-    def _accumulate(self, part: str, grads: dict, sq) -> None:
+    def _accumulate(self, part: str, grads: dict, sq, widen: bool) -> None:
         with self.tracer.span("d2h", part):
             host = self.placement.host_arrays(grads)
-        # The update reads a gradient in the compute dtype as it is (one micro-batch: not
-        # summed in fp32 on the device); a spill file and the processes' reduce-scatter
-        # take fp32. Widening every bf16 gradient here cost the CPU several times the fused
-        # AdamW pass that reads it (docs/cpu.md, "The gradient's dtype").
-        keep = self.spill is None and self.hosts is None
-        acc = dict(host) if keep or all(x.dtype == jnp.float32 for x in host.values()) else self._to_f32(host)
+        # Widened only where the schedule says (its host-memory price counts the same).
+        narrow = any(x.dtype != jnp.float32 for x in host.values())
+        acc = self._to_f32(host) if widen and narrow else dict(host)
         if self.hosts is not None:  # reduce-scattered by `finish`
             self._sums[part] = acc
             return

@@ -352,7 +352,7 @@ class Runner:
     def _grad_out(self, st: Pass, op: ops.GradOut) -> None:
         grads = self.outgoing(op.part, st.summed.pop(op.part), st.stats)
         if grads:  # a part with no trained leaf (and no buffer rule on) has no gradient, and no update
-            self.grads.add(op.part, grads)
+            self.grads.add(op.part, grads, self.schedule.widens_grads)
 
     def _grad_stays(self, st: Pass, op: ops.GradStays) -> None:
         self.resident.add_grad(op.part, self.outgoing(op.part, st.summed.pop(op.part), st.stats))

@@ -4,6 +4,7 @@
     s.transfers          # parts in the order they cross to the device: ("embed", "block.0", ...)
     s.traffic.h2d        # bytes host -> device in one step; also d2h, disk_read, disk_write, host_memory
     s.spill              # where gradients wait for their update: None, "scratch" or "pending"
+    s.widens_grads       # the host widens a one-micro-batch gradient to fp32 (spilled or reduce-scattered)
     s.device.total       # device bytes at the peak on each device, by use (DevicePlan)
     s.allreduce          # {part: gradient bytes summed across the devices in one step} (several devices)
     s.operations         # the step as the engine runs it (mtjax.stream.ops); print(s) lists them
@@ -180,6 +181,10 @@ class Schedule:
     fused: bool  # the update is the one-pass AdamW loop (mtjax.stream.fused_adamw)
     derived_compute: bool  # no compute copy is kept: the prefetcher rounds master into the slot
     spill: str | None  # where gradients wait for their update: None (RAM), "scratch" files, "pending" (one-copy store)
+    # The host widens a gradient in the compute dtype (one micro-batch's) to fp32 as it
+    # arrives (mtjax.stream.grads): a spill file and the processes' reduce-scatter take
+    # fp32; otherwise the update reads it as it is (XLA's program widens it itself).
+    widens_grads: bool
     part_bytes: dict  # {part: StateBytes}
     groups: tuple  # recompute groups: block ranges whose first input is kept
     last_stays: bool  # the last block stays on the device from its forward to its backward
@@ -813,6 +818,7 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     derived = derives_compute(fused, store, parts.frozen_any(cfg), processes)
     in_place = staged_in_place(cfg, derived, reads_host, streamed, adapters, split)
     where = spill(store)
+    widens = where is not None or processes > 1  # Schedule.widens_grads
     check_split(stream.split, shape.batch, shape.seq, devices)
     hidden = shape.batch * shape.seq * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize
     # Summed over several micro-batches a gradient is fp32; alone it leaves as computed,
@@ -859,7 +865,7 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
                                             if p not in in_place],
                                  {p: g for p, g in grad.items() if p in streamed and p not in adapters}, fused,
                                  derived, store,
-                                 sum(reads.values()) + sum(writes.values()), where is not None, reads_host,
+                                 sum(reads.values()) + sum(writes.values()), widens, reads_host,
                                  processes),
         # On the host the fused loop writes a compute copy unless it is the fp32 master itself.
         device_update=_update_bytes([pb[p] for p in resident + adapters], fused,
@@ -877,7 +883,7 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     device = _device_plan(cfg, stream, local, pb, grps, grad, hidden // devices, resident, saved, remat, split, sub,
                           dispatch, adapters, devices if stream.split == "sequence" else 1,
                           "cpu" if reads_host else "gpu")
-    return Schedule(cfg, stream, store, shape, fused, derived, where, pb, grps, last_stays(grps, split), resident,
+    return Schedule(cfg, stream, store, shape, fused, derived, where, widens, pb, grps, last_stays(grps, split), resident,
                     remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce, split, sub,
                     staging_sets(cfg, stream, grps, transfers, split, adapters, in_place),
                     read_sets(cfg, store, pb, tuple(p for p in streamed if p not in adapters)), adapters, in_place,
@@ -907,23 +913,23 @@ def _update_bytes(states, fused: bool, copy: bool, grads: int | None = None) -> 
 
 
 def _host_memory(pb: dict[PartId, StateBytes], transfers: list[tuple[StateBytes, bool]], grad: dict, fused: bool,
-                 derived: bool, store: StoreConfig, disk_io: int, spilled: bool, reads_host: bool,
+                 derived: bool, store: StoreConfig, disk_io: int, widens: bool, reads_host: bool,
                  processes: int) -> int:
     """Bytes the host CPU reads and writes in one step (DMA is the link's: the planner
     adds it where the device is not the host). `transfers`: each transfer's bytes, and
     whether it stages the copy its update handed over (a disk-tier compute copy); those
-    staged in place (`staged_in_place`) copy nothing and are left out; `spilled`: the
-    gradients wait in files (`spill`); `reads_host`: the device is the host CPU;
-    `processes`: the run's (mtjax.stream.hosts)."""
+    staged in place (`staged_in_place`) copy nothing and are left out; `widens`: the
+    host widens narrow gradients (`Schedule.widens_grads`); `reads_host`: the device is
+    the host CPU; `processes`: the run's (mtjax.stream.hosts)."""
     # Each gradient as mtjax.stream.grads handles it. A GPU's lands in a transfer buffer
     # and is copied into a CPU-backend array (Placement.host_arrays: read + write); on
     # the CPU the device's own buffer is handed over. One narrower than fp32 (one
-    # micro-batch's, in the compute dtype) is widened (read + fp32 write) where it is
-    # spilled, reduce-scattered or XLA's program updates; for the fused loop it stays as
-    # it is. Its squared norm is reduced on the device, from the gradient as computed or,
+    # micro-batch's, in the compute dtype) is widened (read + fp32 write) where the sink
+    # widens it (`widens`) or XLA's program updates; for the fused loop it stays as it
+    # is. Its squared norm is reduced on the device, from the gradient as computed or,
     # in a run of several processes, from this process's rows of the fp32 sums
     # (mtjax.stream.hosts): host memory only where the device is the host.
-    kept = {p: g != pb[p].master and fused and not spilled and processes == 1 for p, g in grad.items()}
+    kept = {p: g != pb[p].master and fused and not widens for p, g in grad.items()}
     optimizer = _update_bytes(pb.values(), fused, copy=not derived,
                               grads=sum(g if kept[p] else pb[p].master for p, g in grad.items()))
     grads = 0
