@@ -134,7 +134,7 @@ def head_loss(cfg: ModelConfig, head: dict, embed: dict | None, x: jnp.ndarray, 
     after the reordering: normed [b, t, d], its gradient came back whole on every device.
     The loss is a sum: the order changes no value."""
     b, t, d = x.shape
-    split = cfg.sequence_devices > 1
+    split = cfg.splits_rows
     h = rms_norm(flat_rows(x, split)[0], head["norm"]["weight"], cfg.rms_norm_eps, cfg.rms_norm_offset)
     kernel = model.head_kernel(cfg, head, embed).astype(x.dtype)
     next_ids, counted, count = _counted(tokens, targets)

@@ -276,6 +276,14 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def splits_rows(self) -> bool:
+        """Whether each row's tokens are split over devices (`sequence_devices` > 1).
+        Layers that flatten [b, t, ...] into rows then go token-major (mtjax.layers.basic.
+        rows): a flattened b * t keeps only its major axis's sharding, so the split would be
+        lost and XLA would gather every row onto every device."""
+        return self.sequence_devices > 1
+
+    @property
     def attn_scale(self) -> float:
         """What q k^T is multiplied by before the softmax."""
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5

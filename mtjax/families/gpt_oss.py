@@ -63,7 +63,7 @@ def layer_specs(cfg) -> tuple:
 def validate(cfg) -> None:
     if cfg.attention_bias != cfg.o_proj_bias:
         raise ConfigError("gpt_oss has biases on q, k, v and o alike; set attention_bias and o_proj_bias equal")
-    if cfg.sequence_devices > 1:
+    if cfg.splits_rows:
         raise ConfigError("gpt_oss's attention sinks are not in the context-parallel kernel; split rows over "
                           "one device (stream.split other than sequence)")
     if set(cfg.moe_layers) != set(range(cfg.num_hidden_layers)):

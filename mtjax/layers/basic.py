@@ -105,7 +105,7 @@ class Dense(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32)) if bias else None
         self.lora_a = self.lora_b = None
         self.lora_scale = self.lora_dropout = 0.0
-        self.split = cfg.sequence_devices > 1  # see `rows`
+        self.split = cfg.splits_rows  # see `rows`
 
     def add_adapter(self, rank: int, scale: float, rngs: nnx.Rngs, dropout: float = 0.0) -> None:
         """A fresh LoRA adapter of `rank` (A as PEFT draws it, B zero: the output unchanged)."""
@@ -133,7 +133,7 @@ class RMSNorm(nnx.Module):
         # Gemma's (1 + w) norms start at w = 0, the others' w at 1: both the identity scale.
         self.weight = nnx.Param(jnp.full((dim,), 0.0 if cfg.rms_norm_offset else 1.0, jnp.float32))
         self.eps, self.offset = cfg.rms_norm_eps if eps is None else eps, cfg.rms_norm_offset
-        self.split = cfg.sequence_devices > 1  # see `rows`
+        self.split = cfg.splits_rows  # see `rows`
 
     def __call__(self, x):
         return rms_norm(x, self.weight[...], self.eps, self.offset, self.split)

@@ -82,7 +82,7 @@ class Attention(nnx.Module):
         if self.rope:
             q, k = (rope.apply(y, cos, sin, cfg.rope_interleaved) for y in (q, k))
         if self.l2_norm:
-            q, k = (rms_norm(y, None, cfg.rms_norm_eps, split=cfg.sequence_devices > 1) for y in (q, k))
+            q, k = (rms_norm(y, None, cfg.rms_norm_eps, split=cfg.splits_rows) for y in (q, k))
         if self.temperature:
             q = (q * temperature(cfg, positions)[..., None, None]).astype(q.dtype)
         return q, k, v, gate
