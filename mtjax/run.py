@@ -398,8 +398,9 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
         check_tokenizer(exp, dataset, run_dir)  # the cause of ids past the vocabulary, when it is one
         dataset.check_vocab(cfg.vocab_size)
         asked = exp.stream  # config.yaml keeps `auto`: another machine's memory resolves it anew
-        exp = residency.for_run(exp)  # stream.resident=auto: the planner's parts for this device's memory
-        preflight.check(exp, cfg, dataset, processes=1 if hosts is None else hosts.count)  # before any weight is made
+        processes = 1 if hosts is None else hosts.count
+        exp = residency.for_run(exp, processes)  # stream.resident=auto: the planner's parts for this device's memory
+        preflight.check(exp, cfg, dataset, processes=processes)  # before any weight is made
         exp = _as_run(exp, dataset, tokenizer)
         positions = 0  # the closing sample's prompt and new tokens: refused now, not after the run
         if exp.run.sample_prompt and exp.run.sample_tokens:

@@ -159,7 +159,8 @@ def run_plan(args) -> int:
     hw, profile_from = hardware()
 
     # stream.resident=auto as a run on this hardware resolves it (device budget included).
-    stream = residency.for_inputs(dataclasses.replace(given_run, stream=stream, store=store, data=data), hw)
+    stream = residency.for_inputs(dataclasses.replace(given_run, stream=stream, store=store, data=data), hw,
+                                  args.processes)
     plan = planner.estimate(given_run.cfg, stream, store, planner.StepShape.of(data), hw, tx=given_run.tx)
     advice = planner.recommend(plan)
     room = fit.limits(hw)

@@ -26,6 +26,7 @@ from mtjax.plan import fit, inputs
 from mtjax.plan.cost import Plan, estimate
 from mtjax.plan.hardware import BUILTIN, HardwareProfile
 from mtjax.stream import schedule
+from mtjax.stream.hosts import share
 from mtjax.stream.schedule import StepShape
 
 
@@ -60,16 +61,17 @@ def candidates(cfg: ModelConfig, stream: StreamConfig, each: list[int] | None = 
 
 
 def choose(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
-           budget: int | None, tx=None) -> Plan:
+           budget: int | None, tx=None, processes: int = 1) -> Plan:
     """The plan of the fastest resident set and remat policy (stream.remat, or each when
     auto) whose device plan fits `budget`; among equally
     fast ones (streaming hidden behind compute), the one that moves fewest bytes over the
-    link, then the fewest device bytes. With no budget, or none that fits, nothing is resident."""
+    link, then the fewest device bytes. With no budget, or none that fits, nothing is resident.
+    `shape` and `processes`: the step of one process of a run of that many (its rows)."""
     pb = schedule.part_bytes(cfg, make_optimizer(OptimConfig()) if tx is None else tx)
 
     def at(resident) -> Plan:
         return estimate(cfg, dataclasses.replace(stream, resident=tuple(resident), remat=schedule.remat_of(stream)),
-                        store, shape, hardware, part_bytes_=pb)
+                        store, shape, hardware, part_bytes_=pb, processes=processes)
 
     if budget is None:
         return at(())
@@ -81,8 +83,8 @@ def choose(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: St
     # alone says it. On a model of big blocks most of the (L + 1)^k sets are out
     # (gpt-oss-120b's 8,226 plans on an H200 become 116).
     each = [at(c[:1]).device.resident for c in classes(cfg, stream)]
-    plans = [estimate(cfg, dataclasses.replace(stream, resident=r, remat=m), store, shape, hardware, part_bytes_=pb)
-             for r in candidates(cfg, stream, each, budget) for m in remats]
+    plans = [estimate(cfg, dataclasses.replace(stream, resident=r, remat=m), store, shape, hardware, part_bytes_=pb,
+                      processes=processes) for r in candidates(cfg, stream, each, budget) for m in remats]
     fitting = [p for p in plans if p.device.total <= budget]
     if not fitting:
         return at(())
@@ -98,16 +100,17 @@ def budget_for(stream: StreamConfig, hardware: HardwareProfile) -> int | None:
 
 
 def resolve(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, hardware: HardwareProfile,
-            tx=None) -> StreamConfig:
+            tx=None, processes: int = 1) -> StreamConfig:
     """`stream` with resident=auto replaced by the parts `choose` keeps resident (as a list
     of names) and remat=auto by its policy; settings given are kept (an explicit resident
-    with remat=auto gets the fastest policy that fits for those parts)."""
+    with remat=auto gets the fastest policy that fits for those parts). `shape` and
+    `processes` as `choose`'s."""
     if stream.resident == "auto":
-        plan = choose(cfg, stream, store, shape, hardware, budget_for(stream, hardware), tx)
+        plan = choose(cfg, stream, store, shape, hardware, budget_for(stream, hardware), tx, processes)
         return dataclasses.replace(stream, resident=plan.schedule.resident, remat=plan.schedule.remat)
     if stream.remat == "auto":
         budget = budget_for(stream, hardware)
-        plans = [estimate(cfg, dataclasses.replace(stream, remat=m), store, shape, hardware, tx=tx)
+        plans = [estimate(cfg, dataclasses.replace(stream, remat=m), store, shape, hardware, tx=tx, processes=processes)
                  for m in ("full", "dots", "none")]
         fitting = [p for p in plans if budget is None or p.device.total <= budget] or plans[:1]
         return dataclasses.replace(stream, remat=min(fitting, key=lambda p: (p.times.step, p.device.total)).stream.remat)
@@ -124,16 +127,20 @@ def profile_of(device: jax.Device) -> HardwareProfile:
     return dataclasses.replace(hw, device_memory_bytes=int(limit)) if limit else hw
 
 
-def for_inputs(run: inputs.Inputs, hardware: HardwareProfile) -> StreamConfig:
+def for_inputs(run: inputs.Inputs, hardware: HardwareProfile, processes: int = 1) -> StreamConfig:
     """The run's stream settings with resident=auto and remat=auto resolved (`resolve`) for
-    `hardware`, as a run resolves them; the reference engine's, and settings given, as they are."""
+    `hardware`, as a run resolves them; the reference engine's, and settings given, as they are.
+    In a run of several `processes` each sizes its own step: its share of every
+    micro-batch's rows (mtjax.stream.hosts.share)."""
     if run.stream.engine != "stream" or "auto" not in (run.stream.resident, run.stream.remat):
         return run.stream
-    return resolve(run.cfg, run.stream, run.store, run.shape, hardware, run.tx)
+    shape = dataclasses.replace(run.shape, batch=share(run.shape.batch, processes))
+    return resolve(run.cfg, run.stream, run.store, shape, hardware, run.tx, processes)
 
 
-def for_run(exp):
+def for_run(exp, processes: int = 1):
     """The experiment config with stream.resident and stream.remat=auto resolved for this
-    process's device (the trainer calls it before its preflight, which then checks the choice)."""
-    stream = for_inputs(inputs.from_experiment(exp), profile_of(jax.local_devices()[0]))
+    process's device and its share of a run of `processes` (the trainer calls it before its
+    preflight, which then checks the choice)."""
+    stream = for_inputs(inputs.from_experiment(exp), profile_of(jax.local_devices()[0]), processes)
     return exp if stream is exp.stream else dataclasses.replace(exp, stream=stream)
