@@ -478,11 +478,14 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"experiment file {path} does not exist; see experiments/ for examples")
     try:
-        tree = _parse_yaml(textfile.read(path), str(path)) or {}
+        tree = _parse_yaml(textfile.read(path), str(path))
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""
         raise ConfigError(f"{path} is not valid YAML{line}: {getattr(e, 'problem', e)}") from None
+    if tree is None:  # no document: most likely a file not yet written, not a wish for every default
+        raise ConfigError(f"{path} is empty: write the settings to change, or leave out the file to run the "
+                          "embedded default (`mtjax train` with no EXPERIMENT.yaml)")
     if not isinstance(tree, dict):
         raise ConfigError(f"{path} must hold a mapping of config groups (model, optim, data, ...)")
     return tree

@@ -221,9 +221,14 @@ def test_settings_that_cannot_be_meant(work):
     A setting given twice on the command line is not one of them: the last one counts
     (TINY's --run.steps=2 is replaced below)."""
     (work / "twice.yaml").write_text("optim:\n  lr: 1.0e-3\n  lr: 2.0e-3\n")
+    (work / "empty.yaml").write_text("# to fill in\n")
     train = ["train", *TINY, "--run.dir=r2"]
+    empty = "empty.yaml is empty: write the settings to change, or leave out the file to run the embedded default"
     try:
         run_cases(work, [
+            (["train", "empty.yaml", "--run.dir=r2"], empty),
+            (["plan", "empty.yaml", "--hardware", "h200"], empty),
+            (["init", "empty.yaml", "s3"], empty),
             (["train", "twice.yaml", *TINY, "--run.dir=r2"], "twice.yaml sets optim.lr twice (lines 2 and 3); keep one"),
             (["plan", "twice.yaml", "--hardware", "h200"], "twice.yaml sets optim.lr twice (lines 2 and 3)"),
             ([*train, "--run.checkpoint_every=-1"], "run.checkpoint_every must be in [0, 2147483647]"),
@@ -252,6 +257,30 @@ def test_settings_that_cannot_be_meant(work):
         ])
     finally:
         (work / "twice.yaml").unlink()
+        (work / "empty.yaml").unlink()
+@pytest.mark.parametrize("profile, dtype", [("FAST", "bfloat16"), ("SLOW", "float32")])
+def test_init_resolves_compute_dtype_auto_for_an_hf_config_as_for_a_yaml(tmp_path, monkeypatch, capsys, profile,
+                                                                         dtype):
+    """`mtjax init --compute-dtype auto` (once refused for an HF config by the flag's
+    choices) stores the dtype a run on this machine resolves auto to, and says why, for
+    an HF checkpoint as for an experiment YAML asking auto."""
+    import test_compute_dtype as auto
+    from mtjax import store as store_lib
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # this machine's profile, not the user's
+    auto.this_machine(tmp_path / "xdg" / "mtjax", getattr(auto, profile))
+    ckpt, _ = hf_models.checkpoint(tmp_path, "llama")
+    (tmp_path / "auto.yaml").write_text(f"model:\n  hf_config: {ckpt / 'config.json'}\n  compute_dtype: auto\n")
+    for source, flags in ((ckpt, ["--compute-dtype", "auto"]), (ckpt / "config.json", ["--compute-dtype", "auto"]),
+                          (tmp_path / "auto.yaml", [])):
+        out = tmp_path / f"store-{len(list(tmp_path.glob('store-*')))}"
+        assert cli.main(["init", str(source), str(out), *flags]) == 0
+        said = [ln for ln in capsys.readouterr().out.splitlines() if "model.compute_dtype=auto" in ln]
+        assert len(said) == 1 and f"compute dtype {dtype}" in said[0], said
+        with store_lib.open(out) as store:
+            assert store.config.compute_dtype == dtype
+
+
 def test_broken_checkpoint_configs_and_probe_paths(work):
     """A checkpoint's config.json that is not an object, lacks its model_type or holds a value
     of the wrong type; `mtjax probe` paths that cannot be written (checked before it measures:

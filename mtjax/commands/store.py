@@ -72,8 +72,9 @@ def register(subparsers) -> None:
                     "dataset's, or pass --tokenizer to eval and generate.")
     i.add_argument("config", help="HF config.json, a checkpoint dir holding one, or an experiment YAML")
     i.add_argument("store_dir", help="new store directory (must not exist or be empty)")
-    i.add_argument("--compute-dtype", choices=DTYPES,
-                   help="dtype of the streamed weights (default: bfloat16, or the experiment's)")
+    i.add_argument("--compute-dtype", choices=(*DTYPES, compute_dtype.AUTO),
+                   help="dtype of the streamed weights (default: bfloat16, or the experiment's; auto: as a run on "
+                        "this machine chooses)")
     i.add_argument("--seed", type=int, default=0, help="parameter initialisation seed")
     i.add_argument("--copies", type=int, choices=(1, 2), default=2,
                    help="copies of the state on disk: 2 (default) or 1 (train it with --store.copies=1)")
@@ -122,15 +123,16 @@ def run_export(args) -> int:
 
 
 def _init_dtype(path: Path, given: str | None) -> str | None:
-    """The compute dtype `mtjax init` stores: the one given, else the file's, an experiment's
-    `model.compute_dtype: auto` resolved as a run on this machine resolves it (and said)."""
-    if given or path.suffix not in (".yaml", ".yml"):
+    """The compute dtype `mtjax init` stores: the one given, else the file's (None); `auto`,
+    given or an experiment's `model.compute_dtype`, resolved as a run on this machine
+    resolves it (and said)."""
+    auto = given == compute_dtype.AUTO or (given is None and path.suffix in (".yaml", ".yml")
+                                         and compute_dtype.asks_auto(experiment.load(path).model.overrides))
+    if not auto:
         return given
-    exp, choice = compute_dtype.for_run(experiment.load(path))
-    if choice is None:
-        return None
-    print(f"mtjax: {choice}")
-    return dict(exp.model.overrides)["compute_dtype"]
+    dtype, why = compute_dtype.here()
+    print(f"mtjax: {compute_dtype.describe(dtype, why)}")
+    return dtype
 
 
 def run_init(args) -> int:

@@ -60,15 +60,18 @@ def widest(exp):
     return _resolved(exp, "float32", "")[0] if asks_auto(exp.model.overrides) else exp
 
 
-def for_run(exp):
-    """`resolve` for this process's device: bfloat16 on an accelerator, else as this
+def here() -> tuple[str, str]:
+    """`choose` for this process's device: bfloat16 on an accelerator, else as this
     machine's cached quick probe says (measured now on first use)."""
-    if not asks_auto(exp.model.overrides):
-        return exp, None
     device = jax.local_devices()[0]
     if device.platform != "cpu":
-        return _resolved(exp, "bfloat16", f"an accelerator ({device.device_kind}) computes in bf16")
-    return resolve(exp, machine.profile().profile)
+        return "bfloat16", f"an accelerator ({device.device_kind}) computes in bf16"
+    return choose(machine.profile().profile)
+
+
+def for_run(exp):
+    """`resolve` for this process's device (`here`)."""
+    return _resolved(exp, *here()) if asks_auto(exp.model.overrides) else (exp, None)
 
 
 def describe(dtype: str, why: str) -> str:
