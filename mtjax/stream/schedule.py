@@ -883,8 +883,9 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     device = _device_plan(cfg, stream, local, pb, grps, grad, hidden // devices, resident, saved, remat, split, sub,
                           dispatch, adapters, devices if stream.split == "sequence" else 1,
                           "cpu" if reads_host else "gpu")
-    return Schedule(cfg, stream, store, shape, fused, derived, where, widens, pb, grps, last_stays(grps, split), resident,
-                    remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce, split, sub,
+    return Schedule(cfg, stream, store, shape, fused, derived, where, widens, pb, grps, last_stays(grps, split),
+                    resident, remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce,
+                    split, sub,
                     staging_sets(cfg, stream, grps, transfers, split, adapters, in_place),
                     read_sets(cfg, store, pb, tuple(p for p in streamed if p not in adapters)), adapters, in_place,
                     processes)
