@@ -64,6 +64,17 @@ def head_bytes(cfg: ModelConfig, tokens: int, platform: str | None = None) -> in
       norm's fp32 output and gradient, on the GPU the chunks' stacked hidden-state
       gradients in the compute dtype.
 
+    On the CPU below fp32 the per-token terms are larger and come in two phases (XLA's
+    buffer assignment, bf16): throughout, an fp32 copy of the input and the chunks'
+    stacked hidden-state gradients (compute dtype); during the chunks, the normed hidden
+    states widened to fp32 (XLA slices the scan's input in fp32) beside a chunk's work,
+    where a chunk's logits and their gradient are dead once the gradient is rounded to
+    the compute dtype for the kernel's; after them, the norm's backward in two fp32
+    [tokens, width] arrays, three with rms_norm_offset. Priced as the fp32 head's, a
+    Qwen3.5 head (offset, width 128, vocabulary 256) over 2 x 8192 tokens in chunks of
+    1024 held 1.92x its price, 1.00x now; the tested heads 0.98-1.02x, 0.94-1.67x before
+    (tests/test_working_memory.py).
+
     Split rows (cfg.sequence_devices > 1; `tokens` one device's share): a chunk holds the
     device's share of its rows, and in several chunks two copies of the share's hidden
     states in the compute dtype, the token-major and the every-n-th-token reorderings
@@ -81,7 +92,11 @@ def head_bytes(cfg: ModelConfig, tokens: int, platform: str | None = None) -> in
     tied = cfg.tie_word_embeddings
     if platform == "cpu":
         summed = 4 * kernel if item < 4 or tied else 0
-        return chunk + max(chunk, 4 * kernel) + rows * d * 4 + summed + tokens * (2 * d * 4 + 16) + reordered
+        if item == 4:
+            return chunk + max(chunk, 4 * kernel) + rows * d * 4 + summed + tokens * (2 * d * 4 + 16) + reordered
+        during = max(2 * chunk, rows * cfg.vocab_size * item + 4 * kernel) + rows * d * 4 + summed + tokens * d * 4
+        after = (3 if cfg.rms_norm_offset else 2) * tokens * d * 4
+        return tokens * (d * 4 + d * item + 16) + max(during, after) + reordered
     summed = 4 * kernel if item < 4 else 0
     return (chunk + 2 * rows * d * 4 + summed + (kernel * item if tied else 0) + tokens * (d * item + 16)
             + reordered)

@@ -332,7 +332,14 @@ def head_kernel(cfg: ModelConfig, head: dict, embed: dict | None):
 
 def head_forward(cfg: ModelConfig, head: dict, embed: dict | None, x: jnp.ndarray) -> jnp.ndarray:
     """Final norm and LM head: hidden [b, t, d] -> fp32 logits [b, t, vocab] (soft-capped
-    by final_logit_softcapping where set)."""
+    by final_logit_softcapping where set).
+
+    Flattened b * t: never called on rows split over devices (model.sequence_devices > 1,
+    where this would gather every row onto every device; mtjax.loss.head_loss orders split
+    tokens token-major). Only the streaming engine compiles with that config, and only its
+    blocks and head_loss; the reference engine refuses stream.split, and sampling
+    (mtjax.stream.sample, mtjax.generate) runs on one device with the store's or the
+    caller's config, whose sequence_devices the config files cannot set."""
     h = rms_norm(x, head["norm"]["weight"], cfg.rms_norm_eps, cfg.rms_norm_offset)
     kernel = head_kernel(cfg, head, embed).astype(x.dtype)
     logits = jnp.einsum("td,dv->tv", h.reshape(-1, x.shape[-1]), kernel, preferred_element_type=jnp.float32)

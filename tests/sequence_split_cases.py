@@ -8,8 +8,9 @@ so a device's share starts mid-block), plain and packed rows; and XLA's temporar
 block's gradient at 8k tokens, per device, split over two devices and on one. Prints one
 JSON line of results; tests/test_sequence_split.py asserts on them. With the argument
 `planned` (a child of 16 devices), the device plan's price of a split attention block
-against XLA's instead (`planned_block_cases`), and the head's temporaries over two split
-rows (`head_cases`).
+against XLA's instead (`planned_block_cases`), the head's temporaries over two split
+rows (`head_cases`), and a delta-net and a latent-attention block over two split rows
+(`mixer_cases`).
 """
 
 from __future__ import annotations
@@ -188,9 +189,60 @@ def head_cases() -> dict:
     return out
 
 
+# A small DeepSeek-V3 block (latent attention, dense feed-forward), width and heads as WIDE's.
+LATENT = ModelConfig(model_type="deepseek_v3", vocab_size=256, hidden_size=128, intermediate_size=384,
+                     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=16, q_lora_rank=64,
+                     kv_lora_rank=64, qk_nope_head_dim=16, v_head_dim=32, max_position_embeddings=4096)
+MIXERS = {"delta-net": (WIDE, 0), "latent": (LATENT, 0)}
+
+
+def mixer_cases() -> dict:
+    """A gated delta-net block (WIDE's block 0) and a latent-attention block, two rows a
+    micro-batch: each device's temporaries in the compiled recompute and backward over rows
+    of 4096 tokens split over 2 and 8 devices beside the plan's price of its share (as
+    `planned_block_cases`), and under "errors" the block's output and gradients over two
+    rows of 256 tokens split over 2 devices against one device's."""
+    out = {}
+    for name, (base, index) in MIXERS.items():
+        spec, seq, batch = base.layer_specs[index], 4096, 2
+        out[name] = {}
+        for dtype in ("float32", "bfloat16"):
+            model_cfg = dataclasses.replace(base, compute_dtype=dtype)
+            out[name][dtype] = {}
+            for devices in (2, 8):
+                cfg, share = dataclasses.replace(model_cfg, sequence_devices=devices), seq // devices
+                mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), (SEQUENCE,))
+                on = lambda *axes: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))  # noqa: E731
+                w = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=on())
+                     for n, v in parts.schema(cfg, f"block.{index}", "compute").items()}
+                x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), np.dtype(dtype), sharding=on(None, SEQUENCE))
+                grad = jax.jit(lambda w, x, dy: blockfns._grad(cfg, spec, w, x, dy, {}))
+                temp = grad.lower(w, x, x).compile().memory_analysis().temp_size_in_bytes
+                promoted = schedule.promoted_bytes(model_cfg, spec, batch, share) if dtype != "float32" else 0
+                split = registry.mixer(spec).working(model_cfg, spec, batch, share, "cpu", devices)
+                whole = registry.mixer(spec).working(model_cfg, spec, batch, share, "cpu", 1)
+                out[name][dtype][devices] = {
+                    "temp": temp, "planned": schedule.residual_bytes(model_cfg, spec, batch, share) + promoted + split,
+                    "gathered": split - whole}
+        block = model.init_params(base, seed=0)["blocks"][index]
+        x, dy = (jax.random.normal(jax.random.key(k), (batch, 256, base.hidden_size)) for k in (1, 2))
+        runs = {}
+        for devices in (1, 2):
+            cfg = dataclasses.replace(base, sequence_devices=devices)
+            put = lambda a: jax.device_put(a, jax.sharding.NamedSharding(  # noqa: E731
+                jax.sharding.Mesh(np.array(jax.devices()[:devices]), (SEQUENCE,)), jax.sharding.PartitionSpec(None, SEQUENCE)))
+            vjp = jax.jit(lambda b, x, dy, cfg=cfg: (lambda y, back: (y, *back(dy)))(
+                *jax.vjp(lambda b, x: model.block_forward(cfg, spec, b, x), b, x)))
+            runs[devices] = vjp(block, put(x), put(dy))
+        (y1, db1, dx1), (y2, db2, dx2) = runs[1], runs[2]
+        out[name]["errors"] = [rel(y2, y1), rel(dx2, dx1), max(jax.tree.leaves(jax.tree.map(rel, db2, db1)))]
+        out[name]["out_spec"] = str(y2.sharding.spec)
+    return out
+
+
 def main() -> None:
     if sys.argv[1:] == ["planned"]:  # a child of 16 devices
-        print(json.dumps({**planned_block_cases(), "head batch 2": head_cases()}))
+        print(json.dumps({**planned_block_cases(), "head batch 2": head_cases(), "mixers": mixer_cases()}))
         return
     assert len(jax.devices()) == 2
     results = {"kernel": kernel_cases(), "plain": engine_case(False), "documents": engine_case(True),

@@ -129,6 +129,39 @@ def test_a_split_heads_chunks_take_every_devices_share(planned):
         assert 0.85 <= r["temp"] / r["planned"] <= 1.10, (devices, r)
 
 
+@SLOW  # the same child
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_split_delta_net_block_is_priced_with_its_whole_row_scan(planned, dtype):
+    """The delta rule's scan over chunks is sequential in t: on a row split over N
+    devices every device gathers the whole row's scan inputs and runs every chunk
+    (mtjax.layers.delta_net); the rest of the block keeps its share. Priced with those
+    inputs and their cotangents (the mixer's working bytes), two rows of 4096 tokens are
+    within 10% of XLA's temporaries at 2 and 8 devices; priced as one device's share,
+    XLA held 1.8x the price at 8."""
+    cases = planned["mixers"]["delta-net"][dtype]
+    for devices, r in cases.items():
+        assert abs(r["temp"] / r["planned"] - 1) < 0.10, (devices, r)
+    assert cases["8"]["temp"] > 1.10 * (cases["8"]["planned"] - cases["8"]["gathered"]), cases["8"]
+
+
+@SLOW  # the same child
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_split_latent_attention_block_keeps_two_rows_tokens_split(planned, dtype):
+    """DeepSeek's latent attention over two rows split over N devices: its projections and
+    norms keep each device's share (basic.rows), so the block is within 10% of its price
+    per device at 2 and 8, as the softmax block is."""
+    for devices, r in planned["mixers"]["latent"][dtype].items():
+        assert abs(r["temp"] / r["planned"] - 1) < 0.10, (devices, r)
+
+
+@SLOW  # the same child
+@pytest.mark.parametrize("name", ["delta-net", "latent"])
+def test_two_split_rows_through_delta_net_and_latent_attention_equal_one_device(planned, name):
+    r = planned["mixers"][name]
+    assert max(r["errors"]) <= 1e-5, r["errors"]  # output, hidden gradient, weight gradients
+    assert r["out_spec"] == "P(None, 'sequence')", r
+
+
 def test_a_row_that_does_not_split_is_one_line():
     with pytest.raises(ConfigError, match=r"data.seq_len 10 does not split over 4 devices \(stream.split: sequence\)"):
         ExperimentConfig(stream=StreamConfig(devices=4, split="sequence"), data=DataConfig(batch_size=1, seq_len=10))

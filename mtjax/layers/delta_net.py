@@ -15,6 +15,15 @@ As transformers computes it (modeling_qwen3_next.py, modeling_qwen3_5.py):
 Packed rows: the convolution does not reach across a document start and the delta
 rule's state restarts there, so each document sees only its own tokens. Its decode state
 is constant in size: the convolution's last kernel - 1 inputs and the rule's state.
+
+Rows split over devices (stream.split: sequence): the projections, the convolution (each
+device fetching the K - 1 inputs before its share) and each chunk's products and solves
+run on the device's share, but the scan carrying the state from chunk to chunk is
+sequential in t and XLA does not split it: every device all-gathers the whole row's scan
+inputs, runs the scan over every chunk of the row and keeps its share of the output (and
+likewise in the backward). Same results as one device (tests/test_sequence_split.py);
+the gathered inputs and their cotangents are priced (`working`), the replicated scan's
+FLOPs are not.
 """
 
 from __future__ import annotations
@@ -183,14 +192,25 @@ def decode_state(cfg: ModelConfig, spec: LayerSpec, batch: int, length: int) -> 
 
 
 def working(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, platform: str, devices: int = 1) -> int:
-    """None beyond the block's vjp residuals, which hold all this layer keeps: q, k, v, z,
-    beta and g, the convolution's inputs, each chunk's fp32 [c, c] decay, system, inverse
-    and score matrices and the fp32 state [value heads, dk, dv] entering each chunk (the
-    planner traces them from the block, mtjax.stream.schedule.residual_bytes). Its backward's
-    per-chunk cotangents take the place of the residuals consumed by then: XLA's
-    temporaries for a block's recompute and backward are its residuals within 5%
-    (tests/test_working_memory.py)."""
-    return 0
+    """On one device none beyond the block's vjp residuals, which hold all this layer keeps:
+    q, k, v, z, beta and g, the convolution's inputs, each chunk's fp32 [c, c] decay,
+    system, inverse and score matrices and the fp32 state [value heads, dk, dv] entering
+    each chunk (the planner traces them from the block, mtjax.stream.schedule.residual_bytes).
+    Its backward's per-chunk cotangents take the place of the residuals consumed by then:
+    XLA's temporaries for a block's recompute and backward are its residuals within 5%
+    (tests/test_working_memory.py).
+
+    On a row split over `devices` (`seq` one device's share) the scan over chunks runs on
+    the whole row on every device (module docstring): beyond its share, the scan's fp32
+    inputs gathered from the other shares (per token and value head its u and key terms,
+    dv and dk, the query and key scaled by the decays, 2 dk, and a row of the chunk's
+    scores, c) and their cotangents over those tokens. Without it a Qwen3.5 delta-net block
+    over 8 devices held 1.76-1.92x its price (tests/test_sequence_split.py)."""
+    if devices == 1:
+        return 0
+    c = min(delta_rule.CHUNK, seq * devices)
+    per_token = cfg.linear_num_value_heads * (3 * cfg.linear_key_head_dim + cfg.linear_value_head_dim + c)
+    return 2 * batch * seq * (devices - 1) * per_token * 4
 
 
 registry.register_mixer(GatedDeltaNet.kind, registry.MixerKind(module=DeltaNet, flops=flops, decode_state=decode_state,
