@@ -113,8 +113,10 @@ def main() -> None:
         f"{args.vocab}, {model.num_params(cfg) / 1e6:.1f}M params, {args.dtype}; batch {args.batch} x seq "
         f"{args.seq}; AdamW, clip 1.0. Median of {args.steps} steps after one warm-up, the engines' steps "
         f"interleaved; CPU = this process's CPU seconds (every thread), steadier than wall time on a shared "
-        f"machine; system = its kernel share (page faults: XLA maps a program's scratch afresh at each call); "
-        f"ratios against the reference of the same remat.",
+        f"machine; system = its kernel share, mostly minor page faults (XLA's CPU client mallocs a program's "
+        f"scratch at each call); ratios against the reference of the same remat. GLIBC_TUNABLES="
+        f"{os.environ.get('GLIBC_TUNABLES', '')!r} (mtjax.hugepages); peak RSS of the process (all "
+        f"{len(rows)} engines) {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB.",
         "",
         "| engine | remat | step wall (s) | step CPU (s) | of it system (s) | minor faults | tokens/s | "
         "wall / reference | CPU / reference | every step's CPU (s) |",
