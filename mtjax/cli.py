@@ -23,7 +23,7 @@ import signal
 import sys
 import threading
 
-from mtjax import environment, hugepages, textfile, writable
+from mtjax import environment, textfile, writable
 from mtjax.errors import MtjaxError
 
 # Order is the order of `mtjax --help`.
@@ -107,7 +107,6 @@ def _one_line(e: Exception) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     process = argv is None  # the `mtjax` process itself (tests call main(argv) in theirs)
     if process:
-        hugepages.restart()  # malloc asking for huge pages: XLA's per-call buffers fault in 2 MiB at a time
         sys.unraisablehook = _unraisable
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started with SIGINT ignored
             signal.signal(signal.SIGINT, _on_sigint)

@@ -2,8 +2,7 @@
 processes, peak memory, the page cache, timing, and their sections of docs/benchmarks.md.
 
 A script imports this module before jax or mtjax: importing it puts the checkout on
-sys.path, defaults JAX to the CPU backend and runs the script again with glibc's malloc
-asking for huge pages, as the `mtjax` command runs (mtjax.hugepages).
+sys.path and defaults JAX to the CPU backend.
 
     python experiments/bench/harness.py section NAME FILE   # FILE's text as section NAME of docs/benchmarks.md
     python experiments/bench/harness.py evict DIR SECONDS   # drop DIR's pages from the cache until SIGTERM
@@ -31,11 +30,6 @@ HEADER = "# Benchmarks\n\nMeasured numbers, each section written by the script i
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
-from mtjax import hugepages  # noqa: E402  (imports no jax)
-
-if __name__ != "__main__":  # a benchmark runs as the `mtjax` process does: malloc asking for huge pages
-    hugepages.restart()
 
 from mtjax.model_config import ModelConfig  # noqa: E402  (imports no jax)
 
