@@ -115,7 +115,7 @@ def main() -> None:
         f"interleaved; CPU = this process's CPU seconds (every thread), steadier than wall time on a shared "
         f"machine; system = its kernel share, mostly minor page faults (XLA's CPU client mallocs a program's "
         f"scratch at each call); ratios against the reference of the same remat. GLIBC_TUNABLES="
-        f"{os.environ.get('GLIBC_TUNABLES', '')!r} (mtjax.hugepages); peak RSS of the process (all "
+        f"{os.environ.get('GLIBC_TUNABLES', '')!r} (glibc.malloc.hugetlb=1: docs/cpu.md, \"Page faults\"); peak RSS of the process (all "
         f"{len(rows)} engines) {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB.",
         "",
         "| engine | remat | step wall (s) | step CPU (s) | of it system (s) | minor faults | tokens/s | "
