@@ -16,6 +16,7 @@ dtype: fp32's `stream-overhead`, the others' `stream-overhead-<dtype>`).
     .venv/bin/python experiments/bench/stream_overhead.py            # ~5-8 minutes on 2 cores
     .venv/bin/python experiments/bench/stream_overhead.py --dtype bfloat16
     .venv/bin/python experiments/bench/stream_overhead.py --layers 2 --width 256 --no-doc   # smoke
+    .venv/bin/python experiments/bench/stream_overhead.py --layers 4 --dtype bfloat16 --faults-per-call --no-doc
 """
 
 from __future__ import annotations
@@ -62,12 +63,61 @@ def timed_steps(engines: dict, data: list) -> dict:
     return out
 
 
+def faults_per_call(engine: StreamEngine, tokens) -> dict:
+    """{program or host step: [calls, minor page faults]} of one streamed step, each call
+    waited for before and after, so that a call's faults are its own (but for the
+    prefetch thread's rounding, which runs beside them: its count takes what the others
+    fault meanwhile). The step runs one call at a time: its time means nothing here."""
+    counts, undo = {}, []
+
+    def faults():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    def wrap(name, fn, wait=True):
+        def counted(*args, **kw):
+            jax.block_until_ready(args)
+            start = faults()
+            out = fn(*args, **kw)
+            if wait:
+                jax.block_until_ready(out)
+            c = counts.setdefault(name, [0, 0])
+            c[0], c[1] = c[0] + 1, c[1] + faults() - start
+            return out
+        return counted
+
+    def patch(owner, attr, name, wait=True):
+        fn = getattr(owner, attr)
+        if isinstance(fn, dict):  # programs per block kind
+            for k, f in list(fn.items()):
+                fn[k] = wrap(name, f, wait)
+                undo.append(lambda d=fn, k=k, f=f: d.__setitem__(k, f))
+        elif callable(fn):
+            setattr(owner, attr, wrap(name, fn, wait))
+            undo.append(lambda: setattr(owner, attr, fn))
+
+    for attr in ("embed_forward", "forward", "recompute", "grad", "backward", "head", "embed_backward",
+                 "grad_add", "grad_to_f32"):
+        patch(engine.fns, attr, f"program {attr}")
+    for attr in ("to_device", "start_to_host", "host_arrays"):
+        patch(engine.placement, attr, f"placement {attr}")
+    patch(engine.updater.state, "compute_into", "staging copy (compute_into)", wait=False)
+    try:
+        engine.step(tokens)
+        engine.flush()
+    finally:
+        for fn in undo:
+            fn()
+    return counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.shape_options(ap, layers=8, width=1024, seq=512, batch=1, vocab=8192, steps=5,
                           steps_help="timed steps per engine (after one warm-up)")
     ap.add_argument("--dtype", default="float32", help="compute dtype")
     ap.add_argument("--trace", type=Path, help="also write the RAM-tier stream's Chrome trace here")
+    ap.add_argument("--faults-per-call", action="store_true",
+                    help="also count the RAM-tier stream's page faults per program call in one more step")
     ap.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
     args = ap.parse_args()
 
@@ -93,6 +143,7 @@ def main() -> None:
     stages = ram.stage_seconds()
     if args.trace:
         ram.write_trace(args.trace)
+    per_call = faults_per_call(ram, data[-1]) if args.faults_per_call else {}
     for _, _, engine in rows:
         if isinstance(engine, StreamEngine):
             engine.close()
@@ -113,8 +164,10 @@ def main() -> None:
         f"{args.vocab}, {model.num_params(cfg) / 1e6:.1f}M params, {args.dtype}; batch {args.batch} x seq "
         f"{args.seq}; AdamW, clip 1.0. Median of {args.steps} steps after one warm-up, the engines' steps "
         f"interleaved; CPU = this process's CPU seconds (every thread), steadier than wall time on a shared "
-        f"machine; system = its kernel share (page faults: XLA maps a program's scratch afresh at each call); "
-        f"ratios against the reference of the same remat.",
+        f"machine; system = its kernel share, mostly minor page faults (XLA's CPU client mallocs a program's "
+        f"scratch at each call); ratios against the reference of the same remat. GLIBC_TUNABLES="
+        f"{os.environ.get('GLIBC_TUNABLES', '')!r} (glibc.malloc.hugetlb=1: docs/cpu.md, \"Page faults\"); "
+        f"peak RSS of the process (all {len(rows)} engines) {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB.",
         "",
         "| engine | remat | step wall (s) | step CPU (s) | of it system (s) | minor faults | tokens/s | "
         "wall / reference | CPU / reference | every step's CPU (s) |",
@@ -126,12 +179,18 @@ def main() -> None:
         "RAM-tier stream's stage seconds in the last step (summed over parts; stages overlap): "
         + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()),
     ]
+    if per_call:
+        lines += ["", "RAM-tier stream's minor page faults per call in one more step, each call waited for "
+                  "(`--faults-per-call`): " + ", ".join(
+                      f"{name} {f / n / 1e3:.1f}k x {n}" for name, (n, f) in
+                      sorted(per_call.items(), key=lambda x: -x[1][1]))]
     fp32 = args.dtype == "float32"
     title = "Streaming overhead" + ("" if fp32 else f", {args.dtype} compute")
     harness.publish(SECTION if fp32 else f"{SECTION}-{args.dtype}",
                     f"{title} (experiments/bench/stream_overhead.py)", "\n".join(lines),
                     f"experiments/bench/stream_overhead.py --layers {args.layers} --width {args.width} --seq {args.seq}"
-                    + ("" if fp32 else f" --dtype {args.dtype}"), write=not args.no_doc)
+                    + ("" if fp32 else f" --dtype {args.dtype}") + (" --faults-per-call" if per_call else ""),
+                    write=not args.no_doc)
 
 
 if __name__ == "__main__":
