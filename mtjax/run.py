@@ -444,7 +444,8 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
               file=out, flush=True)
         if dtype_choice:
             print(f"mtjax: {dtype_choice}", file=out, flush=True)
-        if exp.stream.resident and exp.stream.resident != asked.resident:  # what auto chose
+        # what auto chose (a multi-process run's `none` is the rule's, residency.for_inputs)
+        if exp.stream.resident not in ((), "none") and exp.stream.resident != asked.resident:
             print(f"mtjax: resident on the device (stream.resident={asked.resident}): "
                   f"{', '.join(exp.stream.resident)}; remat {exp.stream.remat}", file=out, flush=True)
         for line in weights_provenance(exp, **origin):
