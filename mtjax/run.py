@@ -365,9 +365,6 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     hosts = _join(exp)
     if hosts is None:  # before anything is prepared: a multi-process run's shards need all of its processes
         shards.check_count(checkpoint.store_path(exp), 1)
-    else:
-        # Every part's state is split over the hosts: nothing is resident, LoRA adapters included.
-        exp = replace(exp, stream=stream_hosts.STREAMED)
     dataset = data.prepared(exp.data)  # a prepared dataset is used as it is, with its own tokenizer
     if dataset is not None:
         tokenizer = dataset.tokenizer()
@@ -399,7 +396,8 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
         dataset.check_vocab(cfg.vocab_size)
         asked = exp.stream  # config.yaml keeps `auto`: another machine's memory resolves it anew
         processes = 1 if hosts is None else hosts.count
-        exp = residency.for_run(exp, processes)  # stream.resident=auto: the planner's parts for this device's memory
+        # stream.resident=auto: the planner's parts for this device's memory; none for one of several processes
+        exp = residency.for_run(exp, processes)
         preflight.check(exp, cfg, dataset, processes=processes)  # before any weight is made
         exp = _as_run(exp, dataset, tokenizer)
         positions = 0  # the closing sample's prompt and new tokens: refused now, not after the run
@@ -446,7 +444,8 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
               file=out, flush=True)
         if dtype_choice:
             print(f"mtjax: {dtype_choice}", file=out, flush=True)
-        if exp.stream.resident and exp.stream.resident != asked.resident:  # what auto chose
+        # what auto chose (a multi-process run's `none` is the rule's, residency.for_inputs)
+        if exp.stream.resident not in ((), "none") and exp.stream.resident != asked.resident:
             print(f"mtjax: resident on the device (stream.resident={asked.resident}): "
                   f"{', '.join(exp.stream.resident)}; remat {exp.stream.remat}", file=out, flush=True)
         for line in weights_provenance(exp, **origin):

@@ -263,7 +263,8 @@ def test_init_resolves_compute_dtype_auto_for_an_hf_config_as_for_a_yaml(tmp_pat
                                                                          dtype):
     """`mtjax init --compute-dtype auto` (once refused for an HF config by the flag's
     choices) stores the dtype a run on this machine resolves auto to, and says why, for
-    an HF checkpoint as for an experiment YAML asking auto."""
+    an HF checkpoint as for an experiment YAML asking auto; so does `mtjax import
+    --compute-dtype auto` (refused by its choices before)."""
     import test_compute_dtype as auto
     from mtjax import store as store_lib
 
@@ -271,10 +272,11 @@ def test_init_resolves_compute_dtype_auto_for_an_hf_config_as_for_a_yaml(tmp_pat
     auto.this_machine(tmp_path / "xdg" / "mtjax", getattr(auto, profile))
     ckpt, _ = hf_models.checkpoint(tmp_path, "llama")
     (tmp_path / "auto.yaml").write_text(f"model:\n  hf_config: {ckpt / 'config.json'}\n  compute_dtype: auto\n")
-    for source, flags in ((ckpt, ["--compute-dtype", "auto"]), (ckpt / "config.json", ["--compute-dtype", "auto"]),
-                          (tmp_path / "auto.yaml", [])):
+    for command, source, flags in (("init", ckpt, ["--compute-dtype", "auto"]),
+                                   ("init", ckpt / "config.json", ["--compute-dtype", "auto"]),
+                                   ("init", tmp_path / "auto.yaml", []), ("import", ckpt, ["--compute-dtype", "auto"])):
         out = tmp_path / f"store-{len(list(tmp_path.glob('store-*')))}"
-        assert cli.main(["init", str(source), str(out), *flags]) == 0
+        assert cli.main([command, str(source), str(out), *flags]) == 0
         said = [ln for ln in capsys.readouterr().out.splitlines() if "model.compute_dtype=auto" in ln]
         assert len(said) == 1 and f"compute dtype {dtype}" in said[0], said
         with store_lib.open(out) as store:

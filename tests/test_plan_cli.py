@@ -153,6 +153,27 @@ def test_steps_and_price_scale_the_whole_run(tmp_path, capsys, tiny):
     assert "pass --price-per-hour" in capsys.readouterr().out
 
 
+def test_a_multi_process_run_and_its_plan_agree_on_the_residency(tmp_path, capsys, tiny, monkeypatch):
+    """One function applies "a multi-process run streams every part" (residency.for_inputs):
+    the settings one of two processes trains with (`for_run`, as the trainer calls it, on a
+    device the profile describes) are those `mtjax plan --processes 2` prices, where one
+    process keeps parts resident."""
+    from mtjax import config as experiment
+
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(f"model:\n  hf_config: {tiny}\ndata:\n  seq_len: 64\n  batch_size: 2\n")
+    here = profile_file(tmp_path, "here")
+    monkeypatch.setattr(residency, "profile_of", lambda device: BUILTIN["h200"])
+    picked = ("resident", "adapters", "remat")
+    for processes in (1, 2):
+        run = dataclasses.asdict(residency.for_run(experiment.load(exp), processes).stream)
+        rc, doc, _ = plan_json(capsys, exp, "--hardware", here, "--processes", processes)
+        assert rc == 0
+        assert {k: doc["stream"][k] for k in picked} == json.loads(json.dumps({k: run[k] for k in picked}))
+        assert (doc["resident"] == []) == (processes == 2)
+    assert doc["stream"]["adapters"] == "streamed"
+
+
 def test_steps_default_to_the_configs_run_steps(tmp_path, capsys):
     exp = tmp_path / "exp.yaml"
     exp.write_text("data:\n  seq_len: 64\nrun:\n  steps: 37\n")

@@ -245,6 +245,31 @@ def test_the_planner_prices_the_delta_net_by_its_own_linear_flops():
     assert per_token(8192) - per_token(4096) == pytest.approx(3 * (mixer(attention, 8192) / 8192 - mixer(attention, 4096) / 4096))
 
 
+def test_rows_split_over_devices_repeat_the_delta_rules_scan_on_every_device_in_the_plan():
+    """With stream.split: sequence over N devices each runs its share of a block, but the
+    delta rule's scan over the whole row (mtjax.layers.delta_net): the plan's FLOPs per
+    device exceed those of the rows split over the same devices (1/N of one device's) by
+    (N - 1) / N of the scan's, per token and value head the scores times u (2 c dv) and
+    the state's reads and write (6 dk dv), in each of its 4 passes (forward, recompute,
+    backward); softmax attention's and the useful work (model FLOPs) stay split."""
+    from mtjax.config import StoreConfig, StreamConfig
+    from mtjax.plan import BUILTIN, cost
+    from mtjax.stream.schedule import StepShape
+
+    n, shape = 4, StepShape(4, 1024, 1)
+    by = {split: cost.estimate(DENSE, StreamConfig(devices=n, split=split, remat="full"), StoreConfig(), shape,
+                               BUILTIN["h200"]) for split in ("batch", "sequence")}
+    c, dk, dv = 64, DENSE.linear_key_head_dim, DENSE.linear_value_head_dim
+    scan = shape.batch * shape.seq * DENSE.linear_num_value_heads * (2 * c * dv + 6 * dk * dv)
+    deltas = sum(type(spec.mixer).__name__ == "GatedDeltaNet" for spec in DENSE.layer_specs)
+    per_device = {split: plan.flops / n for split, plan in by.items()}
+    assert per_device["sequence"] - per_device["batch"] == pytest.approx(4 * deltas * scan * (n - 1) / n)
+    assert by["sequence"].model_flops == by["batch"].model_flops
+    attention, split = DENSE.layer_specs[1], dataclasses.replace(DENSE, sequence_devices=n)
+    assert cost.block_forward_flops(split, attention, 0, 2, 1024) == cost.block_forward_flops(DENSE, attention, 0, 2,
+                                                                                              1024)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family, overrides", [("qwen3_5_text", {}), ("qwen3_next", dict(MOE, mlp_only_layers=[1]))])
 def test_cached_greedy_decoding_equals_transformers_generate(family, overrides, tmp_path):

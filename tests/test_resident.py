@@ -136,29 +136,32 @@ def test_planner_picks_the_fastest_resident_set_that_fits(hardware, tied, keep_e
     assert residency.choose(cfg, stream, store, shape, hw, None).schedule.resident == ()
 
 
-def test_a_process_of_several_sizes_residency_on_its_share_of_the_rows():
+def test_a_process_of_several_streams_every_part_and_sizes_its_step_on_its_share_of_the_rows():
     """Each of N processes trains batch / N rows of every micro-batch (mtjax.stream.hosts.
-    share): the parts kept resident and the remat policy are chosen for that step, the
-    same as one process's of the halved batch, at budgets where the whole batch's differ."""
+    share) with every part streamed, LoRA adapters included (mtjax.stream.hosts.STREAMED,
+    asked or not): its settings are one process's of the halved batch asking STREAMED, at
+    budgets where one process asking auto keeps parts. (With nothing resident the remat
+    policy does not change the step, `schedule.saved_groups`: it resolves to full.)"""
     from mtjax.config import DataConfig
     from mtjax.plan import inputs
+    from mtjax.stream.hosts import STREAMED
 
     hw, store = BUILTIN["h200"], StoreConfig()
 
-    def resolved(batch, budget, processes):
+    def resolved(batch, budget, processes, **asked):
         data = DataConfig(batch_size=batch, seq_len=64, grad_accum=1)
-        run = inputs.Inputs(TINY, StreamConfig(device_budget_bytes=budget), store, data, None)
+        run = inputs.Inputs(TINY, StreamConfig(device_budget_bytes=budget, **asked), store, data, None)
         s = residency.for_inputs(run, hw, processes)
-        return s.resident, s.remat
+        return s.resident, s.adapters, s.remat
 
     lo = estimate(TINY, StreamConfig(resident=()), store, StepShape(4, 64, 1), hw).device.total
     hi = estimate(TINY, StreamConfig(resident="all", remat="none"), store, StepShape(8, 64, 1), hw).device.total
-    differs = 0
+    kept = 0
     for budget in np.linspace(lo, hi, 8).astype(int):
         two = resolved(8, int(budget), 2)
-        assert two == resolved(4, int(budget), 1)
-        differs += two != resolved(8, int(budget), 1)
-    assert differs
+        assert two == resolved(4, int(budget), 1, **STREAMED) == ("none", "streamed", "full")
+        kept += bool(resolved(4, int(budget), 1)[0])
+    assert kept
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -15,7 +15,7 @@ from mtjax.plan import compute_dtype, fit, hosts, inputs, machine, probe, report
 from mtjax.plan import longest as planner_longest
 from mtjax.plan.hardware import choices
 from mtjax.plan.units import size
-from mtjax.stream.hosts import STREAMED, check_resident, share
+from mtjax.stream.hosts import share
 
 PLAN_DESCRIPTION = (
     "Predict, before anything is allocated, the device memory, host RAM and disk a run needs, the bytes "
@@ -147,9 +147,6 @@ def run_plan(args) -> int:
         resident = {} if args.resident is None else {"resident": int(args.resident) if args.resident.lstrip("-").isdigit()
                                                       else args.resident}
         stream = dataclasses.replace(given_run.stream, **given("keep_every", "prefetch_depth", "devices"), **resident)
-        if args.processes > 1:  # as a multi-process run streams: every part
-            check_resident(stream.resident, args.processes)
-            stream = dataclasses.replace(stream, **STREAMED)
         store = dataclasses.replace(given_run.store, **store)
     except ValueError as e:  # ConfigError included
         raise PlanError(str(e)) from None
@@ -158,7 +155,8 @@ def run_plan(args) -> int:
     steps, steps_from = _run_length(args)
     hw, profile_from = hardware()
 
-    # stream.resident=auto as a run on this hardware resolves it (device budget included).
+    # stream.resident=auto as a run on this hardware resolves it (device budget included); a
+    # multi-process run's every part streamed, as it trains.
     stream = residency.for_inputs(dataclasses.replace(given_run, stream=stream, store=store, data=data), hw,
                                   args.processes)
     plan = planner.estimate(given_run.cfg, stream, store, planner.StepShape.of(data), hw, tx=given_run.tx)

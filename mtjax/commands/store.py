@@ -36,7 +36,8 @@ def register(subparsers) -> None:
                     "tokenizer files; train it with `mtjax train --store.path=STORE`.")
     p.add_argument("hf_dir", help="checkpoint directory (config.json + safetensors, single or sharded)")
     p.add_argument("store_dir", help="new store directory (must not exist or be empty)")
-    p.add_argument("--compute-dtype", choices=DTYPES, default="bfloat16", help="dtype of the streamed weights")
+    p.add_argument("--compute-dtype", choices=(*DTYPES, compute_dtype.AUTO), default="bfloat16",
+                   help="dtype of the streamed weights (default bfloat16; auto: as a run on this machine chooses)")
     p.add_argument("--copies", type=int, choices=(1, 2), default=2,
                    help="copies of the state on disk: 2 (default) or 1 (train it with --store.copies=1)")
     p.add_argument("--adapter", metavar="DIR",
@@ -100,7 +101,8 @@ def run_import(args) -> int:
     total = load_hf_config(args.hf_dir).num_hidden_layers + 2
     live = sys.stdout.isatty()
     freeze = args.freeze.split(",") if args.freeze else [QUANTIZED_BASE] if args.base_format != "compute" else []
-    out = hf_import.import_hf(args.hf_dir, args.store_dir, compute_dtype=args.compute_dtype, progress=_progress(total, live),
+    dtype = _chosen(args.compute_dtype)
+    out = hf_import.import_hf(args.hf_dir, args.store_dir, compute_dtype=dtype, progress=_progress(total, live),
                               copies=args.copies, adapter=args.adapter, freeze=tuple(p.strip() for p in freeze),
                               base_format=args.base_format)
     if live:
@@ -122,17 +124,23 @@ def run_export(args) -> int:
     return 0
 
 
-def _init_dtype(path: Path, given: str | None) -> str | None:
-    """The compute dtype `mtjax init` stores: the one given, else the file's (None); `auto`,
-    given or an experiment's `model.compute_dtype`, resolved as a run on this machine
-    resolves it (and said)."""
-    auto = given == compute_dtype.AUTO or (given is None and path.suffix in (".yaml", ".yml")
-                                         and compute_dtype.asks_auto(experiment.load(path).model.overrides))
-    if not auto:
-        return given
+def _chosen(dtype: str | None) -> str | None:
+    """`dtype`, or for `auto` the one a run on this machine resolves it to (compute_dtype.here),
+    said in one line: what `import` and `init` store."""
+    if dtype != compute_dtype.AUTO:
+        return dtype
     dtype, why = compute_dtype.here()
     print(f"mtjax: {compute_dtype.describe(dtype, why)}")
     return dtype
+
+
+def _init_dtype(path: Path, given: str | None) -> str | None:
+    """The compute dtype `mtjax init` stores: the one given, else the file's (None); `auto`,
+    given or an experiment's `model.compute_dtype`, resolved as a run on this machine
+    resolves it (`_chosen`)."""
+    asks = given is None and path.suffix in (".yaml", ".yml") and compute_dtype.asks_auto(
+        experiment.load(path).model.overrides)
+    return _chosen(compute_dtype.AUTO if asks else given)
 
 
 def run_init(args) -> int:

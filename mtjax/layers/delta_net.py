@@ -22,8 +22,8 @@ run on the device's share, but the scan carrying the state from chunk to chunk i
 sequential in t and XLA does not split it: every device all-gathers the whole row's scan
 inputs, runs the scan over every chunk of the row and keeps its share of the output (and
 likewise in the backward). Same results as one device (tests/test_sequence_split.py);
-the gathered inputs and their cotangents are priced (`working`), the replicated scan's
-FLOPs are not.
+the gathered inputs and their cotangents are priced (`working`), and the replicated
+scan's FLOPs once per device (`flops`).
 """
 
 from __future__ import annotations
@@ -172,12 +172,18 @@ class DeltaNet(nnx.Module):
 
 def flops(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, executed: bool = True) -> float:
     """Per token and value head, over chunks of c (mtjax.layers.delta_rule.chunked): the
-    chunk's products k k^T, q k^T (2 c dk each) and scores u (2 c dv), the two
-    triangular solves (c (dk + dv)), the state's reads and write (6 dk dv); and the
-    convolution (2 K per channel). Linear in `seq`."""
+    chunk's products k k^T, q k^T (2 c dk each) and the two triangular solves (c (dk +
+    dv)); in the scan over chunks the scores times u (2 c dv) and the state's reads and
+    write (6 dk dv); and the convolution (2 K per channel). Linear in `seq`.
+
+    Executed on rows split over devices (`cfg.splits_rows`, `seq` the whole row), every
+    device runs the scan over the whole row (module docstring): the sum over the devices
+    counts it `cfg.sequence_devices` times, so a device's share of the sum holds all of it."""
     c = min(delta_rule.CHUNK, seq)
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    per_head = 2 * c * (2 * dk + dv) + c * (dk + dv) + 6 * dk * dv
+    scan = 2 * c * dv + 6 * dk * dv
+    copies = cfg.sequence_devices if executed else 1
+    per_head = 4 * c * dk + c * (dk + dv) + copies * scan
     conv = 2 * cfg.linear_conv_kernel_dim * widths(cfg)[2]
     return float(batch * seq * (cfg.linear_num_value_heads * per_head + conv))
 

@@ -169,13 +169,17 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     num_params = sum(params_of.values())
 
     # --- FLOPs, per micro-batch then per step: every micro-batch runs through every part.
+    # Summed over the devices, each of which runs its share (_times divides): on rows split
+    # over them, as the engine's model config says (work a layer repeats on every device,
+    # the delta rule's scan, counts once per device).
     tokens = shape.batch * shape.seq
+    computing = dataclasses.replace(cfg, sequence_devices=s.devices) if stream.split == "sequence" else cfg
 
     def forward(executed):
         # A MoE block computes with its active parameters (k experts); its bytes are all of them.
         active = [params_of[partid.block(i)] - model.inactive_params(cfg, spec)
                   for i, spec in enumerate(cfg.layer_specs)]
-        return sum(block_forward_flops(cfg, spec, n, shape.batch, shape.seq, executed, dispatch)
+        return sum(block_forward_flops(computing, spec, n, shape.batch, shape.seq, executed, dispatch)
                    for n, spec in zip(active, cfg.layer_specs))
 
     head_fwd = 2.0 * cfg.hidden_size * cfg.vocab_size * tokens
@@ -187,7 +191,7 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     for i in (i for g in s.saved for i in g):
         spec = cfg.layer_specs[i]
         params_i = params_of[partid.block(i)] - model.inactive_params(cfg, spec)
-        whole = block_forward_flops(cfg, spec, params_i, shape.batch, shape.seq, dispatch=dispatch)
+        whole = block_forward_flops(computing, spec, params_i, shape.batch, shape.seq, dispatch=dispatch)
         saved += whole if s.remat == "none" else 2.0 * params_i * tokens
     flops = shape.accum * (4 * forward(True) - saved + 4 * head_fwd)
     model_flops = shape.accum * (3 * forward(False) + 3 * head_fwd)

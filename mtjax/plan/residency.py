@@ -26,7 +26,7 @@ from mtjax.plan import fit, inputs
 from mtjax.plan.cost import Plan, estimate
 from mtjax.plan.hardware import BUILTIN, HardwareProfile
 from mtjax.stream import schedule
-from mtjax.stream.hosts import share
+from mtjax.stream.hosts import STREAMED, check_resident, share
 from mtjax.stream.schedule import StepShape
 
 
@@ -131,11 +131,17 @@ def for_inputs(run: inputs.Inputs, hardware: HardwareProfile, processes: int = 1
     """The run's stream settings with resident=auto and remat=auto resolved (`resolve`) for
     `hardware`, as a run resolves them; the reference engine's, and settings given, as they are.
     In a run of several `processes` each sizes its own step: its share of every
-    micro-batch's rows (mtjax.stream.hosts.share)."""
-    if run.stream.engine != "stream" or "auto" not in (run.stream.resident, run.stream.remat):
-        return run.stream
+    micro-batch's rows (mtjax.stream.hosts.share), and every part streams, LoRA adapters
+    included (mtjax.stream.hosts.STREAMED; a residency that keeps parts is refused in one line):
+    the one place both the trainer (`for_run`) and `mtjax plan --processes` apply it."""
+    stream = run.stream
+    if processes > 1:
+        check_resident(stream.resident, processes)
+        stream = dataclasses.replace(stream, **STREAMED)
+    if stream.engine != "stream" or "auto" not in (stream.resident, stream.remat):
+        return stream
     shape = dataclasses.replace(run.shape, batch=share(run.shape.batch, processes))
-    return resolve(run.cfg, run.stream, run.store, shape, hardware, run.tx, processes)
+    return resolve(run.cfg, stream, run.store, shape, hardware, run.tx, processes)
 
 
 def for_run(exp, processes: int = 1):
