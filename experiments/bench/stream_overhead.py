@@ -167,7 +167,7 @@ def main() -> None:
         f"machine; system = its kernel share, mostly minor page faults (XLA's CPU client mallocs a program's "
         f"scratch at each call); ratios against the reference of the same remat. GLIBC_TUNABLES="
         f"{os.environ.get('GLIBC_TUNABLES', '')!r} (glibc.malloc.hugetlb=1: docs/cpu.md, \"Page faults\"); "
-        f"peak RSS of the process (all {len(rows)} engines) {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB.",
+        f"peak RSS of the process (all {len(rows)} engines) {harness.peak_rss() / 2**30:.2f} GiB.",
         "",
         "| engine | remat | step wall (s) | step CPU (s) | of it system (s) | minor faults | tokens/s | "
         "wall / reference | CPU / reference | every step's CPU (s) |",
