@@ -283,6 +283,13 @@ class ModelConfig:
         lost and XLA would gather every row onto every device."""
         return self.sequence_devices > 1
 
+    def split_over(self, split: str, devices: int) -> ModelConfig:
+        """The config a step's programs compute with, its micro-batch spread over `devices`
+        as `split` (stream.split) says: "sequence" splits each row's tokens over them,
+        "batch" gives each device whole rows and changes nothing. The engine compiles with
+        it; the planner prices with it (mtjax.stream.schedule.Schedule.computing)."""
+        return dataclasses.replace(self, sequence_devices=devices if split == "sequence" else 1)
+
     @property
     def attn_scale(self) -> float:
         """What q k^T is multiplied by before the softmax."""

@@ -53,7 +53,7 @@ def ratios(cfg: ModelConfig, seq: int, devices: int) -> tuple[float, float]:
     spec, share = cfg.layer_specs[1], seq // devices
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), (SEQUENCE,))
     on = lambda *axes: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))  # noqa: E731
-    split = dataclasses.replace(cfg, sequence_devices=devices)
+    split = cfg.split_over("sequence", devices)
     w = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=on())
          for n, v in parts.schema(split, "block.1", "compute").items()}
     x = jax.ShapeDtypeStruct((1, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype), sharding=on(None, SEQUENCE))

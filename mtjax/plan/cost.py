@@ -173,7 +173,7 @@ def estimate(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     # over them, as the engine's model config says (work a layer repeats on every device,
     # the delta rule's scan, counts once per device).
     tokens = shape.batch * shape.seq
-    computing = dataclasses.replace(cfg, sequence_devices=s.devices) if stream.split == "sequence" else cfg
+    computing = s.computing
 
     def forward(executed):
         # A MoE block computes with its active parameters (k experts); its bytes are all of them.

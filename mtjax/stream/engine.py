@@ -136,7 +136,7 @@ class StreamEngine:
         self.schemas = {p.name: parts_mod.schema(cfg, p.name, "compute") for p in self.parts}
         self.placement = Placement(mesh=mesh or DeviceMesh.local(stream.devices, stream.split))
         # The compiled programs' config: attention split over the devices where the rows' tokens are.
-        compute_cfg = dataclasses.replace(cfg, sequence_devices=self.placement.mesh.sequence_devices)
+        compute_cfg = cfg.split_over(self.placement.mesh.split, self.placement.mesh.count)
         self.fns = block_fns(compute_cfg)
         self.tracer = Tracer(trace_steps)
         self.ledger = budget_mod.DeviceLedger(0)

@@ -74,11 +74,6 @@ class DeviceMesh:
     def local(cls, spec: int | str = "all", split: str = "batch") -> DeviceMesh:
         return cls(local_devices(spec), split)
 
-    @property
-    def sequence_devices(self) -> int:
-        """Devices a row's tokens are split over (model_config.ModelConfig.sequence_devices)."""
-        return self.count if self.split == "sequence" else 1
-
     def share(self, nbytes: int) -> int:
         """Bytes on each device of a batch-sharded array of `nbytes` in all."""
         return nbytes // self.count

@@ -217,6 +217,11 @@ class Schedule:
         """Tokens of a row on each device."""
         return self.shape.seq // (self.devices if self.stream.split == "sequence" else 1)
 
+    @property
+    def computing(self) -> ModelConfig:
+        """The model config the step's programs compute with (ModelConfig.split_over)."""
+        return self.cfg.split_over(self.stream.split, self.devices)
+
     def unit(self, name: PartId) -> StateBytes:
         """The state bytes of a transfer: a part's, or a split block's sub-part's."""
         return self.sub_bytes[name] if name.is_sub else self.part_bytes[name]
@@ -881,14 +886,16 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     else:
         local = dataclasses.replace(shape, batch=shape.batch // devices)
     device = _device_plan(cfg, stream, local, pb, grps, grad, hidden // devices, resident, saved, remat, split, sub,
-                          dispatch, adapters, devices if stream.split == "sequence" else 1,
+                          dispatch, adapters, cfg.split_over(stream.split, devices).sequence_devices,
                           "cpu" if reads_host else "gpu")
-    return Schedule(cfg, stream, store, shape, fused, derived, where, widens, pb, grps, last_stays(grps, split),
-                    resident, remat, saved, forward, transfers, grad, hidden, traffic, device, devices, allreduce,
-                    split, sub,
-                    staging_sets(cfg, stream, grps, transfers, split, adapters, in_place),
-                    read_sets(cfg, store, pb, tuple(p for p in streamed if p not in adapters)), adapters, in_place,
-                    processes)
+    return Schedule(
+        cfg=cfg, stream=stream, store=store, shape=shape, fused=fused, derived_compute=derived, spill=where,
+        widens_grads=widens, part_bytes=pb, groups=grps, last_stays=last_stays(grps, split), resident=resident,
+        remat=remat, saved=saved, forward=forward, transfers=transfers, grad_bytes=grad, hidden_bytes=hidden,
+        traffic=traffic, device=device, devices=devices, allreduce=allreduce, split=split, sub_bytes=sub,
+        staging=staging_sets(cfg, stream, grps, transfers, split, adapters, in_place),
+        reads=read_sets(cfg, store, pb, tuple(p for p in streamed if p not in adapters)), adapters=adapters,
+        in_place=in_place, processes=processes)
 
 
 def committed(b: StateBytes, kind: str) -> int:
