@@ -31,7 +31,7 @@ from mtjax.layers import registry
 from mtjax.loss import head_bytes
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig
-from mtjax.stream import StreamEngine, blockfns, schedule
+from mtjax.stream import StreamEngine, block_bytes, blockfns
 
 from test_working_memory import CFG as WIDE
 
@@ -125,7 +125,7 @@ def planned_block_cases() -> dict:
     plan's price for one device's share: the block's traced residuals and its mixer's
     working bytes, with and without the gathered keys and values
     (mtjax.attention.gathered_bytes), plus below fp32 the CPU's fp32 weight-gradient
-    matmuls (schedule.promoted_bytes)."""
+    matmuls (block_bytes.promoted_bytes)."""
     spec, seq, out = WIDE.layer_specs[1], 8192, {}
     for dtype, batch, counts in (("float32", 1, (2, 4, 8, 16)), ("bfloat16", 1, (2, 8)),
                                  ("float32", 2, (2, 8)), ("bfloat16", 2, (2, 8))):
@@ -141,8 +141,8 @@ def planned_block_cases() -> dict:
             grad = jax.jit(lambda w, x, dy: blockfns._grad(cfg, spec, w, x, dy, {}))
             temp = grad.lower(w, x, x).compile().memory_analysis().temp_size_in_bytes
             # the plan prices with the model's config (sequence_devices 1) and one device's share
-            promoted = schedule.promoted_bytes(model_cfg, spec, batch, share) if dtype != "float32" else 0
-            planned = (schedule.residual_bytes(model_cfg, spec, batch, share) + promoted
+            promoted = block_bytes.promoted_bytes(model_cfg, spec, batch, share) if dtype != "float32" else 0
+            planned = (block_bytes.residual_bytes(model_cfg, spec, batch, share) + promoted
                        + registry.mixer(spec).working(model_cfg, spec, batch, share, "cpu", devices))
             gathered = gathered_bytes("cpu", dtype, batch, WIDE.num_key_value_heads, share, WIDE.head_dim, devices)
             out[key][devices] = {"temp": temp, "planned": planned, "gathered": gathered, "promoted": promoted}
@@ -218,11 +218,11 @@ def mixer_cases() -> dict:
                 x = jax.ShapeDtypeStruct((batch, seq, cfg.hidden_size), np.dtype(dtype), sharding=on(None, SEQUENCE))
                 grad = jax.jit(lambda w, x, dy: blockfns._grad(cfg, spec, w, x, dy, {}))
                 temp = grad.lower(w, x, x).compile().memory_analysis().temp_size_in_bytes
-                promoted = schedule.promoted_bytes(model_cfg, spec, batch, share) if dtype != "float32" else 0
+                promoted = block_bytes.promoted_bytes(model_cfg, spec, batch, share) if dtype != "float32" else 0
                 split = registry.mixer(spec).working(model_cfg, spec, batch, share, "cpu", devices)
                 whole = registry.mixer(spec).working(model_cfg, spec, batch, share, "cpu", 1)
                 out[name][dtype][devices] = {
-                    "temp": temp, "planned": schedule.residual_bytes(model_cfg, spec, batch, share) + promoted + split,
+                    "temp": temp, "planned": block_bytes.residual_bytes(model_cfg, spec, batch, share) + promoted + split,
                     "gathered": split - whole}
         block = model.init_params(base, seed=0)["blocks"][index]
         x, dy = (jax.random.normal(jax.random.key(k), (batch, 256, base.hidden_size)) for k in (1, 2))

@@ -22,8 +22,8 @@ from mtjax.plan import (BUILTIN, HardwareError, StepShape, check, compute_dtype,
 from mtjax.plan.cost import block_forward_flops
 from mtjax.plan.report import size
 from mtjax.shard import Shard
-from mtjax.stream import fused_adamw, schedule
-from mtjax.stream.schedule import residual_bytes
+from mtjax.stream import block_bytes, fused_adamw, schedule
+from mtjax.stream.block_bytes import residual_bytes
 
 from conftest import tiny_config, tiny_moe_config
 
@@ -409,14 +409,14 @@ def test_mfu_and_planner_count_attention_by_heads_times_head_dim():
         cfg, cfg.layer_specs[1], 0, 1, seq)
 
 
-SHORT_LONG_ROWS = schedule.LongRows(threshold=256, step=128)  # the long-row path, brought down to short rows
+SHORT_LONG_ROWS = block_bytes.LongRows(threshold=256, step=128)  # the long-row path, brought down to short rows
 
 
 def _priced_and_traced(cfg, kind, seq, policy="none"):
     """residual_bytes of `seq`-token rows priced from short traces (the long-row path,
     brought down to short rows) and traced whole."""
-    return (schedule.residual_bytes(cfg, kind, 2, seq, policy, SHORT_LONG_ROWS),
-            schedule._traced_residual_bytes(cfg, kind, 2, seq, policy))
+    return (block_bytes.residual_bytes(cfg, kind, 2, seq, policy, SHORT_LONG_ROWS),
+            block_bytes._traced_residual_bytes(cfg, kind, 2, seq, policy))
 
 
 @pytest.mark.parametrize("policy", ["none", "dots"])
@@ -446,8 +446,8 @@ def test_long_rows_price_residuals_as_a_whole_trace_does_for_every_attention(nam
         assert priced == traced > 0, kind
     if cfg.moe_layers:
         kind = next(k for k in cfg.block_specs if k.feed_forward.kind == "moe")
-        assert schedule.split_residual_bytes(cfg, kind, 2, 1000, 2, SHORT_LONG_ROWS) == \
-            schedule._traced_split_residual_bytes(cfg, kind, 2, 1000, 2)
+        assert block_bytes.split_residual_bytes(cfg, kind, 2, 1000, 2, SHORT_LONG_ROWS) == \
+            block_bytes._traced_split_residual_bytes(cfg, kind, 2, 1000, 2)
 
 
 def test_a_long_row_is_never_traced_whole(monkeypatch):
@@ -463,7 +463,7 @@ def test_a_long_row_is_never_traced_whole(monkeypatch):
     monkeypatch.setattr(jax, "eval_shape", recording)  # JAX's own function: the traces go through it
     cfg = dataclasses.replace(CFG, max_position_embeddings=131072)
     plan = plan_of(cfg, shape=StepShape(1, 131072))
-    assert plan.device.residuals > 0 and seqs and max(seqs) <= schedule.LONG_ROWS.threshold
+    assert plan.device.residuals > 0 and seqs and max(seqs) <= block_bytes.LONG_ROWS.threshold
 
 
 @pytest.mark.parametrize("group_size", [None, 2])

@@ -19,7 +19,7 @@ from mtjax.config import DataConfig, StoreConfig, StreamConfig
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate
-from mtjax.stream import StreamEngine, ops, schedule
+from mtjax.stream import StreamEngine, block_bytes, ops, schedule
 from mtjax.stream.budget import tree_bytes
 from mtjax.stream.staging import Slot
 
@@ -234,7 +234,7 @@ def test_transfers_and_device_plan_follow_the_knobs():
     max_part = max(b.compute for b in s.part_bytes.values())
     assert s.device.weights == (3 + 3) * max_part  # depth 3 ahead; head, tied embedding and last block in use
     assert s.device.activations == 2 * 4 * hidden  # two kept inputs per micro-batch, four micro-batches
-    assert s.device.residuals == 2 * schedule.residual_bytes(CFG, CFG.layer_specs[0], BATCH, SEQ)
+    assert s.device.residuals == 2 * block_bytes.residual_bytes(CFG, CFG.layer_specs[0], BATCH, SEQ)
     # Gradients leave in the compute dtype with one micro-batch, in fp32 with several.
     one = schedule.describe(CFG, stream, store, StepShape(BATCH, SEQ, 1), TX)
     m = sum(b.master for b in s.part_bytes.values())

@@ -5,9 +5,9 @@ For a gated delta-net block and a gated softmax attention block of one Qwen3.5 m
 of 32 in the delta-net, fp32, one row), and a Qwen3-MoE block of the same attention
 width (16 experts of 64, top 2, fp32 and bf16; 32 with LoRA on them; whole, or one group
 of its experts), the planner prices a block's backward as its vjp residuals
-(traced from the block, mtjax.stream.schedule.residual_bytes) plus what its mixer's
+(traced from the block, mtjax.stream.block_bytes.residual_bytes) plus what its mixer's
 kernels and its feed-forward hold beyond them (the layer registry's `working`,
-schedule.block_working_bytes). XLA's temporaries for the compiled program the engine
+block_bytes.block_working_bytes). XLA's temporaries for the compiled program the engine
 runs (mtjax.stream.blockfns._grad; memory_analysis: nothing runs) must lie within 10% of
 that at rows of 256, 1024 (attention's unrolled chunks, O(t^2)) and 4096 tokens (its
 loop, O(t)); the MoE blocks at 256 and 1024.
@@ -27,7 +27,7 @@ from mtjax.config import StoreConfig, StreamConfig
 from mtjax.lora import LoraConfig
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
-from mtjax.stream import blockfns, groupfns, schedule
+from mtjax.stream import block_bytes, blockfns, groupfns, schedule
 
 from conftest import tiny_config, tiny_moe_config
 
@@ -50,7 +50,7 @@ def compiled_temp_bytes(index: int, seq: int, cfg: ModelConfig = CFG) -> int:
 def priced_bytes(index: int, seq: int, cfg: ModelConfig = CFG) -> tuple[int, int]:
     """(the block's traced vjp residuals, its mixer's working bytes) on this CPU."""
     spec = cfg.layer_specs[index]
-    return schedule.residual_bytes(cfg, spec, 1, seq), registry.mixer(spec).working(cfg, spec, 1, seq, "cpu", 1)
+    return block_bytes.residual_bytes(cfg, spec, 1, seq), registry.mixer(spec).working(cfg, spec, 1, seq, "cpu", 1)
 
 
 def rule_residual_bytes(seq: int) -> int:
@@ -99,7 +99,7 @@ def test_a_plan_prices_the_mixer_for_the_device_planned_for():
     tx = make_optimizer(OptimConfig())
     device = {host: schedule.describe(cfg, StreamConfig(), StoreConfig(), schedule.StepShape(1, 4096), tx,
                                       reads_host=host).device for host in (True, False)}
-    cpu, gpu = (schedule.block_working_bytes(cfg, 1, 4096, platform=p) for p in ("cpu", "gpu"))
+    cpu, gpu = (block_bytes.block_working_bytes(cfg, 1, 4096, platform=p) for p in ("cpu", "gpu"))
     assert cpu > gpu
     assert device[True].working - device[False].working == cpu - gpu
 
@@ -127,21 +127,21 @@ def test_fused_gpu_kernels_and_a_split_row_hold_one_block_of_scores_or_none():
     assert working(CFG, spec, 1, 512, "cpu", 2) == 2 * 4 * CFG.num_attention_heads * 128 * 128 + 4 * 4 * other
     assert working(CFG, spec, 1, 512, "cpu", 1) > 4 * working(CFG, spec, 1, 512, "cpu", 2)
     # a dense feed-forward adds nothing: the block's working bytes are its mixer's
-    assert schedule.block_working_bytes(CFG, 1, 1024, platform="cpu") == working(CFG, spec, 1, 1024, "cpu", 1)
+    assert block_bytes.block_working_bytes(CFG, 1, 1024, platform="cpu") == working(CFG, spec, 1, 1024, "cpu", 1)
 
 
 def test_a_split_row_below_fp32_is_priced_in_fp32_on_the_cpu_only():
     """XLA's CPU backend gathers a split row's keys and values in fp32 and runs a bf16
-    block's weight-gradient matmuls in fp32 (schedule.promoted_bytes; checked against the
+    block's weight-gradient matmuls in fp32 (block_bytes.promoted_bytes; checked against the
     compiled split block in tests/test_sequence_split.py); a GPU's price is as it was."""
     spec, bf16 = CFG.layer_specs[1], dataclasses.replace(CFG, compute_dtype="bfloat16")
     other = 512 * CFG.num_key_value_heads * CFG.head_dim
     gathered = lambda platform: attention.gathered_bytes(platform, "bfloat16", 1, CFG.num_key_value_heads,  # noqa: E731
                                                          512, CFG.head_dim, 2)
     assert (gathered("cpu"), gathered("gpu")) == (2 * other * (4 + 4), 2 * other * (2 + 4))
-    working, promoted = registry.mixer(spec).working, schedule.promoted_bytes(bf16, spec, 1, 512)
+    working, promoted = registry.mixer(spec).working, block_bytes.promoted_bytes(bf16, spec, 1, 512)
     assert promoted > 0
-    block = lambda cfg, platform, devices=1: schedule.block_working_bytes(cfg, 1, 512, platform=platform,  # noqa: E731
+    block = lambda cfg, platform, devices=1: block_bytes.block_working_bytes(cfg, 1, 512, platform=platform,  # noqa: E731
                                                                           devices=devices)
     assert block(bf16, "cpu", 2) >= working(bf16, spec, 1, 512, "cpu", 2) + promoted
     # one device, fp32 or a GPU: nothing promoted, the larger mixer's (split, the delta-net's gathered scan)
@@ -181,8 +181,8 @@ def moe_block_temp_bytes(cfg: ModelConfig, seq: int) -> int:
 def test_a_moe_blocks_backward_is_priced_as_xla_allocates_it(which, seq):
     cfg = MOE[which]
     temp = moe_block_temp_bytes(cfg, seq)
-    residuals = schedule.residual_bytes(cfg, cfg.layer_specs[0], 1, seq)
-    working = schedule.block_working_bytes(cfg, 1, seq, "blocked", platform="cpu")
+    residuals = block_bytes.residual_bytes(cfg, cfg.layer_specs[0], 1, seq)
+    working = block_bytes.block_working_bytes(cfg, 1, seq, "blocked", platform="cpu")
     assert abs(temp / (residuals + working) - 1) < TOLERANCE, (which, seq, temp, residuals, working)
     spec = cfg.layer_specs[0]
     experts = registry.feed_forward(spec).working(cfg, spec, seq, "blocked")
@@ -205,7 +205,7 @@ def test_an_expert_groups_backward_is_priced_as_xla_allocates_it():
     ids = jax.ShapeDtypeStruct((size,), np.int32)
     grad = jax.jit(lambda w, h, p, c, i, dz: groupfns._group_grad(cfg, spec, w, h, p, c, i, dz))
     temp = grad.lower(w, h, weights, chosen, ids, h).compile().memory_analysis().temp_size_in_bytes
-    residuals = schedule.split_residual_bytes(cfg, spec, 1, seq, size)
+    residuals = block_bytes.split_residual_bytes(cfg, spec, 1, seq, size)
     working = registry.feed_forward(spec).working(cfg, spec, seq, "blocked", size)
     assert abs(temp / (residuals + working) - 1) < TOLERANCE, (temp, residuals, working)
     assert temp > (1 + TOLERANCE) * residuals  # the group's experts' term is real

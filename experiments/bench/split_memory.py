@@ -5,7 +5,7 @@ For a gated softmax-attention block of a small Qwen3.5 model (width 128, 4 query
 of 32 over 2 key/value heads, intermediate 384; and wider variants), compiled as the
 engine runs it (blockfns._grad, memory_analysis: nothing runs) over one row split over
 2 to 16 CPU devices, prints XLA's temporaries over the plan's price for one device's
-share (traced residuals + the mixer's working bytes + schedule.promoted_bytes below
+share (traced residuals + the mixer's working bytes + block_bytes.promoted_bytes below
 fp32), and the same ratio without the promoted term. docs/planner.md quotes it.
 
     .venv/bin/python experiments/bench/split_memory.py    # ~2 minutes on 2 cores
@@ -30,7 +30,7 @@ from mtjax import parts  # noqa: E402
 from mtjax.attention import SEQUENCE  # noqa: E402
 from mtjax.layers import registry  # noqa: E402
 from mtjax.model_config import ModelConfig  # noqa: E402
-from mtjax.stream import blockfns, schedule  # noqa: E402
+from mtjax.stream import block_bytes, blockfns  # noqa: E402
 
 BASE = ModelConfig(model_type="qwen3_5_text", vocab_size=256, hidden_size=128, intermediate_size=384,
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -59,9 +59,9 @@ def ratios(cfg: ModelConfig, seq: int, devices: int) -> tuple[float, float]:
     x = jax.ShapeDtypeStruct((1, seq, cfg.hidden_size), np.dtype(cfg.compute_dtype), sharding=on(None, SEQUENCE))
     grad = jax.jit(lambda w, x, dy: blockfns._grad(split, spec, w, x, dy, {}))
     temp = grad.lower(w, x, x).compile().memory_analysis().temp_size_in_bytes
-    base = (schedule.residual_bytes(cfg, spec, 1, share)
+    base = (block_bytes.residual_bytes(cfg, spec, 1, share)
             + registry.mixer(spec).working(cfg, spec, 1, share, "cpu", devices))
-    promoted = schedule.promoted_bytes(cfg, spec, 1, share) if np.dtype(cfg.compute_dtype).itemsize < 4 else 0
+    promoted = block_bytes.promoted_bytes(cfg, spec, 1, share) if np.dtype(cfg.compute_dtype).itemsize < 4 else 0
     return temp / (base + promoted), temp / base
 
 

@@ -43,7 +43,7 @@ from mtjax.config import StoreConfig, StreamConfig  # noqa: E402
 from mtjax.model_config import ModelConfig  # noqa: E402
 from mtjax.optim import OptimConfig, make_optimizer  # noqa: E402
 from mtjax.partid import EMBED, HEAD  # noqa: E402
-from mtjax.stream import blockfns, schedule  # noqa: E402
+from mtjax.stream import block_bytes, blockfns, schedule  # noqa: E402
 
 # An H200 (SXM, 141 GB) as XLA's GPU compiler sees it: a GpuTargetConfigProto (text).
 # Only what the compiler reads for these programs; memory size as the device reports it.
@@ -94,8 +94,8 @@ class Target:
         residuals, its working bytes (mixer and feed-forward), the head's chunk of logits."""
         spec = cfg.layer_specs[0]
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._gpu_attention():
-            residual = schedule._traced_residual_bytes.__wrapped__(cfg, spec, batch, seq, "none")
-        working = schedule.block_working_bytes(cfg, batch, seq, platform=self.name)
+            residual = block_bytes._traced_residual_bytes.__wrapped__(cfg, spec, batch, seq, "none")
+        working = block_bytes.block_working_bytes(cfg, batch, seq, platform=self.name)
         return {"residuals": residual, "working": working, "head": schedule.head_bytes(cfg, batch * seq, self.name)}
 
     def _gpu_attention(self):

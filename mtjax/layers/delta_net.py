@@ -201,7 +201,7 @@ def working(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, platform: s
     """On one device none beyond the block's vjp residuals, which hold all this layer keeps:
     q, k, v, z, beta and g, the convolution's inputs, each chunk's fp32 [c, c] decay,
     system, inverse and score matrices and the fp32 state [value heads, dk, dv] entering
-    each chunk (the planner traces them from the block, mtjax.stream.schedule.residual_bytes).
+    each chunk (the planner traces them from the block, mtjax.stream.block_bytes.residual_bytes).
     Its backward's per-chunk cotangents take the place of the residuals consumed by then:
     XLA's temporaries for a block's recompute and backward are its residuals within 5%
     (tests/test_working_memory.py).

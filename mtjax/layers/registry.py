@@ -69,7 +69,7 @@ class FeedForwardKind:
         (a MoE's expert `dispatch`, as for `flops`); `experts`: the experts one program
         runs, a group of them where the block is split (None: all). The device plan's
         working term counts the largest block's mixer and feed-forward working bytes
-        (mtjax.stream.schedule.block_working_bytes). Default: none.
+        (mtjax.stream.block_bytes.block_working_bytes). Default: none.
     """
 
     module: Callable

@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import math
 
-import numpy as np
 
 from mtjax import model, moe, partid, parts
 from mtjax.config import StoreConfig, StreamConfig

@@ -8,7 +8,7 @@ run's batch, micro-batches, recompute groups, placement and devices stay as conf
 the kept block inputs wait on the device or in host RAM and the feed-forwards (MoE too) run
 whole or over chunks of FFN_CHUNK tokens (model.ffn_chunk_tokens, when the config sets
 none), whichever lets the row grow longer. What grows with the row is priced as at any
-length: kept inputs, vjp residuals (traced, mtjax.stream.schedule.residual_bytes), the
+length: kept inputs, vjp residuals (traced, mtjax.stream.block_bytes.residual_bytes), the
 hidden states between parts, the chunked head (mtjax.loss.head_bytes, flat but for a
 per-token share), the host's kept inputs and token buffers. The model's own context (max_position_embeddings) is not a
 bound here: the report states it beside the answer.
@@ -21,7 +21,6 @@ import itertools
 
 from mtjax.plan.cost import Plan, estimate
 from mtjax.plan.fit import Limits, short_of
-from mtjax.stream.schedule import StepShape
 
 STEP = 1024  # the answer is a multiple of this many tokens
 FFN_CHUNK = 4096  # model.ffn_chunk_tokens tried where the config sets none

@@ -12,6 +12,7 @@ Stages, one module each, in the order data flows through them:
     commit    a one-copy store's commit protocol (state before the update + pending gradients)
     resident  parts kept on the device with their state, updated there
     schedule  one step described: transfers in order, bytes per link, device plan
+    block_bytes  what one block holds on a device for its backward, which the plan adds up
     budget    the device ledger, which holds a step to its plan
     trace     per-part stage timings, Chrome trace JSON
     engine    the step, reading as those stages
