@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtjax import documents, model, moe, parts
+from mtjax import documents, model, moe
 from mtjax.batch import Batch
 from mtjax.config import ConfigError, StoreConfig, StreamConfig
 from mtjax.model_config import CHUNKED, FULL
