@@ -75,9 +75,11 @@ def head_bytes(cfg: ModelConfig, tokens: int, platform: str | None = None) -> in
 
     Split rows (`cfg.splits_rows`; `tokens` one device's share): a chunk holds the
     device's share of its rows, and in several chunks two copies of the share's hidden
-    states in the compute dtype, the token-major and the every-n-th-token reorderings
-    (fp32 2 x 8192, chunks of 1024: XLA held 1.52x the price without them at 2 devices; 0.93x
-    now at 2 and 8, tests/test_sequence_split.py)."""
+    states in the compute dtype, the token-major and the every-n-th-token reorderings,
+    while the chunks run (fp32 2 x 8192, chunks of 1024: XLA held 1.52x the price without
+    them at 2 devices; 0.93x now at 2 and 8, tests/test_sequence_split.py); below fp32
+    they are dead by the norm's backward (priced beside it, a bf16 head there held 0.73x
+    its price at 2 devices, 0.75x at 8; 0.90x and 0.92x now)."""
     platform = platform or jax.default_backend()
     item = np.dtype(cfg.compute_dtype).itemsize
     d, vocab, devices = cfg.hidden_size, cfg.vocab_size, cfg.sequence_devices
@@ -95,12 +97,12 @@ def head_bytes(cfg: ModelConfig, tokens: int, platform: str | None = None) -> in
         return logits + 2 * hidden + summed + copy + stacked + reordered
     summed = kernel_grad if below or cfg.tie_word_embeddings else 0
     # a chunk's logits beside their gradient, or it in the compute dtype beside the chunk's kernel gradient
-    chunk = max(2 * logits, rows * vocab * item + kernel_grad) + hidden + summed
+    chunks = max(2 * logits, rows * vocab * item + kernel_grad) + hidden + summed + reordered
     wide = tokens * d * 4  # fp32 [tokens, width]: the norm's output (fp32), the input's copy (below fp32)
     if not below:
-        return stacked + wide + chunk + reordered
+        return stacked + wide + chunks
     after = (3 if cfg.rms_norm_offset else 2) * wide  # the norm's backward
-    return stacked + wide + max(chunk + wide, after) + reordered  # during the chunks: their input widened
+    return stacked + wide + max(chunks + wide, after)  # during the chunks: their input widened
 
 
 def _counted(tokens: jnp.ndarray, targets=None):
