@@ -50,56 +50,59 @@ def head_bytes(cfg: ModelConfig, tokens: int, platform: str | None = None) -> in
     experiments/gpu/aot_memory.py's deviceless compile for an H200). Flat in the sequence
     length but for the per-token terms (tests/test_loss.py):
 
-    - a chunk's fp32 logits; on the CPU beside them the larger of their gradient and the
-      chunk's fp32 kernel gradient [width, vocab] before it joins the sum (the GPU fuses
-      both away: the softmax gradient is written in the compute dtype into the dot's input,
-      the kernel gradient added inside its dot);
-    - the fp32 sum of the kernel's gradient over chunks [width, vocab], below fp32 or with
-      tied embeddings (untied in fp32 it is the output's own buffer; tied, the output is
-      the embedding's [vocab, width] gradient, which the sum is transposed into);
+    - a chunk's fp32 logits; on the CPU beside them their fp32 gradient, or (when larger)
+      that gradient in the compute dtype beside the chunk's fp32 kernel gradient [width,
+      vocab] before it joins the sum: in fp32 the logits beside the larger of the two (the
+      GPU fuses both away: the softmax gradient is written in the compute dtype into the
+      dot's input, the kernel gradient added inside its dot);
+    - the fp32 sum of the kernel's gradient over chunks [width, vocab], below fp32 or (the
+      CPU) with tied embeddings (untied in fp32 it is the output's own buffer; tied, the
+      output is the embedding's [vocab, width] gradient, which the sum is transposed into);
     - a chunk's hidden states and their gradient in fp32 (the CPU: the gradient alone);
     - a tied kernel's transposed copy in the compute dtype: on the GPU; on the CPU it lives
       in the embedding gradient's output buffer, dead before that is written;
-    - per token 16 bytes (log-partition, weight, id, padding) and on the CPU the final
-      norm's fp32 output and gradient, on the GPU the chunks' stacked hidden-state
-      gradients in the compute dtype.
+    - per token 16 bytes (log-partition, weight, id, padding) and the chunks' stacked
+      hidden-state gradients in the compute dtype; on the CPU also one fp32 [tokens,
+      width] array: the final norm's output in fp32, an fp32 copy of the input below fp32.
 
-    On the CPU below fp32 the per-token terms are larger and come in two phases (XLA's
-    buffer assignment, bf16): throughout, an fp32 copy of the input and the chunks'
-    stacked hidden-state gradients (compute dtype); during the chunks, the normed hidden
-    states widened to fp32 (XLA slices the scan's input in fp32) beside a chunk's work,
-    where a chunk's logits and their gradient are dead once the gradient is rounded to
-    the compute dtype for the kernel's; after them, the norm's backward in two fp32
+    On the CPU below fp32 two phases add per-token terms (XLA's buffer assignment, bf16):
+    during the chunks, the normed hidden states widened to fp32 (XLA slices the scan's
+    input in fp32) beside a chunk's work; after them, the norm's backward in two fp32
     [tokens, width] arrays, three with rms_norm_offset. Priced as the fp32 head's, a
     Qwen3.5 head (offset, width 128, vocabulary 256) over 2 x 8192 tokens in chunks of
     1024 held 1.92x its price, 1.00x now; the tested heads 0.98-1.02x, 0.94-1.67x before
     (tests/test_working_memory.py).
 
-    Split rows (cfg.sequence_devices > 1; `tokens` one device's share): a chunk holds the
+    Split rows (`cfg.splits_rows`; `tokens` one device's share): a chunk holds the
     device's share of its rows, and in several chunks two copies of the share's hidden
-    states in the compute dtype, the token-major and the every-n-th-token reorderings
-    (fp32 2 x 8192, chunks of 1024: XLA held 1.52x the price without them at 2 devices; 0.93x
-    now at 2 and 8, tests/test_sequence_split.py)."""
+    states in the compute dtype, the token-major and the every-n-th-token reorderings,
+    while the chunks run (fp32 2 x 8192, chunks of 1024: XLA held 1.52x the price without
+    them at 2 devices; 0.93x now at 2 and 8, tests/test_sequence_split.py); below fp32
+    they are dead by the norm's backward (priced beside it, a bf16 head there held 0.73x
+    its price at 2 devices, 0.75x at 8; 0.90x and 0.92x now)."""
     platform = platform or jax.default_backend()
     item = np.dtype(cfg.compute_dtype).itemsize
-    d = cfg.hidden_size
-    devices = cfg.sequence_devices
+    d, vocab, devices = cfg.hidden_size, cfg.vocab_size, cfg.sequence_devices
+    below = item < 4
     rows = head_rows(cfg, tokens * devices)
-    reordered = 2 * tokens * d * item if 1 < devices and rows < tokens * devices else 0
-    rows = -(-rows // devices)
-    chunk = rows * cfg.vocab_size * 4
-    kernel = d * cfg.vocab_size
-    tied = cfg.tie_word_embeddings
-    if platform == "cpu":
-        summed = 4 * kernel if item < 4 or tied else 0
-        if item == 4:
-            return chunk + max(chunk, 4 * kernel) + rows * d * 4 + summed + tokens * (2 * d * 4 + 16) + reordered
-        during = max(2 * chunk, rows * cfg.vocab_size * item + 4 * kernel) + rows * d * 4 + summed + tokens * d * 4
-        after = (3 if cfg.rms_norm_offset else 2) * tokens * d * 4
-        return tokens * (d * 4 + d * item + 16) + max(during, after) + reordered
-    summed = 4 * kernel if item < 4 else 0
-    return (chunk + 2 * rows * d * 4 + summed + (kernel * item if tied else 0) + tokens * (d * item + 16)
-            + reordered)
+    reordered = 2 * tokens * d * item if cfg.splits_rows and rows < tokens * devices else 0
+    rows = -(-rows // devices)  # the device's share of a chunk
+    logits = rows * vocab * 4  # a chunk's, fp32
+    kernel_grad = 4 * d * vocab  # [width, vocab], fp32
+    hidden = rows * d * 4  # a chunk's hidden states, or their gradient, fp32
+    stacked = tokens * (d * item + 16)  # the stacked hidden-state gradients; log-partition, weight, id, padding
+    if platform != "cpu":
+        summed = kernel_grad if below else 0
+        copy = d * vocab * item if cfg.tie_word_embeddings else 0
+        return logits + 2 * hidden + summed + copy + stacked + reordered
+    summed = kernel_grad if below or cfg.tie_word_embeddings else 0
+    # a chunk's logits beside their gradient, or it in the compute dtype beside the chunk's kernel gradient
+    chunks = max(2 * logits, rows * vocab * item + kernel_grad) + hidden + summed + reordered
+    wide = tokens * d * 4  # fp32 [tokens, width]: the norm's output (fp32), the input's copy (below fp32)
+    if not below:
+        return stacked + wide + chunks
+    after = (3 if cfg.rms_norm_offset else 2) * wide  # the norm's backward
+    return stacked + wide + max(chunks + wide, after)  # during the chunks: their input widened
 
 
 def _counted(tokens: jnp.ndarray, targets=None):
@@ -141,7 +144,7 @@ def head_loss(cfg: ModelConfig, head: dict, embed: dict | None, x: jnp.ndarray, 
     The final norm runs on all the tokens at once (its autodiff keeps O(tokens x d)); the
     head's matmul, soft-cap and loss run chunk by chunk (`_summed_loss`).
 
-    With each row's tokens split over devices (cfg.sequence_devices > 1) the tokens go
+    With each row's tokens split over devices (`cfg.splits_rows`) the tokens go
     token-major, as the dense layers' (basic.rows), on every platform: flattened b * t at
     batch 2 lost the split, every device ran the head over both rows (fp32, 2 x 8192
     tokens: 1.40x one device's temporaries on each of 2 or 8, tests/test_sequence_split.py;

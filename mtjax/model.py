@@ -334,7 +334,7 @@ def head_forward(cfg: ModelConfig, head: dict, embed: dict | None, x: jnp.ndarra
     """Final norm and LM head: hidden [b, t, d] -> fp32 logits [b, t, vocab] (soft-capped
     by final_logit_softcapping where set).
 
-    Flattened b * t: never called on rows split over devices (model.sequence_devices > 1,
+    Flattened b * t: never called on rows split over devices (`cfg.splits_rows`,
     where this would gather every row onto every device; mtjax.loss.head_loss orders split
     tokens token-major). Only the streaming engine compiles with that config, and only its
     blocks and head_loss; the reference engine refuses stream.split, and sampling

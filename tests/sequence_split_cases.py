@@ -155,12 +155,14 @@ def head_cases() -> dict:
     device and split over 2 and 8, beside the plan's price of one device's share
     (mtjax.loss.head_bytes), with the spec of the hidden states' gradient; under "chunked"
     fp32 in chunks of 1024 tokens (a large vocabulary's several chunks), with the loss and
-    the hidden states' gradient split against whole (`errors`)."""
+    the hidden states' gradient split against whole (`errors`); under "bf16 chunked" bf16
+    in chunks of 1024."""
     seq, batch, out = 8192, 2, {}
-    for dtype, chunk in (("float32", 0), ("bfloat16", 0), ("chunked", 1024)):
-        out[dtype] = {}
+    for name, dtype, chunk in (("float32", "float32", 0), ("bfloat16", "bfloat16", 0), ("chunked", "float32", 1024),
+                               ("bf16 chunked", "bfloat16", 1024)):
+        out[name] = {}
         for devices in (1, 2, 8):
-            cfg = dataclasses.replace(WIDE, compute_dtype=dtype if chunk == 0 else "float32", tie_word_embeddings=False,
+            cfg = dataclasses.replace(WIDE, compute_dtype=dtype, tie_word_embeddings=False,
                                       sequence_devices=devices, head_chunk_tokens=chunk)
             mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), (SEQUENCE,))
             on = lambda *axes: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))  # noqa: E731
@@ -171,9 +173,9 @@ def head_cases() -> dict:
             tokens = jax.ShapeDtypeStruct((batch, seq), np.int32, sharding=on(None, SEQUENCE))
             compiled = jax.jit(lambda h, x, t: blockfns._head(cfg, h, None, x, t, 1.0)).lower(head, x, tokens).compile()
             dx = compiled.output_shardings[3]
-            out[dtype][devices] = {"temp": compiled.memory_analysis().temp_size_in_bytes,
-                                   "planned": head_bytes(cfg, batch * seq // devices, "cpu"),
-                                   "dx_spec": str(dx.spec) if hasattr(dx, "spec") else str(dx)}
+            out[name][devices] = {"temp": compiled.memory_analysis().temp_size_in_bytes,
+                                  "planned": head_bytes(cfg, batch * seq // devices, "cpu"),
+                                  "dx_spec": str(dx.spec) if hasattr(dx, "spec") else str(dx)}
     runs = {}
     for devices in (1, 2):  # 2 rows of 384 tokens in chunks of 128: several chunks a device
         cfg = dataclasses.replace(CFG, sequence_devices=devices, head_chunk_tokens=128)

@@ -2,7 +2,7 @@
 
 For a gated delta-net block and a gated softmax attention block of one Qwen3.5 model
 (mtjax.families.qwen3_5: width 128, 4 query heads of 32 over 2, 2 key and 4 value heads
-of 32 in the delta-net, fp32, one row), and a Qwen3-MoE block of the same attention
+of 32 in the delta-net, fp32, one row; the delta-net in bf16 too), and a Qwen3-MoE block of the same attention
 width (16 experts of 64, top 2, fp32 and bf16; 32 with LoRA on them; whole, or one group
 of its experts), the planner prices a block's backward as its vjp residuals
 (traced from the block, mtjax.stream.block_bytes.residual_bytes) plus what its mixer's
@@ -78,6 +78,18 @@ def test_one_blocks_backward_is_priced_as_xla_allocates_it(seq):
             assert temp > (1 + 2 * TOLERANCE) * residuals, (seq, temp, residuals)
         else:  # the loop: one [128, 128] block's probabilities and their gradient
             assert working < 0.05 * temp
+
+
+@pytest.mark.parametrize("seq", [256, 1024, 4096])
+def test_a_bf16_delta_net_blocks_backward_is_its_residuals(seq):
+    """In bf16 too the delta-net block holds its traced residuals and nothing beyond them
+    on one device (the rule's states and [c, c] matrices are fp32 whatever the inputs'
+    dtype, and traced so): XLA's temporaries are 0.97-0.99x that price here."""
+    cfg = dataclasses.replace(CFG, compute_dtype="bfloat16")
+    temp = compiled_temp_bytes(0, seq, cfg)
+    residuals, working = priced_bytes(0, seq, cfg)
+    assert working == 0
+    assert abs(temp / residuals - 1) < TOLERANCE, (seq, temp, residuals)
 
 
 def test_a_bf16_attention_loop_is_priced_with_its_fp32_queries_keys_and_values():
