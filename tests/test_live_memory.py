@@ -1,0 +1,97 @@
+"""What a streamed step keeps alive on the device, against its schedule's device plan.
+
+A census of `jax.live_arrays()` after every operation of a step (the runner's handlers,
+wrapped) counts the device arrays made since the engine was built. Gradient sums handed
+to the host (`Placement.host_arrays`) are not counted: on the CPU backend they are the
+device's arrays themselves, on a GPU host copies. The peak must stay within the plan's
+device total, which also prices XLA's temporaries (residuals, the head's logits, a
+block's working bytes) that are no live arrays. And once a step has returned, none of
+its device-only values may stay alive: staged weights, hidden states and their
+cotangents, kept inputs (the engine here keeps no part resident: the plan says nothing
+persists across steps).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import jax
+import pytest
+
+from mtjax import model
+from mtjax.config import StoreConfig, StreamConfig
+from mtjax.optim import OptimConfig
+from mtjax.stream import StreamEngine
+
+from conftest import tiny_config, token_batches
+
+# bf16 compute: weights cross through staging slots (an fp32 CPU run stages master in place).
+CFG = tiny_config(vocab_size=97, num_hidden_layers=4, compute_dtype="bfloat16")
+BATCH, SEQ, STEPS = 2, 16, 3
+
+
+class Census:
+    """Live device bytes made since it began, less the gradients handed to the host:
+    `peak` over a step's operations, `at` the operation after which it was reached;
+    `values()`, the device-only values of the steps so far still alive."""
+
+    def __init__(self, engine: StreamEngine):
+        self.before = {id(x): x for x in jax.live_arrays()}  # held (not counted) until the census ends
+        self.host, self.step_values = {}, {}  # id -> weakref
+        self.peak, self.at = 0, None
+        placement = engine.placement
+        to_host, to_device = placement.host_arrays, placement.to_device
+
+        def host_arrays(tree):
+            return self._tag(self.host, to_host(tree))
+
+        def staged(buffers):
+            return self._tag(self.step_values, to_device(buffers))
+
+        placement.host_arrays, placement.to_device = host_arrays, staged
+        for kind, handler in list(engine.runner._do.items()):
+            engine.runner._do[kind] = self._after(handler)
+
+    @staticmethod
+    def _tag(into: dict, tree):
+        for a in jax.tree.leaves(tree):
+            into[id(a)] = weakref.ref(a, lambda _, i=id(a): into.pop(i, None))
+        return tree
+
+    def _after(self, handler):
+        def counted(st, op):
+            handler(st, op)
+            self._tag(self.step_values, [st.flow, st.kept, st.inputs])
+            now = sum(x.nbytes for x in self.live())
+            if now > self.peak:
+                self.peak, self.at = now, op
+
+        return counted
+
+    def live(self) -> list:
+        return [x for x in jax.live_arrays() if id(x) not in self.before and id(x) not in self.host]
+
+    def values(self) -> list:
+        # Less the engine's own state: on the CPU a part may be staged as its master arrays.
+        return [a for ref in list(self.step_values.values()) if (a := ref()) is not None and id(a) not in self.before]
+
+
+@pytest.mark.parametrize("accum,depth,keep_every", [(1, 1, 1), (4, 2, 2)], ids=["accum1-depth1-k1", "accum4-depth2-k2"])
+def test_live_device_arrays_stay_within_the_plan(accum, depth, keep_every):
+    params = model.init_params(CFG, seed=1)
+    engine = StreamEngine(CFG, params, OptimConfig(lr=1e-3), StreamConfig(prefetch_depth=depth, keep_every=keep_every,
+                                                                        resident="none"),
+                          StoreConfig(), batch_shape=(BATCH, SEQ))
+    del params
+    gc.collect()
+    census = Census(engine)
+    for batch in token_batches(CFG.vocab_size, (accum, BATCH, SEQ), STEPS):
+        engine.step(batch)
+        engine.tracer.drain()  # its watchers hold what they time until it is computed
+        gc.collect()
+        left = census.values()
+        assert not left, sorted((str(x.dtype), x.shape) for x in left)
+    plan = engine.schedule.device
+    assert 0 < census.peak <= plan.total, (census.peak, census.at, plan.describe())
+    engine.close()
