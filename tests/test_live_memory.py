@@ -4,12 +4,13 @@ A census of `jax.live_arrays()` after every operation of a step (the runner's ha
 wrapped) counts the device arrays made since the engine was built. Gradient sums handed
 to the host (`Placement.host_arrays`) are not counted: on the CPU backend they are the
 device's arrays themselves, on a GPU host copies. An array's per-device views (which a
-copy to the host makes) share its buffer and are counted once. The peak must stay within the plan's
-device total, which also prices XLA's temporaries (residuals, the head's logits, a
-block's working bytes) that are no live arrays. And once a step has returned, none of
+copy to the host makes) share its buffer and are counted once. The peak must stay within
+the plan's device total, which also prices XLA's temporaries (residuals, the head's
+logits, a block's working bytes) that are no live arrays. And once a step has returned, none of
 its device-only values may stay alive: staged weights, hidden states and their
-cotangents, kept inputs (the engine here keeps no part resident: the plan says nothing
-persists across steps).
+cotangents, kept inputs; and once its deferred updates are done, nothing at all but a few
+scalars (the engine here keeps no part resident: the plan says nothing persists across
+steps).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class Census:
     def values(self) -> list:
         # Less the engine's own state: on the CPU a part may be staged as its master arrays.
         before = _buffers(self.before.values())
-        return [a for a in _alive(r() for r in list(self.step_values.values())) if a.unsafe_buffer_pointer() not in before]
+        values = _alive(r() for r in list(self.step_values.values()))
+        return [a for a in values if a.unsafe_buffer_pointer() not in before]
 
 
 def _alive(arrays) -> list:
@@ -103,12 +105,17 @@ def test_live_device_arrays_stay_within_the_plan(accum, depth, keep_every):
     del params
     gc.collect()
     census = Census(engine)
+    hidden = BATCH * SEQ * CFG.hidden_size * 2  # one micro-batch's hidden state, bf16
     for batch in token_batches(CFG.vocab_size, (accum, BATCH, SEQ), STEPS):
         engine.step(batch)
         engine.tracer.drain()  # its watchers hold what they time until it is computed
         gc.collect()
         left = census.values()
         assert not left, sorted((str(x.dtype), x.shape) for x in left)
+        engine.flush()  # the deferred updates read the step's gradients (host memory on a GPU)
+        gc.collect()
+        rest = census.live()  # anything at all: only the optimizer's step counts and clip scale stay
+        assert sum(x.nbytes for x in rest) < hidden, sorted((x.nbytes, str(x.dtype), x.shape) for x in rest)[-4:]
     plan = engine.schedule.device
     assert 0 < census.peak <= plan.total, (census.peak, census.at, plan.describe())
     engine.close()
