@@ -76,8 +76,10 @@ class Census:
         and `np.asarray` make, share its buffer), less those `before` and the host's."""
         skip = _buffers(self.before.values()) | _buffers(r() for r in list(self.host.values()))
         out = {}
-        for x in jax.live_arrays():
-            if not x.is_deleted() and (b := x.unsafe_buffer_pointer()) not in skip:
+        for x in jax.live_arrays():  # in device memory: not the pinned host copies of the GPU's path
+            if x.is_deleted() or x.sharding.memory_kind not in (None, "device"):
+                continue
+            if (b := x.unsafe_buffer_pointer()) not in skip:
                 out.setdefault(b, x)
         return list(out.values())
 
