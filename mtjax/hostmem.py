@@ -108,7 +108,8 @@ class BufferPool:
     `acquire` prefers a free set whose readers have finished, then a new set (up to
     `sets_per_shape` per shape, or what `provide` said for that shape), then waits for the
     free set released longest ago. With none free it makes a new one: a caller holding
-    every set never waits on itself.
+    every set never waits on itself. A free set's fence lets go of each array once it is
+    computed (at the next acquire or release, or `forget_ready`).
     """
 
     def __init__(self, sets_per_shape: int = 1, on_new=None, wait_for_readers: bool = True):
@@ -143,6 +144,7 @@ class BufferPool:
         """A buffer set shaped like `schema` ({leaf: ShapeDtypeStruct}), safe to overwrite."""
         key = shape_key(schema)
         with self._lock:
+            self._forget_ready()
             free = self._free.setdefault(key, [])
             pick = next((i for i, (_, fence) in enumerate(free) if all(a.is_ready() for a in fence)), None)
             if pick is None and free and self._made.get(key, 0) >= self._most(key):
@@ -176,4 +178,19 @@ class BufferPool:
         computations that read it or its device copy. Non-jax leaves are already done."""
         fence = [a for a in jax.tree.leaves(fence) if isinstance(a, jax.Array)]
         with self._lock:
+            self._forget_ready()
             self._free.setdefault(shape_key(buffers), []).append((buffers, fence))
+
+    def forget_ready(self) -> None:
+        """Let go of the fence arrays already computed (every set's readers done: a step's end)."""
+        with self._lock:
+            self._forget_ready()
+
+    def _forget_ready(self) -> None:
+        # A fence holds its readers' outputs (a step's hidden states, on the device) only
+        # until they are computed: kept longer, they stayed alive until the set's next
+        # acquire, the next step, outside every device plan. An empty fence is a ready one.
+        for free in self._free.values():
+            for i, (buffers, fence) in enumerate(free):
+                if fence and any(a.is_ready() for a in fence):
+                    free[i] = (buffers, [a for a in fence if not a.is_ready()])

@@ -339,6 +339,7 @@ class StreamEngine:
             self.stager.close(feed)
         # Host sync: the clip scale needs every part's gradient norm.
         sq = self.grads.finish(tag=f"g{self.step_count + 1}")
+        self.pool.forget_ready()  # the step's programs are done: its slots' fences need not keep their outputs
         if self.resident:  # the resident parts' norms, from the device
             resident_sq = self.resident.finish()
             self.grads.last_sq.update(resident_sq)

@@ -331,6 +331,11 @@ class StagingPool:
         slot.on_device = True
         return slot, self.placement.to_device(slot.buffers)
 
+    def forget_ready(self) -> None:
+        """Let go of the computed outputs the free slots' fences hold (`BufferPool.forget_ready`)."""
+        for pool in self._pools.values():
+            pool.forget_ready()
+
     def release(self, slot: Slot, fence) -> None:
         """Hand a slot back once its device copy is no longer needed; `fence` are the
         outputs of the last computations that read it. None (a resident part's) is no slot."""
