@@ -237,8 +237,11 @@ def device_memory_at_peak(eng, tokens) -> dict:
 
     def observe(event, _value):
         used = (device.memory_stats() or {}).get("bytes_in_use", 0)
-        live = [x for x in jax.live_arrays()  # in device memory (not pinned host copies)
-                if device in x.devices() and getattr(x.sharding, "memory_kind", None) in (None, "device")]
+        # In device memory (not pinned host copies), each buffer once: copy_to_host_async
+        # makes a second live array, a view, over the buffer it copies.
+        live = list({(x.unsafe_buffer_pointer() if len(x.devices()) == 1 else id(x)): x for x in jax.live_arrays()
+                     if device in x.devices()
+                     and getattr(x.sharding, "memory_kind", None) in (None, "device")}.values())
         total = sum(x.nbytes for x in live)
         if max(used, total) > seen["bytes_in_use"]:
             groups = {}
