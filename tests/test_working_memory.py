@@ -10,7 +10,8 @@ kernels and its feed-forward hold beyond them (the layer registry's `working`,
 schedule.block_working_bytes). XLA's temporaries for the compiled program the engine
 runs (mtjax.stream.blockfns._grad; memory_analysis: nothing runs) must lie within 10% of
 that at rows of 256, 1024 (attention's unrolled chunks, O(t^2)) and 4096 tokens (its
-loop, O(t)); the MoE blocks at 256 and 1024.
+loop, O(t)); the MoE blocks at 256 and 1024; a DeepSeek-width latent attention block
+(fp32 and bf16, 512 tokens) and a softmax one of 4 heads of 64 (1024) on the unrolled chunks.
 """
 
 from __future__ import annotations
