@@ -421,24 +421,31 @@ def working_bytes(platform: str, dtype, batch: int, heads: int, seq: int, head_d
     residuals the planner traces): fp32 probabilities and their gradient over the
     scores' tiles, per row and query head. The chunked kernel's unrolled chunks (up to
     UNROLLED_CHUNKS of CHUNK_ROWS queries) hold every chunk's tiles over its visible keys
-    at once, O(t^2); its loop (longer rows, and a row split over `devices`, `seq` being one
-    device's share) one [rows, rows] block's, and on the CPU below fp32 also fp32 copies of
-    the queries, keys and values (`kv_heads` of them; default `heads`) that its forward
-    and backward loops carry from the recompute to the backward; the fused GPU kernels
-    (`kernel`: cuDNN, Pallas) keep their tiles on chip: none counted."""
+    at once, O(t^2), and each chunk's own slices of the keys and of the values over those
+    keys (`kv_heads` of each; default `heads`), in the compute dtype: XLA shares the
+    recompute's slices with the backward's, so all of them are live when the backward
+    starts (a slice that is the whole row is the array itself, a residual: not counted).
+    Its loop (longer rows, and a row split over `devices`, `seq` being one device's share)
+    holds one [rows, rows] block's tiles, and on the CPU below fp32 also fp32 copies of the
+    queries, keys and values that its forward and backward loops carry from the recompute
+    to the backward; the fused GPU kernels (`kernel`: cuDNN, Pallas) keep their tiles on
+    chip: none counted."""
     backend = "cuda" if platform == "gpu" else platform
     capability = (_capability() or PLANNED_CAPABILITY) if backend == "cuda" else None
     which = kernel(backend, dtype, head_dim, window, softcap, capability=capability, sinks=sinks)
     if devices == 1 and which != "chunked":
         return 0
+    kv = kv_heads or heads
     if devices > 1 or -(-seq // CHUNK_ROWS) > UNROLLED_CHUNKS:
         tiles = CHUNK_ROWS * CHUNK_ROWS
-        copies = 4 * batch * seq * head_dim * (heads + 2 * (kv_heads or heads))
-        widened = copies if platform == "cpu" and jnp.dtype(dtype).itemsize < 4 else 0
+        copies = 4 * batch * seq * head_dim * (heads + 2 * kv)
+        held = copies if platform == "cpu" and jnp.dtype(dtype).itemsize < 4 else 0  # widened q, k, v
     else:
-        tiles = sum((r1 - r0) * (r1 - k0) for r0, r1, k0 in _chunks(seq, window, CHUNK_ROWS))
-        widened = 0
-    return 2 * 4 * batch * heads * tiles + widened
+        chunks = _chunks(seq, window, CHUNK_ROWS)
+        tiles = sum((r1 - r0) * (r1 - k0) for r0, r1, k0 in chunks)
+        sliced = sum(r1 - k0 for _, r1, k0 in chunks if r1 - k0 < seq)  # keys in chunks' own slices
+        held = 2 * jnp.dtype(dtype).itemsize * batch * kv * head_dim * sliced  # of the keys and the values
+    return 2 * 4 * batch * heads * tiles + held
 
 
 @functools.lru_cache(maxsize=64)

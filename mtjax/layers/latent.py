@@ -141,8 +141,9 @@ def latent_cache(cfg: ModelConfig, spec: LayerSpec, batch: int, length: int) -> 
 
 
 def working(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, platform: str, devices: int = 1) -> int:
-    """The attention kernel's score tiles held at once (mtjax.attention.working_bytes), at
-    the one padded width the kernel gets (`_attend`), and on a row split over `devices` the
+    """What the attention kernel holds at once beyond its residuals (its score tiles and,
+    unrolled, each chunk's key and value slices: mtjax.attention.working_bytes), at the one
+    padded width the kernel gets (`_attend`), and on a row split over `devices` the
     keys and values (one per query head, at that width) gathered from the other shares and
     their cotangents (mtjax.attention.gathered_bytes)."""
     width = max(cfg.qk_nope_head_dim + cfg.head_dim, cfg.v_head_dim)

@@ -159,7 +159,8 @@ def kv_cache(cfg: ModelConfig, spec: LayerSpec, batch: int, length: int) -> dict
 
 
 def working(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, platform: str, devices: int = 1) -> int:
-    """The attention kernel's score tiles held at once (mtjax.attention.working_bytes); a
+    """What the attention kernel holds at once beyond its residuals (its score tiles and,
+    unrolled, each chunk's key and value slices: mtjax.attention.working_bytes); a
     chunked layer's window is its chunk, as the kernel gets it (`Attention._local`). A row
     split over `devices` (`seq` one device's share) adds the keys and values gathered from
     the other shares and their cotangents (mtjax.attention.gathered_bytes)."""
