@@ -216,6 +216,9 @@ class DataConfig:
     other_tokenizer: bool = False  # train on data tokenized otherwise than the model's tokenizer (refused unless set)
 
     def __post_init__(self):
+        if not str(self.dataset).strip():  # as a path it would mean the working directory: every text file under it
+            raise ConfigError("data.dataset is empty; name a prepared dataset, a text, JSONL or Parquet file or "
+                              "directory, or builtin:shakespeare")
         _check_numbers("data", self, {"seq_len": Range(2), "batch_size": AT_LEAST_1, "grad_accum": AT_LEAST_1,
                                       "val_fraction": FRACTION, "seed": AT_LEAST_0})
         _check_choice("data.format", self.format, FORMATS)

@@ -215,6 +215,23 @@ def test_messages_point_the_right_way(work):
     ])
 
 
+def test_empty_paths_and_other_commands_flags(work):
+    """An empty path (`--data.dataset=`, `data prepare ''`) once meant the working directory,
+    every text and JSON file under it read as input; a tokenizer directory without a
+    tokenizer.json, and --val-fraction, were named by train's keys in other commands."""
+    run_cases(work, [
+        (["train", *TINY, "--run.dir=r2", "--data.dataset="], "data.dataset is empty; name a prepared dataset"),
+        (["train", *TINY, "--run.dir=r2", "--data.tokenizer="], "the tokenizer is empty (''); name 'bytes'"),
+        (["data", "prepare", "", "--out", "d"], "an input is empty (''); name files or directories"),
+        (["eval", "run/final", ""], "the dataset is empty (''); name a prepared dataset"),
+        (["data", "prepare", "text.txt", "--out", "d", "--tokenizer", "empty"],
+         "tokenizer 'empty' is a directory without a tokenizer.json; name 'bytes', a tokenizer.json or a checkpoint "
+         "directory holding one"),
+        (["generate", "run/final", "--tokenizer", "empty"], "tokenizer 'empty' is a directory without a tokenizer.json"),
+        (["data", "prepare", "text.txt", "--out", "d", "--val-fraction", "2"], "--val-fraction must be in [0, 1), got 2.0"),
+    ])
+
+
 def test_settings_that_cannot_be_meant(work):
     """A config that says one thing twice, numbers no run can mean, architecture fields
     beside the checkpoint that gives the architecture, a plan past the model's context.

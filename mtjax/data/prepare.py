@@ -56,6 +56,8 @@ def expand_inputs(inputs) -> list[Path]:
         if str(item).startswith(BUILTIN):
             files.append(builtin_path(str(item)[len(BUILTIN):]))
             continue
+        if not str(item).strip():  # Path("") is the working directory: every text file under it
+            raise DataError("an input is empty (''); name files or directories, or builtin:shakespeare")
         path = Path(item)
         if path.is_dir():
             saved = tables.datasets_files(path)
@@ -249,7 +251,7 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise DataError(f"{out} already exists and is not empty; choose another output or pass --overwrite")
     if not 0 <= val_fraction < 1:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if format == "text":
         if seq_len is not None:
             raise DataError("--seq-len cuts chat or prompt-completion data into rows; text is cut at training time")
