@@ -72,6 +72,10 @@ def test_help_of_each_command(command, capsys):
     assert len(description.split()) >= 8 and not description.lstrip().startswith(("positional", "options")), out
     if command == ["train"]:
         assert "--optim.lr FLOAT" in out and "peak learning rate" in out and "--stream.engine" in out
+        # A setting taking a word or a number is shown as neither (it was INT for stream.devices=all)
+        for key in ("stream.resident", "stream.devices", "run.resume"):
+            assert f"--{key} VALUE" in out, key
+        assert "--lora.rank INT" in out and "--store.path STR" in out  # None is no second kind
 
 
 def test_bare_mtjax_prints_usage_and_starts_nothing(tmp_path):
