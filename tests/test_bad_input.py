@@ -232,6 +232,17 @@ def test_empty_paths_and_other_commands_flags(work):
     ])
 
 
+def test_overwrite_replaces_only_a_dataset(work):
+    """`data prepare --overwrite` onto a finished run or a store once deleted it and left a
+    dataset in its place; only a directory holding a dataset's meta.json is replaced."""
+    run_cases(work, [
+        (["data", "prepare", "text.txt", "--out", "run", "--overwrite"],
+         "run is not a prepared dataset (no meta.json; it holds config.yaml, data, final, metrics.jsonl and 3 more) "
+         "and --overwrite replaces only a dataset; choose another output, or empty it yourself"),
+        (["data", "prepare", "text.txt", "--out", "store", "--overwrite"], "store is not a prepared dataset"),
+    ])
+
+
 def test_settings_that_cannot_be_meant(work):
     """A config that says one thing twice, numbers no run can mean, architecture fields
     beside the checkpoint that gives the architecture, a plan past the model's context.

@@ -250,6 +250,12 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
         raise DataError(f"{out} is a file; choose a directory for the dataset")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise DataError(f"{out} already exists and is not empty; choose another output or pass --overwrite")
+    if out.exists() and any(out.iterdir()) and not (out / fmt.META_FILE).is_file():
+        # --overwrite replaces a dataset; a run, a store or the user's own files are not one.
+        held = sorted(p.name for p in out.iterdir())
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise DataError(f"{out} is not a prepared dataset (no {fmt.META_FILE}; it holds {shown}) and --overwrite "
+                        "replaces only a dataset; choose another output, or empty it yourself")
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if format == "text":
