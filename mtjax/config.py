@@ -478,6 +478,8 @@ def _construct(group: str, cls, kwargs: dict):
 
 
 def _read_yaml(path: Path) -> dict:
+    if path.is_dir():
+        raise ConfigError(f"experiment file {path} is a directory; name a YAML file (see experiments/ for examples)")
     if not path.is_file():
         raise ConfigError(f"experiment file {path} does not exist; see experiments/ for examples")
     try:

@@ -218,7 +218,8 @@ def test_messages_point_the_right_way(work):
 def test_empty_paths_and_other_commands_flags(work):
     """An empty path (`--data.dataset=`, `data prepare ''`) once meant the working directory,
     every text and JSON file under it read as input; a tokenizer directory without a
-    tokenizer.json, and --val-fraction, were named by train's keys in other commands."""
+    tokenizer.json, and --val-fraction, were named by train's keys in other commands; an
+    experiment that is a directory was said not to exist."""
     run_cases(work, [
         (["train", *TINY, "--run.dir=r2", "--data.dataset="], "data.dataset is empty; name a prepared dataset"),
         (["train", *TINY, "--run.dir=r2", "--data.tokenizer="], "the tokenizer is empty (''); name 'bytes'"),
@@ -229,6 +230,7 @@ def test_empty_paths_and_other_commands_flags(work):
          "directory holding one"),
         (["generate", "run/final", "--tokenizer", "empty"], "tokenizer 'empty' is a directory without a tokenizer.json"),
         (["data", "prepare", "text.txt", "--out", "d", "--val-fraction", "2"], "--val-fraction must be in [0, 1), got 2.0"),
+        (["train", "empty"], "experiment file empty is a directory; name a YAML file"),
     ])
 
 
