@@ -452,6 +452,12 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
             print(line, file=out, flush=True)
         for warning in schedule_warnings(exp.optim, exp.run.steps):
             print(f"mtjax: warning: {warning}", file=out, flush=True)
+        if exp.run.eval_every and val is None:
+            start, stop = dataset.split("val")
+            print(f"mtjax: warning: run.eval_every={exp.run.eval_every} asks for validation losses, but the val split "
+                  f"of {exp.data.dataset} holds {stop - start:,} tokens, less than one row of data.seq_len "
+                  f"{exp.data.seq_len}: none is computed; hold out more (data.val_fraction, or data prepare's "
+                  "--val-fraction), or set run.eval_every=0", file=out, flush=True)
         if exp.stream.engine == "stream" and asked.resident not in ("auto", "none", (), 0) and \
                 (buffered := schedule_mod.with_buffers(cfg)):
             print(f"mtjax: warning: stream.resident={asked.resident} leaves {', '.join(buffered)} streamed: their "

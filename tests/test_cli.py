@@ -226,6 +226,19 @@ def test_tensorboard_writes_events_or_names_the_missing_package(tmp_path):
     assert b"loss" in events[0].read_bytes()  # the scalar's tag is in the event records
 
 
+@pytest.mark.slow  # a run: ~7 s here
+def test_evaluation_asked_of_a_split_without_a_row_is_a_warning(tmp_path, capsys):
+    """run.eval_every with no validation row (data.val_fraction=0) once computed no
+    validation loss and said nothing; the start of the run says why none will come."""
+    run_dir = tmp_path / "r"
+    assert cli.main(["train", *TINY_MODEL_ARGS, "--data.seq_len=32", "--data.batch_size=2", "--run.steps=1",
+                     "--run.sample_tokens=0", "--data.val_fraction=0", "--run.eval_every=1",
+                     f"--run.dir={run_dir}"]) == 0
+    err = capsys.readouterr().err
+    assert ("mtjax: warning: run.eval_every=1 asks for validation losses, but the val split of builtin:shakespeare "
+            "holds 0 tokens, less than one row of data.seq_len 32: none is computed") in err, err
+
+
 def test_an_optional_package_missing_is_named_in_one_line(tmp_path, capsys, monkeypatch):
     """matplotlib (mtjax plot) and tensorboardX (run.tensorboard) are extras: a feature
     asked for without its package says which to install, and nothing else fails."""
