@@ -212,6 +212,7 @@ def test_messages_point_the_right_way(work):
          "the val split of ds has 86 tokens, fewer than one row of --seq-len 128; add data or lower --seq-len"),
         (["eval", "run/final", "ds", "--tokenizer", "nothing.json"], "tokenizer 'nothing.json' is neither"),
         (["eval", "run/final", "ds", "--split", "test"], "has no split 'test'"),
+        (["eval", "run/final", "run"], "run holds the prepared dataset run/data: name that directory, not run"),
     ])
 
 

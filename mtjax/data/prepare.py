@@ -63,6 +63,9 @@ def expand_inputs(inputs) -> list[Path]:
             saved = tables.datasets_files(path)
             # Arrow files are read only as a saved dataset lists them (a DatasetDict's other splits are beside them).
             found = saved or sorted(p for p in path.rglob("*") if p.is_file() and _kind(p) not in (None, "arrow"))
+            held = [p.parent for p in found if p.name == fmt.META_FILE and (p.parent / fmt.shard_name(0)).is_file()]
+            if held:  # e.g. a run directory, whose data/ is its prepared cache: its meta.json is no JSONL input
+                raise DataError(f"{path} holds the prepared dataset {held[0]}: name that directory, not {path}")
             if not found:
                 raise DataError(f"{path} holds no .txt, .md, .jsonl (optionally .gz) or .parquet files and is not a "
                                 "`datasets` directory (save_to_disk)")
