@@ -53,7 +53,7 @@ from mtjax.model_config import ModelConfig, load_hf_config
 from mtjax.optim import lr_at, make_optimizer, schedule_warnings
 from mtjax.plan import compute_dtype, residency
 from mtjax.plan.cost import mfu_flops_per_token
-from mtjax.progress import Progress, peak_flops
+from mtjax.progress import Progress, peak_flops, require_tensorboard
 from mtjax.terminal import bar as progress_bar
 from mtjax.reference import ReferenceTrainer
 from mtjax.stream import StreamEngine, staging
@@ -362,6 +362,8 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     cfg.check_context(exp.data.seq_len, "data.seq_len")
     if exp.run.wandb:
         wandb_log.require()  # a missing package stops the run before anything is made
+    if exp.run.tensorboard:
+        require_tensorboard()  # likewise: a run made first would need run.resume once it is installed
     hosts = _join(exp)
     if hosts is None:  # before anything is prepared: a multi-process run's shards need all of its processes
         shards.check_count(checkpoint.store_path(exp), 1)

@@ -255,6 +255,11 @@ def test_an_optional_package_missing_is_named_in_one_line(tmp_path, capsys, monk
     with pytest.raises(MissingPackage, match=r"run.tensorboard needs the tensorboardX package.*\[tensorboard\] extra"):
         Progress(tmp_path, 2, 10, tensorboard=True, stream=open(os.devnull, "w"))
     assert not (tmp_path / "charts.png").exists() and not (tmp_path / "tensorboard").exists()
+    # A run asking for it stops before its directory is made: once the package is installed,
+    # the same command starts the run (it used to find a store at step 0 and ask for run.resume).
+    assert cli.main(["train", *TINY_MODEL_ARGS, "--run.tensorboard=true", f"--run.dir={tmp_path / 'r'}"]) == 2
+    assert "run.tensorboard needs the tensorboardX package" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.slow  # a training run in a subprocess
