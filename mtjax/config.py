@@ -216,6 +216,9 @@ class DataConfig:
     other_tokenizer: bool = False  # train on data tokenized otherwise than the model's tokenizer (refused unless set)
 
     def __post_init__(self):
+        if not str(self.dataset).strip():  # as a path it would mean the working directory: every text file under it
+            raise ConfigError("data.dataset is empty; name a prepared dataset, a text, JSONL or Parquet file or "
+                              "directory, or builtin:shakespeare")
         _check_numbers("data", self, {"seq_len": Range(2), "batch_size": AT_LEAST_1, "grad_accum": AT_LEAST_1,
                                       "val_fraction": FRACTION, "seed": AT_LEAST_0})
         _check_choice("data.format", self.format, FORMATS)
@@ -475,6 +478,8 @@ def _construct(group: str, cls, kwargs: dict):
 
 
 def _read_yaml(path: Path) -> dict:
+    if path.is_dir():
+        raise ConfigError(f"experiment file {path} is a directory; name a YAML file (see experiments/ for examples)")
     if not path.is_file():
         raise ConfigError(f"experiment file {path} does not exist; see experiments/ for examples")
     try:

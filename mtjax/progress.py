@@ -181,13 +181,18 @@ def device_memory_in_use() -> int | None:
     return None if not stats else stats.get("bytes_in_use")
 
 
-def _tensorboard_writer(run_dir: Path):
+def require_tensorboard():
+    """tensorboardX's EventsWriter, or one line saying how to install it (a run checks before it starts)."""
     try:
         import tensorboardX  # noqa: F401  an extra (mtjax[tensorboard]): the maintained writer
         from tensorboardX.event_file_writer import EventsWriter
     except ImportError:
         raise MissingPackage("run.tensorboard", "tensorboardX", "tensorboard") from None
-    return _Events(Path(run_dir) / "tensorboard", EventsWriter)
+    return EventsWriter
+
+
+def _tensorboard_writer(run_dir: Path):
+    return _Events(Path(run_dir) / "tensorboard", require_tensorboard())
 
 
 class _Events:

@@ -53,7 +53,7 @@ from mtjax.model_config import ModelConfig, load_hf_config
 from mtjax.optim import lr_at, make_optimizer, schedule_warnings
 from mtjax.plan import compute_dtype, residency
 from mtjax.plan.cost import mfu_flops_per_token
-from mtjax.progress import Progress, peak_flops
+from mtjax.progress import Progress, peak_flops, require_tensorboard
 from mtjax.terminal import bar as progress_bar
 from mtjax.reference import ReferenceTrainer
 from mtjax.stream import StreamEngine, staging
@@ -362,6 +362,8 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
     cfg.check_context(exp.data.seq_len, "data.seq_len")
     if exp.run.wandb:
         wandb_log.require()  # a missing package stops the run before anything is made
+    if exp.run.tensorboard:
+        require_tensorboard()  # likewise: a run made first would need run.resume once it is installed
     hosts = _join(exp)
     if hosts is None:  # before anything is prepared: a multi-process run's shards need all of its processes
         shards.check_count(checkpoint.store_path(exp), 1)
@@ -452,6 +454,12 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
             print(line, file=out, flush=True)
         for warning in schedule_warnings(exp.optim, exp.run.steps):
             print(f"mtjax: warning: {warning}", file=out, flush=True)
+        if exp.run.eval_every and val is None:
+            start, stop = dataset.split("val")
+            print(f"mtjax: warning: run.eval_every={exp.run.eval_every} asks for validation losses, but the val split "
+                  f"of {exp.data.dataset} holds {stop - start:,} tokens, less than one row of data.seq_len "
+                  f"{exp.data.seq_len}: none is computed; hold out more (data.val_fraction, or data prepare's "
+                  "--val-fraction), or set run.eval_every=0", file=out, flush=True)
         if exp.stream.engine == "stream" and asked.resident not in ("auto", "none", (), 0) and \
                 (buffered := schedule_mod.with_buffers(cfg)):
             print(f"mtjax: warning: stream.resident={asked.resident} leaves {', '.join(buffered)} streamed: their "

@@ -212,6 +212,37 @@ def test_messages_point_the_right_way(work):
          "the val split of ds has 86 tokens, fewer than one row of --seq-len 128; add data or lower --seq-len"),
         (["eval", "run/final", "ds", "--tokenizer", "nothing.json"], "tokenizer 'nothing.json' is neither"),
         (["eval", "run/final", "ds", "--split", "test"], "has no split 'test'"),
+        (["eval", "run/final", "run"], "run holds the prepared dataset run/data: name that directory, not run"),
+    ])
+
+
+def test_empty_paths_and_other_commands_flags(work):
+    """An empty path (`--data.dataset=`, `data prepare ''`) once meant the working directory,
+    every text and JSON file under it read as input; a tokenizer directory without a
+    tokenizer.json, and --val-fraction, were named by train's keys in other commands; an
+    experiment that is a directory was said not to exist."""
+    run_cases(work, [
+        (["train", *TINY, "--run.dir=r2", "--data.dataset="], "data.dataset is empty; name a prepared dataset"),
+        (["train", *TINY, "--run.dir=r2", "--data.tokenizer="], "the tokenizer is empty (''); name 'bytes'"),
+        (["data", "prepare", "", "--out", "d"], "an input is empty (''); name files or directories"),
+        (["eval", "run/final", ""], "the dataset is empty (''); name a prepared dataset"),
+        (["data", "prepare", "text.txt", "--out", "d", "--tokenizer", "empty"],
+         "tokenizer 'empty' is a directory without a tokenizer.json; name 'bytes', a tokenizer.json or a checkpoint "
+         "directory holding one"),
+        (["generate", "run/final", "--tokenizer", "empty"], "tokenizer 'empty' is a directory without a tokenizer.json"),
+        (["data", "prepare", "text.txt", "--out", "d", "--val-fraction", "2"], "--val-fraction must be in [0, 1), got 2.0"),
+        (["train", "empty"], "experiment file empty is a directory; name a YAML file"),
+    ])
+
+
+def test_overwrite_replaces_only_a_dataset(work):
+    """`data prepare --overwrite` onto a finished run or a store once deleted it and left a
+    dataset in its place; only a directory holding a dataset's meta.json is replaced."""
+    run_cases(work, [
+        (["data", "prepare", "text.txt", "--out", "run", "--overwrite"],
+         "run is not a prepared dataset (no meta.json; it holds config.yaml, data, final, metrics.jsonl and 3 more) "
+         "and --overwrite replaces only a dataset; choose another output, or empty it yourself"),
+        (["data", "prepare", "text.txt", "--out", "store", "--overwrite"], "store is not a prepared dataset"),
     ])
 
 

@@ -72,6 +72,10 @@ def test_help_of_each_command(command, capsys):
     assert len(description.split()) >= 8 and not description.lstrip().startswith(("positional", "options")), out
     if command == ["train"]:
         assert "--optim.lr FLOAT" in out and "peak learning rate" in out and "--stream.engine" in out
+        # A setting taking a word or a number is shown as neither (it was INT for stream.devices=all)
+        for key in ("stream.resident", "stream.devices", "run.resume"):
+            assert f"--{key} VALUE" in out, key
+        assert "--lora.rank INT" in out and "--store.path STR" in out  # None is no second kind
 
 
 def test_bare_mtjax_prints_usage_and_starts_nothing(tmp_path):
@@ -222,6 +226,19 @@ def test_tensorboard_writes_events_or_names_the_missing_package(tmp_path):
     assert b"loss" in events[0].read_bytes()  # the scalar's tag is in the event records
 
 
+@pytest.mark.slow  # a run: ~7 s here
+def test_evaluation_asked_of_a_split_without_a_row_is_a_warning(tmp_path, capsys):
+    """run.eval_every with no validation row (data.val_fraction=0) once computed no
+    validation loss and said nothing; the start of the run says why none will come."""
+    run_dir = tmp_path / "r"
+    assert cli.main(["train", *TINY_MODEL_ARGS, "--data.seq_len=32", "--data.batch_size=2", "--run.steps=1",
+                     "--run.sample_tokens=0", "--data.val_fraction=0", "--run.eval_every=1",
+                     f"--run.dir={run_dir}"]) == 0
+    err = capsys.readouterr().err
+    assert ("mtjax: warning: run.eval_every=1 asks for validation losses, but the val split of builtin:shakespeare "
+            "holds 0 tokens, less than one row of data.seq_len 32: none is computed") in err, err
+
+
 def test_an_optional_package_missing_is_named_in_one_line(tmp_path, capsys, monkeypatch):
     """matplotlib (mtjax plot) and tensorboardX (run.tensorboard) are extras: a feature
     asked for without its package says which to install, and nothing else fails."""
@@ -238,6 +255,11 @@ def test_an_optional_package_missing_is_named_in_one_line(tmp_path, capsys, monk
     with pytest.raises(MissingPackage, match=r"run.tensorboard needs the tensorboardX package.*\[tensorboard\] extra"):
         Progress(tmp_path, 2, 10, tensorboard=True, stream=open(os.devnull, "w"))
     assert not (tmp_path / "charts.png").exists() and not (tmp_path / "tensorboard").exists()
+    # A run asking for it stops before its directory is made: once the package is installed,
+    # the same command starts the run (it used to find a store at step 0 and ask for run.resume).
+    assert cli.main(["train", *TINY_MODEL_ARGS, "--run.tensorboard=true", f"--run.dir={tmp_path / 'r'}"]) == 2
+    assert "run.tensorboard needs the tensorboardX package" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.slow  # a training run in a subprocess

@@ -15,6 +15,7 @@ import pytest
 
 from mtjax import cli
 from mtjax.plan import BUILTIN, fit, inputs, machine, probe, residency
+from mtjax.plan.units import size
 
 ROOT = Path(__file__).resolve().parent.parent
 SEVENTY_B = ROOT / "experiments/hf_configs/llama-3-70b.json"
@@ -172,6 +173,25 @@ def test_a_multi_process_run_and_its_plan_agree_on_the_residency(tmp_path, capsy
         assert {k: doc["stream"][k] for k in picked} == json.loads(json.dumps({k: run[k] for k in picked}))
         assert (doc["resident"] == []) == (processes == 2)
     assert doc["stream"]["adapters"] == "streamed"
+
+
+def test_a_multi_process_plan_is_checked_against_one_hosts_share(tmp_path, capsys, tiny):
+    """`plan --processes 2` refuses a run by what each host carries (its rows of master and
+    optimizer state), as the trainer's preflight does, and names that figure; a run whose
+    share fits is not refused for the whole state one host would need alone."""
+    args = [tiny, "--seq-len", 64, "--batch-size", 2, "--processes", 2]
+    rc, doc, _ = plan_json(capsys, *args, "--hardware", profile_file(tmp_path, "roomy"))
+    alone = next(p for p in doc["placements"] if p["configured"])["ram_needed"]
+    share = doc["per_host"]["ram_bytes"]
+    assert rc == 0 and share < alone
+    between = profile_file(tmp_path, "between", host_ram_bytes=int((share + alone) / 2 / fit.RAM_HEADROOM))
+    assert cli.main(["plan", *map(str, args), "--hardware", str(between)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    small = profile_file(tmp_path, "small", host_ram_bytes=int(share * 0.8 / fit.RAM_HEADROOM))
+    assert cli.main(["plan", *map(str, args), "--hardware", str(small)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mtjax plan: error: the configured run does not fit each host of 2 "
+                                               f"(small): needs {size(share)} of host RAM"), err
 
 
 def test_steps_default_to_the_configs_run_steps(tmp_path, capsys):

@@ -43,6 +43,9 @@ def run(args) -> int:
     for flag, value in (("--batch-size", args.batch_size), ("--batches", args.batches)):
         if value < 1:
             raise MtjaxError(f"{flag} must be at least 1, got {value}")
+    if not args.dataset.strip():  # as a path it would mean the working directory: every text file under it
+        raise MtjaxError("the dataset is empty (''); name a prepared dataset, a text, JSONL or Parquet file or "
+                         "directory, or builtin:shakespeare")
     check_source(args.checkpoint)
     model_config(args.checkpoint).check_context(args.seq_len, "--seq-len")
     spec = args.tokenizer

@@ -176,9 +176,11 @@ def run_plan(args) -> int:
         if per_host is not None:
             shown += "\n" + report.per_host(per_host, hw)
     print(shown, flush=True)
-    problem = fit.check(plan, room.ram, room.disk, room.device)
+    # Checked as the preflight checks it: one host's share when several processes train.
+    problem = fit.check(hosts.host_plan(plan, args.processes, given_run.tx), room.ram, room.disk, room.device)
     if problem:
-        raise PlanError(f"the configured run does not fit {hw.name}: {problem}")
+        where = hw.name if args.processes == 1 else f"each host of {args.processes} ({hw.name})"
+        raise PlanError(f"the configured run does not fit {where}: {problem}")
     return 0
 
 

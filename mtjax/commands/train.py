@@ -48,6 +48,8 @@ def register(subparsers) -> None:
 
 def _metavar(hint) -> str:
     text = str(getattr(hint, "__name__", hint)).replace("typing.", "")
+    if len([kind for kind in text.split("|") if kind.strip() != "None"]) > 1:
+        return "VALUE"  # e.g. stream.devices: all or a count
     for name, shown in (("bool", "BOOL"), ("int", "INT"), ("float", "FLOAT"), ("tuple", "LIST"), ("str", "STR")):
         if name in text:
             return shown

@@ -56,11 +56,16 @@ def expand_inputs(inputs) -> list[Path]:
         if str(item).startswith(BUILTIN):
             files.append(builtin_path(str(item)[len(BUILTIN):]))
             continue
+        if not str(item).strip():  # Path("") is the working directory: every text file under it
+            raise DataError("an input is empty (''); name files or directories, or builtin:shakespeare")
         path = Path(item)
         if path.is_dir():
             saved = tables.datasets_files(path)
             # Arrow files are read only as a saved dataset lists them (a DatasetDict's other splits are beside them).
             found = saved or sorted(p for p in path.rglob("*") if p.is_file() and _kind(p) not in (None, "arrow"))
+            held = [p.parent for p in found if p.name == fmt.META_FILE and (p.parent / fmt.shard_name(0)).is_file()]
+            if held:  # e.g. a run directory, whose data/ is its prepared cache: its meta.json is no JSONL input
+                raise DataError(f"{path} holds the prepared dataset {held[0]}: name that directory, not {path}")
             if not found:
                 raise DataError(f"{path} holds no .txt, .md, .jsonl (optionally .gz) or .parquet files and is not a "
                                 "`datasets` directory (save_to_disk)")
@@ -248,8 +253,14 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
         raise DataError(f"{out} is a file; choose a directory for the dataset")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise DataError(f"{out} already exists and is not empty; choose another output or pass --overwrite")
+    if out.exists() and any(out.iterdir()) and not (out / fmt.META_FILE).is_file():
+        # --overwrite replaces a dataset; a run, a store or the user's own files are not one.
+        held = sorted(p.name for p in out.iterdir())
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise DataError(f"{out} is not a prepared dataset (no {fmt.META_FILE}; it holds {shown}) and --overwrite "
+                        "replaces only a dataset; choose another output, or empty it yourself")
     if not 0 <= val_fraction < 1:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if format == "text":
         if seq_len is not None:
             raise DataError("--seq-len cuts chat or prompt-completion data into rows; text is cut at training time")

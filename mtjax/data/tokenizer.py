@@ -140,6 +140,9 @@ def load(spec: str) -> Tokenizer:
     """The tokenizer a spec names (`bpe:VOCAB` needs training: use `train_bpe`)."""
     if spec == "bytes":
         return ByteTokenizer()
+    if not spec.strip():  # as a path it would mean the working directory
+        raise DataError("the tokenizer is empty (''); name 'bytes', 'bpe:VOCAB', a tokenizer.json or a checkpoint "
+                        "directory holding one")
     if spec.startswith("bpe:"):
         raise DataError(f"tokenizer {spec!r} is trained while preparing a dataset; "
                         "pass the prepared dataset's tokenizer.json instead")
@@ -153,7 +156,8 @@ def _load_file(spec: str) -> HFTokenizer:
     if path.is_dir():
         found = [path / n for n in (TOKENIZER_FILE, TOKENIZER_FILE + ".gz") if (path / n).exists()]
         if not found:
-            raise DataError(f"{path} has no {TOKENIZER_FILE}; use --data.tokenizer=bytes or a tokenizer file")
+            raise DataError(f"tokenizer {spec!r} is a directory without a {TOKENIZER_FILE}; name 'bytes', a "
+                            f"{TOKENIZER_FILE} or a checkpoint directory holding one")
         path = found[0]
     if not path.is_file():
         raise DataError(f"tokenizer {spec!r} is neither 'bytes', 'bpe:VOCAB' nor an existing tokenizer.json; "
