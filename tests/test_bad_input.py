@@ -232,6 +232,8 @@ def test_empty_paths_and_other_commands_flags(work):
         (["generate", "run/final", "--tokenizer", "empty"], "tokenizer 'empty' is a directory without a tokenizer.json"),
         (["data", "prepare", "text.txt", "--out", "d", "--val-fraction", "2"], "--val-fraction must be in [0, 1), got 2.0"),
         (["train", "empty"], "experiment file empty is a directory; name a YAML file"),
+        (["data", "prepare", "ckpt", "--out", "d"],  # its config.json was read as JSONL: "not a JSON object"
+         "ckpt is a model checkpoint (config.json and safetensors weights), not data: name the text"),
     ])
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from mtjax import cli
 from mtjax.plan import BUILTIN, fit, inputs, machine, probe, residency
-from mtjax.plan.units import size
+from mtjax.units import size
 
 ROOT = Path(__file__).resolve().parent.parent
 SEVENTY_B = ROOT / "experiments/hf_configs/llama-3-70b.json"

@@ -30,7 +30,7 @@ from mtjax.config import StoreConfig, StreamConfig
 from mtjax.model_config import load_hf_config
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate
-from mtjax.plan.units import size
+from mtjax.units import size
 
 SECTION = "quant-base"
 MODELS = ("llama-3-70b", "llama-175b", "gemma-3-27b", "phi-4")

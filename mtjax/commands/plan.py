@@ -14,7 +14,7 @@ from mtjax.errors import MtjaxError
 from mtjax.plan import compute_dtype, fit, hosts, inputs, machine, probe, report, residency, wholerun
 from mtjax.plan import longest as planner_longest
 from mtjax.plan.hardware import choices
-from mtjax.plan.units import size
+from mtjax.units import size
 from mtjax.stream.hosts import share
 
 PLAN_DESCRIPTION = (

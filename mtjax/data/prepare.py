@@ -66,6 +66,9 @@ def expand_inputs(inputs) -> list[Path]:
             held = [p.parent for p in found if p.name == fmt.META_FILE and (p.parent / fmt.shard_name(0)).is_file()]
             if held:  # e.g. a run directory, whose data/ is its prepared cache: its meta.json is no JSONL input
                 raise DataError(f"{path} holds the prepared dataset {held[0]}: name that directory, not {path}")
+            if (path / "config.json").is_file() and any(path.glob("*.safetensors")):  # its JSON files are no data
+                raise DataError(f"{path} is a model checkpoint (config.json and safetensors weights), not data: "
+                                "name the text, JSONL or Parquet files to train on")
             if not found:
                 raise DataError(f"{path} holds no .txt, .md, .jsonl (optionally .gz) or .parquet files and is not a "
                                 "`datasets` directory (save_to_disk)")

@@ -8,7 +8,7 @@
     longest   the longest row (sequence length) that fits a machine
     wholerun  a whole run: wall time, device-hours, price, bytes written against the drive's endurance
     inputs    a model and its run settings from an HF config.json, a checkpoint dir or an experiment YAML
-    report    the plan as text or JSON (numbers as text: `units`)
+    report    the plan as text or JSON (numbers as text: mtjax.units)
 
     plan = estimate(cfg, StreamConfig(), StoreConfig(), StepShape(batch=1, seq=4096), load("h200"))
     problem = check(plan, available_ram, free_disk)  # None when the run fits

@@ -16,7 +16,7 @@ from mtjax import parts
 from mtjax.config import StoreConfig
 from mtjax.plan.cost import Plan, estimate
 from mtjax.plan.hardware import HardwareProfile
-from mtjax.plan.units import size
+from mtjax.units import size
 
 RAM_HEADROOM = 0.9  # leave 10% of RAM to the OS and page cache
 DEVICE_HEADROOM = 0.9  # XLA needs scratch space beyond the buffers the plan counts

@@ -14,7 +14,7 @@ from mtjax.plan.cost import Plan
 from mtjax.plan.fit import Advice, Option
 from mtjax.plan.longest import Longest
 from mtjax.plan.longest import describe as describe_longest
-from mtjax.plan.units import duration, rate, seconds, size
+from mtjax.units import duration, rate, seconds, size
 from mtjax.plan.wholerun import RunCost
 
 

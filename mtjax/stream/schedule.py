@@ -64,6 +64,7 @@ from mtjax.partid import EMBED, HEAD, PartId
 from mtjax.stream import fused_adamw, ops
 from mtjax.stream.block_bytes import block_working_bytes, residual_bytes, split_residual_bytes
 from mtjax.stream.budget import DeviceBudgetError
+from mtjax.units import size
 
 TOKEN_BYTES = 4  # int32 token ids
 DOCUMENT_BYTES = 4 + 1  # per token of a packed batch: its int32 document id and bool "counted target"
@@ -128,7 +129,7 @@ class DevicePlan:
                 + self.saved + self.routing)
 
     def describe(self) -> str:
-        return ", ".join(f"{f.name} {getattr(self, f.name) / 2**20:.1f} MiB" for f in dataclasses.fields(self))
+        return ", ".join(f"{f.name} {size(getattr(self, f.name))}" for f in dataclasses.fields(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -868,8 +869,8 @@ def check_budget(plan: DevicePlan, budget: int | None) -> int:
         return plan.total
     if plan.total > budget:
         raise DeviceBudgetError(
-            f"this run needs {plan.total / 2**20:.1f} MiB on the device ({plan.describe()}) but "
-            f"stream.device_budget_bytes is {budget / 2**20:.1f} MiB: raise the budget, lower "
+            f"this run needs {size(plan.total)} on the device ({plan.describe()}) but "
+            f"stream.device_budget_bytes is {size(budget)}: raise the budget, lower "
             f"stream.prefetch_depth, stream.keep_every or stream.resident, set stream.activations=host, or "
             f"(a MoE model) a smaller stream.expert_group_size"
         )

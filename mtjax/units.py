@@ -1,4 +1,4 @@
-"""Quantities as text for people: bytes, seconds, rates and durations of a plan."""
+"""Quantities as text for people: bytes, seconds, rates and durations (of a plan, a device budget)."""
 
 from __future__ import annotations
 
