@@ -81,7 +81,7 @@ def check(exp, cfg, dataset, available_ram: int | None = None, free_disk: int | 
     # Every run commits its state into its store (RAM-tier kinds at each checkpoint); a
     # resumed store's own bytes are reused, so they count as free.
     disk = free_disk + _existing_bytes(store)
-    problem = fit.check(plan, int(ram * RAM_MARGIN), int(disk * DISK_MARGIN))
+    problem = fit.check(plan, int(ram * RAM_MARGIN), int(disk * DISK_MARGIN), tx=run.tx)
     if problem:
         raise PreflightError(f"this run does not fit the machine: {problem}")
     return plan

@@ -225,6 +225,24 @@ def test_a_host_of_several_counts_the_compute_copy_once_and_the_slots_it_stages_
         assert hosts.host_plan(one, 2).ram_needed == want and hosts.host_plan(one, 2).schedule == two.schedule
 
 
+def test_a_host_of_several_is_told_the_smallest_move_to_disk_that_fits_its_share():
+    """A RAM-short host of a run of two (hosts.host_plan) is told what to move to disk by
+    placements priced as that host's share too: priced as one process holding the whole
+    state, no single kind moved fitted, and it was told to move two."""
+    deep = tiny_config(vocab_size=97, intermediate_size=56, num_hidden_layers=12, compute_dtype="bfloat16")
+    host = hosts.host_plan(plan_of(deep, shape=StepShape(2, 2048)), 2, TX)
+    opt_on_disk = hosts.host_plan(estimate(deep, host.stream, StoreConfig(opt="disk"), host.shape, HW, tx=TX,
+                                           processes=2), 2, TX)
+    assert opt_on_disk.ram_needed < host.ram_needed
+    problem = check(host, available_ram=opt_on_disk.ram_needed, free_disk=10**15, tx=TX)
+    told = problem.rsplit(": set ", 1)[-1].split()
+    assert len(told) == 1 and told[0].startswith("store.") and told[0].endswith("=disk"), problem
+    kind = told[0].removeprefix("store.").removesuffix("=disk")
+    followed = hosts.host_plan(estimate(deep, host.stream, StoreConfig(**{kind: "disk"}), host.shape, HW, tx=TX,
+                                        processes=2), 2, TX)
+    assert followed.ram_needed <= opt_on_disk.ram_needed
+
+
 def test_a_host_of_several_steps_its_share_of_the_batch():
     """Each process trains its rows of every micro-batch (mtjax.stream.hosts.share): one
     host's step, device peak and time, is that of its rows, not of the whole batch; a batch

@@ -177,7 +177,8 @@ def run_plan(args) -> int:
             shown += "\n" + report.per_host(per_host, hw)
     print(shown, flush=True)
     # Checked as the preflight checks it: one host's share when several processes train.
-    problem = fit.check(hosts.host_plan(plan, args.processes, given_run.tx), room.ram, room.disk, room.device)
+    problem = fit.check(hosts.host_plan(plan, args.processes, given_run.tx), room.ram, room.disk, room.device,
+                        tx=given_run.tx)
     if problem:
         where = hw.name if args.processes == 1 else f"each host of {args.processes} ({hw.name})"
         raise PlanError(f"the configured run does not fit {where}: {problem}")

@@ -14,6 +14,7 @@ import math
 
 from mtjax import parts
 from mtjax.config import StoreConfig
+from mtjax.plan import hosts
 from mtjax.plan.cost import Plan, estimate
 from mtjax.plan.hardware import HardwareProfile
 from mtjax.units import size
@@ -23,9 +24,13 @@ DEVICE_HEADROOM = 0.9  # XLA needs scratch space beyond the buffers the plan cou
 MTBF_S = 24 * 3600.0  # assumed mean time between failures of one machine
 
 
-def _with_placement(plan: Plan, placement: StoreConfig) -> Plan:
-    return estimate(plan.cfg, plan.stream, placement, plan.shape, plan.hardware, part_bytes_=plan.part_bytes,
-                    devices=plan.schedule.devices)
+def _with_placement(plan: Plan, placement: StoreConfig, tx=None) -> Plan:
+    """`plan` with its state placed as `placement` says. One host's plan of a run of several
+    processes (mtjax.plan.hosts.host_plan, priced with the optimizer `tx`) stays one."""
+    s = plan.schedule
+    placed = estimate(plan.cfg, plan.stream, placement, plan.shape, plan.hardware, part_bytes_=plan.part_bytes,
+                      devices=s.devices, processes=s.processes)
+    return hosts.host_plan(placed, s.processes, tx)
 
 
 def _placements(current: StoreConfig) -> list[StoreConfig]:
@@ -81,8 +86,11 @@ def placements(plan: Plan, room: Limits) -> list[Option]:
     return [Option(p, q, short_of(q, room), p == plan.store) for p, q in options]
 
 
-def check(plan: Plan, available_ram: float, free_disk: float, device_memory: float | None = None) -> str | None:
-    """None when the run fits; otherwise one line: what does not fit, by how much, what to change."""
+def check(plan: Plan, available_ram: float, free_disk: float, device_memory: float | None = None,
+          tx=None) -> str | None:
+    """None when the run fits; otherwise one line: what does not fit, by how much, what to change.
+    `plan` may be one host's of a multi-process run (`host_plan`, priced with the optimizer
+    `tx`): the placement it suggests is then priced on that host's share too."""
     device = None if plan.hardware.device_is_host else device_memory  # else its peak is in ram_needed
     over = short_of(plan, Limits(available_ram, free_disk, device))
     problems = []
@@ -90,10 +98,11 @@ def check(plan: Plan, available_ram: float, free_disk: float, device_memory: flo
         short = plan.ram_needed - available_ram
         fix = "use a machine with more RAM"
         current = plan.store
-        fits = [p for p in _placements(current) if _with_placement(plan, p).ram_needed <= available_ram]
+        placed = {p: _with_placement(plan, p, tx) for p in _placements(current)}
+        fits = [p for p, q in placed.items() if q.ram_needed <= available_ram]
         if fits:
             # The smallest change: the fewest kinds moved from RAM to disk, then the fastest.
-            best = min(fits, key=lambda p: (len(_changes(current, p)), _with_placement(plan, p).times.step))
+            best = min(fits, key=lambda p: (len(_changes(current, p)), placed[p].times.step))
             changes = _changes(current, best)
             fix = f"set {' '.join(changes)}" if changes else fix
         problems.append(f"needs {size(plan.ram_needed)} of host RAM but {size(available_ram)} is available "
