@@ -254,11 +254,10 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise DataError(f"{out} is a file; choose a directory for the dataset")
-    if out.exists() and any(out.iterdir()) and not overwrite:
+    held = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    if held and not overwrite:
         raise DataError(f"{out} already exists and is not empty; choose another output or pass --overwrite")
-    if out.exists() and any(out.iterdir()) and not (out / fmt.META_FILE).is_file():
-        # --overwrite replaces a dataset; a run, a store or the user's own files are not one.
-        held = sorted(p.name for p in out.iterdir())
+    if held and fmt.META_FILE not in held:  # --overwrite replaces a dataset, not a run, a store or the user's files
         shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
         raise DataError(f"{out} is not a prepared dataset (no {fmt.META_FILE}; it holds {shown}) and --overwrite "
                         "replaces only a dataset; choose another output, or empty it yourself")
