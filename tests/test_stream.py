@@ -194,6 +194,10 @@ def test_trace_has_every_stage(tmp_path):
     seconds = engine.stage_seconds()
     assert set(seconds) == {"read", "h2d", "compute", "d2h", "optimizer", "write", "wait"}
     assert all(v > 0 for v in seconds.values()), seconds
+    # The updates a step's forward streams in (the step before's gradients) are its own,
+    # wherever their threads ran: none in the first step, every part's in the second.
+    assert engine.stage_seconds(0)["optimizer"] == 0
+    assert sorted(p for p, _ in engine.tracer.per_part(1, "optimizer")) == sorted(p.name for p in engine.parts)
     engine.write_trace(tmp_path / "trace.json")
     events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
     assert {"compute block.3", "optimizer block.0", "read head"} <= {e["name"] for e in events}

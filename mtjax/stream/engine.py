@@ -356,7 +356,9 @@ class StreamEngine:
     # --- reporting -----------------------------------------------------------------
 
     def stage_seconds(self, step: int | None = None) -> dict[str, float]:
-        """Seconds spent per stage in a step (default: the last one)."""
+        """Seconds spent per stage in a step (default: the last one), complete once it has
+        returned: its optimizer stage is the updates its forward streamed in (the step
+        before's gradients), not its own, which the next step (or `flush`) applies."""
         self.tracer.drain()
         return self.tracer.step_totals(self.step_count - 1 if step is None else step)
 

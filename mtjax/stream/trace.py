@@ -7,6 +7,12 @@ when the previous work on that lane ended, whichever is later, and ends when the
 outputs are ready. Each lane (h2d, compute, d2h) has its own watcher: one watcher for
 all would take a transfer's end only after the computation queued before it had
 finished. The main loop itself never waits for a timing.
+
+An event belongs to the step running when it began, except on a thread inside
+`attributed(step)`: the deferred optimizer updates run there, on worker threads, while
+one step ends and the next begins, and belong to the step whose forward streams them in
+(mtjax.stream.updater). So every event of a step is recorded once that step has
+returned and the watchers are drained.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class Tracer:
         self._lane_end: dict[str, float] = defaultdict(float)
         self._pending: dict[str, queue.Queue] = {}  # a watcher's queue per lane
         self._watchers: list[threading.Thread] = []
+        self._thread = threading.local()  # `attributed`'s step, per thread
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -60,6 +67,25 @@ class Tracer:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
+    def _step(self) -> int:
+        return getattr(self._thread, "step", self.step)
+
+    @contextlib.contextmanager
+    def attributed(self, step: int | None):
+        """Events begun on this thread inside belong to `step` (None: the running step)."""
+        outer = getattr(self._thread, "step", None)
+        if step is None:
+            yield
+            return
+        self._thread.step = step
+        try:
+            yield
+        finally:
+            if outer is None:
+                del self._thread.step
+            else:
+                self._thread.step = outer
+
     def _record(self, stage: str, part: str, start: float, end: float, step: int) -> None:
         with self._lock:
             self.events.append(Event(stage, part, start, end, step))
@@ -67,7 +93,7 @@ class Tracer:
     @contextlib.contextmanager
     def span(self, stage: str, part: str):
         """Time a host-side stage that runs in the calling thread."""
-        start, step = self.now(), self.step
+        start, step = self.now(), self._step()
         try:
             yield
         finally:
@@ -76,7 +102,7 @@ class Tracer:
     def watch(self, stage: str, part: str, arrays, since: float | None = None) -> None:
         """Time asynchronous device work from now (or `since`, a `now()` taken when it
         began) until `arrays` are ready."""
-        self._lane(stage).put((stage, part, self.now() if since is None else since, self.step,
+        self._lane(stage).put((stage, part, self.now() if since is None else since, self._step(),
                                jax.tree.leaves(arrays)))
 
     def _lane(self, stage: str) -> queue.Queue:

@@ -49,6 +49,9 @@ class UpdateQueue:
         self.parts, self.update, self.state, self.ahead = parts, update, state, ahead
         self.grads, self.tracer, self.one_copy, self.hosts, self.schemas = grads, tracer, one_copy, hosts, schemas
         self.scale = None if scale is None else jax.device_put(np.float32(scale), host_device())
+        # The step whose forward streams the pending updates in: their timings belong to it
+        # (mtjax.stream.trace); None for a resumed store's, which the first step takes.
+        self.for_step: int | None = None
         tiers = state.tiers
         workers = 1 if tiers.kinds_in("disk") else max(1, min(8, os.cpu_count() or 1))
         self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="mtjax-update")
@@ -85,6 +88,10 @@ class UpdateQueue:
 
     def _apply(self, part: str) -> dict | None:
         """The deferred optimizer update of `part`, if one is pending; returns the new compute copy."""
+        with self.tracer.attributed(self.for_step):
+            return self._apply_timed(part)
+
+    def _apply_timed(self, part: str) -> dict | None:
         if self.one_copy is not None:
             self.one_copy.check_may_update(part, self.grads)
         if part not in self.grads.pending():
@@ -141,6 +148,7 @@ class UpdateQueue:
         """The step's gradients are final and `scale` is their clip scale: start the
         updates (with a one-copy store, at the step's commit instead)."""
         self.scale = jax.device_put(scale, host_device())
+        self.for_step = self.tracer.step + 1
         if self.one_copy is not None:
             self.one_copy.step_finished()
         self.state.wait_writes()
