@@ -11,6 +11,7 @@ import sys
 
 from mtjax import data
 from mtjax.commands.generate import check_source, is_store, model_config, tokenizer_of
+from mtjax.config import ConfigError, DataConfig
 from mtjax.errors import MtjaxError
 from mtjax.run import evaluate_checkpoint
 
@@ -29,7 +30,15 @@ def register(subparsers) -> None:
 
 
 _FLAGS = {"data.seq_len / data.batch_size / data.grad_accum": "--seq-len / --batch-size",
-          "--data.tokenizer": "--tokenizer", "data.seq_len": "--seq-len"}
+          "--data.tokenizer": "--tokenizer", "data.seq_len": "--seq-len", "data.batch_size": "--batch-size",
+          "data.dataset": "the dataset"}
+
+
+def _in_flags(message: str) -> str:
+    """A line about `mtjax train`'s data.* keys, in this command's arguments."""
+    for key, flag in _FLAGS.items():
+        message = message.replace(key, flag)
+    return message
 
 
 def _count(n: int, one: str, many: str) -> str:
@@ -38,14 +47,12 @@ def _count(n: int, one: str, many: str) -> str:
 
 def run(args) -> int:
 
-    if args.seq_len < 2:
-        raise MtjaxError(f"--seq-len must be at least 2 (a row predicts its next tokens), got {args.seq_len}")
-    for flag, value in (("--batch-size", args.batch_size), ("--batches", args.batches)):
-        if value < 1:
-            raise MtjaxError(f"{flag} must be at least 1, got {value}")
-    if not args.dataset.strip():  # as a path it would mean the working directory: every text file under it
-        raise MtjaxError("the dataset is empty (''); name a prepared dataset, a text, JSONL or Parquet file or "
-                         "directory, or builtin:shakespeare")
+    if args.batches < 1:
+        raise MtjaxError(f"--batches must be >= 1, got {args.batches}")
+    try:  # the dataset, --seq-len and --batch-size are checked as training checks its data.* keys
+        DataConfig(dataset=args.dataset, seq_len=args.seq_len, batch_size=args.batch_size)
+    except ConfigError as e:
+        raise ConfigError(_in_flags(str(e))) from None
     check_source(args.checkpoint)
     model_config(args.checkpoint).check_context(args.seq_len, "--seq-len")
     spec = args.tokenizer
@@ -55,10 +62,7 @@ def run(args) -> int:
         result = evaluate_checkpoint(args.checkpoint, args.dataset, args.split, args.seq_len, args.batch_size,
                                    args.batches, spec)
     except data.DataError as e:  # mtjax.data words its advice in the keys of `mtjax train`
-        message = str(e)
-        for key, flag in _FLAGS.items():
-            message = message.replace(key, flag)
-        raise data.DataError(message) from None
+        raise data.DataError(_in_flags(str(e))) from None
     if (result.batches, result.rows) != (args.batches, args.batch_size):  # the split holds fewer windows
         print(f"mtjax eval: the {args.split} split holds {result.windows:,} rows of {args.seq_len} tokens: "
               f"evaluated {_count(result.batches, 'batch', 'batches')} of {_count(result.rows, 'row', 'rows')} "
