@@ -165,7 +165,8 @@ def run_plan(args) -> int:
     options = fit.placements(plan, room)
     run = wholerun.price(plan, steps, steps_from, args.price_per_hour)
     longest = planner_longest.search(plan, room) if args.longest else None
-    per_host = hosts.per_host(plan, args.processes, given_run.tx) if args.processes > 1 else None
+    mine = hosts.of_processes(plan, args.processes)  # one process's step, priced once for both uses below
+    per_host = hosts.per_host(mine, args.processes, given_run.tx) if args.processes > 1 else None
     if args.json:
         shown = report.as_dict(plan, advice, options, run, profile_from, longest, given_run.dtype_choice)
         if per_host is not None:
@@ -177,7 +178,7 @@ def run_plan(args) -> int:
             shown += "\n" + report.per_host(per_host, hw)
     print(shown, flush=True)
     # Checked as the preflight checks it: one host's share when several processes train.
-    problem = fit.check(hosts.host_plan(plan, args.processes, given_run.tx), room.ram, room.disk, room.device,
+    problem = fit.check(hosts.host_plan(mine, args.processes, given_run.tx), room.ram, room.disk, room.device,
                         tx=given_run.tx)
     if problem:
         where = hw.name if args.processes == 1 else f"each host of {args.processes} ({hw.name})"
