@@ -163,6 +163,34 @@ def test_trace_times_device_work_and_writes_chrome_json(tmp_path):
     tracer.close()
 
 
+def test_work_attributed_to_a_step_is_filed_under_it_on_its_own_thread_only():
+    tracer = Tracer()
+    tracer.begin_step(3)
+
+    def worker():
+        with tracer.attributed(4):
+            with tracer.span("optimizer", "block.0"):
+                pass
+            tracer.watch("optimizer", "block.1", jnp.ones(4))
+            with tracer.attributed(None):  # the running step
+                with tracer.span("write", "block.0"):
+                    pass
+        with tracer.span("write", "block.1"):
+            pass
+
+    t = threading.Thread(target=worker)
+    with tracer.attributed(4):
+        t.start()  # a thread of its own does not inherit it
+        t.join()
+    with tracer.span("read", "block.2"):
+        pass
+    tracer.drain()
+    assert sorted((e.step, e.stage, e.part) for e in tracer.events) == [
+        (3, "read", "block.2"), (3, "write", "block.0"), (3, "write", "block.1"),
+        (4, "optimizer", "block.0"), (4, "optimizer", "block.1")]
+    tracer.close()
+
+
 def test_a_transfer_is_timed_on_its_own_lane_not_behind_a_computation():
     """Each lane has its own watcher: a transfer watched after a computation that has not
     finished is timed when its array is ready, not when the computation ends."""

@@ -68,23 +68,18 @@ class Tracer:
         return time.perf_counter() - self.t0
 
     def _step(self) -> int:
-        return getattr(self._thread, "step", self.step)
+        step = getattr(self._thread, "step", None)
+        return self.step if step is None else step
 
     @contextlib.contextmanager
     def attributed(self, step: int | None):
         """Events begun on this thread inside belong to `step` (None: the running step)."""
         outer = getattr(self._thread, "step", None)
-        if step is None:
-            yield
-            return
         self._thread.step = step
         try:
             yield
         finally:
-            if outer is None:
-                del self._thread.step
-            else:
-                self._thread.step = outer
+            self._thread.step = outer
 
     def _record(self, stage: str, part: str, start: float, end: float, step: int) -> None:
         with self._lock:
