@@ -162,7 +162,7 @@ class StreamConfig:
     # keys and values; mtjax.attention.split_attention). Weights on every device either way.
     split: str = "batch"  # batch | sequence
     # A MoE block streamed as sub-parts: its router part (attention, router, shared
-    # expert), then groups of this many experts, one after another (docs/pipeline.md,
+    # expert), then groups of this many experts, one after another (docs/moe.md,
     # "Expert groups"). Unset: only when the step does not fit device_budget_bytes whole.
     expert_group_size: int | None = None  # experts per streamed group of a MoE block: unset (as the budget needs) | N >= 1
 

@@ -74,7 +74,7 @@ def test_device_count_mistakes_are_one_line(results):
 
 
 def test_a_replicated_put_aliases_the_staging_buffer_on_the_cpu(results):
-    """As the schedule and docs/pipeline.md say: each device's copy is counted, and on the
+    """As the schedule and docs/parallel.md say: each device's copy is counted, and on the
     CPU backend each is the staging buffer itself (so the fence rule covers both)."""
     assert results["replicated_put"] == {"copies": 2, "aliased": [True, True]}
 

@@ -127,7 +127,7 @@ class StreamEngine:
         # With the master weights in RAM and the fused update, no compute copy is kept: the
         # prefetcher rounds master into the staging slot (reading 4 bytes/param there
         # instead of the update writing 2 that the prefetcher then reads; 2 bytes/param
-        # less RAM); a multi-process run keeps one. docs/pipeline.md, "The compute copy".
+        # less RAM); a multi-process run keeps one. docs/device.md, "The compute copy".
         self.derived_compute = schedule_mod.derives_compute(self.update.fused is not None, self.placement_config,
                                                             parts_mod.frozen_any(cfg), self.processes)
         if self.tiers.kinds_in("disk"):

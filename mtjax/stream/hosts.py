@@ -10,7 +10,7 @@ Every collective is a jitted program over a mesh of one device per process (axis
 process axis with a split output to a reduce-scatter, and a split input with a whole
 output to an all-gather (on the CPU backend through gloo). No other networking. Every
 process must call the same collectives in the same order: the engine issues them from
-one thread at a time, in the schedule's part order (docs/pipeline.md).
+one thread at a time, in the schedule's part order (docs/parallel.md).
 
 A leaf is split by rows as `mtjax.shard.Shard` says; a leaf that is not split is summed
 whole (an all-reduce) and counted once, by process 0, in the squared gradient norm.

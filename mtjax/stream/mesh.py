@@ -11,7 +11,7 @@ Data parallel: every device holds every staged part and runs its 1/count of each
 micro-batch's rows; the compiled step functions are plain `jax.jit` programs, so XLA's
 sharding propagation keeps hidden states batch-sharded between blocks and makes each
 weight gradient replicated, summed over the devices by an all-reduce inside the program
-that computes it (docs/pipeline.md, "Several devices"). With one device both shardings
+that computes it (docs/parallel.md, "Several devices"). With one device both shardings
 are that device's `SingleDeviceSharding`, as they always were: the same programs, the
 same transfers. A batch whose rows do not split evenly is refused by the step's
 schedule (`mtjax.config.check_split`).

@@ -525,7 +525,7 @@ def saved_groups(groups_: tuple[range, ...], resident: tuple[PartId, ...], remat
 def derives_compute(fused: bool, store: StoreConfig, frozen: bool = False, processes: int = 1) -> bool:
     """Whether no compute copy is kept: with the fused update and both master and compute
     weights in RAM, the prefetcher rounds master straight into the staging slot
-    (docs/pipeline.md, "The compute copy"). Not with `frozen` leaves (mtjax.roles): their
+    (docs/device.md, "The compute copy"). Not with `frozen` leaves (mtjax.roles): their
     compute copy is all they have; nor in a run of several `processes` (mtjax.stream.hosts):
     a process holds only its rows of master, so it cannot round the compute copy from them."""
     return fused and store.master == "ram" and store.compute == "ram" and not frozen and processes == 1

@@ -9,7 +9,7 @@ The parts staged are the schedule's `transfers` (a training step) or `forward` (
 evaluation), in order: the runner's `Stage` operations take them in that order.
 
 On the CPU backend with fp32 compute and no compute copy kept (the derived copy,
-docs/pipeline.md), a whole part is staged as its master arrays themselves: the device
+docs/device.md), a whole part is staged as its master arrays themselves: the device
 reads host memory there, so copying master into a slot only to hand the slot to
 `device_put` moved 8 bytes/param per step for nothing. The schedule says which parts
 (`schedule.in_place`, from `schedule.staged_in_place`): it gives them no slot and prices

@@ -27,7 +27,7 @@ from mtjax.stream.trace import Tracer
 
 class State:
     """Reads and writes of the tiers. `derived_compute`: no compute copy is kept; the
-    staged copy is rounded from master by `policy` (docs/pipeline.md). `on_write(part)`
+    staged copy is rounded from master by `policy` (docs/device.md). `on_write(part)`
     is told of each new master or optimizer state (read-ahead drops its stale reads)."""
 
     def __init__(self, tiers: Tiers, tracer: Tracer, policy: Policy, derived_compute: bool, on_write=None):

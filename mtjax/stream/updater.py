@@ -35,7 +35,7 @@ class Updater:
     """State access, the update queue and read-ahead of one engine.
 
     `parts`: part names in the order the forward needs them. `derived_compute`: no
-    compute copy is kept; the staged copy is rounded from master (docs/pipeline.md).
+    compute copy is kept; the staged copy is rounded from master (docs/device.md).
     `scale`: the clip scale of updates already pending (a resumed one-copy store's).
     """
 
