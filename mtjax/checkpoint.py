@@ -249,7 +249,7 @@ def export_final(exp: ExperimentConfig, out: Path, tokenizer, step: int, chat_te
                                say=say)
 
 
-# --- a saved checkpoint read back (`mtjax eval`, `mtjax generate`) ---------------------
+# --- a saved checkpoint read back (eval, generate, the tokenizer check of a run's start) ---
 
 
 def weights_config(path: str | Path) -> ModelConfig:
