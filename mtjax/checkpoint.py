@@ -6,6 +6,7 @@ store.path is set. Every run checkpoints this one way, whichever engine and tier
     checkpoint.write_model(store, params, opt_state, tx)        # whole-model state -> parts
     params, opt_state = checkpoint.read_model(store, tx)
     checkpoint.export_final(exp, run_dir / "final", tokenizer, step)   # HF export, not a resume format
+    cfg, params = checkpoint.load_weights(path)   # a store's last commit, or an HF checkpoint (eval, generate)
 
 `open_run_store` refuses, in one line each and before anything is written: a second
 trainer (the store's lock), a store holding a trained run without `run.resume`, a resume
@@ -29,10 +30,10 @@ from pathlib import Path
 import numpy as np
 
 import mtjax.store
-from mtjax import distributed, partid, parts, rundir, treepath
+from mtjax import data, distributed, hf, partid, parts, rundir, textfile, treepath
 from mtjax.config import ConfigError, ExperimentConfig
 from mtjax.data import chat
-from mtjax.model_config import ModelConfig
+from mtjax.model_config import ModelConfig, load_hf_config
 from mtjax.optim import make_optimizer
 from mtjax.partid import EMBED, HEAD
 from mtjax.store import fill, hf_export, layout, lock, manifest, shards
@@ -246,3 +247,46 @@ def export_final(exp: ExperimentConfig, out: Path, tokenizer, step: int, chat_te
         name: {n: np.asarray(a) for n, a in treepath.flatten(parts.part_params(params, name)).items()} for name in names}
     return hf_export.export_hf(store_dir or store_path(exp), out, replace=True, extra=extra, masters=masters,
                                say=say)
+
+
+# --- a saved checkpoint read back (eval, generate, the tokenizer check of a run's start) ---
+
+
+def weights_config(path: str | Path) -> ModelConfig:
+    """The model config of a layer store or an HF checkpoint directory (no weights read)."""
+    if layout.is_store(path):
+        with mtjax.store.open(path) as store:
+            return store.config
+    return load_hf_config(path)
+
+
+def load_weights(path: str | Path):
+    """(model config, fp32 params) of an HF checkpoint dir or of a layer store (its last
+    committed master weights, read without taking the writer lock)."""
+    path = Path(path)
+    if not layout.is_store(path):
+        return hf.load_params(path)
+    with mtjax.store.open(path) as store:
+        store.check_complete("read its weights")
+        return store.config, read_params(store)
+
+
+def checkpoint_tokenizer(ckpt_dir: str | Path, spec: str | None = None):
+    """The tokenizer saved with a checkpoint (or the one `spec` names)."""
+    spec = spec or tokenizer_spec(ckpt_dir)
+    if spec is None:
+        raise data.DataError(f"{ckpt_dir} holds no tokenizer; pass --tokenizer bytes or a tokenizer.json")
+    return data.load_tokenizer(spec)
+
+
+def tokenizer_spec(folder: str | Path) -> str | None:
+    """The spec of the tokenizer saved in a checkpoint (or store tokenizer) directory: its
+    tokenizer.json (gzipped too), or bytes where its export note says so; None: none there."""
+    folder = Path(folder)
+    for name in ("tokenizer.json", "tokenizer.json.gz"):
+        if (folder / name).is_file():
+            return str((folder / name).resolve())
+    state = folder / EXPORT_NOTE
+    if state.exists() and json.loads(textfile.read(state)).get("tokenizer") == "bytes":
+        return "bytes"
+    return None

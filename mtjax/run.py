@@ -2,23 +2,9 @@
 
     summary = mtjax.run.train(mtjax.config.load("experiments/default.yaml"))
 
-`mtjax train` is a thin wrapper around `train`. The engine that runs a step is chosen
-by `stream.engine` in `make_engine`; any object with the `Engine` protocol plugs in:
-
-    engine.step(batch, train_state)   a mtjax.batch.Batch (or int32 tokens) [accum, batch, seq] -> {"loss",
-                          "grad_norm", ...} (floats); the loss is the mean over the step's counted
-                          targets; an engine that commits every step records train_state then
-    engine.params()       fp32 params pytree on the host, every pending update applied
-    engine.opt_state()    optimizer state shaped as optax's init(params)
-    engine.eval_loss(b)   {"loss", "aux_loss" (MoE)} over the counted targets of a batch [n, batch, seq], no update
-    engine.stage_seconds()   seconds per stage of the last step (may be empty)
-    engine.commits_every_step   whether each step commits itself (before its update runs)
-    engine.commit(step, train_state, flush=False)   write the whole state into the run's
-                          store and commit it (mtjax.checkpoint): `--run.resume=true`
-                          continues from the last commit exactly
-    engine.close()        release threads and files at the end of the run
-    engine.store          the run's layer store: the closing sample streams its last commit
-                          from it (mtjax.stream.sample), whichever engine trained it
+`mtjax train` is a thin wrapper around `train`. The engine that runs a step is the one
+`stream.engine` names (mtjax.engines); the periodic validation loss evaluates the
+validation split's first batches (mtjax.evaluate.eval_batches) with that engine.
 
 A multi-process run (`distributed`, mtjax.distributed) runs this on every process: each
 reads the same global batches and trains its rows of them; process 0 writes the run's
@@ -33,100 +19,29 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple, Protocol
 
 import jax
 import numpy as np
-import optax
 
-import mtjax.store
 from mtjax.store import fresh, hf_import, layout, shards
 from mtjax.store import tokenizer as store_tokenizer
-from mtjax import checkpoint, textfile, writable
+from mtjax import checkpoint, evaluate, writable
 from mtjax import config as config_lib
 from mtjax import data, distributed, documents, generate, hf, model, parts, preflight, rundir, wandb_log
-from mtjax import reference as reference_mod
-from mtjax.batch import Batch, concat
-from mtjax.config import ConfigError, ExperimentConfig, RunConfig, StoreConfig, StreamConfig
+from mtjax.batch import Batch
+from mtjax.config import ConfigError, ExperimentConfig, RunConfig
+from mtjax.engines import Engine, make_engine
 from mtjax.errors import MtjaxError, NonFiniteStep
-from mtjax.model_config import ModelConfig, load_hf_config
+from mtjax.model_config import ModelConfig
 from mtjax.optim import lr_at, make_optimizer, schedule_warnings
 from mtjax.plan import compute_dtype, residency
 from mtjax.plan.cost import mfu_flops_per_token
 from mtjax.progress import Progress, peak_flops, require_tensorboard
-from mtjax.terminal import bar as progress_bar
-from mtjax.reference import ReferenceTrainer
 from mtjax.stream import StreamEngine, staging
 from mtjax.stream import hosts as stream_hosts
 from mtjax.stream import schedule as schedule_mod
 from mtjax.stream import sample as sample_mod
 from mtjax.stream.budget import DeviceBudgetError
-
-
-class Engine(Protocol):
-    commits_every_step: bool
-    store: mtjax.store.Store
-
-    def step(self, batch: Batch | np.ndarray, train_state: dict | None = None) -> dict[str, float]: ...
-
-    def params(self): ...
-
-    def opt_state(self): ...
-
-    def eval_loss(self, batch: Batch | np.ndarray) -> dict[str, float]: ...
-
-    def stage_seconds(self) -> dict[str, float]: ...
-
-    def commit(self, step: int, train_state: dict, flush: bool = False) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class ReferenceEngine:
-    """The whole model in device memory (mtjax.reference), behind the engine protocol."""
-
-    commits_every_step = False  # each commit writes the whole state
-
-    def __init__(self, exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None, store=None):
-        self.cfg, self.store = cfg, store
-        self.trainer = ReferenceTrainer(cfg, params, exp.optim, opt_state=opt_state)
-
-    def step(self, batch, train_state: dict | None = None) -> dict[str, float]:
-        return self.trainer.step(batch)  # commits only when asked (`commit`)
-
-    def params(self):
-        return jax.device_get(self.trainer.params)
-
-    def opt_state(self):
-        return jax.device_get(self.trainer.opt_state)
-
-    def commit(self, step: int, train_state: dict, flush: bool = False) -> None:
-        """Write the whole state into the store, one part at a time, and commit it."""
-        checkpoint.write_model(self.store, self.params(), self.opt_state(), self.trainer.tx)
-        self.store.commit(step, train_state)
-
-    def eval_loss(self, batch) -> dict[str, float]:
-        return reference_mod.eval_loss(self.cfg, self.trainer.params, batch)
-
-    def stage_seconds(self) -> dict[str, float]:
-        return {}  # one program per step: no stages to time
-
-    def close(self) -> None:
-        pass  # nothing held beyond device arrays (the run closes the store)
-
-
-def make_engine(exp: ExperimentConfig, cfg: ModelConfig, params, opt_state=None, *, store,
-                step: int = 0, hosts=None) -> Engine:
-    """The engine `exp.stream.engine` names, starting from fp32 `params` (and `opt_state`),
-    or from the last commit of `store` (at `step`) when `params` is None; it commits into
-    `store`. `hosts`: this process's place in a multi-process run (stream engine only)."""
-    if hosts is not None:
-        return StreamEngine.from_experiment(exp, cfg, params, opt_state, store=store, step=step, hosts=hosts)
-    if exp.stream.engine == "reference":
-        if params is None:
-            params, opt_state = checkpoint.read_model(store, make_optimizer(exp.optim))
-        return ReferenceEngine(exp, cfg, params, opt_state, store=store)
-    return StreamEngine.from_experiment(exp, cfg, params, opt_state, store=store, step=step)
 
 
 def _trained_text(cfg: ModelConfig) -> str:
@@ -183,27 +98,6 @@ def weights_provenance(exp: ExperimentConfig, resumed: Path | None = None, step:
     return lines
 
 
-def checkpoint_tokenizer(ckpt_dir: str | Path, spec: str | None = None):
-    """The tokenizer saved with a checkpoint (or the one `spec` names)."""
-    spec = spec or tokenizer_spec(ckpt_dir)
-    if spec is None:
-        raise data.DataError(f"{ckpt_dir} holds no tokenizer; pass --tokenizer bytes or a tokenizer.json")
-    return data.load_tokenizer(spec)
-
-
-def tokenizer_spec(folder: str | Path) -> str | None:
-    """The spec of the tokenizer saved in a checkpoint (or store tokenizer) directory: its
-    tokenizer.json (gzipped too), or bytes where its export note says so; None: none there."""
-    folder = Path(folder)
-    for name in ("tokenizer.json", "tokenizer.json.gz"):
-        if (folder / name).is_file():
-            return str((folder / name).resolve())
-    state = folder / checkpoint.EXPORT_NOTE
-    if state.exists() and json.loads(textfile.read(state)).get("tokenizer") == "bytes":
-        return "bytes"
-    return None
-
-
 def model_tokenizer(exp: ExperimentConfig) -> tuple[str, Path] | None:
     """(spec, directory) of the tokenizer whose ids the starting weights learned:
     model.checkpoint's, else the one `mtjax import` kept in the run's store; None for
@@ -213,7 +107,7 @@ def model_tokenizer(exp: ExperimentConfig) -> tuple[str, Path] | None:
     else:
         store = checkpoint.store_path(exp)
         folder = store_tokenizer.kept(store) if (store / layout.MANIFEST).exists() else None
-    spec = None if folder is None else tokenizer_spec(folder)
+    spec = None if folder is None else checkpoint.tokenizer_spec(folder)
     return None if spec is None else (spec, folder)
 
 
@@ -231,116 +125,12 @@ def check_tokenizer(exp: ExperimentConfig, dataset, run_dir: Path) -> None:
     dataset.check_tokenizer(spec, f"{fix}, or set --data.other_tokenizer=true to train on it anyway", name)
 
 
-def weights_config(path: str | Path) -> ModelConfig:
-    """The model config of a layer store or an HF checkpoint directory (no weights read)."""
-    if layout.is_store(path):
-        with mtjax.store.open(path) as store:
-            return store.config
-    return load_hf_config(path)
-
-
-def load_weights(path: str | Path):
-    """(model config, fp32 params) of an HF checkpoint dir or of a layer store (its last
-    committed master weights, read without taking the writer lock)."""
-    path = Path(path)
-    if not layout.is_store(path):
-        return hf.load_params(path)
-    with mtjax.store.open(path) as store:
-        store.check_complete("read its weights")
-        return store.config, checkpoint.read_params(store)
-
-
-class Evaluation(NamedTuple):
-    loss: float  # mean over the counted targets
-    targets: int  # how many targets counted
-    masked: bool  # whether the data's loss mask or documents left some out (chat data)
-    batches: int  # batches evaluated: fewer than asked when the split holds fewer windows
-    rows: int  # rows per batch: fewer than asked when the split holds less than one batch
-    windows: int  # windows of seq_len tokens the split holds
-
-
-def eval_engine(path: str | Path) -> StreamEngine:
-    """An engine whose `eval_loss` streams the weights at `path` through the device one part
-    at a time, as training does: a layer store's last committed compute copy, read from
-    its disk (the store opened read-only; the engine closes it), or an HF checkpoint's
-    weights, read into host RAM (with no optimizer state)."""
-    one = StreamConfig(devices=1, resident="none")  # every part streamed, the batch on one device
-    if not layout.is_store(path):
-        cfg, params = hf.load_params(path)
-        return StreamEngine(cfg, params, stream=one, tx=optax.identity())
-    store = mtjax.store.open(path)
-    try:
-        store.check_complete("evaluate it")
-        # A two-copy store's master weights are held in RAM (as eval always read them): with
-        # them on disk the engine would make a scratch directory for gradients beside the
-        # store, which a store on a read-only disk cannot have. A one-copy store's engine
-        # keeps every kind on disk (its gradients' place is the store's own, unused here).
-        tiers = dict(compute="disk", master="disk" if store.copies == 1 else "ram", opt="disk")
-        return StreamEngine(store.config, stream=one, store_config=StoreConfig(**tiers, copies=store.copies),
-                            store=store, owns_store=True)
-    except BaseException:
-        store.close()
-        raise
-
-
-def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int = 128, batch_size: int = 8,
-                        batches: int = 8, tokenizer: str | None = None) -> Evaluation:
-    """Mean loss of a saved checkpoint over the first `batches` batches of a dataset split:
-    over their counted targets (the answers of a chat dataset), as training counts them.
-    The model is streamed through the device (`eval_engine`), never loaded whole."""
-    tok = checkpoint_tokenizer(ckpt_dir, tokenizer)
-    cfg = weights_config(ckpt_dir)
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="mtjax-eval-") as cache:
-        data_cfg = config_lib.DataConfig(dataset=dataset, tokenizer=_spec_file(tok, ckpt_dir, tokenizer),
-                                         seq_len=seq_len, batch_size=batch_size)
-        ds = data.resolve(data_cfg, cache)
-        where = "bytes" if tok.spec == "bytes" else Path(tok.spec).parent
-        ds.check_tokenizer(tok.spec, f"prepare it again with `mtjax data prepare ... --tokenizer {where}`, or pass "
-                                     "--tokenizer naming the dataset's own to evaluate on it anyway")
-        ds.check_vocab(cfg.vocab_size)
-        ds.check_seq_len(seq_len)
-        batch, used, rows, windows = eval_batches(ds, split, seq_len, batch_size, batches)
-        engine = eval_engine(ckpt_dir)
-        try:
-            # One streamed pass over the weights for every batch: the bar moves once it is done.
-            with progress_bar(used, "evaluating", unit="batch") as bar:
-                loss = engine.eval_loss(batch)["loss"]
-                bar.update(used)
-        finally:
-            engine.close()
-        return Evaluation(loss, documents.trained_tokens(batch), not batch.plain, used, rows, windows)
-
-
-def _spec_file(tok, ckpt_dir: Path, spec: str | None) -> str:
-    """A tokenizer spec `data.resolve` can load again to tokenize raw text like the checkpoint."""
-    if spec or tok.spec == "bytes":
-        return spec or "bytes"
-    return str(Path(ckpt_dir) / "tokenizer.json")
-
-
-def eval_batches(dataset, split: str, seq_len: int, batch_size: int, batches: int) -> tuple[Batch, int, int, int]:
-    """(up to `batches` batches of up to `batch_size` rows from the start of a split, how
-    many batches and rows per batch that is, the split's windows): the rows there are,
-    each once, when the split holds fewer windows than asked for."""
-    start, stop = dataset.split(split)
-    windows = (stop - start) // seq_len
-    rows = min(batch_size, windows)
-    if rows == 0:
-        raise data.DataError(f"the {split} split of {dataset.path} has {stop - start} tokens, fewer than one row of "
-                             f"data.seq_len {seq_len}; add data or lower data.seq_len")
-    used = min(batches, windows // rows)
-    loader = data.Loader(dataset, split, seq_len, rows, 1, shuffle=False)
-    return concat(loader.next() for _ in range(used)), used, rows, windows
-
-
 def _eval_batches(dataset, exp: ExperimentConfig) -> Batch | None:
     """The same validation micro-batches at every evaluation (None: split too small)."""
     start, stop = dataset.split("val")
     if (stop - start) // exp.data.seq_len == 0:
         return None
-    return eval_batches(dataset, "val", exp.data.seq_len, exp.data.batch_size, exp.run.eval_batches)[0]
+    return evaluate.eval_batches(dataset, "val", exp.data.seq_len, exp.data.batch_size, exp.run.eval_batches)[0]
 
 
 def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtjax import cli, data, documents, hf, model, parts, run, treepath
+from mtjax import checkpoint, cli, data, documents, hf, model, parts, treepath
 from mtjax.attention import causal_attention
 from mtjax.batch import Batch
 from mtjax.model_config import FULL, SLIDING
@@ -226,7 +226,7 @@ def test_eval_reports_the_masked_loss_of_chat_data(tmp_path, capsys):
                      "--batches", "1"]) == 0
     line = capsys.readouterr().out.strip()
     batch = data.Loader(data.Dataset(tmp_path / "chat"), "val", 64, 2, 1, shuffle=False).next()
-    _, params_ = run.load_weights(ckpt)
+    _, params_ = checkpoint.load_weights(ckpt)
     masked, every = eval_loss(cfg, params_, batch)["loss"], eval_loss(cfg, params_, batch.tokens)["loss"]
     assert abs(masked - every) > 1e-3  # the mask changes the number: the test can tell them apart
     assert line.startswith(f"val loss {masked:.4f}  ")

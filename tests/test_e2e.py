@@ -26,8 +26,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from mtjax import data, generate, hf, model
-from mtjax import run as run_lib
+from mtjax import checkpoint, data, generate, hf, model
 from mtjax.optim import OptimConfig, lr_at
 
 pytestmark = pytest.mark.slow  # the whole command-line path, several mtjax processes
@@ -141,8 +140,8 @@ def test_from_text_to_a_fine_tuned_model(workdir):
     vals = per_step(cwd / "runs/genesis", "val_loss")
     assert vals == per_step(cwd / "runs/straight", "val_loss") and sorted(vals) == [2, 4, 6]
     assert want[6] < want[1]  # it learns
-    cfg, params = run_lib.load_weights(cwd / "runs/genesis/store")
-    _, params_straight = run_lib.load_weights(cwd / "runs/straight/store")
+    cfg, params = checkpoint.load_weights(cwd / "runs/genesis/store")
+    _, params_straight = checkpoint.load_weights(cwd / "runs/straight/store")
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params_straight)):
         np.testing.assert_array_equal(a, b)
 

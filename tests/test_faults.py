@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import mtjax.store
-from mtjax import cli, config, data, model, optim, preflight
+from mtjax import cli, config, data, engines, model, optim, preflight
 from mtjax import run as run_lib
 from mtjax.errors import MtjaxError, NonFiniteStep
 from mtjax.reference import ReferenceTrainer
@@ -195,7 +195,7 @@ def test_nonfinite_step_changes_no_state_and_names_the_block(engine, request, tm
     params, b = model.init_params(CFG, 0), _batches()
     _poison(request, {2})
     if engine == "reference":
-        eng = run_lib.ReferenceEngine(exp_of(tmp_path, 3), CFG, params)
+        eng = engines.ReferenceEngine(exp_of(tmp_path, 3), CFG, params)
     else:
         eng = StreamEngine(CFG, params, OPT, store_config=config.StoreConfig(compute="disk", master="disk", opt="disk"),
                            store=mtjax.store.create(tmp_path / "s", CFG))

@@ -139,7 +139,7 @@ def store_model(request, tmp_path_factory):
     import dataclasses
 
     import mtjax.store
-    from mtjax.run import load_weights
+    from mtjax.checkpoint import load_weights
 
     untied_full = dataclasses.replace(CFG, num_hidden_layers=4, layer_types=())
     cfg = {"untied-full": untied_full, "tied-sliding": SLIDING_TIED, "gemma2-capped": GEMMA2_CAPPED}[request.param]
@@ -200,13 +200,13 @@ def test_generate_command_streams_a_store(tmp_path, monkeypatch, capsys):
     """`mtjax generate STORE` never loads the whole model: it takes the streamed path."""
     import mtjax.store
     from mtjax import cli
-    from mtjax import run as run_lib
+    from mtjax import checkpoint
 
     cfg = tiny_config(vocab_size=257, hidden_size=16, intermediate_size=32, num_attention_heads=2,
                       num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.5)
     path = mtjax.store.init_store(cfg, tmp_path / "store", seed=0)
-    want = generate.complete(cfg, run_lib.load_weights(path)[1], ByteTokenizer(), "Hi", 6, temperature=0)
-    for where in (run_lib, generate_command):  # the command holds its own name for it
+    want = generate.complete(cfg, checkpoint.load_weights(path)[1], ByteTokenizer(), "Hi", 6, temperature=0)
+    for where in (checkpoint, generate_command):  # the command holds its own name for it
         monkeypatch.setattr(where, "load_weights", lambda *a: pytest.fail("loaded the whole model"))
     assert cli.main(["generate", str(path), "--tokenizer", "bytes", "--prompt", "Hi", "--tokens", "6",
                      "--temperature", "0"]) == 0

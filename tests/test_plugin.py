@@ -245,7 +245,7 @@ def test_a_store_of_the_toy_family_opened_without_it_is_one_config_error(tmp_pat
 @functools.cache
 def _sampling_store(tmp_dir):
     import mtjax.store
-    from mtjax.run import load_weights
+    from mtjax.checkpoint import load_weights
 
     cfg = toy(initializer_range=0.5, max_position_embeddings=24)  # large weights: varied greedy output
     path = mtjax.store.init_store(cfg, tmp_dir / "store", seed=3)

@@ -150,7 +150,7 @@ def test_eval_and_generate_work_on_the_run_outputs(tmp_path, capsys):
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1]  # the export holds the store's weights
     _, exported = hf.load_params(run / "final")
-    _, stored = run_lib.load_weights(run / "store")
+    _, stored = checkpoint.load_weights(run / "store")
     for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(stored)):
         np.testing.assert_array_equal(a, b)
     assert json.loads((run / "final" / checkpoint.EXPORT_NOTE).read_text())["tokenizer"] == "bytes"

@@ -129,7 +129,7 @@ def test_a_step_must_be_committed_before_its_update(tmp_path):
 
 
 def test_half_updated_store_is_not_read_as_weights(tmp_path):
-    from mtjax import run as run_lib
+    from mtjax import checkpoint
     from mtjax.stream.sample import StreamSampler
 
     _train(tmp_path / "s", 1, 2)
@@ -137,7 +137,7 @@ def test_half_updated_store_is_not_read_as_weights(tmp_path):
         export_hf(tmp_path / "s", tmp_path / "out")
     assert not (tmp_path / "out").exists()
     with pytest.raises(mtjax.store.StoreError, match="resume the run"):
-        run_lib.load_weights(tmp_path / "s")  # eval
+        checkpoint.load_weights(tmp_path / "s")  # eval
     with mtjax.store.open(tmp_path / "s") as store, pytest.raises(mtjax.store.StoreError, match="resume the run"):
         StreamSampler(store)  # generate
 

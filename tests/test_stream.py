@@ -270,14 +270,14 @@ def test_bad_tokens_and_options_are_user_errors():
 def test_run_config_builds_the_stream_engine(tmp_path):
     """`stream.engine=stream` in an experiment config gives this engine, with its knobs,
     and its evaluation loss equals the reference's."""
-    from mtjax import checkpoint, config, optim, run
+    from mtjax import checkpoint, config, engines, optim
 
     exp = config.load(None, [f"run.dir={tmp_path / 'run'}", "stream.engine=stream", "stream.keep_every=2",
                              "store.opt=disk", "data.batch_size=2", "data.seq_len=16"])
     cfg = config.model_config(exp)
     params = model.init_params(cfg, seed=3)
     store = mtjax.store.create(checkpoint.store_path(exp), cfg, optim.make_optimizer(exp.optim))
-    engine = run.make_engine(exp, cfg, params, store=store)
+    engine = engines.make_engine(exp, cfg, params, store=store)
     assert isinstance(engine, StreamEngine) and engine.options.keep_every == 2
     assert engine.tiers.placement == {"compute": "ram", "master": "ram", "opt": "disk"}
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 2, 16), dtype=np.int32)

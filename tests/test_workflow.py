@@ -18,7 +18,7 @@ import matplotlib.image
 import pytest
 
 import small_disk
-from mtjax import cli, config, model, wandb_log
+from mtjax import checkpoint, cli, config, evaluate, model, wandb_log
 from mtjax import run as run_lib
 from mtjax.commands import plot
 from mtjax.errors import MissingPackage
@@ -326,7 +326,7 @@ def test_eval_of_a_store_equals_eval_of_its_checkpoint(imported, capsys):
 
 @pytest.mark.slow  # compiles the streamed and the whole-model eval of two models
 def test_streamed_eval_equals_the_in_memory_eval(imported):
-    """`mtjax eval` streams the model part by part (run.eval_engine): its loss over a batch
+    """`mtjax eval` streams the model part by part (evaluate.eval_engine): its loss over a batch
     of micro-batches is the whole-model reference's, for a store and for a checkpoint."""
     import numpy as np
 
@@ -335,9 +335,9 @@ def test_streamed_eval_equals_the_in_memory_eval(imported):
     ckpt, store, _ = imported
     tokens = np.random.default_rng(0).integers(0, 300, (3, 2, 16), dtype=np.int32)
     for path in (ckpt, store):
-        cfg, params = run_lib.load_weights(path)
+        cfg, params = checkpoint.load_weights(path)
         want = reference.eval_loss(cfg, params, tokens)["loss"]
-        engine = run_lib.eval_engine(path)
+        engine = evaluate.eval_engine(path)
         try:
             got = engine.eval_loss(tokens)["loss"]
         finally:
@@ -373,7 +373,7 @@ def test_store_weights_are_the_checkpoint_weights(imported):
 
     ckpt, store, _ = imported
     cfg, want = hf.load_params(ckpt)
-    store_cfg, got = run_lib.load_weights(store)
+    store_cfg, got = checkpoint.load_weights(store)
     assert store_cfg.num_hidden_layers == cfg.num_hidden_layers
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -13,7 +13,7 @@ from mtjax import data
 from mtjax.commands.generate import check_source, is_store, model_config, tokenizer_of
 from mtjax.config import ConfigError, DataConfig
 from mtjax.errors import MtjaxError
-from mtjax.run import evaluate_checkpoint
+from mtjax.evaluate import evaluate_checkpoint
 
 
 def register(subparsers) -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import mtjax.store
 from mtjax import data, generate, textfile
+from mtjax.checkpoint import checkpoint_tokenizer, load_weights
+from mtjax.checkpoint import weights_config as model_config
 from mtjax.data import chat
 from mtjax.errors import MtjaxError
-from mtjax.run import checkpoint_tokenizer, load_weights
-from mtjax.run import weights_config as model_config
 from mtjax.store import layout, tokenizer
 from mtjax.stream.sample import StreamSampler
 
