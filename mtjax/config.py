@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from mtjax import parts, textfile, writable
-from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, EVERY, FRACTION, POSITIVE, STEPS, Range, out_of_range
+from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, EVERY, FRACTION, POSITIVE, SEQ_LEN, STEPS, Range, out_of_range
 from mtjax.data.format import FORMATS, PACKING, TRAIN_ON
 from mtjax.model_config import ConfigError, ModelConfig, RopeScaling, load_hf_config
 from mtjax.lora import LoraConfig
@@ -219,7 +219,7 @@ class DataConfig:
         if not str(self.dataset).strip():  # as a path it would mean the working directory: every text file under it
             raise ConfigError("data.dataset is empty; name a prepared dataset, a text, JSONL or Parquet file or "
                               "directory, or builtin:shakespeare")
-        _check_numbers("data", self, {"seq_len": Range(2), "batch_size": AT_LEAST_1, "grad_accum": AT_LEAST_1,
+        _check_numbers("data", self, {"seq_len": SEQ_LEN, "batch_size": AT_LEAST_1, "grad_accum": AT_LEAST_1,
                                       "val_fraction": FRACTION, "seed": AT_LEAST_0})
         _check_choice("data.format", self.format, FORMATS)
         _check_choice("data.train_on", self.train_on, TRAIN_ON)

@@ -63,7 +63,8 @@ def run_cases(cwd: Path, cases: list[tuple[list[str], str]], parallel: int = 4,
         lines = err.strip().splitlines()
         assert rc not in (0, None) and "Traceback" not in err + out, (args, rc, err)
         assert len(lines) == 1 and expect in lines[0], (args, err)
-        assert lines[0].startswith(f"mtjax {args[0]}: error: "), (args, err)
+        # argparse names a nested command whole: "mtjax data prepare: error: argument --seq-len: ..."
+        assert lines[0].startswith((f"mtjax {args[0]}: error: ", f"mtjax {' '.join(args[:2])}: error: ")), (args, err)
     after = snapshot(cwd)
     assert after == before, {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
 
@@ -114,26 +115,49 @@ def test_numbers_out_of_range(work):
         (["train", *TINY, "--run.dir=r2", "--optim.eps=-inf"], "optim.eps must be a finite number"),
         (["train", *TINY, "--run.dir=r2", "--model.rope_theta=nan"], "model.rope_theta must be a finite number"),
         (["train", *TINY, "--run.dir=r2", "--data.val_fraction=nan"], "data.val_fraction must be a finite number"),
-        (["generate", "run/final", "--top-k", "-5"], "--top-k must be >= 0"),
-        (["generate", "run/final", "--tokens", "-3"], "--tokens must be at least 1, got -3"),
-        (["generate", "run/final", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
-        (["generate", "run/final", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
+        (["generate", "run/final", "--top-k", "-5"],
+         "argument --top-k: must be >= 0 (0: sample from the whole vocabulary), got -5"),
+        (["generate", "run/final", "--tokens", "-3"], "argument --tokens: must be >= 1, got -3"),
+        (["generate", "run/final", "--temperature", "-1"], "argument --temperature: must be >= 0 (0: greedy), got -1.0"),
+        (["generate", "run/final", "--temperature", "nan"], "argument --temperature: must be a finite number, got 'nan'"),
         (["generate", "run/final", "--tokens", "many"], "argument --tokens: invalid int value: 'many'"),
-        (["eval", "run/final", "ds", "--batches", "0"], "--batches must be >= 1, got 0"),
+        (["eval", "run/final", "ds", "--batches", "0"], "argument --batches: must be >= 1, got 0"),
         (["eval", "run/final", "ds", "--batch-size", "-1"], "--batch-size must be >= 1, got -1"),
         (["eval", "run/final", "ds", "--seq-len", "1"], "--seq-len must be >= 2, got 1"),
         (["eval", "run/final", "ds", "--seq-len", "5000"],
          "--seq-len (5000) exceeds the model's context (model.max_position_embeddings = 1024); lower --seq-len"),
         (["eval", "store", "ds", "--seq-len", "129"], "--seq-len (129) exceeds the model's context"),
-        (["plan", "run/final", "--hardware", "h200", "--steps", "0"], "--steps must be >= 1, got 0"),
+        (["plan", "run/final", "--hardware", "h200", "--steps", "0"], "argument --steps: must be in [1, 2147483647]"),
         (["plan", "run/final", "--hardware", "h200", "--price-per-hour", "-1"],
-         "--price-per-hour must be a finite number >= 0"),
+         "argument --price-per-hour: must be >= 0, got -1.0"),
         (["plan", "run/final", "--hardware", "h200", "--reprobe"], "pass one of them"),
-        (["plan", "run/final", "--hardware", "h200", "--processes", "0"], "--processes must be >= 1, got 0"),
+        (["plan", "run/final", "--hardware", "h200", "--processes", "0"], "argument --processes: must be >= 1, got 0"),
         (["plan", "run/final", "--hardware", "h200", "--devices", "0"], "stream.devices must be all or a device count >= 1"),
         (["plan", "run/final", "--hardware", "h200", "--resident", "-2"], "stream.resident must be auto, none, all, a count >= 0"),
         (["plan", "run/final", "--hardware", "h200", "--resident", "bogus"], "stream.resident names ['bogus'], which this model"),
         (["train", *TINY, "--run.dir=r2", "--run.resume=sometimes"], "run.resume must be true, false or auto"),
+    ])
+
+
+def test_command_flags_checked_by_the_parser(work):
+    """A command's numeric flag is read against its range by the parser (mtjax.bounds.flag), in
+    the config checks' words. Once unchecked: a seed of 2^32 or more seeded as its low 32 bits
+    did, and 2^64 ended in a traceback; `init` took a negative seed; `plan` priced a run longer
+    than the optimizer's int32 step count."""
+    seed = "argument --seed: must be in [0, 4294967295] (JAX keeps a seed's low 32 bits)"
+    run_cases(work, [
+        (["init", "ckpt", "s", "--seed", "-1"], f"{seed}, got -1"),
+        (["init", "ckpt", "s", "--seed", str(2**64)], f"{seed}, got {2**64}"),
+        (["generate", "run/final", "--seed", str(2**32)], f"{seed}, got {2**32}"),
+        (["plan", "run/final", "--hardware", "h200", "--steps", str(2**31)],
+         "argument --steps: must be in [1, 2147483647] (the optimizer counts steps in int32), got 2147483648"),
+        (["plan", "run/final", "--hardware", "h200", "--price-per-hour", "inf"],
+         "argument --price-per-hour: must be a finite number, got 'inf'"),
+        (["generate", "run/final", "--temperature", "inf"], "argument --temperature: must be a finite number, got 'inf'"),
+        (["data", "prepare", "text.txt", "--out", "d", "--val-fraction", "nan"],
+         "argument --val-fraction: must be a finite number, got 'nan'"),
+        (["data", "prepare", "text.txt", "--out", "d", "--format", "chat", "--seq-len", "1"],
+         "argument --seq-len: must be >= 2, got 1"),
     ])
 
 
@@ -230,7 +254,8 @@ def test_empty_paths_and_other_commands_flags(work):
          "tokenizer 'empty' is a directory without a tokenizer.json; name 'bytes', a tokenizer.json or a checkpoint "
          "directory holding one"),
         (["generate", "run/final", "--tokenizer", "empty"], "tokenizer 'empty' is a directory without a tokenizer.json"),
-        (["data", "prepare", "text.txt", "--out", "d", "--val-fraction", "2"], "--val-fraction must be in [0, 1), got 2.0"),
+        (["data", "prepare", "text.txt", "--out", "d", "--val-fraction", "2"],
+         "argument --val-fraction: must be in [0, 1), got 2.0"),
         (["train", "empty"], "experiment file empty is a directory; name a YAML file"),
         (["data", "prepare", "ckpt", "--out", "d"],  # its config.json was read as JSONL: "not a JSON object"
          "ckpt is a model checkpoint (config.json and safetensors weights), not data: name the text"),

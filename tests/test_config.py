@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from pathlib import Path
 
@@ -252,6 +253,26 @@ def test_ranges_read_as_they_check():
     assert [v in STEPS for v in (0, 2**31 - 1, 2**31)] == [True, True, False]
     assert (str(FRACTION), str(POSITIVE), str(Range(2)), str(Range(0, 1, low_open=True))) == \
         ("in [0, 1)", "positive", ">= 2", "in (0, 1]")
+
+
+def test_a_flag_refuses_what_its_range_refuses_in_the_same_words():
+    """bounds.flag, the argparse type= of a command's numeric flag: argparse prints its
+    ArgumentTypeError as "argument --FLAG: MESSAGE", and a ValueError as "invalid int value"."""
+    from mtjax.bounds import AT_LEAST_1, FRACTION, SEED, flag
+
+    assert (flag(int, AT_LEAST_1)("3"), flag(float, FRACTION)("0.25"), flag(int, SEED)(str(2**32 - 1))) == \
+        (3, 0.25, 2**32 - 1)
+    for kind, allowed, text, message in ((int, AT_LEAST_1, "0", "must be >= 1, got 0"),
+                                         (float, FRACTION, "1", "must be in [0, 1), got 1.0"),
+                                         (float, FRACTION, "nan", "must be a finite number, got 'nan'"),
+                                         (float, AT_LEAST_1, "inf", "must be a finite number, got 'inf'"),
+                                         (int, SEED, str(2**64), f"must be {SEED}, got {2**64}")):
+        with pytest.raises(argparse.ArgumentTypeError) as e:
+            flag(kind, allowed)(text)
+        assert str(e.value) == message
+    with pytest.raises(ValueError):
+        flag(int, AT_LEAST_1)("1.5")
+    assert flag(int, AT_LEAST_1).__name__ == "int"
 
 
 SEVENTY_B = str(EXPERIMENTS[0].parent / "hf_configs" / "llama-3-70b.json")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from mtjax import writable
+from mtjax.bounds import FRACTION, SEQ_LEN, flag
 from mtjax.data import Dataset, prepare
 from mtjax.data.format import FORMATS, PACKING, TRAIN_ON
 
@@ -30,12 +31,12 @@ def register(subparsers) -> None:
                            "(default: bytes)")
     prep.add_argument("--text-field", default="text",
                       help="JSONL field or table column holding the text (default: text)")
-    prep.add_argument("--val-fraction", type=float, default=0.01,
+    prep.add_argument("--val-fraction", type=flag(float, FRACTION), default=0.01,
                       help="share of tokens held out for validation (default: 0.01)")
     prep.add_argument("--format", default="text", choices=FORMATS,
                       help="text: plain documents; chat: `messages` (role, content); prompt-completion: "
                            "`prompt` and `completion` (JSONL fields or table columns; default: text)")
-    prep.add_argument("--seq-len", type=int, default=None,
+    prep.add_argument("--seq-len", type=flag(int, SEQ_LEN), default=None,
                       help="tokens per row for chat / prompt-completion: the data.seq_len you train with; "
                            "longer conversations are dropped and counted")
     prep.add_argument("--packing", default="pack", choices=PACKING,

@@ -10,9 +10,9 @@ import math
 import sys
 
 from mtjax import data
+from mtjax.bounds import AT_LEAST_1, flag
 from mtjax.commands.generate import check_source, is_store, model_config, tokenizer_of
 from mtjax.config import ConfigError, DataConfig
-from mtjax.errors import MtjaxError
 from mtjax.evaluate import evaluate_checkpoint
 
 
@@ -23,7 +23,7 @@ def register(subparsers) -> None:
     p.add_argument("--split", default="val", help="train or val (default: val)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per row (default: 128)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per batch (default: 8)")
-    p.add_argument("--batches", type=int, default=8, help="batches to average over (default: 8)")
+    p.add_argument("--batches", type=flag(int, AT_LEAST_1), default=8, help="batches to average over (default: 8)")
     p.add_argument("--tokenizer", default=None, help="tokenizer spec when the checkpoint has none (a store "
                    "uses the tokenizer of its training data, or the one `mtjax import` kept)")
     p.set_defaults(func=run)
@@ -47,8 +47,6 @@ def _count(n: int, one: str, many: str) -> str:
 
 def run(args) -> int:
 
-    if args.batches < 1:
-        raise MtjaxError(f"--batches must be >= 1, got {args.batches}")
     try:  # the dataset, --seq-len and --batch-size are checked as training checks its data.* keys
         DataConfig(dataset=args.dataset, seq_len=args.seq_len, batch_size=args.batch_size)
     except ConfigError as e:

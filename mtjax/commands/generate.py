@@ -6,11 +6,11 @@ model was fine-tuned on it), and the answer stops at the template's end of turn.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import mtjax.store
 from mtjax import data, generate, textfile
+from mtjax.bounds import AT_LEAST_1, SEED, Range, flag
 from mtjax.checkpoint import checkpoint_tokenizer, load_weights
 from mtjax.checkpoint import weights_config as model_config
 from mtjax.data import chat
@@ -23,10 +23,12 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="sample text from a checkpoint or layer store", description=__doc__)
     p.add_argument("checkpoint", help="checkpoint directory (e.g. runs/default/final) or layer store")
     p.add_argument("--prompt", default="", help="text to continue (default: empty)")
-    p.add_argument("--tokens", type=int, default=200, help="tokens to generate (default: 200)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0: all (default: 40)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--tokens", type=flag(int, AT_LEAST_1), default=200, help="tokens to generate (default: 200)")
+    p.add_argument("--temperature", type=flag(float, Range(0, note="0: greedy")), default=0.8,
+                   help="0 for greedy decoding (default: 0.8)")
+    p.add_argument("--top-k", type=flag(int, Range(0, note="0: sample from the whole vocabulary")), default=40,
+                   help="sample among the k likeliest tokens; 0: all (default: 40)")
+    p.add_argument("--seed", type=flag(int, SEED), default=0, help="sampling seed (default: 0)")
     p.add_argument("--chat", action="store_true",
                    help="--prompt is a user's message: render it through the checkpoint's chat template and "
                         "stop at the template's end of turn (e.g. <|im_end|>)")
@@ -77,20 +79,8 @@ def chat_prompt(path, tok, message: str) -> tuple[str, int]:
     return template.render([{"role": "user", "content": message}], add_generation_prompt=True), stop[0]
 
 
-def check_sampling(args) -> None:
-    textfile.argument(args.prompt, "--prompt")
-    if args.tokens < 1:
-        raise MtjaxError(f"--tokens must be at least 1, got {args.tokens}")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise MtjaxError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
-    if args.top_k < 0:
-        raise MtjaxError(f"--top-k must be >= 0 (0: sample from the whole vocabulary), got {args.top_k}")
-    if args.seed < 0:
-        raise MtjaxError(f"--seed must be >= 0, got {args.seed}")
-
-
 def run(args) -> int:
-    check_sampling(args)
+    textfile.argument(args.prompt, "--prompt")  # the numeric flags are checked by the parser (mtjax.bounds.flag)
     check_source(args.checkpoint)
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     tokenizer = tokenizer_of(args.checkpoint, args.tokenizer)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 from pathlib import Path
 
 from mtjax import plan as planner
 from mtjax import writable
+from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, EVERY, flag
 from mtjax.errors import MtjaxError
 from mtjax.plan import compute_dtype, fit, hosts, inputs, machine, probe, report, residency, wholerun
 from mtjax.plan import longest as planner_longest
@@ -42,9 +42,9 @@ def register(subparsers) -> None:
                         "(~/.cache/mtjax)")
     p.add_argument("--reprobe", action="store_true",
                    help="measure this machine again instead of using its cached profile")
-    p.add_argument("--steps", type=int, metavar="N",
+    p.add_argument("--steps", type=flag(int, EVERY), metavar="N",
                    help="optimizer steps of the whole run (default: the config's run.steps)")
-    p.add_argument("--price-per-hour", type=float, metavar="USD",
+    p.add_argument("--price-per-hour", type=flag(float, AT_LEAST_0), metavar="USD",
                    help="price of the machine per hour, for the run's cost (default: the profile's typical price)")
     p.add_argument("--batch-size", type=int, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
@@ -58,7 +58,7 @@ def register(subparsers) -> None:
                         "chooses them), none, all, a count, or part names (embed,block.0,...,head)")
     p.add_argument("--placement", help="e.g. compute=ram,master=ram,opt=disk (default: all ram)")
     p.add_argument("--store-copies", type=int, choices=(1, 2), help="copies of disk-tier state (store.copies)")
-    p.add_argument("--processes", type=int, default=1,
+    p.add_argument("--processes", type=flag(int, AT_LEAST_1), default=1,
                    help="hosts of a multi-process run, one process each: RAM and disk per host, and the "
                         "network traffic per step against the profile's network_bytes_per_s (default: 1)")
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16", "float16", "auto"),
@@ -96,8 +96,6 @@ def _placement(text: str) -> dict[str, str]:
 def _run_length(args) -> tuple[int, str]:
     """(steps, where the number comes from)."""
     if args.steps is not None:
-        if args.steps < 1:
-            raise PlanError(f"--steps must be >= 1, got {args.steps}")
         return args.steps, "--steps"
     steps = inputs.run_steps(args.config)
     if Path(args.config).suffix in (".yaml", ".yml"):
@@ -124,12 +122,8 @@ def _hardware(args):
 
 
 def run_plan(args) -> int:
-    if args.price_per_hour is not None and not (math.isfinite(args.price_per_hour) and args.price_per_hour >= 0):
-        raise PlanError(f"--price-per-hour must be a finite number >= 0, got {args.price_per_hour}")
     if args.reprobe and args.hardware:
         raise PlanError("--reprobe measures this machine, --hardware names another profile: pass one of them")
-    if args.processes < 1:
-        raise PlanError(f"--processes must be >= 1, got {args.processes}")
     hardware = functools.cache(lambda: _hardware(args))
     overrides = {"compute_dtype": args.compute_dtype} if args.compute_dtype else {}
     # compute_dtype=auto: chosen for the profile planned for, as a run on it chooses

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mtjax import config as experiment
 from mtjax import writable
+from mtjax.bounds import SEED, flag
 from mtjax.errors import MtjaxError
 from mtjax.model_config import BASE_FORMATS, load_hf_config
 from mtjax.plan import compute_dtype
@@ -76,7 +77,7 @@ def register(subparsers) -> None:
     i.add_argument("--compute-dtype", choices=(*DTYPES, compute_dtype.AUTO),
                    help="dtype of the streamed weights (default: bfloat16, or the experiment's; auto: as a run on "
                         "this machine chooses)")
-    i.add_argument("--seed", type=int, default=0, help="parameter initialisation seed")
+    i.add_argument("--seed", type=flag(int, SEED), default=0, help="parameter initialisation seed")
     i.add_argument("--copies", type=int, choices=(1, 2), default=2,
                    help="copies of the state on disk: 2 (default) or 1 (train it with --store.copies=1)")
     i.set_defaults(func=run_init)

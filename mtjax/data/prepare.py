@@ -261,8 +261,6 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
         shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
         raise DataError(f"{out} is not a prepared dataset (no {fmt.META_FILE}; it holds {shown}) and --overwrite "
                         "replaces only a dataset; choose another output, or empty it yourself")
-    if not 0 <= val_fraction < 1:
-        raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if format == "text":
         if seq_len is not None:
             raise DataError("--seq-len cuts chat or prompt-completion data into rows; text is cut at training time")
@@ -326,9 +324,9 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
 def _check_rows(format: str, seq_len: int | None, packing: str, train_on: str, tokenizer: str) -> None:
     if format not in fmt.ROW_FORMATS:
         raise DataError(f"--format {format!r} is not one of {', '.join(fmt.FORMATS)}")
-    if seq_len is None or seq_len < 2:
+    if seq_len is None:
         raise DataError(f"--format {format} writes rows of --seq-len tokens (the data.seq_len you train with); "
-                        f"give --seq-len of at least 2" + ("" if seq_len is None else f", not {seq_len}"))
+                        "give --seq-len")
     if packing not in fmt.PACKING:
         raise DataError(f"--packing {packing!r} is not one of {', '.join(fmt.PACKING)}")
     if train_on not in fmt.TRAIN_ON:
