@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from mtjax import parts, textfile, writable
-from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, EVERY, FRACTION, POSITIVE, SEQ_LEN, STEPS, Range, out_of_range
+from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, EVERY, FRACTION, POSITIVE, SEED, SEQ_LEN, STEPS, Range, out_of_range
 from mtjax.data.format import FORMATS, PACKING, TRAIN_ON
 from mtjax.model_config import ConfigError, ModelConfig, RopeScaling, load_hf_config
 from mtjax.lora import LoraConfig
@@ -251,7 +251,8 @@ class RunConfig:
         if self.resume not in (True, False, "auto"):
             raise ConfigError(f"run.resume must be true, false or auto, got {self.resume!r}")
         _check_numbers("run", self, {"steps": STEPS, "log_every": EVERY, "eval_every": STEPS,
-                                     "eval_batches": AT_LEAST_1, "checkpoint_every": STEPS, "sample_tokens": AT_LEAST_0})
+                                     "eval_batches": AT_LEAST_1, "checkpoint_every": STEPS, "sample_tokens": AT_LEAST_0,
+                                     "seed": SEED})
         if self.wandb is not None and (not self.wandb.strip() or self.wandb.strip().lower() in _TRUE + _FALSE):
             raise ConfigError(f"run.wandb names the Weights & Biases project to log to (--run.wandb=my-project), "
                               f"got {self.wandb!r}; leave it unset to log nothing there")

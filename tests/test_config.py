@@ -212,6 +212,8 @@ def argparse_namespace(args, extra):
     ("--run.steps=1e12", "run.steps must be in [0, 2147483647] (the optimizer counts steps in int32), "
                          "got 1000000000000"),
     ("--run.sample_tokens=-2", "run.sample_tokens must be >= 0, got -2"),
+    ("--run.seed=-1", "run.seed must be in [0, 4294967295] (JAX keeps a seed's low 32 bits), got -1"),
+    ("--run.seed=4294967296", "run.seed must be in [0, 4294967295]"),  # would seed as 0
     ("--optim.warmup_steps=3e9", "optim.warmup_steps must be in [0, 2147483647]"),
     ("--optim.decay_steps=-1", "optim.decay_steps must be in [0, 2147483647]"),
     ("--optim.lr=-1e-3", "optim.lr must be positive, got -0.001"),
