@@ -36,8 +36,8 @@ _FLAGS = {"data.seq_len / data.batch_size / data.grad_accum": "--seq-len / --bat
 
 def _in_flags(message: str) -> str:
     """A line about `mtjax train`'s data.* keys, in this command's arguments."""
-    for key, flag in _FLAGS.items():
-        message = message.replace(key, flag)
+    for key, ours in _FLAGS.items():
+        message = message.replace(key, ours)
     return message
 
 
