@@ -129,7 +129,8 @@ def _main(argv: list[str]) -> int:
         if args.command is None:  # bare `mtjax`: what there is to do, not a surprise training run
             parser.print_help()
             return 0
-        command = f"mtjax {args.command}"
+        # Named as argparse names it in its own refusals: a nested command whole ("mtjax data prepare").
+        command = " ".join(["mtjax", args.command, *filter(None, [getattr(args, "data_command", None)])])
         if extra:
             args.extra_args = extra  # e.g. a mistyped --optim.lrr=1, which train reports with the nearest key
         return int(args.func(args) or 0)

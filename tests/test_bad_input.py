@@ -63,8 +63,9 @@ def run_cases(cwd: Path, cases: list[tuple[list[str], str]], parallel: int = 4,
         lines = err.strip().splitlines()
         assert rc not in (0, None) and "Traceback" not in err + out, (args, rc, err)
         assert len(lines) == 1 and expect in lines[0], (args, err)
-        # argparse names a nested command whole: "mtjax data prepare: error: argument --seq-len: ..."
-        assert lines[0].startswith((f"mtjax {args[0]}: error: ", f"mtjax {' '.join(args[:2])}: error: ")), (args, err)
+        # A nested command is named whole, as argparse names it: "mtjax data prepare: error: ..."
+        command = " ".join(args[:2]) if args[0] == "data" else args[0]
+        assert lines[0].startswith(f"mtjax {command}: error: "), (args, err)
     after = snapshot(cwd)
     assert after == before, {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
 
@@ -541,7 +542,7 @@ def test_ctrl_c_stops_a_command_with_one_line_and_no_litter(work):
             # Once (in CI, under load) this saw exit 0 and no stderr at delay 0: say whether
             # the command had already ended and what it printed, if it happens again.
             assert p.returncode == 130, (delay, running, p.returncode, err[-2000:], out[-2000:])
-            assert lines == ["mtjax data: interrupted"], (delay, err[-2000:])
+            assert lines == ["mtjax data prepare: interrupted"], (delay, err[-2000:])
             assert snapshot(work) == before, delay
     finally:
         signal.signal(signal.SIGINT, inherited)
