@@ -140,7 +140,7 @@ class StreamConfig:
     device_budget_bytes: int | None = None  # cap on device memory use, checked before step 1; None: no cap
     # auto: the planner's choice for the device budget, made when a run starts and by
     # `mtjax plan` for its profile (an engine built directly takes auto as none); a count: the parts whose
-    # streaming costs most (schedule.residency_order); a list: those parts.
+    # streaming costs most (step_parts.residency_order); a list: those parts.
     resident: int | str | tuple[str, ...] = "auto"  # parts whose whole state stays on the device, updated there: auto | none | all | N | embed,block.0,...
     # What the backward keeps of a recompute group whose blocks are all resident: full
     # (recompute each block from the group's input, as streamed ones are), dots (keep the

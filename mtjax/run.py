@@ -39,8 +39,8 @@ from mtjax.plan.cost import mfu_flops_per_token
 from mtjax.progress import Progress, peak_flops, require_tensorboard
 from mtjax.stream import StreamEngine, staging
 from mtjax.stream import hosts as stream_hosts
-from mtjax.stream import schedule as schedule_mod
 from mtjax.stream import sample as sample_mod
+from mtjax.stream import step_parts
 from mtjax.stream.budget import DeviceBudgetError
 
 
@@ -251,7 +251,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
                   f"{exp.data.seq_len}: none is computed; hold out more (data.val_fraction, or data prepare's "
                   "--val-fraction), or set run.eval_every=0", file=out, flush=True)
         if exp.stream.engine == "stream" and asked.resident not in ("auto", "none", (), 0) and \
-                (buffered := schedule_mod.with_buffers(cfg)):
+                (buffered := step_parts.with_buffers(cfg)):
             print(f"mtjax: warning: stream.resident={asked.resident} leaves {', '.join(buffered)} streamed: their "
                   f"buffers are updated on the host only", file=out, flush=True)
         if hosts is not None:

@@ -13,7 +13,7 @@ from mtjax.errors import NonFiniteStep
 from mtjax.layers import registry
 from mtjax.layers.spec import MoE
 from mtjax.partid import EMBED, HEAD, ROUTER, PartId
-from mtjax.stream import schedule
+from mtjax.stream import step_parts
 from conftest import tiny_config, tiny_moe_config
 
 NAMES = {"embed": ("embed", None, None), "head": ("head", None, None), "block.0": ("block", 0, None),
@@ -75,7 +75,7 @@ class WholeMoE(MoE):
 
 
 def test_the_blocks_that_split_are_those_whose_feed_forward_has_the_split_point():
-    """schedule.split_blocks asks each layer's feed-forward entry (its split_points), not
+    """step_parts.split_blocks asks each layer's feed-forward entry (its split_points), not
     which layers a config calls MoE: a stand-in config whose moe_layers say otherwise."""
     moe = tiny_moe_config()
     moe_spec = moe.layer_specs[moe.moe_layers[0]]
@@ -85,6 +85,6 @@ def test_the_blocks_that_split_are_those_whose_feed_forward_has_the_split_point(
     cfg = types.SimpleNamespace(layer_specs=(dense, whole, moe_spec, moe_spec), moe_layers=(0, 1, 2),
                                 num_experts=moe.num_experts)
     groups = expert_groups.groups_of(moe.num_experts, 2)
-    assert schedule.split_blocks(cfg, 2, resident=()) == {2: groups, 3: groups}
-    assert schedule.split_blocks(cfg, 2, resident=(partid.block(3),)) == {2: groups}
-    assert schedule.split_blocks(cfg, None, resident=()) == {}
+    assert step_parts.split_blocks(cfg, 2, resident=()) == {2: groups, 3: groups}
+    assert step_parts.split_blocks(cfg, 2, resident=(partid.block(3),)) == {2: groups}
+    assert step_parts.split_blocks(cfg, None, resident=()) == {}

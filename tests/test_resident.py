@@ -141,7 +141,7 @@ def test_a_process_of_several_streams_every_part_and_sizes_its_step_on_its_share
     share) with every part streamed, LoRA adapters included (mtjax.stream.hosts.STREAMED,
     asked or not): its settings are one process's of the halved batch asking STREAMED, at
     budgets where one process asking auto keeps parts. (With nothing resident the remat
-    policy does not change the step, `schedule.saved_groups`: it resolves to full.)"""
+    policy does not change the step, `step_parts.saved_groups`: it resolves to full.)"""
     from mtjax.config import DataConfig
     from mtjax.plan import inputs
     from mtjax.stream.hosts import STREAMED
@@ -188,15 +188,15 @@ def test_parts_with_buffers_stream_and_a_list_naming_one_is_refused_in_one_line(
     """DeepSeek-V3's MoE blocks hold the router's correction bias, a buffer its rule updates
     on the host: all and N keep the other parts resident, a list naming such a block is refused."""
     from mtjax.errors import MtjaxError
-    from mtjax.stream import schedule
+    from mtjax.stream import step_parts
 
     from test_deepseek import TINY_V3
 
-    groups = schedule.groups(TINY_V3.num_hidden_layers, 1)
+    groups = step_parts.groups(TINY_V3.num_hidden_layers, 1)
     names = [p.name for p in parts.parts(TINY_V3)]
-    assert schedule.with_buffers(TINY_V3) == ("block.1", "block.2")
-    assert schedule.resident_parts(TINY_V3, "all", groups) == ("embed", "block.0", "head")
-    assert len(schedule.resident_parts(TINY_V3, len(names), groups)) == 3
+    assert step_parts.with_buffers(TINY_V3) == ("block.1", "block.2")
+    assert step_parts.resident_parts(TINY_V3, "all", groups) == ("embed", "block.0", "head")
+    assert len(step_parts.resident_parts(TINY_V3, len(names), groups)) == 3
     with pytest.raises(MtjaxError, match=r"names \['block.2'\], whose buffers") as e:
-        schedule.resident_parts(TINY_V3, ("block.0", "block.2"), groups)
+        step_parts.resident_parts(TINY_V3, ("block.0", "block.2"), groups)
     assert "\n" not in str(e.value)

@@ -323,7 +323,7 @@ def test_the_plans_pinned_bound_is_the_engines_figure_and_the_cap_is_only_raised
     from mtjax.stream import StreamEngine
 
     # bf16 compute: staged through slots on this CPU too (fp32 would be staged in place here,
-    # `schedule.staged_in_place`, which a device with pinned memory never does).
+    # `step_parts.staged_in_place`, which a device with pinned memory never does).
     cfg = model_config.ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, compute_dtype="bfloat16")
     params = model.init_params(cfg, seed=0)

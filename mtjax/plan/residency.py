@@ -25,7 +25,7 @@ from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import fit, inputs
 from mtjax.plan.cost import Plan, estimate
 from mtjax.plan.hardware import BUILTIN, HardwareProfile
-from mtjax.stream import schedule
+from mtjax.stream import schedule, step_parts
 from mtjax.stream.hosts import STREAMED, check_resident, share
 from mtjax.stream.schedule import StepShape
 
@@ -34,15 +34,15 @@ def classes(cfg: ModelConfig, stream: StreamConfig) -> list[tuple[str, ...]]:
     """The parts in groups the cost model cannot tell apart: same layout (fn_kind, hence
     the same bytes, by leaf role: a frozen leaf's compute copy only) and streamed as often
     in a step; each group in residency order. Parts with buffers are never resident
-    (`schedule.with_buffers`)."""
-    grps = schedule.groups(cfg.num_hidden_layers, stream.keep_every)
+    (`step_parts.with_buffers`)."""
+    grps = step_parts.groups(cfg.num_hidden_layers, stream.keep_every)
     crossings = {}
-    for p in schedule.train_parts(cfg, grps):
+    for p in step_parts.train_parts(cfg, grps):
         crossings[p] = crossings.get(p, 0) + 1
     kind = {p.name: p.fn_kind for p in parts.parts(cfg)}
     out: dict[tuple, list[str]] = {}
-    streamed = schedule.with_buffers(cfg)
-    for p in schedule.residency_order(cfg, grps):
+    streamed = step_parts.with_buffers(cfg)
+    for p in step_parts.residency_order(cfg, grps):
         if p not in streamed:
             out.setdefault((kind[p], parts.trained(cfg, p), crossings[p]), []).append(p)
     return [tuple(v) for v in out.values()]
@@ -70,7 +70,7 @@ def choose(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: St
     pb = schedule.part_bytes(cfg, make_optimizer(OptimConfig()) if tx is None else tx)
 
     def at(resident) -> Plan:
-        return estimate(cfg, dataclasses.replace(stream, resident=tuple(resident), remat=schedule.remat_of(stream)),
+        return estimate(cfg, dataclasses.replace(stream, resident=tuple(resident), remat=step_parts.remat_of(stream)),
                         store, shape, hardware, part_bytes_=pb, processes=processes)
 
     if budget is None:

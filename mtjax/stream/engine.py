@@ -43,6 +43,7 @@ from mtjax.stream import budget as budget_mod
 from mtjax.stream import engine_state
 from mtjax.stream import hosts as hosts_mod
 from mtjax.stream import schedule as schedule_mod
+from mtjax.stream import step_parts
 from mtjax.stream.blockfns import block_fns
 from mtjax.stream.grads import GradSink
 from mtjax.stream.groupfns import group_fns
@@ -156,8 +157,8 @@ class StreamEngine:
             engine_state.load_ram_kinds(self.updater, self.tiers, store, [p.name for p in self.parts])
         else:
             self._init_state(params, opt_state)
-        whole = schedule_mod.resident_parts(cfg, stream.resident, self.groups)
-        adapters = schedule_mod.adapter_parts(cfg, stream, whole)  # resident while their part's frozen leaves stream
+        whole = step_parts.resident_parts(cfg, stream.resident, self.groups)
+        adapters = step_parts.adapter_parts(cfg, stream, whole)  # resident while their part's frozen leaves stream
         self.resident = Resident(whole + adapters, self.update, self.placement, staged=adapters)
         self.stager = Stager(cfg, self.pool, self.tracer, self.split, self.updater, self.schemas)
         self.runner = Runner(cfg, self.fns, self.pool, self.tracer, self.ledger, self.placement, self.split,
@@ -239,7 +240,7 @@ class StreamEngine:
     @property
     def groups(self) -> tuple[range, ...]:
         """Recompute groups: block ranges whose first input is kept."""
-        return schedule_mod.groups(self.cfg.num_hidden_layers, self.options.keep_every)
+        return step_parts.groups(self.cfg.num_hidden_layers, self.options.keep_every)
 
     def plan(self, batch: int, seq: int, accum: int = 1, documents: bool = False) -> schedule_mod.Schedule:
         """The schedule of a step of `accum` micro-batches of [batch, seq], packed documents

@@ -17,6 +17,10 @@ The engine runs `operations`, streams `transfers`, allocates `staging` and `read
 trainer's preflight checks `device` against the budget. tests/test_schedule.py counts
 every transfer, disk read and write of real engine steps and finds these numbers.
 
+This module counts the step's bytes and builds its Schedule; which parts it streams, in
+what order, and which stay on the device or split is mtjax.stream.step_parts's choice,
+and what one block holds for its backward is mtjax.stream.block_bytes's.
+
 What one step moves (docs/pipeline.md): each part crosses to the device once, whatever
 the number of micro-batches (they loop inside each part), and the blocks again for the
 backward, one recompute group at a time, groups in reverse; the last block stays on the
@@ -54,14 +58,13 @@ import functools
 import jax
 import numpy as np
 
-from mtjax import expert_groups, hostmem, partid, parts, roles
+from mtjax import expert_groups, hostmem, partid, parts
 from mtjax.config import StoreConfig, StreamConfig, check_split
-from mtjax.errors import MtjaxError
 from mtjax.layers.spec import LayerSpec
 from mtjax.loss import head_bytes
 from mtjax.model_config import ModelConfig
 from mtjax.partid import EMBED, HEAD, PartId
-from mtjax.stream import fused_adamw, ops
+from mtjax.stream import fused_adamw, ops, step_parts
 from mtjax.stream.block_bytes import block_working_bytes, residual_bytes, split_residual_bytes
 from mtjax.stream.budget import DeviceBudgetError
 from mtjax.units import size
@@ -203,8 +206,8 @@ class Schedule:
     sub_bytes: dict = dataclasses.field(default_factory=dict)  # {sub-part: StateBytes} of the split blocks
     staging: tuple = ()  # the staging pool's buffer sets: (first transfer of a shape, sets, bytes of one); staging_sets
     reads: tuple = ()  # the update's read buffer sets: (first part of a shape, kind, sets, bytes of one); read_sets
-    adapters: tuple = ()  # streamed parts whose trained leaves (LoRA adapters) are resident; adapter_parts
-    in_place: tuple = ()  # whole streamed parts staged as their master arrays, no slot; staged_in_place
+    adapters: tuple = ()  # streamed parts whose trained leaves (LoRA adapters) are resident; step_parts.adapter_parts
+    in_place: tuple = ()  # whole streamed parts staged as their master arrays, no slot; step_parts.staged_in_place
     processes: int = 1  # the run's processes, each stepping its rows (mtjax.stream.hosts); derives_compute
 
     @property
@@ -314,69 +317,6 @@ class Schedule:
         return (len(self.groups) - len(self.saved)) * self.shape.accum * self.hidden_bytes
 
 
-def groups(num_blocks: int, keep_every: int, alone=()) -> tuple[range, ...]:
-    """Recompute groups of `keep_every` blocks (0: as many as run together); the blocks
-    in `alone` (split MoE blocks) are groups of their own."""
-    out, run = [], []
-
-    def close():
-        k = len(run) if keep_every == 0 else keep_every
-        out.extend(range(s, min(s + k, run[-1] + 1)) for s in range(run[0], run[-1] + 1, k))
-        run.clear()
-
-    for i in range(num_blocks):
-        if i not in alone:
-            run.append(i)
-            continue
-        if run:
-            close()
-        out.append(range(i, i + 1))
-    if run:
-        close()
-    return tuple(out)
-
-
-def last_stays(groups_: tuple[range, ...], split=()) -> bool:
-    """Whether the last block's weights stay on the device from its forward to its
-    backward (saves one transfer): when it is a recompute group of its own, not split."""
-    return len(groups_[-1]) == 1 and groups_[-1].start not in split
-
-
-def _block_units(i: int, split: dict, backward: bool = False) -> list[PartId]:
-    """What crosses for block i: the block, or a split block's sub-parts (router part,
-    then its expert groups; in the backward the groups in reverse, then the router part)."""
-    if i not in split:
-        return [partid.block(i)]
-    names = list(expert_groups.names(partid.block(i), split[i]))
-    return names[:0:-1] + names[:1] if backward else names
-
-
-def forward_parts(cfg: ModelConfig, split=None) -> tuple[PartId, ...]:
-    """embed, the blocks (split ones as their sub-parts), head, and embed again when tied
-    (the head's kernel)."""
-    fwd = [EMBED, *(u for i in range(cfg.num_hidden_layers) for u in _block_units(i, split or {})), HEAD]
-    return tuple(fwd + ([EMBED] if cfg.tie_word_embeddings else []))
-
-
-def train_parts(cfg: ModelConfig, groups_: tuple[range, ...], split=None) -> tuple[PartId, ...]:
-    """The forward, then the blocks of each recompute group, groups in reverse, blocks in
-    forward order within a group; without the last block when it stays on the device."""
-    split = split or {}
-    bwd = [u for g in reversed(groups_) for i in g for u in _block_units(i, split, backward=True)]
-    return forward_parts(cfg, split) + tuple(bwd[1:] if last_stays(groups_, split) else bwd)
-
-
-def first_transfers(transfers: tuple[PartId, ...]) -> set[int]:
-    """Indices of the transfers that first stage each part (a split block: its first
-    sub-part): those a pending update hands its new compute copy to."""
-    seen, first = set(), set()
-    for i, p in enumerate(transfers):
-        if p.owner not in seen:
-            seen.add(p.owner)
-            first.add(i)
-    return first
-
-
 def staged_at_once(stream: StreamConfig, groups_: tuple[range, ...]) -> int:
     """Parts whose compute weights may be staged at once: `prefetch_depth` ahead of use,
     plus those in use (a recompute group, or the head, a tied embedding and the last
@@ -411,7 +351,8 @@ def staging_sets(cfg: ModelConfig, stream: StreamConfig, groups_: tuple[range, .
     acquires a set only below `prefetch_depth` staged and untaken, so a set is always
     free then (its readers may still run: the acquire waits for them). The engine
     allocates exactly these before its first step, and the planner prices them as host
-    staging. Parts staged `in_place` (as their master arrays, `staged_in_place`) take none."""
+    staging. Parts staged `in_place` (as their master arrays, `step_parts.staged_in_place`)
+    take none."""
     most = stream.prefetch_depth + max(len(g) for g in groups_)
     by_shape: dict[tuple, list] = {}
     by_kind = {p.name: p.fn_kind for p in parts.parts(cfg)}
@@ -443,83 +384,10 @@ def read_sets(cfg: ModelConfig, store: StoreConfig, pb: dict[str, StateBytes],
                  for kind in ("master", "opt") if getattr(store, kind) == "disk")
 
 
-def residency_order(cfg: ModelConfig, groups_: tuple[range, ...]) -> tuple[PartId, ...]:
-    """Every part, those whose streaming costs most first: by how often a step streams it
-    (blocks of multi-block recompute groups and a tied embedding twice, the rest once),
-    then in model order. `stream.resident: N` keeps the first N resident."""
-    crossings = {}
-    for p in train_parts(cfg, groups_):
-        crossings[p] = crossings.get(p, 0) + 1
-    names = [p.name for p in parts.parts(cfg)]
-    return tuple(sorted(names, key=lambda p: -crossings.get(p, 0)))
-
-
-@functools.lru_cache(maxsize=16)
-def with_buffers(cfg: ModelConfig) -> tuple[PartId, ...]:
-    """The parts holding buffers (mtjax.roles): their rule updates them on the host only,
-    so they stream."""
-    return tuple(p.name for p in parts.parts(cfg)
-                 if any(leaf.role == roles.BUFFER for leaf in parts.leaves(cfg, p.name).values()))
-
-
-def resident_parts(cfg: ModelConfig, spec, groups_: tuple[range, ...]) -> tuple[PartId, ...]:
-    """The resident parts `stream.resident` names (a list of part names, or PartIds), in
-    model order. "auto" is the planner's to resolve (mtjax.plan.residency); unresolved,
-    nothing is resident. A part's frozen leaves (mtjax.roles) stay as their compute copy;
-    parts with buffers (`with_buffers`) are never resident: "all" and N skip them, a list
-    naming one is refused."""
-    names = [p.name for p in parts.parts(cfg)]
-    streamed = with_buffers(cfg)
-    if spec in ("auto", "none"):
-        chosen = ()
-    elif spec == "all":
-        chosen = tuple(names)
-    elif isinstance(spec, int):
-        chosen = tuple(p for p in residency_order(cfg, groups_) if p not in streamed)[:spec]
-    else:
-        unknown = [p for p in spec if p not in names]
-        if unknown:
-            raise MtjaxError(f"stream.resident names {unknown}, which this model does not have; its parts are "
-                             f"{EMBED}, {names[1]} ... {names[-2]}, {HEAD}")
-        if buffered := [p for p in spec if p in streamed]:
-            raise MtjaxError(f"stream.resident names {buffered}, whose buffers ({', '.join(roles.BUFFER_RULES)}) are "
-                             f"updated on the host only; leave them out (all and N skip them)")
-        chosen = tuple(spec)
-    return tuple(p for p in names if p in chosen and p not in streamed)
-
-
-def adapter_parts(cfg: ModelConfig, stream: StreamConfig, resident: tuple) -> tuple[PartId, ...]:
-    """The streamed parts whose trained leaves, LoRA adapters, stay resident while their
-    frozen leaves stream (`stream.adapters`: resident): every part with adapters but the
-    wholly resident ones, those with buffers (`with_buffers`) and the MoE blocks that may
-    split into expert groups (a group size or a device budget given: their adapters
-    stream with them)."""
-    if cfg.lora is None or stream.adapters != "resident":
-        return ()
-    may_split = stream.expert_group_size is not None or stream.device_budget_bytes is not None
-    splits = {partid.block(i) for i in expert_groups.split_blocks(cfg)} if may_split else set()
-    streamed = splits | set(resident) | set(with_buffers(cfg))
-    return tuple(p.name for p in parts.parts(cfg) if parts.trained(cfg, p.name) and p.name not in streamed)
-
-
 def adapters_view(b: StateBytes) -> StateBytes:
     """What a part whose adapters are resident streams and keeps on the host in a step:
     its frozen leaves' compute copy, nothing else."""
     return StateBytes(b.compute - b.trained, 0, 0, 0)
-
-
-def remat_of(stream: StreamConfig) -> str:
-    """The remat policy of saved groups: "auto" unresolved by the planner is "full"."""
-    return "full" if stream.remat == "auto" else stream.remat
-
-
-def saved_groups(groups_: tuple[range, ...], resident: tuple[PartId, ...], remat: str) -> tuple[range, ...]:
-    """The recompute groups whose blocks are all resident, when the policy keeps their
-    vjps from the forward (remat dots or none): their backward needs no kept input and
-    their weights never leave, so nothing is recomputed beyond what the policy drops."""
-    if remat == "full":
-        return ()
-    return tuple(g for g in groups_ if all(partid.block(i) in resident for i in g))
 
 
 def derives_compute(fused: bool, store: StoreConfig, frozen: bool = False, processes: int = 1) -> bool:
@@ -529,19 +397,6 @@ def derives_compute(fused: bool, store: StoreConfig, frozen: bool = False, proce
     compute copy is all they have; nor in a run of several `processes` (mtjax.stream.hosts):
     a process holds only its rows of master, so it cannot round the compute copy from them."""
     return fused and store.master == "ram" and store.compute == "ram" and not frozen and processes == 1
-
-
-def staged_in_place(cfg: ModelConfig, derived: bool, reads_host: bool, streamed, adapters: tuple,
-                    split: dict) -> tuple[PartId, ...]:
-    """The `streamed` parts staged as their master arrays (mtjax.stream.stager): where the
-    device reads host memory (`reads_host`: the CPU backend, `Placement.reads_host`), with
-    fp32 compute and no compute copy kept (`derived`), the master arrays are the compute
-    weights, and copying them into a staging slot would only move 8 bytes/param per step
-    for nothing. Whole parts only: a split block's sub-parts and a part whose adapters
-    are resident (its frozen leaves) stage into slots."""
-    if not (derived and reads_host and np.dtype(cfg.compute_dtype) == np.float32):
-        return ()
-    return tuple(p for p in streamed if p not in adapters and p.block not in split)
 
 
 def spill(store: StoreConfig) -> str | None:
@@ -581,8 +436,8 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     `dispatch`: the MoE grouped matmul of the device planned for (mtjax.moe.dispatch; default
     the backend's here), which decides what an expert backward allocates. `reads_host`:
     whether that device computes on host memory (default: the backend here is the CPU),
-    which decides the parts staged in place (`staged_in_place`) and the kernels whose
-    working bytes the mixers are priced with (the CPU's, else the GPU's).
+    which decides the parts staged in place (`step_parts.staged_in_place`) and the kernels
+    whose working bytes the mixers are priced with (the CPU's, else the GPU's).
 
     `tx` is the optax transformation (its state's bytes); `fused`: whether the update is
     the fused AdamW loop (default: what an OptimConfig gets, `fused_adamw.supports`).
@@ -607,16 +462,6 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
         size //= 2
     fits = [p for p in plans if p.device.total <= budget]
     return fits[0] if fits else min(plans, key=lambda p: p.device.total)
-
-
-def split_blocks(cfg: ModelConfig, size: int | None, resident: tuple) -> dict:
-    """{block index: expert groups} of the streamed blocks whose feed-forward can split
-    before its experts (its registry entry's split_points), split into groups of `size`
-    experts (none when `size` is None; resident blocks stay whole)."""
-    if size is None:
-        return {}
-    return {i: expert_groups.groups_of(cfg.num_experts, min(size, cfg.num_experts))
-            for i in expert_groups.split_blocks(cfg) if partid.block(i) not in resident}
 
 
 def sub_part_bytes(cfg: ModelConfig, tx, split: dict) -> dict[PartId, StateBytes]:
@@ -659,19 +504,20 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
               pb: dict[PartId, StateBytes], size: int | None, devices: int = 1,
               dispatch: str | None = None, reads_host: bool = False, processes: int = 1) -> Schedule:
     """`describe` with the MoE blocks split into groups of `size` experts (None: whole)."""
-    resident = resident_parts(cfg, stream.resident, groups(cfg.num_hidden_layers, stream.keep_every))
-    adapters = adapter_parts(cfg, stream, resident)
-    split = split_blocks(cfg, size, resident + adapters)
-    grps = groups(cfg.num_hidden_layers, stream.keep_every, alone=split)
+    resident = step_parts.resident_parts(cfg, stream.resident,
+                                         step_parts.groups(cfg.num_hidden_layers, stream.keep_every))
+    adapters = step_parts.adapter_parts(cfg, stream, resident)
+    split = step_parts.split_blocks(cfg, size, resident + adapters)
+    grps = step_parts.groups(cfg.num_hidden_layers, stream.keep_every, alone=split)
     sub = sub_part_bytes(cfg, tx, split)
     unit = {**pb, **{p: adapters_view(pb[p]) for p in adapters}, **sub}
-    transfers = tuple(p for p in train_parts(cfg, grps, split) if p not in resident)
+    transfers = tuple(p for p in step_parts.train_parts(cfg, grps, split) if p not in resident)
     # State that lives on the host (of a part whose adapters are resident: its frozen leaves).
     streamed = {p: adapters_view(b) if p in adapters else b for p, b in pb.items() if p not in resident}
-    remat = remat_of(stream)
-    saved = saved_groups(grps, resident, remat)
+    remat = step_parts.remat_of(stream)
+    saved = step_parts.saved_groups(grps, resident, remat)
     derived = derives_compute(fused, store, parts.frozen_any(cfg), processes)
-    in_place = staged_in_place(cfg, derived, reads_host, streamed, adapters, split)
+    in_place = step_parts.staged_in_place(cfg, derived, reads_host, streamed, adapters, split)
     where = spill(store)
     widens = where is not None or processes > 1  # Schedule.widens_grads
     check_split(stream.split, shape.batch, shape.seq, devices)
@@ -687,7 +533,7 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
     reads = dict.fromkeys(("compute", "master", "opt", "grads"), 0)
     writes = dict(reads)
     # (a part whose adapters are resident has no host update to hand a new copy on)
-    handed = {i for i in first_transfers(transfers) if transfers[i].owner not in adapters} \
+    handed = {i for i in step_parts.first_transfers(transfers) if transfers[i].owner not in adapters} \
         if store.compute == "disk" else set()
     if store.compute == "disk":  # every other transfer reads its part from the store
         # (a part's frozen leaves, mtjax.roles, are read too: the update hands on the trained ones')
@@ -728,7 +574,7 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
         allreduce=sum(allreduce.values()),
         compute_handed=sum(unit[transfers[i]].compute for i in handed),
     )
-    forward = tuple(p for p in forward_parts(cfg, split) if p not in resident)
+    forward = tuple(p for p in step_parts.forward_parts(cfg, split) if p not in resident)
     # Each device holds all of the weights and its share of every micro-batch's rows (or,
     # split by sequence, of every row's tokens: attention's gathered keys and values aside).
     if stream.split == "sequence":
@@ -740,9 +586,10 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
                           "cpu" if reads_host else "gpu")
     return Schedule(
         cfg=cfg, stream=stream, store=store, shape=shape, fused=fused, derived_compute=derived, spill=where,
-        widens_grads=widens, part_bytes=pb, groups=grps, last_stays=last_stays(grps, split), resident=resident,
-        remat=remat, saved=saved, forward=forward, transfers=transfers, grad_bytes=grad, hidden_bytes=hidden,
-        traffic=traffic, device=device, devices=devices, allreduce=allreduce, split=split, sub_bytes=sub,
+        widens_grads=widens, part_bytes=pb, groups=grps, last_stays=step_parts.last_stays(grps, split),
+        resident=resident, remat=remat, saved=saved, forward=forward, transfers=transfers, grad_bytes=grad,
+        hidden_bytes=hidden, traffic=traffic, device=device, devices=devices, allreduce=allreduce, split=split,
+        sub_bytes=sub,
         staging=staging_sets(cfg, stream, grps, transfers, split, adapters, in_place),
         reads=read_sets(cfg, store, pb, tuple(p for p in streamed if p not in adapters)), adapters=adapters,
         in_place=in_place, processes=processes)
@@ -776,9 +623,9 @@ def _host_memory(pb: dict[PartId, StateBytes], transfers: list[tuple[StateBytes,
     """Bytes the host CPU reads and writes in one step (DMA is the link's: the planner
     adds it where the device is not the host). `transfers`: each transfer's bytes, and
     whether it stages the copy its update handed over (a disk-tier compute copy); those
-    staged in place (`staged_in_place`) copy nothing and are left out; `widens`: the
-    host widens narrow gradients (`Schedule.widens_grads`); `reads_host`: the device is
-    the host CPU; `processes`: the run's (mtjax.stream.hosts)."""
+    staged in place (`step_parts.staged_in_place`) copy nothing and are left out;
+    `widens`: the host widens narrow gradients (`Schedule.widens_grads`); `reads_host`:
+    the device is the host CPU; `processes`: the run's (mtjax.stream.hosts)."""
     # Each gradient as mtjax.stream.grads handles it. A GPU's lands in a transfer buffer
     # and is copied into a CPU-backend array (Placement.host_arrays: read + write); on
     # the CPU the device's own buffer is handed over. One narrower than fp32 (one

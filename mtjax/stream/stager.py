@@ -12,7 +12,7 @@ On the CPU backend with fp32 compute and no compute copy kept (the derived copy,
 docs/device.md), a whole part is staged as its master arrays themselves: the device
 reads host memory there, so copying master into a slot only to hand the slot to
 `device_put` moved 8 bytes/param per step for nothing. The schedule says which parts
-(`schedule.in_place`, from `schedule.staged_in_place`): it gives them no slot and prices
+(`schedule.in_place`, from `step_parts.staged_in_place`): it gives them no slot and prices
 no staging copy for them. The master arrays are safe to
 alias: the deferred update overwrites them only once every gradient of the step is in
 (every program that read them has finished), and the next staging of the part waits

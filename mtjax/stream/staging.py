@@ -44,7 +44,7 @@ from jax.sharding import SingleDeviceSharding
 
 from mtjax.hostmem import PAGE, BufferPool, aligned_empty, shape_key
 from mtjax.observers import Observers
-from mtjax.stream import schedule
+from mtjax.stream import schedule, step_parts
 from mtjax.stream.budget import DeviceLedger
 from mtjax.stream.mesh import DeviceMesh
 from mtjax.stream.tiers import host_device
@@ -63,8 +63,8 @@ def pinned_host_bytes(cfg, stream, batch: int, seq: int, accum: int) -> int:
     block input when activations wait in host memory (`traffic.h2d_activations`). The
     engine's own schedule stages no more: resident parts cross nothing, and a split
     block's sub-parts stage in its place."""
-    groups = schedule.groups(cfg.num_hidden_layers, stream.keep_every)
-    sets = schedule.staging_sets(cfg, stream, groups, schedule.train_parts(cfg, groups), {})
+    groups = step_parts.groups(cfg.num_hidden_layers, stream.keep_every)
+    sets = schedule.staging_sets(cfg, stream, groups, step_parts.train_parts(cfg, groups), {})
     kept = len(groups) * accum * batch * seq * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize
     return sum(count * nbytes for _, count, nbytes in sets) + (kept if stream.activations == "host" else 0)
 
