@@ -1,8 +1,9 @@
 """Which parts one training step streams, in what order, and which stay on the device:
 the recompute groups, the parts a forward and a training step stage (`forward_parts`,
 `train_parts`), the resident parts and resident adapters, the saved groups, the MoE
-blocks split into expert groups and the parts staged in place. Each is a choice of parts
-from the model config and the stream options; no bytes are counted here.
+blocks split into expert groups and the parts staged in place. Each picks parts or blocks
+from the model config, the stream options and a few facts of the step (where the store
+keeps the compute copy, whether the device reads host memory); no bytes are counted here.
 mtjax.stream.schedule.describe builds a step's Schedule from these choices.
 """
 
