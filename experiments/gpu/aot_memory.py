@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench import add_model_args, model_config  # noqa: E402  the bench's model
 
-from mtjax import attention, parts  # noqa: E402
+from mtjax import attention, loss, parts  # noqa: E402
 from mtjax.config import StoreConfig, StreamConfig  # noqa: E402
 from mtjax.model_config import ModelConfig  # noqa: E402
 from mtjax.optim import OptimConfig, make_optimizer  # noqa: E402
@@ -96,7 +96,7 @@ class Target:
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._gpu_attention():
             residual = block_bytes._traced_residual_bytes.__wrapped__(cfg, spec, batch, seq, "none")
         working = block_bytes.block_working_bytes(cfg, batch, seq, platform=self.name)
-        return {"residuals": residual, "working": working, "head": schedule.head_bytes(cfg, batch * seq, self.name)}
+        return {"residuals": residual, "working": working, "head": loss.head_bytes(cfg, batch * seq, self.name)}
 
     def _gpu_attention(self):
         """On the GPU target: the H200's capability, and no CPU-compiled probe."""
