@@ -34,7 +34,7 @@ from mtjax.reference import ReferenceTrainer, eval_loss
 from mtjax.stream import StreamEngine
 from mtjax.stream.budget import tree_bytes
 from mtjax.stream.mesh import DeviceMesh, local_devices
-from mtjax.stream.schedule import StepShape
+from mtjax.stream.step_bytes import StepShape
 from mtjax.stream.staging import Placement
 
 CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

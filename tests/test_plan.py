@@ -22,7 +22,7 @@ from mtjax.plan import (BUILTIN, HardwareError, StepShape, check, compute_dtype,
 from mtjax.plan.cost import block_forward_flops
 from mtjax.plan.report import size
 from mtjax.shard import Shard
-from mtjax.stream import block_bytes, fused_adamw, schedule
+from mtjax.stream import block_bytes, fused_adamw, step_bytes
 from mtjax.stream.block_bytes import residual_bytes
 
 from conftest import tiny_config, tiny_moe_config
@@ -493,7 +493,7 @@ def test_residency_skips_sets_whose_resident_state_overflows_and_picks_as_pricin
     picks the plan that pricing every candidate set picks, figure for figure."""
     cfg = tiny_moe_config(compute_dtype="bfloat16")
     stream, store, shape = StreamConfig(keep_every=1, expert_group_size=group_size), StoreConfig(), StepShape(2, 16, 2)
-    pb = schedule.part_bytes(cfg, TX)
+    pb = step_bytes.part_bytes(cfg, TX)
     every = [estimate(cfg, dataclasses.replace(stream, resident=r, remat=m), store, shape, HW, part_bytes_=pb)
              for r in residency.candidates(cfg, stream) for m in ("full", "dots", "none")]
     totals = sorted({p.device.total for p in every})

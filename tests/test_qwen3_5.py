@@ -254,7 +254,7 @@ def test_rows_split_over_devices_repeat_the_delta_rules_scan_on_every_device_in_
     backward); softmax attention's and the useful work (model FLOPs) stay split."""
     from mtjax.config import StoreConfig, StreamConfig
     from mtjax.plan import BUILTIN, cost
-    from mtjax.stream.schedule import StepShape
+    from mtjax.stream.step_bytes import StepShape
 
     n, shape = 4, StepShape(4, 1024, 1)
     by = {split: cost.estimate(DENSE, StreamConfig(devices=n, split=split, remat="full"), StoreConfig(), shape,

@@ -19,7 +19,7 @@ from mtjax.config import DataConfig, StoreConfig, StreamConfig
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import BUILTIN, StepShape, estimate
-from mtjax.stream import StreamEngine, block_bytes, ops, schedule
+from mtjax.stream import StreamEngine, block_bytes, ops, schedule, step_bytes
 from mtjax.stream.budget import tree_bytes
 from mtjax.stream.staging import Slot
 
@@ -436,7 +436,7 @@ def test_the_pipeline_docs_list_a_steps_operations_as_the_schedule_compiles_them
     section = text[text.index("## The step as operations"):]
     blocks = section.split("```")[1::2]  # the fenced listings, in order
     cfg = tiny_config(num_hidden_layers=2)
-    shape = schedule.StepShape(2, 16, 2)
+    shape = step_bytes.StepShape(2, 16, 2)
     s = schedule.describe(cfg, StreamConfig(keep_every=1), StoreConfig(), shape, TX)
     assert blocks[0].strip("\n") == ops.listing(s.operations)
     one_copy = StoreConfig(compute="disk", master="disk", opt="disk", copies=1)

@@ -28,7 +28,7 @@ from mtjax.config import StoreConfig, StreamConfig
 from mtjax.lora import LoraConfig
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
-from mtjax.stream import block_bytes, blockfns, groupfns, schedule
+from mtjax.stream import block_bytes, blockfns, groupfns, schedule, step_bytes
 
 from conftest import tiny_config, tiny_moe_config
 
@@ -132,7 +132,7 @@ def test_a_plan_prices_the_mixer_for_the_device_planned_for():
     carried the CPU's term."""
     cfg = dataclasses.replace(CFG, compute_dtype="bfloat16", head_dim=64, num_key_value_heads=4)
     tx = make_optimizer(OptimConfig())
-    device = {host: schedule.describe(cfg, StreamConfig(), StoreConfig(), schedule.StepShape(1, 4096), tx,
+    device = {host: schedule.describe(cfg, StreamConfig(), StoreConfig(), step_bytes.StepShape(1, 4096), tx,
                                       reads_host=host).device for host in (True, False)}
     cpu, gpu = (block_bytes.block_working_bytes(cfg, 1, 4096, platform=p) for p in ("cpu", "gpu"))
     assert cpu > gpu
@@ -145,7 +145,7 @@ def test_a_plan_prices_the_head_for_the_device_planned_for():
     gradient and the final norm's fp32 output and gradient per token)."""
     cfg = dataclasses.replace(CFG, compute_dtype="bfloat16", vocab_size=8192)
     tx = make_optimizer(OptimConfig())
-    head = {host: schedule.describe(cfg, StreamConfig(), StoreConfig(), schedule.StepShape(1, 4096), tx,
+    head = {host: schedule.describe(cfg, StreamConfig(), StoreConfig(), step_bytes.StepShape(1, 4096), tx,
                                     reads_host=host).device.head for host in (True, False)}
     assert loss.head_bytes(cfg, 4096, "cpu") > loss.head_bytes(cfg, 4096, "gpu")
     assert head == {True: loss.head_bytes(cfg, 4096, "cpu"), False: loss.head_bytes(cfg, 4096, "gpu")}

@@ -43,7 +43,7 @@ from mtjax.config import StoreConfig, StreamConfig  # noqa: E402
 from mtjax.model_config import ModelConfig  # noqa: E402
 from mtjax.optim import OptimConfig, make_optimizer  # noqa: E402
 from mtjax.partid import EMBED, HEAD  # noqa: E402
-from mtjax.stream import block_bytes, blockfns, schedule  # noqa: E402
+from mtjax.stream import block_bytes, blockfns, schedule, step_bytes  # noqa: E402
 
 # An H200 (SXM, 141 GB) as XLA's GPU compiler sees it: a GpuTargetConfigProto (text).
 # Only what the compiler reads for these programs; memory size as the device reports it.
@@ -153,7 +153,7 @@ def main() -> int:
               "install jax with its CUDA plugin (pip install 'jax[cuda13]') in a venv of its own", file=sys.stderr)
         return 2
     stream = StreamConfig(prefetch_depth=2, keep_every=1, activations="host")
-    plan = schedule.describe(cfg, stream, StoreConfig(), schedule.StepShape(a.batch, a.seq, a.accum),
+    plan = schedule.describe(cfg, stream, StoreConfig(), step_bytes.StepShape(a.batch, a.seq, a.accum),
                              make_optimizer(OptimConfig())).device
     mib = lambda n: f"{n / 2**20:,.0f}"  # noqa: E731
     print(f"Llama {a.layers} blocks x width {a.width} (FFN {a.ffn}, vocab {a.vocab}), bf16, micro-batch "

@@ -67,7 +67,7 @@ from mtjax.plan.cost import estimate, mfu_flops_per_token  # noqa: E402
 from mtjax.progress import peak_flops  # noqa: E402
 from mtjax.reference import ReferenceTrainer  # noqa: E402
 from mtjax.stream import StreamEngine  # noqa: E402
-from mtjax.stream.schedule import StepShape  # noqa: E402
+from mtjax.stream.step_bytes import StepShape  # noqa: E402
 from mtjax.stream.staging import Placement  # noqa: E402
 from mtjax.stream.tiers import host_device  # noqa: E402
 

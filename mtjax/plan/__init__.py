@@ -17,7 +17,7 @@
 from mtjax.plan.cost import Plan, estimate
 from mtjax.plan.fit import Advice, check, recommend
 from mtjax.plan.hardware import BUILTIN, HardwareError, HardwareProfile, load
-from mtjax.stream.schedule import StepShape
+from mtjax.stream.step_bytes import StepShape
 
 __all__ = [
     "BUILTIN", "Advice", "HardwareError", "HardwareProfile", "Plan", "StepShape",

@@ -19,7 +19,7 @@ from mtjax.model_config import ModelConfig, load_hf_config
 from mtjax.optim import make_optimizer
 from mtjax.plan import compute_dtype
 from mtjax.plan.hardware import HardwareProfile
-from mtjax.stream.schedule import StepShape
+from mtjax.stream.step_bytes import StepShape
 
 # A bare model config plans one 2048-token sequence per step (the model's context, if shorter).
 DEFAULT_DATA = DataConfig(batch_size=1, seq_len=2048, grad_accum=1)

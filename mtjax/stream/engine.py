@@ -43,7 +43,7 @@ from mtjax.stream import budget as budget_mod
 from mtjax.stream import engine_state
 from mtjax.stream import hosts as hosts_mod
 from mtjax.stream import schedule as schedule_mod
-from mtjax.stream import step_parts
+from mtjax.stream import step_bytes, step_parts
 from mtjax.stream.blockfns import block_fns
 from mtjax.stream.grads import GradSink
 from mtjax.stream.groupfns import group_fns
@@ -151,7 +151,7 @@ class StreamEngine:
         scale = self.one_copy.adopt(self.grads) if self.one_copy is not None and params is None else None
         self.updater = Updater([p.name for p in self.parts], self.update, self.tiers, self.grads, self.tracer,
                                self.derived_compute, self.one_copy, scale, hosts, self.schemas)
-        self._schedules: dict[schedule_mod.StepShape, schedule_mod.Schedule] = {}
+        self._schedules: dict[step_bytes.StepShape, schedule_mod.Schedule] = {}
         self.schedule: schedule_mod.Schedule | None = None  # of the last token shape checked
         if params is None:
             engine_state.load_ram_kinds(self.updater, self.tiers, store, [p.name for p in self.parts])
@@ -245,7 +245,7 @@ class StreamEngine:
     def plan(self, batch: int, seq: int, accum: int = 1, documents: bool = False) -> schedule_mod.Schedule:
         """The schedule of a step of `accum` micro-batches of [batch, seq], packed documents
         or not (mtjax.stream.schedule)."""
-        shape = schedule_mod.StepShape(batch, seq, accum, documents)
+        shape = step_bytes.StepShape(batch, seq, accum, documents)
         if shape not in self._schedules:
             self._schedules[shape] = schedule_mod.describe(self.cfg, self.options, self.placement_config, shape,
                                                            self.tx, fused=self.update.fused is not None,

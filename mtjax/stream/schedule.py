@@ -19,7 +19,8 @@ every transfer, disk read and write of real engine steps and finds these numbers
 
 This module counts the step's bytes and builds its Schedule; which parts it streams, in
 what order, and which stay on the device or split is mtjax.stream.step_parts's choice,
-and what one block holds for its backward is mtjax.stream.block_bytes's.
+the bytes of each part's state mtjax.stream.step_bytes's count, and what one block holds
+for its backward mtjax.stream.block_bytes's.
 
 What one step moves (docs/pipeline.md): each part crosses to the device once, whatever
 the number of micro-batches (they loop inside each part), and the blocks again for the
@@ -67,6 +68,7 @@ from mtjax.partid import EMBED, HEAD, PartId
 from mtjax.stream import fused_adamw, ops, step_parts
 from mtjax.stream.block_bytes import block_working_bytes, residual_bytes, split_residual_bytes
 from mtjax.stream.budget import DeviceBudgetError
+from mtjax.stream.step_bytes import StateBytes, StepShape, adapters_view, committed, part_bytes, sub_part_bytes
 from mtjax.units import size
 
 TOKEN_BYTES = 4  # int32 token ids
@@ -74,43 +76,6 @@ DOCUMENT_BYTES = 4 + 1  # per token of a packed batch: its int32 document id and
 # With the compute copy on disk, updates run at most this many parts ahead of the staging
 # that takes their new copies: each finished update holds one until its part is staged.
 HANDED_AHEAD = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class StepShape:
-    """The token shape of one optimizer step (from DataConfig, or a token array's shape)."""
-
-    batch: int  # sequences per micro-batch
-    seq: int  # tokens per sequence
-    accum: int = 1  # micro-batches per step
-    documents: bool = False  # micro-batches carry document ids and counted targets (chat data)
-
-    @classmethod
-    def of(cls, data) -> StepShape:
-        """The shape a `mtjax.config.DataConfig` asks for (validated there)."""
-        return cls(data.batch_size, data.seq_len, data.grad_accum, documents=data.format != "text")
-
-    @property
-    def tokens(self) -> int:
-        return self.batch * self.seq * self.accum
-
-
-@dataclasses.dataclass(frozen=True)
-class StateBytes:
-    """Bytes of one part's (or all parts') three kinds of state, and of its gradient: a
-    view of its leaves by role (mtjax.parts.Leaf): frozen leaves count in `compute` only."""
-
-    compute: int
-    master: int
-    opt: int
-    trained: int | None = None  # the trained leaves' compute bytes (a gradient as computed); None: all of `compute`
-
-    def __post_init__(self):
-        if self.trained is None:
-            object.__setattr__(self, "trained", self.compute)
-
-    def get(self, kind: str) -> int:
-        return getattr(self, kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,12 +349,6 @@ def read_sets(cfg: ModelConfig, store: StoreConfig, pb: dict[str, StateBytes],
                  for kind in ("master", "opt") if getattr(store, kind) == "disk")
 
 
-def adapters_view(b: StateBytes) -> StateBytes:
-    """What a part whose adapters are resident streams and keeps on the host in a step:
-    its frozen leaves' compute copy, nothing else."""
-    return StateBytes(b.compute - b.trained, 0, 0, 0)
-
-
 def derives_compute(fused: bool, store: StoreConfig, frozen: bool = False, processes: int = 1) -> bool:
     """Whether no compute copy is kept: with the fused update and both master and compute
     weights in RAM, the prefetcher rounds master straight into the staging slot
@@ -406,22 +365,6 @@ def spill(store: StoreConfig) -> str | None:
     if store.copies == 1:
         return "pending"
     return "scratch" if store.master == "disk" else None
-
-
-def part_bytes(cfg: ModelConfig, tx) -> dict[PartId, StateBytes]:
-    """{part: bytes of its compute, master and opt state and of its trained leaves'
-    compute weights}, from `parts.schema`."""
-    by_kind: dict = {}
-    out = {}
-    for p in parts.parts(cfg):
-        # Parts of one fn_kind (layer spec) and roles have one layout: derive its schema once.
-        key = p.fn_kind, parts.trained(cfg, p.name)
-        if key not in by_kind:
-            compute = parts.schema(cfg, p.name, "compute")
-            by_kind[key] = StateBytes(*(parts.nbytes(parts.schema(cfg, p.name, k, tx)) for k in parts.KINDS),
-                                      trained=parts.nbytes({n: compute[n] for n in key[1]}))
-        out[p.name] = by_kind[key]
-    return out
 
 
 def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: StepShape, tx,
@@ -462,22 +405,6 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
         size //= 2
     fits = [p for p in plans if p.device.total <= budget]
     return fits[0] if fits else min(plans, key=lambda p: p.device.total)
-
-
-def sub_part_bytes(cfg: ModelConfig, tx, split: dict) -> dict[PartId, StateBytes]:
-    """{sub-part: StateBytes} of the split blocks (leaves of the block's schemas; a frozen
-    leaf's (mtjax.roles) in compute only)."""
-    out = {}
-    for i, grps in split.items():
-        block = partid.block(i)
-        schemas = {k: parts.schema(cfg, block, k, tx) for k in ("compute", "master")}
-        trained = set(parts.trained(cfg, block))
-        for name in expert_groups.names(block, grps):
-            mine = expert_groups.leaves(schemas["compute"], name, grps)
-            c, m = (parts.nbytes({n: schemas[k][n] for n in mine if n in schemas[k]}) for k in ("compute", "master"))
-            t = parts.nbytes({n: schemas["compute"][n] for n in mine if n in trained})
-            out[name] = StateBytes(c, m, 0, t)  # no optimizer state of its own: the update is the whole part's
-    return out
 
 
 def expert_bytes(cfg: ModelConfig) -> StateBytes:
@@ -593,12 +520,6 @@ def _describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape:
         staging=staging_sets(cfg, stream, grps, transfers, split, adapters, in_place),
         reads=read_sets(cfg, store, pb, tuple(p for p in streamed if p not in adapters)), adapters=adapters,
         in_place=in_place, processes=processes)
-
-
-def committed(b: StateBytes, kind: str) -> int:
-    """Bytes of one kind of a resident part's state (of StateBytes `b`) that a commit
-    brings to the host: of the compute copy, the trained leaves' (frozen ones never change)."""
-    return b.trained if kind == "compute" else b.get(kind)
 
 
 def _update_bytes(states, fused: bool, copy: bool, grads: int | None = None) -> int:
