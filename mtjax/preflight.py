@@ -7,7 +7,7 @@ at once, in one line naming what is missing and by how much, instead of dying ho
 What each check covers (the others live where the thing is opened):
   host RAM and disk   the planner's estimate of this run (mtjax.plan) against what the
                       machine has now, with RAM_MARGIN and DISK_MARGIN left over
-  device budget       the step's device plan (mtjax.stream.schedule, the one the engine's
+  device budget       the step's device plan (mtjax.stream.memory_plan, the one the engine's
                       ledger enforces) against stream.device_budget_bytes
   data                windows of data.seq_len are the rows of a chat dataset, and the
                       train split holds at least one step of them (mtjax.data also
@@ -27,7 +27,7 @@ from mtjax import checkpoint
 from mtjax.errors import MtjaxError
 from mtjax.plan import estimate, fit, hosts, inputs
 from mtjax.plan.hardware import BUILTIN
-from mtjax.stream import DeviceBudgetError, mesh, schedule
+from mtjax.stream import DeviceBudgetError, memory_plan, mesh
 
 RAM_MARGIN = fit.RAM_HEADROOM  # share of available RAM a run may plan to use
 DISK_MARGIN = 0.95  # share of free disk a run may plan to fill
@@ -71,7 +71,7 @@ def check(exp, cfg, dataset, available_ram: int | None = None, free_disk: int | 
                            processes, run.tx)
     if exp.stream.engine == "stream":
         try:  # what StreamEngine.check_budget will refuse, before anything is built
-            schedule.check_budget(plan.device, exp.stream.device_budget_bytes)
+            memory_plan.check_budget(plan.device, exp.stream.device_budget_bytes)
         except DeviceBudgetError as e:
             raise PreflightError(str(e)) from None
     store = checkpoint.store_path(exp)

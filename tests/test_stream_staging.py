@@ -13,7 +13,7 @@ import pytest
 from mtjax import hostmem
 from mtjax.stream import prefetch, staging
 from mtjax.stream.budget import DeviceBudgetError, DeviceLedger
-from mtjax.stream.schedule import DevicePlan, check_budget
+from mtjax.stream.memory_plan import DevicePlan, check_budget
 from mtjax.stream.trace import Tracer
 
 

@@ -1,7 +1,7 @@
 """A resident part's update where the device is the host: the optax program (what an
 accelerator runs) against the fused loop (what the CPU backend runs), on one block part,
 alternating, medians. Prints one line; the cost model prices these as 46 and 28-30
-bytes/param (mtjax.stream.schedule).
+bytes/param (mtjax.stream.memory_plan.update_bytes).
 
     .venv/bin/python experiments/bench/resident_update.py --dtype bfloat16 --width 1024
 """

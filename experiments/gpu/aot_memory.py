@@ -1,7 +1,7 @@
 """XLA:GPU's memory of the streamed step's programs, compiled for an H200 without a GPU (issue 31).
 
 The 2026-12-04 H200 run (experiments/gpu/bench.py's defaults) peaked at 33.4 GB in XLA's
-allocator where the device plan (mtjax.stream.schedule.DevicePlan) says 10.9 GB. This
+allocator where the device plan (mtjax.stream.memory_plan.DevicePlan) says 10.9 GB. This
 script compiles, at the bench's shapes, the programs the engine runs once per part and
 micro-batch (mtjax.stream.blockfns: a block's forward, a block's recompute + backward
 `_grad`, the LM head's loss and gradients) twice: for this machine's CPU, and for an

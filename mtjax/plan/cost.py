@@ -36,7 +36,8 @@ from mtjax.layers.spec import LayerSpec
 from mtjax.model_config import ModelConfig
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan.hardware import GiB, HardwareProfile
-from mtjax.stream.schedule import HANDED_AHEAD, DevicePlan, Schedule, describe
+from mtjax.stream.memory_plan import DevicePlan
+from mtjax.stream.schedule import HANDED_AHEAD, Schedule, describe
 from mtjax.stream.step_bytes import StateBytes, StepShape, committed
 
 RUNTIME_OVERHEAD_BYTES = 2 * GiB  # Python, JAX runtime and compiled programs in host RAM (profiles' default)

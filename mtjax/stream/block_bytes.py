@@ -1,7 +1,7 @@
 """What one block holds on a device for its backward, priced from abstract shapes: the
 residuals its vjp keeps (traced from the real block with `jax.eval_shape`: nothing runs,
 nothing is allocated) and what its kernels hold beyond them while they run (the layer
-registry's `working` entries). The step's device plan (mtjax.stream.schedule) adds these
+registry's `working` entries). The step's device plan (mtjax.stream.memory_plan) adds these
 to the weights, activations and gradients it holds; tests/test_working_memory.py checks
 them against XLA's own memory analysis of the compiled programs.
 """

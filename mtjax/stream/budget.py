@@ -1,6 +1,6 @@
 """Device byte accounting: what the engine holds on the accelerator, against its plan.
 
-The step's schedule (mtjax.stream.schedule) plans the device bytes of a run from
+The step's device plan (mtjax.stream.memory_plan) prices the device bytes of a run from
 abstract shapes, so a run that cannot fit stops before step 1. `DeviceLedger` counts the
 bytes the running engine holds (staged weights, kept activations, recompute residuals,
 the state of resident parts, the residuals kept from the forward, split MoE blocks'
@@ -43,7 +43,7 @@ class DeviceLedger:
         self._lock = threading.Lock()
 
     def enforce(self, plan, budget: int) -> None:
-        """Hold the engine to `plan` (a schedule.DevicePlan): each use to its planned
+        """Hold the engine to `plan` (a memory_plan.DevicePlan): each use to its planned
         bytes, everything to `budget`."""
         with self._lock:
             self.budget = budget
@@ -61,7 +61,7 @@ class DeviceLedger:
                 if use in self.limits and now > self.limits[use]:
                     # The schedule's plan is wrong, not the user's settings.
                     raise DeviceBudgetError(f"holding {what} would put {now} bytes of {use} on the device, over "
-                                            f"the {self.limits[use]} the step's plan allows (mtjax.stream.schedule)")
+                                            f"the {self.limits[use]} the step's plan allows (mtjax.stream.memory_plan)")
                 self.held_by_use[use] = now
                 self.peak_by_use[use] = max(self.peak_by_use[use], now)
             self.held += nbytes

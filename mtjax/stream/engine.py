@@ -42,6 +42,7 @@ from mtjax.store.pending import PendingFiles
 from mtjax.stream import budget as budget_mod
 from mtjax.stream import engine_state
 from mtjax.stream import hosts as hosts_mod
+from mtjax.stream import memory_plan
 from mtjax.stream import schedule as schedule_mod
 from mtjax.stream import step_bytes, step_parts
 from mtjax.stream.blockfns import block_fns
@@ -143,7 +144,7 @@ class StreamEngine:
         self.ledger = budget_mod.DeviceLedger(0)
         self.split = SplitBlocks(group_fns(compute_cfg), self.ledger, self.placement.mesh)  # split MoE blocks' passes
         # Staging slots: each step's schedule says how many of each shape (`check_budget`).
-        self.pool = StagingPool(self.placement, self.ledger, schedule_mod.staged_at_once(stream, self.groups) + 1)
+        self.pool = StagingPool(self.placement, self.ledger, memory_plan.staged_at_once(stream, self.groups) + 1)
         # A one-copy store keeps a single copy of the state: each step commits the state
         # before its update plus the gradients, durable in the store (docs/store.md).
         self.one_copy = OneCopy(store, self.tiers) if store is not None and store.copies == 1 else None
@@ -261,7 +262,7 @@ class StreamEngine:
         if s.split and self.cfg.lora is not None and self.cfg.lora.dropout > 0:
             raise MtjaxError("lora.dropout > 0 does not run with MoE blocks split into expert groups yet; set "
                              "lora.dropout=0, or give the device the budget for whole blocks")
-        self.ledger.enforce(s.device, schedule_mod.check_budget(s.device, self.options.device_budget_bytes))
+        self.ledger.enforce(s.device, memory_plan.check_budget(s.device, self.options.device_budget_bytes))
         self.updater.order(s.needed)  # the updates run in the order the forward needs the parts
         if self.ledger.held_by_use["resident"] == 0 and self.resident:
             self.ledger.hold(self.resident.nbytes, "the resident parts' state", "resident")

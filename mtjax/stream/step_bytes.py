@@ -1,8 +1,8 @@
 """What a step's bytes are counted from: the token shape of one optimizer step
 (`StepShape`) and each part's state (`StateBytes`: compute, master and optimizer bytes
 and its gradient's), derived from the parts' abstract schemas (mtjax.parts) with nothing
-allocated. mtjax.stream.schedule counts a step's traffic, host-memory and device bytes
-from these.
+allocated. mtjax.stream.schedule counts a step's traffic from these, and
+mtjax.stream.memory_plan its host-memory and device bytes.
 """
 
 from __future__ import annotations
