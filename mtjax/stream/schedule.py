@@ -359,7 +359,7 @@ def describe(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: 
     MoE blocks are split into expert groups (mtjax.expert_groups) of
     `stream.expert_group_size` experts; unset, only when the step does not fit
     `stream.device_budget_bytes` whole: then the largest groups (E, E/2, E/4 ... 1
-    experts) that fit, or the smallest plan of them when none does (check_budget says so).
+    experts) that fit, or the smallest plan of them when none does (memory_plan.check_budget says so).
     """
     fused = fused_adamw.supports(cfg.compute_dtype) if fused is None else fused
     pb = part_bytes(cfg, tx) if part_bytes_ is None else part_bytes_
