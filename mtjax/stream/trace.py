@@ -11,7 +11,7 @@ finished. The main loop itself never waits for a timing.
 An event belongs to the step running when it began, except on a thread inside
 `attributed(step)`: the deferred optimizer updates run there, on worker threads, while
 one step ends and the next begins, and belong to the step whose forward streams them in
-(mtjax.stream.updater). So every event of a step is recorded once that step has
+(mtjax.stream.updates). So every event of a step is recorded once that step has
 returned and the watchers are drained.
 """
 
