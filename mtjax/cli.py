@@ -39,7 +39,15 @@ COMMAND_MODULES = [
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (argparse prints the whole usage block first)."""
+    """argparse with one-line errors (argparse prints the whole usage block first), which
+    names the command it parsed: `parsed_command` in the result, the innermost parser's
+    name whole ("mtjax data prepare"), as argparse names a nested command in its refusals."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extra = super().parse_known_args(args, namespace)
+        if not hasattr(parsed, "parsed_command"):  # a sub-parser ran first, and set its own
+            parsed.parsed_command = self.prog
+        return parsed, extra
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
@@ -129,8 +137,7 @@ def _main(argv: list[str]) -> int:
         if args.command is None:  # bare `mtjax`: what there is to do, not a surprise training run
             parser.print_help()
             return 0
-        # Named as argparse names it in its own refusals: a nested command whole ("mtjax data prepare").
-        command = " ".join(["mtjax", args.command, *filter(None, [getattr(args, "data_command", None)])])
+        command = args.parsed_command
         if extra:
             args.extra_args = extra  # e.g. a mistyped --optim.lrr=1, which train reports with the nearest key
         return int(args.func(args) or 0)
