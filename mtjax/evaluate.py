@@ -7,6 +7,7 @@ validation loss (mtjax.run) evaluates the same kind of batches with its own engi
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
@@ -14,11 +15,10 @@ from typing import NamedTuple
 import optax
 
 import mtjax.store
-from mtjax import config as config_lib
 from mtjax import data, documents, hf
 from mtjax.batch import Batch, concat
 from mtjax.checkpoint import checkpoint_tokenizer, weights_config
-from mtjax.config import StoreConfig, StreamConfig
+from mtjax.config import DataConfig, StoreConfig, StreamConfig
 from mtjax.store import layout
 from mtjax.stream import StreamEngine
 from mtjax.terminal import bar as progress_bar
@@ -57,17 +57,18 @@ def eval_engine(path: str | Path) -> StreamEngine:
         raise
 
 
-def evaluate_checkpoint(ckpt_dir, dataset: str, split: str = "val", seq_len: int = 128, batch_size: int = 8,
-                        batches: int = 8, tokenizer: str | None = None) -> Evaluation:
-    """Mean loss of a saved checkpoint over the first `batches` batches of a dataset split:
-    over their counted targets (the answers of a chat dataset), as training counts them.
-    The model is streamed through the device (`eval_engine`), never loaded whole."""
+def evaluate_checkpoint(ckpt_dir, data_cfg: DataConfig, split: str = "val", batches: int = 8,
+                        tokenizer: str | None = None) -> Evaluation:
+    """Mean loss of a saved checkpoint over the first `batches` batches of `data_cfg`'s
+    dataset split (rows of its seq_len, batch_size at a time): over their counted targets
+    (the answers of a chat dataset), as training counts them. Raw text is tokenized with
+    the checkpoint's tokenizer, or `tokenizer`. The model is streamed through the device
+    (`eval_engine`), never loaded whole."""
     tok = checkpoint_tokenizer(ckpt_dir, tokenizer)
     cfg = weights_config(ckpt_dir)
+    seq_len, batch_size = data_cfg.seq_len, data_cfg.batch_size
     with tempfile.TemporaryDirectory(prefix="mtjax-eval-") as cache:
-        data_cfg = config_lib.DataConfig(dataset=dataset, tokenizer=_spec_file(tok, ckpt_dir, tokenizer),
-                                         seq_len=seq_len, batch_size=batch_size)
-        ds = data.resolve(data_cfg, cache)
+        ds = data.resolve(dataclasses.replace(data_cfg, tokenizer=_spec_file(tok, ckpt_dir, tokenizer)), cache)
         where = "bytes" if tok.spec == "bytes" else Path(tok.spec).parent
         ds.check_tokenizer(tok.spec, f"prepare it again with `mtjax data prepare ... --tokenizer {where}`, or pass "
                                      "--tokenizer naming the dataset's own to evaluate on it anyway")

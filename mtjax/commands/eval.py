@@ -48,7 +48,7 @@ def _count(n: int, one: str, many: str) -> str:
 def run(args) -> int:
 
     try:  # the dataset, --seq-len and --batch-size are checked as training checks its data.* keys
-        DataConfig(dataset=args.dataset, seq_len=args.seq_len, batch_size=args.batch_size)
+        data_cfg = DataConfig(dataset=args.dataset, seq_len=args.seq_len, batch_size=args.batch_size)
     except ConfigError as e:
         raise ConfigError(_in_flags(str(e))) from None
     check_source(args.checkpoint)
@@ -57,8 +57,7 @@ def run(args) -> int:
     if spec is None and is_store(args.checkpoint):
         spec = tokenizer_of(args.checkpoint, None).spec  # the data it was trained on, or the imported one
     try:
-        result = evaluate_checkpoint(args.checkpoint, args.dataset, args.split, args.seq_len, args.batch_size,
-                                   args.batches, spec)
+        result = evaluate_checkpoint(args.checkpoint, data_cfg, args.split, args.batches, spec)
     except data.DataError as e:  # mtjax.data words its advice in the keys of `mtjax train`
         raise data.DataError(_in_flags(str(e))) from None
     if (result.batches, result.rows) != (args.batches, args.batch_size):  # the split holds fewer windows
