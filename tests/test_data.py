@@ -184,6 +184,17 @@ def test_malformed_jsonl(tmp_path, content, message):
         prepare([write(tmp_path / "docs.jsonl", content)], tmp_path / "ds")
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"val_fraction": 1.0}, r"--val-fraction must be in \[0, 1\), got 1.0"),
+    ({"val_fraction": float("nan")}, r"--val-fraction must be in \[0, 1\), got nan"),
+    ({"format": "chat", "seq_len": 1}, r"--seq-len must be >= 2, got 1"),
+])
+def test_a_library_call_with_a_setting_out_of_range_makes_nothing(tmp_path, kwargs, message):
+    with pytest.raises(DataError, match=message):
+        prepare([corpus(tmp_path)], tmp_path / "ds", **kwargs)
+    assert not (tmp_path / "ds").exists()
+
+
 def test_binary_input_and_missing_input(tmp_path):
     binary = tmp_path / "blob.txt"
     binary.write_bytes(bytes(range(256)) * 4)

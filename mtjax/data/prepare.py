@@ -26,6 +26,7 @@ from typing import Iterator
 import numpy as np
 
 from mtjax import terminal, writable
+from mtjax.bounds import FRACTION, SEQ_LEN
 from mtjax.data import chat, pack, supervised, tables
 from mtjax.data import format as fmt
 from mtjax.data import tokenizer as toklib
@@ -250,6 +251,9 @@ def prepare(inputs, out_dir, tokenizer: str = "bytes", text_field: str = "text",
     `extra`: {file name: text} written beside the shards, in place as soon as they are
     (data.resolve's stamp of a run's cache).
     """
+    for name, value, allowed in (("--val-fraction", val_fraction, FRACTION), ("--seq-len", seq_len, SEQ_LEN)):
+        if value is not None and value not in allowed:  # the command's parser refuses these first
+            raise DataError(f"{name} must be {allowed}, got {value!r}")
     files = expand_inputs(inputs)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
