@@ -146,7 +146,7 @@ class BufferPool:
         with self._lock:
             self._forget_ready()
             free = self._free.setdefault(key, [])
-            pick = next((i for i, (_, fence) in enumerate(free) if all(a.is_ready() for a in fence)), None)
+            pick = next((i for i, (_, fence) in enumerate(free) if not fence), None)  # readers done
             if pick is None and free and self._made.get(key, 0) >= self._most(key):
                 pick = 0
             if pick is None:
@@ -192,5 +192,6 @@ class BufferPool:
         # acquire, the next step, outside every device plan. An empty fence is a ready one.
         for free in self._free.values():
             for i, (buffers, fence) in enumerate(free):
-                if fence and any(a.is_ready() for a in fence):
-                    free[i] = (buffers, [a for a in fence if not a.is_ready()])
+                pending = [a for a in fence if not a.is_ready()]
+                if len(pending) < len(fence):
+                    free[i] = (buffers, pending)

@@ -25,9 +25,9 @@ from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.plan import fit, inputs
 from mtjax.plan.cost import Plan, estimate
 from mtjax.plan.hardware import BUILTIN, HardwareProfile
-from mtjax.stream import step_bytes, step_parts
+from mtjax.stream import step_parts
 from mtjax.stream.hosts import STREAMED, check_resident, share
-from mtjax.stream.step_bytes import StepShape
+from mtjax.stream.step_bytes import StepShape, part_bytes
 
 
 def classes(cfg: ModelConfig, stream: StreamConfig) -> list[tuple[str, ...]]:
@@ -67,7 +67,7 @@ def choose(cfg: ModelConfig, stream: StreamConfig, store: StoreConfig, shape: St
     fast ones (streaming hidden behind compute), the one that moves fewest bytes over the
     link, then the fewest device bytes. With no budget, or none that fits, nothing is resident.
     `shape` and `processes`: the step of one process of a run of that many (its rows)."""
-    pb = step_bytes.part_bytes(cfg, make_optimizer(OptimConfig()) if tx is None else tx)
+    pb = part_bytes(cfg, make_optimizer(OptimConfig()) if tx is None else tx)
 
     def at(resident) -> Plan:
         return estimate(cfg, dataclasses.replace(stream, resident=tuple(resident), remat=step_parts.remat_of(stream)),
