@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -331,3 +332,25 @@ def test_a_json_file_that_sets_a_key_twice_is_refused_naming_it_and_both_lines(t
     assert cli.main(["plan", str(tiny), "--hardware", str(profile)]) == 2
     assert capsys.readouterr().err == (f"mtjax plan: error: {profile} sets devices twice (lines {line} and "
                                        f"{line + 1}); keep one of them\n")
+
+
+def test_a_plan_of_days_a_step_keeps_its_tables_columns_apart(tmp_path, capsys):
+    """A slow machine's figures (a step of days, PFLOPs of work, under one token a second)
+    in units that fit their columns: every row of the stage and placement tables splits
+    into its columns, a time is in days, and the throughput is not rounded to zero."""
+    slow = profile_file(tmp_path, "slow", matmul_flops_fp32=1e9, matmul_flops_bf16=1e9)
+    rc = cli.main(["plan", str(SEVENTY_B), "--hardware", str(slow)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    lines = out.splitlines()
+    figure = r"[\d.,]+ [A-Za-z/]+"  # a number and its unit
+    stages = lines[lines.index(next(line for line in lines if line.startswith("stage"))) + 1:][:5]
+    for line in stages:
+        assert re.fullmatch(rf"  [\w>+ -]+?  +({figure}) +({figure}) +({figure}|-)", line), line
+    assert "PF" in stages[0] and " days" in stages[0]
+    rows = [line for line in lines if line.startswith("  compute=")]
+    assert len(rows) == 8
+    for line in rows:
+        assert re.fullmatch(rf"  compute=\w+,master=\w+,opt=\w+ +({figure}) +({figure}) +({figure})(   .*)?", line), line
+    (throughput,) = [line for line in lines if line.startswith("throughput")]
+    assert float(throughput.split()[1]) > 0, throughput

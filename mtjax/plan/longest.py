@@ -21,6 +21,7 @@ import itertools
 
 from mtjax.plan.cost import Plan, estimate
 from mtjax.plan.fit import Limits, short_of
+from mtjax.units import count
 
 STEP = 1024  # the answer is a multiple of this many tokens
 FFN_CHUNK = 4096  # model.ffn_chunk_tokens tried where the config sets none
@@ -73,4 +74,4 @@ def describe(longest: Longest) -> str:
     return (f"{longest.seq:,} tokens a row with every part streamed, kept inputs on the "
             f"{p.stream.activations}{chunked} "
             f"(device {p.device.total / 2**30:.1f} GiB, host RAM {p.ram_needed / 2**30:.1f} GiB, "
-            f"{p.tokens_per_s:,.0f} tokens/s); {context}")
+            f"{count(p.tokens_per_s)} tokens/s); {context}")

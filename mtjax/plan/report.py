@@ -14,7 +14,7 @@ from mtjax.plan.cost import Plan
 from mtjax.plan.fit import Advice, Option
 from mtjax.plan.longest import Longest
 from mtjax.plan.longest import describe as describe_longest
-from mtjax.units import duration, rate, seconds, size
+from mtjax.units import count, duration, flops, rate, seconds, size
 from mtjax.plan.wholerun import RunCost
 
 
@@ -54,13 +54,13 @@ def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None 
         f"opt {size(plan.state.opt)}",
         *([_base(plan.cfg)] if plan.cfg.base_format != "compute" else []),
         "",
-        f"{'stage':<22}{'bytes/step':>12}{'time':>11}{'rate':>12}",
+        f"{'stage':<22}{'bytes/step':>12} {'time':>10} {'rate':>11}",
     ]
     n = plan.schedule.devices  # each device's link carries its share of the host->device bytes
     h2d_t = tr.h2d / n / hw.h2d_bytes_per_s if hw.h2d_bytes_per_s else 0.0
     d2h_t = tr.d2h / hw.d2h_bytes_per_s if hw.d2h_bytes_per_s else 0.0
     rows = [
-        ("device compute", f"{plan.flops / 1e12:.1f} TF", t.device, f"{plan.flops / t.device / 1e12:.1f} TF/s"),
+        ("device compute", flops(plan.flops), t.device, f"{flops(plan.flops / t.device)}/s"),
         ("host->device", size(tr.h2d), h2d_t, rate(tr.h2d, h2d_t)),
         ("device->host", size(tr.d2h), d2h_t, rate(tr.d2h, d2h_t)),
         *([(f"all-reduce ({n} dev)", size(tr.allreduce), t.interconnect, rate(tr.allreduce, t.interconnect))]
@@ -69,12 +69,12 @@ def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None 
         ("host memory", size(tr.host_memory), t.host_memory, rate(tr.host_memory, t.host_memory)),
         ("startup (serial)", "", t.startup, ""),
     ]
-    lines += [f"  {name:<20}{b:>12}{seconds(s):>11}{r:>12}" for name, b, s, r in rows]
+    lines += [f"  {name:<20}{b:>12} {seconds(s):>10} {r:>11}" for name, b, s, r in rows]
     overlap = "summed: one set of cores" if hw.device_is_host else "overlapped: max of stages + startup"
     lines += [
         "",
         f"step time    {seconds(t.step)} ({overlap}); bound by {t.bound}",
-        f"throughput   {plan.tokens_per_s:,.0f} tokens/s, {plan.model_flops / t.step / 1e12:.2f} model TFLOP/s",
+        f"throughput   {count(plan.tokens_per_s)} tokens/s, {plan.model_flops / t.step / 1e12:.2f} model TFLOP/s",
     ]
     if longest is not None:
         lines.append(f"longest row  {describe_longest(longest)}")
@@ -93,7 +93,7 @@ def text(plan: Plan, advice: Advice | None = None, options: list[Option] | None 
             (f"  checkpoint_every {a.checkpoint_every} steps (one checkpoint writes "
              f"{size(a.plan.checkpoint_bytes)} in {seconds(a.checkpoint_seconds)})" if a.plan.checkpoint_bytes else
              "  checkpoint_every 1 step: every kind of state lives in the disk store, so a commit writes nothing more"),
-            f"  predicted        {seconds(a.plan.times.step)} per step, {a.plan.tokens_per_s:,.0f} tokens/s, "
+            f"  predicted        {seconds(a.plan.times.step)} per step, {count(a.plan.tokens_per_s)} tokens/s, "
             f"bound by {a.plan.times.bound}" + ("" if a.fits else "  -- DOES NOT FIT"),
         ]
     return "\n".join(lines)
@@ -122,7 +122,8 @@ def per_host(h, hw) -> str:
 
 
 def _placement_table(options: list[Option], advice: Advice | None) -> list[str]:
-    header = f"{'placement':<35}{'step':>11}{'host RAM':>11}{'disk':>11}"
+    width = max(len(placement(o.placement)) for o in options)  # the widest, disk for every kind
+    header = f"{'placement':<{width + 2}} {'step':>10} {'host RAM':>10} {'disk':>10}"
     lines = [f"{header}   (this run's other settings; fastest first)"]
     for o in options:
         place = o.placement
@@ -130,8 +131,8 @@ def _placement_table(options: list[Option], advice: Advice | None) -> list[str]:
                                  ("recommended", advice is not None and place == advice.placement)) if on]
         if o.short:
             marks.append(f"DOES NOT FIT: {', '.join(o.short)}")
-        lines.append(f"  {placement(place):<33}{seconds(o.plan.times.step):>11}{size(o.plan.ram_needed):>11}"
-                     f"{size(o.plan.disk_bytes):>11}   {'; '.join(marks)}".rstrip())
+        lines.append(f"  {placement(place):<{width}} {seconds(o.plan.times.step):>10} {size(o.plan.ram_needed):>10} "
+                     f"{size(o.plan.disk_bytes):>10}   {'; '.join(marks)}".rstrip())
     return lines
 
 
