@@ -159,7 +159,7 @@ class StreamConfig:
     devices: int | str = "all"  # devices the step runs on: all (every local device) | N (the first N)
     # What the devices split: each micro-batch's rows (data parallel), or each row's tokens
     # (context parallel: a device holds its share of the row, attention gathers the row's
-    # keys and values; mtjax.attention.split_attention). Weights on every device either way.
+    # keys and values; mtjax.attention_chunked.split_attention). Weights on every device either way.
     split: str = "batch"  # batch | sequence
     # A MoE block streamed as sub-parts: its router part (attention, router, shared
     # expert), then groups of this many experts, one after another (docs/moe.md,

@@ -2,7 +2,7 @@
 
 `jax.nn.dot_product_attention` has no document (segment) ids and no logit soft-cap, so
 packed rows and Gemma's capped scores (and their sliding windows) would otherwise run the
-chunked XLA kernel of mtjax.attention on a GPU. This is the same computation written as
+chunked XLA kernel of mtjax.attention_chunked on a GPU. This is the same computation written as
 Pallas kernels (`pl.pallas_call` over a grid with BlockSpecs, the form Pallas lowers to
 Triton on a GPU): one program per (query block, row, head) keeps its block's running
 softmax (flash attention's online rescaling) over the key blocks it can see, and writes
@@ -10,12 +10,12 @@ the output and one log-sum-exp per query. The backward (custom_vjp) recomputes t
 probabilities from that log-sum-exp: one kernel per key block sums dK and dV over the
 query blocks that see it, one per query block sums dQ; dS = P * (dP - rowsum(dO * O)).
 
-Masks are mtjax.attention's (`visible`): causal, a window of W keys including the query
+Masks are mtjax.attention_mask's (`visible`): causal, a window of W keys including the query
 itself, same document where `segments` [b, t] are given. Rows are padded to whole blocks
 with positions past the row (and document -1), which no real query sees; a padded query
 sees at least itself, so every softmax row is finite, and its output is dropped.
 
-Layouts as mtjax.attention: q [b, t, heads, hd], k and v [b, t, kv_heads, hd] (grouped
+Layouts as mtjax.attention_chunked: q [b, t, heads, hd], k and v [b, t, kv_heads, hd] (grouped
 queries when kv_heads < heads); scores fp32. `interpret=True` runs the kernels on any
 backend (the CPU tests); mtjax.attention.attend picks this kernel on a CUDA GPU only, where
 a probe compiles it for the shape. It lowers to Triton for CUDA (tested on the CPU); its GPU
@@ -37,7 +37,7 @@ BLOCK_K = 64  # key rows per inner step
 
 
 def _mask(qpos, kpos, window, q_seg, k_seg):
-    """mtjax.attention.visible's mask, [bq, bk]: causal, within the window, same document."""
+    """mtjax.attention_mask.visible's mask, [bq, bk]: causal, within the window, same document."""
     mask = kpos[None, :] <= qpos[:, None]
     if window:
         mask &= kpos[None, :] > qpos[:, None] - window
@@ -232,7 +232,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def flash_attention(q, k, v, scale: float, window: int | None = None, softcap: float | None = None, segments=None,
                     *, block_q: int = BLOCK_Q, block_k: int = BLOCK_K, interpret: bool = False):
     """softmax(cap(q k^T * scale), causal [and window] [and same-document] mask) v, as
-    mtjax.attention.causal_attention computes it: q [b, t, heads, hd], k and v
+    mtjax.attention_chunked.causal_attention computes it: q [b, t, heads, hd], k and v
     [b, t, kv_heads, hd], `segments` [b, t] document ids; blocks of `block_q` queries by
     `block_k` keys (on a GPU, powers of two of at least 16). Differentiable in q, k, v."""
     t = q.shape[1]

@@ -95,7 +95,7 @@ class ModelConfig:
     # loss.HEAD_CHUNK_BYTES of fp32 logits hold.
     head_chunk_tokens: int = 0
     # Devices each row's tokens are split over, attention gathering the row's keys and values
-    # (mtjax.attention.split_attention): the stream engine sets it from stream.split.
+    # (mtjax.attention_chunked.split_attention): the stream engine sets it from stream.split.
     sequence_devices: int = 1
     freeze: tuple[str, ...] = ()  # leaves kept as they are, no gradient or optimizer state (mtjax.roles: embed, block.0-15, block.*/mlp.*)
     lora: LoraConfig | None = None  # LoRA adapters over a frozen base (mtjax.lora); the experiment's `lora:` section

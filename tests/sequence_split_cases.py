@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtjax import model, parts
-from mtjax.attention import SEQUENCE, causal_attention, gathered_bytes, split_attention
+from mtjax.attention_bytes import gathered_bytes
+from mtjax.attention_chunked import SEQUENCE, causal_attention, split_attention
 from mtjax.batch import Batch
 from mtjax.config import StreamConfig
 from mtjax.layers import registry
@@ -124,7 +125,7 @@ def planned_block_cases() -> dict:
     (fp32) and 2 and 8 (bf16), one row and (under "<dtype> batch 2") two, beside the device
     plan's price for one device's share: the block's traced residuals and its mixer's
     working bytes, with and without the gathered keys and values
-    (mtjax.attention.gathered_bytes), plus below fp32 the CPU's fp32 weight-gradient
+    (mtjax.attention_bytes.gathered_bytes), plus below fp32 the CPU's fp32 weight-gradient
     matmuls (block_bytes.promoted_bytes)."""
     spec, seq, out = WIDE.layer_specs[1], 8192, {}
     for dtype, batch, counts in (("float32", 1, (2, 4, 8, 16)), ("bfloat16", 1, (2, 8)),

@@ -1,4 +1,5 @@
-"""mtjax.attention equals jax.nn.dot_product_attention (outputs and gradients) in every case it serves."""
+"""The chunked kernel (mtjax.attention_chunked) and the sampling path's masked_attention equal
+jax.nn.dot_product_attention (outputs and gradients) in every case they serve."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtjax import attention, documents
-from mtjax.attention import _chunks, causal_attention, local_chunks, masked_attention
+from mtjax import attention_chunked, documents
+from mtjax.attention import masked_attention
+from mtjax.attention_chunked import causal_attention, query_chunks
+from mtjax.attention_mask import local_chunks
 
 from conftest import tiny_config
 
@@ -55,10 +58,10 @@ def test_bf16_inputs_stay_within_bf16_rounding():
 
 def test_chunks_skip_exactly_the_invisible_keys():
     """Chunk i scores keys [first visible, end of chunk i): nothing visible is dropped."""
-    assert _chunks(512, None, 128) == [(0, 128, 0), (128, 256, 0), (256, 384, 0), (384, 512, 0)]
-    assert _chunks(10, 3, 4) == [(0, 3, 0), (3, 7, 1), (7, 10, 5)]
+    assert query_chunks(512, None, 128) == [(0, 128, 0), (128, 256, 0), (256, 384, 0), (384, 512, 0)]
+    assert query_chunks(10, 3, 4) == [(0, 3, 0), (3, 7, 1), (7, 10, 5)]
     for t, window, rows in [(37, 7, 8), (100, None, 30), (64, 64, 16)]:
-        chunks = _chunks(t, window, rows)
+        chunks = query_chunks(t, window, rows)
         assert chunks[0][0] == 0 and chunks[-1][1] == t
         assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
         for r0, r1, k0 in chunks:
@@ -155,7 +158,7 @@ def test_the_loop_over_blocks_equals_one_chunk(t, window, softcap, documents_, r
     softmax, the diagonal block first): outputs and its custom backward equal the unrolled
     kernel with the whole row as one chunk (itself checked against dot_product_attention
     above)."""
-    assert -(-t // rows) > attention.UNROLLED_CHUNKS
+    assert -(-t // rows) > attention_chunked.UNROLLED_CHUNKS
     kq, kk, kv, kd = jax.random.split(jax.random.key(t), 4)
     q, dout = 2 * jax.random.normal(kq, (2, t, 4, 8)), jax.random.normal(kd, (2, t, 4, 8))
     k, v = 2 * jax.random.normal(kk, (2, t, 2, 8)), jax.random.normal(kv, (2, t, 2, 8))

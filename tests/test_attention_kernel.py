@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtjax import attention
-from mtjax.attention import causal_attention, kernel
+from mtjax import attention, attention_chunked, attention_mask
+from mtjax.attention import kernel
+from mtjax.attention_chunked import causal_attention
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
@@ -92,7 +93,7 @@ def _with_sinks_by_definition(q, k, v, sinks, scale, window, segments):
     k, v = jnp.repeat(k, q.shape[2] // kv, axis=2), jnp.repeat(v, q.shape[2] // kv, axis=2)
     s = jnp.einsum("bthd,bshd->bhts", q, k) * scale
     pos = jnp.arange(t)
-    mask = attention.visible(pos, pos, window, segments, segments)[:, None]  # [b, 1, t, t]
+    mask = attention_mask.visible(pos, pos, window, segments, segments)[:, None]  # [b, 1, t, t]
     s = jnp.where(mask, s, -jnp.inf)
     sink = jnp.broadcast_to(sinks[None, :, None, None], (*s.shape[:-1], 1))
     p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
@@ -114,7 +115,7 @@ def test_sinks_in_the_chunked_kernel_forward_and_backward(which):
     def loss(fn):
         return lambda q, k, v, sinks: jnp.sum(fn(q, k, v, sinks) * dout)
 
-    kernel_fn = causal_attention if which == "unrolled" else attention.looped_attention
+    kernel_fn = causal_attention if which == "unrolled" else attention_chunked.looped_attention
     ours = loss(lambda q, k, v, sinks: kernel_fn(q, k, v, 0.3, 5, 4, None, segments, sinks))
     theirs = loss(lambda q, k, v, sinks: _with_sinks_by_definition(q, k, v, sinks, 0.3, 5, segments))
     np.testing.assert_allclose(ours(q, k, v, sinks), theirs(q, k, v, sinks), rtol=1e-5)

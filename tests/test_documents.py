@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from mtjax import checkpoint, cli, data, documents, hf, model, parts, treepath
-from mtjax.attention import causal_attention
+from mtjax.attention_chunked import causal_attention
 from mtjax.batch import Batch
 from mtjax.model_config import FULL, SLIDING
 from mtjax.optim import OptimConfig

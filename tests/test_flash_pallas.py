@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtjax.attention import causal_attention
+from mtjax.attention_chunked import causal_attention
 from mtjax.flash_pallas import flash_attention
 
 DOCS = np.array([[1] * 10 + [2] * 20 + [0] * 7, [3] * 37], np.int32)  # two documents and padding; one document

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from mtjax import attention, moe, target
-from mtjax.attention import causal_attention
+from mtjax.attention_chunked import causal_attention
 from mtjax.layers.basic import _dot
 
 BF16 = jnp.bfloat16
@@ -61,7 +61,7 @@ def test_attention_is_chosen_by_the_platform_traced_for(monkeypatch):
     calls = []
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, implementation=None, **kw: (
         calls.append(implementation), jnp.zeros(a[0].shape, a[0].dtype))[1])
-    monkeypatch.setattr(attention, "_capability", lambda: 9.0)
+    monkeypatch.setattr(attention, "cuda_capability", lambda: 9.0)
     monkeypatch.setattr(attention, "cudnn_refusal", lambda *a: None)
     fresh = lambda q, k, v: attention.attend(q, k, v, 0.25)  # noqa: E731  not the traces above, which jax caches
     jax.make_jaxpr(fresh)(*args)

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 
-from mtjax import attention, expert_groups, loss, parts
+from mtjax import attention_bytes, attention_chunked, expert_groups, loss, parts
 from mtjax.layers import delta_rule, registry
 from mtjax.config import StoreConfig, StreamConfig
 from mtjax.lora import LoraConfig
@@ -74,7 +74,7 @@ def test_one_blocks_backward_is_priced_as_xla_allocates_it(seq):
             # The rule's own per-chunk fp32 states and [c, c] matrices are more than the
             # tolerance: a price that left them out would miss.
             assert rule_residual_bytes(seq) > 2 * TOLERANCE * temp, (seq, rule_residual_bytes(seq), temp)
-        elif seq <= attention.UNROLLED_CHUNKS * attention.CHUNK_ROWS:
+        elif seq <= attention_chunked.UNROLLED_CHUNKS * attention_chunked.CHUNK_ROWS:
             # unrolled chunks (2 at 256, 8 at 1024): the residuals alone miss by more than the tolerance
             assert temp > (1 + 2 * TOLERANCE) * residuals, (seq, temp, residuals)
         else:  # the loop: one [128, 128] block's probabilities and their gradient
@@ -171,8 +171,8 @@ def test_a_split_row_below_fp32_is_priced_in_fp32_on_the_cpu_only():
     compiled split block in tests/test_sequence_split.py); a GPU's price is as it was."""
     spec, bf16 = CFG.layer_specs[1], dataclasses.replace(CFG, compute_dtype="bfloat16")
     other = 512 * CFG.num_key_value_heads * CFG.head_dim
-    gathered = lambda platform: attention.gathered_bytes(platform, "bfloat16", 1, CFG.num_key_value_heads,  # noqa: E731
-                                                         512, CFG.head_dim, 2)
+    gathered = lambda platform: attention_bytes.gathered_bytes(  # noqa: E731
+        platform, "bfloat16", 1, CFG.num_key_value_heads, 512, CFG.head_dim, 2)
     assert (gathered("cpu"), gathered("gpu")) == (2 * other * (4 + 4), 2 * other * (2 + 4))
     working, promoted = registry.mixer(spec).working, block_bytes.promoted_bytes(bf16, spec, 1, 512)
     assert promoted > 0

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mtjax import parts  # noqa: E402
-from mtjax.attention import SEQUENCE  # noqa: E402
+from mtjax.attention_chunked import SEQUENCE  # noqa: E402
 from mtjax.layers import registry  # noqa: E402
 from mtjax.model_config import ModelConfig  # noqa: E402
 from mtjax.stream import block_bytes, blockfns  # noqa: E402

@@ -86,7 +86,7 @@ What changed to get here (2026-11-30 and before, AMD Zen 4), each measured in on
 compared by CPU seconds (the machine was shared, load 3-10; CPU time was stable to ~3% where wall
 time was not), width 1024, seq 512, fp32:
 
-- Attention (mtjax/attention.py, used on the CPU backend): query chunks of 128 rows score only
+- Attention (mtjax/attention_chunked.py, used on the CPU backend): query chunks of 128 rows score only
   the keys they can see, and the backward is written out (probabilities recomputed from the saved
   log-sum-exp). One attention fwd + bwd: 94 -> 74 ms CPU; one block fwd + bwd: 543 -> 506 ms CPU
   (-7%). Equal to `jax.nn.dot_product_attention` to ~3e-7 relative (tests/test_attention.py).

@@ -103,7 +103,7 @@ class Target:
         if self.name != "gpu":
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
-        stack.enter_context(mock.patch.object(attention, "_capability", lambda: CAPABILITY))
+        stack.enter_context(mock.patch.object(attention, "cuda_capability", lambda: CAPABILITY))
         stack.enter_context(mock.patch.object(attention, "_refused", lambda *a, **k: False))
         return stack
 

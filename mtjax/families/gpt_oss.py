@@ -1,7 +1,7 @@
 """gpt-oss (`gpt_oss`): OpenAI's 20B and 120B mixtures of experts.
 
 Every layer is softmax attention with q/k/v/o biases and a learned sink logit per head
-in its softmax denominator (mtjax.attention), sliding-window and full layers
+in its softmax denominator (mtjax.attention_chunked), sliding-window and full layers
 alternating as `layer_types` says (sliding first where it says nothing), yarn RoPE; and
 a mixture of `num_local_experts` experts (mtjax.layers.clamped_moe): a router with a
 bias whose top-k logits' softmax weighs the chosen experts, experts with biases and the

@@ -24,7 +24,9 @@ import numpy as np
 from flax import nnx
 
 from mtjax import rope
-from mtjax.attention import attend, gathered_bytes, masked_attention, visible, working_bytes
+from mtjax.attention import attend, masked_attention
+from mtjax.attention_bytes import gathered_bytes, working_bytes
+from mtjax.attention_mask import visible
 from mtjax.layers import registry
 from mtjax.layers.basic import Dense, RMSNorm
 from mtjax.layers.spec import LatentAttention, LayerSpec
@@ -142,10 +144,10 @@ def latent_cache(cfg: ModelConfig, spec: LayerSpec, batch: int, length: int) -> 
 
 def working(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, platform: str, devices: int = 1) -> int:
     """What the attention kernel holds at once beyond its residuals (its score tiles and,
-    unrolled, each chunk's key and value slices: mtjax.attention.working_bytes), at the one
+    unrolled, each chunk's key and value slices: mtjax.attention_bytes.working_bytes), at the one
     padded width the kernel gets (`_attend`), and on a row split over `devices` the
     keys and values (one per query head, at that width) gathered from the other shares and
-    their cotangents (mtjax.attention.gathered_bytes)."""
+    their cotangents (mtjax.attention_bytes.gathered_bytes)."""
     width = max(cfg.qk_nope_head_dim + cfg.head_dim, cfg.v_head_dim)
     heads = cfg.num_attention_heads
     return (working_bytes(platform, cfg.compute_dtype, batch, heads, seq, width, devices=devices)

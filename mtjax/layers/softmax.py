@@ -15,7 +15,9 @@ import numpy as np
 from flax import nnx
 
 from mtjax import rope
-from mtjax.attention import attend, gathered_bytes, local_chunks, masked_attention, visible, working_bytes
+from mtjax.attention import attend, masked_attention
+from mtjax.attention_bytes import gathered_bytes, working_bytes
+from mtjax.attention_mask import local_chunks, visible
 from mtjax.layers import registry
 from mtjax.layers.basic import Dense, RMSNorm, rms_norm
 from mtjax.layers.spec import LayerSpec, SoftmaxAttention
@@ -54,7 +56,7 @@ class Attention(nnx.Module):
         q_dim, k_dim = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd) if cfg.qk_norm_full else (hd, hd)
         self.q_norm = RMSNorm(q_dim, cfg) if cfg.qk_norm or cfg.qk_norm_full else None
         self.k_norm = RMSNorm(k_dim, cfg) if cfg.qk_norm or cfg.qk_norm_full else None
-        # gpt-oss: one logit per head joining its softmax's denominator (mtjax.attention).
+        # gpt-oss: one logit per head joining its softmax's denominator (mtjax.attention_chunked).
         self.sinks = nnx.Param(jnp.zeros((cfg.num_attention_heads,), jnp.float32)) if mixer.sinks else None
 
     def qkv(self, x, cos, sin, positions):
@@ -97,7 +99,7 @@ class Attention(nnx.Module):
 
     def _local(self, positions, segments=None):
         """(window, segments) of this layer's mask over tokens at `positions` [b, t]: chunks
-        as documents (mtjax.attention.local_chunks) and a window of one chunk, which lets
+        as documents (mtjax.attention_mask.local_chunks) and a window of one chunk, which lets
         the chunked kernel skip older key blocks; else its sliding window, if any."""
         if self.chunk:
             return self.chunk, local_chunks(positions, self.chunk, segments)
@@ -108,7 +110,7 @@ class Attention(nnx.Module):
         q, k, v, gate = self.qkv(x, cos, sin, positions)
         window, segments = self._local(positions, segments)
         # A window of W keys includes the query itself. On the CPU not jax.nn.dot_product_attention:
-        # attention.py skips the masked score blocks, ~20% faster there.
+        # attention_chunked.py skips the masked score blocks, ~20% faster there.
         out = attend(q, k, v, cfg.attn_scale, window, self.softcap, segments, self._sinks(),
                      devices=cfg.sequence_devices)  # btnh
         return self.output(out, gate)
@@ -160,10 +162,10 @@ def kv_cache(cfg: ModelConfig, spec: LayerSpec, batch: int, length: int) -> dict
 
 def working(cfg: ModelConfig, spec: LayerSpec, batch: int, seq: int, platform: str, devices: int = 1) -> int:
     """What the attention kernel holds at once beyond its residuals (its score tiles and,
-    unrolled, each chunk's key and value slices: mtjax.attention.working_bytes); a
+    unrolled, each chunk's key and value slices: mtjax.attention_bytes.working_bytes); a
     chunked layer's window is its chunk, as the kernel gets it (`Attention._local`). A row
     split over `devices` (`seq` one device's share) adds the keys and values gathered from
-    the other shares and their cotangents (mtjax.attention.gathered_bytes)."""
+    the other shares and their cotangents (mtjax.attention_bytes.gathered_bytes)."""
     mixer = spec.mixer
     return (working_bytes(platform, cfg.compute_dtype, batch, cfg.num_attention_heads, seq, cfg.head_dim,
                           mixer.chunk or mixer.window, mixer.softcap, mixer.sinks, devices, cfg.num_key_value_heads)

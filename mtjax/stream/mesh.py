@@ -17,8 +17,8 @@ same transfers. A batch whose rows do not split evenly is refused by the step's
 schedule (`mtjax.config.check_split`).
 
 Context parallel (split "sequence"): the same, but each device runs its share of every
-row's tokens; the mesh axis is mtjax.attention.SEQUENCE, which the attention of a model
-config with `sequence_devices` > 1 splits over (mtjax.attention.split_attention), XLA's
+row's tokens; the mesh axis is mtjax.attention_chunked.SEQUENCE, which the attention of a model
+config with `sequence_devices` > 1 splits over (mtjax.attention_chunked.split_attention), XLA's
 propagation keeping every token-wise step split as it comes.
 """
 
@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from mtjax.attention import SEQUENCE
+from mtjax.attention_chunked import SEQUENCE
 from mtjax.errors import MtjaxError
 
 AXIS = "data"
