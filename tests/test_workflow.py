@@ -206,7 +206,7 @@ def wandb_history(path) -> list[dict]:
 
 @pytest.mark.slow  # two training runs and wandb's service process
 def test_wandb_logs_the_records_of_metrics_jsonl_and_a_resumed_run_continues_its_run(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     for name, value in (("WANDB_MODE", "offline"), ("WANDB_DIR", str(tmp_path / "wandb-files")),
                         ("WANDB_CONSOLE", "off"), ("WANDB_SILENT", "true")):
         monkeypatch.setenv(name, value)
@@ -216,6 +216,9 @@ def test_wandb_logs_the_records_of_metrics_jsonl_and_a_resumed_run_continues_its
     run_lib.train(config.load(None, [*args, "--run.steps=2"]), io.StringIO())
     first = json.loads((run_dir / wandb_log.ID_FILE).read_text())
     run_lib.train(config.load(None, [*args, "--run.steps=4", "--run.resume=true"]), io.StringIO())
+    # run.finish() returns before W&B's service has closed the run and written its .wandb file
+    # (a loaded machine once read the second one before it had); teardown waits for the service.
+    wandb.teardown()
     assert json.loads((run_dir / wandb_log.ID_FILE).read_text()) == first == {"id": first["id"],
                                                                                "project": "mtjax-test"}
     runs = sorted((tmp_path / "wandb-files" / "wandb").glob(f"offline-run-*-{first['id']}/run-{first['id']}.wandb"))
