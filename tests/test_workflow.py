@@ -221,7 +221,8 @@ def test_wandb_logs_the_records_of_metrics_jsonl_and_a_resumed_run_continues_its
     wandb.teardown()
     assert json.loads((run_dir / wandb_log.ID_FILE).read_text()) == first == {"id": first["id"],
                                                                                "project": "mtjax-test"}
-    runs = sorted((tmp_path / "wandb-files" / "wandb").glob(f"offline-run-*-{first['id']}/run-{first['id']}.wandb"))
+    # W&B names a run's directory offline-run-<second it started>-<id>, adding -1 if that one exists
+    runs = sorted((tmp_path / "wandb-files" / "wandb").glob(f"offline-run-*-{first['id']}*/run-{first['id']}.wandb"))
     assert len(runs) == 2  # the resumed run logged into a W&B run of the same id
     logged = [{k: v for k, v in row.items() if not k.startswith("_")} for file in runs for row in wandb_history(file)]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
