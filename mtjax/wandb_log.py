@@ -11,6 +11,8 @@ is kept in <run.dir>/wandb.json: a resumed run continues the same W&B run, a fre
 (which starts a fresh metrics.jsonl too) forgets it and starts a new one. W&B keeps its
 local files under <run.dir>/wandb/, or under WANDB_DIR when that is set; the other
 WANDB_* variables (WANDB_MODE=offline, WANDB_ENTITY, ...) work as wandb documents them.
+W&B's service completes an offline run's .wandb file when it closes the run, which may be
+just after close() returns; wandb.teardown(), or wandb's exit hook, waits for it.
 wandb is optional (`pip install 'mtjax[wandb]'`) and imported only when run.wandb is
 set. Only process 0 of a multi-process run logs (mtjax.run).
 """

@@ -206,7 +206,7 @@ def wandb_history(path) -> list[dict]:
 
 @pytest.mark.slow  # two training runs and wandb's service process
 def test_wandb_logs_the_records_of_metrics_jsonl_and_a_resumed_run_continues_its_run(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     for name, value in (("WANDB_MODE", "offline"), ("WANDB_DIR", str(tmp_path / "wandb-files")),
                         ("WANDB_CONSOLE", "off"), ("WANDB_SILENT", "true")):
         monkeypatch.setenv(name, value)
@@ -216,9 +216,13 @@ def test_wandb_logs_the_records_of_metrics_jsonl_and_a_resumed_run_continues_its
     run_lib.train(config.load(None, [*args, "--run.steps=2"]), io.StringIO())
     first = json.loads((run_dir / wandb_log.ID_FILE).read_text())
     run_lib.train(config.load(None, [*args, "--run.steps=4", "--run.resume=true"]), io.StringIO())
+    # run.finish() returns before W&B's service has closed the run and written its .wandb file
+    # (a loaded machine once read the second one before it had); teardown waits for the service.
+    wandb.teardown()
     assert json.loads((run_dir / wandb_log.ID_FILE).read_text()) == first == {"id": first["id"],
                                                                                "project": "mtjax-test"}
-    runs = sorted((tmp_path / "wandb-files" / "wandb").glob(f"offline-run-*-{first['id']}/run-{first['id']}.wandb"))
+    # W&B names a run's directory offline-run-<second it started>-<id>, adding -1 if that one exists
+    runs = sorted((tmp_path / "wandb-files" / "wandb").glob(f"offline-run-*-{first['id']}*/run-{first['id']}.wandb"))
     assert len(runs) == 2  # the resumed run logged into a W&B run of the same id
     logged = [{k: v for k, v in row.items() if not k.startswith("_")} for file in runs for row in wandb_history(file)]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
