@@ -1,0 +1,154 @@
+"""`mtjax store reshard`: a run's store rewritten for another number of processes.
+
+A one-process store after 2 steps, resharded to 3 processes (rows not divisible by 3)
+and back to one, is the source bit for bit; each refusal is one line and writes nothing;
+and (slow) a run of one process resharded to two and resumed by two processes trains on
+as the one process would have.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import TINY_MODEL_ARGS
+
+import mtjax.store
+from mtjax import cli
+from mtjax.shard import Shard
+from mtjax.store import layout
+
+# Widths 32 and 64 and a vocabulary of 256: none divides by 3, so the shards' rows differ.
+# data.batch_size 6: 1, 2, 3 and 6 processes can share it.
+TRAIN = ["train", *TINY_MODEL_ARGS, "--data.seq_len=16", "--data.batch_size=6", "--run.steps=2",
+         "--run.checkpoint_every=1", "--run.eval_every=0", "--run.sample_tokens=0", "--run.log_every=1"]
+
+
+def reshard(src, dst, processes) -> int:
+    return cli.main(["store", "reshard", str(src), str(dst), "--processes", str(processes)])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(a one-process run's store after 2 steps, that store resharded for 3 processes)."""
+    root = tmp_path_factory.mktemp("reshard")
+    assert cli.main([*TRAIN, f"--run.dir={root / 'run'}"]) == 0
+    assert reshard(root / "run" / "store", root / "three", 3) == 0
+    return root / "run" / "store", root / "three"
+
+
+def _state(root: Path) -> dict:
+    """Every leaf of every part and kind, the step and the train state of a store."""
+    with mtjax.store.open(root) as store:
+        out = {(p, kind, leaf): a for p in store.parts for kind in ("compute", "master", "opt")
+               for leaf, a in store.read(p, kind).result().items()}
+        out["step"], out["train_state"], out["run"] = store.step, store.load_train_state(), store.run_id
+    return out
+
+
+def test_three_processes_and_back_to_one_is_the_source_bit_for_bit(trained, tmp_path):
+    src, three = trained
+    source = _state(src)
+    assert source["step"] == 2 and source["train_state"]["loader"]
+    shard_dirs = sorted(d.name for d in three.iterdir())
+    assert shard_dirs == [Shard(i, 3).name for i in range(3)]
+    for i, name in enumerate(shard_dirs):
+        shard = _state(three / name)
+        assert shard["step"] == 2 and shard["train_state"] == source["train_state"]
+        assert shard["run"] == source["run"]  # the run's id: its records stay its own
+        uneven = 0
+        for key, whole in source.items():
+            if isinstance(key, tuple):
+                want = whole if key[1] == "compute" else Shard(i, 3).take(whole)
+                uneven += want.shape != whole.shape and whole.shape[0] % 3 != 0
+                np.testing.assert_array_equal(shard[key], want, err_msg=f"{name} {key}")
+        assert uneven  # some leaves' rows did not divide evenly
+    assert reshard(three, tmp_path / "one", 1) == 0
+    back = _state(tmp_path / "one")
+    assert back.keys() == source.keys()
+    for key, want in source.items():
+        if isinstance(key, tuple):
+            assert back[key].dtype == want.dtype, key
+            np.testing.assert_array_equal(back[key], want, err_msg=str(key))
+        else:
+            assert back[key] == want, key
+    assert (three / "shard-0-of-3").exists()  # the source was left as it was
+
+
+def _listing(root: Path) -> list:
+    return sorted((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*") if p.is_file())
+
+
+def _shard_copy(three: Path, where: Path, change=None) -> Path:
+    out = where / "copy"
+    shutil.copytree(three, out)
+    if change is not None:
+        change(out)
+    return out
+
+
+def _other_run(root: Path) -> None:
+    path = root / "shard-1-of-3" / layout.MANIFEST
+    m = json.loads(path.read_text())
+    m["hosts"]["run"] = "0123456789abcdef"
+    path.write_text(json.dumps(m))
+
+
+def _committed_again(root: Path) -> None:
+    with mtjax.store.open(root / "shard-2-of-3", writable=True) as store:
+        store.commit(store.step, store.load_train_state())
+
+
+def _one_copy(root: Path) -> None:
+    with mtjax.store.open(root / "shard-0-of-3") as store:
+        cfg = store.config
+    shutil.rmtree(root)
+    mtjax.store.create(root, cfg, copies=1).close()
+
+
+@pytest.mark.parametrize("case,message", [
+    ("processes=0", "--processes must be 1 or more, got 0"),
+    ("processes=3", "already holds a run of 3 processes; there is nothing to reshard"),
+    ("processes=4", "trains data.batch_size=6 rows a step, which 4 processes cannot share equally"),
+    ("not empty", "already exists and is not empty; choose a new output directory"),
+    ("inside", "is inside the source store"),
+    ("missing", "lacks shard-1-of-3 of its run of 3 processes; gather every process's shard"),
+    ("prepared", "holds a commit prepared but not finished (its run stopped inside a commit); resume it with 3 "
+                 "processes once to settle its last commit"),
+    ("generation", "holds another commit (generation 2, step 2) than"),
+    ("other run", "belongs to another run (run id 0123456789abcdef)"),
+    ("one shard", "is one shard of a run of 3 processes; pass the store root that holds all of them"),
+    ("one copy", "keeps one copy of the state (store.copies=1), which cannot be resharded yet"),
+    ("no store", "holds neither a store (manifest.json) nor the shards of a multi-process run"),
+])
+def test_refusals_are_one_line_and_write_nothing(trained, tmp_path, capsys, case, message):
+    _, three = trained
+    changes = {"missing": lambda r: shutil.rmtree(r / "shard-1-of-3"),
+               "prepared": lambda r: shutil.copy(r / "shard-1-of-3" / layout.MANIFEST,
+                                                 r / "shard-1-of-3" / layout.PREPARED),
+               "generation": _committed_again, "other run": _other_run, "one copy": _one_copy,
+               "no store": lambda r: [shutil.rmtree(d) for d in list(r.iterdir())]}
+    src = _shard_copy(three, tmp_path, changes.get(case)) if case in changes else three
+    if case == "one shard":
+        src = three / "shard-0-of-3"
+    dst, processes = tmp_path / "out", 2
+    if case.startswith("processes="):
+        processes = int(case.split("=")[1])
+    elif case == "not empty":
+        dst.mkdir()
+        (dst / "keep.txt").write_text("mine")
+    elif case == "inside":
+        dst = src / "new"
+    before_src, before_dst = _listing(src), _listing(dst) if dst.exists() else None
+    capsys.readouterr()
+    assert reshard(src, dst, processes) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("mtjax store reshard: error:"), err
+    assert message in err, err
+    assert "Traceback" not in err
+    assert _listing(src) == before_src
+    assert (_listing(dst) if dst.exists() else None) == before_dst
+
