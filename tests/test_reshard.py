@@ -152,3 +152,38 @@ def test_refusals_are_one_line_and_write_nothing(trained, tmp_path, capsys, case
     assert _listing(src) == before_src
     assert (_listing(dst) if dst.exists() else None) == before_dst
 
+
+
+def _losses(run: Path) -> dict:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.slow
+def test_one_process_resharded_to_two_resumes_as_one_process_trains_on(tmp_path):
+    """A run of one process to step 2, resharded for two and resumed by two processes with
+    its own run.dir to step 4, equals one process's 4 steps (within the tolerance of two
+    processes == one, tests/test_hosts.py): losses, the final export and the shards' step."""
+    from safetensors.numpy import load_file
+    from test_hosts import TRAIN as ONE, _process, free_port, launch
+
+    for rc, _, err in launch([[*ONE, "--run.dir=ref", "--run.steps=4"], [*ONE, "--run.dir=run", "--run.steps=2"]],
+                             tmp_path, 300):
+        assert rc == 0, err[-3000:]
+    assert reshard(tmp_path / "run" / "store", tmp_path / "two", 2) == 0
+    port = free_port()
+    for rc, _, err in launch([_process(i, 2, port, "--run.dir=run", "--store.path=two", "--run.steps=4",
+                                       "--run.resume=true") for i in range(2)], tmp_path, 300):
+        assert rc == 0, err[-3000:]
+    ref, got = _losses(tmp_path / "ref"), _losses(tmp_path / "run")
+    assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
+    np.testing.assert_allclose([got[s] for s in (3, 4)], [ref[s] for s in (3, 4)], rtol=1e-5)
+    want, have = (load_file(tmp_path / r / "final" / "model.safetensors") for r in ("ref", "run"))
+    assert sorted(have) == sorted(want)
+    for name, b in want.items():
+        a, b = np.asarray(have[name], np.float64), np.asarray(b, np.float64)
+        err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+    for i in range(2):
+        with mtjax.store.open(tmp_path / "two" / Shard(i, 2).name) as store:
+            assert store.step == 4
