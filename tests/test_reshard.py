@@ -8,7 +8,9 @@ as the one process would have.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import mtjax.store
 from mtjax import cli
 from mtjax.shard import Shard
 from mtjax.store import layout
+from mtjax.store import store as store_mod
 
 # Widths 32 and 64 and a vocabulary of 256: none divides by 3, so the shards' rows differ.
 # data.batch_size 6: 1, 2, 3 and 6 processes can share it.
@@ -113,7 +116,7 @@ def _one_copy(root: Path) -> None:
     ("processes=0", "--processes must be 1 or more, got 0"),
     ("processes=3", "already holds a run of 3 processes; there is nothing to reshard"),
     ("processes=4", "trains data.batch_size=6 rows a step, which 4 processes cannot share equally"),
-    ("not empty", "already exists and is not empty; choose a new output directory"),
+    ("not empty", "already exists and is not empty; choose a new store directory"),
     ("inside", "is inside the source store"),
     ("missing", "lacks shard-1-of-3 of its run of 3 processes; gather every process's shard"),
     ("prepared", "holds a commit prepared but not finished (its run stopped inside a commit); resume it with 3 "
@@ -187,3 +190,23 @@ def test_one_process_resharded_to_two_resumes_as_one_process_trains_on(tmp_path)
     for i in range(2):
         with mtjax.store.open(tmp_path / "two" / Shard(i, 2).name) as store:
             assert store.step == 4
+
+
+def test_a_reshard_that_fails_midway_leaves_nothing_at_the_destination(trained, tmp_path, monkeypatch, capsys):
+    """A full disk at the second new shard's commit: one line, and neither the destination
+    nor the hidden directory it was built in is left (mtjax.store.fill.staged_dir)."""
+    _, three = trained
+    commit = store_mod.Store.commit
+
+    def full_at_shard_one(self, step, *args, **kwargs):
+        if self.hosts and self.hosts["index"] == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.root / layout.MANIFEST))
+        return commit(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(store_mod.Store, "commit", full_at_shard_one)
+    capsys.readouterr()
+    assert reshard(three, tmp_path / "out", 2) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "No space left on device" in err, err
+    assert f"cannot write the store at {tmp_path / 'out'}" in err and "nothing was created there" in err, err
+    assert list(tmp_path.iterdir()) == []

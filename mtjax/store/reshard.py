@@ -11,7 +11,8 @@ host memory holds about one part. The compute copy, every leaf not split, the co
 step and train state (data position, seed, fixed settings; the optimizer's step count is
 a leaf) and a kept tokenizer are copied. The new store keeps the run's id, which names
 the run in its records (mtjax.rundir), so it resumes with the run's run.dir. The source
-is only read; every refusal comes before anything is written.
+is only read; every refusal comes before anything is written, and the new store is built
+in a hidden sibling of `dst` and renamed into place once complete (mtjax.store.fill).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 from mtjax import parts as model_parts
 from mtjax.optim import OptimConfig, make_optimizer
 from mtjax.shard import Shard
-from mtjax.store import layout, lock, shards
+from mtjax.store import fill, layout, lock, shards
 from mtjax.store import store as store_mod
 from mtjax.store.errors import StoreError
 
@@ -33,8 +34,7 @@ def reshard(src, dst, processes: int) -> Path:
     src, dst = Path(src), Path(dst)
     if processes < 1:
         raise StoreError(f"--processes must be 1 or more, got {processes}")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise StoreError(f"{dst} already exists and is not empty; choose a new output directory")
+    fill.check_destination(dst)
     if dst.resolve().is_relative_to(src.resolve()):
         raise StoreError(f"{dst} is inside the source store {src}, which is only read; choose a directory outside it")
     sources = _open_sources(src)
@@ -42,16 +42,8 @@ def reshard(src, dst, processes: int) -> Path:
         count, first = len(sources), sources[0]
         state = first.load_train_state()
         _check(src, count, processes, state)
-        created = not dst.exists()
-        try:
-            _write(sources, dst, processes, state)
-        except BaseException:
-            if created:
-                shutil.rmtree(dst, ignore_errors=True)
-            else:  # the empty directory given stays
-                for entry in dst.iterdir():
-                    shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
-            raise
+        with fill.staged_dir(dst) as tmp:  # renamed to dst once complete: never a partial store there
+            _write(sources, tmp, processes, state)
     finally:
         for s in sources:
             s.close()
