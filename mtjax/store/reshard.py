@@ -99,8 +99,9 @@ def _check_agree(src: Path, sources: list) -> None:
                              f"({first.run_id}); put back the run's own {s.root.name}")
         if s.generation != first.generation or s.step != first.step:
             raise StoreError(f"{s.root} holds another commit (generation {s.generation}, step {s.step}) than "
-                             f"{first.root} (generation {first.generation}, step {first.step}), and no commit waits to settle "
-                             f"them: it is not of the run's last commit; put back the run's own {s.root.name}")
+                             f"{first.root} (generation {first.generation}, step {first.step}), and no commit "
+                             f"waits to settle them: it is not of the run's last commit; put back the run's own "
+                             f"{s.root.name}")
     if first.copies == 1:
         raise StoreError(f"store {src} keeps one copy of the state (store.copies=1), which cannot be resharded yet")
     if first.never_written:
