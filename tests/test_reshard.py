@@ -1,9 +1,9 @@
 """`mtjax store reshard`: a run's store rewritten for another number of processes.
 
 A one-process store after 2 steps, resharded to 3 processes (rows not divisible by 3)
-and back to one, is the source bit for bit; each refusal is one line and writes nothing;
-and (slow) a run of one process resharded to two and resumed by two processes trains on
-as the one process would have.
+and back to one, is the source bit for bit; each refusal is one line and writes nothing,
+as does a reshard that fails midway; and (slow) a run resharded from one process to two
+and back, resumed each time with its own run.dir, trains on as one process would have.
 """
 
 from __future__ import annotations
@@ -163,14 +163,15 @@ def _losses(run: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_one_process_resharded_to_two_resumes_as_one_process_trains_on(tmp_path):
+def test_a_run_resharded_from_one_process_to_two_and_back_trains_on_as_one_process(tmp_path):
     """A run of one process to step 2, resharded for two and resumed by two processes with
-    its own run.dir to step 4, equals one process's 4 steps (within the tolerance of two
-    processes == one, tests/test_hosts.py): losses, the final export and the shards' step."""
+    its own run.dir to step 4, then resharded for one and resumed to step 5, equals one
+    process's 5 steps (within the tolerance of two processes == one, tests/test_hosts.py):
+    its losses and final export."""
     from safetensors.numpy import load_file
     from test_hosts import TRAIN as ONE, _process, free_port, launch
 
-    for rc, _, err in launch([[*ONE, "--run.dir=ref", "--run.steps=4"], [*ONE, "--run.dir=run", "--run.steps=2"]],
+    for rc, _, err in launch([[*ONE, "--run.dir=ref", "--run.steps=5"], [*ONE, "--run.dir=run", "--run.steps=2"]],
                              tmp_path, 300):
         assert rc == 0, err[-3000:]
     assert reshard(tmp_path / "run" / "store", tmp_path / "two", 2) == 0
@@ -178,19 +179,21 @@ def test_one_process_resharded_to_two_resumes_as_one_process_trains_on(tmp_path)
     for rc, _, err in launch([_process(i, 2, port, "--run.dir=run", "--store.path=two", "--run.steps=4",
                                        "--run.resume=true") for i in range(2)], tmp_path, 300):
         assert rc == 0, err[-3000:]
+    assert reshard(tmp_path / "two", tmp_path / "one", 1) == 0
+    [(rc, _, err)] = launch([[*ONE, "--run.dir=run", "--store.path=one", "--run.steps=5", "--run.resume=true"]],
+                            tmp_path, 300)
+    assert rc == 0, err[-3000:]
     ref, got = _losses(tmp_path / "ref"), _losses(tmp_path / "run")
-    assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
-    np.testing.assert_allclose([got[s] for s in (3, 4)], [ref[s] for s in (3, 4)], rtol=1e-5)
+    assert sorted(got) == sorted(ref) == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose([got[s] for s in (3, 4, 5)], [ref[s] for s in (3, 4, 5)], rtol=1e-5)
     want, have = (load_file(tmp_path / r / "final" / "model.safetensors") for r in ("ref", "run"))
     assert sorted(have) == sorted(want)
     for name, b in want.items():
         a, b = np.asarray(have[name], np.float64), np.asarray(b, np.float64)
         err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
         assert err <= 1e-5, f"{name}: relative error {err:.2e}"
-    for i in range(2):
-        with mtjax.store.open(tmp_path / "two" / Shard(i, 2).name) as store:
-            assert store.step == 4
-
+    with mtjax.store.open(tmp_path / "one") as store:
+        assert store.step == 5
 
 def test_a_reshard_that_fails_midway_leaves_nothing_at_the_destination(trained, tmp_path, monkeypatch, capsys):
     """A full disk at the second new shard's commit: one line, and neither the destination
