@@ -213,3 +213,31 @@ def test_a_reshard_that_fails_midway_leaves_nothing_at_the_destination(trained, 
     assert len(err.strip().splitlines()) == 1 and "No space left on device" in err, err
     assert f"cannot write the store at {tmp_path / 'out'}" in err and "nothing was created there" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_host_memory_holds_about_one_part(tmp_path):
+    """Resharding 8 blocks holds one kind of one part at a time (twice while its rows are
+    joined), not the whole state: numpy's allocations (tracemalloc) peak below three times
+    the largest kind of a part, a ninth of the state here."""
+    import tracemalloc
+
+    from conftest import tiny_config
+
+    from mtjax import parts
+    from mtjax.store import fresh
+    from mtjax.store import reshard as reshard_mod
+
+    cfg = tiny_config(hidden_size=256, intermediate_size=1024, num_hidden_layers=8, vocab_size=64)
+    fresh.init_store(cfg, tmp_path / "src")
+    with mtjax.store.open(tmp_path / "src") as store:
+        largest = max(parts.nbytes(store.schema(p, k)) for p in store.parts for k in parts.KINDS)
+        total = store.nbytes()
+    assert total > 9 * largest
+    for processes, src, dst in [(2, "src", "two"), (1, "two", "one")]:
+        tracemalloc.start()
+        try:
+            reshard_mod.reshard(tmp_path / src, tmp_path / dst, processes)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 3 * largest, (processes, peak, largest, total)

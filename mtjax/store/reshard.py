@@ -155,8 +155,10 @@ def _write(sources: list, dst: Path, processes: int, state: dict | None) -> None
 
 def _whole(sources: list, part: str, kind: str, schema: dict) -> dict:
     """{leaf: whole array} of a part's committed state, from every source shard's rows."""
-    reads = [s.read(part, kind) for s in (sources[:1] if kind == "compute" else sources)]
-    pieces = [r.result() for r in reads]
+    used = sources[:1] if kind == "compute" else sources
+    pieces = [r.result() for r in [s.read(part, kind) for s in used]]
+    for s in used:
+        s.wait()  # forgets the finished reads (a store keeps its last of each part and kind, results and all)
     if len(pieces) == 1:
         return pieces[0]
     shard = sources[0].shard
