@@ -21,7 +21,7 @@ from conftest import TINY_MODEL_ARGS
 import mtjax.store
 from mtjax import cli
 from mtjax.shard import Shard
-from mtjax.store import layout
+from mtjax.store import layout, lock
 from mtjax.store import store as store_mod
 
 # Widths 32 and 64 and a vocabulary of 256: none divides by 3, so the shards' rows differ.
@@ -125,6 +125,7 @@ def _one_copy(root: Path) -> None:
     ("other run", "belongs to another run (run id 0123456789abcdef)"),
     ("one shard", "is one shard of a run of 3 processes; pass the store root that holds all of them"),
     ("one copy", "keeps one copy of the state (store.copies=1), which cannot be resharded yet"),
+    ("trained now", "is already open for writing (by process "),
     ("no store", "holds neither a store (manifest.json) nor the shards of a multi-process run"),
 ])
 def test_refusals_are_one_line_and_write_nothing(trained, tmp_path, capsys, case, message):
@@ -133,7 +134,8 @@ def test_refusals_are_one_line_and_write_nothing(trained, tmp_path, capsys, case
                "prepared": lambda r: shutil.copy(r / "shard-1-of-3" / layout.MANIFEST,
                                                  r / "shard-1-of-3" / layout.PREPARED),
                "generation": _committed_again, "other run": _other_run, "one copy": _one_copy,
-               "no store": lambda r: [shutil.rmtree(d) for d in list(r.iterdir())]}
+               "no store": lambda r: [shutil.rmtree(d) for d in list(r.iterdir())],
+               "trained now": None}
     src = _shard_copy(three, tmp_path, changes.get(case)) if case in changes else three
     if case == "one shard":
         src = three / "shard-0-of-3"
@@ -145,9 +147,14 @@ def test_refusals_are_one_line_and_write_nothing(trained, tmp_path, capsys, case
         (dst / "keep.txt").write_text("mine")
     elif case == "inside":
         dst = src / "new"
+    held = lock.WriterLock(src / "shard-1-of-3") if case == "trained now" else None  # a trainer's
     before_src, before_dst = _listing(src), _listing(dst) if dst.exists() else None
     capsys.readouterr()
-    assert reshard(src, dst, processes) == 2
+    try:
+        assert reshard(src, dst, processes) == 2
+    finally:
+        if held is not None:
+            held.release()
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("mtjax store reshard: error:"), err
     assert message in err, err

@@ -75,7 +75,7 @@ def _open_sources(src: Path) -> list:
         if (root / layout.PREPARED).exists():
             raise StoreError(f"{root} holds a commit prepared but not finished (its run stopped inside a commit); "
                              f"resume it with {len(roots)} processes once to settle its last commit, then reshard")
-        lock.check_free(root)  # a trainer at work would commit under the reads
+        lock.check_free(root, "reshard it once that run has stopped")  # it would commit under the reads
     sources = []
     try:
         for root in roots:
@@ -162,5 +162,5 @@ def _whole(sources: list, part: str, kind: str, schema: dict) -> dict:
     if len(pieces) == 1:
         return pieces[0]
     shard = sources[0].shard
-    return {n: np.concatenate([p[n] for p in pieces]) if shard.splits(s.shape) else pieces[0][n]
-            for n, s in schema.items()}
+    return {n: np.concatenate([p[n] for p in pieces]) if shard.splits(spec.shape) else pieces[0][n]
+            for n, spec in schema.items()}
