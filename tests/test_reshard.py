@@ -31,7 +31,11 @@ TRAIN = ["train", *TINY_MODEL_ARGS, "--data.seq_len=16", "--data.batch_size=6", 
 
 
 def reshard(src, dst, processes) -> int:
-    return cli.main(["store", "reshard", str(src), str(dst), "--processes", str(processes)])
+    """`mtjax store reshard`'s exit status (an argument refused: argparse's exit)."""
+    try:
+        return cli.main(["store", "reshard", str(src), str(dst), "--processes", str(processes)])
+    except SystemExit as e:
+        return e.code
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +117,7 @@ def _one_copy(root: Path) -> None:
 
 
 @pytest.mark.parametrize("case,message", [
-    ("processes=0", "--processes must be 1 or more, got 0"),
+    ("processes=0", "argument --processes: must be >= 1, got 0"),
     ("processes=3", "already holds a run of 3 processes; there is nothing to reshard"),
     ("processes=4", "trains data.batch_size=6 rows a step, which 4 processes cannot share equally"),
     ("not empty", "already exists and is not empty; choose a new store directory"),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mtjax import config as experiment
 from mtjax import writable
-from mtjax.bounds import SEED, flag
+from mtjax.bounds import AT_LEAST_1, SEED, flag
 from mtjax.errors import MtjaxError
 from mtjax.model_config import BASE_FORMATS, load_hf_config
 from mtjax.plan import compute_dtype
@@ -84,7 +84,8 @@ def register(subparsers) -> None:
     i.set_defaults(func=run_init)
 
     s = subparsers.add_parser("store", help="rewrite a run's store (reshard: for another number of processes)",
-                              description="Rewrite a run's layer store.")
+                              description="Rewrite a run's layer store: `reshard` writes it for another number of "
+                                          "processes, to continue a run on another number of hosts.")
     actions = s.add_subparsers(dest="store_command", metavar="ACTION", required=True)
     r = actions.add_parser(
         "reshard", help="rewrite a run's store for another number of processes",
@@ -95,9 +96,10 @@ def register(subparsers) -> None:
                     "one), or a one-process store. DST gets the store of a one-process run (--processes 1) or "
                     "shard-<p>-of-<M>/, keeping the run's id, so the run resumes from it with its own run.dir: "
                     "`mtjax train ... --run.resume=true --store.path=DST` on M processes.")
-    r.add_argument("src", help="the run's store root (<run.dir>/store, or its store.path)")
-    r.add_argument("dst", help="new store directory (must not exist or be empty)")
-    r.add_argument("--processes", type=int, required=True, metavar="M", help="the process count of the new store")
+    r.add_argument("src", metavar="SRC", help="the run's store root (<run.dir>/store, or its store.path)")
+    r.add_argument("dst", metavar="DST", help="new store directory (must not exist or be empty)")
+    r.add_argument("--processes", type=flag(int, AT_LEAST_1), required=True, metavar="M",
+                   help="the process count of the new store")
     r.set_defaults(func=run_reshard)
 
 
