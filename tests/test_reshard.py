@@ -252,3 +252,22 @@ def test_host_memory_holds_about_one_part(tmp_path):
         finally:
             tracemalloc.stop()
         assert peak < 3 * largest, (processes, peak, largest, total)
+
+
+@pytest.mark.parametrize("case", ["freeze-disk", "lora-ram"])
+def test_frozen_leaves_and_lora_adapters_go_to_three_processes_and_back(tmp_path, case):
+    """Parts whose master and optimizer state hold only some leaves (frozen ones have a
+    compute copy only; LoRA adapters beside a frozen base, mtjax.roles) come back bit for bit."""
+    from hosts_case import FROZEN
+
+    from mtjax.store import fresh
+    from mtjax.store import reshard as reshard_mod
+
+    fresh.init_store(FROZEN[case][0], tmp_path / "src")
+    reshard_mod.reshard(tmp_path / "src", tmp_path / "three", 3)
+    reshard_mod.reshard(tmp_path / "three", tmp_path / "one", 1)
+    source, back = _state(tmp_path / "src"), _state(tmp_path / "one")
+    assert back.keys() == source.keys()
+    for key, want in source.items():
+        if isinstance(key, tuple):
+            np.testing.assert_array_equal(back[key], want, err_msg=str(key))
