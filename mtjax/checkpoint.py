@@ -100,7 +100,7 @@ def open_run_store(exp: ExperimentConfig, cfg: ModelConfig, hosts=None):
         distributed.agree(hosts, foreign)
         # This process's records, once its shard is the run's (a new shard's were checked before it was made).
         distributed.agree(hosts, None if created else _refusal(
-            lambda: rundir.check(records, run_id(store), store.root, trained=state is not None)))
+            lambda: rundir.check(records, store.run_id, store.root, trained=state is not None)))
     except BaseException:
         discard(store) if created else store.close()
         raise
@@ -116,15 +116,6 @@ def _refusal(check) -> Exception | None:
     return None
 
 
-def run_id(store) -> str:
-    """The id that names a run in its records (mtjax.rundir): the store's (STORE_ID), or the
-    run id every shard of a multi-process run records."""
-    if store.hosts:
-        return store.hosts["run"]
-    id_file = store.root / layout.STORE_ID
-    return id_file.read_text().strip() if id_file.exists() else str(store.root.resolve())  # a store made before ids
-
-
 def _open_at(path: Path, exp: ExperimentConfig, cfg: ModelConfig, hosts: dict | None, records: Path):
     if (path / "manifest.json").exists():
         # Every refusal comes before the writer lock is taken, so it changes no byte there.
@@ -133,13 +124,13 @@ def _open_at(path: Path, exp: ExperimentConfig, cfg: ModelConfig, hosts: dict | 
             if not reader.never_written:
                 state = _check(exp, reader, reader.load_train_state())
                 if hosts is None:  # (a shard's records: once its run is agreed, in open_run_store)
-                    rundir.check(records, run_id(reader), path, trained=state is not None)
+                    rundir.check(records, reader.run_id, path, trained=state is not None)
         store = mtjax.store.open(path, writable=True, config=cfg)  # the writer lock: one trainer per store
         if not store.never_written:
             try:
                 state = _check(exp, store, store.load_train_state())
                 if hosts is None:
-                    rundir.check(records, run_id(store), path, trained=state is not None)  # (as the lock found it)
+                    rundir.check(records, store.run_id, path, trained=state is not None)  # (as the lock found it)
                 return store, state, False
             except BaseException:
                 store.close()

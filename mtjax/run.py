@@ -221,7 +221,7 @@ def train(exp: ExperimentConfig = ExperimentConfig(), stream=None) -> dict:
             origin = dict(store=store.root) if state is None else dict(resumed=store.root, step=first)
         # Only now that everything checked out: a run that fails to start leaves the previous one.
         records = rundir.records_dir(run_dir, 0 if lead else hosts.index)
-        rundir.claim(records, checkpoint.run_id(store))  # before any other record: they are this run's
+        rundir.claim(records, store.run_id)  # before any other record: they are this run's
         if lead:
             config_lib.dump(dataclasses.replace(exp, stream=asked), run_dir / "config.yaml")
         if state is None:

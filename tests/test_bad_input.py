@@ -64,7 +64,7 @@ def run_cases(cwd: Path, cases: list[tuple[list[str], str]], parallel: int = 4,
         assert rc not in (0, None) and "Traceback" not in err + out, (args, rc, err)
         assert len(lines) == 1 and expect in lines[0], (args, err)
         # A nested command is named whole, as argparse names it: "mtjax data prepare: error: ..."
-        command = " ".join(args[:2]) if args[0] == "data" else args[0]
+        command = " ".join(args[:2]) if args[0] in ("data", "store") else args[0]
         assert lines[0].startswith(f"mtjax {command}: error: "), (args, err)
     after = snapshot(cwd)
     assert after == before, {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
@@ -106,6 +106,9 @@ def test_outputs_that_cannot_be_written(work):
         (["export", "store", "RO/x"], "output directory RO/x cannot be written"),
         (["export", "store", "FILE/x"], "output directory FILE/x cannot be created: FILE is a file"),
         (["init", "ckpt", "FILE/s"], "store directory FILE/s cannot be created: FILE is a file"),
+        (["store", "reshard", "run/store", "RO/s", "--processes", "2"], "output directory RO/s cannot be written"),
+        (["store", "reshard", "run/store", "FILE/s", "--processes", "2"],
+         "output directory FILE/s cannot be created: FILE is a file"),
     ])
 
 

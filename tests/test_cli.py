@@ -61,7 +61,8 @@ def test_errors_of_other_commands_are_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", [["train"], ["data"], ["data", "prepare"], ["data", "info"], ["generate"],
-                                     ["eval"], ["plot"], ["plan"], ["probe"], ["import"], ["export"], ["init"]])
+                                     ["eval"], ["plot"], ["plan"], ["probe"], ["import"], ["export"], ["init"],
+                                     ["store"], ["store", "reshard"]])
 def test_help_of_each_command(command, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main([*command, "--help"])

@@ -327,7 +327,7 @@ def test_records_of_another_store_are_refused_and_the_run_keeps_its_own(tmp_path
     assert "metrics.jsonl of another run than the one in" in line, line
     assert tree(run) == before
     with mtjax.store.open(run / "store") as store:
-        mine = checkpoint.run_id(store)
+        mine = store.run_id
     (run / rundir.RUN_FILE).write_text(json.dumps({"run": mine}) + "\n")
     assert cli.main(args(run, 2, "reference")) == 0
     assert sorted(per_step_loss(run)) == [1, 2]  # its fresh record

@@ -1,4 +1,5 @@
-"""`mtjax import`, `mtjax export`, `mtjax init`: fill a layer store or turn it back into a checkpoint."""
+"""`mtjax import`, `mtjax export`, `mtjax init`: fill a layer store or turn it back into a checkpoint;
+`mtjax store reshard`: a run's store for another number of processes."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from pathlib import Path
 
 from mtjax import config as experiment
 from mtjax import writable
-from mtjax.bounds import SEED, flag
+from mtjax.bounds import AT_LEAST_1, SEED, flag
 from mtjax.errors import MtjaxError
 from mtjax.model_config import BASE_FORMATS, load_hf_config
 from mtjax.plan import compute_dtype
-from mtjax.store import fresh, hf_export, hf_import
+from mtjax.store import fresh, hf_export, hf_import, reshard
 
 DTYPES = ("bfloat16", "float32", "float16")
 QUANTIZED_BASE = "block.*/*.kernel"  # what --base-format freezes (and quantizes) unless --freeze says otherwise
@@ -82,6 +83,25 @@ def register(subparsers) -> None:
                    help="copies of the state on disk: 2 (default) or 1 (train it with --store.copies=1)")
     i.set_defaults(func=run_init)
 
+    s = subparsers.add_parser("store", help="rewrite a run's store (reshard: for another number of processes)",
+                              description="Rewrite a run's layer store: `reshard` writes it for another number of "
+                                          "processes, to continue a run on another number of hosts.")
+    actions = s.add_subparsers(dest="store_command", metavar="ACTION", required=True)
+    r = actions.add_parser(
+        "reshard", help="rewrite a run's store for another number of processes",
+        description="Rewrite the last commit of a run's store for a run of --processes processes, to continue "
+                    "the run on another number of hosts: part by part (host memory: about one part), the source "
+                    "left as it was. SRC is a multi-process run's store root with every process's "
+                    "shard-<p>-of-<N>/ gathered in it (on one filesystem: copy them from hosts that do not share "
+                    "one), or a one-process store. DST gets the store of a one-process run (--processes 1) or "
+                    "shard-<p>-of-<M>/, keeping the run's id, so the run resumes from it with its own run.dir: "
+                    "`mtjax train ... --run.resume=true --store.path=DST` on M processes.")
+    r.add_argument("src", metavar="SRC", help="the run's store root (<run.dir>/store, or its store.path)")
+    r.add_argument("dst", metavar="DST", help="new store directory (must not exist or be empty)")
+    r.add_argument("--processes", type=flag(int, AT_LEAST_1), required=True, metavar="M",
+                   help="the process count of the new store")
+    r.set_defaults(func=run_reshard)
+
 
 def _progress(total: int, live: bool):
     """A callback printing each imported part: in place on a terminal (`live`), else one
@@ -150,4 +170,13 @@ def run_init(args) -> int:
     cfg, tx = fresh.load_config(Path(args.config), _init_dtype(Path(args.config), args.compute_dtype))
     out = fresh.init_store(cfg, args.store_dir, seed=args.seed, tx=tx, copies=args.copies)
     print(f"initialised {out}")
+    return 0
+
+
+def run_reshard(args) -> int:
+
+    writable.check(args.dst, "output directory")
+    out = reshard.reshard(args.src, args.dst, args.processes)
+    what = "one process" if args.processes == 1 else f"{args.processes} processes"
+    print(f"resharded {args.src} for {what} into {out}; resume the run with --store.path={out}")
     return 0

@@ -15,7 +15,8 @@ straight into buffers), manifest (the commit point), lock (one writer), pending
 commit), store (the Store class) and its pieces: slots (the slot table), io (chunk
 reads and writes), commit (every commit protocol), checks (what an opened store must
 be); fill / hf_import / hf_export / fresh (filling a new
-store and exporting one).
+store and exporting one); shards (a multi-process run's store) and reshard (it rewritten
+for another number of processes).
 """
 
 from mtjax.store.errors import StoreError

@@ -1,8 +1,8 @@
 """Filling a new store: all three kinds of state of a part from its fp32 master weights.
 
-Used by `hf_import` and `fresh`. A new store is built in a hidden sibling directory and
-renamed into place only when complete, so a failed or interrupted import never leaves
-a half-filled store at the destination.
+Used by `hf_import`, `fresh` and `reshard`. A new store (or a run's store root of shards) is
+built in a hidden sibling directory and renamed into place only when complete, so a failed
+or interrupted import never leaves a half-filled store at the destination.
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def _dead(pid: str) -> bool:
 
 
 @contextlib.contextmanager
-def staged(dest: str | Path, cfg, tx, copies: int = 2):
-    """Yield a writable store in a temporary sibling of `dest`; rename it to `dest` on success."""
+def staged_dir(dest: str | Path):
+    """Yield a new temporary sibling directory of `dest` to build a store (or a run's store
+    root of shards) in; rename it to `dest` once the block ends without error."""
     given, dest = Path(dest), Path(dest).absolute()
     check_destination(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -81,11 +82,9 @@ def staged(dest: str | Path, cfg, tx, copies: int = 2):
             store_mod.remove(old)
     tmp = dest.parent / f".{dest.name}.partial-{os.getpid()}"
     store_mod.remove(tmp)
-    store = None
     try:
-        store = store_mod.create(tmp, cfg, tx, copies=copies)
-        yield store
-        store.close()
+        yield tmp
+        fsync_path(tmp)  # its entries (a root's shards) are durable before its name
         if dest.exists():
             dest.rmdir()  # empty (checked above)
         os.replace(tmp, dest)
@@ -97,6 +96,15 @@ def staged(dest: str | Path, cfg, tx, copies: int = 2):
         reason = _reason(e).replace(str(tmp), str(given))
         raise StoreError(f"cannot write the store at {given}: {reason}; nothing was created there") from None
     finally:
-        if store is not None:
-            store.close()
         store_mod.remove(tmp)
+
+
+@contextlib.contextmanager
+def staged(dest: str | Path, cfg, tx, copies: int = 2):
+    """Yield a writable store in a temporary sibling of `dest`; rename it to `dest` on success."""
+    with staged_dir(dest) as tmp:
+        store = store_mod.create(tmp, cfg, tx, copies=copies)
+        try:
+            yield store
+        finally:
+            store.close()

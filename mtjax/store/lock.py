@@ -40,8 +40,12 @@ class WriterLock:
             self._fd = None
 
 
-def check_free(root: Path) -> None:
-    """Raise the StoreError a second writer gets if one holds the store now; changes nothing."""
+_SECOND_WRITER = "close that writer first, or open the store read-only"
+
+
+def check_free(root: Path, what: str = _SECOND_WRITER) -> None:
+    """Raise the StoreError a second writer gets if one holds the store now (ending with
+    `what` to do); changes nothing."""
     try:
         fd = os.open(root / layout.LOCK, os.O_RDONLY)
     except FileNotFoundError:
@@ -49,13 +53,12 @@ def check_free(root: Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        _refuse(root, fd)
+        _refuse(root, fd, what)
     fcntl.flock(fd, fcntl.LOCK_UN)
     os.close(fd)
 
 
-def _refuse(root: Path, fd: int) -> None:
+def _refuse(root: Path, fd: int, what: str = _SECOND_WRITER) -> None:
     holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
     os.close(fd)
-    raise StoreError(f"store {root} is already open for writing (by process {holder}); "
-                     "close that writer first, or open the store read-only") from None
+    raise StoreError(f"store {root} is already open for writing (by process {holder}); {what}") from None

@@ -36,16 +36,23 @@ def shard_root(root, shard: Shard) -> Path:
     return Path(root) / shard.name
 
 
+def present(root) -> list[Shard]:
+    """The shards under a store root that hold a store (a manifest), by count, then index."""
+    root = Path(root)
+    found = [Shard(int(m.group(1)), int(m.group(2))) for d in (root.iterdir() if root.is_dir() else ())
+             if (m := _SHARD_DIR.fullmatch(d.name)) and (d / layout.MANIFEST).exists()]
+    return sorted(found, key=lambda s: (s.count, s.index))
+
+
 def check_count(root, count: int) -> None:
     """Refuse a store root holding shards of a run with another number of processes."""
     root = Path(root)
-    counts = {int(m.group(2)) for d in (root.iterdir() if root.is_dir() else ())
-              if (m := _SHARD_DIR.fullmatch(d.name)) and (d / layout.MANIFEST).exists()}
-    other = sorted(counts - {count})
+    other = sorted({s.count for s in present(root)} - {count})
     if other:
         this = "one process" if count == 1 else f"{count}"
         raise StoreError(f"store {root} holds the shards of a run of {other[0]} processes; resume it with "
-                         f"{other[0]} processes (this run has {this}), or use a new run.dir")
+                         f"{other[0]} processes (this run has {this}), `mtjax store reshard` it for {count}, "
+                         "or use a new run.dir")
 
 
 def generations(root, shard: Shard) -> tuple[int, int]:

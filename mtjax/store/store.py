@@ -97,6 +97,15 @@ class Store:
         return None if h is None else dict(h)
 
     @property
+    def run_id(self) -> str:
+        """The id that names the store's run in its records (mtjax.rundir): the store's own
+        (STORE_ID), or the run id every shard of a multi-process run records."""
+        if self.hosts:
+            return self.hosts["run"]
+        id_file = self.root / layout.STORE_ID
+        return id_file.read_text().strip() if id_file.exists() else str(self.root.resolve())  # made before ids
+
+    @property
     def generation(self) -> int:
         """+1 per commit (a shard's commits are named by it across the processes)."""
         return self.slots.manifest.generation
@@ -301,14 +310,16 @@ def open(path, writable: bool = False, config: ModelConfig | None = None) -> Sto
 
 
 def create(path, cfg: ModelConfig, tx=None, copies: int = 2, hosts: dict | None = None,
-           chunk_bytes: int | None = None) -> Store:
+           chunk_bytes: int | None = None, store_id: str | None = None) -> Store:
     """Create an empty store for `cfg` (manifest at step 0, nothing written) and open it
     for writing. `tx` (an optax transformation; default AdamW from OptimConfig()) fixes the
     optimizer-state leaves. `copies=1` keeps one copy of the state on disk instead of two
     (a trainer must then commit every step; docs/store.md). `hosts` ({"index", "count",
     "run"}): the store is that process's shard of a multi-process run (mtjax.store.shards).
     `chunk_bytes`: about how many bytes each chunk of the arrays this open store creates
-    holds (default layout.CHUNK_BYTES); a reader takes the chunking stored with an array."""
+    holds (default layout.CHUNK_BYTES); a reader takes the chunking stored with an array.
+    `store_id`: the store's id (default a new random one); `mtjax store reshard` keeps a
+    run's id, which names it in its records (mtjax.rundir)."""
     if copies not in (1, 2):
         raise StoreError(f"store copies must be 1 or 2, got {copies!r}")
     root = Path(path)
@@ -330,7 +341,7 @@ def create(path, cfg: ModelConfig, tx=None, copies: int = 2, hosts: dict | None 
         (root / layout.TRAIN_STATE_DIR).mkdir(exist_ok=True)
         (root / layout.PENDING_DIR).mkdir(exist_ok=True)
         manifest.write_atomic(root / layout.SCHEMA, json.dumps(layout.schema_to_json(schemas)))
-        store_id = uuid.uuid4().hex
+        store_id = store_id or uuid.uuid4().hex
         manifest.write_atomic(root / layout.STORE_ID, store_id + "\n")
         empty = manifest.Manifest(step=0, generation=0, config=layout.config_to_json(cfg), store_id=store_id,
                                   slots={p: {k: None for k in model_parts.KINDS} for p in names},
