@@ -174,7 +174,6 @@ def run_init(args) -> int:
 
 
 def run_reshard(args) -> int:
-
     writable.check(args.dst, "output directory")
     out = reshard.reshard(args.src, args.dst, args.processes)
     what = "one process" if args.processes == 1 else f"{args.processes} processes"
