@@ -107,6 +107,23 @@ def test_round_trip_every_kind_and_reopen(filled, tmp_path):
     assert reopened.disk_usage() >= reopened.nbytes()
 
 
+def test_a_read_result_lives_only_as_long_as_its_caller_holds_it(filled, tmp_path):
+    """A reader going part by part (export, reshard) holds one part: the store keeps the
+    order of each (part, kind)'s I/O, not the arrays its reads returned."""
+    import weakref
+
+    store, vals = filled
+    store.close()
+    with mtjax.store.open(tmp_path / "s") as reader:
+        gone = []
+        for part in reader.parts:
+            got = reader.read(part, "master").result()
+            assert same({0: got}, {0: vals[part, "master"]})
+            gone += [weakref.ref(a) for a in got.values()]
+            del got
+        assert gone and [r() for r in gone] == [None] * len(gone)
+
+
 def test_reads_fill_pool_buffers_in_place(filled):
     store, vals = filled
     schema = store.schema("block.1", "master")

@@ -38,6 +38,22 @@ def ts_message(e: BaseException) -> str:
     return str(e).split(" [tensorstore_spec=")[0]  # drop the multi-KB spec dump
 
 
+def _outcome(fut: concurrent.futures.Future) -> concurrent.futures.Future:
+    """A future that finishes when `fut` does, with its exception but without its result."""
+    done = concurrent.futures.Future()
+
+    def copy(f):
+        if f.cancelled():
+            done.cancel()
+        elif f.exception() is not None:
+            done.set_exception(f.exception())
+        else:
+            done.set_result(None)
+
+    fut.add_done_callback(copy)
+    return done
+
+
 class StoreIO:
     """The I/O of one open store (`store`: its root, step, generation and schemas)."""
 
@@ -198,10 +214,13 @@ class StoreIO:
             return tuple(self._bytes)
 
     def _chain(self, part: str, kind: str, start) -> concurrent.futures.Future:
-        """Start after the previous read or write of the same (part, kind) finished."""
+        """Start after the previous read or write of the same (part, kind) finished.
+        The chain keeps each operation's outcome, not its result: a read's arrays live
+        only as long as its caller holds them (a reader going part by part, as export
+        does, held every part's last read)."""
         with self._lock:
             fut = arrays.after(self._chains.get((part, kind)), start)
-            self._chains[(part, kind)] = fut
+            self._chains[(part, kind)] = _outcome(fut)
         return fut
 
     def pending(self, part: str | None = None) -> list[concurrent.futures.Future]:

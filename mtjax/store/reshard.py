@@ -157,8 +157,6 @@ def _whole(sources: list, part: str, kind: str, schema: dict) -> dict:
     """{leaf: whole array} of a part's committed state, from every source shard's rows."""
     used = sources[:1] if kind == "compute" else sources
     pieces = [r.result() for r in [s.read(part, kind) for s in used]]
-    for s in used:
-        s.wait()  # forgets the finished reads (a store keeps its last of each part and kind, results and all)
     if len(pieces) == 1:
         return pieces[0]
     shard = sources[0].shard
