@@ -87,10 +87,10 @@ class DiskTier:
         return self.store.read(part, kind, out=out)
 
     def write(self, part: str, kind: str, arrays: Mapping) -> cf.Future:
-        # np.asarray waits for the jitted update that produced the arrays (host sync,
-        # on the prefetch worker thread): the store needs their bytes. A compute copy's
-        # leaves not given (frozen, mtjax.roles: the update writes the trained ones) keep
-        # their stored values, carried by the store without a byte written.
+        # np.asarray waits for the jitted update that produced the arrays (host sync, on
+        # the caller's thread: in a step, an update worker): the store needs their bytes.
+        # A compute copy's leaves not given (frozen, mtjax.roles: the update writes the
+        # trained ones) keep their stored values, carried by the store without a byte written.
         values = {n: np.asarray(a) for n, a in arrays.items()}
         if kind == "compute" and set(values) < set(self.store.schema(part, kind)):
             return self.store.write(part, kind, values, carry=True)
