@@ -4,28 +4,25 @@ An `ExperimentConfig` groups model, store, stream, optim, data and run settings.
 typed defaults below are the embedded default run (`mtjax train` with no arguments);
 a YAML experiment file overrides some of them, and dotted command-line overrides
 (`--optim.lr=3e-4`) override both. Every value is checked against its field's type and
-an unknown key names the closest valid one. This is the only module that reads YAML.
+an unknown key names the closest valid one (mtjax.config_values turns the text into values).
+`load` is the one reader of experiment files.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
-import inspect
-import math
-import re
-import types
 import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from mtjax import parts, textfile, writable
+from mtjax import parts, writable
 from mtjax.bounds import AT_LEAST_0, AT_LEAST_1, EVERY, FRACTION, POSITIVE, SEED, SEQ_LEN, STEPS, Range, out_of_range
+from mtjax.config_values import (FALSE, TRUE, coerce, construct, field_comments, plain, read_yaml, split_override,
+                                 suggest, type_hints)
 from mtjax.data.format import FORMATS, PACKING, TRAIN_ON
-from mtjax.model_config import ConfigError, ModelConfig, RopeScaling, load_hf_config
+from mtjax.model_config import ConfigError, ModelConfig, load_hf_config
 from mtjax.lora import LoraConfig
 from mtjax.optim import OptimConfig
 
@@ -70,11 +67,6 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
 
 
-def _suggest(name: str, candidates, prefix: str = "") -> str:
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
-    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
-
-
 # Named architectures; inline `model.*` fields override them.
 PRESETS: dict[str, dict[str, Any]] = {
     # The embedded default: a 4-block Llama-style byte-level model that trains on 2 CPU cores.
@@ -99,7 +91,7 @@ class ModelSection:
 
     def __post_init__(self):
         if self.preset is not None and self.preset not in PRESETS:
-            raise ConfigError(f"model.preset {self.preset!r} is unknown{_suggest(self.preset, PRESETS)}; "
+            raise ConfigError(f"model.preset {self.preset!r} is unknown{suggest(self.preset, PRESETS)}; "
                               f"presets: {', '.join(PRESETS)}")
         if self.preset is not None and self.hf_config is not None:
             raise ConfigError("model.preset and model.hf_config both name an architecture; set one to null")
@@ -253,7 +245,7 @@ class RunConfig:
         _check_numbers("run", self, {"steps": STEPS, "log_every": EVERY, "eval_every": STEPS,
                                      "eval_batches": AT_LEAST_1, "checkpoint_every": STEPS, "sample_tokens": AT_LEAST_0,
                                      "seed": SEED})
-        if self.wandb is not None and (not self.wandb.strip() or self.wandb.strip().lower() in _TRUE + _FALSE):
+        if self.wandb is not None and (not self.wandb.strip() or self.wandb.strip().lower() in TRUE + FALSE):
             raise ConfigError(f"run.wandb names the Weights & Biases project to log to (--run.wandb=my-project), "
                               f"got {self.wandb!r}; leave it unset to log nothing there")
 
@@ -306,7 +298,7 @@ class ExperimentConfig:
         for f in dataclasses.fields(self):
             group = dataclasses.asdict(getattr(self, f.name))
             if f.name == "model":
-                group.update(_plain(dict(group.pop("overrides"))))
+                group.update(plain(dict(group.pop("overrides"))))
             out[f.name] = group
         return out
 
@@ -369,9 +361,9 @@ def load(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -
     """Typed defaults, then the YAML file at `path`, then `key=value` overrides."""
     tree: dict = {}
     if path is not None:
-        tree = _read_yaml(Path(path))
+        tree = read_yaml(Path(path))
     for item in overrides:
-        key, value = _split_override(item)
+        key, value = split_override(item)
         _set_dotted(tree, key, value)
     return from_dict(tree)
 
@@ -392,7 +384,7 @@ def from_dict(tree: dict) -> ExperimentConfig:
     groups = {}
     for name, value in tree.items():
         if name not in _GROUPS:
-            raise ConfigError(f"unknown config group {name!r}{_suggest(name, _GROUPS)}")
+            raise ConfigError(f"unknown config group {name!r}{suggest(name, _GROUPS)}")
         if not isinstance(value, dict):
             raise ConfigError(f"config group {name!r} must be a mapping of keys, got {value!r}")
         groups[name] = _model_section(value) if name == "model" else _build(name, value)
@@ -406,17 +398,17 @@ def valid_keys() -> dict[str, tuple[Any, Any, str]]:
     for group, cls in _GROUPS.items():
         if group == "model":
             for name in ("preset", "hf_config", "checkpoint"):
-                out[f"model.{name}"] = (_hints(ModelSection)[name], getattr(defaults.model, name),
-                                        _comments(ModelSection).get(name, ""))
+                out[f"model.{name}"] = (type_hints(ModelSection)[name], getattr(defaults.model, name),
+                                        field_comments(ModelSection).get(name, ""))
             preset = PRESETS[defaults.model.preset]
             for f in _model_fields():
-                out[f"model.{f.name}"] = (_hints(ModelConfig)[f.name], preset.get(f.name, f.default),
-                                          _comments(ModelConfig).get(f.name, "architecture override"))
+                out[f"model.{f.name}"] = (type_hints(ModelConfig)[f.name], preset.get(f.name, f.default),
+                                          field_comments(ModelConfig).get(f.name, "architecture override"))
             continue
-        comments = _comments(cls)
+        comments = field_comments(cls)
         for f in dataclasses.fields(cls):
             key = f"{group}.{f.name}"
-            out[key] = (_hints(cls)[f.name], getattr(getattr(defaults, group), f.name),
+            out[key] = (type_hints(cls)[f.name], getattr(getattr(defaults, group), f.name),
                         comments.get(f.name, _HELP.get(key, "")))
     return out
 
@@ -442,228 +434,39 @@ def _model_section(values: dict) -> ModelSection:
     for key in [k for k in values if k not in _SOURCES]:
         if key not in fields:
             raise ConfigError(f"unknown config key 'model.{key}'"
-                              f"{_suggest(key, [*_SOURCES, *fields], prefix='model.')}")
-        overrides.append((key, _coerce(values.pop(key), _hints(ModelConfig)[key], f"model.{key}")))
+                              f"{suggest(key, [*_SOURCES, *fields], prefix='model.')}")
+        overrides.append((key, coerce(values.pop(key), type_hints(ModelConfig)[key], f"model.{key}")))
     # A checkpoint alone names the architecture too (its config.json); naming a config file
     # or checkpoint replaces the default preset unless a preset (possibly null) is named.
     if values.get("checkpoint") and "preset" not in values and "hf_config" not in values:
         values["hf_config"] = values["checkpoint"]
     if values.get("hf_config") and "preset" not in values:
         values["preset"] = None
-    section = {k: _coerce(v, _hints(ModelSection)[k], f"model.{k}") for k, v in values.items()}
-    return _construct("model", ModelSection, dict(section, overrides=tuple(overrides)))
+    section = {k: coerce(v, type_hints(ModelSection)[k], f"model.{k}") for k, v in values.items()}
+    return construct("model", ModelSection, dict(section, overrides=tuple(overrides)))
 
 
 def _build(group: str, values: dict):
     """The experiment's default `group` with `values` replacing some of its fields."""
     default = getattr(ExperimentConfig(), group)
     cls = type(default)
-    hints = _hints(cls)
+    hints = type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in values.items():
         if key not in hints:
-            raise ConfigError(f"unknown config key '{group}.{key}'{_suggest(key, names, prefix=group + '.')}")
-        kwargs[key] = _coerce(value, hints[key], f"{group}.{key}")
-    return _construct(group, lambda **kw: dataclasses.replace(default, **kw), kwargs)
-
-
-def _construct(group: str, cls, kwargs: dict):
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:  # e.g. OptimConfig's own checks
-        message = str(e)
-        raise ConfigError(message if message.startswith(group) else f"{group}: {message}") from None
-
-
-def _read_yaml(path: Path) -> dict:
-    if path.is_dir():
-        raise ConfigError(f"experiment file {path} is a directory; name a YAML file (see experiments/ for examples)")
-    if not path.is_file():
-        raise ConfigError(f"experiment file {path} does not exist; see experiments/ for examples")
-    try:
-        tree = _parse_yaml(textfile.read(path), str(path))
-    except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        line = f" at line {where.line + 1}" if where else ""
-        raise ConfigError(f"{path} is not valid YAML{line}: {getattr(e, 'problem', e)}") from None
-    if tree is None:  # no document: most likely a file not yet written, not a wish for every default
-        raise ConfigError(f"{path} is empty: write the settings to change, or leave out the file to run the "
-                          "embedded default (`mtjax train` with no EXPERIMENT.yaml)")
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path} must hold a mapping of config groups (model, optim, data, ...)")
-    return tree
-
-
-def _parse_yaml(text: str, source: str, in_file: bool = True):
-    """yaml.safe_load of `text`, refusing a mapping that names one key twice (PyYAML keeps
-    the last one silently, so a file that says a thing twice would mean its later line).
-    `source` names the text in the error: a file (`in_file`: with line numbers), or the
-    setting whose value it is."""
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is not None:
-            _refuse_repeated_keys(node, source, in_file, (), set())
-        return loader.construct_document(node) if node is not None else None
-    finally:
-        loader.dispose()
-
-
-def _refuse_repeated_keys(node, source: str, in_file: bool, where: tuple[str, ...], seen_nodes: set) -> None:
-    if id(node) in seen_nodes:  # an alias of a node already walked
-        return
-    seen_nodes.add(id(node))
-    if isinstance(node, yaml.SequenceNode):
-        for item in node.value:
-            _refuse_repeated_keys(item, source, in_file, where, seen_nodes)
-    if not isinstance(node, yaml.MappingNode):
-        return
-    lines: dict[str, int] = {}
-    for key, value in node.value:
-        # A merge key (<<: *base) brings defaults that the mapping's own keys may override.
-        if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
-            name, line = ".".join((*where, key.value)), key.start_mark.line + 1
-            if key.value in lines:
-                first = lines[key.value]
-                at = "" if not in_file else f" (line {line})" if first == line else f" (lines {first} and {line})"
-                raise ConfigError(f"{source} sets {name} twice{at}; keep one of them")
-            lines[key.value] = line
-            _refuse_repeated_keys(value, source, in_file, (*where, key.value), seen_nodes)
-        else:
-            _refuse_repeated_keys(value, source, in_file, where, seen_nodes)
-
-
-def _split_override(item: str) -> tuple[str, Any]:
-    text = item.removeprefix("--")
-    if "=" not in text:
-        raise ConfigError(f"override {item!r} needs a value: write --{text}=VALUE")
-    key, value = text.split("=", 1)
-    return key.strip(), value
+            raise ConfigError(f"unknown config key '{group}.{key}'{suggest(key, names, prefix=group + '.')}")
+        kwargs[key] = coerce(value, hints[key], f"{group}.{key}")
+    return construct(group, lambda **kw: dataclasses.replace(default, **kw), kwargs)
 
 
 def _set_dotted(tree: dict, key: str, value) -> None:
     group, _, name = key.partition(".")
     if not name or "." in name:
         candidates = list(valid_keys())
-        raise ConfigError(f"unknown config key {key!r}{_suggest(key, candidates)}; keys look like optim.lr")
+        raise ConfigError(f"unknown config key {key!r}{suggest(key, candidates)}; keys look like optim.lr")
     tree.setdefault(group, {})
     if not isinstance(tree[group], dict):
         raise ConfigError(f"config group {group!r} must be a mapping")
     tree[group][name] = value
 
-
-# --- typing ----------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls)
-
-
-@functools.lru_cache(maxsize=None)
-def _comments(cls) -> dict[str, str]:
-    """The short comment after each field of a dataclass, as its help text."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, flags=re.M))
-
-
-_NULLS = ("null", "none", "~", "")
-_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
-
-
-def _coerce(value, hint, key: str):
-    """`value` (from YAML or a command line string) as type `hint`, or a ConfigError."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or isinstance(value, str) and value.strip().lower() in _NULLS:
-            if type(None) in args:
-                return None
-        inner = [a for a in args if a is not type(None)]
-        errors = []
-        for a in inner:
-            try:
-                return _coerce(value, a, key)
-            except ConfigError as e:
-                errors.append(e)
-        raise errors[0]
-    if hint is Any:
-        return value
-    if origin is tuple:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise _type_error(key, value, "a list")
-        elem = args[0] if args else Any
-        return tuple(_coerce(v, elem, key) for v in value)
-    if dataclasses.is_dataclass(hint):
-        if isinstance(value, hint):
-            return value
-        if isinstance(value, str):
-            value = _parse_yaml(value, key, in_file=False)
-        if not isinstance(value, dict):
-            raise _type_error(key, value, f"a mapping of {hint.__name__} fields")
-        sub = _hints(hint)
-        unknown = [k for k in value if k not in sub]
-        if unknown:
-            raise ConfigError(f"unknown config key '{key}.{unknown[0]}'{_suggest(unknown[0], sub, prefix=key + '.')}")
-        return _construct(key, hint, {k: _coerce(v, sub[k], f"{key}.{k}") for k, v in value.items()})
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-            return value.strip().lower() in _TRUE
-        raise _type_error(key, value, "true or false")
-    if hint is int:
-        if isinstance(value, bool):
-            raise _type_error(key, value, "an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                number = float(value.replace("_", ""))
-            except ValueError:
-                raise _type_error(key, value, "an integer") from None
-            if number.is_integer():
-                return int(number)
-        raise _type_error(key, value, "an integer")
-    if hint is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None:
-            raise _type_error(key, value, "a number")
-        if not math.isfinite(number):  # nan and inf parse as floats, and would train to NaN
-            raise _type_error(key, value, "a finite number")
-        return number
-    if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise _type_error(key, value, "a string")
-    raise ConfigError(f"{key} has a type mtjax cannot parse from text ({hint})")
-
-
-def _type_error(key: str, value, expected: str) -> ConfigError:
-    return ConfigError(f"{key} must be {expected}, got {value!r}")
-
-
-def _plain(value):
-    if isinstance(value, RopeScaling):
-        return dataclasses.asdict(value)
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value

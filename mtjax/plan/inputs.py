@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from mtjax import config as experiment  # the one module that reads YAML
+from mtjax import config as experiment  # its load is the one reader of experiment files
 from mtjax.config import DataConfig, StoreConfig, StreamConfig
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig, load_hf_config

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from mtjax import config as experiment  # the one module that reads YAML
+from mtjax import config as experiment  # its load is the one reader of experiment files
 from mtjax import model, parts, treepath
 from mtjax.errors import MtjaxError
 from mtjax.model_config import ModelConfig, load_hf_config
